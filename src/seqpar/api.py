@@ -1,0 +1,91 @@
+"""``seqpar.attention``: exact attention over a sequence split across ranks, with one call for every strategy.
+
+It validates on every rank, picks the kernel and the strategy, and dispatches.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from seqpar.errors import SeqparInputError
+from seqpar.kernels import AttentionKernel, select_kernel
+from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
+from seqpar.strategies import allgather_attention, local_attention, ring_attention, ulysses_attention
+from seqpar.validation import check_attention_inputs
+
+__all__ = ["attention", "resolve_strategy"]
+
+_log = logging.getLogger("seqpar")
+_STRATEGY_FUNCTIONS = {"ring": ring_attention, "ulysses": ulysses_attention, "allgather": allgather_attention}
+
+
+def resolve_strategy(strategy: str, heads: int, kv_heads: int, mesh: SequenceParallelMesh) -> str:
+    """The strategy ``"auto"`` stands for: ulysses when the heads allow the SP degree, else ring.
+
+    Any other name is returned unchanged.
+    """
+    if strategy != "auto":
+        return strategy
+    size = mesh.sp_size
+    if size > 1 and heads % size == 0 and (kv_heads % size == 0 or size % kv_heads == 0):
+        return "ulysses"
+    return "ring"
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mesh: object = None,
+    strategy: str = "auto",
+    causal: bool = True,
+    layout: str = "zigzag",
+    scale: float | None = None,
+    kernel: str | AttentionKernel = "auto",
+    check_inputs: bool = True,
+) -> torch.Tensor:
+    """Scaled dot-product attention of this rank's query shard against the whole (sharded) sequence.
+
+    Equal, up to float rounding, to ``F.scaled_dot_product_attention`` on the gathered sequence, forward
+    and backward, for every strategy and layout.
+
+    Args:
+        q: ``[batch, heads, local_seq, head_dim]``, this rank's shard of the queries (``layout`` order).
+        k, v: ``[batch, kv_heads, local_seq, head_dim]``; ``kv_heads`` divides ``heads`` (GQA/MQA).
+        mesh: a ``SequenceParallelMesh`` (``seqpar.make_mesh``), the SP ProcessGroup, a 1-D DeviceMesh,
+            or None for a single process.
+        strategy: "ulysses", "ring", "allgather", "hybrid" or "auto" (ulysses when heads allow, else ring).
+        causal: apply a causal mask over global positions.
+        layout: how the caller sharded the sequence: "contiguous" or "zigzag" (one choice per model).
+        scale: softmax scale; defaults to ``1 / sqrt(head_dim)``.
+        kernel: local kernel: "auto", a name from ``seqpar.kernels.KERNELS``, or an ``AttentionKernel``.
+        check_inputs: check every rank's inputs against every other rank's (one small all-gather per call)
+            so that bad input raises on all ranks instead of hanging; with False only local checks run.
+
+    Returns:
+        ``[batch, heads, local_seq, head_dim]``: this rank's shard of the output, in ``q.dtype``.
+
+    Raises:
+        SeqparInputError: bad input on any rank (raised on every rank, before any other collective).
+    """
+    sp = as_sp_mesh(mesh)
+    check_attention_inputs(
+        q, k, v, group=sp.sp_group, strategy=strategy, layout=layout, causal=causal, scale=scale,
+        exchange=check_inputs,
+    )
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    chosen_kernel = select_kernel(q, k, v, kernel)
+    if sp.sp_size == 1:
+        return local_attention(q, k, v, causal=causal, scale=scale, kernel=chosen_kernel)
+    chosen = resolve_strategy(strategy, q.shape[1], k.shape[1], sp)
+    if chosen == "hybrid":
+        raise SeqparInputError("strategy 'hybrid' is not available yet; use 'ring', 'ulysses' or 'allgather'")
+    _log.debug("seqpar.attention: strategy=%s kernel=%s sp=%d", chosen, chosen_kernel.name, sp.sp_size)
+    return _STRATEGY_FUNCTIONS[chosen](
+        q, k, v, group=sp.sp_group, layout=layout, causal=causal, scale=scale, kernel=chosen_kernel
+    )

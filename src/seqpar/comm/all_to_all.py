@@ -1,0 +1,87 @@
+"""Autograd-aware all-to-all that trades a sequence shard of all heads for the whole sequence of some heads.
+
+The backward of each direction is the other direction (Note [ulysses all-to-all]).
+
+Note [ulysses all-to-all]
+    Rank p of P holds ``[B, H, S/P, D]``: k chunks of the sequence (in the caller's chunk order) for all H
+    heads. After the exchange it holds ``[B, H/P, S, D]``: heads ``p*H/P .. (p+1)*H/P - 1`` for the whole
+    sequence. The send buffer is laid out ``[P, k, B, H/P, C, D]`` so that the receiver gets rank-major
+    chunks and one ``index_select`` both reorders them into sequence order and makes the result
+    contiguous: one copy on each side of the wire.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["head_to_seq_shards", "seq_to_head_shards"]
+
+
+def _seq_to_head(x: torch.Tensor, group, to_natural: torch.Tensor) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    b, h, s_local, d = x.shape
+    n_chunks = to_natural.numel()
+    k = n_chunks // size
+    c = s_local // k
+    send = x.reshape(b, size, h // size, k, c, d).permute(1, 3, 0, 2, 4, 5).contiguous()  # [P, k, B, h, C, D]
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # recv[p] = rank p's chunks of my heads
+    full = recv.view(n_chunks, b, h // size, c, d).permute(1, 2, 0, 3, 4).index_select(2, to_natural)
+    return full.view(b, h // size, n_chunks * c, d)  # [B, H/P, S, D]
+
+
+def _head_to_seq(y: torch.Tensor, group, to_owner: torch.Tensor) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    b, h_local, s, d = y.shape
+    n_chunks = to_owner.numel()
+    k = n_chunks // size
+    c = s // n_chunks
+    send = y.view(b, h_local, n_chunks, c, d).permute(2, 0, 1, 3, 4).index_select(0, to_owner)  # [P*k, B, h, C, D]
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # recv[p] = my chunks of rank p's heads
+    local = recv.view(size, k, b, h_local, c, d).permute(2, 0, 3, 1, 4, 5)  # [B, P, h, k, C, D]
+    return local.reshape(b, size * h_local, k * c, d)  # [B, H, S/P, D]
+
+
+class _SeqToHead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, to_natural, to_owner):
+        ctx.group, ctx.to_owner = group, to_owner
+        return _seq_to_head(x, group, to_natural)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _head_to_seq(grad.contiguous(), ctx.group, ctx.to_owner), None, None, None
+
+
+class _HeadToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, group, to_natural, to_owner):
+        ctx.group, ctx.to_natural = group, to_natural
+        return _head_to_seq(y, group, to_owner)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_to_head(grad.contiguous(), ctx.group, ctx.to_natural), None, None, None
+
+
+def seq_to_head_shards(
+    x: torch.Tensor, group: dist.ProcessGroup, to_natural: torch.Tensor, to_owner: torch.Tensor
+) -> torch.Tensor:
+    """``[B, H, S/P, D]`` sequence shard -> ``[B, H/P, S, D]`` head shard, sequence in global order.
+
+    Args:
+        x: this rank's shard; ``H`` divisible by the group size.
+        group: the all-to-all group (size P).
+        to_natural: chunk index turning rank-major chunks into sequence order (length P*k).
+        to_owner: its inverse, used by the backward.
+    """
+    return _SeqToHead.apply(x, group, to_natural, to_owner)
+
+
+def head_to_seq_shards(
+    y: torch.Tensor, group: dist.ProcessGroup, to_natural: torch.Tensor, to_owner: torch.Tensor
+) -> torch.Tensor:
+    """``[B, H/P, S, D]`` head shard -> ``[B, H, S/P, D]`` sequence shard (the inverse of ``seq_to_head_shards``)."""
+    return _HeadToSeq.apply(y, group, to_natural, to_owner)

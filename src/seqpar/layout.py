@@ -1,0 +1,191 @@
+"""How a global sequence is cut into per-rank shards ("contiguous" or "zigzag") and put back together.
+
+Every strategy, the loss and the position ids use these same chunk orders, so they can never disagree.
+
+Note [zigzag layout]
+    The sequence is cut into 2P equal chunks; rank r holds chunks r and 2P-1-r, in that order. Under a
+    causal mask the early chunk of a rank sees little and the late chunk sees much, so every rank does the
+    same amount of attention work (Brandon et al., "Striped Attention", 2023, and the zigzag variant used
+    by Llama 3 context parallelism). Position ids and labels must be sharded with the same layout.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from seqpar.comm.collectives import all_gather_first_dim, reduce_scatter_first_dim
+from seqpar.errors import SeqparInputError
+
+__all__ = [
+    "LAYOUTS",
+    "chunks_per_rank",
+    "gather_sequence",
+    "position_ids",
+    "rank_chunk_ids",
+    "shard_sequence",
+]
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def chunks_per_rank(layout: str) -> int:
+    """Number of equal chunks each rank holds under ``layout`` (1 for contiguous, 2 for zigzag).
+
+    Raises:
+        SeqparInputError: for an unknown layout.
+    """
+    if layout == "contiguous":
+        return 1
+    if layout == "zigzag":
+        return 2
+    raise SeqparInputError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
+
+
+@functools.lru_cache(maxsize=64)
+def _chunk_ids(layout: str, world_size: int) -> tuple[tuple[int, ...], ...]:
+    k = chunks_per_rank(layout)
+    if k == 1:
+        return tuple((r,) for r in range(world_size))
+    return tuple((r, 2 * world_size - 1 - r) for r in range(world_size))
+
+
+def rank_chunk_ids(layout: str, world_size: int, rank: int | None = None) -> tuple[int, ...]:
+    """Global chunk indices held by ``rank`` (in local order), or by every rank, rank-major, if ``rank`` is None.
+
+    The global sequence has ``world_size * chunks_per_rank(layout)`` chunks of equal length.
+    """
+    ids = _chunk_ids(layout, world_size)
+    if rank is None:
+        return tuple(c for per_rank in ids for c in per_rank)
+    return ids[rank]
+
+
+def _check_divisible(seq_len: int, layout: str, world_size: int) -> int:
+    n_chunks = world_size * chunks_per_rank(layout)
+    if seq_len % n_chunks:
+        raise SeqparInputError(
+            f"sequence length {seq_len} does not divide into the {layout} layout over {world_size} ranks "
+            f"(needs a multiple of {n_chunks}); pad the sequence to a multiple of {n_chunks}"
+        )
+    return seq_len // n_chunks
+
+
+def _sp_rank_and_size(mesh: object) -> tuple[int, int, dist.ProcessGroup | None]:
+    from seqpar.mesh import as_sp_mesh
+
+    sp = as_sp_mesh(mesh)
+    return sp.sp_rank, sp.sp_size, sp.sp_group
+
+
+def shard_sequence(x: torch.Tensor, mesh: object, dim: int = 1, layout: str = "zigzag") -> torch.Tensor:
+    """This rank's shard of a full sequence tensor (no communication; differentiable).
+
+    Args:
+        x: the full sequence, identical on every rank of the sequence-parallel group.
+        mesh: a ``SequenceParallelMesh`` (``seqpar.make_mesh``), a process group, or a 1-D DeviceMesh.
+        dim: the sequence dimension of ``x``.
+        layout: "contiguous" or "zigzag" (Note [zigzag layout]).
+
+    Returns:
+        The local shard, ``x.shape[dim] // P`` long along ``dim``, chunks in local order.
+
+    Raises:
+        SeqparInputError: unknown layout, or a length that does not divide into the layout.
+    """
+    rank, size, _ = _sp_rank_and_size(mesh)
+    return _shard(x, rank, size, dim, layout)
+
+
+def _shard(x: torch.Tensor, rank: int, size: int, dim: int, layout: str) -> torch.Tensor:
+    chunk = _check_divisible(x.shape[dim], layout, size)
+    pieces = [x.narrow(dim, c * chunk, chunk) for c in rank_chunk_ids(layout, size, rank)]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+
+def natural_order_index(layout: str, world_size: int, device: torch.device | None = None) -> torch.Tensor:
+    """Index that turns rank-major chunks into global order: ``natural[j] = rank_major[index[j]]``."""
+    ids = torch.tensor(rank_chunk_ids(layout, world_size))
+    return ids.argsort().to(device)
+
+
+def owner_order_index(layout: str, world_size: int, device: torch.device | None = None) -> torch.Tensor:
+    """Index that turns globally ordered chunks into rank-major order: ``rank_major[i] = natural[index[i]]``."""
+    return torch.tensor(rank_chunk_ids(layout, world_size), device=device)
+
+
+def reorder_chunks(x: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    """Split ``dim`` into ``len(index)`` equal chunks and return them in the order ``index`` gives."""
+    n = index.numel()
+    shape = list(x.shape)
+    chunked = x.reshape(*shape[:dim], n, shape[dim] // n, *shape[dim + 1 :])
+    return chunked.index_select(dim, index).reshape(shape)
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, size: int, dim: int, layout: str):
+        ctx.group, ctx.size, ctx.dim, ctx.layout = group, size, dim, layout
+        out = all_gather_first_dim(x.movedim(dim, 0), group)  # [S, ...], rank-major chunks
+        out = reorder_chunks(out, 0, natural_order_index(layout, size, out.device))
+        return out.movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # The adjoint of an all-gather sums every rank's gradient for this rank's shard.
+        moved = grad.movedim(ctx.dim, 0)
+        moved = reorder_chunks(moved, 0, owner_order_index(ctx.layout, ctx.size, grad.device))
+        return reduce_scatter_first_dim(moved, ctx.group).movedim(0, ctx.dim), None, None, None, None
+
+
+def gather_sequence(x_local: torch.Tensor, mesh: object, dim: int = 1, layout: str = "zigzag") -> torch.Tensor:
+    """Reassemble the full sequence from every rank's shard (the inverse of ``shard_sequence``).
+
+    Differentiable: the gradient of a shard is the sum, over ranks, of the gradient each rank's
+    full-sequence result received for that shard (the adjoint of an all-gather). If every rank computes the
+    same loss from the gathered tensor, divide it by the group size to keep single-device gradients.
+
+    Args:
+        x_local: this rank's shard (same shape on every rank).
+        mesh: a ``SequenceParallelMesh``, a process group, or a 1-D DeviceMesh.
+        dim: the sequence dimension.
+        layout: the layout the shards were made with.
+
+    Returns:
+        The full sequence, in global order, on every rank.
+
+    Raises:
+        SeqparInputError: unknown layout, or a local length that does not divide into the layout.
+    """
+    rank, size, group = _sp_rank_and_size(mesh)
+    local_len = x_local.shape[dim]
+    if local_len % chunks_per_rank(layout):
+        raise SeqparInputError(
+            f"local length {local_len} is not a multiple of {chunks_per_rank(layout)} chunks ({layout} layout)"
+        )
+    if size == 1:
+        return x_local
+    return _GatherSequence.apply(x_local, group, size, dim % x_local.dim(), layout)
+
+
+def position_ids(
+    seq_len: int, mesh: object, layout: str = "zigzag", device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Global position ids of this rank's tokens under ``layout`` (for RoPE and for labels).
+
+    Args:
+        seq_len: the full (global) sequence length.
+        mesh: a ``SequenceParallelMesh``, a process group, or a 1-D DeviceMesh.
+        layout: "contiguous" or "zigzag".
+        device: where to put the result.
+
+    Returns:
+        A ``LongTensor`` of shape ``[seq_len // P]``.
+
+    Raises:
+        SeqparInputError: unknown layout, or a length that does not divide into the layout.
+    """
+    rank, size, _ = _sp_rank_and_size(mesh)
+    return _shard(torch.arange(seq_len, device=device), rank, size, 0, layout)

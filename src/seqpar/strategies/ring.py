@@ -1,0 +1,105 @@
+"""Ring attention: each rank keeps its queries while key/value blocks travel around the ring.
+
+Partial results merge exactly by log-sum-exp; causal work is balanced by the zigzag layout.
+
+Note [ring schedule]
+    Step i (0..P-1) of rank r works on the key/values of source rank (r - i) mod P, while the transfer for
+    step i+1 is already in flight (two reusable receive buffers, ``RingExchange``). Only the KV heads
+    travel: grouped-query attention is expanded inside the kernel, never on the wire. With the zigzag
+    layout and a causal mask every step after the first costs half a block on every rank (Note [block
+    plan]). The backward replays the same ring with the final out and lse; each source's dK/dV
+    accumulator (float32) follows one hop behind its K/V, so after P hops it is home, complete.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from seqpar.comm import RingExchange
+from seqpar.kernels import AttentionKernel
+from seqpar.layout import chunks_per_rank, rank_chunk_ids
+from seqpar.merge import new_accumulator
+from seqpar.strategies._blocks import add_kv_pieces, blocks_backward, blocks_forward, plan_blocks
+
+__all__ = ["ring_attention"]
+
+_KV_TAG, _DKV_TAG = 0, 2
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, layout, causal, scale, kernel):
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        chunk = q.shape[2] // chunks_per_rank(layout)
+        q_ids = rank_chunk_ids(layout, size, rank)
+        out, lse = new_accumulator(q)  # [B, H, S/P, D], [B, H, S/P] float32
+        ring = RingExchange(group, _KV_TAG) if size > 1 else None
+        kv = [k, v]  # [B, Hkv, S/P, D] each
+        for step in range(size):
+            if step + 1 < size:
+                ring.start(kv)
+            kv_ids = rank_chunk_ids(layout, size, (rank - step) % size)
+            blocks_forward(kernel, q, kv[0], kv[1], plan_blocks(q_ids, kv_ids, chunk, causal), scale, out, lse)
+            if step + 1 < size:
+                kv = ring.wait()
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (group, layout, causal, scale, kernel)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, layout, causal, scale, kernel = ctx.args
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        chunk = q.shape[2] // chunks_per_rank(layout)
+        q_ids = rank_chunk_ids(layout, size, rank)
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv_ring = RingExchange(group, _KV_TAG) if size > 1 else None
+        dkv_ring = RingExchange(group, _DKV_TAG) if size > 1 else None
+        kv = [k, v]
+        for step in range(size):
+            if step + 1 < size:
+                kv_ring.start(kv)
+            kv_ids = rank_chunk_ids(layout, size, (rank - step) % size)
+            blocks = plan_blocks(q_ids, kv_ids, chunk, causal)
+            pieces = blocks_backward(kernel, dout, q, kv[0], kv[1], out, lse, blocks, scale, dq)
+            if step == 0:
+                dkv = [torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2)]
+            else:
+                dkv = dkv_ring.wait()  # partial sums for this source from the ranks before us
+            add_kv_pieces(dkv[0], dkv[1], pieces)
+            if size > 1:
+                dkv_ring.start(dkv)
+            if step + 1 < size:
+                kv = kv_ring.wait()
+        if size > 1:
+            dkv = dkv_ring.wait()  # our own block, home after P hops
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: dist.ProcessGroup,
+    layout: str,
+    causal: bool,
+    scale: float,
+    kernel: AttentionKernel,
+) -> torch.Tensor:
+    """Ring attention over ``group`` (Note [ring schedule]); inputs already validated.
+
+    Args:
+        q: ``[B, H, S/P, D]`` local queries; k, v: ``[B, Hkv, S/P, D]`` local keys/values.
+        group: the ring (size P); SP rank ``i`` holds shard ``i`` of ``layout``.
+        layout, causal, scale: as in ``seqpar.attention``.
+        kernel: the local kernel.
+
+    Returns:
+        ``[B, H, S/P, D]`` local output.
+    """
+    return _RingAttention.apply(q, k, v, group, layout, causal, scale, kernel)
