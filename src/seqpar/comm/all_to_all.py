@@ -37,7 +37,7 @@ def _head_to_seq(y: torch.Tensor, group, to_owner: torch.Tensor) -> torch.Tensor
     n_chunks = to_owner.numel()
     k = n_chunks // size
     c = s // n_chunks
-    send = y.view(b, h_local, n_chunks, c, d).permute(2, 0, 1, 3, 4).index_select(0, to_owner)  # [P*k, B, h, C, D]
+    send = y.reshape(b, h_local, n_chunks, c, d).permute(2, 0, 1, 3, 4).index_select(0, to_owner)  # [P*k, B, h, C, D]
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)  # recv[p] = my chunks of rank p's heads
     local = recv.view(size, k, b, h_local, c, d).permute(2, 0, 3, 1, 4, 5)  # [B, P, h, k, C, D]
@@ -52,7 +52,7 @@ class _SeqToHead(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _head_to_seq(grad.contiguous(), ctx.group, ctx.to_owner), None, None, None
+        return _head_to_seq(grad, ctx.group, ctx.to_owner), None, None, None
 
 
 class _HeadToSeq(torch.autograd.Function):
@@ -63,7 +63,7 @@ class _HeadToSeq(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _seq_to_head(grad.contiguous(), ctx.group, ctx.to_natural), None, None, None
+        return _seq_to_head(grad, ctx.group, ctx.to_natural), None, None, None
 
 
 def seq_to_head_shards(

@@ -43,6 +43,7 @@ class _RingAttention(torch.autograd.Function):
             blocks_forward(kernel, q, kv[0], kv[1], plan_blocks(q_ids, kv_ids, chunk, causal), scale, out, lse)
             if step + 1 < size:
                 kv = ring.wait()
+        del kv, ring  # frees the receive buffers before the caller's next layer
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (group, layout, causal, scale, kernel)
@@ -66,15 +67,19 @@ class _RingAttention(torch.autograd.Function):
             kv_ids = rank_chunk_ids(layout, size, (rank - step) % size)
             blocks = plan_blocks(q_ids, kv_ids, chunk, causal)
             pieces = blocks_backward(kernel, dout, q, kv[0], kv[1], out, lse, blocks, scale, dq)
+            if step + 1 < size:
+                kv = kv_ring.wait()
+            else:
+                del kv, kv_ring  # the last K/V block is done: free its buffers before dK/dV arrive
             if step == 0:
                 dkv = [torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2)]
             else:
                 dkv = dkv_ring.wait()  # partial sums for this source from the ranks before us
             add_kv_pieces(dkv[0], dkv[1], pieces)
+            del pieces
             if size > 1:
                 dkv_ring.start(dkv)
-            if step + 1 < size:
-                kv = kv_ring.wait()
+                del dkv
         if size > 1:
             dkv = dkv_ring.wait()  # our own block, home after P hops
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None

@@ -1,0 +1,59 @@
+"""Each strategy issues exactly the collectives it should (counted by the PyTorch profiler on real gloo ops).
+
+A change that adds a hidden gather or an extra ring hop fails here.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import seqpar
+from tests._dist import run_ranks
+
+_COLLECTIVES = ("alltoall", "allgather", "reduce_scatter", "send", "recv", "allreduce", "broadcast")
+
+
+def _count(fn) -> Counter:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    counts = Counter()
+    for event in prof.events():
+        if event.name.startswith("c10d::"):
+            op = event.name[len("c10d::"):].strip("_")
+            counts[next((c for c in _COLLECTIVES if c in op), op)] += 1
+    return counts
+
+
+def expected(strategy: str, size: int, check_inputs: bool) -> Counter:
+    check = Counter(allgather=1) if check_inputs else Counter()
+    if strategy == "ulysses":  # q, k, v and out forward; dout, dq, dk, dv backward
+        return check + Counter(alltoall=8)
+    if strategy == "allgather":  # K/V gathered forward and again backward; dK/dV reduce-scattered
+        return check + Counter(allgather=2, reduce_scatter=1)
+    # ring: K and V hop P-1 times forward and backward; dK and dV hop P times
+    hops = 2 * (size - 1) + 2 * (size - 1) + 2 * size
+    return check + Counter(send=hops, recv=hops)
+
+
+def _count_worker(rank, world_size):
+    mesh = seqpar.make_mesh()
+    for strategy in ("ulysses", "ring", "allgather"):
+        for check_inputs in (True, False):
+            q = torch.randn(1, 6, 12, 16, requires_grad=True)
+            k = torch.randn(1, 3, 12, 16, requires_grad=True)
+            v = torch.randn(1, 3, 12, 16, requires_grad=True)
+
+            def step(q=q, k=k, v=v, strategy=strategy, check_inputs=check_inputs):
+                out = seqpar.attention(q, k, v, mesh=mesh, strategy=strategy, check_inputs=check_inputs)
+                out.sum().backward()
+
+            got = _count(step)
+            want = expected(strategy, world_size, check_inputs)
+            assert got == want, f"{strategy} check_inputs={check_inputs} on {world_size} ranks: {got} != {want}"
+
+
+def test_collective_counts_three_ranks():
+    run_ranks(3, _count_worker)
