@@ -100,8 +100,13 @@ def _single(cfg: dict, ref_path: str, result_path: str) -> None:
 
 def _parallel(rank: int, cfg: dict, store: str, ref_path: str, result_path: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=cfg["ranks"], init_method=f"file://{store}",
-                            timeout=timedelta(minutes=10))
+    dist.init_process_group(
+        "gloo",
+        rank=rank,
+        world_size=cfg["ranks"],
+        init_method=f"file://{store}",
+        timeout=timedelta(minutes=10),
+    )
     mesh = seqpar.make_mesh()
     size = cfg["ranks"]
     chunk_ids = seqpar.layout.rank_chunk_ids("zigzag", size, rank)
@@ -112,11 +117,17 @@ def _parallel(rank: int, cfg: dict, store: str, ref_path: str, result_path: str)
 
     out, _ = _step(fn, q, k, v, dout)  # warm-up, checked against the single-process reference
     ref = torch.load(ref_path, mmap=True)
-    idx = torch.cat([torch.arange(c * (cfg["seq"] // (2 * size)), (c + 1) * (cfg["seq"] // (2 * size)))
-                     for c in chunk_ids])
+    idx = torch.cat(
+        [torch.arange(c * (cfg["seq"] // (2 * size)), (c + 1) * (cfg["seq"] // (2 * size))) for c in chunk_ids]
+    )
     for name, got in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
-        torch.testing.assert_close(got, ref[name][:, :, idx], atol=1e-4, rtol=1e-3,
-                                   msg=lambda m, n=name: f"{cfg['strategy']} rank {rank} {n}: {m}")
+        torch.testing.assert_close(
+            got,
+            ref[name][:, :, idx],
+            atol=1e-4,
+            rtol=1e-3,
+            msg=lambda m, n=name: f"{cfg['strategy']} rank {rank} {n}: {m}",
+        )
     del ref, out
     seconds, growth = _measure(fn, q, k, v, dout, cfg["repeats"], dist.barrier)
     stats = torch.tensor([seconds, growth], dtype=torch.float64)
@@ -124,8 +135,13 @@ def _parallel(rank: int, cfg: dict, store: str, ref_path: str, result_path: str)
     dist.all_gather(gathered, stats)
     if rank == 0:
         with open(result_path, "w") as f:
-            json.dump({"seconds": max(float(g[0]) for g in gathered),
-                       "growth_mb": max(float(g[1]) for g in gathered)}, f)
+            json.dump(
+                {
+                    "seconds": max(float(g[0]) for g in gathered),
+                    "growth_mb": max(float(g[1]) for g in gathered),
+                },
+                f,
+            )
     dist.destroy_process_group()
 
 
@@ -154,8 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for seq in args.seq:
-            base = {"seq": seq, "heads": args.heads, "head_dim": args.head_dim, "ranks": args.ranks,
-                    "repeats": args.repeats}
+            base = {
+                "seq": seq,
+                "heads": args.heads,
+                "head_dim": args.head_dim,
+                "ranks": args.ranks,
+                "repeats": args.repeats,
+            }
             ref_path, single_path = os.path.join(tmp, "ref.pt"), os.path.join(tmp, "single.json")
             _run(_single_entry, (base, ref_path, single_path), 1)
             with open(single_path) as f:
@@ -166,24 +187,37 @@ def main(argv: list[str] | None = None) -> int:
                 _run(_parallel, (cfg, store, ref_path, par_path), args.ranks)
                 with open(par_path) as f:
                     par = json.load(f)
-                rows.append({
-                    "seq": seq, "strategy": strategy, "ranks": args.ranks,
-                    "single_s": single["seconds"], "parallel_s": par["seconds"],
-                    "speedup": single["seconds"] / par["seconds"],
-                    "single_growth_mb": single["growth_mb"], "rank_growth_mb": par["growth_mb"],
-                    "memory_ratio": par["growth_mb"] / single["growth_mb"],
-                })
+                rows.append(
+                    {
+                        "seq": seq,
+                        "strategy": strategy,
+                        "ranks": args.ranks,
+                        "single_s": single["seconds"],
+                        "parallel_s": par["seconds"],
+                        "speedup": single["seconds"] / par["seconds"],
+                        "single_growth_mb": single["growth_mb"],
+                        "rank_growth_mb": par["growth_mb"],
+                        "memory_ratio": par["growth_mb"] / single["growth_mb"],
+                    }
+                )
                 r = rows[-1]
-                print(f"seq {seq:>6} {strategy:>9} x{args.ranks}: {r['single_s']:.2f}s -> {r['parallel_s']:.2f}s "
-                      f"speed-up {r['speedup']:.2f}x | peak growth {r['single_growth_mb']:.0f} MB -> "
-                      f"{r['rank_growth_mb']:.0f} MB per rank ({r['memory_ratio']:.2f}x)", flush=True)
-    print("\n| seq | strategy | ranks | 1 proc (s) | per step (s) | speed-up | 1 proc peak growth (MB) "
-          "| per-rank peak growth (MB) | memory ratio |")
+                print(
+                    f"seq {seq:>6} {strategy:>9} x{args.ranks}: {r['single_s']:.2f}s -> {r['parallel_s']:.2f}s "
+                    f"speed-up {r['speedup']:.2f}x | peak growth {r['single_growth_mb']:.0f} MB -> "
+                    f"{r['rank_growth_mb']:.0f} MB per rank ({r['memory_ratio']:.2f}x)",
+                    flush=True,
+                )
+    print(
+        "\n| seq | strategy | ranks | 1 proc (s) | per step (s) | speed-up | 1 proc peak growth (MB) "
+        "| per-rank peak growth (MB) | memory ratio |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['seq']} | {r['strategy']} | {r['ranks']} | {r['single_s']:.2f} | {r['parallel_s']:.2f} | "
-              f"{r['speedup']:.2f}x | {r['single_growth_mb']:.0f} | {r['rank_growth_mb']:.0f} | "
-              f"{r['memory_ratio']:.2f} |")
+        print(
+            f"| {r['seq']} | {r['strategy']} | {r['ranks']} | {r['single_s']:.2f} | {r['parallel_s']:.2f} | "
+            f"{r['speedup']:.2f}x | {r['single_growth_mb']:.0f} | {r['rank_growth_mb']:.0f} | "
+            f"{r['memory_ratio']:.2f} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

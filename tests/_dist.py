@@ -14,7 +14,10 @@ import torch.multiprocessing as mp
 def _entry(rank: int, world_size: int, store_path: str, fn, args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, init_method=f"file://{store_path}",
+        "gloo",
+        rank=rank,
+        world_size=world_size,
+        init_method=f"file://{store_path}",
         timeout=timedelta(seconds=120),
     )
     try:

@@ -11,36 +11,68 @@ from tests._dist import run_ranks
 
 
 def _qkv(heads=4, kv_heads=4, seq=8, dim=16, dtype=torch.float32):
-    return (torch.randn(1, heads, seq, dim, dtype=dtype), torch.randn(1, kv_heads, seq, dim, dtype=dtype),
-            torch.randn(1, kv_heads, seq, dim, dtype=dtype))
+    return (
+        torch.randn(1, heads, seq, dim, dtype=dtype),
+        torch.randn(1, kv_heads, seq, dim, dtype=dtype),
+        torch.randn(1, kv_heads, seq, dim, dtype=dtype),
+    )
 
 
 def _cases(rank):
     """(description, kwargs builder, expected message fragment); some are bad on one rank only."""
     return [
         ("zigzag needs 2P chunks", lambda: dict(zip("qkv", _qkv(seq=7))), "multiple of 4 (2P for zigzag)"),
-        ("heads vs ulysses degree", lambda: {**dict(zip("qkv", _qkv(heads=3, kv_heads=3))), "strategy": "ulysses"},
-         "query heads (3) divisible by the degree 2; valid degrees: [1, 3]"),
-        ("kv heads vs query heads", lambda: dict(zip("qkv", _qkv(heads=4, kv_heads=3))),
-         "key/value heads (3) must divide query heads (4)"),
+        (
+            "heads vs ulysses degree",
+            lambda: {**dict(zip("qkv", _qkv(heads=3, kv_heads=3))), "strategy": "ulysses"},
+            "query heads (3) divisible by the degree 2; valid degrees: [1, 3]",
+        ),
+        (
+            "kv heads vs query heads",
+            lambda: dict(zip("qkv", _qkv(heads=4, kv_heads=3))),
+            "key/value heads (3) must divide query heads (4)",
+        ),
         ("unknown strategy", lambda: {**dict(zip("qkv", _qkv())), "strategy": "rign"}, "unknown strategy"),
         ("unknown layout", lambda: {**dict(zip("qkv", _qkv())), "layout": "striped"}, "unknown layout"),
-        ("unsupported dtype", lambda: dict(zip("qkv", _qkv(dtype=torch.float64))),
-         "dtype torch.float64; supported: float32, bfloat16, float16"),
-        ("different devices", lambda: {"q": _qkv()[0], "k": torch.empty(1, 4, 8, 16, device="meta"),
-                                       "v": torch.empty(1, 4, 8, 16, device="meta")}, "different devices"),
-        ("shapes differ across ranks", lambda: dict(zip("qkv", _qkv(seq=8 + 4 * rank))),
-         "inputs differ across ranks"),
-        ("strategy differs across ranks", lambda: {**dict(zip("qkv", _qkv())),
-                                                   "strategy": "ring" if rank else "allgather"},
-         "inputs differ across ranks"),
-        ("one rank's dtype is bad", lambda: dict(zip("qkv", _qkv(dtype=torch.float64 if rank else torch.float32))),
-         "rank 1: q has dtype torch.float64"),
-        ("one rank passes an unknown layout", lambda: {**dict(zip("qkv", _qkv())),
-                                                       "layout": "zigzag" if rank == 0 else "zz"},
-         "rank 1: unknown layout"),
-        ("3-D input", lambda: {"q": torch.randn(4, 8, 16), "k": torch.randn(4, 8, 16), "v": torch.randn(4, 8, 16)},
-         "must be 4-D"),
+        (
+            "unsupported dtype",
+            lambda: dict(zip("qkv", _qkv(dtype=torch.float64))),
+            "dtype torch.float64; supported: float32, bfloat16, float16",
+        ),
+        (
+            "different devices",
+            lambda: {
+                "q": _qkv()[0],
+                "k": torch.empty(1, 4, 8, 16, device="meta"),
+                "v": torch.empty(1, 4, 8, 16, device="meta"),
+            },
+            "different devices",
+        ),
+        (
+            "shapes differ across ranks",
+            lambda: dict(zip("qkv", _qkv(seq=8 + 4 * rank))),
+            "inputs differ across ranks",
+        ),
+        (
+            "strategy differs across ranks",
+            lambda: {**dict(zip("qkv", _qkv())), "strategy": "ring" if rank else "allgather"},
+            "inputs differ across ranks",
+        ),
+        (
+            "one rank's dtype is bad",
+            lambda: dict(zip("qkv", _qkv(dtype=torch.float64 if rank else torch.float32))),
+            "rank 1: q has dtype torch.float64",
+        ),
+        (
+            "one rank passes an unknown layout",
+            lambda: {**dict(zip("qkv", _qkv())), "layout": "zigzag" if rank == 0 else "zz"},
+            "rank 1: unknown layout",
+        ),
+        (
+            "3-D input",
+            lambda: {"q": torch.randn(4, 8, 16), "k": torch.randn(4, 8, 16), "v": torch.randn(4, 8, 16)},
+            "must be 4-D",
+        ),
         ("head_dim too large", lambda: dict(zip("qkv", _qkv(dim=320))), "head_dim 320 is outside 1..256"),
     ]
 

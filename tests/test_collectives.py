@@ -22,7 +22,7 @@ def _count(fn) -> Counter:
     counts = Counter()
     for event in prof.events():
         if event.name.startswith("c10d::"):
-            op = event.name[len("c10d::"):].strip("_")
+            op = event.name[len("c10d::") :].strip("_")
             counts[next((c for c in _COLLECTIVES if c in op), op)] += 1
     return counts
 

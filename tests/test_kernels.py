@@ -59,8 +59,9 @@ def test_reference_kernel_any_mask_and_empty_rows():
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
     ref_out, _ = sdpa_with_lse(qr, kr, vr, mask)
     ref_out.backward(dout)
-    grads = kernel.backward(dout.float(), q.float(), k.float(), v.float(), out, lse, causal=False, scale=0.25,
-                            mask=mask)
+    grads = kernel.backward(
+        dout.float(), q.float(), k.float(), v.float(), out, lse, causal=False, scale=0.25, mask=mask
+    )
     assert all(torch.isfinite(g).all() for g in grads)
     for got, want in zip(grads, (qr.grad, kr.grad, vr.grad), strict=True):
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-4)

@@ -12,7 +12,12 @@ from tests._dist import run_ranks, shard_index
 
 def _layout_worker(rank, world_size):
     mesh = seqpar.make_mesh()
-    assert (mesh.sp_size, mesh.sp_rank, mesh.ring_size, mesh.ulysses_size) == (world_size, rank, world_size, 1)
+    assert (mesh.sp_size, mesh.sp_rank, mesh.ring_size, mesh.ulysses_size) == (
+        world_size,
+        rank,
+        world_size,
+        1,
+    )
     x = torch.arange(2 * 36 * 5, dtype=torch.float32).reshape(2, 36, 5).requires_grad_()
     for layout in ("contiguous", "zigzag"):
         idx = shard_index(layout, world_size, rank, 36)

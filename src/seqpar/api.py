@@ -74,7 +74,14 @@ def attention(
     """
     sp = as_sp_mesh(mesh)
     check_attention_inputs(
-        q, k, v, group=sp.sp_group, strategy=strategy, layout=layout, causal=causal, scale=scale,
+        q,
+        k,
+        v,
+        group=sp.sp_group,
+        strategy=strategy,
+        layout=layout,
+        causal=causal,
+        scale=scale,
         exchange=check_inputs,
     )
     if scale is None:

@@ -10,4 +10,3 @@ __all__ = ["SeqparInputError"]
 
 class SeqparInputError(ValueError):
     """Input that seqpar cannot serve correctly; raised on every rank of the group, before any collective."""
-

@@ -159,7 +159,7 @@ def gather_sequence(x_local: torch.Tensor, mesh: object, dim: int = 1, layout: s
     Raises:
         SeqparInputError: unknown layout, or a local length that does not divide into the layout.
     """
-    rank, size, group = _sp_rank_and_size(mesh)
+    _, size, group = _sp_rank_and_size(mesh)
     local_len = x_local.shape[dim]
     if local_len % chunks_per_rank(layout):
         raise SeqparInputError(

@@ -116,11 +116,15 @@ def _problems(sig: list[int], sp_size: int) -> list[str]:
 def _ulysses_problems(heads: int, kv_heads: int, size: int) -> list[str]:
     valid = [p for p in range(1, heads + 1) if heads % p == 0 and (kv_heads % p == 0 or p % kv_heads == 0)]
     if heads % size:
-        return [f"ulysses needs query heads ({heads}) divisible by the degree {size}; valid degrees: {valid} "
-                f"(or use strategy 'ring', 'allgather' or 'hybrid')"]
+        return [
+            f"ulysses needs query heads ({heads}) divisible by the degree {size}; valid degrees: {valid} "
+            f"(or use strategy 'ring', 'allgather' or 'hybrid')"
+        ]
     if kv_heads % size and size % kv_heads:
-        return [f"ulysses needs key/value heads ({kv_heads}) divisible by the degree {size} or dividing it; "
-                f"valid degrees: {valid} (or use strategy 'ring', 'allgather' or 'hybrid')"]
+        return [
+            f"ulysses needs key/value heads ({kv_heads}) divisible by the degree {size} or dividing it; "
+            f"valid degrees: {valid} (or use strategy 'ring', 'allgather' or 'hybrid')"
+        ]
     return []
 
 

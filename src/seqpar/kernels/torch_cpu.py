@@ -31,9 +31,7 @@ class TorchCPUFlashKernel(AttentionKernel):
         return None
 
     def forward(self, q, k, v, *, causal, scale, mask=None):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, scale=scale
-        )
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, *, causal, scale, mask=None):

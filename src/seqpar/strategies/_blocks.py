@@ -44,9 +44,7 @@ def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def plan_blocks(
-    q_chunks: Sequence[int], kv_chunks: Sequence[int], chunk_len: int, causal: bool
-) -> list[Block]:
+def plan_blocks(q_chunks: Sequence[int], kv_chunks: Sequence[int], chunk_len: int, causal: bool) -> list[Block]:
     """Kernel calls that cover exactly the visible part of ``q_chunks x kv_chunks`` (Note [block plan]).
 
     Args:
@@ -116,15 +114,23 @@ def blocks_backward(
     pieces = []
     for b in blocks:
         dq_b, dk_b, dv_b = kernel.backward(
-            dout[:, :, b.q], q[:, :, b.q], k[:, :, b.kv], v[:, :, b.kv], out[:, :, b.q], lse[:, :, b.q],
-            causal=b.causal, scale=scale,
+            dout[:, :, b.q],
+            q[:, :, b.q],
+            k[:, :, b.kv],
+            v[:, :, b.kv],
+            out[:, :, b.q],
+            lse[:, :, b.q],
+            causal=b.causal,
+            scale=scale,
         )
         dq[:, :, b.q] += dq_b
         pieces.append((b.kv, dk_b, dv_b))
     return pieces
 
 
-def add_kv_pieces(dk: torch.Tensor, dv: torch.Tensor, pieces: Sequence[tuple[slice, torch.Tensor, torch.Tensor]]) -> None:
+def add_kv_pieces(
+    dk: torch.Tensor, dv: torch.Tensor, pieces: Sequence[tuple[slice, torch.Tensor, torch.Tensor]]
+) -> None:
     """Add ``blocks_backward`` results into float32 ``dk``/``dv`` accumulators in place."""
     for kv, dk_b, dv_b in pieces:
         dk[:, :, kv] += dk_b

@@ -40,7 +40,7 @@ def _gather_kv(k: torch.Tensor, v: torch.Tensor, group, layout: str) -> torch.Te
 def _scatter_dkv(dkv: torch.Tensor, group, layout: str) -> torch.Tensor:
     """Sum ``[2, B, Hkv, S, D]`` over ranks and return this rank's shard ``[2, B, Hkv, S/P, D]``."""
     size = dist.get_world_size(group)
-    two, b, h, s, d = dkv.shape
+    _, b, h, s, d = dkv.shape
     n = chunks_per_rank(layout)
     c = s // (size * n)
     to_owner = owner_order_index(layout, size, dkv.device)
@@ -67,13 +67,16 @@ class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, layout, causal, scale, kernel, blocks = ctx.args
+        group, layout, _, scale, kernel, blocks = ctx.args
         kv = _gather_kv(k, v, group, layout)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         pieces = blocks_backward(kernel, dout.contiguous(), q, kv[0], kv[1], out, lse, blocks, scale, dq)
         del kv
-        dkv = torch.zeros((2, *k.shape[:2], k.shape[2] * dist.get_world_size(group), k.shape[3]),
-                          dtype=torch.float32, device=k.device)
+        dkv = torch.zeros(
+            (2, *k.shape[:2], k.shape[2] * dist.get_world_size(group), k.shape[3]),
+            dtype=torch.float32,
+            device=k.device,
+        )
         add_kv_pieces(dkv[0], dkv[1], pieces)
         del pieces
         dk, dv = _scatter_dkv(dkv, group, layout)
