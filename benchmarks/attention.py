@@ -142,6 +142,7 @@ def _parallel(rank: int, cfg: dict, store: str, ref_path: str, result_path: str)
                 },
                 f,
             )
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -20,10 +20,9 @@ def _entry(rank: int, world_size: int, store_path: str, fn, args) -> None:
         init_method=f"file://{store_path}",
         timeout=timedelta(seconds=120),
     )
-    try:
-        fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
+    fn(rank, world_size, *args)
+    dist.barrier()  # no rank tears its connections down while another still talks to it
+    dist.destroy_process_group()
 
 
 def run_ranks(world_size: int, fn, *args) -> None:

@@ -50,6 +50,24 @@ def check_case(rank, world_size, mesh, strategy, layout, causal, batch, heads, k
         torch.testing.assert_close(got, want[:, :, idx], atol=ATOL, rtol=RTOL, msg=lambda m, n=name: f"{what} {n}: {m}")
 
 
+def qkv_case(heads, kv_heads, local_seq, head_dim=16):
+    """Small random local inputs for checks that need no reference."""
+    return (
+        torch.randn(1, heads, local_seq, head_dim),
+        torch.randn(1, kv_heads, local_seq, head_dim),
+        torch.randn(1, kv_heads, local_seq, head_dim),
+    )
+
+
+def _auto_cases(rank, world_size, mesh):
+    """ "auto" serves any head count: ulysses where the heads divide, ring where they do not."""
+    for heads in (1, 3, 6, 8, 12):
+        chosen = seqpar.resolve_strategy("auto", heads, heads, mesh)
+        assert world_size == 1 or chosen == ("ulysses" if heads % world_size == 0 else "ring"), (heads, chosen)
+        for causal in (True, False):
+            check_case(rank, world_size, mesh, "auto", "zigzag", causal, 1, heads, heads, 32, 8 * world_size)
+
+
 def _exact_worker(rank, world_size):
     mesh = seqpar.make_mesh()
     seq_len = 24 * world_size  # 12-token zigzag chunks
@@ -58,6 +76,7 @@ def _exact_worker(rank, world_size):
             head_configs(world_size, strategy), ("zigzag", "contiguous"), (True, False), (1, 2), (64, 80)
         ):
             check_case(rank, world_size, mesh, strategy, layout, causal, batch, heads, kv_heads, head_dim, seq_len)
+    _auto_cases(rank, world_size, mesh)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])

@@ -10,11 +10,16 @@ import math
 
 import torch
 
-from seqpar.errors import SeqparInputError
 from seqpar.kernels import AttentionKernel, select_kernel
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
-from seqpar.strategies import allgather_attention, local_attention, ring_attention, ulysses_attention
-from seqpar.validation import check_attention_inputs
+from seqpar.strategies import (
+    allgather_attention,
+    hybrid_attention,
+    local_attention,
+    ring_attention,
+    ulysses_attention,
+)
+from seqpar.validation import check_attention_inputs, ulysses_degrees
 
 __all__ = ["attention", "resolve_strategy"]
 
@@ -23,14 +28,18 @@ _STRATEGY_FUNCTIONS = {"ring": ring_attention, "ulysses": ulysses_attention, "al
 
 
 def resolve_strategy(strategy: str, heads: int, kv_heads: int, mesh: SequenceParallelMesh) -> str:
-    """The strategy ``"auto"`` stands for: ulysses when the heads allow the SP degree, else ring.
+    """The strategy ``"auto"`` stands for; any other name is returned unchanged.
 
-    Any other name is returned unchanged.
+    On a mesh with both a ring and an ulysses axis: hybrid when the heads allow the ulysses degree. On a
+    flat mesh: ulysses when the heads allow the whole SP degree (one all-to-all hop, no sequential ring
+    steps). Otherwise ring, which serves any head count.
     """
     if strategy != "auto":
         return strategy
-    size = mesh.sp_size
-    if size > 1 and heads % size == 0 and (kv_heads % size == 0 or size % kv_heads == 0):
+    allowed = ulysses_degrees(heads, kv_heads)
+    if 1 < mesh.ulysses_size < mesh.sp_size and mesh.ulysses_size in allowed:
+        return "hybrid"
+    if mesh.sp_size in allowed:
         return "ulysses"
     return "ring"
 
@@ -58,7 +67,8 @@ def attention(
         k, v: ``[batch, kv_heads, local_seq, head_dim]``; ``kv_heads`` divides ``heads`` (GQA/MQA).
         mesh: a ``SequenceParallelMesh`` (``seqpar.make_mesh``), the SP ProcessGroup, a 1-D DeviceMesh,
             or None for a single process.
-        strategy: "ulysses", "ring", "allgather", "hybrid" or "auto" (ulysses when heads allow, else ring).
+        strategy: "ulysses", "ring", "allgather", "hybrid" (the mesh's ulysses axis x its ring axis) or
+            "auto" (``resolve_strategy``).
         causal: apply a causal mask over global positions.
         layout: how the caller sharded the sequence: "contiguous" or "zigzag" (one choice per model).
         scale: softmax scale; defaults to ``1 / sqrt(head_dim)``.
@@ -82,6 +92,7 @@ def attention(
         layout=layout,
         causal=causal,
         scale=scale,
+        ulysses_size=sp.ulysses_size,
         exchange=check_inputs,
     )
     if scale is None:
@@ -90,9 +101,21 @@ def attention(
     if sp.sp_size == 1:
         return local_attention(q, k, v, causal=causal, scale=scale, kernel=chosen_kernel)
     chosen = resolve_strategy(strategy, q.shape[1], k.shape[1], sp)
-    if chosen == "hybrid":
-        raise SeqparInputError("strategy 'hybrid' is not available yet; use 'ring', 'ulysses' or 'allgather'")
     _log.debug("seqpar.attention: strategy=%s kernel=%s sp=%d", chosen, chosen_kernel.name, sp.sp_size)
+    if chosen == "hybrid":
+        ring_group = sp.ring_group if sp.ring_group is not None else sp.sp_group
+        return hybrid_attention(
+            q,
+            k,
+            v,
+            ring_group=ring_group,
+            ulysses_group=sp.ulysses_group,
+            sp_rank=sp.sp_rank,
+            layout=layout,
+            causal=causal,
+            scale=scale,
+            kernel=chosen_kernel,
+        )
     return _STRATEGY_FUNCTIONS[chosen](
         q, k, v, group=sp.sp_group, layout=layout, causal=causal, scale=scale, kernel=chosen_kernel
     )

@@ -62,6 +62,7 @@ def _demo_rank(rank: int, args: argparse.Namespace, store: str) -> None:
             print(
                 f"  {strategy:>9}: max |difference| vs one device {worst_all[0]:.1e}, slowest rank {worst_all[1]:.2f}s"
             )
+    dist.barrier()
     dist.destroy_process_group()
 
 

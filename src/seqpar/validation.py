@@ -19,7 +19,7 @@ from seqpar.comm.collectives import all_gather_first_dim
 from seqpar.errors import SeqparInputError
 from seqpar.layout import LAYOUTS, chunks_per_rank
 
-__all__ = ["DTYPES", "STRATEGIES", "check_attention_inputs"]
+__all__ = ["DTYPES", "STRATEGIES", "check_attention_inputs", "ulysses_degrees"]
 
 STRATEGIES = ("ulysses", "ring", "allgather", "hybrid", "auto")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -72,7 +72,7 @@ def _decode(sig: list[int]) -> dict:
     }
 
 
-def _problems(sig: list[int], sp_size: int) -> list[str]:
+def _problems(sig: list[int], sp_size: int, ulysses_size: int) -> list[str]:
     """Everything wrong with one rank's signature."""
     d = _decode(sig)
     problems = []
@@ -108,22 +108,28 @@ def _problems(sig: list[int], sp_size: int) -> list[str]:
             f"sequence ({local} x {sp_size} ranks) must be a multiple of "
             f"{chunks_per_rank(d['layout']) * sp_size} (2P for zigzag); pad it"
         )
-    if d["strategy"] == "ulysses" and sp_size > 1 and kv_heads and heads % kv_heads == 0:
-        problems += _ulysses_problems(heads, kv_heads, sp_size)
+    if kv_heads and heads % kv_heads == 0:
+        if d["strategy"] == "ulysses" and sp_size > 1:
+            problems += _ulysses_problems(heads, kv_heads, sp_size, "ulysses")
+        if d["strategy"] == "hybrid" and ulysses_size > 1:
+            problems += _ulysses_problems(heads, kv_heads, ulysses_size, "hybrid's ulysses axis")
     return problems
 
 
-def _ulysses_problems(heads: int, kv_heads: int, size: int) -> list[str]:
-    valid = [p for p in range(1, heads + 1) if heads % p == 0 and (kv_heads % p == 0 or p % kv_heads == 0)]
+def ulysses_degrees(heads: int, kv_heads: int) -> list[int]:
+    """The Ulysses degrees these heads allow (query heads divisible; KV heads divisible or dividing)."""
+    return [p for p in range(1, heads + 1) if heads % p == 0 and (kv_heads % p == 0 or p % kv_heads == 0)]
+
+
+def _ulysses_problems(heads: int, kv_heads: int, size: int, what: str) -> list[str]:
+    valid = ulysses_degrees(heads, kv_heads)
+    instead = "(or use strategy 'ring', 'allgather', or 'hybrid' with a smaller ulysses_size)"
     if heads % size:
-        return [
-            f"ulysses needs query heads ({heads}) divisible by the degree {size}; valid degrees: {valid} "
-            f"(or use strategy 'ring', 'allgather' or 'hybrid')"
-        ]
+        return [f"{what} needs query heads ({heads}) divisible by the degree {size}; valid degrees: {valid} {instead}"]
     if kv_heads % size and size % kv_heads:
         return [
-            f"ulysses needs key/value heads ({kv_heads}) divisible by the degree {size} or dividing it; "
-            f"valid degrees: {valid} (or use strategy 'ring', 'allgather' or 'hybrid')"
+            f"{what} needs key/value heads ({kv_heads}) divisible by the degree {size} or dividing it; "
+            f"valid degrees: {valid} {instead}"
         ]
     return []
 
@@ -144,6 +150,7 @@ def check_attention_inputs(
     layout: str,
     causal: bool,
     scale: float | None,
+    ulysses_size: int = 1,
     exchange: bool = True,
 ) -> None:
     """Raise the same ``SeqparInputError`` on every rank if any rank's inputs are bad (Note [agreeing on errors]).
@@ -152,6 +159,7 @@ def check_attention_inputs(
         q, k, v: this rank's inputs.
         group: the sequence-parallel group (None: one process).
         strategy, layout, causal, scale: the call's options.
+        ulysses_size: the mesh's Ulysses degree (checked against the heads for "hybrid").
         exchange: all-gather the signatures so that every rank sees every rank's inputs.
 
     Raises:
@@ -160,10 +168,10 @@ def check_attention_inputs(
     size = 1 if group is None else dist.get_world_size(group)
     sig = _signature(q, k, v, strategy, layout, causal, scale)
     if size == 1 or not exchange:
-        problems = _problems(sig, size)
+        problems = _problems(sig, size, ulysses_size)
     else:
         table = _exchange(sig, group)
-        per_rank = [_problems(row, size) for row in table]
+        per_rank = [_problems(row, size, ulysses_size) for row in table]
         problems = []
         for message in dict.fromkeys(m for rank_problems in per_rank for m in rank_problems):
             ranks = [r for r, rp in enumerate(per_rank) if message in rp]

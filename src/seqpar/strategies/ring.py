@@ -18,44 +18,44 @@ import torch.distributed as dist
 
 from seqpar.comm import RingExchange
 from seqpar.kernels import AttentionKernel
-from seqpar.layout import chunks_per_rank, rank_chunk_ids
+from seqpar.layout import rank_chunk_ids
 from seqpar.merge import new_accumulator
 from seqpar.strategies._blocks import add_kv_pieces, blocks_backward, blocks_forward, plan_blocks
 
-__all__ = ["ring_attention"]
+__all__ = ["ring_attention", "ring_attention_on_chunks"]
 
 _KV_TAG, _DKV_TAG = 0, 2
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, layout, causal, scale, kernel):
+    def forward(ctx, q, k, v, group, chunk_ids, causal, scale, kernel):
         size, rank = dist.get_world_size(group), dist.get_rank(group)
-        chunk = q.shape[2] // chunks_per_rank(layout)
-        q_ids = rank_chunk_ids(layout, size, rank)
+        q_ids = chunk_ids[rank]
+        chunk = q.shape[2] // len(q_ids)
         out, lse = new_accumulator(q)  # [B, H, S/P, D], [B, H, S/P] float32
         ring = RingExchange(group, _KV_TAG) if size > 1 else None
         kv = [k, v]  # [B, Hkv, S/P, D] each
         for step in range(size):
             if step + 1 < size:
                 ring.start(kv)
-            kv_ids = rank_chunk_ids(layout, size, (rank - step) % size)
+            kv_ids = chunk_ids[(rank - step) % size]
             blocks_forward(kernel, q, kv[0], kv[1], plan_blocks(q_ids, kv_ids, chunk, causal), scale, out, lse)
             if step + 1 < size:
                 kv = ring.wait()
         del kv, ring  # frees the receive buffers before the caller's next layer
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, layout, causal, scale, kernel)
+        ctx.args = (group, chunk_ids, causal, scale, kernel)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, layout, causal, scale, kernel = ctx.args
+        group, chunk_ids, causal, scale, kernel = ctx.args
         size, rank = dist.get_world_size(group), dist.get_rank(group)
-        chunk = q.shape[2] // chunks_per_rank(layout)
-        q_ids = rank_chunk_ids(layout, size, rank)
+        q_ids = chunk_ids[rank]
+        chunk = q.shape[2] // len(q_ids)
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv_ring = RingExchange(group, _KV_TAG) if size > 1 else None
@@ -64,7 +64,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(size):
             if step + 1 < size:
                 kv_ring.start(kv)
-            kv_ids = rank_chunk_ids(layout, size, (rank - step) % size)
+            kv_ids = chunk_ids[(rank - step) % size]
             blocks = plan_blocks(q_ids, kv_ids, chunk, causal)
             pieces = blocks_backward(kernel, dout, q, kv[0], kv[1], out, lse, blocks, scale, dq)
             if step + 1 < size:
@@ -107,4 +107,27 @@ def ring_attention(
     Returns:
         ``[B, H, S/P, D]`` local output.
     """
-    return _RingAttention.apply(q, k, v, group, layout, causal, scale, kernel)
+    size = dist.get_world_size(group)
+    chunk_ids = tuple(rank_chunk_ids(layout, size, r) for r in range(size))
+    return ring_attention_on_chunks(
+        q, k, v, group=group, chunk_ids=chunk_ids, causal=causal, scale=scale, kernel=kernel
+    )
+
+
+def ring_attention_on_chunks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: dist.ProcessGroup,
+    chunk_ids: tuple[tuple[int, ...], ...],
+    causal: bool,
+    scale: float,
+    kernel: AttentionKernel,
+) -> torch.Tensor:
+    """Ring attention where ring rank ``r`` holds the global chunks ``chunk_ids[r]`` (in local order).
+
+    The general form behind ``ring_attention`` (one layout's chunks per rank) and the ring stage of hybrid
+    attention (the chunks of a whole Ulysses group per ring rank).
+    """
+    return _RingAttention.apply(q, k, v, group, chunk_ids, causal, scale, kernel)

@@ -1,0 +1,32 @@
+"""Hybrid (ulysses x ring) on 4 gloo ranks: 2x2 and the corners 4x1 and 1x4 equal single-device attention."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+import seqpar
+from seqpar.errors import SeqparInputError
+from tests._dist import run_ranks
+from tests.test_attention_exact import check_case, qkv_case
+
+
+def _hybrid_worker(rank, world_size):
+    for ulysses_size in (2, 1, 4):
+        mesh = seqpar.make_mesh(ulysses_size=ulysses_size)
+        assert (mesh.ring_size, mesh.ulysses_size) == (world_size // ulysses_size, ulysses_size)
+        assert seqpar.resolve_strategy("auto", 8, 2, mesh) == ("hybrid" if ulysses_size == 2 else "ulysses")
+        heads = [(8, 8), (8, 2), (8, 1)] if ulysses_size > 1 else [(8, 2), (6, 3)]
+        for (h, kv), layout, causal, batch in itertools.product(heads, ("zigzag", "contiguous"), (True, False), (1, 2)):
+            check_case(rank, world_size, mesh, "hybrid", layout, causal, batch, h, kv, 64, 16 * world_size)
+        if ulysses_size == 2:
+            # 3 heads cannot be split over the ulysses axis: a clear error on every rank, naming valid degrees
+            with pytest.raises(SeqparInputError, match=r"hybrid's ulysses axis needs query heads \(3\).*\[1, 3\]"):
+                seqpar.attention(*qkv_case(3, 3, 32), mesh=mesh, strategy="hybrid")
+            # ... while auto falls back to ring for them
+            assert seqpar.resolve_strategy("auto", 3, 3, mesh) == "ring"
+
+
+def test_hybrid_meshes_match_single_device():
+    run_ranks(4, _hybrid_worker)
