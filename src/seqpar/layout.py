@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from seqpar.comm.collectives import all_gather_first_dim, reduce_scatter_first_dim
 from seqpar.errors import SeqparInputError
+from seqpar.mesh import as_sp_mesh
 
 __all__ = [
     "LAYOUTS",
@@ -74,8 +75,6 @@ def _check_divisible(seq_len: int, layout: str, world_size: int) -> int:
 
 
 def _sp_rank_and_size(mesh: object) -> tuple[int, int, dist.ProcessGroup | None]:
-    from seqpar.mesh import as_sp_mesh
-
     sp = as_sp_mesh(mesh)
     return sp.sp_rank, sp.sp_size, sp.sp_group
 
