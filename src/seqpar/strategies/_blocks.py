@@ -104,14 +104,14 @@ def blocks_backward(
     blocks: Sequence[Block],
     scale: float,
     dq: torch.Tensor,
-) -> list[tuple[slice, torch.Tensor, torch.Tensor]]:
-    """Backward of ``blocks`` with the final ``out``/``lse``; adds into ``dq`` (float32) in place.
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+) -> None:
+    """Backward of ``blocks`` with the final ``out``/``lse``; adds into float32 ``dq``, ``dk``, ``dv`` in place.
 
-    Returns:
-        ``(kv token range, dk, dv)`` per block, for the caller to add where the key/value gradients live
-        (they may still be travelling).
+    Each block's gradients are added as soon as the kernel returns them, so at most one block's
+    temporaries are alive at a time.
     """
-    pieces = []
     for b in blocks:
         dq_b, dk_b, dv_b = kernel.backward(
             dout[:, :, b.q],
@@ -124,14 +124,7 @@ def blocks_backward(
             scale=scale,
         )
         dq[:, :, b.q] += dq_b
-        pieces.append((b.kv, dk_b, dv_b))
-    return pieces
-
-
-def add_kv_pieces(
-    dk: torch.Tensor, dv: torch.Tensor, pieces: Sequence[tuple[slice, torch.Tensor, torch.Tensor]]
-) -> None:
-    """Add ``blocks_backward`` results into float32 ``dk``/``dv`` accumulators in place."""
-    for kv, dk_b, dv_b in pieces:
-        dk[:, :, kv] += dk_b
-        dv[:, :, kv] += dv_b
+        del dq_b
+        dk[:, :, b.kv] += dk_b
+        del dk_b
+        dv[:, :, b.kv] += dv_b

@@ -17,7 +17,7 @@ from seqpar.comm import all_gather_first_dim, reduce_scatter_first_dim
 from seqpar.kernels import AttentionKernel
 from seqpar.layout import chunks_per_rank, natural_order_index, owner_order_index, rank_chunk_ids
 from seqpar.merge import new_accumulator
-from seqpar.strategies._blocks import add_kv_pieces, blocks_backward, blocks_forward, plan_blocks
+from seqpar.strategies._blocks import blocks_backward, blocks_forward, plan_blocks
 
 __all__ = ["allgather_attention"]
 
@@ -70,15 +70,9 @@ class _AllGatherAttention(torch.autograd.Function):
         group, layout, _, scale, kernel, blocks = ctx.args
         kv = _gather_kv(k, v, group, layout)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        pieces = blocks_backward(kernel, dout.contiguous(), q, kv[0], kv[1], out, lse, blocks, scale, dq)
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # [2, B, Hkv, S, D]
+        blocks_backward(kernel, dout.contiguous(), q, kv[0], kv[1], out, lse, blocks, scale, dq, dkv[0], dkv[1])
         del kv
-        dkv = torch.zeros(
-            (2, *k.shape[:2], k.shape[2] * dist.get_world_size(group), k.shape[3]),
-            dtype=torch.float32,
-            device=k.device,
-        )
-        add_kv_pieces(dkv[0], dkv[1], pieces)
-        del pieces
         dk, dv = _scatter_dkv(dkv, group, layout)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 

@@ -8,7 +8,10 @@ Note [ring schedule]
     travel: grouped-query attention is expanded inside the kernel, never on the wire. With the zigzag
     layout and a causal mask every step after the first costs half a block on every rank (Note [block
     plan]). The backward replays the same ring with the final out and lse; each source's dK/dV
-    accumulator (float32) follows one hop behind its K/V, so after P hops it is home, complete.
+    accumulator (float32) follows one hop behind its K/V, so after P hops it is home, complete. A rank
+    waits for the incoming partial before computing its block and adds the block's gradients straight
+    into it: the outgoing partial is freed one step earlier, at the price of not overlapping that one
+    transfer (memory first: it is O(S/P) bytes against O((S/P)^2) compute).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from seqpar.comm import RingExchange
 from seqpar.kernels import AttentionKernel
 from seqpar.layout import rank_chunk_ids
 from seqpar.merge import new_accumulator
-from seqpar.strategies._blocks import add_kv_pieces, blocks_backward, blocks_forward, plan_blocks
+from seqpar.strategies._blocks import blocks_backward, blocks_forward, plan_blocks
 
 __all__ = ["ring_attention", "ring_attention_on_chunks"]
 
@@ -64,19 +67,17 @@ class _RingAttention(torch.autograd.Function):
         for step in range(size):
             if step + 1 < size:
                 kv_ring.start(kv)
-            kv_ids = chunk_ids[(rank - step) % size]
-            blocks = plan_blocks(q_ids, kv_ids, chunk, causal)
-            pieces = blocks_backward(kernel, dout, q, kv[0], kv[1], out, lse, blocks, scale, dq)
-            if step + 1 < size:
-                kv = kv_ring.wait()
-            else:
-                del kv, kv_ring  # the last K/V block is done: free its buffers before dK/dV arrive
             if step == 0:
                 dkv = [torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2)]
             else:
                 dkv = dkv_ring.wait()  # partial sums for this source from the ranks before us
-            add_kv_pieces(dkv[0], dkv[1], pieces)
-            del pieces
+            kv_ids = chunk_ids[(rank - step) % size]
+            blocks = plan_blocks(q_ids, kv_ids, chunk, causal)
+            blocks_backward(kernel, dout, q, kv[0], kv[1], out, lse, blocks, scale, dq, dkv[0], dkv[1])
+            if step + 1 < size:
+                kv = kv_ring.wait()
+            else:
+                del kv, kv_ring  # the last K/V block is done: free its buffers before dK/dV arrive
             if size > 1:
                 dkv_ring.start(dkv)
                 del dkv
