@@ -93,6 +93,20 @@ def blocks_forward(
         merge_into(out[:, :, b.q], lse[:, :, b.q], o, l)
 
 
+def _tiles(blocks: Sequence[Block], split: int | None) -> list[Block]:
+    if split is None:
+        return list(blocks)
+    tiles = []
+    for b in blocks:
+        if b.causal:
+            tiles.append(b)
+            continue
+        for q0 in range(b.q.start, b.q.stop, split):
+            for k0 in range(b.kv.start, b.kv.stop, split):
+                tiles.append(Block(slice(q0, min(q0 + split, b.q.stop)), slice(k0, min(k0 + split, b.kv.stop)), False))
+    return tiles
+
+
 def blocks_backward(
     kernel: AttentionKernel,
     dout: torch.Tensor,
@@ -106,13 +120,16 @@ def blocks_backward(
     dq: torch.Tensor,
     dk: torch.Tensor,
     dv: torch.Tensor,
+    split: int | None = None,
 ) -> None:
     """Backward of ``blocks`` with the final ``out``/``lse``; adds into float32 ``dq``, ``dk``, ``dv`` in place.
 
     Each block's gradients are added as soon as the kernel returns them, so at most one block's
-    temporaries are alive at a time.
+    temporaries are alive at a time; with ``split``, full (non-causal) blocks are further cut into
+    ``split x split`` tiles to keep those temporaries small (gradients of tiles add up exactly, since every
+    tile uses the final ``out`` and ``lse``).
     """
-    for b in blocks:
+    for b in _tiles(blocks, split):
         dq_b, dk_b, dv_b = kernel.backward(
             dout[:, :, b.q],
             q[:, :, b.q],

@@ -60,7 +60,6 @@ class _RingAttention(torch.autograd.Function):
         q_ids = chunk_ids[rank]
         chunk = q.shape[2] // len(q_ids)
         dout = dout.contiguous()
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv_ring = RingExchange(group, _KV_TAG) if size > 1 else None
         dkv_ring = RingExchange(group, _DKV_TAG) if size > 1 else None
         kv = [k, v]
@@ -68,12 +67,17 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < size:
                 kv_ring.start(kv)
             if step == 0:
-                dkv = [torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2)]
+                # The own block is one call over everything (Note [block plan]): its gradients start the
+                # accumulators, instead of zeros plus a copy.
+                (own,) = plan_blocks(q_ids, q_ids, chunk, causal)
+                dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal=own.causal, scale=scale)
+                dq = dq.float()
+                dkv = [dk.float().contiguous(), dv.float().contiguous()]  # sent as they are
+                del dk, dv
             else:
                 dkv = dkv_ring.wait()  # partial sums for this source from the ranks before us
-            kv_ids = chunk_ids[(rank - step) % size]
-            blocks = plan_blocks(q_ids, kv_ids, chunk, causal)
-            blocks_backward(kernel, dout, q, kv[0], kv[1], out, lse, blocks, scale, dq, dkv[0], dkv[1])
+                blocks = plan_blocks(q_ids, chunk_ids[(rank - step) % size], chunk, causal)
+                blocks_backward(kernel, dout, q, kv[0], kv[1], out, lse, blocks, scale, dq, dkv[0], dkv[1], chunk)
             if step + 1 < size:
                 kv = kv_ring.wait()
             else:
