@@ -11,7 +11,9 @@ Note [ring schedule]
     accumulator (float32) follows one hop behind its K/V, so after P hops it is home, complete. A rank
     waits for the incoming partial before computing its block and adds the block's gradients straight
     into it: the outgoing partial is freed one step earlier, at the price of not overlapping that one
-    transfer (memory first: it is O(S/P) bytes against O((S/P)^2) compute).
+    transfer (memory first: it is O(S/P) bytes against O((S/P)^2) compute). The own block's gradients
+    become the accumulators (no zero-filled copies), and remote blocks run in chunk-sized tiles so that
+    one tile's out-of-place kernel gradients are the only temporaries.
 """
 
 from __future__ import annotations
