@@ -7,6 +7,7 @@ from seqpar.api import attention, resolve_strategy
 from seqpar.errors import SeqparInputError
 from seqpar.kernels import select_kernel
 from seqpar.layout import LAYOUTS, gather_sequence, position_ids, shard_sequence
+from seqpar.masking import SequenceMask, sequence_mask
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh, make_mesh
 from seqpar.validation import STRATEGIES
 
@@ -14,6 +15,7 @@ __all__ = [
     "LAYOUTS",
     "STRATEGIES",
     "SeqparInputError",
+    "SequenceMask",
     "SequenceParallelMesh",
     "as_sp_mesh",
     "attention",
@@ -22,6 +24,7 @@ __all__ = [
     "position_ids",
     "resolve_strategy",
     "select_kernel",
+    "sequence_mask",
     "shard_sequence",
 ]
 

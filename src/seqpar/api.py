@@ -10,7 +10,9 @@ import math
 
 import torch
 
+from seqpar.errors import SeqparInputError
 from seqpar.kernels import AttentionKernel, select_kernel
+from seqpar.masking import SequenceMask, sequence_mask
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
 from seqpar.strategies import (
     allgather_attention,
@@ -56,6 +58,9 @@ def attention(
     scale: float | None = None,
     kernel: str | AttentionKernel = "auto",
     check_inputs: bool = True,
+    window: int | None = None,
+    position_ids: torch.Tensor | None = None,
+    mask: SequenceMask | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention of this rank's query shard against the whole (sharded) sequence.
 
@@ -75,6 +80,12 @@ def attention(
         kernel: local kernel: "auto", a name from ``seqpar.kernels.KERNELS``, or an ``AttentionKernel``.
         check_inputs: check every rank's inputs against every other rank's (one small all-gather per call)
             so that bad input raises on all ranks instead of hanging; with False only local checks run.
+        window: sliding window (a query sees itself and the ``window - 1`` keys before it); causal only.
+            Tiles wholly outside the window are skipped.
+        position_ids: this rank's shard of the global position ids ``[B, S/P]``; a restart at 0 starts a
+            new packed document, and documents never see each other (one more small all-gather).
+        mask: a prebuilt ``seqpar.sequence_mask`` (build it once per batch and pass it to every layer
+            instead of ``position_ids``); ``window``, when given, replaces its window.
 
     Returns:
         ``[batch, heads, local_seq, head_dim]``: this rank's shard of the output, in ``q.dtype``.
@@ -94,12 +105,22 @@ def attention(
         scale=scale,
         ulysses_size=sp.ulysses_size,
         exchange=check_inputs,
+        window=window if window is not None else (mask.window if mask is not None else None),
     )
+    if mask is None:
+        mask = sequence_mask(position_ids, sp, layout=layout, window=window, batch_size=q.shape[0])
+    elif window is not None:
+        mask = mask.with_window(window)
+    if mask.starts is not None and mask.starts.shape[1] != q.shape[2] * sp.sp_size:
+        raise SeqparInputError(
+            f"the sequence mask covers {mask.starts.shape[1]} tokens but the sequence has "
+            f"{q.shape[2] * sp.sp_size}; build it from this batch's position ids"
+        )
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     chosen_kernel = select_kernel(q, k, v, kernel)
     if sp.sp_size == 1:
-        return local_attention(q, k, v, causal=causal, scale=scale, kernel=chosen_kernel)
+        return local_attention(q, k, v, causal=causal, scale=scale, kernel=chosen_kernel, mask=mask)
     chosen = resolve_strategy(strategy, q.shape[1], k.shape[1], sp)
     _log.debug("seqpar.attention: strategy=%s kernel=%s sp=%d", chosen, chosen_kernel.name, sp.sp_size)
     if chosen == "hybrid":
@@ -115,7 +136,8 @@ def attention(
             causal=causal,
             scale=scale,
             kernel=chosen_kernel,
+            mask=mask,
         )
     return _STRATEGY_FUNCTIONS[chosen](
-        q, k, v, group=sp.sp_group, layout=layout, causal=causal, scale=scale, kernel=chosen_kernel
+        q, k, v, group=sp.sp_group, layout=layout, causal=causal, scale=scale, kernel=chosen_kernel, mask=mask
     )

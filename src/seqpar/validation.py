@@ -27,8 +27,9 @@ MAX_HEAD_DIM = 256
 
 _KNOWN_DTYPES = (*DTYPES, torch.float64, torch.float8_e4m3fn, torch.int64, torch.int32, torch.bool)
 _DEVICE_TYPES = ("cpu", "cuda", "meta")
-# signature: strategy, layout, causal, scale_ok, same_device, device, then per tensor (ndim, 4 dims, dtype)
-_HEADER = 6
+# signature: strategy, layout, causal, scale_ok, same_device, device, window (-1: none),
+# then per tensor (ndim, 4 dims, dtype)
+_HEADER = 7
 _PER_TENSOR = 6
 
 
@@ -36,7 +37,7 @@ def _code(value: object, table: tuple) -> int:
     return table.index(value) if value in table else -1
 
 
-def _signature(q, k, v, strategy: str, layout: str, causal: bool, scale: float | None) -> list[int]:
+def _signature(q, k, v, strategy: str, layout: str, causal: bool, scale: float | None, window: int | None) -> list[int]:
     scale_ok = scale is None or (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0)
     sig = [
         _code(strategy, STRATEGIES),
@@ -45,6 +46,7 @@ def _signature(q, k, v, strategy: str, layout: str, causal: bool, scale: float |
         int(scale_ok),
         int(q.device == k.device == v.device),
         _code(q.device.type, _DEVICE_TYPES),
+        -1 if window is None else (window if isinstance(window, int) and window > 0 else 0),
     ]
     for t in (q, k, v):
         dims = [*list(t.shape)[:4], *[0] * (4 - min(t.dim(), 4))]
@@ -68,6 +70,7 @@ def _decode(sig: list[int]) -> dict:
         "layout": LAYOUTS[sig[1]] if sig[1] >= 0 else None,
         "scale_ok": bool(sig[3]),
         "same_device": bool(sig[4]),
+        "window": sig[6],
         "tensors": tensors,
     }
 
@@ -82,6 +85,10 @@ def _problems(sig: list[int], sp_size: int, ulysses_size: int) -> list[str]:
         problems.append(f"unknown layout; choose one of {LAYOUTS}")
     if not d["scale_ok"]:
         problems.append("scale must be a positive finite number or None")
+    if d["window"] == 0:
+        problems.append("window must be a positive integer (tokens a query sees, itself included) or None")
+    if d["window"] > 0 and not sig[2]:
+        problems.append("a sliding window needs causal=True")
     if not d["same_device"]:
         problems.append("q, k and v are on different devices; move them to one device")
     (qn, qs, qd), (kn, ks, kd), (vn, vs, vd) = (d["tensors"][n] for n in "qkv")
@@ -152,6 +159,7 @@ def check_attention_inputs(
     scale: float | None,
     ulysses_size: int = 1,
     exchange: bool = True,
+    window: int | None = None,
 ) -> None:
     """Raise the same ``SeqparInputError`` on every rank if any rank's inputs are bad (Note [agreeing on errors]).
 
@@ -160,13 +168,14 @@ def check_attention_inputs(
         group: the sequence-parallel group (None: one process).
         strategy, layout, causal, scale: the call's options.
         ulysses_size: the mesh's Ulysses degree (checked against the heads for "hybrid").
+        window: the sliding window, or None.
         exchange: all-gather the signatures so that every rank sees every rank's inputs.
 
     Raises:
         SeqparInputError: naming each problem and, when ranks differ, which rank had what.
     """
     size = 1 if group is None else dist.get_world_size(group)
-    sig = _signature(q, k, v, strategy, layout, causal, scale)
+    sig = _signature(q, k, v, strategy, layout, causal, scale, window)
     if size == 1 or not exchange:
         problems = _problems(sig, size, ulysses_size)
     else:
@@ -188,4 +197,5 @@ def check_attention_inputs(
 def _describe(sig: list[int]) -> str:
     d = _decode(sig)
     shapes = ", ".join(f"{n} {s} {dt}" for n, (_, s, dt) in d["tensors"].items())
-    return f"strategy={d['strategy']} layout={d['layout']} causal={bool(sig[2])} {shapes}"
+    window = "none" if d["window"] < 0 else d["window"]
+    return f"strategy={d['strategy']} layout={d['layout']} causal={bool(sig[2])} window={window} {shapes}"

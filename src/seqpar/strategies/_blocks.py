@@ -18,19 +18,27 @@ from dataclasses import dataclass
 
 import torch
 
-from seqpar.kernels import AttentionKernel
+from seqpar.kernels import AttentionKernel, ReferenceKernel
+from seqpar.masking import SequenceMask
 from seqpar.merge import merge_into
 
-__all__ = ["Block", "blocks_backward", "blocks_forward", "plan_blocks"]
+__all__ = ["MASK_TILE", "Block", "blocks_backward", "blocks_forward", "plan", "plan_blocks"]
+
+MASK_TILE = 1024
+_MASKED_KERNEL = ReferenceKernel()
 
 
 @dataclass(frozen=True)
 class Block:
-    """One kernel call: query token range ``q``, key token range ``kv``, and whether it is a causal square."""
+    """One kernel call: query token range ``q``, key token range ``kv``, and whether it is a causal square.
+
+    ``mask`` (``[B, 1, len(q), len(kv)]`` bool, True = visible) is set for mixed tiles (Note [masked tiles]).
+    """
 
     q: slice
     kv: slice
     causal: bool
+    mask: torch.Tensor | None = None
 
 
 def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
@@ -77,6 +85,82 @@ def plan_blocks(q_chunks: Sequence[int], kv_chunks: Sequence[int], chunk_len: in
     return blocks + diagonal
 
 
+def plan(
+    q_chunks: Sequence[int],
+    kv_chunks: Sequence[int],
+    chunk_len: int,
+    causal: bool,
+    mask: SequenceMask | None,
+    device: torch.device | None = None,
+) -> list[Block]:
+    """``plan_blocks``, or with a non-trivial ``mask`` the tiles of Note [masked tiles] (masks on ``device``)."""
+    if mask is None or mask.trivial:
+        return plan_blocks(q_chunks, kv_chunks, chunk_len, causal)
+    tile = min(chunk_len, MASK_TILE)
+    blocks = []
+    for i, g in enumerate(q_chunks):
+        for j, c in enumerate(kv_chunks):
+            if causal and c > g:
+                continue
+            for q0 in range(0, chunk_len, tile):
+                for k0 in range(0, chunk_len, tile):
+                    q_glob = (g * chunk_len + q0, g * chunk_len + min(q0 + tile, chunk_len))
+                    kv_glob = (c * chunk_len + k0, c * chunk_len + min(k0 + tile, chunk_len))
+                    kind = _classify(q_glob, kv_glob, causal, mask)
+                    if kind == "skip":
+                        continue
+                    q_loc = slice(i * chunk_len + q0, i * chunk_len + q0 + q_glob[1] - q_glob[0])
+                    kv_loc = slice(j * chunk_len + k0, j * chunk_len + k0 + kv_glob[1] - kv_glob[0])
+                    keep = _dense_mask(q_glob, kv_glob, causal, mask, device) if kind == "mixed" else None
+                    blocks.append(Block(q_loc, kv_loc, kind == "causal", keep))
+    return blocks
+
+
+def _classify(q: tuple[int, int], kv: tuple[int, int], causal: bool, mask: SequenceMask) -> str:
+    """ "skip", "full", "causal" (a plain causal square) or "mixed", from the tile's corners."""
+    q_lo, q_hi = q[0], q[1] - 1
+    kv_lo, kv_hi = kv[0], kv[1] - 1
+    square = False
+    if causal:
+        if kv_lo > q_hi:
+            return "skip"
+        square = q == kv
+        partial = kv_hi > q_lo and not square
+        if partial:
+            return "mixed"
+    if mask.window is not None:
+        if q_lo - kv_hi >= mask.window:
+            return "skip"
+        if q_hi - kv_lo >= mask.window:
+            return "mixed"
+    if mask.starts is not None:
+        qs, ks = mask.starts[:, q_lo], mask.starts[:, q_hi]
+        kvs, kve = mask.starts[:, kv_lo], mask.starts[:, kv_hi]
+        if bool(((kve < qs) | (kvs > ks)).all()):
+            return "skip"
+        if not bool(((qs == ks) & (kvs == kve) & (qs == kvs)).all()):
+            return "mixed"
+    return "causal" if square else "full"
+
+
+def _dense_mask(
+    q: tuple[int, int], kv: tuple[int, int], causal: bool, mask: SequenceMask, device: torch.device | None
+) -> torch.Tensor:
+    """``[B or 1, 1, q, kv]`` bool visibility of one tile."""
+    qi = torch.arange(*q)[:, None]
+    ki = torch.arange(*kv)[None, :]
+    keep = torch.ones(len(range(*q)), len(range(*kv)), dtype=torch.bool)
+    if causal:
+        keep &= ki <= qi
+    if mask.window is not None:
+        keep &= qi - ki < mask.window
+    keep = keep[None, None]
+    if mask.starts is not None:
+        same = mask.starts[:, q[0] : q[1], None] == mask.starts[:, None, kv[0] : kv[1]]  # [B, q, kv]
+        keep = keep & same[:, None]
+    return keep if device is None else keep.to(device)
+
+
 def blocks_forward(
     kernel: AttentionKernel,
     q: torch.Tensor,
@@ -89,7 +173,8 @@ def blocks_forward(
 ) -> None:
     """Run ``blocks`` and merge each result into the float32 running ``(out, lse)`` in place."""
     for b in blocks:
-        o, l = kernel.forward(q[:, :, b.q], k[:, :, b.kv], v[:, :, b.kv], causal=b.causal, scale=scale)
+        run = kernel if b.mask is None else _MASKED_KERNEL
+        o, l = run.forward(q[:, :, b.q], k[:, :, b.kv], v[:, :, b.kv], causal=b.causal, scale=scale, mask=b.mask)
         merge_into(out[:, :, b.q], lse[:, :, b.q], o, l)
 
 
@@ -98,7 +183,7 @@ def _tiles(blocks: Sequence[Block], split: int | None) -> list[Block]:
         return list(blocks)
     tiles = []
     for b in blocks:
-        if b.causal:
+        if b.causal or b.mask is not None:
             tiles.append(b)
             continue
         for q0 in range(b.q.start, b.q.stop, split):
@@ -130,7 +215,8 @@ def blocks_backward(
     tile uses the final ``out`` and ``lse``).
     """
     for b in _tiles(blocks, split):
-        dq_b, dk_b, dv_b = kernel.backward(
+        run = kernel if b.mask is None else _MASKED_KERNEL
+        dq_b, dk_b, dv_b = run.backward(
             dout[:, :, b.q],
             q[:, :, b.q],
             k[:, :, b.kv],
@@ -139,6 +225,7 @@ def blocks_backward(
             lse[:, :, b.q],
             causal=b.causal,
             scale=scale,
+            mask=b.mask,
         )
         dq[:, :, b.q] += dq_b
         del dq_b

@@ -16,8 +16,9 @@ import torch.distributed as dist
 from seqpar.comm import all_gather_first_dim, reduce_scatter_first_dim
 from seqpar.kernels import AttentionKernel
 from seqpar.layout import chunks_per_rank, natural_order_index, owner_order_index, rank_chunk_ids
+from seqpar.masking import SequenceMask
 from seqpar.merge import new_accumulator
-from seqpar.strategies._blocks import blocks_backward, blocks_forward, plan_blocks
+from seqpar.strategies._blocks import blocks_backward, blocks_forward, plan
 
 __all__ = ["allgather_attention"]
 
@@ -51,11 +52,11 @@ def _scatter_dkv(dkv: torch.Tensor, group, layout: str) -> torch.Tensor:
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, layout, causal, scale, kernel):
+    def forward(ctx, q, k, v, group, layout, causal, scale, kernel, mask):
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         chunk = q.shape[2] // chunks_per_rank(layout)
         kv = _gather_kv(k, v, group, layout)
-        blocks = plan_blocks(rank_chunk_ids(layout, size, rank), range(kv.shape[3] // chunk), chunk, causal)
+        blocks = plan(rank_chunk_ids(layout, size, rank), range(kv.shape[3] // chunk), chunk, causal, mask, q.device)
         out, lse = new_accumulator(q)
         blocks_forward(kernel, q, kv[0], kv[1], blocks, scale, out, lse)
         del kv  # Note [allgather memory]
@@ -74,7 +75,7 @@ class _AllGatherAttention(torch.autograd.Function):
         blocks_backward(kernel, dout.contiguous(), q, kv[0], kv[1], out, lse, blocks, scale, dq, dkv[0], dkv[1])
         del kv
         dk, dv = _scatter_dkv(dkv, group, layout)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
 def allgather_attention(
@@ -87,6 +88,7 @@ def allgather_attention(
     causal: bool,
     scale: float,
     kernel: AttentionKernel,
+    mask: SequenceMask | None = None,
 ) -> torch.Tensor:
     """All-gather attention over ``group`` (Note [allgather memory]); inputs already validated.
 
@@ -95,8 +97,9 @@ def allgather_attention(
         group: the sequence-parallel group (size P).
         layout, causal, scale: as in ``seqpar.attention``.
         kernel: the local kernel.
+        mask: packed documents and sliding window (Note [masked tiles]), or None.
 
     Returns:
         ``[B, H, S/P, D]`` local output.
     """
-    return _AllGatherAttention.apply(q, k, v, group, layout, causal, scale, kernel)
+    return _AllGatherAttention.apply(q, k, v, group, layout, causal, scale, kernel, mask)

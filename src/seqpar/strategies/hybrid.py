@@ -20,6 +20,7 @@ from seqpar.comm import head_to_seq_shards, seq_to_head_shards
 from seqpar.errors import SeqparInputError
 from seqpar.kernels import AttentionKernel
 from seqpar.layout import rank_chunk_ids
+from seqpar.masking import SequenceMask
 from seqpar.strategies.ring import ring_attention_on_chunks
 
 __all__ = ["hybrid_attention"]
@@ -37,6 +38,7 @@ def hybrid_attention(
     causal: bool,
     scale: float,
     kernel: AttentionKernel,
+    mask: SequenceMask | None = None,
 ) -> torch.Tensor:
     """Ulysses x ring attention (Note [hybrid layout]); inputs already validated.
 
@@ -46,6 +48,7 @@ def hybrid_attention(
         sp_rank: this rank's index in the SP group (must be ``ring_rank * U + ulysses_rank``).
         layout, causal, scale: as in ``seqpar.attention``.
         kernel: the local kernel.
+        mask: packed documents and sliding window (Note [masked tiles]), or None.
 
     Returns:
         ``[B, H, S/P, D]`` local output.
@@ -70,7 +73,7 @@ def hybrid_attention(
     ring_ids = tuple(tuple(sorted(members(j))) for j in range(ring_size))
     if u_size == 1:
         return ring_attention_on_chunks(
-            q, k, v, group=ring_group, chunk_ids=ring_ids, causal=causal, scale=scale, kernel=kernel
+            q, k, v, group=ring_group, chunk_ids=ring_ids, causal=causal, scale=scale, kernel=kernel, mask=mask
         )
     mine = torch.tensor(members(ring_rank))
     to_natural = mine.argsort().to(q.device)
@@ -80,6 +83,6 @@ def hybrid_attention(
         v = v.repeat_interleave(u_size // v.shape[1], dim=1)
     qh, kh, vh = (seq_to_head_shards(t, ulysses_group, to_natural, to_owner) for t in (q, k, v))  # [B, H/U, S/R, D]
     out = ring_attention_on_chunks(
-        qh, kh, vh, group=ring_group, chunk_ids=ring_ids, causal=causal, scale=scale, kernel=kernel
+        qh, kh, vh, group=ring_group, chunk_ids=ring_ids, causal=causal, scale=scale, kernel=kernel, mask=mask
     )
     return head_to_seq_shards(out, ulysses_group, to_natural, to_owner)

@@ -1,6 +1,7 @@
 """Attention of a whole sequence held by one rank, as an autograd function around a kernel.
 
-Used for a sequence-parallel size of 1 and inside Ulysses after the all-to-all.
+Used for a sequence-parallel size of 1 and inside Ulysses after the all-to-all; with a ``SequenceMask`` it
+runs the tiles of Note [masked tiles] instead of one call.
 """
 
 from __future__ import annotations
@@ -8,8 +9,14 @@ from __future__ import annotations
 import torch
 
 from seqpar.kernels import AttentionKernel
+from seqpar.masking import SequenceMask
+from seqpar.merge import new_accumulator
+from seqpar.strategies._blocks import blocks_backward, blocks_forward, plan
 
 __all__ = ["local_attention"]
+
+# Chunks the whole sequence is cut into for planning masked tiles (the tile size caps the work per call).
+_PLAN_CHUNKS = 8
 
 
 class _LocalAttention(torch.autograd.Function):
@@ -28,8 +35,45 @@ class _LocalAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+class _MaskedLocalAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, blocks, scale, kernel):
+        out, lse = new_accumulator(q)  # [B, H, S, D], [B, H, S] float32
+        blocks_forward(kernel, q, k, v, blocks, scale, out, lse)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (blocks, scale, kernel)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        blocks, scale, kernel = ctx.args
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        blocks_backward(kernel, dout.contiguous(), q, k, v, out, lse, blocks, scale, dq, dk, dv)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
 def local_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float, kernel: AttentionKernel
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    kernel: AttentionKernel,
+    mask: SequenceMask | None = None,
 ) -> torch.Tensor:
-    """Attention of ``q`` ``[B, H, S, D]`` against ``k``, ``v`` ``[B, Hkv, S, D]`` on this rank alone."""
-    return _LocalAttention.apply(q, k, v, causal, scale, kernel)
+    """Attention of ``q`` ``[B, H, S, D]`` against ``k``, ``v`` ``[B, Hkv, S, D]`` on this rank alone.
+
+    The sequence is whole and in global order; ``mask`` adds packed documents and a sliding window.
+    """
+    if mask is None or mask.trivial:
+        return _LocalAttention.apply(q, k, v, causal, scale, kernel)
+    seq = q.shape[2]
+    chunks = _PLAN_CHUNKS if seq % _PLAN_CHUNKS == 0 else 1
+    ids = range(chunks)
+    blocks = plan(ids, ids, seq // chunks, causal, mask, q.device)
+    return _MaskedLocalAttention.apply(q, k, v, blocks, scale, kernel)

@@ -24,8 +24,9 @@ import torch.distributed as dist
 from seqpar.comm import RingExchange
 from seqpar.kernels import AttentionKernel
 from seqpar.layout import rank_chunk_ids
+from seqpar.masking import SequenceMask
 from seqpar.merge import new_accumulator
-from seqpar.strategies._blocks import blocks_backward, blocks_forward, plan_blocks
+from seqpar.strategies._blocks import blocks_backward, blocks_forward, plan
 
 __all__ = ["ring_attention", "ring_attention_on_chunks"]
 
@@ -34,33 +35,32 @@ _KV_TAG, _DKV_TAG = 0, 2
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, chunk_ids, causal, scale, kernel):
+    def forward(ctx, q, k, v, group, chunk_ids, causal, scale, kernel, mask):
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         q_ids = chunk_ids[rank]
         chunk = q.shape[2] // len(q_ids)
+        # The plan of every step, made once and replayed by the backward.
+        plans = [plan(q_ids, chunk_ids[(rank - step) % size], chunk, causal, mask, q.device) for step in range(size)]
         out, lse = new_accumulator(q)  # [B, H, S/P, D], [B, H, S/P] float32
         ring = RingExchange(group, _KV_TAG) if size > 1 else None
         kv = [k, v]  # [B, Hkv, S/P, D] each
         for step in range(size):
             if step + 1 < size:
                 ring.start(kv)
-            kv_ids = chunk_ids[(rank - step) % size]
-            blocks_forward(kernel, q, kv[0], kv[1], plan_blocks(q_ids, kv_ids, chunk, causal), scale, out, lse)
+            blocks_forward(kernel, q, kv[0], kv[1], plans[step], scale, out, lse)
             if step + 1 < size:
                 kv = ring.wait()
         del kv, ring  # frees the receive buffers before the caller's next layer
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, chunk_ids, causal, scale, kernel)
+        ctx.args = (group, scale, kernel, plans, chunk)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, chunk_ids, causal, scale, kernel = ctx.args
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        q_ids = chunk_ids[rank]
-        chunk = q.shape[2] // len(q_ids)
+        group, scale, kernel, plans, chunk = ctx.args
+        size = dist.get_world_size(group)
         dout = dout.contiguous()
         kv_ring = RingExchange(group, _KV_TAG) if size > 1 else None
         dkv_ring = RingExchange(group, _DKV_TAG) if size > 1 else None
@@ -68,18 +68,20 @@ class _RingAttention(torch.autograd.Function):
         for step in range(size):
             if step + 1 < size:
                 kv_ring.start(kv)
-            if step == 0:
+            if step == 0 and _whole(plans[0], q, k):
                 # The own block is one call over everything (Note [block plan]): its gradients start the
                 # accumulators, instead of zeros plus a copy.
-                (own,) = plan_blocks(q_ids, q_ids, chunk, causal)
-                dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal=own.causal, scale=scale)
+                dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal=plans[0][0].causal, scale=scale)
                 dq = dq.float()
                 dkv = [dk.float().contiguous(), dv.float().contiguous()]  # sent as they are
                 del dk, dv
             else:
-                dkv = dkv_ring.wait()  # partial sums for this source from the ranks before us
-                blocks = plan_blocks(q_ids, chunk_ids[(rank - step) % size], chunk, causal)
-                blocks_backward(kernel, dout, q, kv[0], kv[1], out, lse, blocks, scale, dq, dkv[0], dkv[1], chunk)
+                if step == 0:
+                    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+                    dkv = [torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2)]
+                else:
+                    dkv = dkv_ring.wait()  # partial sums for this source from the ranks before us
+                blocks_backward(kernel, dout, q, kv[0], kv[1], out, lse, plans[step], scale, dq, dkv[0], dkv[1], chunk)
             if step + 1 < size:
                 kv = kv_ring.wait()
             else:
@@ -89,7 +91,17 @@ class _RingAttention(torch.autograd.Function):
                 del dkv
         if size > 1:
             dkv = dkv_ring.wait()  # our own block, home after P hops
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
+
+
+def _whole(blocks, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether ``blocks`` is one unmasked call over all local queries and keys."""
+    return (
+        len(blocks) == 1
+        and blocks[0].mask is None
+        and (blocks[0].q.start, blocks[0].q.stop) == (0, q.shape[2])
+        and (blocks[0].kv.start, blocks[0].kv.stop) == (0, k.shape[2])
+    )
 
 
 def ring_attention(
@@ -102,6 +114,7 @@ def ring_attention(
     causal: bool,
     scale: float,
     kernel: AttentionKernel,
+    mask: SequenceMask | None = None,
 ) -> torch.Tensor:
     """Ring attention over ``group`` (Note [ring schedule]); inputs already validated.
 
@@ -110,6 +123,7 @@ def ring_attention(
         group: the ring (size P); SP rank ``i`` holds shard ``i`` of ``layout``.
         layout, causal, scale: as in ``seqpar.attention``.
         kernel: the local kernel.
+        mask: packed documents and sliding window (Note [masked tiles]), or None.
 
     Returns:
         ``[B, H, S/P, D]`` local output.
@@ -117,7 +131,7 @@ def ring_attention(
     size = dist.get_world_size(group)
     chunk_ids = tuple(rank_chunk_ids(layout, size, r) for r in range(size))
     return ring_attention_on_chunks(
-        q, k, v, group=group, chunk_ids=chunk_ids, causal=causal, scale=scale, kernel=kernel
+        q, k, v, group=group, chunk_ids=chunk_ids, causal=causal, scale=scale, kernel=kernel, mask=mask
     )
 
 
@@ -131,10 +145,11 @@ def ring_attention_on_chunks(
     causal: bool,
     scale: float,
     kernel: AttentionKernel,
+    mask: SequenceMask | None = None,
 ) -> torch.Tensor:
     """Ring attention where ring rank ``r`` holds the global chunks ``chunk_ids[r]`` (in local order).
 
     The general form behind ``ring_attention`` (one layout's chunks per rank) and the ring stage of hybrid
     attention (the chunks of a whole Ulysses group per ring rank).
     """
-    return _RingAttention.apply(q, k, v, group, chunk_ids, causal, scale, kernel)
+    return _RingAttention.apply(q, k, v, group, chunk_ids, causal, scale, kernel, mask)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from seqpar.comm import head_to_seq_shards, seq_to_head_shards
 from seqpar.kernels import AttentionKernel
 from seqpar.layout import natural_order_index, owner_order_index
+from seqpar.masking import SequenceMask
 from seqpar.strategies.local import local_attention
 
 __all__ = ["ulysses_attention"]
@@ -33,6 +34,7 @@ def ulysses_attention(
     causal: bool,
     scale: float,
     kernel: AttentionKernel,
+    mask: SequenceMask | None = None,
 ) -> torch.Tensor:
     """Ulysses attention over ``group`` (Note [ulysses heads]); inputs already validated.
 
@@ -41,6 +43,7 @@ def ulysses_attention(
         group: the all-to-all group (size P).
         layout, causal, scale: as in ``seqpar.attention``.
         kernel: the local kernel.
+        mask: packed documents and sliding window (Note [masked tiles]), or None.
 
     Returns:
         ``[B, H, S/P, D]`` local output.
@@ -53,5 +56,5 @@ def ulysses_attention(
     to_natural = natural_order_index(layout, size, q.device)
     to_owner = owner_order_index(layout, size, q.device)
     qh, kh, vh = (seq_to_head_shards(t, group, to_natural, to_owner) for t in (q, k, v))  # [B, H/P, S, D]
-    out = local_attention(qh, kh, vh, causal=causal, scale=scale, kernel=kernel)
+    out = local_attention(qh, kh, vh, causal=causal, scale=scale, kernel=kernel, mask=mask)
     return head_to_seq_shards(out, group, to_natural, to_owner)

@@ -1,0 +1,127 @@
+"""Masks beyond causal: packed documents (read from global position ids) and sliding windows.
+
+``SequenceMask`` describes the global sequence; the block planner turns it into skipped, plain and masked tiles.
+
+Note [documents from position ids]
+    Packed rows restart their position ids at 0 at every document start, and count up by one inside a
+    document. The global index of a token minus its position id is then the global index of the first
+    token of its document, and two tokens share a document exactly when those starts are equal. Every
+    rank learns the starts of the whole sequence from one all-gather of the (small, integer) position ids,
+    so every strategy can decide any (query, key) pair locally, and every rank checks the same table (an
+    invalid table raises the same error everywhere). The starts never decrease along the sequence, so
+    whether a tile is wholly inside one document, wholly across documents, or mixed, follows from the
+    starts at its corners.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from seqpar.comm.collectives import all_gather_first_dim
+from seqpar.errors import SeqparInputError
+from seqpar.layout import chunks_per_rank, natural_order_index, reorder_chunks
+from seqpar.mesh import as_sp_mesh
+
+__all__ = ["SequenceMask", "sequence_mask"]
+
+
+@dataclass(frozen=True)
+class SequenceMask:
+    """What a token may see besides the causal rule, over the global sequence.
+
+    ``starts`` and ``window`` combine: a query sees a key when both are in one document and, with a
+    window, when ``query_position - key_position < window`` (the Mistral convention: ``window`` keys,
+    itself included).
+    """
+
+    starts: torch.Tensor | None = None
+    """``[B, S]`` int64 on the CPU: global index of the first token of each token's document (natural
+    order), or None for one document per row."""
+    window: int | None = None
+    """Sliding-window size in tokens, or None for no window."""
+    max_position: int = 0
+    """Largest position id in the sequence (0 when built without position ids)."""
+
+    def with_window(self, window: int | None) -> SequenceMask:
+        """The same documents with another window."""
+        return SequenceMask(self.starts, window, self.max_position)
+
+    @property
+    def trivial(self) -> bool:
+        """True when the mask adds nothing to the causal rule."""
+        return self.starts is None and self.window is None
+
+
+def _gather_positions(local: torch.Tensor, mesh: object, layout: str) -> torch.Tensor:
+    """``[B, S]`` global position ids in natural order from every rank's ``[B, S/P]`` shard."""
+    sp = as_sp_mesh(mesh)
+    if sp.sp_size == 1:
+        return local
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(sp.sp_group) == "nccl" else None
+    gathered = all_gather_first_dim(local.movedim(1, 0).contiguous().to(device), sp.sp_group)  # [S, B]
+    gathered = reorder_chunks(gathered, 0, natural_order_index(layout, sp.sp_size, gathered.device))
+    return gathered.movedim(0, 1).cpu()
+
+
+def sequence_mask(
+    position_ids: torch.Tensor | None,
+    mesh: object = None,
+    *,
+    layout: str = "zigzag",
+    window: int | None = None,
+    batch_size: int | None = None,
+) -> SequenceMask:
+    """Build the mask of packed documents (Note [documents from position ids]) and an optional window.
+
+    Collective over the SP group when ``position_ids`` is given (one all-gather of the ids): call it on
+    every rank, once per batch, and hand the result to every attention call of the model.
+
+    Args:
+        position_ids: this rank's shard of the global position ids, ``[B, S/P]`` or ``[S/P]``, sharded with
+            ``layout`` (``seqpar.shard_batch`` makes them); None for one unpacked document per row.
+        mesh: the sequence-parallel mesh, group, or None for one process.
+        layout: the layout the ids were sharded with.
+        window: sliding-window size, or None.
+        batch_size: expected batch size of the ids (checked when given).
+
+    Returns:
+        A ``SequenceMask``; its ``starts`` is None when no row holds more than one document.
+
+    Raises:
+        SeqparInputError: ids that are not integers, negative ids, ids that neither count up by one nor
+            restart at 0, a window below 1 (the same error on every rank).
+    """
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise SeqparInputError(f"sliding window must be a positive integer or None, got {window!r}")
+    if position_ids is None:
+        return SequenceMask(None, window)
+    if position_ids.is_floating_point() or position_ids.dtype == torch.bool:
+        raise SeqparInputError(f"position_ids must be integers, got {position_ids.dtype}")
+    local = position_ids.long()
+    if local.dim() == 1:
+        local = local[None]
+    if local.dim() != 2:
+        raise SeqparInputError(f"position_ids must be [batch, seq] or [seq], got shape {tuple(position_ids.shape)}")
+    if local.shape[1] % chunks_per_rank(layout):
+        raise SeqparInputError(f"position_ids length {local.shape[1]} does not divide into the {layout} layout")
+    full = _gather_positions(local, mesh, layout).cpu()  # [B, S], the same on every rank
+    if batch_size is not None and full.shape[0] not in (1, batch_size):
+        raise SeqparInputError(f"position_ids batch {full.shape[0]} does not match the batch {batch_size}")
+    if (full < 0).any():
+        raise SeqparInputError("position_ids must not be negative")
+    steps = full[:, 1:] - full[:, :-1]
+    bad = ~((steps == 1) | (full[:, 1:] == 0))
+    if bad.any():
+        b, i = (int(x) for x in bad.nonzero()[0])
+        raise SeqparInputError(
+            f"position_ids must count up by 1 inside a document and restart at 0 at a document start (global "
+            f"position ids from seqpar.shard_batch); row {b} goes {int(full[b, i])} -> {int(full[b, i + 1])} at "
+            f"global token {i + 1}"
+        )
+    index = torch.arange(full.shape[1])
+    starts = index - full
+    packed = bool((full[:, 1:] == 0).any())
+    return SequenceMask(starts if packed else None, window, int(full.max()))
