@@ -63,7 +63,9 @@ def _check(rank, world_size, mesh, strategy, layout, batch, heads, kv_heads, pos
         mask = seqpar.sequence_mask(local_pos, mesh, layout=layout, window=window)
         out = seqpar.attention(ql, kl, vl, mesh=mesh, strategy=strategy, layout=layout, mask=mask)
     else:
-        out = seqpar.attention(ql, kl, vl, mesh=mesh, strategy=strategy, layout=layout, position_ids=local_pos, window=window)
+        out = seqpar.attention(
+            ql, kl, vl, mesh=mesh, strategy=strategy, layout=layout, position_ids=local_pos, window=window
+        )
     out.backward(dout[:, :, idx])
     what = f"{strategy} {layout} B={batch} H={heads}/{kv_heads} window={window} P={world_size}"
     refs = (want, qr.grad, kr.grad, vr.grad)
