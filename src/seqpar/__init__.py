@@ -1,17 +1,22 @@
 """seqpar: sequence parallelism for long-context transformer training (Ulysses, ring, all-gather attention).
 
-The public API: ``make_mesh``, ``shard_sequence``, ``gather_sequence``, ``position_ids``, ``attention``.
+Attention: ``make_mesh``, ``shard_sequence``, ``attention``.
+Models: ``prepare_model``, ``shard_batch``, ``cross_entropy``.
 """
 
 from seqpar.api import attention, resolve_strategy
+from seqpar.data import IGNORE_INDEX, pack_documents, shard_batch
 from seqpar.errors import SeqparInputError
+from seqpar.integrations.transformers import prepare_model
 from seqpar.kernels import select_kernel
 from seqpar.layout import LAYOUTS, gather_sequence, position_ids, shard_sequence
+from seqpar.loss import count_valid_tokens, cross_entropy, lm_head_cross_entropy, reduce_gradients, sum_over
 from seqpar.masking import SequenceMask, sequence_mask
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh, make_mesh
 from seqpar.validation import STRATEGIES
 
 __all__ = [
+    "IGNORE_INDEX",
     "LAYOUTS",
     "STRATEGIES",
     "SeqparInputError",
@@ -19,13 +24,21 @@ __all__ = [
     "SequenceParallelMesh",
     "as_sp_mesh",
     "attention",
+    "count_valid_tokens",
+    "cross_entropy",
     "gather_sequence",
+    "lm_head_cross_entropy",
     "make_mesh",
+    "pack_documents",
     "position_ids",
+    "prepare_model",
+    "reduce_gradients",
     "resolve_strategy",
     "select_kernel",
     "sequence_mask",
+    "shard_batch",
     "shard_sequence",
+    "sum_over",
 ]
 
 __version__ = "0.1.0"

@@ -1,0 +1,174 @@
+"""Hugging Face transformers models under sequence parallelism, through transformers' ``AttentionInterface``.
+
+``prepare_model`` switches a model's attention to seqpar; the model is then called on ``seqpar.shard_batch`` shards.
+
+Note [transformers integration]
+    seqpar registers one attention function under the name "seqpar" with ``AttentionInterface.register`` and
+    sets the model's attention implementation to it. No mask function is registered for that name, so the
+    model builds no (local, and therefore wrong) 4-D mask: causality, packed documents and sliding windows
+    are applied by seqpar over global positions. A forward pre-hook on the model (a documented
+    ``nn.Module`` hook, no patching) checks each call, builds the ``SequenceMask`` once per forward from the
+    global position ids (one small all-gather), and hands the mesh, strategy and mask to every attention
+    layer through the keyword arguments transformers already forwards to attention functions. The model's
+    own code, weights and RoPE run unchanged on the local shard with global position ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from seqpar.api import attention
+from seqpar.errors import SeqparInputError
+from seqpar.masking import SequenceMask, sequence_mask
+from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
+from seqpar.validation import STRATEGIES
+
+__all__ = ["ATTENTION_NAME", "prepare_model"]
+
+ATTENTION_NAME = "seqpar"
+_CONTEXT_KEY = "seqpar_context"
+_HOOK_ATTR = "_seqpar_forward_hook"
+
+
+@dataclass(frozen=True)
+class _Context:
+    mesh: SequenceParallelMesh
+    strategy: str
+    layout: str
+    kernel: str
+    mask: SequenceMask
+
+
+def _seqpar_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function: ``[B, H, S/P, D]`` in, ``([B, S/P, H, D], None)`` out."""
+    ctx = kwargs.get(_CONTEXT_KEY)
+    if ctx is None:
+        raise SeqparInputError(
+            "seqpar attention was called without its context: call the model prepared by seqpar.prepare_model "
+            "(its forward hook supplies the mesh and mask), not one of its submodules"
+        )
+    if dropout:
+        raise SeqparInputError(f"seqpar attention does not implement attention dropout ({dropout}); set it to 0")
+    if kwargs.get("softcap") is not None:
+        raise SeqparInputError("seqpar attention does not implement attention logit soft-capping")
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise SeqparInputError("seqpar attention does not implement attention sinks")
+    out = attention(
+        query,
+        key,
+        value,
+        mesh=ctx.mesh,
+        strategy=ctx.strategy,
+        causal=bool(getattr(module, "is_causal", True)),
+        layout=ctx.layout,
+        scale=scaling,
+        kernel=ctx.kernel,
+        window=kwargs.get("sliding_window"),
+        mask=ctx.mask,
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _unsupported_reason(model: torch.nn.Module) -> str | None:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "_attn_implementation"):
+        return "it is not a transformers PreTrainedModel"
+    if not getattr(model, "_supports_attention_backend", False):
+        return (
+            f"{type(model).__name__} does not route attention through transformers' AttentionInterface "
+            "(its _supports_attention_backend is False)"
+        )
+    if getattr(config, "is_encoder_decoder", False):
+        return "encoder-decoder models (cross-attention) are not supported"
+    for name in ("attn_logit_softcapping",):
+        if getattr(config, name, None) is not None:
+            return f"its config sets {name}, which seqpar attention does not implement"
+    if getattr(config, "attention_dropout", 0.0):
+        return f"its attention_dropout is {config.attention_dropout}; seqpar attention has no dropout (set it to 0)"
+    return None
+
+
+def prepare_model(
+    model: torch.nn.Module,
+    mesh: object,
+    *,
+    strategy: str = "auto",
+    layout: str = "zigzag",
+    kernel: str = "auto",
+) -> torch.nn.Module:
+    """Make a transformers model run sequence-parallel attention (Note [transformers integration]).
+
+    Idempotent: preparing again replaces the settings. Call the model on ``seqpar.shard_batch`` shards as
+    ``model(input_ids=shard["input_ids"], position_ids=shard["position_ids"])`` and compute the loss with
+    ``seqpar.cross_entropy`` on its logits.
+
+    Args:
+        model: a transformers model whose attention goes through ``AttentionInterface`` (Llama, Qwen2/3,
+            Mistral, Gemma 3, ...).
+        mesh: a ``SequenceParallelMesh`` (``seqpar.make_mesh``), the SP ProcessGroup, or None.
+        strategy: as in ``seqpar.attention``.
+        layout: the layout ``shard_batch`` used.
+        kernel: local kernel, as in ``seqpar.attention``.
+
+    Returns:
+        The same model object.
+
+    Raises:
+        SeqparInputError: a model whose attention seqpar cannot serve (with the reason), or an unknown
+            strategy.
+    """
+    from transformers import AttentionInterface
+
+    reason = _unsupported_reason(model)
+    if reason is not None:
+        raise SeqparInputError(f"seqpar cannot serve this model's attention: {reason}")
+    if strategy not in STRATEGIES:
+        raise SeqparInputError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
+    sp = as_sp_mesh(mesh)
+    AttentionInterface.register(ATTENTION_NAME, _seqpar_attention)
+    model.set_attn_implementation(ATTENTION_NAME)
+    if model.config._attn_implementation != ATTENTION_NAME:
+        raise SeqparInputError(f"{type(model).__name__} refused the attention implementation {ATTENTION_NAME!r}")
+    old = getattr(model, _HOOK_ATTR, None)
+    if old is not None:
+        old.remove()
+    max_positions = getattr(model.config, "max_position_embeddings", None)
+
+    def check_and_inject(module, args, kwargs):
+        if args:
+            raise SeqparInputError("call a seqpar-prepared model with keywords: model(input_ids=..., position_ids=...)")
+        if kwargs.get("position_ids") is None:
+            raise SeqparInputError(
+                "a seqpar-prepared model needs position_ids (the global positions of this rank's tokens, from "
+                "seqpar.shard_batch); without them RoPE would use local positions"
+            )
+        if kwargs.get("labels") is not None:
+            raise SeqparInputError(
+                "do not pass labels to a seqpar-prepared model: it would shift them again inside its shard; "
+                "compute seqpar.cross_entropy(logits, shard['shift_labels'], mesh) instead"
+            )
+        attention_mask = kwargs.get("attention_mask")
+        if attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()):
+            raise SeqparInputError(
+                "seqpar reads documents and padding from position_ids and shift_labels; drop attention_mask "
+                "(shard_batch already masks padding out of the loss)"
+            )
+        if kwargs.get("use_cache"):
+            raise SeqparInputError("seqpar-prepared models train without a KV cache; pass use_cache=False")
+        kwargs["use_cache"] = False
+        kwargs.pop("attention_mask", None)
+        batch = kwargs["input_ids"].shape[0] if kwargs.get("input_ids") is not None else None
+        mask = sequence_mask(kwargs["position_ids"], sp, layout=layout, batch_size=batch)
+        if max_positions is not None and mask.max_position >= max_positions:
+            raise SeqparInputError(
+                f"position id {mask.max_position} is beyond the model's max_position_embeddings ({max_positions}); "
+                "use shorter sequences or documents"
+            )
+        kwargs[_CONTEXT_KEY] = _Context(sp, strategy, layout, kernel, mask)
+        return args, kwargs
+
+    handle = model.register_forward_pre_hook(check_and_inject, with_kwargs=True)
+    setattr(model, _HOOK_ATTR, handle)
+    return model

@@ -1,0 +1,161 @@
+"""Cross-entropy over a sequence (and data) parallel group, normalised by the global count of valid tokens.
+
+The per-rank losses sum to the loss of the whole global batch, so gradients summed over ranks are exact.
+
+Note [global token normalisation]
+    Each rank returns ``sum of its token losses / N``, where N is the number of valid (not ignored) tokens
+    in the whole global batch: every rank of the group, and every micro-batch of the optimizer step when
+    accumulating gradients (pass ``num_valid_tokens`` from ``count_valid_tokens`` over the step's
+    micro-batches). Summing these over ranks and micro-batches gives the mean token loss of the step, and
+    summing the parameter gradients over ranks (``reduce_gradients``) gives its exact gradient, with no
+    factor of the SP degree or the accumulation count. A rank with no valid token contributes 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from seqpar.data import IGNORE_INDEX
+from seqpar.errors import SeqparInputError
+
+__all__ = ["count_valid_tokens", "cross_entropy", "lm_head_cross_entropy", "reduce_gradients", "sum_over"]
+
+
+def _group_of(mesh: object) -> dist.ProcessGroup | None:
+    """The group the loss is normalised over: a ProcessGroup, a mesh's SP group, or None."""
+    if mesh is None or isinstance(mesh, dist.ProcessGroup):
+        return mesh
+    from seqpar.mesh import as_sp_mesh
+
+    return as_sp_mesh(mesh).sp_group
+
+
+def sum_over(value: torch.Tensor, group: object) -> torch.Tensor:
+    """Sum a (detached) tensor over ``group`` (a ProcessGroup, a mesh -> its SP group, or None)."""
+    group = _group_of(group)
+    value = value.detach().clone()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(value, group=group)
+    return value
+
+
+def count_valid_tokens(
+    labels: torch.Tensor | Iterable[torch.Tensor], group: object = None, ignore_index: int = IGNORE_INDEX
+) -> int:
+    """Valid tokens in ``labels`` (one tensor or several micro-batches) summed over ``group`` (collective)."""
+    tensors = [labels] if isinstance(labels, torch.Tensor) else list(labels)
+    local = sum(int((t != ignore_index).sum()) for t in tensors)
+    return int(sum_over(torch.tensor(local, dtype=torch.int64), group))
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    shift_labels: torch.Tensor,
+    group: object = None,
+    *,
+    num_valid_tokens: int | None = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """This rank's share of the mean token cross-entropy of the global batch (Note [global token normalisation]).
+
+    Args:
+        logits: ``[B, S/P, V]`` this rank's logits (any float dtype; computed in float32).
+        shift_labels: ``[B, S/P]`` from ``seqpar.shard_batch`` (already shifted; never shift them again).
+        group: ranks whose tokens share the normaliser: a ProcessGroup (e.g. dp x sp), a mesh (its SP
+            group), or None for one process. Ignored when ``num_valid_tokens`` is given.
+        num_valid_tokens: the global count of valid tokens of the whole optimizer step; default: counted
+            over ``group`` for this micro-batch (one small all-reduce).
+        ignore_index: label value that is not a token to predict.
+
+    Returns:
+        A scalar; its sum over the group's ranks (and the step's micro-batches) is the mean token loss.
+
+    Raises:
+        SeqparInputError: shapes that do not match.
+    """
+    if logits.shape[:-1] != shift_labels.shape:
+        raise SeqparInputError(f"logits {tuple(logits.shape)} and labels {tuple(shift_labels.shape)} do not match")
+    if num_valid_tokens is None:
+        num_valid_tokens = count_valid_tokens(shift_labels, group, ignore_index)
+    total = F.cross_entropy(
+        logits.flatten(0, -2).float(), shift_labels.flatten(), ignore_index=ignore_index, reduction="sum"
+    )
+    return total / max(num_valid_tokens, 1)
+
+
+def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, bias, labels: torch.Tensor, ignore_index: int):
+    logits = F.linear(hidden, weight, bias).float()  # [chunk, V]
+    return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
+
+
+def lm_head_cross_entropy(
+    hidden: torch.Tensor,
+    lm_head: torch.nn.Linear,
+    shift_labels: torch.Tensor,
+    group: object = None,
+    *,
+    chunk_size: int = 1024,
+    num_valid_tokens: int | None = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """``cross_entropy(lm_head(hidden), ...)`` without ever holding the whole ``[S/P, V]`` logits block.
+
+    The tokens are cut into ``chunk_size`` pieces; each piece's logits are made, reduced to a loss and
+    dropped, and made again in the backward (activation checkpointing per piece), so the logits alive at
+    any time are ``chunk_size x V`` floats.
+
+    Args:
+        hidden: ``[B, S/P, hidden]`` final hidden states.
+        lm_head: the output projection (``weight`` ``[V, hidden]``, optional ``bias``).
+        shift_labels, group, num_valid_tokens, ignore_index: as in ``cross_entropy``.
+        chunk_size: tokens per piece.
+
+    Returns:
+        The same scalar as ``cross_entropy`` (equal up to float summation order).
+    """
+    if hidden.shape[:-1] != shift_labels.shape:
+        raise SeqparInputError(f"hidden {tuple(hidden.shape)} and labels {tuple(shift_labels.shape)} do not match")
+    if num_valid_tokens is None:
+        num_valid_tokens = count_valid_tokens(shift_labels, group, ignore_index)
+    flat_hidden = hidden.flatten(0, -2)
+    flat_labels = shift_labels.flatten()
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, flat_labels.numel(), chunk_size):
+        piece = slice(start, start + chunk_size)
+        total = total + checkpoint(
+            _chunk_loss,
+            flat_hidden[piece],
+            lm_head.weight,
+            lm_head.bias,
+            flat_labels[piece],
+            ignore_index,
+            use_reentrant=False,
+        )
+    return total / max(num_valid_tokens, 1)
+
+
+def reduce_gradients(parameters: Iterable[torch.nn.Parameter], group: object) -> None:
+    """Sum the gradients of replicated parameters over ``group`` in place (one flat all-reduce per dtype).
+
+    Use it over the SP group (or dp x sp) when the model is not wrapped in DDP/FSDP; with the losses of
+    Note [global token normalisation] the result is the exact gradient of the global batch.
+    """
+    group = _group_of(group)
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    grads = [p.grad for p in parameters if p.grad is not None]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for same in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in same])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for g in same:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()

@@ -1,0 +1,71 @@
+"""shard_batch, pack_documents and the losses on one process: labels, padding, documents, chunked logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import seqpar
+from seqpar import IGNORE_INDEX
+from seqpar.errors import SeqparInputError
+
+
+def test_labels_shift_before_sharding_and_stop_at_document_ends():
+    ids = torch.arange(10, 22)[None]  # 12 tokens
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4]])
+    full = seqpar.shard_batch({"input_ids": ids, "position_ids": positions}, None)
+    want = torch.tensor([[11, 12, 13, IGNORE_INDEX, 15, 16, IGNORE_INDEX, 18, 19, 20, 21, IGNORE_INDEX]])
+    assert torch.equal(full["shift_labels"], want)
+    assert torch.equal(full["position_ids"], positions)
+    # explicit labels are shifted the same way; ignored labels stay ignored
+    labels = ids.clone()
+    labels[0, 2] = IGNORE_INDEX
+    got = seqpar.shard_batch({"input_ids": ids, "labels": labels}, None)["shift_labels"]
+    assert got[0, 1] == IGNORE_INDEX and got[0, 0] == 11 and got[0, -1] == IGNORE_INDEX
+    # shift_labels are taken as they are
+    assert torch.equal(seqpar.shard_batch({"input_ids": ids, "shift_labels": want}, None)["shift_labels"], want)
+
+
+def test_right_padding_and_layout_padding():
+    ids = torch.arange(1, 8)[None]  # 7 tokens; the last two are padding
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0, 0]])
+    shard = seqpar.shard_batch({"input_ids": ids, "attention_mask": mask}, None, layout="zigzag")
+    assert shard["input_ids"].shape == (1, 8)  # padded to a multiple of 2 chunks
+    assert shard["shift_labels"].tolist() == [[2, 3, 4, 5, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]]
+    assert shard["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5, 6, 0]]  # layout padding is its own document
+    with pytest.raises(SeqparInputError, match="only right padding"):
+        seqpar.shard_batch({"input_ids": ids, "attention_mask": mask.flip(1)}, None)
+    with pytest.raises(SeqparInputError, match="labels look shifted already"):
+        seqpar.shard_batch({"input_ids": ids, "labels": torch.roll(ids, -1, 1)}, None)
+    with pytest.raises(SeqparInputError, match="must match input_ids"):
+        seqpar.shard_batch({"input_ids": ids, "labels": ids[:, :3]}, None)
+    with pytest.raises(SeqparInputError, match="needs 'input_ids'"):
+        seqpar.shard_batch({"labels": ids}, None)
+
+
+def test_pack_documents_restarts_positions_and_splits_long_documents():
+    rows = seqpar.pack_documents([[1, 2, 3], [4, 5, 6, 7, 8], [9]], seq_len=4)
+    assert [r["input_ids"].tolist() for r in rows] == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 0, 0, 0]]
+    assert [r["position_ids"].tolist() for r in rows] == [[0, 1, 2, 0], [0, 1, 2, 3], [0, 0, 1, 2]]
+    assert rows[-1]["attention_mask"].tolist() == [1, 0, 0, 0]
+    assert len(seqpar.pack_documents([[1, 2, 3], [4, 5, 6, 7, 8], [9]], seq_len=4, drop_last=True)) == 2
+
+
+def test_chunked_lm_head_loss_equals_full_logits_loss():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50)
+    hidden = torch.randn(2, 24, 16, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 24))
+    labels[0, :5] = IGNORE_INDEX
+    full = seqpar.cross_entropy(head(hidden), labels)
+    full.backward()
+    grads = [hidden.grad.clone(), head.weight.grad.clone()]
+    hidden.grad = None
+    head.weight.grad = None
+    chunked = seqpar.lm_head_cross_entropy(hidden, head, labels, chunk_size=7)
+    chunked.backward()
+    torch.testing.assert_close(chunked, full, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(hidden.grad, grads[0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(head.weight.grad, grads[1], atol=1e-6, rtol=1e-5)
+    # no valid token: zero, not NaN
+    assert seqpar.cross_entropy(torch.randn(1, 3, 50), torch.full((1, 3), IGNORE_INDEX)).item() == 0.0

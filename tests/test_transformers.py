@@ -1,0 +1,200 @@
+"""Hugging Face models (tiny Llama, Qwen2, Mistral with a sliding window, built from configs) under seqpar.
+
+Sharded logits and loss equal the unsharded model's; 5 AdamW steps (with gradient accumulation and clipping)
+equal one process; packed documents stay apart; bad input raises on every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+import transformers
+
+import seqpar
+from seqpar.errors import SeqparInputError
+from tests._dist import run_ranks, shard_index
+
+ATOL, RTOL = 2e-5, 1e-4
+SEQ = 48  # divides 2P for P = 1..4
+VOCAB = 96
+
+
+def tiny_config(kind: str):
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    if kind == "llama":
+        return transformers.LlamaConfig(**common)
+    if kind == "qwen2":
+        return transformers.Qwen2Config(**common)
+    if kind == "mistral":
+        return transformers.MistralConfig(**common, sliding_window=7)
+    raise ValueError(kind)
+
+
+def build(kind: str, seed: int = 0):
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(tiny_config(kind), attn_implementation="eager").eval()
+
+
+def tokens(batch: int, seq: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def strategies_for(world_size: int) -> list[str]:
+    return ["ring", "allgather", "auto"] + (["ulysses"] if 4 % world_size == 0 else [])
+
+
+def _logits_and_loss(rank, world_size, mesh):
+    for kind, strategy in itertools.product(("llama", "qwen2", "mistral"), strategies_for(world_size)):
+        ref = build(kind)
+        model = seqpar.prepare_model(copy.deepcopy(ref), mesh, strategy=strategy)
+        ids = tokens(2, SEQ, 1)
+        with torch.no_grad():
+            want = ref(input_ids=ids, labels=ids)
+            shard = seqpar.shard_batch({"input_ids": ids}, mesh)
+            logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+            loss = seqpar.sum_over(seqpar.cross_entropy(logits, shard["shift_labels"], mesh), mesh)
+        idx = shard_index("zigzag", world_size, rank, SEQ)
+        what = f"{kind} {strategy} P={world_size}"
+        torch.testing.assert_close(logits, want.logits[:, idx], atol=ATOL, rtol=RTOL, msg=lambda m, w=what: f"{w}: {m}")
+        torch.testing.assert_close(loss, want.loss, atol=ATOL, rtol=RTOL, msg=lambda m, w=what: f"{w} loss: {m}")
+
+
+def _packing(rank, world_size, mesh):
+    lengths = (13, 21, 14)  # edges at 13 and 34: inside shards and chunks at every P
+    starts = [0, 13, 34]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    ids = tokens(1, SEQ, 2)
+    changed = ids.clone()
+    changed[:, :13] = tokens(1, 13, 3)  # document A only
+    idx = shard_index("zigzag", world_size, rank, SEQ)
+    for kind, strategy in itertools.product(("llama", "mistral"), strategies_for(world_size)):
+        ref = build(kind)
+        model = seqpar.prepare_model(copy.deepcopy(ref), mesh, strategy=strategy)
+        with torch.no_grad():
+            alone = torch.cat(
+                [ref(input_ids=ids[:, s : s + n]).logits for s, n in zip(starts, lengths)], dim=1
+            )  # [1, SEQ, V]: each document run by itself
+            outs = []
+            for row in (ids, changed):
+                shard = seqpar.shard_batch({"input_ids": row, "position_ids": positions}, mesh)
+                outs.append(model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits)
+        what = f"packing {kind} {strategy} P={world_size}"
+        torch.testing.assert_close(outs[0], alone[:, idx], atol=ATOL, rtol=RTOL, msg=lambda m, w=what: f"{w}: {m}")
+        not_a = idx >= 13
+        assert not_a.any() and torch.equal(outs[0][:, not_a], outs[1][:, not_a]), what
+        if (~not_a).any():
+            assert not torch.allclose(outs[0][:, ~not_a], outs[1][:, ~not_a]), f"{what}: doc A did not change"
+
+
+def _train(model, micro_batches, mesh, steps, accumulation, sharded):
+    """AdamW steps; returns per-step losses and gradient norms (pre-clip)."""
+    # eps 1e-6: Adam divides by sqrt(v) + eps, which amplifies float rounding of near-zero gradients
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-6)
+    losses, norms = [], []
+    for step in range(steps):
+        group = micro_batches[step * accumulation : (step + 1) * accumulation]
+        if sharded:
+            shards = [seqpar.shard_batch(b, mesh) for b in group]
+            total = seqpar.count_valid_tokens([s["shift_labels"] for s in shards], mesh)
+        else:
+            total = sum(int((b["input_ids"][:, 1:] >= 0).sum()) for b in group)
+        step_loss = torch.zeros(())
+        for b, shard in zip(group, shards if sharded else group):
+            if sharded:
+                logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+                loss = seqpar.cross_entropy(logits, shard["shift_labels"], num_valid_tokens=total)
+            else:
+                logits = model(input_ids=b["input_ids"]).logits[:, :-1]
+                labels = b["input_ids"][:, 1:]
+                loss = (
+                    torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / total
+                )
+            loss.backward()
+            step_loss += loss.detach()
+        if sharded:
+            seqpar.reduce_gradients(model.parameters(), mesh)
+            step_loss = seqpar.sum_over(step_loss, mesh)
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5))
+        losses.append(step_loss)
+        opt.step()
+        opt.zero_grad()
+    return torch.stack(losses), torch.stack(norms)
+
+
+def _training(rank, world_size, mesh):
+    steps = 5
+    for accumulation in (1, 2):
+        batches = [{"input_ids": tokens(2, SEQ, 10 + i)} for i in range(steps * accumulation)]
+        ref = build("llama").train()
+        model = seqpar.prepare_model(copy.deepcopy(ref), mesh, strategy="ring").train()
+        want_losses, want_norms = _train(ref, batches, mesh, steps, accumulation, sharded=False)
+        losses, norms = _train(model, batches, mesh, steps, accumulation, sharded=True)
+        assert (want_norms > 0.5).all(), "clipping must be active for this test to mean anything"
+        torch.testing.assert_close(losses, want_losses, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(norms, want_norms, atol=1e-5, rtol=1e-5)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(
+                p, q, atol=1e-5, rtol=1e-5, msg=lambda m, n=name, a=accumulation: f"accum {a} {n}: {m}"
+            )
+
+
+def _bad_input(rank, world_size, mesh):
+    model = seqpar.prepare_model(build("llama"), mesh)
+    assert seqpar.prepare_model(model, mesh, strategy="ring") is model  # idempotent
+    ids = tokens(1, SEQ, 4)
+    shard = seqpar.shard_batch({"input_ids": ids}, mesh)
+    with pytest.raises(SeqparInputError, match="needs position_ids"):
+        model(input_ids=shard["input_ids"])
+    with pytest.raises(SeqparInputError, match="do not pass labels"):
+        model(input_ids=shard["input_ids"], position_ids=shard["position_ids"], labels=shard["input_ids"])
+    with pytest.raises(SeqparInputError, match="labels look shifted already"):
+        seqpar.shard_batch({"input_ids": ids, "labels": torch.roll(ids, -1, dims=1)}, mesh)
+    with pytest.raises(SeqparInputError, match="max_position_embeddings"):
+        long_ids = tokens(1, 64 + 2 * world_size, 5)
+        long = seqpar.shard_batch({"input_ids": long_ids}, mesh)
+        model(input_ids=long["input_ids"], position_ids=long["position_ids"])
+    with pytest.raises(SeqparInputError, match="count up by 1"):
+        bad = shard["position_ids"].clone()
+        if rank == 0:
+            bad[0, 1] = 5  # one rank's ids are broken: every rank raises
+        model(input_ids=shard["input_ids"], position_ids=bad)
+    softcapped = transformers.Gemma2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
+    with pytest.raises(SeqparInputError, match="attn_logit_softcapping"):
+        seqpar.prepare_model(transformers.AutoModelForCausalLM.from_config(softcapped), mesh)
+    # the group still works after every error
+    out = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+    assert out.shape == (1, SEQ // world_size, VOCAB)
+
+
+def _worker(rank, world_size):
+    mesh = seqpar.make_mesh()
+    _logits_and_loss(rank, world_size, mesh)
+    _packing(rank, world_size, mesh)
+    if world_size == 2:
+        _training(rank, world_size, mesh)
+        _bad_input(rank, world_size, mesh)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_transformers_models_under_seqpar(world_size):
+    run_ranks(world_size, _worker)
