@@ -1,7 +1,8 @@
-"""The ``seqpar`` command line: ``seqpar demo`` runs sequence-parallel attention on spawned CPU ranks.
+"""The ``seqpar`` command line: ``seqpar train`` trains a model with the sequence split over ranks.
 
-seqpar demo                 # 2 gloo ranks, every strategy, checked against one device
-seqpar demo --ranks 3 --seq 3072 --heads 6
+seqpar train                                   # embedded demo: passkey retrieval, 2 CPU ranks, a few minutes
+seqpar train --model ./my-llama --data a.jsonl --seq-len 32768 --sp 8    # under torchrun on GPUs
+seqpar demo                                    # every attention strategy on 2 CPU ranks vs one device
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import seqpar
+from seqpar.errors import SeqparInputError
+from seqpar.train.config import build_parser, config_from_args
+from seqpar.train.launch import launch
 
 
 def _demo_rank(rank: int, args: argparse.Namespace, store: str) -> None:
@@ -82,9 +86,24 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--heads", type=int, default=8, help="query heads")
     demo.add_argument("--kv-heads", type=int, default=2, help="key/value heads (grouped-query attention)")
     demo.add_argument("--head-dim", type=int, default=64, help="head dimension")
+    train = sub.add_parser(
+        "train",
+        help="train a model with the sequence split over ranks (no arguments: the embedded CPU demo)",
+        description="Train a causal language model with sequence parallelism. Without arguments it runs the "
+        "embedded demo: a small Llama learns passkey retrieval with each sequence split over 2 spawned CPU "
+        "ranks. Under torchrun it uses the ranks torchrun started (NCCL on GPUs). Settings come from the "
+        "defaults, then --config, then the flags.",
+    )
+    build_parser(train)
     args = parser.parse_args(argv)
     if args.command == "demo":
         return _demo(args)
+    if args.command == "train":
+        try:
+            return launch(config_from_args(args))
+        except SeqparInputError as error:
+            print(f"seqpar train: {error}", file=sys.stderr)
+            return 2
     return 2
 
 

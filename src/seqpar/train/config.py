@@ -1,0 +1,209 @@
+"""Everything ``seqpar train`` can be told, as one dataclass: defaults, then a config file, then flags.
+
+The defaults are the embedded demo: a small Llama learning passkey retrieval with the sequence over 2 CPU ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field, fields
+
+from seqpar.errors import SeqparInputError
+from seqpar.validation import STRATEGIES
+
+__all__ = ["TrainConfig", "build_parser", "config_from_args"]
+
+
+@dataclass
+class TrainConfig:
+    """One training run. Every field is a ``--flag`` (underscores become dashes) and a config-file key."""
+
+    # --- model and data
+    model: str | None = None
+    """Local Hugging Face model directory (config.json, optional weights) or a config.json file; default: a
+    small Llama built from an embedded config (random weights)."""
+    tokenizer: str | None = None
+    """Local tokenizer directory; default: the model directory's tokenizer, else seqpar's byte tokenizer."""
+    data: list[str] = field(default_factory=list)
+    """Local .txt / .jsonl / .json / .parquet files, packed into rows of seq_len tokens with document
+    boundaries kept; default: the synthetic passkey-retrieval task."""
+    text_field: str = "text"
+    """Column holding the text in JSONL/JSON/Parquet files."""
+    hidden_size: int = 128
+    """Width of the embedded default model."""
+    layers: int = 2
+    """Layers of the embedded default model."""
+    heads: int = 4
+    """Attention heads of the embedded default model (KV heads: half of them)."""
+
+    # --- parallelism
+    strategy: str = "auto"
+    """Attention strategy: ulysses, ring, allgather, hybrid or auto."""
+    sp: int = 2
+    """Sequence-parallel degree (ranks that share one sequence)."""
+    ulysses: int = 1
+    """Ulysses degree inside sp (hybrid: ulysses x ring); must divide sp."""
+    dp: int = 1
+    """Data-parallel degree; the world size must equal dp x sp."""
+    tp: int = 1
+    """Tensor-parallel degree (only 1 is supported by the trainer so far)."""
+    nproc: int | None = None
+    """Ranks to spawn on this machine when not started by torchrun; default dp x sp."""
+
+    # --- optimisation
+    seq_len: int = 512
+    """Tokens per training sequence (the whole sequence, before it is split over sp ranks)."""
+    batch_size: int = 8
+    """Sequences per optimizer step and data-parallel replica, over all micro-batches."""
+    grad_accum: int = 2
+    """Micro-batches per optimizer step (batch_size must divide by it)."""
+    steps: int = 200
+    """Optimizer steps."""
+    lr: float = 3e-3
+    """Peak learning rate (AdamW)."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of lr (cosine schedule)."""
+    warmup_steps: int = 20
+    """Linear warm-up steps."""
+    lr_schedule: str = "cosine"
+    """cosine, linear or constant (after warm-up)."""
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0: no clipping)."""
+    precision: str = "fp32"
+    """fp32 or bf16 (bf16 autocast; parameters and optimizer state stay fp32)."""
+    activation_checkpointing: bool = False
+    """Recompute each layer's activations in the backward instead of keeping them."""
+    seed: int = 0
+    """Seed of the model initialisation and of the synthetic data."""
+
+    # --- run directory, logging, checkpoints, evaluation
+    run_dir: str | None = None
+    """Where config, metrics, TensorBoard logs, plots and checkpoints go; default runs/<date-time>."""
+    log_every: int = 10
+    """Steps between metric lines (metrics.jsonl and TensorBoard get every step)."""
+    save_every: int = 100
+    """Steps between checkpoints (and one at the end; 0: only at the end)."""
+    resume: str | None = None
+    """Checkpoint directory to resume from, or "auto" for the latest complete one in run_dir."""
+    stop_at: int | None = None
+    """Save a checkpoint and stop after this step (the schedule still counts to steps)."""
+    eval_examples: int = 32
+    """Held-out passkey examples per evaluated length."""
+    eval_lengths: list[int] = field(default_factory=list)
+    """Sequence lengths to evaluate at; default: seq_len and 2 x seq_len (never trained on)."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+
+    def validate(self) -> None:
+        """Raise ``SeqparInputError`` for settings that cannot work, before any rank starts."""
+        problems = []
+        if self.strategy not in STRATEGIES:
+            problems.append(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        for name in ("sp", "ulysses", "dp", "tp", "seq_len", "batch_size", "grad_accum", "steps"):
+            if getattr(self, name) < 1:
+                problems.append(f"--{name.replace('_', '-')} must be at least 1")
+        if self.tp != 1:
+            problems.append("--tp > 1 is not supported by seqpar train yet (use the library with torch TP)")
+        if self.ulysses >= 1 and self.sp >= 1 and self.sp % self.ulysses:
+            problems.append(f"--ulysses {self.ulysses} must divide --sp {self.sp}")
+        world = self.nproc if self.nproc is not None else self.dp * self.sp
+        if world is not None and self.dp * self.sp != world:
+            problems.append(
+                f"--dp {self.dp} x --sp {self.sp} = {self.dp * self.sp} does not match the {world} ranks "
+                f"(valid sp for {world} ranks: {[d for d in range(1, world + 1) if world % d == 0]} with dp = "
+                f"{world} / sp)"
+            )
+        if self.batch_size >= 1 and self.grad_accum >= 1 and self.batch_size % self.grad_accum:
+            problems.append(f"--batch-size {self.batch_size} must be divisible by --grad-accum {self.grad_accum}")
+        if self.precision not in ("fp32", "bf16"):
+            problems.append(f"--precision must be fp32 or bf16, not {self.precision!r}")
+        if self.lr_schedule not in ("cosine", "linear", "constant"):
+            problems.append(f"--lr-schedule must be cosine, linear or constant, not {self.lr_schedule!r}")
+        if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
+            problems.append(f"--stop-at must be between 1 and --steps ({self.steps})")
+        for path in [*self.data, *(p for p in (self.model, self.tokenizer) if p)]:
+            if not os.path.exists(path):
+                problems.append(f"file or directory not found: {path}")
+        if self.resume not in (None, "auto") and not os.path.isdir(self.resume):
+            problems.append(f"checkpoint directory not found: {self.resume}")
+        if problems:
+            raise SeqparInputError("invalid training settings:\n  - " + "\n  - ".join(problems))
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able dict of every field."""
+        return dataclasses.asdict(self)
+
+
+def _field_help(cls: type) -> dict[str, str]:
+    """Field docstrings (the string literal after each field) read from the class source."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add one flag per ``TrainConfig`` field (default None: unset flags do not override the config file)."""
+    parser.add_argument("--config", help="YAML or JSON file with any of the settings below (flags override it)")
+    docs = _field_help(TrainConfig)
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        text = f"{docs.get(f.name, '')} (default: {default})"
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+        elif f.type.startswith("list"):
+            item = int if "int" in f.type else str
+            parser.add_argument(flag, nargs="+", type=item, default=None, help=text)
+        else:
+            kind = int if f.type.startswith("int") else float if f.type.startswith("float") else str
+            parser.add_argument(flag, type=kind, default=None, help=text)
+    return parser
+
+
+def _read_config_file(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise SeqparInputError(f"config file not found: {path}")
+    with open(path) as f:
+        text = f.read()
+    try:
+        if path.endswith((".yaml", ".yml")):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            data = json.loads(text)
+    except Exception as error:
+        raise SeqparInputError(f"cannot parse config file {path}: {error}") from error
+    if not isinstance(data, dict):
+        raise SeqparInputError(f"config file {path} must hold a mapping of settings")
+    known = {f.name for f in fields(TrainConfig)}
+    data = {k.replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise SeqparInputError(f"unknown settings in {path}: {', '.join(unknown)}")
+    return data
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Defaults, overridden by ``--config`` file values, overridden by flags given on the command line."""
+    values = _read_config_file(args.config) if getattr(args, "config", None) else {}
+    for f in fields(TrainConfig):
+        given = getattr(args, f.name, None)
+        if given is not None:
+            values[f.name] = given
+    config = TrainConfig(**values)
+    config.validate()
+    return config

@@ -1,0 +1,135 @@
+"""Starting ``seqpar train``: under torchrun (one process per rank, NCCL on GPUs) or by spawning gloo CPU ranks.
+
+Settings are checked in the launching process first, so bad input fails before any rank waits on another.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from seqpar.errors import SeqparInputError
+from seqpar.train.checkpoint import latest_checkpoint, verify_checkpoint
+from seqpar.train.config import TrainConfig
+from seqpar.train.data import load_tokenizer
+from seqpar.train.model import model_config
+
+__all__ = ["launch"]
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def _prepare_run_dir(config: TrainConfig) -> str:
+    run_dir = config.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    os.makedirs(run_dir, exist_ok=True)
+    return os.path.abspath(run_dir)
+
+
+def _precheck(config: TrainConfig, world_size: int) -> None:
+    """Checks that need files (tokenizer, model config, checkpoint), before any rank starts."""
+    if config.dp * config.sp != world_size:
+        valid = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise SeqparInputError(
+            f"--sp {config.sp} x --dp {config.dp} must equal the world size {world_size}; valid --sp: {valid}"
+        )
+    tokenizer = load_tokenizer(config.tokenizer)
+    vocab = getattr(tokenizer, "vocab_size", None) or len(tokenizer)
+    model_config(config, vocab)
+    if config.resume not in (None, "auto"):
+        verify_checkpoint(config.resume)
+    multiple = 2 * config.sp
+    # shard_batch pads data rows; the synthetic task asks for exact lengths instead
+    if config.seq_len % multiple and not config.data:
+        raise SeqparInputError(f"--seq-len {config.seq_len} must be a multiple of 2 x sp = {multiple}")
+
+
+def _rank_main(rank: int, world_size: int, store: str, config: TrainConfig, run_dir: str, threads: int) -> None:
+    from seqpar.train.loop import train_rank
+
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, init_method=f"file://{store}", timeout=timedelta(minutes=30)
+    )
+    try:
+        train_rank(config, run_dir)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(config: TrainConfig) -> int:
+    """Run the training described by ``config``; returns the process exit code.
+
+    Raises:
+        SeqparInputError: settings or files that cannot work (raised before any rank starts).
+    """
+    if _under_torchrun():
+        return _launch_torchrun(config)
+    world = config.nproc if config.nproc is not None else config.dp * config.sp
+    _precheck(config, world)
+    run_dir = _prepare_run_dir(config)
+    if config.resume == "auto" and latest_checkpoint(os.path.join(run_dir, "checkpoints")) is None:
+        print(f"no complete checkpoint under {run_dir}/checkpoints; starting from step 0", flush=True)
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+        json.dump({**config.to_dict(), "world_size": world, "launcher": "spawn (gloo, CPU)"}, f, indent=2)
+    print(f"run directory: {run_dir}", flush=True)
+    threads = max(1, (os.cpu_count() or 1) // world)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            mp.start_processes(
+                _rank_main,
+                args=(world, os.path.join(tmp, "store"), config, run_dir, threads),
+                nprocs=world,
+                start_method="spawn",
+            )
+        except mp.ProcessRaisedException as error:
+            lines = [line for line in str(error).strip().splitlines() if line.strip()]
+            print(f"seqpar train failed on rank {error.error_index}: {lines[-1].strip()}", file=sys.stderr)
+            return 1
+        except mp.ProcessExitedException as error:
+            print(f"seqpar train failed: rank {error.error_index} exited ({error})", file=sys.stderr)
+            return 1
+    print(f"done; run directory: {run_dir}", flush=True)
+    return 0
+
+
+def _launch_torchrun(config: TrainConfig) -> int:
+    from seqpar.train.loop import train_rank
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=30))
+    try:
+        _precheck(config, dist.get_world_size())
+        run_dir = _prepare_run_dir(config) if dist.get_rank() == 0 else None
+        shared = [run_dir]
+        dist.broadcast_object_list(shared, src=0)
+        run_dir = shared[0]
+        if dist.get_rank() == 0:
+            with open(os.path.join(run_dir, "config.json"), "w") as f:
+                json.dump(
+                    {**config.to_dict(), "world_size": dist.get_world_size(), "launcher": "torchrun"}, f, indent=2
+                )
+            print(f"run directory: {run_dir}", flush=True)
+        train_rank(config, run_dir)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            print(f"done; run directory: {run_dir}", flush=True)
+    except SeqparInputError as error:
+        if dist.get_rank() == 0:
+            print(f"seqpar train: {error}", file=sys.stderr)
+        return 1
+    finally:
+        dist.destroy_process_group()
+    return 0

@@ -1,0 +1,265 @@
+"""The training loop one rank runs: data shards, forward/backward, gradient sync, logging, checkpoints, eval.
+
+``train_rank`` expects an initialised default process group (``seqpar.train.launch`` sets it up).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+import seqpar
+from seqpar.data import IGNORE_INDEX
+from seqpar.errors import SeqparInputError
+from seqpar.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from seqpar.train.config import TrainConfig
+from seqpar.train.data import FileRows, load_tokenizer
+from seqpar.train.metrics import MetricsWriter, plot_metrics
+from seqpar.train.model import build_model
+from seqpar.train.passkey import DIGITS, PasskeyTask
+
+__all__ = ["train_rank"]
+
+
+def _lr_factor(config: TrainConfig, step: int) -> float:
+    """Multiplier of the peak learning rate before optimizer step ``step`` (0-based)."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    if config.lr_schedule == "constant":
+        return 1.0
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    floor = config.min_lr_ratio
+    if config.lr_schedule == "linear":
+        return floor + (1 - floor) * (1 - progress)
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class _Memory:
+    """Peak memory of this rank during a step: allocator peak on CUDA, resident-set peak on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+    def peak_mb(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
+        with contextlib.suppress(OSError), open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM"):
+                    return int(line.split()[1]) / 1024
+        return 0.0
+
+
+def _answer_shift_labels(input_ids: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
+    """Shifted labels that keep only the passkey digits: position p-1 predicts the digit at p."""
+    labels = torch.full_like(input_ids, IGNORE_INDEX)
+    rows = torch.arange(input_ids.shape[0])[:, None]
+    labels[rows, answers - 1] = input_ids[rows, answers]
+    return labels
+
+
+class _Source:
+    """Global training/eval batches: the passkey task or packed rows of data files."""
+
+    def __init__(self, config: TrainConfig, tokenizer) -> None:
+        self.config = config
+        self.passkey = None if config.data else PasskeyTask(tokenizer, config.seed)
+        self.rows = (
+            FileRows(config.data, tokenizer, config.seq_len, config.text_field, config.seed) if config.data else None
+        )
+
+    def batch(self, indices: list[int]) -> tuple[dict, torch.Tensor | None]:
+        if self.passkey is not None:
+            ids, answers = self.passkey.batch(self.config.seq_len, indices)
+            return {"input_ids": ids}, _answer_shift_labels(ids, answers)
+        return self.rows.batch(indices), None
+
+
+def train_rank(config: TrainConfig, run_dir: str) -> None:
+    """Train on this rank (collective: every rank of the default group calls it with the same arguments)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    mesh = seqpar.make_mesh(sp_size=config.sp, ulysses_size=config.ulysses, dp_size=config.dp)
+    dp_rank = mesh.device_mesh.get_local_rank("dp")
+    tokenizer = load_tokenizer(config.tokenizer)
+    vocab = getattr(tokenizer, "vocab_size", None) or len(tokenizer)
+    model = build_model(config, vocab).to(device)
+    seqpar.prepare_model(model, mesh, strategy=config.strategy)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay, eps=1e-8
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(config, s))
+    source = _Source(config, tokenizer)
+    everyone = dist.group.WORLD  # the loss and gradients are normalised and summed over dp x sp
+    autocast = (
+        torch.autocast(device.type, dtype=torch.bfloat16) if config.precision == "bf16" else contextlib.nullcontext()
+    )
+
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    start = 0
+    resume = latest_checkpoint(ckpt_dir) if config.resume == "auto" else config.resume
+    if config.resume == "auto" and resume is None and rank == 0:
+        print(f"no complete checkpoint in {ckpt_dir}; starting from step 0", flush=True)
+    if resume is not None:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optim_state, "scheduler": scheduler.state_dict()}
+        start = load_checkpoint(resume, state)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        if rank == 0:
+            print(f"resumed from {resume} at step {start}", flush=True)
+
+    writer = MetricsWriter(run_dir, start) if rank == 0 else None
+    bar = None
+    if rank == 0 and config.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=config.steps, initial=start, desc="seqpar train", unit="step", dynamic_ncols=True, disable=None)
+    memory = _Memory(device)
+    micro = config.batch_size // config.grad_accum
+    end = config.stop_at or config.steps
+    model.train()
+    for step in range(start, end):
+        memory.reset()
+        began = time.perf_counter()
+        first = (step * config.dp + dp_rank) * config.batch_size
+        batches = [
+            source.batch(list(range(first + m * micro, first + (m + 1) * micro))) for m in range(config.grad_accum)
+        ]
+        shards = [seqpar.shard_batch(b, mesh) for b, _ in batches]
+        answers = [
+            seqpar.shard_batch({**b, "shift_labels": a}, mesh)["shift_labels"] if a is not None else None
+            for b, a in batches
+        ]
+        total = seqpar.count_valid_tokens([s["shift_labels"] for s in shards], everyone)
+        answer_total = (
+            seqpar.count_valid_tokens([a for a in answers if a is not None], everyone) if answers[0] is not None else 0
+        )
+        loss_sum = torch.zeros((), device=device)
+        answer_sum = torch.zeros((), device=device)
+        for shard, answer in zip(shards, answers):
+            with autocast:
+                logits = model(
+                    input_ids=shard["input_ids"].to(device), position_ids=shard["position_ids"].to(device)
+                ).logits
+            loss = seqpar.cross_entropy(logits, shard["shift_labels"].to(device), num_valid_tokens=total)
+            if answer is not None:
+                with torch.no_grad():
+                    answer_sum += seqpar.cross_entropy(
+                        logits.detach(), answer.to(device), num_valid_tokens=answer_total
+                    )
+            del logits
+            loss.backward()
+            loss_sum += loss.detach()
+        seqpar.reduce_gradients(model.parameters(), everyone)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip or float("inf"))
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        seconds = time.perf_counter() - began
+        stats = torch.tensor([memory.peak_mb(), seconds], dtype=torch.float64, device=device)
+        gathered = [torch.empty_like(stats) for _ in range(world)]
+        dist.all_gather(gathered, stats)
+        sums = seqpar.sum_over(torch.stack([loss_sum, answer_sum]), everyone)
+        if rank == 0:
+            step_time = max(float(g[1]) for g in gathered)
+            record = {
+                "kind": "train",
+                "step": step + 1,
+                "loss": float(sums[0]),
+                "lr": lr,
+                "grad_norm": float(grad_norm),
+                "tokens_per_s": config.batch_size * config.dp * config.seq_len / step_time,
+                "step_s": step_time,
+                "peak_memory_mb": [round(float(g[0]), 1) for g in gathered],
+            }
+            if answers[0] is not None:
+                record["answer_loss"] = float(sums[1])
+            writer.write(record)
+            if bar is not None:
+                bar.set_postfix(
+                    loss=f"{record['loss']:.3f}",
+                    tok_s=f"{record['tokens_per_s']:.0f}",
+                    mem_mb=f"{max(record['peak_memory_mb']):.0f}",
+                )
+                bar.update(1)
+            if (step + 1) % config.log_every == 0 or step + 1 == end:
+                line = (
+                    f"step {step + 1}/{config.steps} loss {record['loss']:.4f} lr {lr:.2e} "
+                    f"grad_norm {record['grad_norm']:.3f} tokens/s {record['tokens_per_s']:.0f} "
+                    f"peak MB/rank {record['peak_memory_mb']}"
+                )
+                (bar.write if bar is not None else print)(line)
+        if (config.save_every and (step + 1) % config.save_every == 0) or step + 1 == end:
+            model_state, optim_state = get_state_dict(model, optimizer)
+            state = {"model": model_state, "optimizer": optim_state, "scheduler": scheduler.state_dict()}
+            path = save_checkpoint(ckpt_dir, step + 1, state)
+            if rank == 0:
+                (bar.write if bar is not None else print)(f"checkpoint: {path}")
+    if bar is not None:
+        bar.close()
+    if end == config.steps and source.passkey is not None:
+        _evaluate(config, model, mesh, source.passkey, device, autocast, writer, dp_rank)
+    if writer is not None:
+        writer.close()
+        for path in plot_metrics(run_dir):
+            print(f"plot: {path}", flush=True)
+
+
+@torch.no_grad()
+def _evaluate(config, model, mesh, task: PasskeyTask, device, autocast, writer, dp_rank) -> None:
+    """Teacher-forced passkey accuracy on held-out examples at each evaluation length (Note [passkey task])."""
+    model.eval()
+    lengths = config.eval_lengths or [config.seq_len, 2 * config.seq_len]
+    results = {}
+    for length in lengths:
+        correct = torch.zeros((), dtype=torch.float64)
+        count = 0
+        for first in range(dp_rank * config.eval_examples, (dp_rank + 1) * config.eval_examples, 4):
+            indices = list(range(first, min(first + 4, (dp_rank + 1) * config.eval_examples)))
+            ids, answers = task.batch(length, indices, split="eval")
+            shard = seqpar.shard_batch({"input_ids": ids, "shift_labels": _answer_shift_labels(ids, answers)}, mesh)
+            with autocast:
+                logits = model(
+                    input_ids=shard["input_ids"].to(device), position_ids=shard["position_ids"].to(device)
+                ).logits
+            labels = shard["shift_labels"].to(device)
+            hits = ((logits.argmax(-1) == labels) & (labels != IGNORE_INDEX)).sum(-1).double()  # [B] digits right here
+            hits = seqpar.sum_over(hits, mesh)  # digits right over the whole sequence
+            correct += (hits == DIGITS).sum().cpu()
+            count += len(indices)
+        correct = seqpar.sum_over(correct, dist.group.WORLD) / mesh.sp_size  # every SP rank counted each example
+        accuracy = float(correct) / (count * config.dp)
+        results[length] = accuracy
+    if writer is not None:
+        record = {"kind": "eval", "step": config.steps, **{f"passkey_accuracy_{n}": a for n, a in results.items()}}
+        writer.write(record)
+        with open(os.path.join(os.path.dirname(writer.path), "eval.json"), "w") as f:
+            json.dump({"passkey_accuracy": results, "examples_per_length": config.eval_examples * config.dp}, f)
+        trained = config.seq_len
+        for n, a in results.items():
+            note = "trained length" if n == trained else "never trained on"
+            print(f"passkey accuracy at {n} tokens ({note}): {a:.1%} of {config.eval_examples * config.dp}", flush=True)
+    model.train()
+
+
+def check_error(error: BaseException) -> str:
+    """One line for an error raised inside a rank."""
+    if isinstance(error, SeqparInputError):
+        return str(error)
+    return f"{type(error).__name__}: {error}"

@@ -1,0 +1,162 @@
+"""``seqpar train`` driven as a user would: subprocesses, real files, checkpoints, and bad input.
+
+Small settings keep each run to seconds; the embedded default itself is timed in the README, not here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+TINY = [
+    "--seq-len",
+    "128",
+    "--batch-size",
+    "2",
+    "--grad-accum",
+    "2",
+    "--hidden-size",
+    "32",
+    "--layers",
+    "1",
+    "--heads",
+    "2",
+    "--eval-examples",
+    "4",
+    "--eval-lengths",
+    "128",
+    "--log-every",
+    "1",
+    "--warmup-steps",
+    "2",
+]
+
+
+def seqpar_train(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "seqpar.cli", "train", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def losses(run_dir) -> dict[int, float]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+
+
+def test_run_directory_resume_and_sp_degrees_agree(tmp_path):
+    full, part, single = tmp_path / "full", tmp_path / "part", tmp_path / "single"
+    done = seqpar_train(*TINY, "--steps", "6", "--run-dir", str(full))
+    assert done.returncode == 0, done.stderr
+    assert f"run directory: {full}" in done.stdout
+    for name in ("config.json", "metrics.jsonl", "loss.png", "tokens_per_s.png", "memory.png", "eval.json"):
+        assert (full / name).is_file(), name
+    assert any((full / "tensorboard").iterdir())
+    assert (full / "checkpoints" / "step_0000006" / "seqpar_complete.json").is_file()
+    curve = losses(full)
+    assert sorted(curve) == [1, 2, 3, 4, 5, 6] and curve[6] < curve[1]
+
+    # stopped after 3 steps, then resumed: steps 4-6 repeat the uninterrupted run exactly
+    first = seqpar_train(*TINY, "--steps", "6", "--stop-at", "3", "--run-dir", str(part))
+    assert first.returncode == 0, first.stderr
+    assert sorted(losses(part)) == [1, 2, 3]
+    second = seqpar_train(*TINY, "--steps", "6", "--run-dir", str(part), "--resume", "auto")
+    assert second.returncode == 0, second.stderr
+    assert "resumed from" in second.stdout
+    resumed = losses(part)
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    for step in range(1, 7):
+        assert resumed[step] == pytest.approx(curve[step], rel=1e-6, abs=1e-7), step
+
+    # one rank on the whole sequence gives the same curve as two ranks sharing it (fp32)
+    one = seqpar_train(*TINY, "--steps", "6", "--sp", "1", "--run-dir", str(single))
+    assert one.returncode == 0, one.stderr
+    for step, loss in losses(single).items():
+        assert loss == pytest.approx(curve[step], rel=1e-4), step
+
+
+def test_real_data_files_and_local_model_config(tmp_path):
+    docs = tmp_path / "docs.jsonl"
+    with open(docs, "w") as f:
+        for i in range(40):
+            f.write(json.dumps({"body": f"Document {i}. " + "Long context matters. " * (3 + i % 7)}) + "\n")
+    model = tmp_path / "model"
+    model.mkdir()
+    config = {
+        "model_type": "qwen2",
+        "vocab_size": 260,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+    }
+    (model / "config.json").write_text(json.dumps(config))
+    run = tmp_path / "run"
+    done = seqpar_train(
+        "--data",
+        str(docs),
+        "--text-field",
+        "body",
+        "--model",
+        str(model),
+        "--seq-len",
+        "100",
+        "--batch-size",
+        "2",
+        "--grad-accum",
+        "1",
+        "--steps",
+        "3",
+        "--run-dir",
+        str(run),
+        "--strategy",
+        "ulysses",
+    )
+    assert done.returncode == 0, done.stderr
+    assert sorted(losses(run)) == [1, 2, 3]
+    assert json.loads((run / "config.json").read_text())["strategy"] == "ulysses"
+
+
+def test_bad_input_fails_clearly(tmp_path):
+    cases = [
+        (["--data", str(tmp_path / "missing.jsonl")], "file or directory not found"),
+        (["--strategy", "spiral"], "unknown strategy 'spiral'"),
+        (["--nproc", "3", "--sp", "2"], "does not match the 3 ranks"),
+        (["--seq-len", "128", "--eval-lengths", "8192"], "longer than the model takes"),
+        (["--config", str(tmp_path / "nope.yaml")], "config file not found"),
+        (["--resume", str(tmp_path)], "not a complete seqpar checkpoint"),
+    ]
+    for args, message in cases:
+        done = seqpar_train(*args, "--run-dir", str(tmp_path / "bad"))
+        assert done.returncode != 0, args
+        assert message in done.stderr, (args, done.stderr)
+
+
+def test_damaged_and_half_written_checkpoints_are_refused(tmp_path):
+    run = tmp_path / "run"
+    done = seqpar_train(*TINY, "--steps", "2", "--run-dir", str(run), "--save-every", "1")
+    assert done.returncode == 0, done.stderr
+    ckpts = run / "checkpoints"
+    # a half-written checkpoint (no completion marker) is never picked up as the latest
+    os.rename(ckpts / "step_0000002", ckpts / "step_0000002.partial")
+    os.remove(ckpts / "step_0000002.partial" / "seqpar_complete.json")
+    resumed = seqpar_train(*TINY, "--steps", "3", "--run-dir", str(run), "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "step_0000001 at step 1" in resumed.stdout
+    # a complete checkpoint damaged afterwards: clear error, non-zero exit, no hang
+    target = ckpts / "step_0000003"
+    data_file = next(p for p in target.iterdir() if p.suffix == ".distcp")
+    with open(data_file, "r+b") as f:
+        f.truncate(10)
+    broken = seqpar_train(*TINY, "--steps", "4", "--run-dir", str(run), "--resume", str(target))
+    assert broken.returncode != 0
+    assert "is damaged" in broken.stderr
