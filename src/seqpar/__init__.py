@@ -6,6 +6,7 @@ Models: ``prepare_model``, ``shard_batch``, ``cross_entropy``.
 
 from seqpar.api import attention, resolve_strategy
 from seqpar.data import IGNORE_INDEX, pack_documents, shard_batch
+from seqpar.data_parallel import apply_data_parallel, data_parallel_group
 from seqpar.errors import SeqparInputError
 from seqpar.integrations.transformers import prepare_model
 from seqpar.kernels import select_kernel
@@ -22,10 +23,12 @@ __all__ = [
     "SeqparInputError",
     "SequenceMask",
     "SequenceParallelMesh",
+    "apply_data_parallel",
     "as_sp_mesh",
     "attention",
     "count_valid_tokens",
     "cross_entropy",
+    "data_parallel_group",
     "gather_sequence",
     "lm_head_cross_entropy",
     "make_mesh",

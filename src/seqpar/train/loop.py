@@ -85,7 +85,9 @@ class _Source:
     def batch(self, indices: list[int]) -> tuple[dict, torch.Tensor | None]:
         if self.passkey is not None:
             ids, answers = self.passkey.batch(self.config.seq_len, indices)
-            return {"input_ids": ids}, _answer_shift_labels(ids, answers)
+            return {"input_ids": ids, "shift_labels": _answer_shift_labels(ids, answers)}, _answer_shift_labels(
+                ids, answers
+            )
         return self.rows.batch(indices), None
 
 
@@ -128,7 +130,9 @@ def train_rank(config: TrainConfig, run_dir: str) -> None:
     if rank == 0 and config.progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=config.steps, initial=start, desc="seqpar train", unit="step", dynamic_ncols=True, disable=None)
+        bar = tqdm(
+            total=config.steps, initial=start, desc="seqpar train", unit="step", dynamic_ncols=True, disable=None
+        )
     memory = _Memory(device)
     micro = config.batch_size // config.grad_accum
     end = config.stop_at or config.steps
