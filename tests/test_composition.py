@@ -68,7 +68,9 @@ def _dp_sp_worker(rank, world_size):
     for mode in ("reduce", "ddp", "fsdp"):
         model = seqpar.prepare_model(copy.deepcopy(ref), mesh, strategy="ring").train()
         got = _parallel(model, rows, steps, mesh, dp_rank, 2, mode)
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m, md=mode: f"{md} (loss, grad norm) per step: {m}")
+        torch.testing.assert_close(
+            got, want, atol=1e-5, rtol=1e-5, msg=lambda m, md=mode: f"{md} (loss, grad norm) per step: {m}"
+        )
         for (name, p), q in zip(model.named_parameters(), reference_model.parameters()):
             full = p.full_tensor() if hasattr(p, "full_tensor") else p
             torch.testing.assert_close(
@@ -82,3 +84,46 @@ def _dp_sp_worker(rank, world_size):
 
 def test_dp2_x_sp2_trains_like_one_process():
     run_ranks(4, _dp_sp_worker)
+
+
+def _tp_sp_worker(rank, world_size):
+    mesh = seqpar.make_mesh(sp_size=2, tp_size=2)
+    names = mesh.device_mesh.mesh_dim_names
+    assert names == ("dp", "ring", "ulysses", "tp") and mesh.sp_size == 2
+    group = seqpar.data_parallel_group(mesh)  # the ranks sharing this rank's tp coordinate
+    assert dist.get_world_size(group) == 2
+    steps = 3
+    rows = [tokens(2, SEQ, 30 + s) for s in range(steps)]
+    ref = build("llama").train()
+    reference_model = copy.deepcopy(ref)
+    want = _reference(reference_model, rows, steps)
+    for strategy in ("ring", "ulysses"):
+        model = seqpar.apply_tensor_parallel(copy.deepcopy(ref), mesh)
+        seqpar.prepare_model(model, mesh, strategy=strategy).train()
+        assert model.model.layers[0].self_attn.q_proj.weight.to_local().shape[0] == 2 * 12  # 2 of 4 heads
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-6)
+        got = []
+        for step in range(steps):
+            shard = seqpar.shard_batch({"input_ids": rows[step]}, mesh)
+            logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+            loss = seqpar.cross_entropy(logits, shard["shift_labels"], group)
+            loss.backward()
+            seqpar.reduce_gradients(model.parameters(), group)
+            norm = seqpar.clip_grad_norm_(model.parameters(), max_norm=0.5)  # mixed DTensor / tensor grads
+            opt.step()
+            opt.zero_grad()
+            got.append(torch.stack([seqpar.sum_over(loss, group), norm]))
+        torch.testing.assert_close(
+            torch.stack(got), want, atol=1e-5, rtol=1e-5, msg=lambda m, s=strategy: f"tp {s}: {m}"
+        )
+        for (name, p), q in zip(model.named_parameters(), reference_model.parameters()):
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            torch.testing.assert_close(
+                full.detach(), q.detach(), atol=1e-5, rtol=1e-5, msg=lambda m, n=name, s=strategy: f"tp {s} {n}: {m}"
+            )
+    with pytest.raises(SeqparInputError, match="must divide the heads"):
+        seqpar.apply_tensor_parallel(build("llama"), seqpar.make_mesh(sp_size=1, tp_size=4))
+
+
+def test_tp2_x_sp2_trains_like_one_process():
+    run_ranks(4, _tp_sp_worker)

@@ -8,12 +8,14 @@ from seqpar.api import attention, resolve_strategy
 from seqpar.data import IGNORE_INDEX, pack_documents, shard_batch
 from seqpar.data_parallel import apply_data_parallel, data_parallel_group
 from seqpar.errors import SeqparInputError
+from seqpar.gradients import clip_grad_norm_, reduce_gradients
 from seqpar.integrations.transformers import prepare_model
 from seqpar.kernels import select_kernel
 from seqpar.layout import LAYOUTS, gather_sequence, position_ids, shard_sequence
-from seqpar.loss import count_valid_tokens, cross_entropy, lm_head_cross_entropy, reduce_gradients, sum_over
+from seqpar.loss import count_valid_tokens, cross_entropy, lm_head_cross_entropy, sum_over
 from seqpar.masking import SequenceMask, sequence_mask
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh, make_mesh
+from seqpar.tensor_parallel import apply_tensor_parallel
 from seqpar.validation import STRATEGIES
 
 __all__ = [
@@ -24,8 +26,10 @@ __all__ = [
     "SequenceMask",
     "SequenceParallelMesh",
     "apply_data_parallel",
+    "apply_tensor_parallel",
     "as_sp_mesh",
     "attention",
+    "clip_grad_norm_",
     "count_valid_tokens",
     "cross_entropy",
     "data_parallel_group",

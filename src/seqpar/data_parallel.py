@@ -18,13 +18,15 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from seqpar.errors import SeqparInputError
-from seqpar.mesh import SequenceParallelMesh
+from seqpar.mesh import SequenceParallelMesh, _sp_groups
 
 __all__ = ["apply_data_parallel", "data_parallel_group"]
 
 
 def data_parallel_group(mesh: SequenceParallelMesh) -> dist.ProcessGroup:
-    """The flattened dp x sp group of ``mesh`` (for a mesh from ``make_mesh``: every rank of its DeviceMesh).
+    """The flattened dp x sp group of ``mesh``: the ranks with this rank's tensor-parallel coordinate.
+
+    Collective (it may create the group): call it on every rank.
 
     Raises:
         SeqparInputError: a mesh without a DeviceMesh (build it with ``seqpar.make_mesh``).
@@ -32,10 +34,8 @@ def data_parallel_group(mesh: SequenceParallelMesh) -> dist.ProcessGroup:
     if mesh.device_mesh is None:
         raise SeqparInputError("apply_data_parallel needs a mesh from seqpar.make_mesh (with a DeviceMesh)")
     dm = mesh.device_mesh
-    names = [n for n in ("dp", "ring", "ulysses") if n in (dm.mesh_dim_names or ())]
-    if len(names) == dm.ndim:
-        return dist.group.WORLD if dm.size() == dist.get_world_size() else dm._flatten("dp_sp").get_group()
-    return dm[tuple(names)]._flatten("dp_sp").get_group()
+    names = [n for n in ("dp", "ring", "ulysses", "sp") if n in (dm.mesh_dim_names or ())]
+    return _sp_groups(dm, names)
 
 
 def _sum_hook(group, bucket):  # no annotations: DDP checks them and this module defers them to strings

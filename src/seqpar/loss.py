@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from seqpar.data import IGNORE_INDEX
 from seqpar.errors import SeqparInputError
 
-__all__ = ["count_valid_tokens", "cross_entropy", "lm_head_cross_entropy", "reduce_gradients", "sum_over"]
+__all__ = ["count_valid_tokens", "cross_entropy", "lm_head_cross_entropy", "sum_over"]
 
 
 def _group_of(mesh: object) -> dist.ProcessGroup | None:
@@ -137,25 +137,3 @@ def lm_head_cross_entropy(
             use_reentrant=False,
         )
     return total / max(num_valid_tokens, 1)
-
-
-def reduce_gradients(parameters: Iterable[torch.nn.Parameter], group: object) -> None:
-    """Sum the gradients of replicated parameters over ``group`` in place (one flat all-reduce per dtype).
-
-    Use it over the SP group (or dp x sp) when the model is not wrapped in DDP/FSDP; with the losses of
-    Note [global token normalisation] the result is the exact gradient of the global batch.
-    """
-    group = _group_of(group)
-    if group is None or dist.get_world_size(group) == 1:
-        return
-    grads = [p.grad for p in parameters if p.grad is not None]
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for same in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in same])
-        dist.all_reduce(flat, group=group)
-        offset = 0
-        for g in same:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()

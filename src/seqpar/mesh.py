@@ -1,4 +1,4 @@
-"""The process groups a sequence-parallel job runs on: one DeviceMesh ("dp", "ring", "ulysses") and its SP group.
+"""The process groups a sequence-parallel job runs on: one DeviceMesh ("dp", "ring", "ulysses", "tp") and its SP group.
 
 ``make_mesh`` builds it over an initialised default group; ``as_sp_mesh`` accepts simpler stand-ins.
 """
@@ -57,43 +57,75 @@ class SequenceParallelMesh:
         return _size(self.ulysses_group)
 
 
+def _sp_groups(device_mesh: DeviceMesh, sp_dims: list[str]) -> dist.ProcessGroup:
+    """This rank's group over ``sp_dims`` (ring before ulysses); every rank creates every group, in order."""
+    names = list(device_mesh.mesh_dim_names)
+    others = [n for n in names if n not in sp_dims]
+    order = [names.index(n) for n in others + sp_dims]
+    sp_size = 1
+    for n in sp_dims:
+        sp_size *= device_mesh.size(names.index(n))
+    rows = device_mesh.mesh.permute(order).reshape(-1, sp_size).tolist()
+    if len(rows) == 1 and sp_size == dist.get_world_size():
+        return dist.group.WORLD
+    mine = None
+    for row in rows:
+        group = dist.new_group(row)
+        if dist.get_rank() in row:
+            mine = group
+    return mine
+
+
 def make_mesh(
     sp_size: int | None = None,
     *,
     ulysses_size: int = 1,
     dp_size: int | None = None,
+    tp_size: int = 1,
     device_type: str | None = None,
+    device_mesh: DeviceMesh | None = None,
 ) -> SequenceParallelMesh:
-    """Build the sequence-parallel mesh over all ranks of the initialised default process group.
+    """Build the sequence-parallel mesh over all ranks of the initialised default group, or over ``device_mesh``.
 
-    The DeviceMesh has axes ("dp", "ring", "ulysses"), ring size ``sp_size // ulysses_size``; consecutive
-    ranks share a sequence, so ulysses (the most communication-hungry axis) spans the closest ranks.
+    The DeviceMesh has axes ("dp", "ring", "ulysses") and "tp" last when ``tp_size > 1``; consecutive ranks
+    share tensor-parallel shards, then heads (ulysses), so the most communication-hungry axes span the
+    closest ranks. The SP group of a rank is the ring x ulysses ranks with its dp and tp coordinates.
 
     Args:
-        sp_size: ranks that share one sequence; defaults to ``world_size // dp_size`` (all ranks).
+        sp_size: ranks that share one sequence; defaults to ``world_size // (dp_size * tp_size)``.
         ulysses_size: how many of them exchange heads by all-to-all; must divide ``sp_size``.
-        dp_size: data-parallel replicas; defaults to ``world_size // sp_size``.
+        dp_size: data-parallel replicas; defaults to ``world_size // (sp_size * tp_size)``.
+        tp_size: tensor-parallel degree ("tp" axis; heads are split over it before ulysses splits them).
         device_type: "cpu" or "cuda"; defaults to "cuda" under NCCL and "cpu" otherwise.
+        device_mesh: an existing DeviceMesh whose dimension names are among "dp", "ring", "ulysses", "sp"
+            (a flat SP axis) and "tp"; the other arguments are then read from it.
 
     Returns:
         A ``SequenceParallelMesh`` for this rank.
 
     Raises:
-        SeqparInputError: no initialised process group, or degrees that do not multiply to the world size.
+        SeqparInputError: no initialised process group, degrees that do not multiply to the world size, or a
+            DeviceMesh with unknown dimension names.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise SeqparInputError(
             "make_mesh needs an initialised default process group (torchrun, or dist.init_process_group)"
         )
+    if device_mesh is not None:
+        return _from_device_mesh(device_mesh)
     world = dist.get_world_size()
+    if tp_size < 1 or world % tp_size:
+        raise SeqparInputError(f"tp_size {tp_size} must divide the world size {world}")
+    per_tp = world // tp_size
     if sp_size is None:
-        sp_size = world // (dp_size or 1)
+        sp_size = per_tp // (dp_size or 1)
     if dp_size is None:
-        dp_size = world // sp_size if sp_size > 0 else 0
-    if sp_size < 1 or ulysses_size < 1 or dp_size < 1 or sp_size * dp_size != world:
+        dp_size = per_tp // sp_size if sp_size > 0 else 0
+    if sp_size < 1 or ulysses_size < 1 or dp_size < 1 or sp_size * dp_size * tp_size != world:
+        tp_text = f" x tp_size ({tp_size})" if tp_size > 1 else ""
         raise SeqparInputError(
-            f"dp_size ({dp_size}) x sp_size ({sp_size}) must equal the world size ({world}); "
-            f"valid sp sizes here: {[d for d in range(1, world + 1) if world % d == 0]}"
+            f"dp_size ({dp_size}) x sp_size ({sp_size}){tp_text} must equal the world size ({world}); "
+            f"valid sp sizes here: {[d for d in range(1, per_tp + 1) if per_tp % d == 0]}"
         )
     if sp_size % ulysses_size:
         raise SeqparInputError(
@@ -103,22 +135,30 @@ def make_mesh(
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     ring_size = sp_size // ulysses_size
-    device_mesh = init_device_mesh(
-        device_type, (dp_size, ring_size, ulysses_size), mesh_dim_names=("dp", "ring", "ulysses")
-    )
-    if dp_size == 1:
-        sp_group = dist.group.WORLD
-    else:
-        # Every rank must create every SP group, in the same order.
-        sp_group = None
-        for row in device_mesh.mesh.reshape(dp_size, sp_size).tolist():
-            group = dist.new_group(row)
-            if dist.get_rank() in row:
-                sp_group = group
+    shape, names = (dp_size, ring_size, ulysses_size), ("dp", "ring", "ulysses")
+    if tp_size > 1:
+        shape, names = (*shape, tp_size), (*names, "tp")
+    return _from_device_mesh(init_device_mesh(device_type, shape, mesh_dim_names=names))
+
+
+_KNOWN_DIMS = ("dp", "ring", "ulysses", "sp", "tp")
+
+
+def _from_device_mesh(device_mesh: DeviceMesh) -> SequenceParallelMesh:
+    names = list(device_mesh.mesh_dim_names or ())
+    if len(names) != device_mesh.ndim or any(n not in _KNOWN_DIMS for n in names):
+        raise SeqparInputError(f"DeviceMesh dimension names must be among {_KNOWN_DIMS}; got {names}")
+    if "sp" in names and ("ring" in names or "ulysses" in names):
+        raise SeqparInputError("a DeviceMesh has either an 'sp' axis or 'ring'/'ulysses' axes, not both")
+    sp_dims = ["sp"] if "sp" in names else [n for n in ("ring", "ulysses") if n in names]
+    if not sp_dims:
+        raise SeqparInputError(f"the DeviceMesh has no sequence-parallel axis ('sp', 'ring' or 'ulysses'): {names}")
+    has_ulysses = "ulysses" in names and device_mesh.size(names.index("ulysses")) > 1
+    ring_dim = "sp" if "sp" in names else ("ring" if "ring" in names else None)
     return SequenceParallelMesh(
-        sp_group=sp_group,
-        ring_group=device_mesh.get_group("ring"),
-        ulysses_group=device_mesh.get_group("ulysses") if ulysses_size > 1 else None,
+        sp_group=_sp_groups(device_mesh, sp_dims),
+        ring_group=device_mesh.get_group(ring_dim) if ring_dim is not None else None,
+        ulysses_group=device_mesh.get_group("ulysses") if has_ulysses else None,
         device_mesh=device_mesh,
     )
 

@@ -1,0 +1,60 @@
+"""Gradients of parameters replicated over sequence-parallel ranks: summing them, and clipping their norm.
+
+Both accept a mix of plain tensors and DTensors (tensor-parallel blocks, FSDP2 shards).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from seqpar.loss import _group_of
+
+__all__ = ["clip_grad_norm_", "reduce_gradients"]
+
+
+def reduce_gradients(parameters: Iterable[torch.nn.Parameter], group: object) -> None:
+    """Sum the gradients of replicated parameters over ``group`` in place (one flat all-reduce per dtype).
+
+    Use it over the SP group (or dp x sp) when the model is not wrapped in DDP/FSDP; with the losses of
+    Note [global token normalisation] the result is the exact gradient of the global batch.
+    """
+    group = _group_of(group)
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    # a DTensor gradient (tensor parallel, FSDP) is reduced through its local shard
+    grads = [getattr(p.grad, "_local_tensor", p.grad) for p in parameters if p.grad is not None]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for same in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in same])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for g in same:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale gradients so that their global norm is at most ``max_norm``; returns the norm before clipping.
+
+    Like ``torch.nn.utils.clip_grad_norm_``, but the parameters may mix plain tensors and DTensors (each
+    DTensor's norm is reduced over its own mesh), as after ``apply_tensor_parallel``. Every rank of a
+    DTensor's mesh must call it.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    norms = []
+    for g in grads:
+        n = torch.linalg.vector_norm(g, norm_type)
+        norms.append(n.full_tensor() if hasattr(n, "full_tensor") else n)
+    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    scale = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    if scale < 1.0:
+        for g in grads:
+            g.mul_(scale)
+    return total
