@@ -12,28 +12,8 @@ import sys
 
 import pytest
 
-TINY = [
-    "--seq-len",
-    "128",
-    "--batch-size",
-    "2",
-    "--grad-accum",
-    "2",
-    "--hidden-size",
-    "32",
-    "--layers",
-    "1",
-    "--heads",
-    "2",
-    "--eval-examples",
-    "4",
-    "--eval-lengths",
-    "128",
-    "--log-every",
-    "1",
-    "--warmup-steps",
-    "2",
-]
+TINY = "--seq-len 192 --batch-size 2 --grad-accum 2 --hidden-size 32 --layers 1 --heads 2 --eval-examples 4 "
+TINY = (TINY + "--eval-lengths 192 --log-every 1 --warmup-steps 2").split()
 
 
 def seqpar_train(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
@@ -127,11 +107,26 @@ def test_real_data_files_and_local_model_config(tmp_path):
 
 
 def test_bad_input_fails_clearly(tmp_path):
+    short_model = tmp_path / "short.json"
+    short_model.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "vocab_size": 258,
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "max_position_embeddings": 256,
+            }
+        )
+    )
     cases = [
         (["--data", str(tmp_path / "missing.jsonl")], "file or directory not found"),
         (["--strategy", "spiral"], "unknown strategy 'spiral'"),
         (["--nproc", "3", "--sp", "2"], "does not match the 3 ranks"),
-        (["--seq-len", "128", "--eval-lengths", "8192"], "longer than the model takes"),
+        (["--model", str(short_model), "--seq-len", "512"], "longer than the model takes"),
+        (["--seq-len", "64"], "too short for the passkey task"),
         (["--config", str(tmp_path / "nope.yaml")], "config file not found"),
         (["--resume", str(tmp_path)], "not a complete seqpar checkpoint"),
     ]

@@ -60,7 +60,7 @@ class TrainConfig:
     """Sequences per optimizer step and data-parallel replica, over all micro-batches."""
     grad_accum: int = 2
     """Micro-batches per optimizer step (batch_size must divide by it)."""
-    steps: int = 200
+    steps: int = 400
     """Optimizer steps."""
     lr: float = 3e-3
     """Peak learning rate (AdamW)."""

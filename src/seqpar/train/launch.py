@@ -21,6 +21,7 @@ from seqpar.train.checkpoint import latest_checkpoint, verify_checkpoint
 from seqpar.train.config import TrainConfig
 from seqpar.train.data import load_tokenizer
 from seqpar.train.model import model_config
+from seqpar.train.passkey import PasskeyTask
 
 __all__ = ["launch"]
 
@@ -47,6 +48,10 @@ def _precheck(config: TrainConfig, world_size: int) -> None:
     model_config(config, vocab)
     if config.resume not in (None, "auto"):
         verify_checkpoint(config.resume)
+    if not config.data:
+        task = PasskeyTask(tokenizer, config.seed)
+        for length in [config.seq_len, *(config.eval_lengths or [2 * config.seq_len])]:
+            task.example(length, 0)
     multiple = 2 * config.sp
     # shard_batch pads data rows; the synthetic task asks for exact lengths instead
     if config.seq_len % multiple and not config.data:

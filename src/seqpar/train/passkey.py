@@ -4,12 +4,13 @@ Only attention over the whole sequence can answer it, so it exercises sequence p
 
 Note [passkey task]
     A document is filler sentences with one "The pass key is #NNNNN#. Remember it." placed in its first
-    quarter, and it ends with "What is the pass key? The pass key is #NNNNN". The model is trained as a
-    language model on whole documents (filler is cheap to learn, so the loss falls quickly); answering
-    needs a head that finds the earlier "#" (it never occurs in the filler) and copies the digits after
-    it (an induction-style lookup across the whole sequence). Evaluation is teacher-forced: a document counts as retrieved when the
-    model's most likely next token is the right digit at every digit of the answer. Examples are
-    generated from (seed, index), so a run and its resumed continuation see the same data.
+    quarter, and it ends with " What is the pass key? #NNNNN." asked three times. The model is trained as
+    a language model on whole documents (filler is cheap to learn, so the loss falls quickly). The first
+    answer needs a head that finds the earlier "#" (it never occurs in the filler) and copies the digits
+    after it across the whole sequence; the repeats can be copied from close by, which gives the same
+    copying circuit more examples to form on. Evaluation is teacher-forced on the first answer: a key
+    counts as retrieved when the most likely next token is right at each of its digits. Examples are
+    generated from (seed, split, length, index), so a run and its resumed continuation see the same data.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import random
 
 import torch
 
+from seqpar.errors import SeqparInputError
 from seqpar.train.tokenizer import ByteTokenizer
 
 __all__ = ["DIGITS", "PasskeyTask"]
@@ -30,7 +32,8 @@ _FILLER = (
     "Here we go. ",
     "There and back again. ",
 )
-_QUESTION = "What is the pass key? The pass key is #"
+_QUESTION = " What is the pass key? #"
+_REPEATS = 3  # the question is asked again after its answer; only the first answer needs the far needle
 
 
 class PasskeyTask:
@@ -44,16 +47,17 @@ class PasskeyTask:
         """Tokens of document ``index`` and the positions of its answer digits (to be predicted).
 
         Raises:
-            ValueError: ``seq_len`` too short to hold the key and the question.
+            SeqparInputError: ``seq_len`` too short to hold the key and the questions.
         """
         rng = random.Random(f"{self.seed}-{split}-{seq_len}-{index}")
         key = "".join(rng.choice("0123456789") for _ in range(DIGITS))
         needle = self.tokenizer.encode(f"The pass key is #{key}#. Remember it. ")
-        tail = self.tokenizer.encode(_QUESTION + key)
+        question = self.tokenizer.encode(_QUESTION)
+        tail = self.tokenizer.encode((_QUESTION + key + ".") * _REPEATS)
         room = seq_len - len(needle) - len(tail)
         if room < 8:
-            raise ValueError(
-                f"seq_len {seq_len} is too short for the passkey task (needs at least {seq_len - room + 8})"
+            raise SeqparInputError(
+                f"sequence length {seq_len} is too short for the passkey task (needs at least {seq_len - room + 8})"
             )
         sentences: list[list[int]] = []
         while sum(map(len, sentences)) < room:
@@ -61,7 +65,8 @@ class PasskeyTask:
         at = rng.randrange(0, max(1, len(sentences) // 4))  # a sentence boundary in the first quarter
         filler = [t for s in sentences[:at] for t in s] + needle + [t for s in sentences[at:] for t in s]
         ids = filler[: seq_len - len(tail)] + tail
-        answer = list(range(seq_len - DIGITS, seq_len))
+        first = seq_len - len(tail) + len(question)
+        answer = list(range(first, first + DIGITS))
         return ids, answer
 
     def batch(self, seq_len: int, indices: list[int], split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
