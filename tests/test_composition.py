@@ -76,6 +76,18 @@ def _dp_sp_worker(rank, world_size):
             torch.testing.assert_close(
                 full.detach(), q.detach(), atol=1e-5, rtol=1e-5, msg=lambda m, n=name, md=mode: f"{md} {n}: {m}"
             )
+    # a mesh the caller already has: "dp" x a flat "sp" axis
+    from torch.distributed.device_mesh import init_device_mesh
+
+    theirs = seqpar.make_mesh(device_mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp")))
+    assert theirs.sp_size == 2 and theirs.sp_rank == rank % 2
+    q = torch.randn(1, 4, SEQ, 16, generator=torch.Generator().manual_seed(7))
+    local = seqpar.shard_sequence(q, theirs, dim=2).requires_grad_()
+    out = seqpar.attention(local, local, local, mesh=theirs, strategy="ring")
+    want = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    torch.testing.assert_close(out, seqpar.shard_sequence(want, theirs, dim=2), atol=2e-5, rtol=1e-4)
+    with pytest.raises(SeqparInputError, match="dimension names must be among"):
+        seqpar.make_mesh(device_mesh=init_device_mesh("cpu", (4,), mesh_dim_names=("cp",)))
     with pytest.raises(SeqparInputError, match=r"dp_size \(3\) x sp_size \(2\) must equal the world size \(4\)"):
         seqpar.make_mesh(sp_size=2, dp_size=3)
     with pytest.raises(SeqparInputError, match="unknown data-parallel mode"):

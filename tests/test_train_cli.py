@@ -104,6 +104,15 @@ def test_real_data_files_and_local_model_config(tmp_path):
     assert done.returncode == 0, done.stderr
     assert sorted(losses(run)) == [1, 2, 3]
     assert json.loads((run / "config.json").read_text())["strategy"] == "ulysses"
+    # data parallel over 2 ranks, bf16 autocast and activation checkpointing, from a YAML config file
+    settings = tmp_path / "settings.yaml"
+    settings.write_text("dp: 2\nsp: 1\nprecision: bf16\nactivation_checkpointing: true\nsteps: 2\n")
+    run2 = tmp_path / "run2"
+    done = seqpar_train(*TINY, "--config", str(settings), "--run-dir", str(run2))
+    assert done.returncode == 0, done.stderr
+    resolved = json.loads((run2 / "config.json").read_text())
+    assert (resolved["dp"], resolved["precision"], resolved["activation_checkpointing"]) == (2, "bf16", True)
+    assert sorted(losses(run2)) == [1, 2]
 
 
 def test_bad_input_fails_clearly(tmp_path):

@@ -56,15 +56,17 @@ def strategies_for(world_size: int) -> list[str]:
 
 
 def _logits_and_loss(rank, world_size, mesh):
-    for kind, strategy in itertools.product(("llama", "qwen2", "mistral"), strategies_for(world_size)):
+    hybrid = [("hybrid", seqpar.make_mesh(ulysses_size=2))] if world_size == 4 else []
+    runs = [(s, mesh) for s in strategies_for(world_size)] + hybrid
+    for kind, (strategy, run_mesh) in itertools.product(("llama", "qwen2", "mistral"), runs):
         ref = build(kind)
-        model = seqpar.prepare_model(copy.deepcopy(ref), mesh, strategy=strategy)
+        model = seqpar.prepare_model(copy.deepcopy(ref), run_mesh, strategy=strategy)
         ids = tokens(2, SEQ, 1)
         with torch.no_grad():
             want = ref(input_ids=ids, labels=ids)
-            shard = seqpar.shard_batch({"input_ids": ids}, mesh)
+            shard = seqpar.shard_batch({"input_ids": ids}, run_mesh)
             logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
-            loss = seqpar.sum_over(seqpar.cross_entropy(logits, shard["shift_labels"], mesh), mesh)
+            loss = seqpar.sum_over(seqpar.cross_entropy(logits, shard["shift_labels"], run_mesh), run_mesh)
         idx = shard_index("zigzag", world_size, rank, SEQ)
         what = f"{kind} {strategy} P={world_size}"
         torch.testing.assert_close(logits, want.logits[:, idx], atol=ATOL, rtol=RTOL, msg=lambda m, w=what: f"{w}: {m}")

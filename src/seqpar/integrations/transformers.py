@@ -55,6 +55,11 @@ def _seqpar_attention(module, query, key, value, attention_mask, scaling=None, d
         raise SeqparInputError("seqpar attention does not implement attention logit soft-capping")
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
         raise SeqparInputError("seqpar attention does not implement attention sinks")
+    # Under autocast, RoPE promotes q and k back to float32 while v stays in the autocast dtype: attend in
+    # the autocast dtype, as the fused SDPA paths do.
+    device_type = query.device.type
+    target = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else query.dtype
+    query, key, value = (t.to(target) for t in (query, key, value))
     out = attention(
         query,
         key,

@@ -79,5 +79,8 @@ def build_model(config: TrainConfig, vocab_size: int) -> torch.nn.Module:
     else:
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     if config.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
