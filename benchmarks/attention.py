@@ -130,20 +130,20 @@ def _parallel(rank: int, cfg: dict, store: str, ref_path: str, result_path: str)
         )
     del ref, out
     seconds, growth = _measure(fn, q, k, v, dout, cfg["repeats"], dist.barrier)
-    stats = torch.tensor([seconds, growth], dtype=torch.float64)
-    gathered = [torch.empty_like(stats) for _ in range(size)]
-    dist.all_gather(gathered, stats)
-    if rank == 0:
-        with open(result_path, "w") as f:
-            json.dump(
-                {
-                    "seconds": max(float(g[0]) for g in gathered),
-                    "growth_mb": max(float(g[1]) for g in gathered),
-                },
-                f,
-            )
+    write_slowest(result_path, seconds, growth)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def write_slowest(path: str, seconds: float, growth_mb: float, **extra) -> None:
+    """Rank 0 writes the slowest rank's step time and the largest peak growth to ``path`` (collective)."""
+    stats = torch.tensor([seconds, growth_mb], dtype=torch.float64)
+    gathered = [torch.empty_like(stats) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, stats)
+    if dist.get_rank() == 0:
+        worst = {"seconds": max(float(g[0]) for g in gathered), "growth_mb": max(float(g[1]) for g in gathered)}
+        with open(path, "w") as f:
+            json.dump({**worst, **extra}, f)
 
 
 def _run(target, args, nprocs: int) -> None:

@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 import transformers
 
 import seqpar
-from benchmarks.attention import _reset_peak, _rss_mb
+from benchmarks.attention import _reset_peak, _rss_mb, write_slowest
 
 
 def _model(cfg: dict):
@@ -78,19 +78,7 @@ def _worker(rank: int, cfg: dict, store: str, out_path: str) -> None:
         times.append(time.perf_counter() - start)
         if i == 0:
             growth = _rss_mb("VmHWM") - before
-    stats = torch.tensor([statistics.median(times), growth], dtype=torch.float64)
-    gathered = [torch.empty_like(stats) for _ in range(sp)]
-    dist.all_gather(gathered, stats)
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(
-                {
-                    "seconds": max(float(g[0]) for g in gathered),
-                    "growth_mb": max(float(g[1]) for g in gathered),
-                    "first_loss": first_loss,
-                },
-                f,
-            )
+    write_slowest(out_path, statistics.median(times), growth, first_loss=first_loss)
     dist.barrier()
     dist.destroy_process_group()
 
