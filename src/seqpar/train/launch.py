@@ -70,6 +70,10 @@ def _rank_main(rank: int, world_size: int, store: str, config: TrainConfig, run_
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # Success: skip C++ static destructors, where gloo's threads can abort an otherwise finished process.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def launch(config: TrainConfig) -> int:
