@@ -104,15 +104,33 @@ def test_real_data_files_and_local_model_config(tmp_path):
     assert done.returncode == 0, done.stderr
     assert sorted(losses(run)) == [1, 2, 3]
     assert json.loads((run / "config.json").read_text())["strategy"] == "ulysses"
-    # data parallel over 2 ranks, bf16 autocast and activation checkpointing, from a YAML config file
+    # Parquet data; data parallel over 2 ranks, bf16 autocast and activation checkpointing, from a YAML file
+    import datasets
+
+    parquet = tmp_path / "docs.parquet"
+    datasets.Dataset.from_dict({"text": [f"Parquet document {i}. " * (2 + i % 5) for i in range(30)]}).to_parquet(
+        str(parquet)
+    )
     settings = tmp_path / "settings.yaml"
     settings.write_text("dp: 2\nsp: 1\nprecision: bf16\nactivation_checkpointing: true\nsteps: 2\n")
     run2 = tmp_path / "run2"
-    done = seqpar_train(*TINY, "--config", str(settings), "--run-dir", str(run2))
+    done = seqpar_train(*TINY, "--config", str(settings), "--data", str(parquet), "--run-dir", str(run2))
     assert done.returncode == 0, done.stderr
     resolved = json.loads((run2 / "config.json").read_text())
     assert (resolved["dp"], resolved["precision"], resolved["activation_checkpointing"]) == (2, "bf16", True)
     assert sorted(losses(run2)) == [1, 2]
+
+
+def test_tensor_parallel_run_matches_sequence_parallel_run(tmp_path):
+    common = [*TINY, "--heads", "4", "--steps", "2", "--eval-examples", "2"]
+    tp = seqpar_train(*common, "--tp", "2", "--sp", "1", "--run-dir", str(tmp_path / "tp"))
+    assert tp.returncode == 0, tp.stderr
+    sp = seqpar_train(*common, "--sp", "2", "--run-dir", str(tmp_path / "sp"))
+    assert sp.returncode == 0, sp.stderr
+    tp_losses, sp_losses = losses(tmp_path / "tp"), losses(tmp_path / "sp")
+    assert sorted(tp_losses) == [1, 2]
+    for step, loss in sp_losses.items():
+        assert tp_losses[step] == pytest.approx(loss, rel=1e-4), step
 
 
 def test_bad_input_fails_clearly(tmp_path):
@@ -134,6 +152,7 @@ def test_bad_input_fails_clearly(tmp_path):
         (["--data", str(tmp_path / "missing.jsonl")], "file or directory not found"),
         (["--strategy", "spiral"], "unknown strategy 'spiral'"),
         (["--nproc", "3", "--sp", "2"], "does not match the 3 ranks"),
+        (["--tp", "2", "--heads", "2"], "must divide the heads"),
         (["--model", str(short_model), "--seq-len", "512"], "longer than the model takes"),
         (["--seq-len", "64"], "too short for the passkey task"),
         (["--config", str(tmp_path / "nope.yaml")], "config file not found"),

@@ -81,16 +81,18 @@ def _packing(rank, world_size, mesh):
     changed = ids.clone()
     changed[:, :13] = tokens(1, 13, 3)  # document A only
     idx = shard_index("zigzag", world_size, rank, SEQ)
-    for kind, strategy in itertools.product(("llama", "mistral"), strategies_for(world_size)):
+    hybrid = [("hybrid", seqpar.make_mesh(ulysses_size=2))] if world_size == 4 else []
+    runs = [(s, mesh) for s in strategies_for(world_size)] + hybrid
+    for kind, (strategy, run_mesh) in itertools.product(("llama", "mistral"), runs):
         ref = build(kind)
-        model = seqpar.prepare_model(copy.deepcopy(ref), mesh, strategy=strategy)
+        model = seqpar.prepare_model(copy.deepcopy(ref), run_mesh, strategy=strategy)
         with torch.no_grad():
             alone = torch.cat(
                 [ref(input_ids=ids[:, s : s + n]).logits for s, n in zip(starts, lengths)], dim=1
             )  # [1, SEQ, V]: each document run by itself
             outs = []
             for row in (ids, changed):
-                shard = seqpar.shard_batch({"input_ids": row, "position_ids": positions}, mesh)
+                shard = seqpar.shard_batch({"input_ids": row, "position_ids": positions}, run_mesh)
                 outs.append(model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits)
         what = f"packing {kind} {strategy} P={world_size}"
         torch.testing.assert_close(outs[0], alone[:, idx], atol=ATOL, rtol=RTOL, msg=lambda m, w=what: f"{w}: {m}")

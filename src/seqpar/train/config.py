@@ -47,11 +47,12 @@ class TrainConfig:
     ulysses: int = 1
     """Ulysses degree inside sp (hybrid: ulysses x ring); must divide sp."""
     dp: int = 1
-    """Data-parallel degree; the world size must equal dp x sp."""
+    """Data-parallel degree; the world size must equal dp x sp x tp."""
     tp: int = 1
-    """Tensor-parallel degree (only 1 is supported by the trainer so far)."""
+    """Tensor-parallel degree: attention heads and MLP of each block split over tp ranks; the world size is
+    dp x sp x tp."""
     nproc: int | None = None
-    """Ranks to spawn on this machine when not started by torchrun; default dp x sp."""
+    """Ranks to spawn on this machine when not started by torchrun; default dp x sp x tp."""
 
     # --- optimisation
     seq_len: int = 512
@@ -107,16 +108,14 @@ class TrainConfig:
         for name in ("sp", "ulysses", "dp", "tp", "seq_len", "batch_size", "grad_accum", "steps"):
             if getattr(self, name) < 1:
                 problems.append(f"--{name.replace('_', '-')} must be at least 1")
-        if self.tp != 1:
-            problems.append("--tp > 1 is not supported by seqpar train yet (use the library with torch TP)")
         if self.ulysses >= 1 and self.sp >= 1 and self.sp % self.ulysses:
             problems.append(f"--ulysses {self.ulysses} must divide --sp {self.sp}")
-        world = self.nproc if self.nproc is not None else self.dp * self.sp
-        if world is not None and self.dp * self.sp != world:
+        world = self.nproc if self.nproc is not None else self.dp * self.sp * self.tp
+        if world is not None and self.dp * self.sp * self.tp != world:
             problems.append(
-                f"--dp {self.dp} x --sp {self.sp} = {self.dp * self.sp} does not match the {world} ranks "
-                f"(valid sp for {world} ranks: {[d for d in range(1, world + 1) if world % d == 0]} with dp = "
-                f"{world} / sp)"
+                f"--dp {self.dp} x --sp {self.sp} x --tp {self.tp} = {self.dp * self.sp * self.tp} does not match "
+                f"the {world} ranks (valid sp for {world} ranks: {[d for d in range(1, world + 1) if world % d == 0]}"
+                f" with dp x tp = {world} / sp)"
             )
         if self.batch_size >= 1 and self.grad_accum >= 1 and self.batch_size % self.grad_accum:
             problems.append(f"--batch-size {self.batch_size} must be divisible by --grad-accum {self.grad_accum}")

@@ -38,14 +38,21 @@ def _prepare_run_dir(config: TrainConfig) -> str:
 
 def _precheck(config: TrainConfig, world_size: int) -> None:
     """Checks that need files (tokenizer, model config, checkpoint), before any rank starts."""
-    if config.dp * config.sp != world_size:
+    if config.dp * config.sp * config.tp != world_size:
         valid = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise SeqparInputError(
-            f"--sp {config.sp} x --dp {config.dp} must equal the world size {world_size}; valid --sp: {valid}"
+            f"--sp {config.sp} x --dp {config.dp} x --tp {config.tp} must equal the world size {world_size}; "
+            f"valid --sp: {valid}"
         )
     tokenizer = load_tokenizer(config.tokenizer)
     vocab = getattr(tokenizer, "vocab_size", None) or len(tokenizer)
-    model_config(config, vocab)
+    cfg = model_config(config, vocab)
+    heads = getattr(cfg, "num_attention_heads", 1)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    if config.tp > 1 and (heads % config.tp or kv_heads % config.tp):
+        raise SeqparInputError(
+            f"--tp {config.tp} must divide the heads ({heads}) and KV heads ({kv_heads}) of the model"
+        )
     if config.resume not in (None, "auto"):
         verify_checkpoint(config.resume)
     if not config.data:
@@ -84,7 +91,7 @@ def launch(config: TrainConfig) -> int:
     """
     if _under_torchrun():
         return _launch_torchrun(config)
-    world = config.nproc if config.nproc is not None else config.dp * config.sp
+    world = config.nproc if config.nproc is not None else config.dp * config.sp * config.tp
     _precheck(config, world)
     run_dir = _prepare_run_dir(config)
     if config.resume == "auto" and latest_checkpoint(os.path.join(run_dir, "checkpoints")) is None:

@@ -93,18 +93,21 @@ def train_rank(config: TrainConfig, run_dir: str) -> None:
     """Train on this rank (collective: every rank of the default group calls it with the same arguments)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    mesh = seqpar.make_mesh(sp_size=config.sp, ulysses_size=config.ulysses, dp_size=config.dp)
+    mesh = seqpar.make_mesh(sp_size=config.sp, ulysses_size=config.ulysses, dp_size=config.dp, tp_size=config.tp)
     dp_rank = mesh.device_mesh.get_local_rank("dp")
     tokenizer = load_tokenizer(config.tokenizer)
     vocab = getattr(tokenizer, "vocab_size", None) or len(tokenizer)
     model = build_model(config, vocab).to(device)
+    if config.tp > 1:
+        seqpar.apply_tensor_parallel(model, mesh)
     seqpar.prepare_model(model, mesh, strategy=config.strategy)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay, eps=1e-8
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(config, s))
     source = _Source(config, tokenizer)
-    everyone = dist.group.WORLD  # the loss and gradients are normalised and summed over dp x sp
+    # the loss and gradients are normalised and summed over dp x sp (tp ranks share their tokens)
+    everyone = seqpar.data_parallel_group(mesh) if config.tp > 1 else dist.group.WORLD
     autocast = (
         torch.autocast(device.type, dtype=torch.bfloat16) if config.precision == "bf16" else contextlib.nullcontext()
     )
@@ -168,7 +171,7 @@ def train_rank(config: TrainConfig, run_dir: str) -> None:
             loss.backward()
             loss_sum += loss.detach()
         seqpar.reduce_gradients(model.parameters(), everyone)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip or float("inf"))
+        grad_norm = seqpar.clip_grad_norm_(model.parameters(), config.grad_clip or float("inf"))
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
@@ -245,7 +248,7 @@ def _evaluate(config, model, mesh, task: PasskeyTask, device, autocast, writer, 
             hits = seqpar.sum_over(hits, mesh)  # digits right over the whole sequence
             correct += torch.stack([(hits == DIGITS).sum(), hits.sum()]).cpu()
             count += len(indices)
-        correct = seqpar.sum_over(correct, dist.group.WORLD) / mesh.sp_size  # every SP rank counted each example
+        correct = seqpar.sum_over(correct, dist.group.WORLD) / (mesh.sp_size * config.tp)  # each SP/TP rank counted
         results[length] = (float(correct[0]) / (count * config.dp), float(correct[1]) / (count * config.dp * DIGITS))
     if writer is not None:
         record = {"kind": "eval", "step": config.steps}
