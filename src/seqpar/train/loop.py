@@ -129,8 +129,11 @@ def train_rank(config: TrainConfig, run_dir: str) -> None:
     writer = MetricsWriter(run_dir, start) if rank == 0 else None
     bar = None
     if rank == 0 and config.progress:
+        import threading
+
         from tqdm import tqdm
 
+        tqdm.set_lock(threading.RLock())  # tqdm's default multiprocessing lock would leak a semaphore at exit
         bar = tqdm(
             total=config.steps, initial=start, desc="seqpar train", unit="step", dynamic_ncols=True, disable=None
         )

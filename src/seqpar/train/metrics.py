@@ -75,7 +75,7 @@ def plot_metrics(run_dir: str) -> list[str]:
     ax.plot(steps, [r["loss"] for r in records], label="training loss (mean token cross-entropy)")
     if any("answer_loss" in r for r in records):
         pts = [(r["step"], r["answer_loss"]) for r in records if "answer_loss" in r]
-        ax.plot(*zip(*pts), label="loss on the first answer's digits (needs the far needle)")
+        ax.plot(*zip(*pts), label="loss on the answer's digits (needs the far needle)")
         ax.axhline(math.log(10), color="gray", linestyle="--", linewidth=1, label="chance on a digit (ln 10)")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (nats/token)")

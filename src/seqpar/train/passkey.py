@@ -4,13 +4,13 @@ Only attention over the whole sequence can answer it, so it exercises sequence p
 
 Note [passkey task]
     A document is filler sentences with one "The pass key is #NNNNN#. Remember it." placed in its first
-    quarter, and it ends with " What is the pass key? #NNNNN." asked three times. The model is trained as
-    a language model on whole documents (filler is cheap to learn, so the loss falls quickly). The first
-    answer needs a head that finds the earlier "#" (it never occurs in the filler) and copies the digits
-    after it across the whole sequence; the repeats can be copied from close by, which gives the same
-    copying circuit more examples to form on. Evaluation is teacher-forced on the first answer: a key
-    counts as retrieved when the most likely next token is right at each of its digits. Examples are
-    generated from (seed, split, length, index), so a run and its resumed continuation see the same data.
+    quarter, and it ends with " What is the pass key? #NNNNN.". The model is trained as a language model
+    on whole documents (filler is cheap to learn, so the loss falls quickly). Answering needs a head that
+    finds the earlier "#" (it never occurs in the filler) and copies the digits after it across the whole
+    sequence, an induction-style lookup that small models learn late; the evaluation says honestly how far
+    a run got. It is teacher-forced: a key counts as retrieved when the most likely next token is right at
+    each of its digits. Examples are generated from (seed, split, length, index), so a run and its resumed
+    continuation see the same data.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ _FILLER = (
     "There and back again. ",
 )
 _QUESTION = " What is the pass key? #"
-_REPEATS = 3  # the question is asked again after its answer; only the first answer needs the far needle
 
 
 class PasskeyTask:
@@ -53,7 +52,7 @@ class PasskeyTask:
         key = "".join(rng.choice("0123456789") for _ in range(DIGITS))
         needle = self.tokenizer.encode(f"The pass key is #{key}#. Remember it. ")
         question = self.tokenizer.encode(_QUESTION)
-        tail = self.tokenizer.encode((_QUESTION + key + ".") * _REPEATS)
+        tail = self.tokenizer.encode(_QUESTION + key + ".")
         room = seq_len - len(needle) - len(tail)
         if room < 8:
             raise SeqparInputError(
