@@ -25,8 +25,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import seqpar
+from seqpar.validation import SIGNATURE_LENGTH
 
-_SIGNATURE_BYTES = 24 * 8  # the input check's all-gathered int64 signature (seqpar.validation)
+_SIGNATURE_BYTES = SIGNATURE_LENGTH * 8  # the input check's all-gathered int64 signature
 
 
 def _written_bytes() -> int:

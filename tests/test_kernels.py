@@ -44,12 +44,13 @@ def test_kernel_forward_backward_match_sdpa(kernel, causal, heads):
         torch.testing.assert_close(got.double(), want, atol=5e-5, rtol=1e-4)
 
 
-def test_reference_kernel_any_mask_and_empty_rows():
+@pytest.mark.parametrize("kernel", [ReferenceKernel(block_size=7), TorchCPUFlashKernel()], ids=lambda k: k.name)
+def test_masked_kernels_any_mask_and_empty_rows(kernel):
+    # block_size 7: several key blocks for the reference kernel, the last one partial
     torch.manual_seed(1)
     q, k, v, dout = (torch.randn(1, 2, 30, 16, dtype=torch.float64) for _ in range(4))
     mask = torch.rand(1, 2, 30, 30) > 0.6
     mask[:, :, 3] = False  # a row that sees no key: out 0, lse -inf, no gradient
-    kernel = ReferenceKernel(block_size=7)  # several key blocks, the last one partial
     want_out, want_lse = sdpa_with_lse(q, k, v, mask)
     out, lse = kernel.forward(q.float(), k.float(), v.float(), causal=False, scale=0.25, mask=mask)
     assert torch.isneginf(lse[:, :, 3]).all() and (out[:, :, 3] == 0).all()

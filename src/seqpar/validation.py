@@ -31,6 +31,7 @@ _DEVICE_TYPES = ("cpu", "cuda", "meta")
 # then per tensor (ndim, 4 dims, dtype)
 _HEADER = 7
 _PER_TENSOR = 6
+SIGNATURE_LENGTH = _HEADER + 3 * _PER_TENSOR  # int64 values each rank contributes to the check
 
 
 def _code(value: object, table: tuple) -> int:

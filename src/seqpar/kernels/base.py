@@ -21,6 +21,8 @@ class AttentionKernel(abc.ABC):
     """
 
     name: str = "abstract"
+    takes_masks: bool = False
+    """Whether ``forward``/``backward`` accept a boolean ``mask`` (``[B or 1, H or 1, Sq, Sk]``, True = attend)."""
 
     @abc.abstractmethod
     def unsupported_reason(

@@ -48,6 +48,7 @@ class ReferenceKernel(AttentionKernel):
     """Pure-PyTorch attention over key blocks of ``block_size`` columns (memory O(Sq * block_size))."""
 
     name = "reference"
+    takes_masks = True
 
     def __init__(self, block_size: int = 1024) -> None:
         self.block_size = block_size

@@ -25,6 +25,7 @@ from seqpar.merge import merge_into
 __all__ = ["MASK_TILE", "Block", "blocks_backward", "blocks_forward", "plan", "plan_blocks"]
 
 MASK_TILE = 1024
+MIN_WINDOW_TILE = 128
 _MASKED_KERNEL = ReferenceKernel()
 
 
@@ -97,6 +98,8 @@ def plan(
     if mask is None or mask.trivial:
         return plan_blocks(q_chunks, kv_chunks, chunk_len, causal)
     tile = min(chunk_len, MASK_TILE)
+    if mask.window is not None:  # tiles of half a window: the band's masked edge wastes less compute
+        tile = min(tile, max(MIN_WINDOW_TILE, mask.window // 2))
     blocks = []
     for i, g in enumerate(q_chunks):
         for j, c in enumerate(kv_chunks):
@@ -173,7 +176,7 @@ def blocks_forward(
 ) -> None:
     """Run ``blocks`` and merge each result into the float32 running ``(out, lse)`` in place."""
     for b in blocks:
-        run = kernel if b.mask is None else _MASKED_KERNEL
+        run = kernel if b.mask is None or kernel.takes_masks else _MASKED_KERNEL
         o, l = run.forward(q[:, :, b.q], k[:, :, b.kv], v[:, :, b.kv], causal=b.causal, scale=scale, mask=b.mask)
         merge_into(out[:, :, b.q], lse[:, :, b.q], o, l)
 
@@ -215,7 +218,7 @@ def blocks_backward(
     tile uses the final ``out`` and ``lse``).
     """
     for b in _tiles(blocks, split):
-        run = kernel if b.mask is None else _MASKED_KERNEL
+        run = kernel if b.mask is None or kernel.takes_masks else _MASKED_KERNEL
         dq_b, dk_b, dv_b = run.backward(
             dout[:, :, b.q],
             q[:, :, b.q],
