@@ -121,16 +121,21 @@ def test_real_data_files_and_local_model_config(tmp_path):
     assert sorted(losses(run2)) == [1, 2]
 
 
-def test_tensor_parallel_run_matches_sequence_parallel_run(tmp_path):
+def test_tensor_and_data_parallel_runs_match_the_sequence_parallel_run(tmp_path):
     common = [*TINY, "--heads", "4", "--steps", "2", "--eval-examples", "2"]
     tp = seqpar_train(*common, "--tp", "2", "--sp", "1", "--run-dir", str(tmp_path / "tp"))
     assert tp.returncode == 0, tp.stderr
     sp = seqpar_train(*common, "--sp", "2", "--run-dir", str(tmp_path / "sp"))
     assert sp.returncode == 0, sp.stderr
-    tp_losses, sp_losses = losses(tmp_path / "tp"), losses(tmp_path / "sp")
-    assert sorted(tp_losses) == [1, 2]
-    for step, loss in sp_losses.items():
-        assert tp_losses[step] == pytest.approx(loss, rel=1e-4), step
+    for mode in ("fsdp", "ddp"):  # parameters sharded / replicated over the 2 SP ranks by torch
+        done = seqpar_train(*common, "--sp", "2", "--dp-mode", mode, "--run-dir", str(tmp_path / mode))
+        assert done.returncode == 0, done.stderr
+    sp_losses = losses(tmp_path / "sp")
+    for other in ("tp", "fsdp", "ddp"):
+        got = losses(tmp_path / other)
+        assert sorted(got) == [1, 2], other
+        for step, loss in sp_losses.items():
+            assert got[step] == pytest.approx(loss, rel=1e-4), (other, step)
 
 
 def test_bad_input_fails_clearly(tmp_path):

@@ -51,6 +51,9 @@ class TrainConfig:
     tp: int = 1
     """Tensor-parallel degree: attention heads and MLP of each block split over tp ranks; the world size is
     dp x sp x tp."""
+    dp_mode: str = "replicate"
+    """How parameters live on the dp x sp ranks: replicate (gradients summed by one all-reduce), ddp, or
+    fsdp (FSDP2: parameters, gradients and optimizer state sharded); gradients are summed, never averaged."""
     nproc: int | None = None
     """Ranks to spawn on this machine when not started by torchrun; default dp x sp x tp."""
 
@@ -119,6 +122,10 @@ class TrainConfig:
             )
         if self.batch_size >= 1 and self.grad_accum >= 1 and self.batch_size % self.grad_accum:
             problems.append(f"--batch-size {self.batch_size} must be divisible by --grad-accum {self.grad_accum}")
+        if self.dp_mode not in ("replicate", "ddp", "fsdp"):
+            problems.append(f"--dp-mode must be replicate, ddp or fsdp, not {self.dp_mode!r}")
+        elif self.dp_mode != "replicate" and self.tp > 1:
+            problems.append("--dp-mode ddp/fsdp with --tp > 1 is not supported; use --dp-mode replicate")
         if self.precision not in ("fp32", "bf16"):
             problems.append(f"--precision must be fp32 or bf16, not {self.precision!r}")
         if self.lr_schedule not in ("cosine", "linear", "constant"):

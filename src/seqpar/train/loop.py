@@ -101,6 +101,8 @@ def train_rank(config: TrainConfig, run_dir: str) -> None:
     if config.tp > 1:
         seqpar.apply_tensor_parallel(model, mesh)
     seqpar.prepare_model(model, mesh, strategy=config.strategy)
+    # "replicate": every rank holds the parameters, gradients summed by one all-reduce after the backward
+    forward = model if config.dp_mode == "replicate" else seqpar.apply_data_parallel(model, mesh, config.dp_mode)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay, eps=1e-8
     )
@@ -161,7 +163,7 @@ def train_rank(config: TrainConfig, run_dir: str) -> None:
         answer_sum = torch.zeros((), device=device)
         for shard, answer in zip(shards, answers):
             with autocast:
-                logits = model(
+                logits = forward(
                     input_ids=shard["input_ids"].to(device), position_ids=shard["position_ids"].to(device)
                 ).logits
             loss = seqpar.cross_entropy(logits, shard["shift_labels"].to(device), num_valid_tokens=total)
@@ -173,7 +175,8 @@ def train_rank(config: TrainConfig, run_dir: str) -> None:
             del logits
             loss.backward()
             loss_sum += loss.detach()
-        seqpar.reduce_gradients(model.parameters(), everyone)
+        if config.dp_mode == "replicate":
+            seqpar.reduce_gradients(model.parameters(), everyone)
         grad_norm = seqpar.clip_grad_norm_(model.parameters(), config.grad_clip or float("inf"))
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
