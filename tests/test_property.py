@@ -1,4 +1,4 @@
-"""Property-based sweep: random shapes, world sizes, strategies and layouts all match single-device SDPA.
+"""Property-based sweep: random shapes, world sizes, strategies, layouts, packed documents and windows match SDPA.
 
 Hypothesis runs derandomized inside each of 4 gloo ranks, so every rank draws the same examples; a
 world size below 4 runs on a sub-group and the other ranks wait for the verdict.
@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import seqpar
 from tests._dist import run_ranks, shard_index
+from tests.test_masking import dense_mask, packed_positions
 
 ATOL, RTOL = 2e-5, 1e-4
 
@@ -39,6 +40,8 @@ def problems(draw):
         "chunk": draw(st.integers(1, 9)),
         "seed": draw(st.integers(0, 2**16)),
         "bshd": draw(st.booleans()),  # inputs as transposed [B, S, H, D] views, as models produce them
+        "doc_lengths": draw(st.one_of(st.none(), st.lists(st.integers(1, 12), min_size=1, max_size=6))),
+        "window": draw(st.one_of(st.none(), st.integers(1, 20))),
     }
 
 
@@ -49,8 +52,11 @@ def _check(rank, groups, p):
     q = torch.randn(p["batch"], p["heads"], seq, p["head_dim"], generator=gen)
     k, v = (torch.randn(p["batch"], p["kv_heads"], seq, p["head_dim"], generator=gen) for _ in range(2))
     dout = torch.randn(p["batch"], p["heads"], seq, p["head_dim"], generator=gen)
+    window = p["window"] if p["causal"] else None  # a window needs the causal mask
+    positions = packed_positions(seq, p["doc_lengths"])[None] if p["doc_lengths"] else torch.arange(seq)[None]
     refs = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = F.scaled_dot_product_attention(*refs, is_causal=p["causal"], enable_gqa=True)
+    mask = dense_mask(positions, p["causal"], window) if (p["doc_lengths"] or window) else None
+    ref = F.scaled_dot_product_attention(*refs, attn_mask=mask, is_causal=p["causal"] and mask is None, enable_gqa=True)
     ref.backward(dout)
     idx = shard_index(p["layout"], size, rank, seq)
     if p["bshd"]:
@@ -59,7 +65,12 @@ def _check(rank, groups, p):
     else:
         local = [t[:, :, idx].clone().requires_grad_() for t in (q, k, v)]
         views = local
-    out = seqpar.attention(*views, mesh=groups[size], strategy=p["strategy"], causal=p["causal"], layout=p["layout"])
+    extra = {"window": window}
+    if p["doc_lengths"]:
+        extra["position_ids"] = positions[:, idx]
+    out = seqpar.attention(
+        *views, mesh=groups[size], strategy=p["strategy"], causal=p["causal"], layout=p["layout"], **extra
+    )
     out.backward(dout[:, :, idx])
     grads = [t.grad.transpose(1, 2) if p["bshd"] else t.grad for t in local]
     for got, want in zip((out, *grads), (ref, *(t.grad for t in refs)), strict=True):
