@@ -206,7 +206,7 @@ def train_rank(config: TrainConfig, run_dir: str) -> None:
                 bar.set_postfix(
                     loss=f"{record['loss']:.3f}",
                     tok_s=f"{record['tokens_per_s']:.0f}",
-                    mem_mb=f"{max(record['peak_memory_mb']):.0f}",
+                    mem_mb="/".join(f"{m:.0f}" for m in record["peak_memory_mb"]),
                 )
                 bar.update(1)
             if (step + 1) % config.log_every == 0 or step + 1 == end:
