@@ -26,7 +26,8 @@ def model_config(config: TrainConfig, vocab_size: int):
     """
     import transformers
 
-    longest = max([config.seq_len, *(config.eval_lengths or [2 * config.seq_len])])
+    # the passkey evaluation also runs at eval_lengths; data files train and stop at seq_len
+    longest = config.seq_len if config.data else max([config.seq_len, *(config.eval_lengths or [2 * config.seq_len])])
     if config.model is None:
         cfg = transformers.LlamaConfig(
             vocab_size=vocab_size,
