@@ -130,8 +130,31 @@ def test_tensor_and_data_parallel_runs_match_the_sequence_parallel_run(tmp_path)
     for mode in ("fsdp", "ddp"):  # parameters sharded / replicated over the 2 SP ranks by torch
         done = seqpar_train(*common, "--sp", "2", "--dp-mode", mode, "--run-dir", str(tmp_path / mode))
         assert done.returncode == 0, done.stderr
+    # the same run started by torchrun instead of spawned by the command
+    launched = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "seqpar.cli",
+            "train",
+            *common,
+            "--sp",
+            "2",
+            "--run-dir",
+            str(tmp_path / "torchrun"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert launched.returncode == 0, launched.stderr
+    assert json.loads((tmp_path / "torchrun" / "config.json").read_text())["launcher"] == "torchrun"
     sp_losses = losses(tmp_path / "sp")
-    for other in ("tp", "fsdp", "ddp"):
+    for other in ("tp", "fsdp", "ddp", "torchrun"):
         got = losses(tmp_path / other)
         assert sorted(got) == [1, 2], other
         for step, loss in sp_losses.items():
