@@ -161,6 +161,12 @@ def _bad_input(rank, world_size, mesh):
     shard = seqpar.shard_batch({"input_ids": ids}, mesh)
     with pytest.raises(SeqparInputError, match="needs position_ids"):
         model(input_ids=shard["input_ids"])
+    # a mistake on one rank only raises on every rank (the other rank would otherwise wait in a collective)
+    with pytest.raises(SeqparInputError, match="rank 1: a seqpar-prepared model needs position_ids"):
+        model(input_ids=shard["input_ids"], position_ids=None if rank == 1 else shard["position_ids"])
+    with pytest.raises(SeqparInputError, match="position_ids shapes differ across ranks"):
+        cut = 2 if rank == 0 else shard["position_ids"].shape[1]
+        model(input_ids=shard["input_ids"][:, :cut], position_ids=shard["position_ids"][:, :cut])
     with pytest.raises(SeqparInputError, match="do not pass labels"):
         model(input_ids=shard["input_ids"], position_ids=shard["position_ids"], labels=shard["input_ids"])
     with pytest.raises(SeqparInputError, match="labels look shifted already"):

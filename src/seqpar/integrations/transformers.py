@@ -9,7 +9,9 @@ Note [transformers integration]
     are applied by seqpar over global positions. A forward pre-hook on the model (a documented
     ``nn.Module`` hook, no patching) checks each call, builds the ``SequenceMask`` once per forward from the
     global position ids (one small all-gather), and hands the mesh, strategy and mask to every attention
-    layer through the keyword arguments transformers already forwards to attention functions. The model's
+    layer through the keyword arguments transformers already forwards to attention functions. Its
+    checks exchange one small signature first (Note [agreeing on errors]), so a mistake on one rank
+    raises on all of them instead of leaving the others in the all-gather. The model's
     own code, weights and RoPE run unchanged on the local shard with global position ids.
 """
 
@@ -23,7 +25,7 @@ from seqpar.api import attention
 from seqpar.errors import SeqparInputError
 from seqpar.masking import SequenceMask, sequence_mask
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
-from seqpar.validation import STRATEGIES
+from seqpar.validation import STRATEGIES, _exchange
 
 __all__ = ["ATTENTION_NAME", "prepare_model"]
 
@@ -95,6 +97,45 @@ def _unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
+_CALL_PROBLEMS = (
+    "call a seqpar-prepared model with keywords: model(input_ids=..., position_ids=...)",
+    "a seqpar-prepared model needs position_ids (the global positions of this rank's tokens, from "
+    "seqpar.shard_batch); without them RoPE would use local positions",
+    "do not pass labels to a seqpar-prepared model: it would shift them again inside its shard; "
+    "compute seqpar.cross_entropy(logits, shard['shift_labels'], mesh) instead",
+    "seqpar reads documents and padding from position_ids and shift_labels; drop attention_mask "
+    "(shard_batch already masks padding out of the loss)",
+    "seqpar-prepared models train without a KV cache; pass use_cache=False",
+)
+
+
+def _agree_on_call(args: tuple, kwargs: dict, sp: SequenceParallelMesh) -> None:
+    """Check one model call on every rank at once (Note [agreeing on errors]): all raise, or none does."""
+    attention_mask = kwargs.get("attention_mask")
+    positions = kwargs.get("position_ids")
+    flags = [
+        bool(args),
+        positions is None,
+        kwargs.get("labels") is not None,
+        attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()),
+        bool(kwargs.get("use_cache")),
+    ]
+    shape = list(positions.shape) if positions is not None else []
+    signature = [int(f) for f in flags] + [len(shape), *[*shape, 0, 0][:2]]
+    table = [signature] if sp.sp_size == 1 else _exchange(signature, sp.sp_group)
+    problems = []
+    for i, message in enumerate(_CALL_PROBLEMS):
+        ranks = [r for r, row in enumerate(table) if row[i]]
+        if ranks:
+            where = "every rank" if len(ranks) == len(table) else f"rank {', '.join(map(str, ranks))}"
+            problems.append(f"{where}: {message}")
+    if not problems and any(row[5:] != table[0][5:] for row in table):
+        shapes = "; ".join(f"rank {r}: {row[6 : 6 + row[5]]}" for r, row in enumerate(table))
+        problems.append(f"position_ids shapes differ across ranks (every rank holds one equal shard): {shapes}")
+    if problems:
+        raise SeqparInputError(" | ".join(problems))
+
+
 def prepare_model(
     model: torch.nn.Module,
     mesh: object,
@@ -142,26 +183,7 @@ def prepare_model(
     max_positions = getattr(model.config, "max_position_embeddings", None)
 
     def check_and_inject(module, args, kwargs):
-        if args:
-            raise SeqparInputError("call a seqpar-prepared model with keywords: model(input_ids=..., position_ids=...)")
-        if kwargs.get("position_ids") is None:
-            raise SeqparInputError(
-                "a seqpar-prepared model needs position_ids (the global positions of this rank's tokens, from "
-                "seqpar.shard_batch); without them RoPE would use local positions"
-            )
-        if kwargs.get("labels") is not None:
-            raise SeqparInputError(
-                "do not pass labels to a seqpar-prepared model: it would shift them again inside its shard; "
-                "compute seqpar.cross_entropy(logits, shard['shift_labels'], mesh) instead"
-            )
-        attention_mask = kwargs.get("attention_mask")
-        if attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()):
-            raise SeqparInputError(
-                "seqpar reads documents and padding from position_ids and shift_labels; drop attention_mask "
-                "(shard_batch already masks padding out of the loss)"
-            )
-        if kwargs.get("use_cache"):
-            raise SeqparInputError("seqpar-prepared models train without a KV cache; pass use_cache=False")
+        _agree_on_call(args, kwargs, sp)
         kwargs["use_cache"] = False
         kwargs.pop("attention_mask", None)
         batch = kwargs["input_ids"].shape[0] if kwargs.get("input_ids") is not None else None
