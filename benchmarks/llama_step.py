@@ -4,6 +4,7 @@ Fixed total sequence; every degree runs in fresh processes (one thread per rank)
 
     python -m benchmarks.llama_step                           # seq 8192, sp 1 2 4, ring
     python -m benchmarks.llama_step --seq 4096 --sp 1 2 --strategy ulysses --repeats 3
+    python -m benchmarks.llama_step --vocab 32768 --sp 2 --loss-chunk 1024   # logits in pieces
 
 Each step is forward + backward + AdamW on ``seqpar.shard_batch`` shards with ``seqpar.cross_entropy``.
 Before timing, the sharded loss of the first step is checked against the sp=1 loss. Memory = growth of the
@@ -58,9 +59,17 @@ def _worker(rank: int, cfg: dict, store: str, out_path: str) -> None:
     shard = seqpar.shard_batch({"input_ids": ids}, mesh)
 
     def step() -> float:
-        logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
-        loss = seqpar.cross_entropy(logits, shard["shift_labels"], mesh)
-        del logits
+        inputs = {"input_ids": shard["input_ids"], "position_ids": shard["position_ids"]}
+        if cfg["loss_chunk"]:  # logits made and dropped piece by piece
+            hidden = model.get_decoder()(**inputs).last_hidden_state
+            loss = seqpar.lm_head_cross_entropy(
+                hidden, model.lm_head, shard["shift_labels"], mesh, chunk_size=cfg["loss_chunk"]
+            )
+            del hidden
+        else:
+            logits = model(**inputs).logits
+            loss = seqpar.cross_entropy(logits, shard["shift_labels"], mesh)
+            del logits
         loss.backward()
         seqpar.reduce_gradients(model.parameters(), mesh)
         opt.step()
@@ -93,9 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--loss-chunk", type=int, default=0, help="lm_head_cross_entropy pieces (0: whole logits)")
     args = parser.parse_args(argv)
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # freed memory leaves the resident set (see attention.py)
-    cfg = {k: getattr(args, k) for k in ("seq", "strategy", "hidden", "layers", "heads", "vocab", "repeats")}
+    keys = ("seq", "strategy", "hidden", "layers", "heads", "vocab", "repeats", "loss_chunk")
+    cfg = {k: getattr(args, k) for k in keys}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for sp in args.sp:

@@ -130,6 +130,9 @@ def test_tensor_and_data_parallel_runs_match_the_sequence_parallel_run(tmp_path)
     for mode in ("fsdp", "ddp"):  # parameters sharded / replicated over the 2 SP ranks by torch
         done = seqpar_train(*common, "--sp", "2", "--dp-mode", mode, "--run-dir", str(tmp_path / mode))
         assert done.returncode == 0, done.stderr
+    # the output projection and loss in pieces of 40 tokens instead of whole logits
+    done = seqpar_train(*common, "--sp", "2", "--loss-chunk", "40", "--run-dir", str(tmp_path / "chunked"))
+    assert done.returncode == 0, done.stderr
     # the same run started by torchrun instead of spawned by the command
     launched = subprocess.run(
         [
@@ -154,7 +157,7 @@ def test_tensor_and_data_parallel_runs_match_the_sequence_parallel_run(tmp_path)
     assert launched.returncode == 0, launched.stderr
     assert json.loads((tmp_path / "torchrun" / "config.json").read_text())["launcher"] == "torchrun"
     sp_losses = losses(tmp_path / "sp")
-    for other in ("tp", "fsdp", "ddp", "torchrun"):
+    for other in ("tp", "fsdp", "ddp", "torchrun", "chunked"):
         got = losses(tmp_path / other)
         assert sorted(got) == [1, 2], other
         for step, loss in sp_losses.items():
@@ -181,6 +184,7 @@ def test_bad_input_fails_clearly(tmp_path):
         (["--strategy", "spiral"], "unknown strategy 'spiral'"),
         (["--nproc", "3", "--sp", "2"], "does not match the 3 ranks"),
         (["--tp", "2", "--heads", "2"], "must divide the heads"),
+        (["--loss-chunk", "64", "--dp-mode", "fsdp"], "--loss-chunk needs --dp-mode replicate"),
         (["--model", str(short_model), "--seq-len", "512"], "longer than the model takes"),
         (["--seq-len", "64"], "too short for the passkey task"),
         (["--config", str(tmp_path / "nope.yaml")], "config file not found"),

@@ -148,7 +148,8 @@ def prepare_model(
 
     Idempotent: preparing again replaces the settings. Call the model on ``seqpar.shard_batch`` shards as
     ``model(input_ids=shard["input_ids"], position_ids=shard["position_ids"])`` and compute the loss with
-    ``seqpar.cross_entropy`` on its logits.
+    ``seqpar.cross_entropy`` on its logits, or call ``model.get_decoder()`` the same way for hidden states
+    and use ``seqpar.lm_head_cross_entropy`` (logits made in chunks, never all at once).
 
     Args:
         model: a transformers model whose attention goes through ``AttentionInterface`` (Llama, Qwen2/3,
@@ -177,12 +178,13 @@ def prepare_model(
     model.set_attn_implementation(ATTENTION_NAME)
     if model.config._attn_implementation != ATTENTION_NAME:
         raise SeqparInputError(f"{type(model).__name__} refused the attention implementation {ATTENTION_NAME!r}")
-    old = getattr(model, _HOOK_ATTR, None)
-    if old is not None:
+    for old in getattr(model, _HOOK_ATTR, ()):
         old.remove()
     max_positions = getattr(model.config, "max_position_embeddings", None)
 
     def check_and_inject(module, args, kwargs):
+        if _CONTEXT_KEY in kwargs:  # checked by the enclosing model, which passes its context down
+            return args, kwargs
         _agree_on_call(args, kwargs, sp)
         kwargs["use_cache"] = False
         kwargs.pop("attention_mask", None)
@@ -196,6 +198,10 @@ def prepare_model(
         kwargs[_CONTEXT_KEY] = _Context(sp, strategy, layout, kernel, mask)
         return args, kwargs
 
-    handle = model.register_forward_pre_hook(check_and_inject, with_kwargs=True)
-    setattr(model, _HOOK_ATTR, handle)
+    # The decoder is hooked too, so that it can be called alone (hidden states for a chunked loss).
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    hooked = [model] + ([decoder] if isinstance(decoder, torch.nn.Module) and decoder is not model else [])
+    handles = [m.register_forward_pre_hook(check_and_inject, with_kwargs=True) for m in hooked]
+    setattr(model, _HOOK_ATTR, handles)
     return model

@@ -78,6 +78,9 @@ class TrainConfig:
     """AdamW weight decay."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0: no clipping)."""
+    loss_chunk: int = 0
+    """Tokens per piece of the output projection and loss, so the [seq/sp, vocab] logits never exist at
+    once (0: whole logits; with --dp-mode replicate only)."""
     precision: str = "fp32"
     """fp32 or bf16 (bf16 autocast; parameters and optimizer state stay fp32)."""
     activation_checkpointing: bool = False
@@ -126,6 +129,10 @@ class TrainConfig:
             problems.append(f"--dp-mode must be replicate, ddp or fsdp, not {self.dp_mode!r}")
         elif self.dp_mode != "replicate" and self.tp > 1:
             problems.append("--dp-mode ddp/fsdp with --tp > 1 is not supported; use --dp-mode replicate")
+        if self.loss_chunk < 0:
+            problems.append("--loss-chunk must be 0 (off) or a positive number of tokens")
+        elif self.loss_chunk and self.dp_mode != "replicate":
+            problems.append("--loss-chunk needs --dp-mode replicate (ddp/fsdp wrap the whole model's forward)")
         if self.precision not in ("fp32", "bf16"):
             problems.append(f"--precision must be fp32 or bf16, not {self.precision!r}")
         if self.lr_schedule not in ("cosine", "linear", "constant"):

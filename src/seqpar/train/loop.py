@@ -72,6 +72,16 @@ def _answer_shift_labels(input_ids: torch.Tensor, answers: torch.Tensor) -> torc
     return labels
 
 
+@torch.no_grad()
+def _answer_loss(outputs: torch.Tensor, labels: torch.Tensor, total: int, head: torch.nn.Module | None) -> torch.Tensor:
+    """This rank's share of the mean loss on the answer digits, from logits or (``head`` given) hidden states."""
+    if head is None:
+        return seqpar.cross_entropy(outputs, labels, num_valid_tokens=total)
+    keep = labels != IGNORE_INDEX
+    logits = head(outputs[keep]).float()  # [answer tokens here, V]: only these rows get logits
+    return torch.nn.functional.cross_entropy(logits, labels[keep], reduction="sum") / max(total, 1)
+
+
 class _Source:
     """Global training/eval batches: the passkey task or packed rows of data files."""
 
@@ -108,6 +118,7 @@ def train_rank(config: TrainConfig, run_dir: str) -> None:
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(config, s))
     source = _Source(config, tokenizer)
+    head = model.get_output_embeddings()
     # the loss and gradients are normalised and summed over dp x sp (tp ranks share their tokens)
     everyone = seqpar.data_parallel_group(mesh) if config.tp > 1 else dist.group.WORLD
     autocast = (
@@ -162,17 +173,23 @@ def train_rank(config: TrainConfig, run_dir: str) -> None:
         loss_sum = torch.zeros((), device=device)
         answer_sum = torch.zeros((), device=device)
         for shard, answer in zip(shards, answers):
+            inputs = {"input_ids": shard["input_ids"].to(device), "position_ids": shard["position_ids"].to(device)}
+            labels = shard["shift_labels"].to(device)
             with autocast:
-                logits = forward(
-                    input_ids=shard["input_ids"].to(device), position_ids=shard["position_ids"].to(device)
-                ).logits
-            loss = seqpar.cross_entropy(logits, shard["shift_labels"].to(device), num_valid_tokens=total)
-            if answer is not None:
-                with torch.no_grad():
-                    answer_sum += seqpar.cross_entropy(
-                        logits.detach(), answer.to(device), num_valid_tokens=answer_total
+                if config.loss_chunk:
+                    hidden = model.get_decoder()(**inputs).last_hidden_state
+                    loss = seqpar.lm_head_cross_entropy(
+                        hidden, head, labels, chunk_size=config.loss_chunk, num_valid_tokens=total
                     )
-            del logits
+                    outputs = hidden
+                else:
+                    outputs = forward(**inputs).logits
+                    loss = seqpar.cross_entropy(outputs, labels, num_valid_tokens=total)
+            if answer is not None:
+                answer_sum += _answer_loss(
+                    outputs.detach(), answer.to(device), answer_total, head if config.loss_chunk else None
+                )
+            del outputs
             loss.backward()
             loss_sum += loss.detach()
         if config.dp_mode == "replicate":
