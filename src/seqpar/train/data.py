@@ -19,7 +19,7 @@ __all__ = ["FileRows", "load_tokenizer"]
 _BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
-def load_tokenizer(path: str | None):
+def load_tokenizer(path: str | None) -> object:
     """A tokenizer from a local directory (transformers ``AutoTokenizer``), or the byte tokenizer for None."""
     if path is None:
         from seqpar.train.tokenizer import ByteTokenizer

@@ -17,7 +17,6 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import seqpar
 from seqpar.data import IGNORE_INDEX
-from seqpar.errors import SeqparInputError
 from seqpar.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from seqpar.train.config import TrainConfig
 from seqpar.train.data import FileRows, load_tokenizer
@@ -299,9 +298,3 @@ def _evaluate(config, model, mesh, task: PasskeyTask, device, autocast, writer, 
             )
     model.train()
 
-
-def check_error(error: BaseException) -> str:
-    """One line for an error raised inside a rank."""
-    if isinstance(error, SeqparInputError):
-        return str(error)
-    return f"{type(error).__name__}: {error}"

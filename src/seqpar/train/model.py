@@ -18,7 +18,7 @@ __all__ = ["build_model", "model_config"]
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 
 
-def model_config(config: TrainConfig, vocab_size: int):
+def model_config(config: TrainConfig, vocab_size: int) -> object:
     """The transformers config of the run (cheap: no weights), checked against the sequence lengths.
 
     Raises:
