@@ -36,12 +36,19 @@ def _group_of(mesh: object) -> dist.ProcessGroup | None:
 
 
 def sum_over(value: torch.Tensor, group: object) -> torch.Tensor:
-    """Sum a (detached) tensor over ``group`` (a ProcessGroup, a mesh -> its SP group, or None)."""
+    """Sum a (detached) tensor over ``group`` (a ProcessGroup, a mesh -> its SP group, or None).
+
+    The result stays on the tensor's device; under NCCL a CPU tensor travels through the current GPU.
+    """
     group = _group_of(group)
     value = value.detach().clone()
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(value, group=group)
-    return value
+    if group is None or dist.get_world_size(group) == 1:
+        return value
+    home = value.device
+    if dist.get_backend(group) == "nccl" and home.type != "cuda":  # NCCL reduces CUDA tensors only
+        value = value.to(torch.device("cuda", torch.cuda.current_device()))
+    dist.all_reduce(value, group=group)
+    return value.to(home)
 
 
 def count_valid_tokens(
