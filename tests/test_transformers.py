@@ -1,4 +1,4 @@
-"""Hugging Face models (tiny Llama, Qwen2, Mistral with a sliding window, built from configs) under seqpar.
+"""Hugging Face models (tiny Llama, Qwen2, Mistral with a sliding window, and more, from configs) under seqpar.
 
 Sharded logits and loss equal the unsharded model's; 5 AdamW steps (with gradient accumulation and clipping)
 equal one process; packed documents stay apart; bad input raises on every rank.
@@ -39,6 +39,15 @@ def tiny_config(kind: str):
         return transformers.Qwen2Config(**common)
     if kind == "mistral":
         return transformers.MistralConfig(**common, sliding_window=7)
+    if kind == "qwen3":  # q/k norms
+        return transformers.Qwen3Config(**common, head_dim=12)
+    if kind == "gemma3":  # sliding and full layers alternate, query_pre_attn_scalar scaling, logit soft-cap
+        layers = ["sliding_attention", "full_attention"]
+        return transformers.Gemma3TextConfig(**common, head_dim=12, sliding_window=5, layer_types=layers)
+    if kind == "phi3":  # fused qkv projection
+        return transformers.Phi3Config(**common, pad_token_id=0)
+    if kind == "olmo2":
+        return transformers.Olmo2Config(**common)
     raise ValueError(kind)
 
 
@@ -210,11 +219,28 @@ def _bad_input(rank, world_size, mesh):
     assert out.shape == (1, SEQ // world_size, VOCAB)
 
 
+def _more_models(rank, world_size, mesh):
+    """More architectures at sp 2: the logits of every strategy equal the unsharded model's."""
+    idx = shard_index("zigzag", world_size, rank, SEQ)
+    for kind, strategy in itertools.product(("qwen3", "gemma3", "phi3", "olmo2"), ("ring", "ulysses", "allgather")):
+        ref = build(kind)
+        model = seqpar.prepare_model(copy.deepcopy(ref), mesh, strategy=strategy)
+        ids = tokens(2, SEQ, 5)
+        with torch.no_grad():
+            want = ref(input_ids=ids).logits
+            shard = seqpar.shard_batch({"input_ids": ids}, mesh)
+            got = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+        torch.testing.assert_close(
+            got, want[:, idx], atol=ATOL, rtol=RTOL, msg=lambda m, w=(kind, strategy): f"{w}: {m}"
+        )
+
+
 def _worker(rank, world_size):
     mesh = seqpar.make_mesh()
     _logits_and_loss(rank, world_size, mesh)
     _packing(rank, world_size, mesh)
     if world_size == 2:
+        _more_models(rank, world_size, mesh)
         _training(rank, world_size, mesh)
         _bad_input(rank, world_size, mesh)
 
