@@ -80,8 +80,24 @@ def test_real_data_files_and_local_model_config(tmp_path):
         "max_position_embeddings": 512,
     }
     (model / "config.json").write_text(json.dumps(config))
+    # a tokenizer directory as transformers saves one (a word-level tokenizer trained here, nothing downloaded)
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.train_from_iterator(
+        ["Document 0 1 2 3 4 5 6 7 8 9. Long context matters."],
+        trainers.WordLevelTrainer(special_tokens=["[UNK]", "[PAD]", "[EOS]"]),
+    )
+    tokenizer = tmp_path / "tokenizer"
+    PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]"
+    ).save_pretrained(str(tokenizer))
     run = tmp_path / "run"
     done = seqpar_train(
+        "--tokenizer",
+        str(tokenizer),
         "--data",
         str(docs),
         "--text-field",
@@ -197,8 +213,24 @@ def test_bad_input_fails_clearly(tmp_path):
 
 
 def test_damaged_and_half_written_checkpoints_are_refused(tmp_path):
+    # a tokenizer directory as transformers saves one (a word-level tokenizer trained here, nothing downloaded)
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.train_from_iterator(
+        ["Document 0 1 2 3 4 5 6 7 8 9. Long context matters."],
+        trainers.WordLevelTrainer(special_tokens=["[UNK]", "[PAD]", "[EOS]"]),
+    )
+    tokenizer = tmp_path / "tokenizer"
+    PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]"
+    ).save_pretrained(str(tokenizer))
     run = tmp_path / "run"
-    done = seqpar_train(*TINY, "--steps", "2", "--run-dir", str(run), "--save-every", "1")
+    done = seqpar_train(
+        "--tokenizer", str(tokenizer), *TINY, "--steps", "2", "--run-dir", str(run), "--save-every", "1"
+    )
     assert done.returncode == 0, done.stderr
     ckpts = run / "checkpoints"
     # a half-written checkpoint (no completion marker) is never picked up as the latest
