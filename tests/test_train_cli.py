@@ -195,8 +195,11 @@ def test_bad_input_fails_clearly(tmp_path):
             }
         )
     )
+    wrong_column = tmp_path / "wrong.jsonl"
+    wrong_column.write_text(json.dumps({"body": "text under another name"}) + "\n")
     cases = [
         (["--data", str(tmp_path / "missing.jsonl")], "file or directory not found"),
+        (["--data", str(wrong_column)], "data has no column 'text'"),  # found by rank 0, raised on every rank
         (["--strategy", "spiral"], "unknown strategy 'spiral'"),
         (["--nproc", "3", "--sp", "2"], "does not match the 3 ranks"),
         (["--tp", "2", "--heads", "2"], "must divide the heads"),

@@ -84,11 +84,13 @@ def _answer_loss(outputs: torch.Tensor, labels: torch.Tensor, total: int, head: 
 class _Source:
     """Global training/eval batches: the passkey task or packed rows of data files."""
 
-    def __init__(self, config: TrainConfig, tokenizer) -> None:
+    def __init__(self, config: TrainConfig, tokenizer, cache_dir: str) -> None:
         self.config = config
         self.passkey = None if config.data else PasskeyTask(tokenizer, config.seed)
         self.rows = (
-            FileRows(config.data, tokenizer, config.seq_len, config.text_field, config.seed) if config.data else None
+            FileRows(config.data, tokenizer, config.seq_len, config.text_field, config.seed, cache_dir)
+            if config.data
+            else None
         )
 
     def batch(self, indices: list[int]) -> tuple[dict, torch.Tensor | None]:
@@ -116,7 +118,7 @@ def train_rank(config: TrainConfig, run_dir: str) -> None:
         model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay, eps=1e-8
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(config, s))
-    source = _Source(config, tokenizer)
+    source = _Source(config, tokenizer, os.path.join(run_dir, "data"))
     head = model.get_output_embeddings()
     # the loss and gradients are normalised and summed over dp x sp (tp ranks share their tokens)
     everyone = seqpar.data_parallel_group(mesh) if config.tp > 1 else dist.group.WORLD
@@ -297,4 +299,3 @@ def _evaluate(config, model, mesh, task: PasskeyTask, device, autocast, writer, 
                 flush=True,
             )
     model.train()
-
