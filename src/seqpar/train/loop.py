@@ -112,6 +112,18 @@ def train_rank(config: TrainConfig, run_dir: str) -> None:
     if config.tp > 1:
         seqpar.apply_tensor_parallel(model, mesh)
     seqpar.prepare_model(model, mesh, strategy=config.strategy)
+    if rank == 0:
+        heads = model.config.num_attention_heads // config.tp
+        kv_heads = (getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads) // config.tp
+        chosen = seqpar.resolve_strategy(config.strategy, heads, kv_heads, mesh) if mesh.sp_size > 1 else "local"
+        probe = torch.empty(1, heads, 2, getattr(model.config, "head_dim", None) or 64, device=device)
+        print(
+            f"mesh: dp {config.dp} x sp {mesh.sp_size} (ring axis {mesh.ring_size} x ulysses axis "
+            f"{mesh.ulysses_size}) x tp {config.tp}; "
+            f"attention: {chosen} ({config.strategy}), kernel {seqpar.select_kernel(probe, probe, probe).name}, "
+            f"{heads} heads / {kv_heads} KV heads per rank",
+            flush=True,
+        )
     # "replicate": every rank holds the parameters, gradients summed by one all-reduce after the backward
     forward = model if config.dp_mode == "replicate" else seqpar.apply_data_parallel(model, mesh, config.dp_mode)
     optimizer = torch.optim.AdamW(
