@@ -90,14 +90,11 @@ def test_real_data_files_and_local_model_config(tmp_path):
         ["Document 0 1 2 3 4 5 6 7 8 9. Long context matters."],
         trainers.WordLevelTrainer(special_tokens=["[UNK]", "[PAD]", "[EOS]"]),
     )
-    tokenizer = tmp_path / "tokenizer"
     PreTrainedTokenizerFast(
         tokenizer_object=words, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]"
-    ).save_pretrained(str(tokenizer))
+    ).save_pretrained(str(model))  # next to config.json: the default tokenizer for --data
     run = tmp_path / "run"
     done = seqpar_train(
-        "--tokenizer",
-        str(tokenizer),
         "--data",
         str(docs),
         "--text-field",
@@ -119,7 +116,8 @@ def test_real_data_files_and_local_model_config(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert sorted(losses(run)) == [1, 2, 3]
-    assert json.loads((run / "config.json").read_text())["strategy"] == "ulysses"
+    resolved = json.loads((run / "config.json").read_text())
+    assert resolved["strategy"] == "ulysses" and resolved["tokenizer_used"] == str(model)
     # Parquet data; data parallel over 2 ranks, bf16 autocast and activation checkpointing, from a YAML file
     import datasets
 
@@ -204,6 +202,7 @@ def test_bad_input_fails_clearly(tmp_path):
         (["--nproc", "3", "--sp", "2"], "does not match the 3 ranks"),
         (["--tp", "2", "--heads", "2"], "must divide the heads"),
         (["--loss-chunk", "64", "--dp-mode", "fsdp"], "--loss-chunk needs --dp-mode replicate"),
+        (["--tokenizer", str(tmp_path)], "the passkey task uses seqpar's byte tokenizer"),
         (["--model", str(short_model), "--seq-len", "512"], "longer than the model takes"),
         (["--seq-len", "64"], "too short for the passkey task"),
         (["--config", str(tmp_path / "nope.yaml")], "config file not found"),
@@ -216,24 +215,8 @@ def test_bad_input_fails_clearly(tmp_path):
 
 
 def test_damaged_and_half_written_checkpoints_are_refused(tmp_path):
-    # a tokenizer directory as transformers saves one (a word-level tokenizer trained here, nothing downloaded)
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    words = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    words.pre_tokenizer = pre_tokenizers.Whitespace()
-    words.train_from_iterator(
-        ["Document 0 1 2 3 4 5 6 7 8 9. Long context matters."],
-        trainers.WordLevelTrainer(special_tokens=["[UNK]", "[PAD]", "[EOS]"]),
-    )
-    tokenizer = tmp_path / "tokenizer"
-    PreTrainedTokenizerFast(
-        tokenizer_object=words, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]"
-    ).save_pretrained(str(tokenizer))
     run = tmp_path / "run"
-    done = seqpar_train(
-        "--tokenizer", str(tokenizer), *TINY, "--steps", "2", "--run-dir", str(run), "--save-every", "1"
-    )
+    done = seqpar_train(*TINY, "--steps", "2", "--run-dir", str(run), "--save-every", "1")
     assert done.returncode == 0, done.stderr
     ckpts = run / "checkpoints"
     # a half-written checkpoint (no completion marker) is never picked up as the latest

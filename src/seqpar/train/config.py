@@ -26,7 +26,8 @@ class TrainConfig:
     """Local Hugging Face model directory (config.json, optional weights) or a config.json file; default: a
     small Llama built from an embedded config (random weights)."""
     tokenizer: str | None = None
-    """Local tokenizer directory; default: the model directory's tokenizer, else seqpar's byte tokenizer."""
+    """Local tokenizer directory for --data files; default: the --model directory's tokenizer if it has one,
+    else seqpar's byte tokenizer (the passkey task always uses the byte tokenizer)."""
     data: list[str] = field(default_factory=list)
     """Local .txt / .jsonl / .json / .parquet files, packed into rows of seq_len tokens with document
     boundaries kept; default: the synthetic passkey-retrieval task."""
@@ -129,6 +130,8 @@ class TrainConfig:
             problems.append(f"--dp-mode must be replicate, ddp or fsdp, not {self.dp_mode!r}")
         elif self.dp_mode != "replicate" and self.tp > 1:
             problems.append("--dp-mode ddp/fsdp with --tp > 1 is not supported; use --dp-mode replicate")
+        if self.tokenizer and not self.data:
+            problems.append("the passkey task uses seqpar's byte tokenizer; --tokenizer applies to --data files")
         if self.loss_chunk < 0:
             problems.append("--loss-chunk must be 0 (off) or a positive number of tokens")
         elif self.loss_chunk and self.dp_mode != "replicate":
@@ -146,6 +149,17 @@ class TrainConfig:
             problems.append(f"checkpoint directory not found: {self.resume}")
         if problems:
             raise SeqparInputError("invalid training settings:\n  - " + "\n  - ".join(problems))
+
+    def tokenizer_path(self) -> str | None:
+        """The tokenizer directory to load, or None for the byte tokenizer."""
+        if not self.data:
+            return None
+        if self.tokenizer:
+            return self.tokenizer
+        files = ("tokenizer.json", "tokenizer_config.json")
+        if self.model and os.path.isdir(self.model) and any(os.path.exists(os.path.join(self.model, f)) for f in files):
+            return self.model
+        return None
 
     def to_dict(self) -> dict:
         """Plain JSON-able dict of every field."""

@@ -44,7 +44,7 @@ def _precheck(config: TrainConfig, world_size: int) -> None:
             f"--sp {config.sp} x --dp {config.dp} x --tp {config.tp} must equal the world size {world_size}; "
             f"valid --sp: {valid}"
         )
-    tokenizer = load_tokenizer(config.tokenizer)
+    tokenizer = load_tokenizer(config.tokenizer_path())
     vocab = getattr(tokenizer, "vocab_size", None) or len(tokenizer)
     cfg = model_config(config, vocab)
     heads = getattr(cfg, "num_attention_heads", 1)
@@ -97,7 +97,8 @@ def launch(config: TrainConfig) -> int:
     if config.resume == "auto" and latest_checkpoint(os.path.join(run_dir, "checkpoints")) is None:
         print(f"no complete checkpoint under {run_dir}/checkpoints; starting from step 0", flush=True)
     with open(os.path.join(run_dir, "config.json"), "w") as f:
-        json.dump({**config.to_dict(), "world_size": world, "launcher": "spawn (gloo, CPU)"}, f, indent=2)
+        resolved = {"world_size": world, "launcher": "spawn (gloo, CPU)", "tokenizer_used": config.tokenizer_path()}
+        json.dump({**config.to_dict(), **resolved}, f, indent=2)
     print(f"run directory: {run_dir}", flush=True)
     threads = max(1, (os.cpu_count() or 1) // world)
     with tempfile.TemporaryDirectory() as tmp:
@@ -134,9 +135,12 @@ def _launch_torchrun(config: TrainConfig) -> int:
         run_dir = shared[0]
         if dist.get_rank() == 0:
             with open(os.path.join(run_dir, "config.json"), "w") as f:
-                json.dump(
-                    {**config.to_dict(), "world_size": dist.get_world_size(), "launcher": "torchrun"}, f, indent=2
-                )
+                resolved = {
+                    "world_size": dist.get_world_size(),
+                    "launcher": "torchrun",
+                    "tokenizer_used": config.tokenizer_path(),
+                }
+                json.dump({**config.to_dict(), **resolved}, f, indent=2)
             print(f"run directory: {run_dir}", flush=True)
         train_rank(config, run_dir)
         dist.barrier()

@@ -106,7 +106,7 @@ def train_rank(config: TrainConfig, run_dir: str) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     mesh = seqpar.make_mesh(sp_size=config.sp, ulysses_size=config.ulysses, dp_size=config.dp, tp_size=config.tp)
     dp_rank = mesh.device_mesh.get_local_rank("dp")
-    tokenizer = load_tokenizer(config.tokenizer)
+    tokenizer = load_tokenizer(config.tokenizer_path())
     vocab = getattr(tokenizer, "vocab_size", None) or len(tokenizer)
     model = build_model(config, vocab).to(device)
     if config.tp > 1:
