@@ -116,6 +116,7 @@ def test_planner_skips_tiles_outside_window_and_documents():
     assert len(blocks) == 2 * chunks - 1
     for b in blocks:
         assert b.mask is None or (b.mask.any() and not b.mask.all())
+    assert plan(ids, ids, chunk_len, True, window) is blocks  # made once, shared by every layer
     # two documents split at a chunk edge: no tile crosses from one to the other
     positions = torch.cat([torch.arange(3 * chunk_len), torch.arange(5 * chunk_len)])[None]
     docs = SequenceMask(torch.arange(8 * chunk_len) - positions)

@@ -15,7 +15,7 @@ Note [documents from position ids]
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -44,10 +44,18 @@ class SequenceMask:
     """Sliding-window size in tokens, or None for no window."""
     max_position: int = 0
     """Largest position id in the sequence (0 when built without position ids)."""
+    plans: dict = field(default_factory=dict, compare=False, repr=False)
+    """Tile plans already made with this mask (Note [masked tiles]): every layer of one forward asks for
+    the same ones, so they are made once per batch."""
 
     def with_window(self, window: int | None) -> SequenceMask:
-        """The same documents with another window."""
-        return SequenceMask(self.starts, window, self.max_position)
+        """The same documents with another window (one object per window, so its plans are shared too)."""
+        if window == self.window:
+            return self
+        key = ("window", window)
+        if key not in self.plans:
+            self.plans[key] = SequenceMask(self.starts, window, self.max_position)
+        return self.plans[key]
 
     @property
     def trivial(self) -> bool:

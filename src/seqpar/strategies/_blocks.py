@@ -94,9 +94,26 @@ def plan(
     mask: SequenceMask | None,
     device: torch.device | None = None,
 ) -> list[Block]:
-    """``plan_blocks``, or with a non-trivial ``mask`` the tiles of Note [masked tiles] (masks on ``device``)."""
+    """``plan_blocks``, or with a non-trivial ``mask`` the tiles of Note [masked tiles] (masks on ``device``).
+
+    Masked plans are kept on the mask, so the layers of one forward share them.
+    """
     if mask is None or mask.trivial:
         return plan_blocks(q_chunks, kv_chunks, chunk_len, causal)
+    key = (tuple(q_chunks), tuple(kv_chunks), chunk_len, causal, str(device))
+    if key not in mask.plans:
+        mask.plans[key] = _masked_plan(q_chunks, kv_chunks, chunk_len, causal, mask, device)
+    return mask.plans[key]
+
+
+def _masked_plan(
+    q_chunks: Sequence[int],
+    kv_chunks: Sequence[int],
+    chunk_len: int,
+    causal: bool,
+    mask: SequenceMask,
+    device: torch.device | None,
+) -> list[Block]:
     tile = min(chunk_len, MASK_TILE)
     if mask.window is not None:  # tiles of half a window: the band's masked edge wastes less compute
         tile = min(tile, max(MIN_WINDOW_TILE, mask.window // 2))
