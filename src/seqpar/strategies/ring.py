@@ -41,13 +41,19 @@ class _RingAttention(torch.autograd.Function):
         chunk = q.shape[2] // len(q_ids)
         # The plan of every step, made once and replayed by the backward.
         plans = [plan(q_ids, chunk_ids[(rank - step) % size], chunk, causal, mask, q.device) for step in range(size)]
-        out, lse = new_accumulator(q)  # [B, H, S/P, D], [B, H, S/P] float32
         ring = RingExchange(group, _KV_TAG) if size > 1 else None
         kv = [k, v]  # [B, Hkv, S/P, D] each
         for step in range(size):
             if step + 1 < size:
                 ring.start(kv)
-            blocks_forward(kernel, q, kv[0], kv[1], plans[step], scale, out, lse)
+            if step == 0 and _whole(plans[0], q, k):
+                # the own block covers every query: its result starts the running (out, lse), no zeros to merge into
+                out, lse = kernel.forward(q, k, v, causal=plans[0][0].causal, scale=scale)
+                out, lse = out.float(), lse.float()  # [B, H, S/P, D], [B, H, S/P]
+            else:
+                if step == 0:
+                    out, lse = new_accumulator(q)
+                blocks_forward(kernel, q, kv[0], kv[1], plans[step], scale, out, lse)
             if step + 1 < size:
                 kv = ring.wait()
         del kv, ring  # frees the receive buffers before the caller's next layer
