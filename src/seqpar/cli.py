@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         "train",
         help="train a model with the sequence split over ranks (no arguments: the embedded CPU demo)",
         description="Train a causal language model with sequence parallelism. Without arguments it runs the "
-        "embedded demo: a small Llama learns passkey retrieval with each sequence split over 2 spawned CPU "
+        "embedded demo: a small Llama trained on passkey retrieval with each sequence split over 2 spawned CPU "
         "ranks. Under torchrun it uses the ranks torchrun started (NCCL on GPUs). Settings come from the "
         "defaults, then --config, then the flags.",
     )
