@@ -95,6 +95,10 @@ def _masking_worker(rank, world_size):
     bad[3] = 7  # neither +1 nor a restart at 0, on one rank only: every rank raises
     with pytest.raises(SeqparInputError, match="count up by 1 inside a document"):
         seqpar.sequence_mask(bad if rank == 0 else ids, mesh, layout="contiguous")
+    q = torch.randn(1, 2, seq_len // world_size, 8)
+    if world_size > 1:  # position ids on one rank only: every rank raises instead of one waiting in an all-gather
+        with pytest.raises(SeqparInputError, match=r"inputs differ across ranks.*documents=position_ids"):
+            seqpar.attention(q, q, q, mesh=mesh, position_ids=ids if rank == 0 else None)
     with pytest.raises(SeqparInputError, match="sliding window needs causal=True"):
         q = torch.randn(1, 2, seq_len // world_size, 8)
         seqpar.attention(q, q, q, mesh=mesh, causal=False, window=4)

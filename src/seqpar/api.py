@@ -106,6 +106,7 @@ def attention(
         ulysses_size=sp.ulysses_size,
         exchange=check_inputs,
         window=window if window is not None else (mask.window if mask is not None else None),
+        documents=2 if mask is not None else (1 if position_ids is not None else 0),
     )
     if mask is None:
         mask = sequence_mask(position_ids, sp, layout=layout, window=window, batch_size=q.shape[0])

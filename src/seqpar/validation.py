@@ -27,9 +27,10 @@ MAX_HEAD_DIM = 256
 
 _KNOWN_DTYPES = (*DTYPES, torch.float64, torch.float8_e4m3fn, torch.int64, torch.int32, torch.bool)
 _DEVICE_TYPES = ("cpu", "cuda", "meta")
-# signature: strategy, layout, causal, scale_ok, same_device, device, window (-1: none),
+# signature: strategy, layout, causal, scale_ok, same_device, device, window (-1: none), documents
+# (0: none, 1: position_ids, 2: a prebuilt mask),
 # then per tensor (ndim, 4 dims, dtype)
-_HEADER = 7
+_HEADER = 8
 _PER_TENSOR = 6
 SIGNATURE_LENGTH = _HEADER + 3 * _PER_TENSOR  # int64 values each rank contributes to the check
 
@@ -38,7 +39,9 @@ def _code(value: object, table: tuple) -> int:
     return table.index(value) if value in table else -1
 
 
-def _signature(q, k, v, strategy: str, layout: str, causal: bool, scale: float | None, window: int | None) -> list[int]:
+def _signature(
+    q, k, v, strategy: str, layout: str, causal: bool, scale: float | None, window: int | None, documents: int
+) -> list[int]:
     scale_ok = scale is None or (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0)
     sig = [
         _code(strategy, STRATEGIES),
@@ -48,6 +51,7 @@ def _signature(q, k, v, strategy: str, layout: str, causal: bool, scale: float |
         int(q.device == k.device == v.device),
         _code(q.device.type, _DEVICE_TYPES),
         -1 if window is None else (window if isinstance(window, int) and window > 0 else 0),
+        documents,
     ]
     for t in (q, k, v):
         dims = [*list(t.shape)[:4], *[0] * (4 - min(t.dim(), 4))]
@@ -161,6 +165,7 @@ def check_attention_inputs(
     ulysses_size: int = 1,
     exchange: bool = True,
     window: int | None = None,
+    documents: int = 0,
 ) -> None:
     """Raise the same ``SeqparInputError`` on every rank if any rank's inputs are bad (Note [agreeing on errors]).
 
@@ -170,13 +175,15 @@ def check_attention_inputs(
         strategy, layout, causal, scale: the call's options.
         ulysses_size: the mesh's Ulysses degree (checked against the heads for "hybrid").
         window: the sliding window, or None.
+        documents: 0 without packed documents, 1 with position ids, 2 with a prebuilt mask (ranks must agree,
+            since position ids cost every rank an all-gather).
         exchange: all-gather the signatures so that every rank sees every rank's inputs.
 
     Raises:
         SeqparInputError: naming each problem and, when ranks differ, which rank had what.
     """
     size = 1 if group is None else dist.get_world_size(group)
-    sig = _signature(q, k, v, strategy, layout, causal, scale, window)
+    sig = _signature(q, k, v, strategy, layout, causal, scale, window, documents)
     if size == 1 or not exchange:
         problems = _problems(sig, size, ulysses_size)
     else:
@@ -199,4 +206,8 @@ def _describe(sig: list[int]) -> str:
     d = _decode(sig)
     shapes = ", ".join(f"{n} {s} {dt}" for n, (_, s, dt) in d["tensors"].items())
     window = "none" if d["window"] < 0 else d["window"]
-    return f"strategy={d['strategy']} layout={d['layout']} causal={bool(sig[2])} window={window} {shapes}"
+    documents = ("none", "position_ids", "mask")[sig[7]]
+    return (
+        f"strategy={d['strategy']} layout={d['layout']} causal={bool(sig[2])} window={window} "
+        f"documents={documents} {shapes}"
+    )
