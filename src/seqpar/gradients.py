@@ -19,7 +19,12 @@ def reduce_gradients(parameters: Iterable[torch.nn.Parameter], group: object) ->
     """Sum the gradients of replicated parameters over ``group`` in place (one flat all-reduce per dtype).
 
     Use it over the SP group (or dp x sp) when the model is not wrapped in DDP/FSDP; with the losses of
-    Note [global token normalisation] the result is the exact gradient of the global batch.
+    Note [global token normalisation] the result is the exact gradient of the global batch. Every rank
+    must pass the same parameters with gradients (collective).
+
+    Args:
+        parameters: the model's parameters; those without a gradient are skipped.
+        group: a ProcessGroup, a mesh (its SP group), or None (nothing to do).
     """
     group = _group_of(group)
     if group is None or dist.get_world_size(group) == 1:
@@ -44,6 +49,14 @@ def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, n
     Like ``torch.nn.utils.clip_grad_norm_``, but the parameters may mix plain tensors and DTensors (each
     DTensor's norm is reduced over its own mesh), as after ``apply_tensor_parallel``. Every rank of a
     DTensor's mesh must call it.
+
+    Args:
+        parameters: the model's parameters; those without a gradient are skipped.
+        max_norm: the largest allowed global norm (``inf``: measure only).
+        norm_type: the p of the p-norm.
+
+    Returns:
+        The global norm before clipping, a plain tensor, the same on every rank.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:

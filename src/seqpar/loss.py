@@ -36,9 +36,14 @@ def _group_of(mesh: object) -> dist.ProcessGroup | None:
 
 
 def sum_over(value: torch.Tensor, group: object) -> torch.Tensor:
-    """Sum a (detached) tensor over ``group`` (a ProcessGroup, a mesh -> its SP group, or None).
+    """Sum a (detached) tensor over ``group`` (collective), e.g. to log the loss of the whole batch.
 
-    The result stays on the tensor's device; under NCCL a CPU tensor travels through the current GPU.
+    Args:
+        value: any tensor; it is not modified.
+        group: a ProcessGroup, a mesh (its SP group), or None (one process: the value is returned as is).
+
+    Returns:
+        The sum, on ``value``'s device (under NCCL a CPU tensor travels through the current GPU).
     """
     group = _group_of(group)
     value = value.detach().clone()
@@ -54,7 +59,16 @@ def sum_over(value: torch.Tensor, group: object) -> torch.Tensor:
 def count_valid_tokens(
     labels: torch.Tensor | Iterable[torch.Tensor], group: object = None, ignore_index: int = IGNORE_INDEX
 ) -> int:
-    """Valid tokens in ``labels`` (one tensor or several micro-batches) summed over ``group`` (collective)."""
+    """Valid tokens in ``labels`` summed over ``group`` (collective): the normaliser of ``cross_entropy``.
+
+    Args:
+        labels: one ``shift_labels`` tensor, or those of every micro-batch of an optimizer step.
+        group: a ProcessGroup (e.g. dp x sp), a mesh (its SP group), or None.
+        ignore_index: label value that is not a token to predict.
+
+    Returns:
+        The global count, the same on every rank.
+    """
     tensors = [labels] if isinstance(labels, torch.Tensor) else list(labels)
     local = sum(int((t != ignore_index).sum()) for t in tensors)
     return int(sum_over(torch.tensor(local, dtype=torch.int64), group))
@@ -124,6 +138,9 @@ def lm_head_cross_entropy(
 
     Returns:
         The same scalar as ``cross_entropy`` (equal up to float summation order).
+
+    Raises:
+        SeqparInputError: hidden states and labels that do not match.
     """
     if hidden.shape[:-1] != shift_labels.shape:
         raise SeqparInputError(f"hidden {tuple(hidden.shape)} and labels {tuple(shift_labels.shape)} do not match")
