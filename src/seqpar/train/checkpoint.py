@@ -39,9 +39,15 @@ def _listing(path: str) -> dict[str, int]:
 
 
 def save_checkpoint(directory: str, step: int, state: dict) -> str:
-    """Write ``state`` (model/optimizer state dicts and plain values) for ``step`` (Note [atomic checkpoints]).
+    """Write ``state`` for ``step`` (Note [atomic checkpoints]); collective over the default group.
 
-    Collective: every rank of the default group calls it. Returns the final checkpoint path.
+    Args:
+        directory: the run's checkpoint directory (created by rank 0 if missing).
+        step: the optimizer steps done; names the checkpoint ``step_NNNNNNN``.
+        state: model/optimizer state dicts (``get_state_dict``) and plain values.
+
+    Returns:
+        The final checkpoint path.
     """
     final = os.path.join(directory, f"step_{step:07d}")
     partial = final + ".partial"

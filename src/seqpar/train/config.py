@@ -225,7 +225,11 @@ def _read_config_file(path: str) -> dict:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """Defaults, overridden by ``--config`` file values, overridden by flags given on the command line."""
+    """Defaults, overridden by ``--config`` file values, overridden by flags given on the command line.
+
+    Raises:
+        SeqparInputError: a missing, unreadable or unknown-key config file, or settings that cannot work.
+    """
     values = _read_config_file(args.config) if getattr(args, "config", None) else {}
     for f in fields(TrainConfig):
         given = getattr(args, f.name, None)

@@ -25,7 +25,11 @@ _BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json",
 
 
 def load_tokenizer(path: str | None) -> object:
-    """A tokenizer from a local directory (transformers ``AutoTokenizer``), or the byte tokenizer for None."""
+    """A tokenizer from a local directory (transformers ``AutoTokenizer``), or the byte tokenizer for None.
+
+    Raises:
+        SeqparInputError: a directory transformers cannot load a tokenizer from.
+    """
     if path is None:
         from seqpar.train.tokenizer import ByteTokenizer
 
