@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import seqpar
-from benchmarks.strategies import _written_bytes, expected_bytes
+from seqpar.bench.strategies import _written_bytes, expected_bytes
 from tests._dist import run_ranks
 
 CFG = {"ranks": 4, "ulysses": 2, "seq": 2048, "heads": 8, "kv_heads": 2, "head_dim": 64}

@@ -3,11 +3,13 @@
 seqpar train                                   # embedded demo: passkey retrieval, 2 CPU ranks, a few minutes
 seqpar train --model ./my-llama --data a.jsonl --seq-len 32768 --sp 8    # under torchrun on GPUs
 seqpar demo                                    # every attention strategy on 2 CPU ranks vs one device
+seqpar bench attention                         # benchmarks: attention, strategies, masks, llama_step
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import tempfile
@@ -20,6 +22,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import seqpar
+from seqpar.bench import BENCHMARKS
 from seqpar.errors import SeqparInputError
 from seqpar.train.config import build_parser, config_from_args
 from seqpar.train.launch import launch
@@ -95,7 +98,16 @@ def main(argv: list[str] | None = None) -> int:
         "defaults, then --config, then the flags.",
     )
     build_parser(train)
+    bench = sub.add_parser(
+        "bench",
+        help="run a benchmark (ratios measured side by side in one run)",
+        description="Benchmarks: " + ", ".join(BENCHMARKS) + ". `seqpar bench NAME --help` explains each.",
+    )
+    bench.add_argument("name", choices=BENCHMARKS, help="which benchmark")
+    bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options")
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        return importlib.import_module(f"seqpar.bench.{args.name}").main(args.options)
     if args.command == "demo":
         return _demo(args)
     if args.command == "train":

@@ -1,0 +1,231 @@
+"""Speed-up and memory of sequence-parallel attention against one process on the whole sequence.
+
+Run it on an otherwise idle machine (each rank gets one thread; the single process gets one thread):
+
+    seqpar bench attention                 # causal fwd+bwd, 8 heads, head_dim 64, fp32, 8K and 16K
+    seqpar bench attention --seq 4096 --ranks 2 --strategies ring ulysses allgather --repeats 3
+
+Each configuration runs in fresh processes: first one process on the whole sequence (the reference, whose
+outputs and gradients are saved), then the sequence-parallel ranks, which check their outputs and
+gradients against the reference before they are timed. Speed-up = single step time / slowest rank's step
+time. Memory = growth of the resident-set peak (VmHWM) during one step, inputs already allocated, with
+large allocations served by mmap so that freed memory leaves the resident set at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import seqpar
+
+
+def _rss_mb(field: str) -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+
+
+def _chunked_randn(seed: int, shape: tuple[int, int, int, int], chunk_ids, n_chunks: int) -> torch.Tensor:
+    """The given chunks of a seeded [B, H, S, D] tensor, generated chunk by chunk (no full copy needed)."""
+    b, h, s, d = shape
+    c = s // n_chunks
+    parts = [torch.randn(b, h, c, d, generator=torch.Generator().manual_seed(seed * 100003 + i)) for i in chunk_ids]
+    return torch.cat(parts, dim=2)
+
+
+def _inputs(cfg: dict, chunk_ids, n_chunks: int):
+    shape = (1, cfg["heads"], cfg["seq"], cfg["head_dim"])
+    q, k, v, dout = (_chunked_randn(seed, shape, chunk_ids, n_chunks) for seed in (1, 2, 3, 4))
+    return [t.requires_grad_() for t in (q, k, v)], dout
+
+
+def _step(fn, q, k, v, dout) -> tuple[torch.Tensor, float]:
+    start = time.perf_counter()
+    out = fn(q, k, v)
+    out.backward(dout)
+    return out, time.perf_counter() - start
+
+
+def _measure(fn, q, k, v, dout, repeats: int, sync) -> tuple[float, float]:
+    times = []
+    growth = 0.0
+    for i in range(repeats):
+        for t in (q, k, v):
+            t.grad = None  # before the baseline reading: the step's own gradients count as growth
+        sync()
+        before = _rss_mb("VmRSS")
+        _reset_peak()
+        out, seconds = _step(fn, q, k, v, dout)
+        if i == 0:
+            growth = _rss_mb("VmHWM") - before
+        times.append(seconds)
+        del out
+    return statistics.median(times), growth
+
+
+def _single(cfg: dict, ref_path: str, result_path: str) -> None:
+    torch.set_num_threads(1)
+    n_chunks = 2 * cfg["ranks"]
+    (q, k, v), dout = _inputs(cfg, range(n_chunks), n_chunks)
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    out, _ = _step(fn, q, k, v, dout)  # warm-up; its results are the reference
+    torch.save({"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}, ref_path)
+    del out
+    seconds, growth = _measure(fn, q, k, v, dout, cfg["repeats"], lambda: None)
+    with open(result_path, "w") as f:
+        json.dump({"seconds": seconds, "growth_mb": growth}, f)
+
+
+def _parallel(rank: int, cfg: dict, store: str, ref_path: str, result_path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        rank=rank,
+        world_size=cfg["ranks"],
+        init_method=f"file://{store}",
+        timeout=timedelta(minutes=10),
+    )
+    mesh = seqpar.make_mesh()
+    size = cfg["ranks"]
+    chunk_ids = seqpar.layout.rank_chunk_ids("zigzag", size, rank)
+    (q, k, v), dout = _inputs(cfg, chunk_ids, 2 * size)
+
+    def fn(q, k, v):
+        return seqpar.attention(q, k, v, mesh=mesh, strategy=cfg["strategy"], causal=True, layout="zigzag")
+
+    out, _ = _step(fn, q, k, v, dout)  # warm-up, checked against the single-process reference
+    ref = torch.load(ref_path, mmap=True)
+    idx = torch.cat(
+        [torch.arange(c * (cfg["seq"] // (2 * size)), (c + 1) * (cfg["seq"] // (2 * size))) for c in chunk_ids]
+    )
+    for name, got in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+        torch.testing.assert_close(
+            got,
+            ref[name][:, :, idx],
+            atol=1e-4,
+            rtol=1e-3,
+            msg=lambda m, n=name: f"{cfg['strategy']} rank {rank} {n}: {m}",
+        )
+    del ref, out
+    seconds, growth = _measure(fn, q, k, v, dout, cfg["repeats"], dist.barrier)
+    write_slowest(result_path, seconds, growth)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def write_slowest(path: str, seconds: float, growth_mb: float, **extra) -> None:
+    """Rank 0 writes the slowest rank's step time and the largest peak growth to ``path`` (collective)."""
+    stats = torch.tensor([seconds, growth_mb], dtype=torch.float64)
+    gathered = [torch.empty_like(stats) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, stats)
+    if dist.get_rank() == 0:
+        worst = {"seconds": max(float(g[0]) for g in gathered), "growth_mb": max(float(g[1]) for g in gathered)}
+        with open(path, "w") as f:
+            json.dump({**worst, **extra}, f)
+
+
+def _run(target, args, nprocs: int) -> None:
+    mp.start_processes(target, args=args, nprocs=nprocs, start_method="spawn")
+
+
+def _single_entry(_rank: int, *args) -> None:
+    _single(*args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="seqpar bench attention", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seq", type=int, nargs="+", default=[8192, 16384], help="total sequence lengths")
+    parser.add_argument("--ranks", type=int, default=2, help="sequence-parallel ranks (one thread each)")
+    parser.add_argument("--strategies", nargs="+", default=["ring", "ulysses"], help="strategies to compare")
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2, help="timed steps per configuration (median)")
+    parser.add_argument("--json", help="also write the table as JSON here")
+    args = parser.parse_args(argv)
+    # Serve every large allocation by mmap and return it on free, so that the resident-set peak tracks
+    # live tensors instead of what glibc's heap kept from an earlier step. Read by the spawned processes.
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seq in args.seq:
+            base = {
+                "seq": seq,
+                "heads": args.heads,
+                "head_dim": args.head_dim,
+                "ranks": args.ranks,
+                "repeats": args.repeats,
+            }
+            ref_path, single_path = os.path.join(tmp, "ref.pt"), os.path.join(tmp, "single.json")
+            _run(_single_entry, (base, ref_path, single_path), 1)
+            with open(single_path) as f:
+                single = json.load(f)
+            for strategy in args.strategies:
+                cfg = {**base, "strategy": strategy}
+                store, par_path = os.path.join(tmp, f"store-{seq}-{strategy}"), os.path.join(tmp, "par.json")
+                _run(_parallel, (cfg, store, ref_path, par_path), args.ranks)
+                with open(par_path) as f:
+                    par = json.load(f)
+                rows.append(
+                    {
+                        "seq": seq,
+                        "strategy": strategy,
+                        "ranks": args.ranks,
+                        "single_s": single["seconds"],
+                        "parallel_s": par["seconds"],
+                        "speedup": single["seconds"] / par["seconds"],
+                        "single_growth_mb": single["growth_mb"],
+                        "rank_growth_mb": par["growth_mb"],
+                        "memory_ratio": par["growth_mb"] / single["growth_mb"],
+                    }
+                )
+                r = rows[-1]
+                print(
+                    f"seq {seq:>6} {strategy:>9} x{args.ranks}: {r['single_s']:.2f}s -> {r['parallel_s']:.2f}s "
+                    f"speed-up {r['speedup']:.2f}x | peak growth {r['single_growth_mb']:.0f} MB -> "
+                    f"{r['rank_growth_mb']:.0f} MB per rank ({r['memory_ratio']:.2f}x)",
+                    flush=True,
+                )
+    print(
+        "\n| seq | strategy | ranks | 1 proc (s) | per step (s) | speed-up | 1 proc peak growth (MB) "
+        "| per-rank peak growth (MB) | memory ratio |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['seq']} | {r['strategy']} | {r['ranks']} | {r['single_s']:.2f} | {r['parallel_s']:.2f} | "
+            f"{r['speedup']:.2f}x | {r['single_growth_mb']:.0f} | {r['rank_growth_mb']:.0f} | "
+            f"{r['memory_ratio']:.2f} |"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

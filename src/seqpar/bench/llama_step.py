@@ -1,0 +1,141 @@
+"""Tokens/s and peak memory per rank of one training step of a small Llama at several SP degrees.
+
+Fixed total sequence; every degree runs in fresh processes (one thread per rank) in one invocation:
+
+    seqpar bench llama_step                       # seq 8192, sp 1 2 4, ring
+    seqpar bench llama_step --seq 4096 --sp 1 2 --strategy ulysses --repeats 3
+    seqpar bench llama_step --vocab 32768 --sp 2 --loss-chunk 1024   # logits in pieces
+
+Each step is forward + backward + AdamW on ``seqpar.shard_batch`` shards with ``seqpar.cross_entropy``.
+Before timing, the sharded loss of the first step is checked against the sp=1 loss. Memory = growth of the
+resident-set peak (VmHWM) during a step, above the resident set after the warm-up step (weights, optimizer
+state and inputs already allocated). With more ranks than cores, compare the ratios, not the times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import transformers
+
+import seqpar
+from seqpar.bench.attention import _reset_peak, _rss_mb, write_slowest
+
+
+def _model(cfg: dict):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=cfg["vocab"],
+        hidden_size=cfg["hidden"],
+        intermediate_size=cfg["hidden"] * 3,
+        num_hidden_layers=cfg["layers"],
+        num_attention_heads=cfg["heads"],
+        num_key_value_heads=cfg["heads"] // 2,
+        max_position_embeddings=cfg["seq"],
+    )
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _worker(rank: int, cfg: dict, store: str, out_path: str) -> None:
+    torch.set_num_threads(1)
+    sp = cfg["sp"]
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=sp, init_method=f"file://{store}", timeout=timedelta(minutes=10)
+    )
+    mesh = seqpar.make_mesh()
+    model = seqpar.prepare_model(_model(cfg), mesh, strategy=cfg["strategy"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, cfg["vocab"], (1, cfg["seq"]), generator=torch.Generator().manual_seed(1))
+    shard = seqpar.shard_batch({"input_ids": ids}, mesh)
+
+    def step() -> float:
+        inputs = {"input_ids": shard["input_ids"], "position_ids": shard["position_ids"]}
+        if cfg["loss_chunk"]:  # logits made and dropped piece by piece
+            hidden = model.get_decoder()(**inputs).last_hidden_state
+            loss = seqpar.lm_head_cross_entropy(
+                hidden, model.lm_head, shard["shift_labels"], mesh, chunk_size=cfg["loss_chunk"]
+            )
+            del hidden
+        else:
+            logits = model(**inputs).logits
+            loss = seqpar.cross_entropy(logits, shard["shift_labels"], mesh)
+            del logits
+        loss.backward()
+        seqpar.reduce_gradients(model.parameters(), mesh)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(seqpar.sum_over(loss, mesh))
+
+    first_loss = step()  # warm-up: allocates optimizer state
+    times, growth = [], 0.0
+    for i in range(cfg["repeats"]):
+        dist.barrier()
+        before = _rss_mb("VmRSS")
+        _reset_peak()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+        if i == 0:
+            growth = _rss_mb("VmHWM") - before
+    write_slowest(out_path, statistics.median(times), growth, first_loss=first_loss)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="seqpar bench llama_step", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seq", type=int, default=8192, help="total sequence length (fixed across degrees)")
+    parser.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4], help="sequence-parallel degrees")
+    parser.add_argument("--strategy", default="ring")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--loss-chunk", type=int, default=0, help="lm_head_cross_entropy pieces (0: whole logits)")
+    args = parser.parse_args(argv)
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # freed memory leaves the resident set (see attention.py)
+    keys = ("seq", "strategy", "hidden", "layers", "heads", "vocab", "repeats", "loss_chunk")
+    cfg = {k: getattr(args, k) for k in keys}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for sp in args.sp:
+            out = os.path.join(tmp, f"{sp}.json")
+            mp.start_processes(
+                _worker, args=({**cfg, "sp": sp}, os.path.join(tmp, f"store{sp}"), out), nprocs=sp, start_method="spawn"
+            )
+            with open(out) as f:
+                rows.append({"sp": sp, **json.load(f)})
+            print(f"sp {sp}: {rows[-1]}", flush=True)
+    base = rows[0]
+    for r in rows:
+        if abs(r["first_loss"] - base["first_loss"]) > 1e-4 * abs(base["first_loss"]):
+            raise SystemExit(f"sp {r['sp']} loss {r['first_loss']} differs from sp {base['sp']} {base['first_loss']}")
+    print(
+        f"\nLlama {args.layers}x{args.hidden}, {args.heads} heads, seq {args.seq}, {args.strategy}, fp32, 1 thread/rank"
+    )
+    print("| sp | step (s) | tokens/s | tokens/s vs sp 1 | per-rank peak growth (MB) | memory vs sp 1 |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        tps = args.seq / r["seconds"]
+        print(
+            f"| {r['sp']} | {r['seconds']:.2f} | {tps:.0f} | {tps / (args.seq / base['seconds']):.2f}x | "
+            f"{r['growth_mb']:.0f} | {r['growth_mb'] / base['growth_mb']:.2f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""Ring vs Ulysses vs hybrid vs all-gather on the same ranks: step time and bytes each rank sends.
+
+    seqpar bench strategies                    # 4 ranks, causal fwd+bwd, seq 8192, 8/2 heads, fp32
+    seqpar bench strategies --ranks 4 --ulysses 2 --seq 16384 --kv-heads 8
+
+All strategies run in one set of spawned gloo ranks (one thread each), so their times are comparable with
+each other; with more ranks than cores the absolute times are not meaningful, only the ratios. Bytes sent
+are read from the kernel's count of bytes this process wrote to its sockets (/proc/self/io, wchar) across
+one step, and compared with each strategy's analytical volume (``expected_bytes``); gloo's message headers
+are the only difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import seqpar
+from seqpar.validation import SIGNATURE_LENGTH
+
+_SIGNATURE_BYTES = SIGNATURE_LENGTH * 8  # the input check's all-gathered int64 signature
+
+
+def _written_bytes() -> int:
+    with open("/proc/self/io") as io:
+        for line in io:
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    raise RuntimeError("no wchar in /proc/self/io")
+
+
+def expected_bytes(strategy: str, cfg: dict) -> float:
+    """Bytes one rank sends in one forward+backward step (fp32), by the algorithm's own arithmetic."""
+    p, u = cfg["ranks"], cfg["ulysses"] if strategy == "hybrid" else cfg["ranks"]
+    s, d, e = cfg["seq"] // p, cfg["head_dim"], 4
+    q_bytes = cfg["heads"] * s * d * e  # one local [1, H, S/P, D] tensor
+
+    def kv_bytes(degree: int) -> int:  # one local K (or V) tensor, after replication for the all-to-all
+        kv_heads = cfg["kv_heads"] if cfg["kv_heads"] % degree == 0 else degree
+        return kv_heads * s * d * e
+
+    check = (p - 1) * _SIGNATURE_BYTES
+    if strategy == "ulysses":  # q, k, v, out forward; dout, dq, dk, dv backward: (P-1)/P of each leaves
+        return check + (p - 1) / p * (4 * q_bytes + 4 * kv_bytes(p))
+    if strategy == "ring":  # K, V: P-1 hops forward and backward; dK, dV (fp32): P hops
+        return check + (p - 1) * 4 * kv_bytes(1) + p * 2 * kv_bytes(1)
+    if strategy == "allgather":  # gloo: all-gather of K,V twice; reduce-scatter of dK,dV as a ring all-reduce
+        return check + 2 * (p - 1) * 2 * kv_bytes(1) + 2 * (p - 1) / p * (p * 2 * kv_bytes(1))
+    if strategy == "hybrid":  # ulysses within U ranks, then a ring of R = P/U over the head-sharded tensors
+        r = p // u
+        ulysses = (u - 1) / u * (4 * q_bytes + 4 * kv_bytes(u))
+        return check + ulysses + (r - 1) * 4 * kv_bytes(u) + r * 2 * kv_bytes(u)
+    raise ValueError(strategy)
+
+
+def _rank(rank: int, cfg: dict, store: str, results: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=cfg["ranks"], init_method=f"file://{store}", timeout=timedelta(minutes=20)
+    )
+    flat = seqpar.make_mesh()
+    two_d = seqpar.make_mesh(ulysses_size=cfg["ulysses"])
+    gen = torch.Generator().manual_seed(rank)
+    s = cfg["seq"] // cfg["ranks"]
+    q = torch.randn(1, cfg["heads"], s, cfg["head_dim"], generator=gen).requires_grad_()
+    k, v = (torch.randn(1, cfg["kv_heads"], s, cfg["head_dim"], generator=gen).requires_grad_() for _ in "kv")
+    dout = torch.randn(1, cfg["heads"], s, cfg["head_dim"], generator=gen)
+    lines = []
+    for strategy in cfg["strategies"]:
+        mesh = two_d if strategy == "hybrid" else flat
+
+        def step(mesh=mesh, strategy=strategy) -> None:
+            seqpar.attention(q, k, v, mesh=mesh, strategy=strategy, causal=True, layout="zigzag").backward(dout)
+
+        step()  # warm-up
+        dist.barrier()
+        before = _written_bytes()
+        step()
+        sent = _written_bytes() - before
+        times = []
+        for _ in range(cfg["repeats"]):
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        stats = torch.tensor([statistics.median(times), float(sent)], dtype=torch.float64)
+        table = [torch.empty_like(stats) for _ in range(cfg["ranks"])]
+        dist.all_gather(table, stats)
+        seconds = max(float(t[0]) for t in table)
+        sent_max = max(float(t[1]) for t in table)
+        lines.append((strategy, seconds, sent_max, expected_bytes(strategy, cfg)))
+    if rank == 0:
+        with open(results, "w") as f:
+            for line in lines:
+                f.write(" ".join(map(str, line)) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="seqpar bench strategies", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--ulysses", type=int, default=2, help="ulysses degree of the hybrid mesh")
+    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--strategies", nargs="+", default=["ring", "ulysses", "hybrid", "allgather"])
+    args = parser.parse_args(argv)
+    cfg = {**vars(args), "kv_heads": args.kv_heads, "head_dim": args.head_dim}
+    with tempfile.TemporaryDirectory() as tmp:
+        results = os.path.join(tmp, "results")
+        mp.start_processes(
+            _rank, args=(cfg, os.path.join(tmp, "store"), results), nprocs=args.ranks, start_method="spawn"
+        )
+        with open(results) as f:
+            rows = [line.split() for line in f]
+    ring_time = next((float(r[1]) for r in rows if r[0] == "ring"), None)
+    print(
+        f"{args.ranks} ranks (hybrid {args.ranks // args.ulysses} ring x {args.ulysses} ulysses), causal zigzag "
+        f"fwd+bwd, seq {args.seq}, heads {args.heads}/{args.kv_heads}, head_dim {args.head_dim}, fp32\n"
+    )
+    print("| strategy | step (s) | time vs ring | bytes sent per rank | analytical | measured / analytical |")
+    print("|---|---|---|---|---|---|")
+    for strategy, seconds, sent, expected in rows:
+        seconds, sent, expected = float(seconds), float(sent), float(expected)
+        vs_ring = f"{seconds / ring_time:.2f}x" if ring_time else "-"
+        print(
+            f"| {strategy} | {seconds:.2f} | {vs_ring} | {sent / 2**20:.2f} MiB | {expected / 2**20:.2f} MiB | "
+            f"{sent / expected:.4f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
