@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import seqpar
 from seqpar import IGNORE_INDEX
@@ -39,6 +40,8 @@ def test_right_padding_and_layout_padding():
         seqpar.shard_batch({"input_ids": ids, "labels": torch.roll(ids, -1, 1)}, None)
     with pytest.raises(SeqparInputError, match="must match input_ids"):
         seqpar.shard_batch({"input_ids": ids, "labels": ids[:, :3]}, None)
+    with pytest.raises(SeqparInputError, match="row 0 goes 1 -> 3 at global token 2"):
+        seqpar.shard_batch({"input_ids": ids, "position_ids": torch.tensor([[0, 1, 3, 4, 0, 1, 2]])}, None)
     with pytest.raises(SeqparInputError, match="needs 'input_ids'"):
         seqpar.shard_batch({"labels": ids}, None)
 
@@ -57,7 +60,9 @@ def test_chunked_lm_head_loss_equals_full_logits_loss():
     hidden = torch.randn(2, 24, 16, requires_grad=True)
     labels = torch.randint(0, 50, (2, 24))
     labels[0, :5] = IGNORE_INDEX
-    full = seqpar.cross_entropy(head(hidden), labels)
+    # reference: PyTorch's mean cross-entropy over the valid tokens, on the whole logits
+    full = F.cross_entropy(head(hidden).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+    torch.testing.assert_close(seqpar.cross_entropy(head(hidden), labels), full, atol=1e-6, rtol=1e-6)
     full.backward()
     grads = [hidden.grad.clone(), head.weight.grad.clone()]
     hidden.grad = None

@@ -127,3 +127,8 @@ def test_planner_skips_tiles_outside_window_and_documents():
     blocks = plan(ids, ids, chunk_len, True, docs)
     assert len(blocks) == 3 * 4 // 2 + 5 * 6 // 2  # causal chunk pairs inside each document only
     assert all(b.mask is None for b in blocks)
+    # documents and a window together: a tile on the window's edge but across documents is skipped too
+    both = docs.with_window(chunk_len)
+    blocks = plan(ids, ids, chunk_len, True, both)
+    assert all(b.mask is None or b.mask.any() for b in blocks)
+    assert sum(b.causal for b in blocks) == chunks and sum(b.mask is not None for b in blocks) == chunks - 2

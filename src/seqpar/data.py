@@ -20,6 +20,7 @@ import torch
 
 from seqpar.errors import SeqparInputError
 from seqpar.layout import _shard, chunks_per_rank
+from seqpar.masking import check_packed_positions
 from seqpar.mesh import as_sp_mesh
 
 __all__ = ["IGNORE_INDEX", "pack_documents", "shard_batch"]
@@ -84,8 +85,8 @@ def shard_batch(
     positions = shape_of.get("position_ids")
     if positions is None:
         positions = torch.arange(s, device=ids.device).expand(b, s)
-    elif (positions < 0).any() or ((positions[:, 1:] != positions[:, :-1] + 1) & (positions[:, 1:] != 0)).any():
-        raise SeqparInputError("position_ids must count up by 1 inside a document and restart at 0 at each start")
+    else:
+        check_packed_positions(positions)
     doc_end = torch.ones_like(ids, dtype=torch.bool)  # last token of a document: nothing of its own to predict
     doc_end[:, :-1] = positions[:, 1:] == 0
 

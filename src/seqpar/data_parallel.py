@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from seqpar.errors import SeqparInputError
 from seqpar.mesh import SequenceParallelMesh, _sp_groups
 
-__all__ = ["apply_data_parallel", "data_parallel_group"]
+__all__ = ["apply_data_parallel", "data_parallel_group", "decoder_blocks"]
 
 
 def data_parallel_group(mesh: SequenceParallelMesh) -> dist.ProcessGroup:
@@ -43,7 +43,7 @@ def _sum_hook(group, bucket):  # no annotations: DDP checks them and this module
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated transformer blocks of a transformers model (``model.model.layers`` and the like)."""
     for name in ("model.layers", "layers", "transformer.h", "model.decoder.layers"):
         module = model
@@ -85,7 +85,7 @@ def apply_data_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh, mode
 
         device_type = next(model.parameters()).device.type
         dp_mesh = DeviceMesh.from_group(group, device_type)
-        units = [*_blocks(model), model]
+        units = [*decoder_blocks(model), model]
         for unit in units:
             fully_shard(unit, mesh=dp_mesh)
         for unit in units:

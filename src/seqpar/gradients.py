@@ -10,7 +10,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from seqpar.loss import _group_of
+from seqpar.mesh import as_sp_mesh
 
 __all__ = ["clip_grad_norm_", "reduce_gradients"]
 
@@ -26,7 +26,7 @@ def reduce_gradients(parameters: Iterable[torch.nn.Parameter], group: object) ->
         parameters: the model's parameters; those without a gradient are skipped.
         group: a ProcessGroup, a mesh (its SP group), or None (nothing to do).
     """
-    group = _group_of(group)
+    group = as_sp_mesh(group).sp_group
     if group is None or dist.get_world_size(group) == 1:
         return
     # a DTensor gradient (tensor parallel, FSDP) is reduced through its local shard

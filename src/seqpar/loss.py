@@ -20,19 +20,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from seqpar.comm.collectives import collective_device
 from seqpar.data import IGNORE_INDEX
 from seqpar.errors import SeqparInputError
+from seqpar.mesh import as_sp_mesh
 
 __all__ = ["count_valid_tokens", "cross_entropy", "lm_head_cross_entropy", "sum_over"]
-
-
-def _group_of(mesh: object) -> dist.ProcessGroup | None:
-    """The group the loss is normalised over: a ProcessGroup, a mesh's SP group, or None."""
-    if mesh is None or isinstance(mesh, dist.ProcessGroup):
-        return mesh
-    from seqpar.mesh import as_sp_mesh
-
-    return as_sp_mesh(mesh).sp_group
 
 
 def sum_over(value: torch.Tensor, group: object) -> torch.Tensor:
@@ -45,13 +38,13 @@ def sum_over(value: torch.Tensor, group: object) -> torch.Tensor:
     Returns:
         The sum, on ``value``'s device (under NCCL a CPU tensor travels through the current GPU).
     """
-    group = _group_of(group)
+    group = as_sp_mesh(group).sp_group  # a ProcessGroup stays itself; a mesh gives its SP group
     value = value.detach().clone()
     if group is None or dist.get_world_size(group) == 1:
         return value
     home = value.device
-    if dist.get_backend(group) == "nccl" and home.type != "cuda":  # NCCL reduces CUDA tensors only
-        value = value.to(torch.device("cuda", torch.cuda.current_device()))
+    if home.type == "cpu":  # NCCL reduces CUDA tensors only
+        value = value.to(collective_device(group))
     dist.all_reduce(value, group=group)
     return value.to(home)
 

@@ -18,14 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
-from seqpar.comm.collectives import all_gather_first_dim
+from seqpar.comm.collectives import all_gather_first_dim, collective_device
 from seqpar.errors import SeqparInputError
 from seqpar.layout import chunks_per_rank, natural_order_index, reorder_chunks
 from seqpar.mesh import as_sp_mesh
 
-__all__ = ["SequenceMask", "sequence_mask"]
+__all__ = ["SequenceMask", "check_packed_positions", "sequence_mask"]
 
 
 @dataclass(frozen=True)
@@ -47,15 +46,16 @@ class SequenceMask:
     plans: dict = field(default_factory=dict, compare=False, repr=False)
     """Tile plans already made with this mask (Note [masked tiles]): every layer of one forward asks for
     the same ones, so they are made once per batch."""
+    windowed: dict = field(default_factory=dict, compare=False, repr=False)
+    """The same documents under other windows, one object each, so that their plans are shared too."""
 
     def with_window(self, window: int | None) -> SequenceMask:
-        """The same documents with another window (one object per window, so its plans are shared too)."""
+        """The same documents with another window."""
         if window == self.window:
             return self
-        key = ("window", window)
-        if key not in self.plans:
-            self.plans[key] = SequenceMask(self.starts, window, self.max_position)
-        return self.plans[key]
+        if window not in self.windowed:
+            self.windowed[window] = SequenceMask(self.starts, window, self.max_position)
+        return self.windowed[window]
 
     @property
     def trivial(self) -> bool:
@@ -68,10 +68,28 @@ def _gather_positions(local: torch.Tensor, mesh: object, layout: str) -> torch.T
     sp = as_sp_mesh(mesh)
     if sp.sp_size == 1:
         return local
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(sp.sp_group) == "nccl" else None
+    device = collective_device(sp.sp_group)
     gathered = all_gather_first_dim(local.movedim(1, 0).contiguous().to(device), sp.sp_group)  # [S, B]
     gathered = reorder_chunks(gathered, 0, natural_order_index(layout, sp.sp_size, gathered.device))
     return gathered.movedim(0, 1).cpu()
+
+
+def check_packed_positions(positions: torch.Tensor) -> None:
+    """Check global ``[B, S]`` position ids of packed rows: never negative, +1 inside a document, 0 at a start.
+
+    Raises:
+        SeqparInputError: naming the first row and token that break the rule.
+    """
+    if (positions < 0).any():
+        raise SeqparInputError("position_ids must not be negative")
+    bad = ~((positions[:, 1:] - positions[:, :-1] == 1) | (positions[:, 1:] == 0))
+    if bad.any():
+        b, i = (int(x) for x in bad.nonzero()[0])
+        raise SeqparInputError(
+            f"position_ids must count up by 1 inside a document and restart at 0 at a document start (global "
+            f"position ids from seqpar.shard_batch); row {b} goes {int(positions[b, i])} -> "
+            f"{int(positions[b, i + 1])} at global token {i + 1}"
+        )
 
 
 def sequence_mask(
@@ -118,17 +136,7 @@ def sequence_mask(
     full = _gather_positions(local, mesh, layout).cpu()  # [B, S], the same on every rank
     if batch_size is not None and full.shape[0] not in (1, batch_size):
         raise SeqparInputError(f"position_ids batch {full.shape[0]} does not match the batch {batch_size}")
-    if (full < 0).any():
-        raise SeqparInputError("position_ids must not be negative")
-    steps = full[:, 1:] - full[:, :-1]
-    bad = ~((steps == 1) | (full[:, 1:] == 0))
-    if bad.any():
-        b, i = (int(x) for x in bad.nonzero()[0])
-        raise SeqparInputError(
-            f"position_ids must count up by 1 inside a document and restart at 0 at a document start (global "
-            f"position ids from seqpar.shard_batch); row {b} goes {int(full[b, i])} -> {int(full[b, i + 1])} at "
-            f"global token {i + 1}"
-        )
+    check_packed_positions(full)
     index = torch.arange(full.shape[1])
     starts = index - full
     packed = bool((full[:, 1:] == 0).any())

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from seqpar.data_parallel import _blocks
+from seqpar.data_parallel import decoder_blocks
 from seqpar.errors import SeqparInputError
 from seqpar.mesh import SequenceParallelMesh
 
@@ -64,7 +64,7 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh) ->
     heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)
     if heads % tp or kv_heads % tp:
         raise SeqparInputError(f"tensor parallel {tp} must divide the heads ({heads}) and KV heads ({kv_heads})")
-    blocks = _blocks(model)
+    blocks = decoder_blocks(model)
     if not blocks:
         raise SeqparInputError(f"no decoder blocks found in {type(model).__name__} for tensor parallel")
     for block in blocks:

@@ -15,11 +15,11 @@ import math
 import torch
 import torch.distributed as dist
 
-from seqpar.comm.collectives import all_gather_first_dim
+from seqpar.comm.collectives import all_gather_first_dim, collective_device
 from seqpar.errors import SeqparInputError
 from seqpar.layout import LAYOUTS, chunks_per_rank
 
-__all__ = ["DTYPES", "STRATEGIES", "check_attention_inputs", "ulysses_degrees"]
+__all__ = ["DTYPES", "STRATEGIES", "by_rank", "check_attention_inputs", "exchange_signatures", "ulysses_degrees"]
 
 STRATEGIES = ("ulysses", "ring", "allgather", "hybrid", "auto")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -146,9 +146,19 @@ def _ulysses_problems(heads: int, kv_heads: int, size: int, what: str) -> list[s
     return []
 
 
-def _exchange(sig: list[int], group: dist.ProcessGroup) -> list[list[int]]:
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
-    mine = torch.tensor(sig, dtype=torch.int64, device=device)
+def by_rank(per_rank: list[list[str]]) -> list[str]:
+    """Each distinct problem once, prefixed with the ranks that have it ("every rank" or "rank 0, 2")."""
+    problems = []
+    for message in dict.fromkeys(m for rank_problems in per_rank for m in rank_problems):
+        ranks = [r for r, rank_problems in enumerate(per_rank) if message in rank_problems]
+        where = "every rank" if len(ranks) == len(per_rank) else f"rank {', '.join(map(str, ranks))}"
+        problems.append(f"{where}: {message}")
+    return problems
+
+
+def exchange_signatures(sig: list[int], group: dist.ProcessGroup) -> list[list[int]]:
+    """Every rank's integer signature, in rank order (one small all-gather; Note [agreeing on errors])."""
+    mine = torch.tensor(sig, dtype=torch.int64, device=collective_device(group))
     return all_gather_first_dim(mine[None], group).tolist()
 
 
@@ -187,13 +197,8 @@ def check_attention_inputs(
     if size == 1 or not exchange:
         problems = _problems(sig, size, ulysses_size)
     else:
-        table = _exchange(sig, group)
-        per_rank = [_problems(row, size, ulysses_size) for row in table]
-        problems = []
-        for message in dict.fromkeys(m for rank_problems in per_rank for m in rank_problems):
-            ranks = [r for r, rp in enumerate(per_rank) if message in rp]
-            where = "every rank" if len(ranks) == size else f"rank {', '.join(map(str, ranks))}"
-            problems.append(f"{where}: {message}")
+        table = exchange_signatures(sig, group)
+        problems = by_rank([_problems(row, size, ulysses_size) for row in table])
         if not problems and any(row != table[0] for row in table):
             described = "; ".join(f"rank {r}: {_describe(row)}" for r, row in enumerate(table))
             problems.append(f"inputs differ across ranks (they must match): {described}")

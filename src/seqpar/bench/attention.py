@@ -29,19 +29,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import seqpar
-
-
-def _rss_mb(field: str) -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
+from seqpar.memory import reset_resident_peak, resident_mb
 
 
 def _chunked_randn(seed: int, shape: tuple[int, int, int, int], chunk_ids, n_chunks: int) -> torch.Tensor:
@@ -72,11 +60,11 @@ def _measure(fn, q, k, v, dout, repeats: int, sync) -> tuple[float, float]:
         for t in (q, k, v):
             t.grad = None  # before the baseline reading: the step's own gradients count as growth
         sync()
-        before = _rss_mb("VmRSS")
-        _reset_peak()
+        before = resident_mb("VmRSS")
+        reset_resident_peak()
         out, seconds = _step(fn, q, k, v, dout)
         if i == 0:
-            growth = _rss_mb("VmHWM") - before
+            growth = resident_mb("VmHWM") - before
         times.append(seconds)
         del out
     return statistics.median(times), growth

@@ -29,7 +29,8 @@ import torch.multiprocessing as mp
 import transformers
 
 import seqpar
-from seqpar.bench.attention import _reset_peak, _rss_mb, write_slowest
+from seqpar.bench.attention import write_slowest
+from seqpar.memory import reset_resident_peak, resident_mb
 
 
 def _model(cfg: dict):
@@ -80,13 +81,13 @@ def _worker(rank: int, cfg: dict, store: str, out_path: str) -> None:
     times, growth = [], 0.0
     for i in range(cfg["repeats"]):
         dist.barrier()
-        before = _rss_mb("VmRSS")
-        _reset_peak()
+        before = resident_mb("VmRSS")
+        reset_resident_peak()
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
         if i == 0:
-            growth = _rss_mb("VmHWM") - before
+            growth = resident_mb("VmHWM") - before
     write_slowest(out_path, statistics.median(times), growth, first_loss=first_loss)
     dist.barrier()
     dist.destroy_process_group()

@@ -4,12 +4,13 @@ All take an explicit process group.
 """
 
 from seqpar.comm.all_to_all import head_to_seq_shards, seq_to_head_shards
-from seqpar.comm.collectives import all_gather_first_dim, reduce_scatter_first_dim
+from seqpar.comm.collectives import all_gather_first_dim, collective_device, reduce_scatter_first_dim
 from seqpar.comm.ring import RingExchange
 
 __all__ = [
     "RingExchange",
     "all_gather_first_dim",
+    "collective_device",
     "head_to_seq_shards",
     "reduce_scatter_first_dim",
     "seq_to_head_shards",

@@ -25,7 +25,7 @@ from seqpar.api import attention
 from seqpar.errors import SeqparInputError
 from seqpar.masking import SequenceMask, sequence_mask
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
-from seqpar.validation import STRATEGIES, _exchange
+from seqpar.validation import STRATEGIES, by_rank, exchange_signatures
 
 __all__ = ["ATTENTION_NAME", "prepare_model"]
 
@@ -122,13 +122,8 @@ def _agree_on_call(args: tuple, kwargs: dict, sp: SequenceParallelMesh) -> None:
     ]
     shape = list(positions.shape) if positions is not None else []
     signature = [int(f) for f in flags] + [len(shape), *[*shape, 0, 0][:2]]
-    table = [signature] if sp.sp_size == 1 else _exchange(signature, sp.sp_group)
-    problems = []
-    for i, message in enumerate(_CALL_PROBLEMS):
-        ranks = [r for r, row in enumerate(table) if row[i]]
-        if ranks:
-            where = "every rank" if len(ranks) == len(table) else f"rank {', '.join(map(str, ranks))}"
-            problems.append(f"{where}: {message}")
+    table = [signature] if sp.sp_size == 1 else exchange_signatures(signature, sp.sp_group)
+    problems = by_rank([[m for flag, m in zip(row, _CALL_PROBLEMS) if flag] for row in table])
     if not problems and any(row[5:] != table[0][5:] for row in table):
         shapes = "; ".join(f"rank {r}: {row[6 : 6 + row[5]]}" for r, row in enumerate(table))
         problems.append(f"position_ids shapes differ across ranks (every rank holds one equal shard): {shapes}")

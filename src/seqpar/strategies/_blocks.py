@@ -22,7 +22,7 @@ from seqpar.kernels import AttentionKernel, ReferenceKernel
 from seqpar.masking import SequenceMask
 from seqpar.merge import merge_into
 
-__all__ = ["MASK_TILE", "Block", "blocks_backward", "blocks_forward", "plan", "plan_blocks"]
+__all__ = ["MASK_TILE", "Block", "blocks_backward", "blocks_forward", "is_whole", "plan", "plan_blocks"]
 
 MASK_TILE = 1024
 MIN_WINDOW_TILE = 128
@@ -137,29 +137,31 @@ def _masked_plan(
 
 
 def _classify(q: tuple[int, int], kv: tuple[int, int], causal: bool, mask: SequenceMask) -> str:
-    """ "skip", "full", "causal" (a plain causal square) or "mixed", from the tile's corners."""
+    """ "skip", "full", "causal" (a plain causal square) or "mixed", from the tile's corners.
+
+    Every reason to skip is checked before any reason to mask, so a tile that is both on a window's edge
+    and across documents is skipped, not computed under an all-False mask.
+    """
     q_lo, q_hi = q[0], q[1] - 1
     kv_lo, kv_hi = kv[0], kv[1] - 1
-    square = False
-    if causal:
-        if kv_lo > q_hi:
-            return "skip"
-        square = q == kv
-        partial = kv_hi > q_lo and not square
-        if partial:
-            return "mixed"
-    if mask.window is not None:
-        if q_lo - kv_hi >= mask.window:
-            return "skip"
-        if q_hi - kv_lo >= mask.window:
-            return "mixed"
+    docs = None
     if mask.starts is not None:
-        qs, ks = mask.starts[:, q_lo], mask.starts[:, q_hi]
-        kvs, kve = mask.starts[:, kv_lo], mask.starts[:, kv_hi]
-        if bool(((kve < qs) | (kvs > ks)).all()):
-            return "skip"
-        if not bool(((qs == ks) & (kvs == kve) & (qs == kvs)).all()):
-            return "mixed"
+        q_first, q_last = mask.starts[:, q_lo], mask.starts[:, q_hi]
+        kv_first, kv_last = mask.starts[:, kv_lo], mask.starts[:, kv_hi]
+        docs = (q_first, q_last, kv_first, kv_last)
+    if causal and kv_lo > q_hi:
+        return "skip"
+    if mask.window is not None and q_lo - kv_hi >= mask.window:
+        return "skip"
+    if docs is not None and bool(((docs[3] < docs[0]) | (docs[2] > docs[1])).all()):
+        return "skip"  # document starts never decrease: disjoint ranges share no document
+    square = causal and q == kv
+    if causal and kv_hi > q_lo and not square:
+        return "mixed"
+    if mask.window is not None and q_hi - kv_lo >= mask.window:
+        return "mixed"
+    if docs is not None and not bool(((docs[0] == docs[1]) & (docs[2] == docs[3]) & (docs[0] == docs[2])).all()):
+        return "mixed"
     return "causal" if square else "full"
 
 
@@ -181,6 +183,20 @@ def _dense_mask(
     return keep if device is None else keep.to(device)
 
 
+def is_whole(blocks: Sequence[Block], q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether ``blocks`` is one unmasked call over all local queries and keys (no accumulation needed)."""
+    return (
+        len(blocks) == 1
+        and blocks[0].mask is None
+        and (blocks[0].q.start, blocks[0].q.stop) == (0, q.shape[2])
+        and (blocks[0].kv.start, blocks[0].kv.stop) == (0, k.shape[2])
+    )
+
+
+def _kernel_for(block: Block, kernel: AttentionKernel) -> AttentionKernel:
+    return kernel if block.mask is None or kernel.takes_masks else _MASKED_KERNEL
+
+
 def blocks_forward(
     kernel: AttentionKernel,
     q: torch.Tensor,
@@ -193,8 +209,9 @@ def blocks_forward(
 ) -> None:
     """Run ``blocks`` and merge each result into the float32 running ``(out, lse)`` in place."""
     for b in blocks:
-        run = kernel if b.mask is None or kernel.takes_masks else _MASKED_KERNEL
-        o, l = run.forward(q[:, :, b.q], k[:, :, b.kv], v[:, :, b.kv], causal=b.causal, scale=scale, mask=b.mask)
+        o, l = _kernel_for(b, kernel).forward(
+            q[:, :, b.q], k[:, :, b.kv], v[:, :, b.kv], causal=b.causal, scale=scale, mask=b.mask
+        )
         merge_into(out[:, :, b.q], lse[:, :, b.q], o, l)
 
 
@@ -235,8 +252,7 @@ def blocks_backward(
     tile uses the final ``out`` and ``lse``).
     """
     for b in _tiles(blocks, split):
-        run = kernel if b.mask is None or kernel.takes_masks else _MASKED_KERNEL
-        dq_b, dk_b, dv_b = run.backward(
+        dq_b, dk_b, dv_b = _kernel_for(b, kernel).backward(
             dout[:, :, b.q],
             q[:, :, b.q],
             k[:, :, b.kv],

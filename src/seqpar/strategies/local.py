@@ -11,7 +11,7 @@ import torch
 from seqpar.kernels import AttentionKernel
 from seqpar.masking import SequenceMask
 from seqpar.merge import new_accumulator
-from seqpar.strategies._blocks import blocks_backward, blocks_forward, plan
+from seqpar.strategies._blocks import blocks_backward, blocks_forward, is_whole, plan
 
 __all__ = ["local_attention"]
 
@@ -21,26 +21,13 @@ _PLAN_CHUNKS = 8
 
 class _LocalAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, kernel):
-        out, lse = kernel.forward(q, k, v, causal=causal, scale=scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (causal, scale, kernel)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        causal, scale, kernel = ctx.args
-        dq, dk, dv = kernel.backward(dout.contiguous(), q, k, v, out, lse, causal=causal, scale=scale)
-        return dq, dk, dv, None, None, None
-
-
-class _MaskedLocalAttention(torch.autograd.Function):
-    @staticmethod
     def forward(ctx, q, k, v, blocks, scale, kernel):
-        out, lse = new_accumulator(q)  # [B, H, S, D], [B, H, S] float32
-        blocks_forward(kernel, q, k, v, blocks, scale, out, lse)
-        out = out.to(q.dtype)
+        if is_whole(blocks, q, k):  # one kernel call: its own (out, lse) are the result
+            out, lse = kernel.forward(q, k, v, causal=blocks[0].causal, scale=scale)
+        else:
+            out, lse = new_accumulator(q)  # [B, H, S, D], [B, H, S] float32
+            blocks_forward(kernel, q, k, v, blocks, scale, out, lse)
+            out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (blocks, scale, kernel)
         return out
@@ -49,10 +36,14 @@ class _MaskedLocalAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         blocks, scale, kernel = ctx.args
+        dout = dout.contiguous()
+        if is_whole(blocks, q, k):
+            dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal=blocks[0].causal, scale=scale)
+            return dq, dk, dv, None, None, None
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-        blocks_backward(kernel, dout.contiguous(), q, k, v, out, lse, blocks, scale, dq, dk, dv)
+        blocks_backward(kernel, dout, q, k, v, out, lse, blocks, scale, dq, dk, dv)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
@@ -69,11 +60,9 @@ def local_attention(
     """Attention of ``q`` ``[B, H, S, D]`` against ``k``, ``v`` ``[B, Hkv, S, D]`` on this rank alone.
 
     The sequence is whole and in global order; ``mask`` adds packed documents and a sliding window.
+    Without one, the plan is a single kernel call over everything (Note [block plan]).
     """
-    if mask is None or mask.trivial:
-        return _LocalAttention.apply(q, k, v, causal, scale, kernel)
     seq = q.shape[2]
-    chunks = _PLAN_CHUNKS if seq % _PLAN_CHUNKS == 0 else 1
+    chunks = _PLAN_CHUNKS if mask is not None and not mask.trivial and seq % _PLAN_CHUNKS == 0 else 1
     ids = range(chunks)
-    blocks = plan(ids, ids, seq // chunks, causal, mask, q.device)
-    return _MaskedLocalAttention.apply(q, k, v, blocks, scale, kernel)
+    return _LocalAttention.apply(q, k, v, plan(ids, ids, seq // chunks, causal, mask, q.device), scale, kernel)

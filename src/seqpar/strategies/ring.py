@@ -26,7 +26,7 @@ from seqpar.kernels import AttentionKernel
 from seqpar.layout import rank_chunk_ids
 from seqpar.masking import SequenceMask
 from seqpar.merge import new_accumulator
-from seqpar.strategies._blocks import blocks_backward, blocks_forward, plan
+from seqpar.strategies._blocks import blocks_backward, blocks_forward, is_whole, plan
 
 __all__ = ["ring_attention", "ring_attention_on_chunks"]
 
@@ -46,7 +46,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(size):
             if step + 1 < size:
                 ring.start(kv)
-            if step == 0 and _whole(plans[0], q, k):
+            if step == 0 and is_whole(plans[0], q, k):
                 # the own block covers every query: its result starts the running (out, lse), no zeros to merge into
                 out, lse = kernel.forward(q, k, v, causal=plans[0][0].causal, scale=scale)
                 out, lse = out.float(), lse.float()  # [B, H, S/P, D], [B, H, S/P]
@@ -74,7 +74,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(size):
             if step + 1 < size:
                 kv_ring.start(kv)
-            if step == 0 and _whole(plans[0], q, k):
+            if step == 0 and is_whole(plans[0], q, k):
                 # The own block is one call over everything (Note [block plan]): its gradients start the
                 # accumulators, instead of zeros plus a copy.
                 dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal=plans[0][0].causal, scale=scale)
@@ -98,16 +98,6 @@ class _RingAttention(torch.autograd.Function):
         if size > 1:
             dkv = dkv_ring.wait()  # our own block, home after P hops
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
-
-
-def _whole(blocks, q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether ``blocks`` is one unmasked call over all local queries and keys."""
-    return (
-        len(blocks) == 1
-        and blocks[0].mask is None
-        and (blocks[0].q.start, blocks[0].q.stop) == (0, q.shape[2])
-        and (blocks[0].kv.start, blocks[0].kv.stop) == (0, k.shape[2])
-    )
 
 
 def ring_attention(

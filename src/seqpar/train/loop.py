@@ -16,7 +16,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import seqpar
+from seqpar.comm import collective_device
 from seqpar.data import IGNORE_INDEX
+from seqpar.memory import PeakMemory
 from seqpar.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from seqpar.train.config import TrainConfig
 from seqpar.train.data import FileRows, load_tokenizer
@@ -38,29 +40,6 @@ def _lr_factor(config: TrainConfig, step: int) -> float:
     if config.lr_schedule == "linear":
         return floor + (1 - floor) * (1 - progress)
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-class _Memory:
-    """Peak memory of this rank during a step: allocator peak on CUDA, resident-set peak on the CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def reset(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return
-        with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-
-    def peak_mb(self) -> float:
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device) / 2**20
-        with contextlib.suppress(OSError), open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM"):
-                    return int(line.split()[1]) / 1024
-        return 0.0
 
 
 def _answer_shift_labels(input_ids: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
@@ -103,7 +82,7 @@ class _Source:
 def train_rank(config: TrainConfig, run_dir: str) -> None:
     """Train on this rank (collective: every rank of the default group calls it with the same arguments)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = collective_device()
     mesh = seqpar.make_mesh(sp_size=config.sp, ulysses_size=config.ulysses, dp_size=config.dp, tp_size=config.tp)
     dp_rank = mesh.device_mesh.get_local_rank("dp")
     tokenizer = load_tokenizer(config.tokenizer_path())
@@ -163,7 +142,7 @@ def train_rank(config: TrainConfig, run_dir: str) -> None:
         bar = tqdm(
             total=config.steps, initial=start, desc="seqpar train", unit="step", dynamic_ncols=True, disable=None
         )
-    memory = _Memory(device)
+    memory = PeakMemory(device)
     micro = config.batch_size // config.grad_accum
     end = config.stop_at or config.steps
     model.train()

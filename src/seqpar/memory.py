@@ -1,0 +1,56 @@
+"""Peak memory of this process, as the benchmarks and the trainer report it.
+
+On the CPU: the resident set read from Linux's /proc (VmRSS now, VmHWM its peak); on CUDA: the allocator peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+__all__ = ["PeakMemory", "reset_resident_peak", "resident_mb"]
+
+
+def resident_mb(field: str = "VmRSS") -> float:
+    """``VmRSS`` (resident now) or ``VmHWM`` (its peak since the last reset) of this process, in MiB.
+
+    Raises:
+        OSError: no /proc (not Linux).
+        RuntimeError: the field is not in /proc/self/status.
+    """
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def reset_resident_peak() -> None:
+    """Set VmHWM back to the current resident set (Linux ``clear_refs`` 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+class PeakMemory:
+    """Peak memory over an interval: allocator peak on CUDA, resident-set peak on the CPU (0 without /proc)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def reset(self) -> None:
+        """Start a new interval."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        with contextlib.suppress(OSError):
+            reset_resident_peak()
+
+    def peak_mb(self) -> float:
+        """The peak since ``reset``, in MiB."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
+        try:
+            return resident_mb("VmHWM")
+        except (OSError, RuntimeError):
+            return 0.0
