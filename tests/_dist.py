@@ -12,10 +12,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, world_size: int, store_path: str, fn, args) -> None:
+def _entry(rank: int, world_size: int, store_path: str, fn, args, backend: str = "gloo") -> None:
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo",
+        backend,
         rank=rank,
         world_size=world_size,
         init_method=f"file://{store_path}",
@@ -31,11 +33,14 @@ def _entry(rank: int, world_size: int, store_path: str, fn, args) -> None:
     os._exit(0)
 
 
-def run_ranks(world_size: int, fn, *args) -> None:
-    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; re-raise the first failure."""
+def run_ranks(world_size: int, fn, *args, backend: str = "gloo") -> None:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` ranks; re-raise the first failure.
+
+    ``backend="nccl"`` puts rank r on GPU r.
+    """
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        mp.start_processes(_entry, args=(world_size, store, fn, args), nprocs=world_size, start_method="spawn")
+        mp.start_processes(_entry, args=(world_size, store, fn, args, backend), nprocs=world_size, start_method="spawn")
 
 
 def shard_index(layout: str, world_size: int, rank: int, seq_len: int) -> torch.Tensor:

@@ -3,6 +3,6 @@
 They measure, in one run, ratios against a single process or between strategies; they never assert speed.
 """
 
-BENCHMARKS = ("attention", "strategies", "masks", "llama_step")
+BENCHMARKS = ("attention", "strategies", "masks", "llama_step", "cuda")
 
 __all__ = ["BENCHMARKS"]

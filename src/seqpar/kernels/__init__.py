@@ -13,13 +13,27 @@ from seqpar.errors import SeqparInputError
 from seqpar.kernels.base import AttentionKernel
 from seqpar.kernels.reference import ReferenceKernel
 from seqpar.kernels.torch_cpu import TorchCPUFlashKernel
+from seqpar.kernels.torch_cuda import TorchCUDAEfficientKernel, TorchCUDAFlashKernel
 
-__all__ = ["KERNELS", "AttentionKernel", "ReferenceKernel", "TorchCPUFlashKernel", "select_kernel"]
+__all__ = [
+    "KERNELS",
+    "AttentionKernel",
+    "ReferenceKernel",
+    "TorchCPUFlashKernel",
+    "TorchCUDAEfficientKernel",
+    "TorchCUDAFlashKernel",
+    "select_kernel",
+]
 
 _log = logging.getLogger("seqpar")
 
 # In order of preference for "auto"; the reference kernel runs anywhere and comes last.
-KERNELS: tuple[AttentionKernel, ...] = (TorchCPUFlashKernel(), ReferenceKernel())
+KERNELS: tuple[AttentionKernel, ...] = (
+    TorchCUDAFlashKernel(),
+    TorchCUDAEfficientKernel(),
+    TorchCPUFlashKernel(),
+    ReferenceKernel(),
+)
 
 
 def select_kernel(

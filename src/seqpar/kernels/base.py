@@ -9,7 +9,7 @@ import abc
 
 import torch
 
-__all__ = ["AttentionKernel"]
+__all__ = ["AttentionKernel", "additive_mask", "mark_empty_rows", "unmark_empty_rows"]
 
 
 class AttentionKernel(abc.ABC):
@@ -74,3 +74,19 @@ class AttentionKernel(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<seqpar kernel {self.name}>"
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean keep-mask as the additive mask fused ops take (0 where kept, -inf elsewhere)."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def mark_empty_rows(out: torch.Tensor, lse: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Give rows that see no key out 0 and lse -inf, the values the merge expects (fused ops differ here)."""
+    seen = mask.any(-1).expand(lse.shape)
+    return out.masked_fill(~seen[..., None], 0), lse.masked_fill(~seen, float("-inf"))
+
+
+def unmark_empty_rows(lse: torch.Tensor) -> torch.Tensor:
+    """lse for a fused backward: +inf on rows that see no key, so exp(score - lse) is 0 there, not NaN."""
+    return lse.masked_fill(lse == float("-inf"), float("inf"))

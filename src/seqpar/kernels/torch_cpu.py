@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from seqpar.kernels.base import AttentionKernel
+from seqpar.kernels.base import AttentionKernel, additive_mask, mark_empty_rows, unmark_empty_rows
 
 __all__ = ["TorchCPUFlashKernel"]
 
@@ -32,27 +32,20 @@ class TorchCPUFlashKernel(AttentionKernel):
         return None
 
     def forward(self, q, k, v, *, causal, scale, mask=None):
-        bias = _additive(mask, q.dtype)
+        bias = None if mask is None else additive_mask(mask, q.dtype)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=bias, scale=scale
         )
         if mask is not None:
             # the op reports lse 0 for a row that sees no key; the merge needs -inf there
-            lse = lse.masked_fill(~mask.any(-1).expand(lse.shape), float("-inf"))
+            out, lse = mark_empty_rows(out, lse, mask)
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, *, causal, scale, mask=None):
+        bias = None
         if mask is not None:
-            # exp(score - inf) = 0: a row that sees no key gets no gradient (instead of NaN from -inf)
-            lse = lse.masked_fill(lse == float("-inf"), float("inf"))
+            lse, bias = unmark_empty_rows(lse), additive_mask(mask, q.dtype)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, attn_mask=_additive(mask, q.dtype), scale=scale
+            dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale
         )
         return dq, dk, dv
-
-
-def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """A boolean keep-mask as the additive mask the op takes (0 where kept, -inf elsewhere)."""
-    if mask is None:
-        return None
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))

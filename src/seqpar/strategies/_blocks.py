@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from seqpar.kernels import AttentionKernel, ReferenceKernel
+from seqpar.kernels import AttentionKernel, select_kernel
 from seqpar.masking import SequenceMask
 from seqpar.merge import merge_into
 
@@ -26,7 +26,6 @@ __all__ = ["MASK_TILE", "Block", "blocks_backward", "blocks_forward", "is_whole"
 
 MASK_TILE = 1024
 MIN_WINDOW_TILE = 128
-_MASKED_KERNEL = ReferenceKernel()
 
 
 @dataclass(frozen=True)
@@ -193,8 +192,11 @@ def is_whole(blocks: Sequence[Block], q: torch.Tensor, k: torch.Tensor) -> bool:
     )
 
 
-def _kernel_for(block: Block, kernel: AttentionKernel) -> AttentionKernel:
-    return kernel if block.mask is None or kernel.takes_masks else _MASKED_KERNEL
+def _kernel_for(block: Block, kernel: AttentionKernel, q: torch.Tensor, k: torch.Tensor) -> AttentionKernel:
+    """``kernel``, unless the block is masked and it takes no masks: then the preferred kernel that does."""
+    if block.mask is None or kernel.takes_masks:
+        return kernel
+    return select_kernel(q, k, k, mask=block.mask)
 
 
 def blocks_forward(
@@ -209,7 +211,7 @@ def blocks_forward(
 ) -> None:
     """Run ``blocks`` and merge each result into the float32 running ``(out, lse)`` in place."""
     for b in blocks:
-        o, l = _kernel_for(b, kernel).forward(
+        o, l = _kernel_for(b, kernel, q, k).forward(
             q[:, :, b.q], k[:, :, b.kv], v[:, :, b.kv], causal=b.causal, scale=scale, mask=b.mask
         )
         merge_into(out[:, :, b.q], lse[:, :, b.q], o, l)
@@ -252,7 +254,7 @@ def blocks_backward(
     tile uses the final ``out`` and ``lse``).
     """
     for b in _tiles(blocks, split):
-        dq_b, dk_b, dv_b = _kernel_for(b, kernel).backward(
+        dq_b, dk_b, dv_b = _kernel_for(b, kernel, q, k).backward(
             dout[:, :, b.q],
             q[:, :, b.q],
             k[:, :, b.kv],

@@ -1,0 +1,201 @@
+"""CUDA kernels and NCCL strategies: the CPU suite's exactness checks, run where a GPU is present.
+
+Skipped without CUDA. One GPU runs the kernels and every strategy on a one-rank NCCL group (whose zigzag
+blocks still split and merge); N GPUs run the strategies on min(N, 4) ranks.
+
+Accuracy is stated as a norm-wise relative error against an fp64 reference: at most 1.5x the error of one
+whole-sequence SDPA call in the same dtype (plus 1e-6 so that two fp32 errors near rounding level compare
+sensibly), and never above 2e-4 (fp32) or 2e-2 (bf16). A wrong merge or log-sum-exp gives errors near 1.
+"""
+
+from __future__ import annotations
+
+import copy
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import seqpar
+from seqpar.kernels import TorchCUDAEfficientKernel, TorchCUDAFlashKernel, select_kernel
+from seqpar.merge import merge_into, new_accumulator
+from tests._dist import run_ranks, shard_index
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+RATIO = 1.5
+CAP = {torch.float32: 2e-4, torch.bfloat16: 2e-2}
+FLASH, EFFICIENT = TorchCUDAFlashKernel(), TorchCUDAEfficientKernel()
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x.double() - ref).norm() / ref.norm())
+
+
+def check_accuracy(what: str, got, baseline, exact, dtype: torch.dtype) -> None:
+    """``got`` and ``baseline`` (same-dtype single SDPA) are tuples of tensors compared to fp64 ``exact``."""
+    for name, g, b, e in zip(("out", "dq", "dk", "dv"), got, baseline, exact, strict=True):
+        err, base = rel_err(g, e), rel_err(b, e)
+        assert err <= min(RATIO * base + 1e-6, CAP[dtype]), f"{what} {name}: error {err:.2e}, SDPA {base:.2e}"
+
+
+def sdpa_grads(q, k, v, dout, causal, mask=None):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def random_case(seed: int, batch: int, heads: int, kv_heads: int, seq: int, head_dim: int, device="cuda"):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shapes = ((heads, seq), (kv_heads, seq), (kv_heads, seq), (heads, seq))
+    return [torch.randn(batch, h, s, head_dim, generator=gen, device=device, dtype=torch.float64) for h, s in shapes]
+
+
+@pytest.mark.parametrize("kernel", [FLASH, EFFICIENT], ids=lambda k: k.name)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2)])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_cuda_kernel_blocks_merge_exactly(kernel, causal, heads, head_dim):
+    """The ring contract: key blocks run apart, merge by lse, and backwards fed the final out/lse add up."""
+    seq = 512
+    half = slice(0, seq // 2), slice(seq // 2, seq)
+    q, k, v, dout = random_case(zlib.crc32(repr((causal, heads, head_dim)).encode()), 2, *heads, seq, head_dim)
+    exact = sdpa_grads(q, k, v, dout, causal)
+    dtypes = (torch.bfloat16,) if kernel is FLASH else (torch.float32, torch.bfloat16)
+    for dtype in dtypes:
+        ql, kl, vl, dl = (t.to(dtype) for t in (q, k, v, dout))
+        # (query rows, key rows, causal square?) covering the attention matrix once
+        if causal:
+            blocks = [(half[0], half[0], True), (half[1], half[0], False), (half[1], half[1], True)]
+        else:
+            blocks = [(slice(0, seq), half[0], False), (slice(0, seq), half[1], False)]
+        out, lse = new_accumulator(ql)
+        for rows, cols, square in blocks:
+            o, l = kernel.forward(ql[:, :, rows], kl[:, :, cols], vl[:, :, cols], causal=square, scale=head_dim**-0.5)
+            merge_into(out[:, :, rows], lse[:, :, rows], o, l)
+        dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (ql, kl, vl))
+        for rows, cols, square in blocks:
+            grads = kernel.backward(
+                dl[:, :, rows],
+                ql[:, :, rows],
+                kl[:, :, cols],
+                vl[:, :, cols],
+                out[:, :, rows],
+                lse[:, :, rows],
+                causal=square,
+                scale=head_dim**-0.5,
+            )
+            for acc, g, idx in zip((dq, dk, dv), grads, (rows, cols, cols), strict=True):
+                acc[:, :, idx] += g
+        baseline = sdpa_grads(ql, kl, vl, dl, causal)
+        what = f"{kernel.name} {dtype} causal={causal} H={heads} D={head_dim}"
+        check_accuracy(what, (out, dq, dk, dv), baseline, exact, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_efficient_kernel_takes_any_mask_and_empty_rows(dtype):
+    q, k, v, dout = random_case(3, 1, 4, 2, 100, 64)
+    mask = torch.rand(1, 1, 100, 100, device="cuda", generator=torch.Generator("cuda").manual_seed(4)) > 0.7
+    mask[:, :, 5] = False  # a row that sees no key: out 0, lse -inf, no gradient
+    ql, kl, vl, dl = (t.to(dtype) for t in (q, k, v, dout))
+    out, lse = EFFICIENT.forward(ql, kl, vl, causal=False, scale=0.125, mask=mask)
+    assert torch.isneginf(lse[:, :, 5]).all() and (out[:, :, 5] == 0).all()
+    grads = EFFICIENT.backward(dl, ql, kl, vl, out, lse, causal=False, scale=0.125, mask=mask)
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert (grads[0][:, :, 5] == 0).all()
+    # SDPA's own answer for an empty row varies by backend; the reference lets row 5 see every key but gives
+    # it no output gradient, so it adds nothing to dk/dv and its dq is 0, as it must be here
+    open_mask = mask.clone()
+    open_mask[:, :, 5] = True
+    quiet = dout.clone()
+    quiet[:, :, 5] = 0
+    exact = list(sdpa_grads(q, k, v, quiet, False, open_mask))
+    baseline = list(sdpa_grads(ql, kl, vl, quiet.to(dtype), False, open_mask))
+    exact[0][:, :, 5] = 0
+    baseline[0][:, :, 5] = 0
+    check_accuracy(f"efficient masked {dtype}", (out, *grads), baseline, exact, dtype)
+
+
+def test_cuda_kernel_choice():
+    x = torch.randn(1, 2, 8, 64, device="cuda")
+    assert select_kernel(x.bfloat16(), x.bfloat16(), x.bfloat16()).name == "torch_cuda_flash"
+    assert select_kernel(x, x, x).name == "torch_cuda_efficient"
+    mask = torch.ones(1, 1, 8, 8, dtype=torch.bool, device="cuda")
+    assert select_kernel(x.bfloat16(), x.bfloat16(), x.bfloat16(), mask=mask).name == "torch_cuda_efficient"
+    assert select_kernel(x.double(), x.double(), x.double()).name == "reference"
+
+
+def _strategies_worker(rank, world_size):
+    mesh = seqpar.make_mesh()
+    seq = 256 * world_size
+    strategies = ["ring", "allgather", "ulysses"] + (["hybrid"] if world_size == 4 else [])
+    for strategy in strategies:
+        run_mesh = seqpar.make_mesh(ulysses_size=2) if strategy == "hybrid" else mesh
+        for dtype in (torch.float32, torch.bfloat16):
+            for layout, causal in (("zigzag", True), ("contiguous", False), ("contiguous", True)):
+                for heads, kv_heads, head_dim in ((8, 8, 128), (8, 2, 64)):
+                    seed = zlib.crc32(repr((strategy, layout, causal, heads, kv_heads)).encode())
+                    q, k, v, dout = random_case(seed, 2, heads, kv_heads, seq, head_dim)
+                    exact = sdpa_grads(q, k, v, dout, causal)
+                    baseline = sdpa_grads(*(t.to(dtype) for t in (q, k, v, dout)), causal)
+                    idx = shard_index(layout, world_size, rank, seq).cuda()
+                    local = [t[:, :, idx].to(dtype).requires_grad_() for t in (q, k, v)]
+                    out = seqpar.attention(*local, mesh=run_mesh, strategy=strategy, causal=causal, layout=layout)
+                    out.backward(dout[:, :, idx].to(dtype))
+                    got = (out, *(t.grad for t in local))
+                    what = f"{strategy} {dtype} {layout} causal={causal} H={heads}/{kv_heads} P={world_size}"
+                    _check_shard(what, got, baseline, exact, idx, dtype)
+    # packed documents and a sliding window: masked tiles take the efficient kernel, whole ones flash
+    from tests.test_masking import dense_mask, packed_positions
+
+    positions = packed_positions(seq, (70, 300, 33, 129)).cuda()[None].repeat(2, 1)
+    for strategy in ("ring", "ulysses", "allgather"):
+        for dtype in (torch.float32, torch.bfloat16):
+            for window in (None, 96):
+                q, k, v, dout = random_case(5, 2, 8, 2, seq, 64)
+                mask = dense_mask(positions.cpu(), True, window).cuda()
+                exact = sdpa_grads(q, k, v, dout, False, mask)
+                baseline = sdpa_grads(*(t.to(dtype) for t in (q, k, v, dout)), False, mask)
+                idx = shard_index("zigzag", world_size, rank, seq).cuda()
+                local = [t[:, :, idx].to(dtype).requires_grad_() for t in (q, k, v)]
+                out = seqpar.attention(
+                    *local, mesh=mesh, strategy=strategy, position_ids=positions[:, idx], window=window
+                )
+                out.backward(dout[:, :, idx].to(dtype))
+                what = f"documents {strategy} {dtype} window={window} P={world_size}"
+                _check_shard(what, (out, *(t.grad for t in local)), baseline, exact, idx, dtype)
+    _llama(rank, world_size, mesh)
+
+
+def _check_shard(what, got, baseline, exact, idx, dtype):
+    check_accuracy(what, got, [t[:, :, idx] for t in baseline], [t[:, :, idx] for t in exact], dtype)
+
+
+def _llama(rank, world_size, mesh):
+    """A prepared tiny Llama on the GPU: logits and loss equal the unprepared model's (fp32, efficient kernel)."""
+    import transformers
+
+    from tests.test_transformers import tiny_config, tokens
+
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="eager")
+    ref = ref.cuda().eval()
+    for strategy in ("ring", "ulysses", "allgather"):
+        model = seqpar.prepare_model(copy.deepcopy(ref), mesh, strategy=strategy)
+        ids = tokens(2, 48, 1).cuda()
+        with torch.no_grad():
+            want = ref(input_ids=ids, labels=ids)
+            shard = seqpar.shard_batch({"input_ids": ids}, mesh)
+            logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+            loss = seqpar.sum_over(seqpar.cross_entropy(logits, shard["shift_labels"], mesh), mesh)
+        idx = shard_index("zigzag", world_size, rank, 48).cuda()
+        torch.testing.assert_close(logits, want.logits[:, idx], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(loss, want.loss, atol=1e-5, rtol=1e-5)
+
+
+def test_strategies_on_nccl():
+    count = torch.cuda.device_count()
+    world_size = 4 if count >= 4 else 2 if count >= 2 else 1  # 8 heads divide every one of these
+    run_ranks(world_size, _strategies_worker, backend="nccl")
