@@ -132,11 +132,13 @@ class TorchCUDAEfficientKernel(AttentionKernel):
         padded[:, :, :rows] = unmark_empty_rows(lse) if mask is not None else lse
         unused = torch.empty(0, dtype=torch.int64, device=q.device)
         bias = _bias(mask, q, k)
+        # Strided views (a block of a longer shard) gave wrong half-precision dq on an H200 with PyTorch 2.11,
+        # while float32 was right: every operand goes in contiguous.
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             dout.contiguous(),
-            q,
-            _expand_kv(k, heads),
-            _expand_kv(v, heads),
+            q.contiguous(),
+            _expand_kv(k, heads).contiguous(),
+            _expand_kv(v, heads).contiguous(),
             bias,
             out.to(q.dtype).contiguous(),
             padded,

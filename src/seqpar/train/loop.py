@@ -95,7 +95,10 @@ def train_rank(config: TrainConfig, run_dir: str) -> None:
         heads = model.config.num_attention_heads // config.tp
         kv_heads = (getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads) // config.tp
         chosen = seqpar.resolve_strategy(config.strategy, heads, kv_heads, mesh) if mesh.sp_size > 1 else "local"
-        probe = torch.empty(1, heads, 2, getattr(model.config, "head_dim", None) or 64, device=device)
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        dtype = torch.bfloat16 if config.precision == "bf16" else torch.float32  # what autocast gives attention
+        probe = torch.empty(1, heads, 2, head_dim, device=device, dtype=dtype)
         print(
             f"mesh: dp {config.dp} x sp {mesh.sp_size} (ring axis {mesh.ring_size} x ulysses axis "
             f"{mesh.ulysses_size}) x tp {config.tp}; "
