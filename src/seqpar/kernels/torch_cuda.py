@@ -96,7 +96,11 @@ class TorchCUDAFlashKernel(AttentionKernel):
 class TorchCUDAEfficientKernel(AttentionKernel):
     """``aten._scaled_dot_product_efficient_attention`` (memory-efficient attention) and its backward.
 
-    fp32/fp16/bf16 and boolean tile masks (passed as an additive mask); rows that see no key give out 0, lse -inf.
+    Takes boolean tile masks (as an additive mask); rows that see no key give out 0, lse -inf. It computes in
+    float32: handed a log-sum-exp that its own forward did not return, the op's half-precision backward gave
+    wrong dq (relative error ~1, varying run to run) on an H200 with PyTorch 2.11, while float32 was exact.
+    So fp16/bf16 blocks (in practice the masked tiles of a bf16 model; whole blocks take flash) are upcast,
+    and their gradients cast back.
     """
 
     name = "torch_cuda_efficient"
@@ -117,6 +121,7 @@ class TorchCUDAEfficientKernel(AttentionKernel):
 
     def forward(self, q, k, v, *, causal, scale, mask=None):
         heads = q.shape[1]
+        q, k, v = (t.float() for t in (q, k, v))
         out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, _expand_kv(k, heads), _expand_kv(v, heads), _bias(mask, q, k), True, 0.0, causal, scale=scale
         )
@@ -127,20 +132,19 @@ class TorchCUDAEfficientKernel(AttentionKernel):
 
     def backward(self, dout, q, k, v, out, lse, *, causal, scale, mask=None):
         heads, kv_heads = q.shape[1], k.shape[1]
-        rows = q.shape[2]
+        dtype, rows = q.dtype, q.shape[2]
+        dout, q, k, v, out = (t.float() for t in (dout, q, k, v, out))
         padded = lse.new_zeros((*lse.shape[:2], -(-rows // _LSE_ALIGN) * _LSE_ALIGN))
         padded[:, :, :rows] = unmark_empty_rows(lse) if mask is not None else lse
         unused = torch.empty(0, dtype=torch.int64, device=q.device)
         bias = _bias(mask, q, k)
-        # Strided views (a block of a longer shard) gave wrong half-precision dq on an H200 with PyTorch 2.11,
-        # while float32 was right: every operand goes in contiguous.
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             dout.contiguous(),
-            q.contiguous(),
-            _expand_kv(k, heads).contiguous(),
-            _expand_kv(v, heads).contiguous(),
+            q,
+            _expand_kv(k, heads),
+            _expand_kv(v, heads),
             bias,
-            out.to(q.dtype).contiguous(),
+            out.contiguous(),
             padded,
             unused,
             unused,
@@ -149,7 +153,7 @@ class TorchCUDAEfficientKernel(AttentionKernel):
             causal,
             scale=scale,
         )
-        return dq, _reduce_kv(dk, kv_heads), _reduce_kv(dv, kv_heads)
+        return dq.to(dtype), _reduce_kv(dk, kv_heads).to(dtype), _reduce_kv(dv, kv_heads).to(dtype)
 
 
 def _bias(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
