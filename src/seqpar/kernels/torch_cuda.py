@@ -96,11 +96,7 @@ class TorchCUDAFlashKernel(AttentionKernel):
 class TorchCUDAEfficientKernel(AttentionKernel):
     """``aten._scaled_dot_product_efficient_attention`` (memory-efficient attention) and its backward.
 
-    Takes boolean tile masks (as an additive mask); rows that see no key give out 0, lse -inf. It computes in
-    float32: handed a log-sum-exp that its own forward did not return, the op's half-precision backward gave
-    wrong dq (relative error ~1, varying run to run) on an H200 with PyTorch 2.11, while float32 was exact.
-    So fp16/bf16 blocks (in practice the masked tiles of a bf16 model; whole blocks take flash) are upcast,
-    and their gradients cast back.
+    fp32/fp16/bf16 and boolean tile masks (as an additive mask); rows that see no key give out 0, lse -inf.
     """
 
     name = "torch_cuda_efficient"
@@ -121,7 +117,6 @@ class TorchCUDAEfficientKernel(AttentionKernel):
 
     def forward(self, q, k, v, *, causal, scale, mask=None):
         heads = q.shape[1]
-        q, k, v = (t.float() for t in (q, k, v))
         out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, _expand_kv(k, heads), _expand_kv(v, heads), _bias(mask, q, k), True, 0.0, causal, scale=scale
         )
@@ -132,8 +127,7 @@ class TorchCUDAEfficientKernel(AttentionKernel):
 
     def backward(self, dout, q, k, v, out, lse, *, causal, scale, mask=None):
         heads, kv_heads = q.shape[1], k.shape[1]
-        dtype, rows = q.dtype, q.shape[2]
-        dout, q, k, v, out = (t.float() for t in (dout, q, k, v, out))
+        rows = q.shape[2]
         padded = lse.new_zeros((*lse.shape[:2], -(-rows // _LSE_ALIGN) * _LSE_ALIGN))
         padded[:, :, :rows] = unmark_empty_rows(lse) if mask is not None else lse
         unused = torch.empty(0, dtype=torch.int64, device=q.device)
@@ -144,7 +138,7 @@ class TorchCUDAEfficientKernel(AttentionKernel):
             _expand_kv(k, heads),
             _expand_kv(v, heads),
             bias,
-            out.contiguous(),
+            _heads_inner(out.to(q.dtype)),
             padded,
             unused,
             unused,
@@ -153,7 +147,16 @@ class TorchCUDAEfficientKernel(AttentionKernel):
             causal,
             scale=scale,
         )
-        return dq.to(dtype), _reduce_kv(dk, kv_heads).to(dtype), _reduce_kv(dv, kv_heads).to(dtype)
+        return dq, _reduce_kv(dk, kv_heads), _reduce_kv(dv, kv_heads)
+
+
+def _heads_inner(out: torch.Tensor) -> torch.Tensor:
+    """``out`` ``[B, H, S, D]`` stored as ``[B, S, H, D]``, the layout the op's forward returns.
+
+    The backward's half-precision path assumes that layout for ``out`` (given a ``[B, H, S, D]``-contiguous
+    ``out`` it returned wrong dq and dk on an H200 with PyTorch 2.11, while dv and float32 were right).
+    """
+    return out.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def _bias(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
