@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import seqpar
-from seqpar.kernels import TorchCUDAEfficientKernel, TorchCUDAFlashKernel, select_kernel
+from seqpar.kernels import TorchCUDAEfficientKernel, TorchCUDAFlashKernel, TorchCuDNNKernel, select_kernel
 from seqpar.merge import merge_into, new_accumulator
 from tests._dist import run_ranks, shard_index
 
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 RATIO = 1.5
 CAP = {torch.float32: 2e-4, torch.bfloat16: 2e-2}
-FLASH, EFFICIENT = TorchCUDAFlashKernel(), TorchCUDAEfficientKernel()
+CUDNN, FLASH, EFFICIENT = TorchCuDNNKernel(), TorchCUDAFlashKernel(), TorchCUDAEfficientKernel()
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -53,17 +53,23 @@ def random_case(seed: int, batch: int, heads: int, kv_heads: int, seq: int, head
     return [torch.randn(batch, h, s, head_dim, generator=gen, device=device, dtype=torch.float64) for h, s in shapes]
 
 
-@pytest.mark.parametrize("kernel", [FLASH, EFFICIENT], ids=lambda k: k.name)
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+@pytest.mark.parametrize("kernel", [CUDNN, FLASH, EFFICIENT], ids=lambda k: k.name)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2)])
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
 def test_cuda_kernel_blocks_merge_exactly(kernel, causal, heads, head_dim):
     """The ring contract: key blocks run apart, merge by lse, and backwards fed the final out/lse add up."""
+    if kernel is CUDNN and (not _hopper() or head_dim > 128):
+        pytest.skip("cuDNN attention is used on Hopper and newer, head_dim up to 128")
     seq = 512
     half = slice(0, seq // 2), slice(seq // 2, seq)
     q, k, v, dout = random_case(zlib.crc32(repr((causal, heads, head_dim)).encode()), 2, *heads, seq, head_dim)
     exact = sdpa_grads(q, k, v, dout, causal)
-    dtypes = (torch.bfloat16,) if kernel is FLASH else (torch.float32, torch.bfloat16)
+    dtypes = (torch.float32, torch.bfloat16) if kernel is EFFICIENT else (torch.bfloat16,)
     for dtype in dtypes:
         ql, kl, vl, dl = (t.to(dtype) for t in (q, k, v, dout))
         # (query rows, key rows, causal square?) covering the attention matrix once
@@ -120,7 +126,9 @@ def test_cuda_efficient_kernel_takes_any_mask_and_empty_rows(dtype):
 
 def test_cuda_kernel_choice():
     x = torch.randn(1, 2, 8, 64, device="cuda")
-    assert select_kernel(x.bfloat16(), x.bfloat16(), x.bfloat16()).name == "torch_cuda_flash"
+    half = "torch_cudnn" if _hopper() else "torch_cuda_flash"
+    assert select_kernel(x.bfloat16(), x.bfloat16(), x.bfloat16()).name == half
+    assert select_kernel(*(torch.randn(1, 2, 8, 256, device="cuda").bfloat16(),) * 3).name == "torch_cuda_flash"
     assert select_kernel(x, x, x).name == "torch_cuda_efficient"
     mask = torch.ones(1, 1, 8, 8, dtype=torch.bool, device="cuda")
     assert select_kernel(x.bfloat16(), x.bfloat16(), x.bfloat16(), mask=mask).name == "torch_cuda_efficient"

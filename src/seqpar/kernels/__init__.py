@@ -13,7 +13,7 @@ from seqpar.errors import SeqparInputError
 from seqpar.kernels.base import AttentionKernel
 from seqpar.kernels.reference import ReferenceKernel
 from seqpar.kernels.torch_cpu import TorchCPUFlashKernel
-from seqpar.kernels.torch_cuda import TorchCUDAEfficientKernel, TorchCUDAFlashKernel
+from seqpar.kernels.torch_cuda import TorchCUDAEfficientKernel, TorchCUDAFlashKernel, TorchCuDNNKernel
 
 __all__ = [
     "KERNELS",
@@ -22,6 +22,7 @@ __all__ = [
     "TorchCPUFlashKernel",
     "TorchCUDAEfficientKernel",
     "TorchCUDAFlashKernel",
+    "TorchCuDNNKernel",
     "select_kernel",
 ]
 
@@ -29,6 +30,7 @@ _log = logging.getLogger("seqpar")
 
 # In order of preference for "auto"; the reference kernel runs anywhere and comes last.
 KERNELS: tuple[AttentionKernel, ...] = (
+    TorchCuDNNKernel(),
     TorchCUDAFlashKernel(),
     TorchCUDAEfficientKernel(),
     TorchCPUFlashKernel(),

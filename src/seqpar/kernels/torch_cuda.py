@@ -1,6 +1,6 @@
-"""PyTorch's fused CUDA attention ops (flash and memory-efficient) behind the seqpar kernel contract.
+"""PyTorch's fused CUDA attention ops (cuDNN, flash, memory-efficient) behind the seqpar kernel contract.
 
-Both return the log-sum-exp and have a backward that accepts the caller's out and lse, so blocks merge exactly.
+All return the log-sum-exp and have a backward that accepts the caller's out and lse, so blocks merge exactly.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 
 from seqpar.kernels.base import AttentionKernel, additive_mask, mark_empty_rows, unmark_empty_rows
 
-__all__ = ["TorchCUDAEfficientKernel", "TorchCUDAFlashKernel"]
+__all__ = ["TorchCUDAEfficientKernel", "TorchCUDAFlashKernel", "TorchCuDNNKernel"]
 
 _LSE_ALIGN = 32  # the memory-efficient op pads its log-sum-exp rows to a multiple of this
 _BIAS_ALIGN = 16  # and wants the additive mask's row stride to be a multiple of this
@@ -88,6 +88,63 @@ class TorchCUDAFlashKernel(AttentionKernel):
             causal,
             unused,
             unused,
+            scale=scale,
+        )
+        return dq, _reduce_kv(dk, kv_heads), _reduce_kv(dv, kv_heads)
+
+
+class TorchCuDNNKernel(AttentionKernel):
+    """``aten._scaled_dot_product_cudnn_attention`` (cuDNN's fused attention) and its backward.
+
+    Preferred on Hopper and newer, where it is the fastest of PyTorch's ops; fp16/bf16, head_dim a multiple of
+    8 up to 128, no masks.
+    """
+
+    name = "torch_cudnn"
+    takes_masks = False
+
+    def unsupported_reason(self, q, k, v, mask):
+        reason = _cuda_reason(q, "_scaled_dot_product_cudnn_attention_backward")
+        if reason is not None:
+            return reason
+        if not torch.backends.cudnn.is_available():
+            return "cuDNN is not available"
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            return f"it supports float16 and bfloat16, not {q.dtype}"
+        if q.shape[-1] % 8 or q.shape[-1] > 128:
+            return f"head_dim must be a multiple of 8 up to 128, not {q.shape[-1]}"
+        if mask is not None:
+            return "it takes no mask"
+        if torch.cuda.get_device_capability(q.device) < (9, 0):
+            return "it is preferred on compute capability 9.0 or newer only"
+        return None
+
+    def forward(self, q, k, v, *, causal, scale, mask=None):
+        heads = q.shape[1]
+        result = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, _expand_kv(k, heads), _expand_kv(v, heads), None, True, 0.0, causal, False, scale=scale
+        )
+        return result[0], result[1].reshape(q.shape[:3])  # cuDNN's statistics come as [B, H, Sq, 1]
+
+    def backward(self, dout, q, k, v, out, lse, *, causal, scale, mask=None):
+        heads, kv_heads = q.shape[1], k.shape[1]
+        unused = torch.zeros((), dtype=torch.int64, device=q.device)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            _heads_inner(dout.to(q.dtype)),
+            q,
+            _expand_kv(k, heads),
+            _expand_kv(v, heads),
+            _heads_inner(out.to(q.dtype)),
+            lse.reshape(*lse.shape, 1).contiguous(),
+            unused,
+            unused,
+            None,
+            None,
+            None,
+            q.shape[2],
+            k.shape[2],
+            0.0,
+            causal,
             scale=scale,
         )
         return dq, _reduce_kv(dk, kv_heads), _reduce_kv(dv, kv_heads)
