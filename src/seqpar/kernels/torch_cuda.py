@@ -129,12 +129,14 @@ class TorchCuDNNKernel(AttentionKernel):
     def backward(self, dout, q, k, v, out, lse, *, causal, scale, mask=None):
         heads, kv_heads = q.shape[1], k.shape[1]
         unused = torch.zeros((), dtype=torch.int64, device=q.device)
+        # every operand [B, H, S, D]-contiguous, the layout of the op's own output (a [B, S, H, D] out/dout
+        # gave wrong dq in one case on an H200 with PyTorch 2.11)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            _heads_inner(dout.to(q.dtype)),
-            q,
-            _expand_kv(k, heads),
-            _expand_kv(v, heads),
-            _heads_inner(out.to(q.dtype)),
+            dout.to(q.dtype).contiguous(),
+            q.contiguous(),
+            _expand_kv(k, heads).contiguous(),
+            _expand_kv(v, heads).contiguous(),
+            out.to(q.dtype).contiguous(),
             lse.reshape(*lse.shape, 1).contiguous(),
             unused,
             unused,
