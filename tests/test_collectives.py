@@ -5,6 +5,7 @@ A change that adds a hidden gather or an extra ring hop fails here.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import torch
@@ -27,10 +28,11 @@ def _count(fn) -> Counter:
     return counts
 
 
-def expected(strategy: str, size: int, check_inputs: bool) -> Counter:
+def expected(strategy: str, size: int, check_inputs: bool, kv_heads: int) -> Counter:
     check = Counter(allgather=1) if check_inputs else Counter()
     if strategy == "ulysses":  # q, k, v and out forward; dout, dq, dk, dv backward
-        return check + Counter(alltoall=8)
+        groups = kv_heads // size  # head groups re-exchange q, k, v and out backward (Note [ulysses memory])
+        return check + Counter(alltoall=8 if groups == 1 else 12 * groups)
     if strategy == "allgather":  # K/V gathered forward and again backward; dK/dV reduce-scattered
         return check + Counter(allgather=2, reduce_scatter=1)
     # ring: K and V hop P-1 times forward and backward; dK and dV hop P times
@@ -40,19 +42,20 @@ def expected(strategy: str, size: int, check_inputs: bool) -> Counter:
 
 def _count_worker(rank, world_size):
     mesh = seqpar.make_mesh()
-    for strategy in ("ulysses", "ring", "allgather"):
-        for check_inputs in (True, False):
-            q = torch.randn(1, 6, 12, 16, requires_grad=True)
-            k = torch.randn(1, 3, 12, 16, requires_grad=True)
-            v = torch.randn(1, 3, 12, 16, requires_grad=True)
+    runs = [("ulysses", 3), ("ulysses", 6), ("ring", 3), ("allgather", 3)]
+    for (strategy, kv_heads), check_inputs in itertools.product(runs, (True, False)):
+        q = torch.randn(1, 6, 12, 16, requires_grad=True)
+        k = torch.randn(1, kv_heads, 12, 16, requires_grad=True)
+        v = torch.randn(1, kv_heads, 12, 16, requires_grad=True)
 
-            def step(q=q, k=k, v=v, strategy=strategy, check_inputs=check_inputs):
-                out = seqpar.attention(q, k, v, mesh=mesh, strategy=strategy, check_inputs=check_inputs)
-                out.sum().backward()
+        def step(q=q, k=k, v=v, strategy=strategy, check_inputs=check_inputs):
+            out = seqpar.attention(q, k, v, mesh=mesh, strategy=strategy, check_inputs=check_inputs)
+            out.sum().backward()
 
-            got = _count(step)
-            want = expected(strategy, world_size, check_inputs)
-            assert got == want, f"{strategy} check_inputs={check_inputs} on {world_size} ranks: {got} != {want}"
+        got = _count(step)
+        want = expected(strategy, world_size, check_inputs, kv_heads)
+        what = f"{strategy} kv_heads={kv_heads} check_inputs={check_inputs} on {world_size} ranks"
+        assert got == want, f"{what}: {got} != {want}"
 
 
 def test_collective_counts_three_ranks():

@@ -50,6 +50,8 @@ def expected_bytes(strategy: str, cfg: dict) -> float:
 
     check = (p - 1) * _SIGNATURE_BYTES
     if strategy == "ulysses":  # q, k, v, out forward; dout, dq, dk, dv backward: (P-1)/P of each leaves
+        if kv_bytes(p) // (s * d * e) > p:  # head groups (Note [ulysses memory]): q, k, v, out again backward
+            return check + (p - 1) / p * (6 * q_bytes + 6 * kv_bytes(p))
         return check + (p - 1) / p * (4 * q_bytes + 4 * kv_bytes(p))
     if strategy == "ring":  # K, V: P-1 hops forward and backward; dK, dV (fp32): P hops
         return check + (p - 1) * 4 * kv_bytes(1) + p * 2 * kv_bytes(1)

@@ -3,7 +3,7 @@
 All take an explicit process group.
 """
 
-from seqpar.comm.all_to_all import head_to_seq_shards, seq_to_head_shards
+from seqpar.comm.all_to_all import head_group_to_seq, head_to_seq_shards, seq_to_head_group, seq_to_head_shards
 from seqpar.comm.collectives import all_gather_first_dim, collective_device, reduce_scatter_first_dim
 from seqpar.comm.ring import RingExchange
 
@@ -11,7 +11,9 @@ __all__ = [
     "RingExchange",
     "all_gather_first_dim",
     "collective_device",
+    "head_group_to_seq",
     "head_to_seq_shards",
     "reduce_scatter_first_dim",
+    "seq_to_head_group",
     "seq_to_head_shards",
 ]

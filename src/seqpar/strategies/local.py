@@ -11,23 +11,57 @@ import torch
 from seqpar.kernels import AttentionKernel
 from seqpar.masking import SequenceMask
 from seqpar.merge import new_accumulator
-from seqpar.strategies._blocks import blocks_backward, blocks_forward, is_whole, plan
+from seqpar.strategies._blocks import Block, blocks_backward, blocks_forward, is_whole, plan
 
-__all__ = ["local_attention"]
+__all__ = ["local_attention", "local_backward", "local_forward", "local_plan"]
 
 # Chunks the whole sequence is cut into for planning masked tiles (the tile size caps the work per call).
 _PLAN_CHUNKS = 8
 
 
+def local_plan(seq: int, causal: bool, mask: SequenceMask | None, device: torch.device) -> list[Block]:
+    """The kernel calls for a whole sequence of ``seq`` tokens: one call, or masked tiles (Note [masked tiles])."""
+    chunks = _PLAN_CHUNKS if mask is not None and not mask.trivial and seq % _PLAN_CHUNKS == 0 else 1
+    ids = range(chunks)
+    return plan(ids, ids, seq // chunks, causal, mask, device)
+
+
+def local_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[Block], scale: float, kernel: AttentionKernel
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of ``blocks`` over the whole local sequence: out in ``q``'s dtype, lse float32."""
+    if is_whole(blocks, q, k):  # one kernel call: its own (out, lse) are the result
+        return kernel.forward(q, k, v, causal=blocks[0].causal, scale=scale)
+    out, lse = new_accumulator(q)  # [B, H, S, D], [B, H, S] float32
+    blocks_forward(kernel, q, k, v, blocks, scale, out, lse)
+    return out.to(q.dtype), lse
+
+
+def local_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    blocks: list[Block],
+    scale: float,
+    kernel: AttentionKernel,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of ``local_forward``, in the inputs' dtypes, given its final out and lse."""
+    if is_whole(blocks, q, k):
+        return kernel.backward(dout, q, k, v, out, lse, causal=blocks[0].causal, scale=scale)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    blocks_backward(kernel, dout, q, k, v, out, lse, blocks, scale, dq, dk, dv)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
 class _LocalAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, blocks, scale, kernel):
-        if is_whole(blocks, q, k):  # one kernel call: its own (out, lse) are the result
-            out, lse = kernel.forward(q, k, v, causal=blocks[0].causal, scale=scale)
-        else:
-            out, lse = new_accumulator(q)  # [B, H, S, D], [B, H, S] float32
-            blocks_forward(kernel, q, k, v, blocks, scale, out, lse)
-            out = out.to(q.dtype)
+        out, lse = local_forward(q, k, v, blocks, scale, kernel)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (blocks, scale, kernel)
         return out
@@ -35,16 +69,8 @@ class _LocalAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        blocks, scale, kernel = ctx.args
-        dout = dout.contiguous()
-        if is_whole(blocks, q, k):
-            dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal=blocks[0].causal, scale=scale)
-            return dq, dk, dv, None, None, None
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-        blocks_backward(kernel, dout, q, k, v, out, lse, blocks, scale, dq, dk, dv)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        grads = local_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
+        return *grads, None, None, None
 
 
 def local_attention(
@@ -62,7 +88,4 @@ def local_attention(
     The sequence is whole and in global order; ``mask`` adds packed documents and a sliding window.
     Without one, the plan is a single kernel call over everything (Note [block plan]).
     """
-    seq = q.shape[2]
-    chunks = _PLAN_CHUNKS if mask is not None and not mask.trivial and seq % _PLAN_CHUNKS == 0 else 1
-    ids = range(chunks)
-    return _LocalAttention.apply(q, k, v, plan(ids, ids, seq // chunks, causal, mask, q.device), scale, kernel)
+    return _LocalAttention.apply(q, k, v, local_plan(q.shape[2], causal, mask, q.device), scale, kernel)

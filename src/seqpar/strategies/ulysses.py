@@ -8,6 +8,18 @@ Note [ulysses heads]
     is repeated P/Hkv times before the exchange so that rank p gets exactly the one KV head its query heads
     read; autograd sums the repeated gradients back. The layout only changes the chunk order of the
     exchange, so the local attention always sees the sequence in global order.
+
+Note [ulysses memory]
+    Exchanging all heads at once puts whole-sequence q, k, v, out and, in the backward, dout and three
+    gradients of H/P heads on each rank next to the shards: at P = 2 that is as much as one process
+    attending alone. With more than one KV head per rank after the exchange, the heads go instead in
+    groups of one KV head per rank (and its query heads; Note [ulysses head groups]): each group is
+    exchanged, attended and sent home before the next, and the backward exchanges q, k, v and out again
+    rather than keeping their head-sharded copies from the forward. Between forward and backward only the
+    shards (kept by the caller anyway), out and the log-sum-exp are held; the step's peak grows by one
+    group's tensors instead of all heads'. The price is the re-exchange: 6 tensors' worth of all-to-all
+    volume per step instead of 4. (Tiling over heads to save memory is also done by Arctic Long Sequence
+    Training, Bekman et al. 2025.)
 """
 
 from __future__ import annotations
@@ -15,11 +27,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from seqpar.comm import head_to_seq_shards, seq_to_head_shards
+from seqpar.comm import head_group_to_seq, head_to_seq_shards, seq_to_head_group, seq_to_head_shards
 from seqpar.kernels import AttentionKernel
 from seqpar.layout import natural_order_index, owner_order_index
 from seqpar.masking import SequenceMask
-from seqpar.strategies.local import local_attention
+from seqpar.strategies._blocks import Block
+from seqpar.strategies.local import local_attention, local_backward, local_forward, local_plan
 
 __all__ = ["ulysses_attention"]
 
@@ -55,6 +68,41 @@ def ulysses_attention(
         v = v.repeat_interleave(size // kv_heads, dim=1)
     to_natural = natural_order_index(layout, size, q.device)
     to_owner = owner_order_index(layout, size, q.device)
+    groups = k.shape[1] // size  # one KV head per rank in each group (Note [ulysses memory])
+    if groups > 1:
+        blocks = local_plan(q.shape[2] * size, causal, mask, q.device)
+        return _GroupedUlysses.apply(q, k, v, group, to_natural, to_owner, groups, blocks, scale, kernel)
     qh, kh, vh = (seq_to_head_shards(t, group, to_natural, to_owner) for t in (q, k, v))  # [B, H/P, S, D]
     out = local_attention(qh, kh, vh, causal=causal, scale=scale, kernel=kernel, mask=mask)
     return head_to_seq_shards(out, group, to_natural, to_owner)
+
+
+class _GroupedUlysses(torch.autograd.Function):
+    """Ulysses attention a head group at a time, re-exchanging q, k, v and out in the backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, to_natural, to_owner, groups: int, blocks: list[Block], scale, kernel):
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [B, H, S/P, D], filled a group at a time
+        lses = []
+        for part in range(groups):
+            qh, kh, vh = seq_to_head_group((q, k, v), group, to_natural, part, groups)
+            out_h, lse = local_forward(qh, kh, vh, blocks, scale, kernel)  # [B, H/(P*G), S, D], [B, H/(P*G), S]
+            del qh, kh, vh
+            head_group_to_seq((out_h,), group, to_owner, (out,), part, groups)
+            lses.append(lse)
+        ctx.save_for_backward(q, k, v, out, *lses)
+        ctx.args = (group, to_natural, to_owner, groups, blocks, scale, kernel)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, *lses = ctx.saved_tensors
+        group, to_natural, to_owner, groups, blocks, scale, kernel = ctx.args
+        grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+        for part in range(groups):
+            qh, kh, vh, out_h, dout_h = seq_to_head_group((q, k, v, out, dout), group, to_natural, part, groups)
+            grads_h = local_backward(dout_h, qh, kh, vh, out_h, lses[part], blocks, scale, kernel)
+            del qh, kh, vh, out_h, dout_h
+            head_group_to_seq(grads_h, group, to_owner, grads, part, groups)
+            del grads_h
+        return *grads, None, None, None, None, None, None, None
