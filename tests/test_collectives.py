@@ -31,7 +31,7 @@ def _count(fn) -> Counter:
 def expected(strategy: str, size: int, check_inputs: bool, kv_heads: int) -> Counter:
     check = Counter(allgather=1) if check_inputs else Counter()
     if strategy == "ulysses":  # q, k, v and out forward; dout, dq, dk, dv backward
-        groups = kv_heads // size  # head groups re-exchange q, k, v and out backward (Note [ulysses memory])
+        groups = kv_heads // size  # per head group: q, k, v, out forward; q, k, v, out, dout, dq, dk, dv backward
         return check + Counter(alltoall=8 if groups == 1 else 12 * groups)
     if strategy == "allgather":  # K/V gathered forward and again backward; dK/dV reduce-scattered
         return check + Counter(allgather=2, reduce_scatter=1)

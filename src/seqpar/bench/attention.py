@@ -8,8 +8,12 @@ Run it on an otherwise idle machine (each rank gets one thread; the single proce
 Each configuration runs in fresh processes: first one process on the whole sequence (the reference, whose
 outputs and gradients are saved), then the sequence-parallel ranks, which check their outputs and
 gradients against the reference before they are timed. Speed-up = single step time / slowest rank's step
-time. Memory = growth of the resident-set peak (VmHWM) during one step, inputs already allocated, with
-large allocations served by mmap so that freed memory leaves the resident set at once.
+time. Memory = growth of the resident-set peak (VmHWM) during one step, inputs already allocated.
+
+Time and memory come from separate processes. For memory, glibc serves every large allocation by mmap
+(MALLOC_MMAP_THRESHOLD_), so that freed memory leaves the resident set at once and the peak tracks live
+tensors; that makes each new tensor pay for its page faults, which the normal allocator (reusing freed
+heap) does not, so the timing processes run with the normal allocator.
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ def _measure(fn, q, k, v, dout, repeats: int, sync) -> tuple[float, float]:
 
 
 def _single(cfg: dict, ref_path: str, result_path: str) -> None:
+    """One process on the whole sequence: saves the reference (time run) and writes seconds or growth."""
     torch.set_num_threads(1)
     n_chunks = 2 * cfg["ranks"]
     (q, k, v), dout = _inputs(cfg, range(n_chunks), n_chunks)
@@ -79,9 +84,10 @@ def _single(cfg: dict, ref_path: str, result_path: str) -> None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     out, _ = _step(fn, q, k, v, dout)  # warm-up; its results are the reference
-    torch.save({"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}, ref_path)
+    if not cfg["memory"]:
+        torch.save({"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}, ref_path)
     del out
-    seconds, growth = _measure(fn, q, k, v, dout, cfg["repeats"], lambda: None)
+    seconds, growth = _measure(fn, q, k, v, dout, 1 if cfg["memory"] else cfg["repeats"], lambda: None)
     with open(result_path, "w") as f:
         json.dump({"seconds": seconds, "growth_mb": growth}, f)
 
@@ -117,7 +123,7 @@ def _parallel(rank: int, cfg: dict, store: str, ref_path: str, result_path: str)
             msg=lambda m, n=name: f"{cfg['strategy']} rank {rank} {n}: {m}",
         )
     del ref, out
-    seconds, growth = _measure(fn, q, k, v, dout, cfg["repeats"], dist.barrier)
+    seconds, growth = _measure(fn, q, k, v, dout, 1 if cfg["memory"] else cfg["repeats"], dist.barrier)
     write_slowest(result_path, seconds, growth)
     dist.barrier()
     dist.destroy_process_group()
@@ -134,8 +140,24 @@ def write_slowest(path: str, seconds: float, growth_mb: float, **extra) -> None:
             json.dump({**worst, **extra}, f)
 
 
-def _run(target, args, nprocs: int) -> None:
-    mp.start_processes(target, args=args, nprocs=nprocs, start_method="spawn")
+def _run(target, args, nprocs: int, memory: bool) -> None:
+    """Spawn ``nprocs`` processes; for memory runs with large allocations served by mmap (module docstring)."""
+    if memory:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by glibc in the spawned processes
+    try:
+        mp.start_processes(target, args=args, nprocs=nprocs, start_method="spawn")
+    finally:
+        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+
+
+def _run_both(target, args_for, nprocs: int, path: str) -> dict:
+    """Time run, then memory run, of the same configuration: seconds from the first, growth from the second."""
+    results = {}
+    for memory in (False, True):
+        _run(target, args_for(memory), nprocs, memory)
+        with open(path) as f:
+            results["growth_mb" if memory else "seconds"] = json.load(f)["growth_mb" if memory else "seconds"]
+    return results
 
 
 def _single_entry(_rank: int, *args) -> None:
@@ -154,9 +176,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="timed steps per configuration (median)")
     parser.add_argument("--json", help="also write the table as JSON here")
     args = parser.parse_args(argv)
-    # Serve every large allocation by mmap and return it on free, so that the resident-set peak tracks
-    # live tensors instead of what glibc's heap kept from an earlier step. Read by the spawned processes.
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -169,15 +188,19 @@ def main(argv: list[str] | None = None) -> int:
                 "repeats": args.repeats,
             }
             ref_path, single_path = os.path.join(tmp, "ref.pt"), os.path.join(tmp, "single.json")
-            _run(_single_entry, (base, ref_path, single_path), 1)
-            with open(single_path) as f:
-                single = json.load(f)
+
+            def single_args(memory, base=base, ref_path=ref_path, single_path=single_path):
+                return ({**base, "memory": memory}, ref_path, single_path)
+
+            single = _run_both(_single_entry, single_args, 1, single_path)
             for strategy in args.strategies:
-                cfg = {**base, "strategy": strategy}
-                store, par_path = os.path.join(tmp, f"store-{seq}-{strategy}"), os.path.join(tmp, "par.json")
-                _run(_parallel, (cfg, store, ref_path, par_path), args.ranks)
-                with open(par_path) as f:
-                    par = json.load(f)
+                par_path = os.path.join(tmp, "par.json")
+
+                def par_args(memory, strategy=strategy, base=base, ref_path=ref_path, par_path=par_path):
+                    store = os.path.join(tmp, f"store-{base['seq']}-{strategy}-{memory}")
+                    return ({**base, "strategy": strategy, "memory": memory}, store, ref_path, par_path)
+
+                par = _run_both(_parallel, par_args, args.ranks, par_path)
                 rows.append(
                     {
                         "seq": seq,

@@ -12,8 +12,8 @@ Note [ulysses all-to-all]
 Note [ulysses head groups]
     ``seq_to_head_group`` / ``head_group_to_seq`` move one slice of heads at a time: part j of ``parts``
     takes heads ``j*h .. (j+1)*h - 1`` (h = H/(P*parts)) of every rank's block of H/P heads, so running all
-    parts gives each rank exactly the heads of the whole exchange, a slice at a time. They are plain
-    functions (no autograd): the grouped Ulysses attention calls them inside its own forward and backward.
+    parts gives each rank exactly the heads of the whole exchange, a slice at a time. Each tensor has its
+    own all-to-all, so that only one tensor's send and receive buffers exist at a time.
 """
 
 from __future__ import annotations
@@ -24,33 +24,20 @@ import torch.distributed as dist
 __all__ = ["head_group_to_seq", "head_to_seq_shards", "seq_to_head_group", "seq_to_head_shards"]
 
 
-def _seq_to_head(x: torch.Tensor, group, to_natural: torch.Tensor, part: int = 0, parts: int = 1) -> torch.Tensor:
-    """``[B, H, S/P, D]`` -> ``[B, H/P, S, D]``; with ``parts`` > 1 only head slice ``part`` of every rank's
-    block moves (``[B, H/(P*parts), S, D]``, Note [ulysses head groups])."""
+def _seq_to_head(x: torch.Tensor, group, to_natural: torch.Tensor) -> torch.Tensor:
     size = dist.get_world_size(group)
     b, h, s_local, d = x.shape
     n_chunks = to_natural.numel()
     k = n_chunks // size
     c = s_local // k
-    h_part = h // size // parts
-    mine = x.reshape(b, size, h // size, k, c, d)[:, :, part * h_part : (part + 1) * h_part]
-    send = mine.permute(1, 3, 0, 2, 4, 5).contiguous()  # [P, k, B, h, C, D]
+    send = x.reshape(b, size, h // size, k, c, d).permute(1, 3, 0, 2, 4, 5).contiguous()  # [P, k, B, h, C, D]
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)  # recv[p] = rank p's chunks of my heads
-    full = recv.view(n_chunks, b, h_part, c, d).permute(1, 2, 0, 3, 4).index_select(2, to_natural)
-    return full.view(b, h_part, n_chunks * c, d)  # [B, H/P, S, D]
+    full = recv.view(n_chunks, b, h // size, c, d).permute(1, 2, 0, 3, 4).index_select(2, to_natural)
+    return full.view(b, h // size, n_chunks * c, d)  # [B, H/P, S, D]
 
 
-def _head_to_seq(
-    y: torch.Tensor,
-    group,
-    to_owner: torch.Tensor,
-    into: torch.Tensor | None = None,
-    part: int = 0,
-    parts: int = 1,
-) -> torch.Tensor:
-    """``[B, H/P, S, D]`` -> ``[B, H, S/P, D]``; with ``into`` (a contiguous ``[B, H, S/P, D]``) the result
-    is written into head slice ``part`` of ``parts`` of every rank's block there instead."""
+def _head_to_seq(y: torch.Tensor, group, to_owner: torch.Tensor) -> torch.Tensor:
     size = dist.get_world_size(group)
     b, h_local, s, d = y.shape
     n_chunks = to_owner.numel()
@@ -59,13 +46,8 @@ def _head_to_seq(
     send = y.reshape(b, h_local, n_chunks, c, d).permute(2, 0, 1, 3, 4).index_select(0, to_owner)  # [P*k, B, h, C, D]
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)  # recv[p] = my chunks of rank p's heads
-    del send
     local = recv.view(size, k, b, h_local, c, d).permute(2, 0, 3, 1, 4, 5)  # [B, P, h, k, C, D]
-    if into is None:
-        return local.reshape(b, size * h_local, k * c, d)  # [B, H, S/P, D]
-    block = into.view(b, size, h_local * parts, k, c, d)
-    block[:, :, part * h_local : (part + 1) * h_local].copy_(local)
-    return into
+    return local.reshape(b, size * h_local, k * c, d)  # [B, H, S/P, D]
 
 
 class _SeqToHead(torch.autograd.Function):
@@ -121,23 +103,47 @@ def seq_to_head_group(
         group: the all-to-all group (size P).
         to_natural: chunk index turning rank-major chunks into sequence order (length P*k).
         part, parts: which slice of each rank's heads (Note [ulysses head groups]).
+
+    Returns:
+        The slice's heads for the whole sequence, in global order.
     """
-    return _seq_to_head(x, group, to_natural, part, parts)
+    size = dist.get_world_size(group)
+    b, h, s_local, d = x.shape
+    n_chunks = to_natural.numel()
+    k = n_chunks // size
+    c = s_local // k
+    h_part = h // (size * parts)
+    mine = x.reshape(b, size, h // size, k, c, d)[:, :, part * h_part : (part + 1) * h_part]
+    send = mine.permute(1, 3, 0, 2, 4, 5).contiguous()  # [P, k, B, h, C, D]
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # recv[p] = rank p's chunks of my heads
+    del send
+    full = recv.view(n_chunks, b, h_part, c, d).permute(1, 2, 0, 3, 4).index_select(2, to_natural)
+    return full.view(b, h_part, n_chunks * c, d)
 
 
 def head_group_to_seq(
     y: torch.Tensor, group: dist.ProcessGroup, to_owner: torch.Tensor, into: torch.Tensor, part: int, parts: int
-) -> torch.Tensor:
-    """Write head slice ``part`` of ``parts`` back into the sequence shard ``into`` (no autograd).
+) -> None:
+    """Write ``y``, head slice ``part`` of ``parts``, back into the sequence shard ``into`` (no autograd).
+
+    The inverse of ``seq_to_head_group``.
 
     Args:
-        y: ``[B, H/(P*parts), S, D]``, this rank's slice of heads for the whole sequence.
+        y: ``[B, h, S, D]``, this rank's slice of heads for the whole sequence.
         group: the all-to-all group (size P).
         to_owner: chunk index from sequence order to rank-major order.
-        into: contiguous ``[B, H, S/P, D]`` receiving the slice (Note [ulysses head groups]).
-        part, parts: which slice of each rank's heads.
-
-    Returns:
-        ``into``.
+        into: contiguous ``[B, h * P * parts, S/P, D]`` shard receiving the slice.
+        part, parts: which slice of each rank's heads (Note [ulysses head groups]).
     """
-    return _head_to_seq(y, group, to_owner, into, part, parts)
+    size = dist.get_world_size(group)
+    b, h, s, d = y.shape
+    n_chunks = to_owner.numel()
+    k = n_chunks // size
+    c = s // n_chunks
+    send = y.reshape(b, h, n_chunks, c, d).permute(2, 0, 1, 3, 4).index_select(0, to_owner)  # [P*k, B, h, C, D]
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # recv[p] = my chunks of rank p's heads
+    del send
+    got = recv.view(size, k, b, h, c, d).permute(2, 0, 3, 1, 4, 5)  # [B, P, h, k, C, D]
+    into.view(b, size, h * parts, k, c, d)[:, :, part * h : (part + 1) * h].copy_(got)

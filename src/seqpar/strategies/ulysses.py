@@ -18,7 +18,8 @@ Note [ulysses memory]
     rather than keeping their head-sharded copies from the forward. Between forward and backward only the
     shards (kept by the caller anyway), out and the log-sum-exp are held; the step's peak grows by one
     group's tensors instead of all heads'. The price is the re-exchange: 6 tensors' worth of all-to-all
-    volume per step instead of 4. (Tiling over heads to save memory is also done by Arctic Long Sequence
+    volume per step instead of 4, one all-to-all per tensor and group.
+    (Tiling over heads to save memory is also done by Arctic Long Sequence
     Training, Bekman et al. 2025.)
 """
 
@@ -85,10 +86,11 @@ class _GroupedUlysses(torch.autograd.Function):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [B, H, S/P, D], filled a group at a time
         lses = []
         for part in range(groups):
-            qh, kh, vh = seq_to_head_group((q, k, v), group, to_natural, part, groups)
+            qh, kh, vh = (seq_to_head_group(t, group, to_natural, part, groups) for t in (q, k, v))
             out_h, lse = local_forward(qh, kh, vh, blocks, scale, kernel)  # [B, H/(P*G), S, D], [B, H/(P*G), S]
             del qh, kh, vh
-            head_group_to_seq((out_h,), group, to_owner, (out,), part, groups)
+            head_group_to_seq(out_h, group, to_owner, out, part, groups)
+            del out_h
             lses.append(lse)
         ctx.save_for_backward(q, k, v, out, *lses)
         ctx.args = (group, to_natural, to_owner, groups, blocks, scale, kernel)
@@ -98,11 +100,14 @@ class _GroupedUlysses(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, *lses = ctx.saved_tensors
         group, to_natural, to_owner, groups, blocks, scale, kernel = ctx.args
-        grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+        grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
+        dout = dout.contiguous()
         for part in range(groups):
-            qh, kh, vh, out_h, dout_h = seq_to_head_group((q, k, v, out, dout), group, to_natural, part, groups)
-            grads_h = local_backward(dout_h, qh, kh, vh, out_h, lses[part], blocks, scale, kernel)
+            qh, kh, vh, out_h, dout_h = (
+                seq_to_head_group(t, group, to_natural, part, groups) for t in (q, k, v, out, dout)
+            )
+            grads_h = list(local_backward(dout_h, qh, kh, vh, out_h, lses[part], blocks, scale, kernel))
             del qh, kh, vh, out_h, dout_h
-            head_group_to_seq(grads_h, group, to_owner, grads, part, groups)
-            del grads_h
+            for into in grads:
+                head_group_to_seq(grads_h.pop(0), group, to_owner, into, part, groups)
         return *grads, None, None, None, None, None, None, None
