@@ -25,29 +25,14 @@ __all__ = ["head_group_to_seq", "head_to_seq_shards", "seq_to_head_group", "seq_
 
 
 def _seq_to_head(x: torch.Tensor, group, to_natural: torch.Tensor) -> torch.Tensor:
-    size = dist.get_world_size(group)
-    b, h, s_local, d = x.shape
-    n_chunks = to_natural.numel()
-    k = n_chunks // size
-    c = s_local // k
-    send = x.reshape(b, size, h // size, k, c, d).permute(1, 3, 0, 2, 4, 5).contiguous()  # [P, k, B, h, C, D]
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)  # recv[p] = rank p's chunks of my heads
-    full = recv.view(n_chunks, b, h // size, c, d).permute(1, 2, 0, 3, 4).index_select(2, to_natural)
-    return full.view(b, h // size, n_chunks * c, d)  # [B, H/P, S, D]
+    return seq_to_head_group(x, group, to_natural, 0, 1)  # [B, H/P, S, D]
 
 
 def _head_to_seq(y: torch.Tensor, group, to_owner: torch.Tensor) -> torch.Tensor:
-    size = dist.get_world_size(group)
     b, h_local, s, d = y.shape
-    n_chunks = to_owner.numel()
-    k = n_chunks // size
-    c = s // n_chunks
-    send = y.reshape(b, h_local, n_chunks, c, d).permute(2, 0, 1, 3, 4).index_select(0, to_owner)  # [P*k, B, h, C, D]
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)  # recv[p] = my chunks of rank p's heads
-    local = recv.view(size, k, b, h_local, c, d).permute(2, 0, 3, 1, 4, 5)  # [B, P, h, k, C, D]
-    return local.reshape(b, size * h_local, k * c, d)  # [B, H, S/P, D]
+    size = dist.get_world_size(group)
+    into = torch.empty((b, size * h_local, s // size, d), dtype=y.dtype, device=y.device)
+    return head_group_to_seq(y, group, to_owner, into, 0, 1)  # [B, H, S/P, D]
 
 
 class _SeqToHead(torch.autograd.Function):
@@ -124,7 +109,7 @@ def seq_to_head_group(
 
 def head_group_to_seq(
     y: torch.Tensor, group: dist.ProcessGroup, to_owner: torch.Tensor, into: torch.Tensor, part: int, parts: int
-) -> None:
+) -> torch.Tensor:
     """Write ``y``, head slice ``part`` of ``parts``, back into the sequence shard ``into`` (no autograd).
 
     The inverse of ``seq_to_head_group``.
@@ -135,6 +120,9 @@ def head_group_to_seq(
         to_owner: chunk index from sequence order to rank-major order.
         into: contiguous ``[B, h * P * parts, S/P, D]`` shard receiving the slice.
         part, parts: which slice of each rank's heads (Note [ulysses head groups]).
+
+    Returns:
+        ``into``.
     """
     size = dist.get_world_size(group)
     b, h, s, d = y.shape
@@ -147,3 +135,4 @@ def head_group_to_seq(
     del send
     got = recv.view(size, k, b, h, c, d).permute(2, 0, 3, 1, 4, 5)  # [B, P, h, k, C, D]
     into.view(b, size, h * parts, k, c, d)[:, :, part * h : (part + 1) * h].copy_(got)
+    return into

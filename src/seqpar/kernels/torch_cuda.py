@@ -23,6 +23,21 @@ def _cuda_reason(q: torch.Tensor, op: str) -> str | None:
     return None
 
 
+def _half_unmasked_reason(
+    q: torch.Tensor, mask: torch.Tensor | None, max_head_dim: int, min_capability: tuple[int, int]
+) -> str | None:
+    """The checks shared by the fp16/bf16-only, mask-free ops (cuDNN, flash)."""
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"it supports float16 and bfloat16, not {q.dtype}"
+    if q.shape[-1] % 8 or q.shape[-1] > max_head_dim:
+        return f"head_dim must be a multiple of 8 up to {max_head_dim}, not {q.shape[-1]}"
+    if mask is not None:
+        return "it takes no mask"
+    if torch.cuda.get_device_capability(q.device) < min_capability:
+        return f"it is used on GPUs of compute capability {min_capability[0]}.{min_capability[1]} or newer"
+    return None
+
+
 def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
     """``[B, Hkv, S, D]`` -> ``[B, H, S, D]``, query head h reading KV head ``h // (H // Hkv)``."""
     b, kv_heads, s, d = t.shape
@@ -50,17 +65,7 @@ class TorchCUDAFlashKernel(AttentionKernel):
 
     def unsupported_reason(self, q, k, v, mask):
         reason = _cuda_reason(q, "_scaled_dot_product_flash_attention_backward")
-        if reason is not None:
-            return reason
-        if q.dtype not in (torch.float16, torch.bfloat16):
-            return f"it supports float16 and bfloat16, not {q.dtype}"
-        if q.shape[-1] % 8 or q.shape[-1] > 256:
-            return f"head_dim must be a multiple of 8 up to 256, not {q.shape[-1]}"
-        if mask is not None:
-            return "it takes no mask"
-        if torch.cuda.get_device_capability(q.device) < (8, 0):
-            return "it needs a GPU of compute capability 8.0 or newer"
-        return None
+        return reason or _half_unmasked_reason(q, mask, max_head_dim=256, min_capability=(8, 0))
 
     def forward(self, q, k, v, *, causal, scale, mask=None):
         heads = q.shape[1]
@@ -105,19 +110,10 @@ class TorchCuDNNKernel(AttentionKernel):
 
     def unsupported_reason(self, q, k, v, mask):
         reason = _cuda_reason(q, "_scaled_dot_product_cudnn_attention_backward")
-        if reason is not None:
-            return reason
-        if not torch.backends.cudnn.is_available():
-            return "cuDNN is not available"
-        if q.dtype not in (torch.float16, torch.bfloat16):
-            return f"it supports float16 and bfloat16, not {q.dtype}"
-        if q.shape[-1] % 8 or q.shape[-1] > 128:
-            return f"head_dim must be a multiple of 8 up to 128, not {q.shape[-1]}"
-        if mask is not None:
-            return "it takes no mask"
-        if torch.cuda.get_device_capability(q.device) < (9, 0):
-            return "it is preferred on compute capability 9.0 or newer only"
-        return None
+        if reason is None and not torch.backends.cudnn.is_available():
+            reason = "cuDNN is not available"
+        # on older GPUs cuDNN runs too, but flash is the better choice there
+        return reason or _half_unmasked_reason(q, mask, max_head_dim=128, min_capability=(9, 0))
 
     def forward(self, q, k, v, *, causal, scale, mask=None):
         heads = q.shape[1]
