@@ -12,6 +12,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import seqpar
+from seqpar.strategies.ring import _pieces_per_chunk
 from tests._dist import run_ranks
 
 _COLLECTIVES = ("alltoall", "allgather", "reduce_scatter", "send", "recv", "allreduce", "broadcast")
@@ -35,8 +36,10 @@ def expected(strategy: str, size: int, check_inputs: bool, kv_heads: int) -> Cou
         return check + Counter(alltoall=8 if groups == 1 else 12 * groups)
     if strategy == "allgather":  # K/V gathered forward and again backward; dK/dV reduce-scattered
         return check + Counter(allgather=2, reduce_scatter=1)
-    # ring: K and V hop P-1 times forward and backward; dK and dV hop P times
-    hops = 2 * (size - 1) + 2 * (size - 1) + 2 * size
+    # ring: K and V hop P-1 times forward; the backward makes one ring pass per K/V piece, in which K and V
+    # hop P-1 times and dK and dV P times (Note [ring backward]); 12 local tokens = 2 chunks of 6 = 2 pieces
+    pieces = _pieces_per_chunk(12 // 2)
+    hops = 2 * (size - 1) + pieces * (2 * (size - 1) + 2 * size)
     return check + Counter(send=hops, recv=hops)
 
 

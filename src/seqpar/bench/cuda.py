@@ -3,9 +3,9 @@
     seqpar bench cuda [--seqs 16384 65536] [--ranks 1 2 4 8] [--heads 32 --kv-heads 8 --head-dim 128]
 
 One GPU, one process: for each world size P it runs, with seqpar's kernels and block plans, every block a
-zigzag ring rank computes over the P ring steps (forward, merge, backward with the final out/lse), with the
-transfers left out, and times it against one ``F.scaled_dot_product_attention`` call on the whole sequence
-(causal, bf16, forward + backward, CUDA events). The ideal share is 1/P; P=1 is seqpar's kernel on the whole
+zigzag ring rank computes over the P ring steps (forward, merge; backward with the final out/lse in the
+ring's K/V pieces), with the transfers left out, and times it against one ``F.scaled_dot_product_attention``
+call on the whole sequence (causal, bf16, forward + backward, CUDA events). The ideal share is 1/P; P=1 is seqpar's kernel on the whole
 sequence (one block), so it separates the kernel from the cost of splitting into blocks and merging.
 Every rank's output is checked against SDPA before timing.
 """
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from seqpar.kernels import select_kernel
 from seqpar.merge import new_accumulator
 from seqpar.strategies._blocks import blocks_backward, blocks_forward, plan_blocks
+from seqpar.strategies.ring import _piece, _pieces_per_chunk, _split_ids
 
 
 def _time_ms(fn, repeats: int) -> float:
@@ -40,7 +41,8 @@ def _chunks(t: torch.Tensor, ids: tuple[int, ...], size: int) -> torch.Tensor:
 
 
 def _rank_step(q, k, v, dout, ranks: int, rank: int):
-    """All of one zigzag rank's attention work over a full ring pass; returns its (out, dq)."""
+    """All of one zigzag rank's attention work over a full ring pass, as ``ring_attention`` splits it
+    (whole K/V blocks forward, pieces backward: Note [ring backward]); returns (run, chunk ids, chunk, kernel)."""
     chunk = q.shape[2] // (2 * ranks)
     mine = (rank, 2 * ranks - 1 - rank)
     ql, dl = _chunks(q, mine, chunk), _chunks(dout, mine, chunk)
@@ -48,6 +50,9 @@ def _rank_step(q, k, v, dout, ranks: int, rank: int):
     kv = [(ids, _chunks(k, ids, chunk), _chunks(v, ids, chunk)) for ids in held]
     kernel = select_kernel(ql, kv[0][1], kv[0][2])
     scale = q.shape[-1] ** -0.5
+    split = _pieces_per_chunk(chunk) if ranks > 1 else 1  # one rank runs local attention, whole
+    piece = chunk // split
+    q_pieces = _split_ids(mine, split)
 
     def run():
         out, lse = new_accumulator(ql)
@@ -55,11 +60,13 @@ def _rank_step(q, k, v, dout, ranks: int, rank: int):
             blocks_forward(kernel, ql, kl, vl, plan_blocks(mine, ids, chunk, True), scale, out, lse)
         final = out.to(q.dtype)
         dq = torch.zeros_like(ql, dtype=torch.float32)
-        for ids, kl, vl in kv:
-            dk = torch.zeros_like(kl, dtype=torch.float32)
-            dv = torch.zeros_like(vl, dtype=torch.float32)
-            blocks = plan_blocks(mine, ids, chunk, True)
-            blocks_backward(kernel, dl, ql, kl, vl, final, lse, blocks, scale, dq, dk, dv)
+        for j in range(split):
+            for ids, kl, vl in kv:
+                kp, vp = _piece(kl, 2, split, j), _piece(vl, 2, split, j)
+                dk = torch.zeros_like(kp, dtype=torch.float32)
+                dv = torch.zeros_like(vp, dtype=torch.float32)
+                blocks = plan_blocks(q_pieces, [c * split + j for c in ids], piece, True)
+                blocks_backward(kernel, dl, ql, kp, vp, final, lse, blocks, scale, dq, dk, dv, 2 * piece)
         return final, dq
 
     return run, mine, chunk, kernel.name

@@ -7,13 +7,21 @@ Note [ring schedule]
     step i+1 is already in flight (two reusable receive buffers, ``RingExchange``). Only the KV heads
     travel: grouped-query attention is expanded inside the kernel, never on the wire. With the zigzag
     layout and a causal mask every step after the first costs half a block on every rank (Note [block
-    plan]). The backward replays the same ring with the final out and lse; each source's dK/dV
-    accumulator (float32) follows one hop behind its K/V, so after P hops it is home, complete. A rank
-    waits for the incoming partial before computing its block and adds the block's gradients straight
-    into it: the outgoing partial is freed one step earlier, at the price of not overlapping that one
-    transfer (memory first: it is O(S/P) bytes against O((S/P)^2) compute). The own block's gradients
-    become the accumulators (no zero-filled copies), and remote blocks run in chunk-sized tiles so that
-    one tile's out-of-place kernel gradients are the only temporaries.
+    plan]). The backward replays the ring with the final out and lse (Note [ring backward]).
+
+Note [ring backward]
+    Every local chunk's K/V is cut into ``_BACKWARD_PIECES`` pieces, and the backward makes one ring pass
+    per piece index j, carrying piece j of each of the rank's chunks (with zigzag, one piece from each
+    end of the sequence, so that every rank's work stays balanced pass by pass: passes synchronise).
+    In a pass, each source's dK/dV accumulator (float32) follows one hop behind its K/V, so after P hops
+    it is home, complete, and is written into that piece of dK/dV. A rank waits for the incoming partial
+    before computing and adds its gradients straight into it: the outgoing partial is freed one step
+    earlier, at the price of not overlapping that one transfer (O(S/P) bytes against O((S/P)^2)
+    compute). Blocks run in tiles of two pieces of queries, so that one tile's out-of-place kernel
+    gradients are the only temporaries. What a rank holds beyond out and dQ/dK/dV is thus a few pieces,
+    not whole K/V blocks and their dK/dV partials: at 2 ranks that is the difference between 0.85x and
+    0.57x of one process's peak growth (``seqpar bench attention``). The pieces cost more, smaller
+    messages and kernel calls; the bytes sent are the same.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from seqpar.strategies._blocks import blocks_backward, blocks_forward, is_whole,
 __all__ = ["ring_attention", "ring_attention_on_chunks"]
 
 _KV_TAG, _DKV_TAG = 0, 2
+_BACKWARD_PIECES = 8  # per chunk; chunks that do not divide fall back to 2 pieces, then 1
 
 
 class _RingAttention(torch.autograd.Function):
@@ -39,7 +48,6 @@ class _RingAttention(torch.autograd.Function):
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         q_ids = chunk_ids[rank]
         chunk = q.shape[2] // len(q_ids)
-        # The plan of every step, made once and replayed by the backward.
         plans = [plan(q_ids, chunk_ids[(rank - step) % size], chunk, causal, mask, q.device) for step in range(size)]
         ring = RingExchange(group, _KV_TAG) if size > 1 else None
         kv = [k, v]  # [B, Hkv, S/P, D] each
@@ -59,45 +67,74 @@ class _RingAttention(torch.autograd.Function):
         del kv, ring  # frees the receive buffers before the caller's next layer
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, scale, kernel, plans, chunk)
+        ctx.args = (group, scale, kernel, chunk, chunk_ids, causal, mask)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, scale, kernel, plans, chunk = ctx.args
-        size = dist.get_world_size(group)
+        group, scale, kernel, chunk, chunk_ids, causal, mask = ctx.args
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
         dout = dout.contiguous()
+        split = _pieces_per_chunk(chunk)
+        piece = chunk // split
+        q_pieces = _split_ids(chunk_ids[rank], split)
+        chunks = len(chunk_ids[rank])
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
         kv_ring = RingExchange(group, _KV_TAG) if size > 1 else None
         dkv_ring = RingExchange(group, _DKV_TAG) if size > 1 else None
-        kv = [k, v]
-        for step in range(size):
-            if step + 1 < size:
-                kv_ring.start(kv)
-            if step == 0 and is_whole(plans[0], q, k):
-                # The own block is one call over everything (Note [block plan]): its gradients start the
-                # accumulators, instead of zeros plus a copy.
-                dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal=plans[0][0].causal, scale=scale)
-                dq = dq.float()
-                dkv = [dk.float().contiguous(), dv.float().contiguous()]  # sent as they are
-                del dk, dv
-            else:
+        for j in range(split):  # one ring pass per piece j of every chunk (Note [ring backward])
+            kv = [_piece(k, chunks, split, j), _piece(v, chunks, split, j)]  # [B, Hkv, chunks * piece, D]
+            for step in range(size):
+                source = (rank - step) % size
+                kv_ids = [c * split + j for c in chunk_ids[source]]
+                blocks = plan(q_pieces, kv_ids, piece, causal, mask, q.device)
+                if step + 1 < size:
+                    kv_ring.start(kv)
                 if step == 0:
-                    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-                    dkv = [torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2)]
+                    dkv = [torch.zeros(kv[0].shape, dtype=torch.float32, device=k.device) for _ in range(2)]
                 else:
-                    dkv = dkv_ring.wait()  # partial sums for this source from the ranks before us
-                blocks_backward(kernel, dout, q, kv[0], kv[1], out, lse, plans[step], scale, dq, dkv[0], dkv[1], chunk)
-            if step + 1 < size:
-                kv = kv_ring.wait()
-            else:
-                del kv, kv_ring  # the last K/V block is done: free its buffers before dK/dV arrive
+                    dkv = dkv_ring.wait()  # partial sums for this piece from the ranks before us
+                blocks_backward(kernel, dout, q, kv[0], kv[1], out, lse, blocks, scale, dq, dkv[0], dkv[1], 2 * piece)
+                if step + 1 < size:
+                    kv = kv_ring.wait()
+                if size > 1:
+                    dkv_ring.start(dkv)
+                    del dkv
             if size > 1:
-                dkv_ring.start(dkv)
-                del dkv
-        if size > 1:
-            dkv = dkv_ring.wait()  # our own block, home after P hops
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
+                dkv = dkv_ring.wait()  # this rank's pieces, home after P hops
+            _piece(dk, chunks, split, j, dkv[0])
+            _piece(dv, chunks, split, j, dkv[1])
+            del dkv, kv
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None, None
+
+
+def _pieces_per_chunk(chunk: int) -> int:
+    """How many pieces each chunk's K/V is cut into for the backward (Note [ring backward])."""
+    for pieces in (_BACKWARD_PIECES, 2):
+        if chunk % pieces == 0:
+            return pieces
+    return 1
+
+
+def _split_ids(chunk_ids: tuple[int, ...], pieces: int) -> list[int]:
+    """Global ids of the pieces of ``chunk_ids`` when every chunk is cut into ``pieces`` (local order kept)."""
+    return [c * pieces + i for c in chunk_ids for i in range(pieces)]
+
+
+def _piece(x: torch.Tensor, chunks: int, pieces: int, j: int, value: torch.Tensor | None = None) -> torch.Tensor:
+    """Piece ``j`` of each of the ``chunks`` local chunks of ``x`` ``[B, H, S/P, D]``, one after another.
+
+    With ``value`` (shaped like that result), write it there instead (``x`` contiguous) and return ``x``.
+    """
+    b, h, s, d = x.shape
+    split = x.reshape(b, h, chunks, pieces, s // (chunks * pieces), d)
+    if value is None:
+        return split[:, :, :, j].reshape(b, h, s // pieces, d)
+    split[:, :, :, j] = value.view(b, h, chunks, s // (chunks * pieces), d)
+    return x
 
 
 def ring_attention(
