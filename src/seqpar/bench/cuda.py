@@ -5,8 +5,9 @@
 One GPU, one process: for each world size P it runs, with seqpar's kernels and block plans, every block a
 zigzag ring rank computes over the P ring steps (forward, merge; backward with the final out/lse in the
 ring's K/V pieces), with the transfers left out, and times it against one ``F.scaled_dot_product_attention``
-call on the whole sequence (causal, bf16, forward + backward, CUDA events). The ideal share is 1/P; P=1 is seqpar's kernel on the whole
-sequence (one block), so it separates the kernel from the cost of splitting into blocks and merging.
+call on the whole sequence (causal, bf16, forward + backward, CUDA events). The ideal share is 1/P; P=1 is
+seqpar's kernel on the whole sequence (one block), which separates the kernel from the cost of splitting
+into blocks and pieces and merging.
 Every rank's output is checked against SDPA before timing.
 """
 
