@@ -82,3 +82,26 @@ def _exact_worker(rank, world_size):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_every_strategy_matches_single_device(world_size):
     run_ranks(world_size, _exact_worker)
+
+
+def _long_ring_worker(rank, world_size):
+    """Sequences long enough for the ring backward to cut K/V into pieces (Note [ring backward])."""
+    from seqpar.strategies.ring import _pieces_per_chunk
+    from tests.test_masking import _check, packed_positions
+
+    mesh = seqpar.make_mesh()
+    for layout, causal, chunk in (("zigzag", True, 2048), ("contiguous", False, 512), ("zigzag", True, 512)):
+        chunks = 2 if layout == "zigzag" else 1
+        assert _pieces_per_chunk(chunk, "cpu") == (8 if chunk == 2048 else 2)
+        seq_len = chunk * chunks * world_size
+        check_case(rank, world_size, mesh, "ring", layout, causal, 1, 4, 2, 16, seq_len)
+    positions = packed_positions(1024 * world_size, (700, 90, 1500, 37))[None]  # 512-token chunks: 2 pieces
+    for window in (None, 300):
+        _check(rank, world_size, mesh, "ring", "zigzag", 1, 4, 2, positions, window, prebuilt=False)
+    if world_size == 4:  # hybrid 2 x 2: the ring carries 4 chunks of 1024 per rank, in 2 pieces
+        check_case(rank, world_size, seqpar.make_mesh(ulysses_size=2), "hybrid", "zigzag", True, 1, 4, 2, 16, 8192)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_ring_backward_in_pieces_matches_single_device(world_size):
+    run_ranks(world_size, _long_ring_worker)

@@ -37,8 +37,8 @@ def expected(strategy: str, size: int, check_inputs: bool, kv_heads: int) -> Cou
     if strategy == "allgather":  # K/V gathered forward and again backward; dK/dV reduce-scattered
         return check + Counter(allgather=2, reduce_scatter=1)
     # ring: K and V hop P-1 times forward; the backward makes one ring pass per K/V piece, in which K and V
-    # hop P-1 times and dK and dV P times (Note [ring backward]); 12 local tokens = 2 chunks of 6 = 2 pieces
-    pieces = _pieces_per_chunk(12 // 2)
+    # hop P-1 times and dK and dV P times (Note [ring backward]); 12 local tokens = 2 chunks of 6
+    pieces = _pieces_per_chunk(12 // 2, "cpu")
     hops = 2 * (size - 1) + pieces * (2 * (size - 1) + 2 * size)
     return check + Counter(send=hops, recv=hops)
 

@@ -51,7 +51,7 @@ def _rank_step(q, k, v, dout, ranks: int, rank: int):
     kv = [(ids, _chunks(k, ids, chunk), _chunks(v, ids, chunk)) for ids in held]
     kernel = select_kernel(ql, kv[0][1], kv[0][2])
     scale = q.shape[-1] ** -0.5
-    split = _pieces_per_chunk(chunk) if ranks > 1 else 1  # one rank runs local attention, whole
+    split = _pieces_per_chunk(chunk, q.device.type) if ranks > 1 else 1  # one rank runs local attention
     piece = chunk // split
     q_pieces = _split_ids(mine, split)
 

@@ -21,7 +21,10 @@ Note [ring backward]
     gradients are the only temporaries. What a rank holds beyond out and dQ/dK/dV is thus a few pieces,
     not whole K/V blocks and their dK/dV partials: at 2 ranks that is the difference between 0.85x and
     0.57x of one process's peak growth (``seqpar bench attention``). The pieces cost more, smaller
-    messages and kernel calls; the bytes sent are the same.
+    messages and kernel calls; the bytes sent are the same. On CPU that costs little, so pieces go down
+    to 256 tokens. On an H200, 512-token pieces made a rank's backward compute 3x slower at 16K tokens
+    (kernel launches and small tiles), so on CUDA a chunk is cut only into pieces of at least 16K tokens,
+    i.e. for sequences of 64K x P tokens and more; below that the backward runs whole chunks.
 """
 
 from __future__ import annotations
@@ -39,7 +42,9 @@ from seqpar.strategies._blocks import blocks_backward, blocks_forward, is_whole,
 __all__ = ["ring_attention", "ring_attention_on_chunks"]
 
 _KV_TAG, _DKV_TAG = 0, 2
-_BACKWARD_PIECES = 8  # per chunk; chunks that do not divide fall back to 2 pieces, then 1
+_BACKWARD_PIECES = 8  # per chunk; chunks that do not divide, or would give short pieces, take 2, then 1
+# The shortest piece worth its extra kernel calls and ring passes (Note [ring backward]).
+_MIN_PIECE_TOKENS = {"cpu": 256, "cuda": 16384}
 
 
 class _RingAttention(torch.autograd.Function):
@@ -76,7 +81,7 @@ class _RingAttention(torch.autograd.Function):
         group, scale, kernel, chunk, chunk_ids, causal, mask = ctx.args
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         dout = dout.contiguous()
-        split = _pieces_per_chunk(chunk)
+        split = _pieces_per_chunk(chunk, q.device.type)
         piece = chunk // split
         q_pieces = _split_ids(chunk_ids[rank], split)
         chunks = len(chunk_ids[rank])
@@ -111,10 +116,11 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk, dv, None, None, None, None, None, None
 
 
-def _pieces_per_chunk(chunk: int) -> int:
+def _pieces_per_chunk(chunk: int, device_type: str) -> int:
     """How many pieces each chunk's K/V is cut into for the backward (Note [ring backward])."""
+    shortest = _MIN_PIECE_TOKENS.get(device_type, _MIN_PIECE_TOKENS["cuda"])
     for pieces in (_BACKWARD_PIECES, 2):
-        if chunk % pieces == 0:
+        if chunk % pieces == 0 and chunk // pieces >= shortest:
             return pieces
     return 1
 
