@@ -1,6 +1,7 @@
 """Ulysses attention: all-to-all to whole sequences of a subset of heads, local attention, all-to-all back.
 
-Communication per rank per layer is about 4·N·h/P elements (Jacobs et al., DeepSpeed-Ulysses, 2023).
+Communication per rank per layer is about 4·N·h/P elements forward (Jacobs et al., DeepSpeed-Ulysses, 2023),
+as much again backward, and 1.5x that in head groups (Note [ulysses memory]).
 
 Note [ulysses heads]
     Query heads must divide by the degree P. Rank p gets query heads p*H/P .. (p+1)*H/P-1, which read
