@@ -88,9 +88,10 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-        kv_ring = RingExchange(group, _KV_TAG) if size > 1 else None
-        dkv_ring = RingExchange(group, _DKV_TAG) if size > 1 else None
         for j in range(split):  # one ring pass per piece j of every chunk (Note [ring backward])
+            # rings per pass: their receive buffers are freed with the pass, not kept two turns deep
+            kv_ring = RingExchange(group, _KV_TAG) if size > 1 else None
+            dkv_ring = RingExchange(group, _DKV_TAG) if size > 1 else None
             kv = [_piece(k, chunks, split, j), _piece(v, chunks, split, j)]  # [B, Hkv, chunks * piece, D]
             for step in range(size):
                 source = (rank - step) % size
@@ -112,7 +113,7 @@ class _RingAttention(torch.autograd.Function):
                 dkv = dkv_ring.wait()  # this rank's pieces, home after P hops
             _piece(dk, chunks, split, j, dkv[0])
             _piece(dv, chunks, split, j, dkv[1])
-            del dkv, kv
+            del dkv, kv, kv_ring, dkv_ring
         return dq.to(q.dtype), dk, dv, None, None, None, None, None, None
 
 
