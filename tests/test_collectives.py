@@ -12,7 +12,6 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import seqpar
-from seqpar.strategies.ring import _pieces_per_chunk
 from tests._dist import run_ranks
 
 _COLLECTIVES = ("alltoall", "allgather", "reduce_scatter", "send", "recv", "allreduce", "broadcast")
@@ -29,7 +28,7 @@ def _count(fn) -> Counter:
     return counts
 
 
-def expected(strategy: str, size: int, check_inputs: bool, kv_heads: int) -> Counter:
+def expected(strategy: str, size: int, check_inputs: bool, kv_heads: int, pieces: int = 1) -> Counter:
     check = Counter(allgather=1) if check_inputs else Counter()
     if strategy == "ulysses":  # q, k, v and out forward; dout, dq, dk, dv backward
         groups = kv_heads // size  # per head group: q, k, v, out forward; q, k, v, out, dout, dq, dk, dv backward
@@ -37,27 +36,34 @@ def expected(strategy: str, size: int, check_inputs: bool, kv_heads: int) -> Cou
     if strategy == "allgather":  # K/V gathered forward and again backward; dK/dV reduce-scattered
         return check + Counter(allgather=2, reduce_scatter=1)
     # ring: K and V hop P-1 times forward; the backward makes one ring pass per K/V piece, in which K and V
-    # hop P-1 times and dK and dV P times (Note [ring backward]); 12 local tokens = 2 chunks of 6
-    pieces = _pieces_per_chunk(12 // 2, "cpu")
+    # hop P-1 times and dK and dV P times (Note [ring backward])
     hops = 2 * (size - 1) + pieces * (2 * (size - 1) + 2 * size)
     return check + Counter(send=hops, recv=hops)
 
 
 def _count_worker(rank, world_size):
     mesh = seqpar.make_mesh()
-    runs = [("ulysses", 3), ("ulysses", 6), ("ring", 3), ("allgather", 3)]
-    for (strategy, kv_heads), check_inputs in itertools.product(runs, (True, False)):
-        q = torch.randn(1, 6, 12, 16, requires_grad=True)
-        k = torch.randn(1, kv_heads, 12, 16, requires_grad=True)
-        v = torch.randn(1, kv_heads, 12, 16, requires_grad=True)
+    # (strategy, KV heads, local tokens, ring backward pieces): 6-token chunks are not cut; 512-token chunks
+    # are cut into 2 pieces of 256 on CPU
+    runs = [
+        ("ulysses", 3, 12, 1),
+        ("ulysses", 6, 12, 1),
+        ("ring", 3, 12, 1),
+        ("ring", 3, 1024, 2),
+        ("allgather", 3, 12, 1),
+    ]
+    for (strategy, kv_heads, local, pieces), check_inputs in itertools.product(runs, (True, False)):
+        q = torch.randn(1, 6, local, 16, requires_grad=True)
+        k = torch.randn(1, kv_heads, local, 16, requires_grad=True)
+        v = torch.randn(1, kv_heads, local, 16, requires_grad=True)
 
         def step(q=q, k=k, v=v, strategy=strategy, check_inputs=check_inputs):
             out = seqpar.attention(q, k, v, mesh=mesh, strategy=strategy, check_inputs=check_inputs)
             out.sum().backward()
 
         got = _count(step)
-        want = expected(strategy, world_size, check_inputs, kv_heads)
-        what = f"{strategy} kv_heads={kv_heads} check_inputs={check_inputs} on {world_size} ranks"
+        want = expected(strategy, world_size, check_inputs, kv_heads, pieces)
+        what = f"{strategy} kv_heads={kv_heads} tokens={local} check_inputs={check_inputs} on {world_size} ranks"
         assert got == want, f"{what}: {got} != {want}"
 
 

@@ -44,15 +44,17 @@ def expected_bytes(strategy: str, cfg: dict) -> float:
     s, d, e = cfg["seq"] // p, cfg["head_dim"], 4
     q_bytes = cfg["heads"] * s * d * e  # one local [1, H, S/P, D] tensor
 
-    def kv_bytes(degree: int) -> int:  # one local K (or V) tensor, after replication for the all-to-all
-        kv_heads = cfg["kv_heads"] if cfg["kv_heads"] % degree == 0 else degree
-        return kv_heads * s * d * e
+    def kv_heads(degree: int) -> int:  # KV heads after replication for an all-to-all over ``degree`` ranks
+        return cfg["kv_heads"] if cfg["kv_heads"] % degree == 0 else degree
+
+    def kv_bytes(degree: int) -> int:  # one local K (or V) tensor
+        return kv_heads(degree) * s * d * e
 
     check = (p - 1) * _SIGNATURE_BYTES
     if strategy == "ulysses":  # q, k, v, out forward; dout, dq, dk, dv backward: (P-1)/P of each leaves
-        if kv_bytes(p) // (s * d * e) > p:  # head groups (Note [ulysses memory]): q, k, v, out again backward
-            return check + (p - 1) / p * (6 * q_bytes + 6 * kv_bytes(p))
-        return check + (p - 1) / p * (4 * q_bytes + 4 * kv_bytes(p))
+        # in head groups (more than one KV head per rank) q, k, v and out go again backward (Note [ulysses memory])
+        tensors = 6 if kv_heads(p) > p else 4
+        return check + (p - 1) / p * tensors * (q_bytes + kv_bytes(p))
     if strategy == "ring":  # K, V: P-1 hops forward and backward; dK, dV (fp32): P hops
         return check + (p - 1) * 4 * kv_bytes(1) + p * 2 * kv_bytes(1)
     if strategy == "allgather":  # gloo: all-gather of K,V twice; reduce-scatter of dK,dV as a ring all-reduce

@@ -109,6 +109,6 @@ class _GroupedUlysses(torch.autograd.Function):
             )
             grads_h = list(local_backward(dout_h, qh, kh, vh, out_h, lses[part], blocks, scale, kernel))
             del qh, kh, vh, out_h, dout_h
-            for into in grads:
+            for into in grads:  # pop: each head-sharded gradient is freed once it is home
                 head_group_to_seq(grads_h.pop(0), group, to_owner, into, part, groups)
         return *grads, None, None, None, None, None, None, None
