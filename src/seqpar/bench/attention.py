@@ -29,10 +29,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import seqpar
+from seqpar.bench._spawn import time_and_memory, write_slowest
 from seqpar.memory import reset_resident_peak, resident_mb
 
 
@@ -129,37 +129,6 @@ def _parallel(rank: int, cfg: dict, store: str, ref_path: str, result_path: str)
     dist.destroy_process_group()
 
 
-def write_slowest(path: str, seconds: float, growth_mb: float, **extra) -> None:
-    """Rank 0 writes the slowest rank's step time and the largest peak growth to ``path`` (collective)."""
-    stats = torch.tensor([seconds, growth_mb], dtype=torch.float64)
-    gathered = [torch.empty_like(stats) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, stats)
-    if dist.get_rank() == 0:
-        worst = {"seconds": max(float(g[0]) for g in gathered), "growth_mb": max(float(g[1]) for g in gathered)}
-        with open(path, "w") as f:
-            json.dump({**worst, **extra}, f)
-
-
-def _run(target, args, nprocs: int, memory: bool) -> None:
-    """Spawn ``nprocs`` processes; for memory runs with large allocations served by mmap (module docstring)."""
-    if memory:
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by glibc in the spawned processes
-    try:
-        mp.start_processes(target, args=args, nprocs=nprocs, start_method="spawn")
-    finally:
-        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
-
-
-def _run_both(target, args_for, nprocs: int, path: str) -> dict:
-    """Time run, then memory run, of the same configuration: seconds from the first, growth from the second."""
-    results = {}
-    for memory in (False, True):
-        _run(target, args_for(memory), nprocs, memory)
-        with open(path) as f:
-            results["growth_mb" if memory else "seconds"] = json.load(f)["growth_mb" if memory else "seconds"]
-    return results
-
-
 def _single_entry(_rank: int, *args) -> None:
     _single(*args)
 
@@ -192,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             def single_args(memory, base=base, ref_path=ref_path, single_path=single_path):
                 return ({**base, "memory": memory}, ref_path, single_path)
 
-            single = _run_both(_single_entry, single_args, 1, single_path)
+            single = time_and_memory(_single_entry, single_args, 1, single_path)
             for strategy in args.strategies:
                 par_path = os.path.join(tmp, "par.json")
 
@@ -200,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                     store = os.path.join(tmp, f"store-{base['seq']}-{strategy}-{memory}")
                     return ({**base, "strategy": strategy, "memory": memory}, store, ref_path, par_path)
 
-                par = _run_both(_parallel, par_args, args.ranks, par_path)
+                par = time_and_memory(_parallel, par_args, args.ranks, par_path)
                 rows.append(
                     {
                         "seq": seq,

@@ -9,13 +9,13 @@ Fixed total sequence; every degree runs in fresh processes (one thread per rank)
 Each step is forward + backward + AdamW on ``seqpar.shard_batch`` shards with ``seqpar.cross_entropy``.
 Before timing, the sharded loss of the first step is checked against the sp=1 loss. Memory = growth of the
 resident-set peak (VmHWM) during a step, above the resident set after the warm-up step (weights, optimizer
-state and inputs already allocated). With more ranks than cores, compare the ratios, not the times.
+state and inputs already allocated), measured in separate processes from the timing (``bench._spawn``).
+With more ranks than cores, compare the ratios, not the times.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -25,11 +25,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import transformers
 
 import seqpar
-from seqpar.bench.attention import write_slowest
+from seqpar.bench._spawn import time_and_memory, write_slowest
 from seqpar.memory import reset_resident_peak, resident_mb
 
 
@@ -79,7 +78,7 @@ def _worker(rank: int, cfg: dict, store: str, out_path: str) -> None:
 
     first_loss = step()  # warm-up: allocates optimizer state
     times, growth = [], 0.0
-    for i in range(cfg["repeats"]):
+    for i in range(1 if cfg["memory"] else cfg["repeats"]):
         dist.barrier()
         before = resident_mb("VmRSS")
         reset_resident_peak()
@@ -107,18 +106,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--loss-chunk", type=int, default=0, help="lm_head_cross_entropy pieces (0: whole logits)")
     args = parser.parse_args(argv)
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # freed memory leaves the resident set (see attention.py)
     keys = ("seq", "strategy", "hidden", "layers", "heads", "vocab", "repeats", "loss_chunk")
     cfg = {k: getattr(args, k) for k in keys}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for sp in args.sp:
             out = os.path.join(tmp, f"{sp}.json")
-            mp.start_processes(
-                _worker, args=({**cfg, "sp": sp}, os.path.join(tmp, f"store{sp}"), out), nprocs=sp, start_method="spawn"
-            )
-            with open(out) as f:
-                rows.append({"sp": sp, **json.load(f)})
+
+            def args_for(memory, sp=sp, out=out):
+                return ({**cfg, "sp": sp, "memory": memory}, os.path.join(tmp, f"store{sp}-{memory}"), out)
+
+            rows.append({"sp": sp, **time_and_memory(_worker, args_for, sp, out)})
             print(f"sp {sp}: {rows[-1]}", flush=True)
     base = rows[0]
     for r in rows:
