@@ -20,7 +20,7 @@ Note [ring backward]
     compute). Blocks run in tiles of two pieces of queries, so that one tile's out-of-place kernel
     gradients are the only temporaries. What a rank holds beyond out and dQ/dK/dV is thus a few pieces,
     not whole K/V blocks and their dK/dV partials: at 2 ranks that is the difference between 0.85x and
-    0.57x of one process's peak growth (``seqpar bench attention``). The pieces cost more, smaller
+    0.50x of one process's peak growth (``seqpar bench attention``). The pieces cost more, smaller
     messages and kernel calls; the bytes sent are the same. On CPU that costs little, so pieces go down
     to 256 tokens. On an H200, 512-token pieces made a rank's backward compute 3x slower at 16K tokens
     (kernel launches and small tiles), so on CUDA a chunk is cut only into pieces of at least 16K tokens,
