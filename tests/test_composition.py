@@ -1,11 +1,16 @@
-"""Sequence parallel composed with data parallel on one mesh: dp=2 x sp=2 (4 gloo ranks) trains like one process.
+"""Sequence parallel composed with data and tensor parallel on one mesh (4 gloo ranks) trains like one process.
 
-FSDP2, DDP and plain gradient reduction each end 3 AdamW steps (clipping active) with single-process parameters.
+Every path (plain gradient reduction, DDP and FSDP2 with and without their no-sync contexts, hybrid
+ring x ulysses, tensor parallel) at gradient accumulation 1 and 2, on packed documents: per-step loss and
+gradient norm (rel 1e-5) and parameters after 3 plain SGD steps (rel 1e-4) equal one process. SGD, not Adam:
+Adam's first update is about the sign of the gradient, so a gradient scaled on some elements would hide.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import itertools
 
 import pytest
 import torch
@@ -16,66 +21,157 @@ from seqpar.errors import SeqparInputError
 from tests._dist import run_ranks
 from tests.test_transformers import SEQ, build, tokens
 
+# Packed rows: documents restart their position ids; edges fall inside shards and chunks at 2 and 4 ranks.
+DOCUMENTS = [(13, 21, 14), (30, 18), (48,), (7, 7, 34)]
+STEPS, LR = 3, 1.0  # plain SGD: a gradient scaled on some elements moves those parameters by that much
+LOSS_TOL = dict(atol=1e-6, rtol=1e-5)  # per-step loss and gradient norm
+PARAM_TOL = dict(atol=1e-6, rtol=1e-4)  # parameters after the SGD steps
 
-def _reference(model, rows, steps):
-    """Per-step (loss, gradient norm before clipping); Adam alone would hide a scaled gradient."""
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-6)
-    losses = []
+
+def packed_rows(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step``: 4 packed rows of SEQ tokens and their position ids."""
+    ids = tokens(len(DOCUMENTS), SEQ, 20 + step)
+    positions = torch.stack([torch.cat([torch.arange(n) for n in docs]) for docs in DOCUMENTS])
+    return ids, positions
+
+
+def _reference(model, steps):
+    """One process, every document run by itself: per-step (loss, gradient norm), SGD updates."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    history = []
     for step in range(steps):
-        ids = rows[step]
-        logits = model(input_ids=ids).logits[:, :-1]
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        ids, _ = packed_rows(step)
+        total, count = 0.0, 0
+        for row, docs in zip(ids, DOCUMENTS):
+            start = 0
+            for n in docs:
+                doc = row[None, start : start + n]
+                logits = model(input_ids=doc).logits[:, :-1]
+                total = total + torch.nn.functional.cross_entropy(
+                    logits.flatten(0, 1), doc[:, 1:].flatten(), reduction="sum"
+                )
+                count += n - 1
+                start += n
+        loss = total / count
         loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=float("inf"))
         opt.step()
         opt.zero_grad()
-        losses.append(torch.stack([loss.detach(), norm]))
-    return torch.stack(losses)
+        history.append(torch.stack([loss.detach(), norm]))
+    return torch.stack(history)
 
 
-def _parallel(model, rows, steps, mesh, dp_rank, dp_size, mode):
-    forward = seqpar.apply_data_parallel(model, mesh, mode) if mode != "reduce" else model
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-6)
-    everyone = dist.group.WORLD
-    losses = []
-    for step in range(steps):
-        mine = rows[step].chunk(dp_size)[dp_rank]  # this replica's rows of the global batch
-        shard = seqpar.shard_batch({"input_ids": mine}, mesh)
-        total = seqpar.count_valid_tokens(shard["shift_labels"], everyone)
-        logits = forward(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
-        loss = seqpar.cross_entropy(logits, shard["shift_labels"], num_valid_tokens=total)
-        loss.backward()
-        if mode == "reduce":
-            seqpar.reduce_gradients(model.parameters(), everyone)
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+def _parallel(model, forward, mesh, group, dp_rank, dp_size, accumulation, *, reduce=False, no_sync=None):
+    """SGD steps on this rank's shards of each micro-batch; per-step (loss, gradient norm) of the whole batch.
+
+    ``forward`` is the (possibly wrapped) model to call; ``model`` owns the parameters. ``group`` is the
+    dp x sp group: ``reduce_gradients`` runs over it when ``reduce`` (no DDP/FSDP). ``no_sync`` wraps every
+    micro-batch but the last.
+    """
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    history = []
+    for step in range(STEPS):
+        ids, positions = packed_rows(step)
+        micro = [
+            {"input_ids": i.chunk(dp_size)[dp_rank], "position_ids": p.chunk(dp_size)[dp_rank]}
+            for i, p in zip(ids.chunk(accumulation), positions.chunk(accumulation))
+        ]
+        shards = [seqpar.shard_batch(b, mesh) for b in micro]
+        total = seqpar.count_valid_tokens([s["shift_labels"] for s in shards], group)
+        step_loss = torch.zeros(())
+        for m, shard in enumerate(shards):
+            last = m == len(shards) - 1
+            with contextlib.nullcontext() if last or no_sync is None else no_sync():
+                logits = forward(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+                loss = seqpar.cross_entropy(logits, shard["shift_labels"], num_valid_tokens=total)
+                loss.backward()
+            step_loss += loss.detach()
+        if reduce:
+            seqpar.reduce_gradients(model.parameters(), group)
+        norm = seqpar.clip_grad_norm_(model.parameters(), max_norm=float("inf"))  # DTensor-aware
         opt.step()
         opt.zero_grad()
-        losses.append(torch.stack([seqpar.sum_over(loss, everyone), norm]))
-    return torch.stack(losses)
+        history.append(torch.stack([seqpar.sum_over(step_loss, group), norm]))
+    return torch.stack(history)
+
+
+def _assert_same_training(got, want, model, reference_model, what):
+    torch.testing.assert_close(got, want, **LOSS_TOL, msg=lambda m: f"{what} (loss, grad norm) per step: {m}")
+    for (name, p), q in zip(model.named_parameters(), reference_model.parameters()):
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        torch.testing.assert_close(full.detach(), q.detach(), **PARAM_TOL, msg=lambda m, n=name: f"{what} {n}: {m}")
+
+
+def _summing_comm_hook(group, bucket):
+    """The DDP hook seqpar once used: it sums a bucket that may already hold reduced gradients."""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 def _dp_sp_worker(rank, world_size):
     mesh = seqpar.make_mesh(sp_size=2, dp_size=2)
     dp_rank = mesh.device_mesh.get_local_rank("dp")
     assert mesh.sp_size == 2 and mesh.device_mesh["dp"].size() == 2
-    steps = 3
-    rows = [tokens(4, SEQ, 20 + s) for s in range(steps)]  # global batch of 4 rows per step
+    group = seqpar.data_parallel_group(mesh)
+    assert dist.get_world_size(group) == 4
     ref = build("llama").train()
     reference_model = copy.deepcopy(ref)
-    want = _reference(reference_model, rows, steps)
-    assert (want[:, 1] > 0.5).all(), "clipping must be active"
-    for mode in ("reduce", "ddp", "fsdp"):
-        model = seqpar.prepare_model(copy.deepcopy(ref), mesh, strategy="ring").train()
-        got = _parallel(model, rows, steps, mesh, dp_rank, 2, mode)
-        torch.testing.assert_close(
-            got, want, atol=1e-5, rtol=1e-5, msg=lambda m, md=mode: f"{md} (loss, grad norm) per step: {m}"
+    want = _reference(reference_model, STEPS)
+    moved = max(
+        float((p.detach() - q.detach()).abs().max()) for p, q in zip(reference_model.parameters(), ref.parameters())
+    )
+    assert moved > 1e-2, f"SGD must move the parameters visibly (largest change {moved})"
+    # a hybrid mesh (ring 2 x ulysses 2, dp 1) with DDP over its 4 SP ranks
+    hybrid = seqpar.make_mesh(sp_size=4, ulysses_size=2)
+    cases = [
+        (mode, accumulation, mesh, dp_rank, 2, "ring")
+        for mode in ("reduce", "ddp", "ddp-no-sync", "fsdp", "fsdp-no-sync")
+        for accumulation in (1, 2)
+    ] + [("ddp", 2, hybrid, 0, 1, "hybrid"), ("reduce", 2, hybrid, 0, 1, "hybrid")]
+    for mode, accumulation, run_mesh, run_dp_rank, dp_size, strategy in cases:
+        model = seqpar.prepare_model(copy.deepcopy(ref), run_mesh, strategy=strategy).train()
+        forward = model if mode == "reduce" else seqpar.apply_data_parallel(model, run_mesh, mode.split("-")[0])
+        no_sync = None
+        if mode == "ddp-no-sync":
+            no_sync = forward.no_sync
+        elif mode == "fsdp-no-sync":
+
+            @contextlib.contextmanager
+            def no_sync(module=model):
+                module.set_requires_gradient_sync(False)
+                yield
+                module.set_requires_gradient_sync(True)
+
+        run_group = seqpar.data_parallel_group(run_mesh)
+        got = _parallel(
+            model,
+            forward,
+            run_mesh,
+            run_group,
+            run_dp_rank,
+            dp_size,
+            accumulation,
+            reduce=mode == "reduce",
+            no_sync=no_sync,
         )
-        for (name, p), q in zip(model.named_parameters(), reference_model.parameters()):
-            full = p.full_tensor() if hasattr(p, "full_tensor") else p
-            torch.testing.assert_close(
-                full.detach(), q.detach(), atol=1e-5, rtol=1e-5, msg=lambda m, n=name, md=mode: f"{md} {n}: {m}"
-            )
+        _assert_same_training(got, want, model, reference_model, f"{mode} {strategy} accumulation {accumulation}")
+        if mode != "reduce":  # the wrapper summed them already: a second sum would count each rank's part G times
+            with pytest.raises(SeqparInputError, match=r"already summed over ranks by (DDP|FSDP2)"):
+                seqpar.reduce_gradients(model.parameters(), run_group)
+    # The comparison above sees the error of summing what DDP already reduced (earlier micro-batches counted
+    # once per rank): the old summing comm hook must fail it.
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = seqpar.prepare_model(copy.deepcopy(ref), mesh, strategy="ring").train()
+    summing = DistributedDataParallel(model, process_group=group)
+    summing.register_comm_hook(group, _summing_comm_hook)
+    got = _parallel(model, summing, mesh, group, dp_rank, 2, accumulation=2)
+    with pytest.raises(AssertionError, match="grad norm"):
+        _assert_same_training(got, want, model, reference_model, "summing comm hook")
+    with pytest.raises(SeqparInputError, match=r"already wrapped by apply_data_parallel \(DDP\)"):
+        model = seqpar.prepare_model(copy.deepcopy(ref), mesh, strategy="ring")
+        seqpar.apply_data_parallel(model, mesh, "ddp")
+        seqpar.apply_data_parallel(model, mesh, "ddp")
     # a mesh the caller already has: "dp" x a flat "sp" axis
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -104,35 +200,15 @@ def _tp_sp_worker(rank, world_size):
     assert names == ("dp", "ring", "ulysses", "tp") and mesh.sp_size == 2
     group = seqpar.data_parallel_group(mesh)  # the ranks sharing this rank's tp coordinate
     assert dist.get_world_size(group) == 2
-    steps = 3
-    rows = [tokens(2, SEQ, 30 + s) for s in range(steps)]
     ref = build("llama").train()
     reference_model = copy.deepcopy(ref)
-    want = _reference(reference_model, rows, steps)
-    for strategy in ("ring", "ulysses"):
+    want = _reference(reference_model, STEPS)
+    for strategy, accumulation in itertools.product(("ring", "ulysses"), (1, 2)):
         model = seqpar.apply_tensor_parallel(copy.deepcopy(ref), mesh)
         seqpar.prepare_model(model, mesh, strategy=strategy).train()
         assert model.model.layers[0].self_attn.q_proj.weight.to_local().shape[0] == 2 * 12  # 2 of 4 heads
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-6)
-        got = []
-        for step in range(steps):
-            shard = seqpar.shard_batch({"input_ids": rows[step]}, mesh)
-            logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
-            loss = seqpar.cross_entropy(logits, shard["shift_labels"], group)
-            loss.backward()
-            seqpar.reduce_gradients(model.parameters(), group)
-            norm = seqpar.clip_grad_norm_(model.parameters(), max_norm=0.5)  # mixed DTensor / tensor grads
-            opt.step()
-            opt.zero_grad()
-            got.append(torch.stack([seqpar.sum_over(loss, group), norm]))
-        torch.testing.assert_close(
-            torch.stack(got), want, atol=1e-5, rtol=1e-5, msg=lambda m, s=strategy: f"tp {s}: {m}"
-        )
-        for (name, p), q in zip(model.named_parameters(), reference_model.parameters()):
-            full = p.full_tensor() if hasattr(p, "full_tensor") else p
-            torch.testing.assert_close(
-                full.detach(), q.detach(), atol=1e-5, rtol=1e-5, msg=lambda m, n=name, s=strategy: f"tp {s} {n}: {m}"
-            )
+        got = _parallel(model, model, mesh, group, 0, 1, accumulation, reduce=True)
+        _assert_same_training(got, want, model, reference_model, f"tp {strategy} accumulation {accumulation}")
     with pytest.raises(SeqparInputError, match="must divide the heads"):
         seqpar.apply_tensor_parallel(build("llama"), seqpar.make_mesh(sp_size=1, tp_size=4))
 

@@ -8,7 +8,18 @@ Note [summed gradients]
     valid-token count (Note [global token normalisation]), so the exact gradient is the *sum* of the
     ranks' gradients over the flattened dp x sp group. FSDP2 and DDP average by default (divide by the
     group size), which would scale the gradient by 1 / (dp x sp); seqpar sets FSDP2's divide factor to 1
-    with sum-only collectives, and gives DDP a comm hook that all-reduces with a sum.
+    with sum-only collectives. DDP keeps its own average, and seqpar scales what it averages instead: a
+    hook on every parameter multiplies this rank's new gradient by the group size G before autograd adds it
+    to ``.grad``, so the average of the scaled gradients is their sum.
+
+    Why not a summing comm hook: under gradient accumulation without ``no_sync``, DDP all-reduces the whole
+    ``.grad`` at every backward, and from the second micro-batch on that buffer already holds the earlier
+    micro-batches' *reduced* gradient R (the same on every rank). An average gives R + mean(new), which is
+    right; a sum gives G·R + sum(new): every earlier micro-batch counted G times. Scaling the new part only
+    gives R + mean(G·new) = R + sum(new) at every backward, with or without ``no_sync`` (under ``no_sync``
+    the scaled local gradients pile up unreduced and the final average sums them once). Rule: a gradient
+    is summed over ranks exactly once, and whatever may already hold a reduced value is averaged, never
+    summed again.
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from seqpar.errors import SeqparInputError
+from seqpar.gradients import SUMMED_BY_WRAPPER
 from seqpar.mesh import SequenceParallelMesh, _sp_groups
 
 __all__ = ["apply_data_parallel", "data_parallel_group", "decoder_blocks"]
@@ -38,9 +50,19 @@ def data_parallel_group(mesh: SequenceParallelMesh) -> dist.ProcessGroup:
     return _sp_groups(dm, names)
 
 
-def _sum_hook(group, bucket):  # no annotations: DDP checks them and this module defers them to strings
-    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+def _scale_new_gradients(model: torch.nn.Module, factor: int) -> list:
+    """Multiply every parameter's incoming gradient by ``factor`` before it is added to ``.grad``."""
+
+    def scale(grad: torch.Tensor) -> torch.Tensor:
+        return grad * factor
+
+    return [p.register_hook(scale) for p in model.parameters() if p.requires_grad]
+
+
+def _mark_summed(model: torch.nn.Module, wrapper: str) -> None:
+    """Tag the parameters so that ``reduce_gradients`` and a second wrap refuse them."""
+    for p in model.parameters():
+        setattr(p, SUMMED_BY_WRAPPER, wrapper)
 
 
 def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -67,18 +89,25 @@ def apply_data_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh, mode
 
     Returns:
         The FSDP2 module (the same object, now sharded) or the DDP wrapper. Call it with the same keywords.
+        Under DDP, train through the wrapper only: the parameters' gradients are scaled by dp x sp on their
+        way in (Note [summed gradients]), and only the wrapper's all-reduce averages that factor away.
+        Gradient accumulation works with or without ``no_sync``.
 
     Raises:
-        SeqparInputError: an unknown mode.
+        SeqparInputError: an unknown mode; a model already wrapped by this function.
     """
     if mode == "auto":
         mode = "fsdp" if next(model.parameters()).is_cuda else "ddp"
+    wrapped = {getattr(p, SUMMED_BY_WRAPPER) for p in model.parameters() if hasattr(p, SUMMED_BY_WRAPPER)}
+    if wrapped:
+        raise SeqparInputError(f"this model is already wrapped by apply_data_parallel ({wrapped.pop()}); wrap it once")
     group = data_parallel_group(mesh)
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        ddp = DistributedDataParallel(model, process_group=group)
-        ddp.register_comm_hook(group, _sum_hook)
+        ddp = DistributedDataParallel(model, process_group=group)  # averages over the group
+        _scale_new_gradients(model, dist.get_world_size(group))
+        _mark_summed(model, "DDP")
         return ddp
     if mode == "fsdp":
         from torch.distributed.fsdp import fully_shard
@@ -91,5 +120,6 @@ def apply_data_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh, mode
         for unit in units:
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
+        _mark_summed(model, "FSDP2")
         return model
     raise SeqparInputError(f"unknown data-parallel mode {mode!r}; choose fsdp, ddp or auto")

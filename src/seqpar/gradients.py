@@ -10,9 +10,13 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from seqpar.errors import SeqparInputError
 from seqpar.mesh import as_sp_mesh
 
-__all__ = ["clip_grad_norm_", "reduce_gradients"]
+__all__ = ["SUMMED_BY_WRAPPER", "clip_grad_norm_", "reduce_gradients"]
+
+# Set on parameters whose gradients a wrapper (DDP, FSDP2) already sums over ranks (Note [summed gradients]).
+SUMMED_BY_WRAPPER = "_seqpar_summed_by"
 
 
 def reduce_gradients(parameters: Iterable[torch.nn.Parameter], group: object) -> None:
@@ -25,7 +29,18 @@ def reduce_gradients(parameters: Iterable[torch.nn.Parameter], group: object) ->
     Args:
         parameters: the model's parameters; those without a gradient are skipped.
         group: a ProcessGroup, a mesh (its SP group), or None (nothing to do).
+
+    Raises:
+        SeqparInputError: parameters of a model wrapped by ``apply_data_parallel`` (DDP or FSDP2 already
+            summed their gradients; summing again would count every rank's part once per rank).
     """
+    parameters = list(parameters)
+    wrapped = {getattr(p, SUMMED_BY_WRAPPER) for p in parameters if hasattr(p, SUMMED_BY_WRAPPER)}
+    if wrapped:
+        raise SeqparInputError(
+            f"these parameters' gradients are already summed over ranks by {wrapped.pop()} "
+            "(apply_data_parallel); do not call reduce_gradients on them"
+        )
     group = as_sp_mesh(group).sp_group
     if group is None or dist.get_world_size(group) == 1:
         return
