@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import seqpar
 from seqpar.kernels import TorchCUDAEfficientKernel, TorchCUDAFlashKernel, TorchCuDNNKernel, select_kernel
-from seqpar.merge import merge_into, new_accumulator
+from seqpar.kernels.merge import merge_into, new_accumulator
 from tests._dist import run_ranks, shard_index
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

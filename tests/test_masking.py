@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 import seqpar
 from seqpar.errors import SeqparInputError
-from seqpar.masking import SequenceMask
 from seqpar.strategies._blocks import plan
+from seqpar.strategies.masking import SequenceMask
 from tests._dist import run_ranks, shard_index
 from tests.test_attention_exact import ATOL, RTOL
 

@@ -5,18 +5,18 @@ Models: ``prepare_model``, ``shard_batch``, ``cross_entropy``.
 """
 
 from seqpar.api import attention, resolve_strategy
+from seqpar.checks import STRATEGIES
 from seqpar.data import IGNORE_INDEX, pack_documents, shard_batch
-from seqpar.data_parallel import apply_data_parallel, data_parallel_group
 from seqpar.errors import SeqparInputError
 from seqpar.gradients import clip_grad_norm_, reduce_gradients
+from seqpar.integrations.data_parallel import apply_data_parallel, data_parallel_group
+from seqpar.integrations.tensor_parallel import apply_tensor_parallel
 from seqpar.integrations.transformers import prepare_model
 from seqpar.kernels import select_kernel
 from seqpar.layout import LAYOUTS, gather_sequence, position_ids, shard_sequence
 from seqpar.loss import count_valid_tokens, cross_entropy, lm_head_cross_entropy, sum_over
-from seqpar.masking import SequenceMask, sequence_mask
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh, make_mesh
-from seqpar.tensor_parallel import apply_tensor_parallel
-from seqpar.validation import STRATEGIES
+from seqpar.strategies.masking import SequenceMask, sequence_mask
 
 __all__ = [
     "IGNORE_INDEX",

@@ -10,9 +10,9 @@ import math
 
 import torch
 
+from seqpar.checks import check_attention_inputs, ulysses_degrees
 from seqpar.errors import SeqparInputError
 from seqpar.kernels import AttentionKernel, select_kernel
-from seqpar.masking import SequenceMask, sequence_mask
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
 from seqpar.strategies import (
     allgather_attention,
@@ -21,7 +21,7 @@ from seqpar.strategies import (
     ring_attention,
     ulysses_attention,
 )
-from seqpar.validation import check_attention_inputs, ulysses_degrees
+from seqpar.strategies.masking import SequenceMask, sequence_mask
 
 __all__ = ["attention", "resolve_strategy"]
 

@@ -20,8 +20,8 @@ import torch
 
 from seqpar.errors import SeqparInputError
 from seqpar.layout import _shard, chunks_per_rank
-from seqpar.masking import check_packed_positions
 from seqpar.mesh import as_sp_mesh
+from seqpar.strategies.masking import check_packed_positions
 
 __all__ = ["IGNORE_INDEX", "pack_documents", "shard_batch"]
 

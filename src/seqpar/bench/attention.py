@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 import seqpar
 from seqpar.bench._spawn import time_and_memory, write_slowest
-from seqpar.memory import reset_resident_peak, resident_mb
+from seqpar.runtime.memory import reset_resident_peak, resident_mb
 
 
 def _chunked_randn(seed: int, shape: tuple[int, int, int, int], chunk_ids, n_chunks: int) -> torch.Tensor:

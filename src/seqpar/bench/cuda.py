@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from seqpar.kernels import select_kernel
-from seqpar.merge import new_accumulator
+from seqpar.kernels.merge import new_accumulator
 from seqpar.strategies._blocks import blocks_backward, blocks_forward, plan_blocks
 from seqpar.strategies.ring import _piece, _pieces_per_chunk, _split_ids
 

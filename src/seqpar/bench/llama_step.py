@@ -29,7 +29,7 @@ import transformers
 
 import seqpar
 from seqpar.bench._spawn import time_and_memory, write_slowest
-from seqpar.memory import reset_resident_peak, resident_mb
+from seqpar.runtime.memory import reset_resident_peak, resident_mb
 
 
 def _model(cfg: dict):

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import seqpar
-from seqpar.validation import SIGNATURE_LENGTH
+from seqpar.checks import SIGNATURE_LENGTH
 
 _SIGNATURE_BYTES = SIGNATURE_LENGTH * 8  # the input check's all-gathered int64 signature
 

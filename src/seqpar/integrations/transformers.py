@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from seqpar.api import attention
+from seqpar.checks import STRATEGIES, by_rank, exchange_signatures
 from seqpar.errors import SeqparInputError
-from seqpar.masking import SequenceMask, sequence_mask
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
-from seqpar.validation import STRATEGIES, by_rank, exchange_signatures
+from seqpar.strategies.masking import SequenceMask, sequence_mask
 
 __all__ = ["ATTENTION_NAME", "prepare_model"]
 

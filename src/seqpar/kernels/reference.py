@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from seqpar.kernels.base import AttentionKernel
-from seqpar.merge import merge_into
+from seqpar.kernels.merge import merge_into
 
 __all__ = ["ReferenceKernel"]
 

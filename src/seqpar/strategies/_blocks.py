@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from seqpar.kernels import AttentionKernel, select_kernel
-from seqpar.masking import SequenceMask
-from seqpar.merge import merge_into
+from seqpar.kernels.merge import merge_into
+from seqpar.strategies.masking import SequenceMask
 
 __all__ = ["MASK_TILE", "Block", "blocks_backward", "blocks_forward", "is_whole", "plan", "plan_blocks"]
 

@@ -15,10 +15,10 @@ import torch.distributed as dist
 
 from seqpar.comm import all_gather_first_dim, reduce_scatter_first_dim
 from seqpar.kernels import AttentionKernel
+from seqpar.kernels.merge import new_accumulator
 from seqpar.layout import chunks_per_rank, natural_order_index, owner_order_index, rank_chunk_ids
-from seqpar.masking import SequenceMask
-from seqpar.merge import new_accumulator
 from seqpar.strategies._blocks import blocks_backward, blocks_forward, plan
+from seqpar.strategies.masking import SequenceMask
 
 __all__ = ["allgather_attention"]
 

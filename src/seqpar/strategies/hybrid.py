@@ -20,7 +20,7 @@ from seqpar.comm import head_to_seq_shards, seq_to_head_shards
 from seqpar.errors import SeqparInputError
 from seqpar.kernels import AttentionKernel
 from seqpar.layout import rank_chunk_ids
-from seqpar.masking import SequenceMask
+from seqpar.strategies.masking import SequenceMask
 from seqpar.strategies.ring import ring_attention_on_chunks
 
 __all__ = ["hybrid_attention"]

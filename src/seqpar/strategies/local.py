@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 from seqpar.kernels import AttentionKernel
-from seqpar.masking import SequenceMask
-from seqpar.merge import new_accumulator
+from seqpar.kernels.merge import new_accumulator
 from seqpar.strategies._blocks import Block, blocks_backward, blocks_forward, is_whole, plan
+from seqpar.strategies.masking import SequenceMask
 
 __all__ = ["local_attention", "local_backward", "local_forward", "local_plan"]
 

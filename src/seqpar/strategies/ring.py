@@ -34,10 +34,10 @@ import torch.distributed as dist
 
 from seqpar.comm import RingExchange
 from seqpar.kernels import AttentionKernel
+from seqpar.kernels.merge import new_accumulator
 from seqpar.layout import rank_chunk_ids
-from seqpar.masking import SequenceMask
-from seqpar.merge import new_accumulator
 from seqpar.strategies._blocks import blocks_backward, blocks_forward, is_whole, plan
+from seqpar.strategies.masking import SequenceMask
 
 __all__ = ["ring_attention", "ring_attention_on_chunks"]
 

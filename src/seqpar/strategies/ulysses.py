@@ -32,9 +32,9 @@ import torch.distributed as dist
 from seqpar.comm import head_group_to_seq, head_to_seq_shards, seq_to_head_group, seq_to_head_shards
 from seqpar.kernels import AttentionKernel
 from seqpar.layout import natural_order_index, owner_order_index
-from seqpar.masking import SequenceMask
 from seqpar.strategies._blocks import Block
 from seqpar.strategies.local import local_attention, local_backward, local_forward, local_plan
+from seqpar.strategies.masking import SequenceMask
 
 __all__ = ["ulysses_attention"]
 

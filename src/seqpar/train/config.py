@@ -11,8 +11,8 @@ import json
 import os
 from dataclasses import dataclass, field, fields
 
+from seqpar.checks import STRATEGIES
 from seqpar.errors import SeqparInputError
-from seqpar.validation import STRATEGIES
 
 __all__ = ["TrainConfig", "build_parser", "config_from_args"]
 

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 import seqpar
 from seqpar.comm import collective_device
 from seqpar.data import IGNORE_INDEX
-from seqpar.memory import PeakMemory
+from seqpar.runtime.memory import PeakMemory
 from seqpar.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from seqpar.train.config import TrainConfig
 from seqpar.train.data import FileRows, load_tokenizer
