@@ -6,17 +6,12 @@ World sizes 1-4; causal and not; both layouts; batch 1 and 2; MHA and GQA; head_
 from __future__ import annotations
 
 import itertools
-import zlib
 
 import pytest
-import torch
-import torch.nn.functional as F
 
 import seqpar
-from tests._dist import run_ranks, shard_index
-
-# fp32 tolerances against single-device fp32 SDPA (both are exact up to summation order).
-ATOL, RTOL = 2e-5, 1e-4
+from tests._cases import check_case, check_mask_case, packed_positions
+from tests._dist import run_ranks
 
 
 def head_configs(world_size: int, strategy: str) -> list[tuple[int, int]]:
@@ -25,38 +20,6 @@ def head_configs(world_size: int, strategy: str) -> list[tuple[int, int]]:
     if world_size == 3:
         return [(6, 6), (6, 3), (6, 1)]  # (6, 1): one KV head replicated over 3 ranks
     return [(8, 8), (8, 2)]  # at 4 ranks (8, 2) replicates each KV head twice
-
-
-def reference(q, k, v, causal, dout):
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
-    out.backward(dout)
-    return out.detach(), q.grad, k.grad, v.grad
-
-
-def check_case(rank, world_size, mesh, strategy, layout, causal, batch, heads, kv_heads, head_dim, seq_len):
-    gen = torch.Generator().manual_seed(zlib.crc32(repr((strategy, layout, causal, batch, heads, kv_heads)).encode()))
-    q = torch.randn(batch, heads, seq_len, head_dim, generator=gen)
-    k = torch.randn(batch, kv_heads, seq_len, head_dim, generator=gen)
-    v = torch.randn(batch, kv_heads, seq_len, head_dim, generator=gen)
-    dout = torch.randn(batch, heads, seq_len, head_dim, generator=gen)
-    ref = reference(q, k, v, causal, dout)
-    idx = shard_index(layout, world_size, rank, seq_len)
-    ql, kl, vl = (t[:, :, idx].clone().requires_grad_() for t in (q, k, v))
-    out = seqpar.attention(ql, kl, vl, mesh=mesh, strategy=strategy, causal=causal, layout=layout)
-    out.backward(dout[:, :, idx])
-    what = f"{strategy} {layout} causal={causal} B={batch} H={heads}/{kv_heads} D={head_dim} P={world_size}"
-    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, ql.grad, kl.grad, vl.grad), ref, strict=True):
-        torch.testing.assert_close(got, want[:, :, idx], atol=ATOL, rtol=RTOL, msg=lambda m, n=name: f"{what} {n}: {m}")
-
-
-def qkv_case(heads, kv_heads, local_seq, head_dim=16):
-    """Small random local inputs for checks that need no reference."""
-    return (
-        torch.randn(1, heads, local_seq, head_dim),
-        torch.randn(1, kv_heads, local_seq, head_dim),
-        torch.randn(1, kv_heads, local_seq, head_dim),
-    )
 
 
 def _auto_cases(rank, world_size, mesh):
@@ -86,18 +49,17 @@ def test_every_strategy_matches_single_device(world_size):
 
 def _long_ring_worker(rank, world_size):
     """Sequences long enough for the ring backward to cut K/V into pieces (Note [ring backward])."""
-    from seqpar.strategies.ring import _pieces_per_chunk
-    from tests.test_masking import _check, packed_positions
+    from seqpar.strategies.pieces import pieces_per_chunk
 
     mesh = seqpar.make_mesh()
     for layout, causal, chunk in (("zigzag", True, 2048), ("contiguous", False, 512), ("zigzag", True, 512)):
         chunks = 2 if layout == "zigzag" else 1
-        assert _pieces_per_chunk(chunk, "cpu") == (8 if chunk == 2048 else 2)
+        assert pieces_per_chunk(chunk, "cpu") == (8 if chunk == 2048 else 2)
         seq_len = chunk * chunks * world_size
         check_case(rank, world_size, mesh, "ring", layout, causal, 1, 4, 2, 16, seq_len)
     positions = packed_positions(1024 * world_size, (700, 90, 1500, 37))[None]  # 512-token chunks: 2 pieces
     for window in (None, 300):
-        _check(rank, world_size, mesh, "ring", "zigzag", 1, 4, 2, positions, window, prebuilt=False)
+        check_mask_case(rank, world_size, mesh, "ring", "zigzag", 1, 4, 2, positions, window, prebuilt=False)
     if world_size == 4:  # hybrid 2 x 2: the ring carries 4 chunks of 1024 per rank, in 2 pieces
         check_case(rank, world_size, seqpar.make_mesh(ulysses_size=2), "hybrid", "zigzag", True, 1, 4, 2, 16, 8192)
 

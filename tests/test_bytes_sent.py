@@ -1,6 +1,7 @@
 """Bytes each rank writes to its sockets in one step equal each strategy's analytical volume (within 1%).
 
-Read from /proc/self/io (the kernel's count), so an extra or larger transfer anywhere fails this test.
+Read from /proc/self/io (the kernel's count), so an extra or larger transfer anywhere fails this test. The
+expected volumes are worked out here from the algorithms, independently of the code under test.
 """
 
 from __future__ import annotations
@@ -12,29 +13,78 @@ import torch
 import torch.distributed as dist
 
 import seqpar
-from seqpar.bench.strategies import _written_bytes, expected_bytes
 from tests._dist import run_ranks
 
-CFG = {"ranks": 4, "ulysses": 2, "seq": 2048, "heads": 8, "kv_heads": 2, "head_dim": 64}
+RANKS, ULYSSES, SEQ, HEADS, HEAD_DIM = 4, 2, 2048, 8, 64
+FLOAT32 = 4  # bytes per element: inputs, outputs and the float32 dK/dV partials alike
+SIGNATURE_INTS = 26  # int64 values in one rank's input signature: 8 options + 6 per tensor for q, k, v
+
+
+def _written_bytes() -> int:
+    """Bytes this process has written so far (sockets included), as the kernel counts them."""
+    with open("/proc/self/io") as io:
+        for line in io:
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    raise RuntimeError("no wchar in /proc/self/io")
+
+
+def _analytical_bytes(strategy: str, kv_heads: int) -> float:
+    """Bytes one rank sends in one causal forward + backward step, from each algorithm's own arithmetic."""
+    p = RANKS
+    local = SEQ // p  # tokens per rank
+    q_bytes = HEADS * local * HEAD_DIM * FLOAT32  # one [1, H, S/P, D] tensor: q, out, dout or dq
+
+    def sent_kv_heads(degree: int) -> int:
+        """KV heads on the wire around an all-to-all over ``degree`` ranks: too few to divide are copied up."""
+        return kv_heads if kv_heads % degree == 0 else degree
+
+    def kv_bytes(degree: int) -> int:
+        """One local K (or V, dK, dV) tensor with ``sent_kv_heads(degree)`` heads."""
+        return sent_kv_heads(degree) * local * HEAD_DIM * FLOAT32
+
+    # The input check: a gloo all-gather of SIGNATURE_INTS int64 per rank; each rank forwards P - 1 rows.
+    check = (p - 1) * SIGNATURE_INTS * 8
+    if strategy == "ring":
+        # K and V go P - 1 hops forward and again backward; dK and dV travel P hops to get home.
+        return check + (p - 1) * 4 * kv_bytes(1) + p * 2 * kv_bytes(1)
+    if strategy == "ulysses":
+        # An all-to-all keeps 1/P of each tensor. Forward q, k, v, out and backward dout, dq, dk, dv: four
+        # tensors of each size. With more than one KV head per rank after the exchange the heads go in groups,
+        # and the backward exchanges q, k, v and out once more: six of each size.
+        pairs = 6 if sent_kv_heads(p) > p else 4
+        return check + (p - 1) / p * pairs * (q_bytes + kv_bytes(p))
+    if strategy == "hybrid":
+        # All-to-all inside U ranks (four tensors of each size, no head groups), then a ring of R = P / U
+        # ranks over the head-sharded tensors each rank then holds.
+        u = ULYSSES
+        r = p // u
+        ulysses = (u - 1) / u * (4 * q_bytes + 4 * kv_bytes(u))
+        return check + ulysses + (r - 1) * 4 * kv_bytes(u) + r * 2 * kv_bytes(u)
+    if strategy == "allgather":
+        # K and V are gathered forward and again backward (P - 1 chunks each time); gloo reduce-scatters
+        # the P-times larger dK and dV as a ring all-reduce: 2 (P - 1) / P of the whole tensor.
+        gathers = 2 * (p - 1) * 2 * kv_bytes(1)
+        return check + gathers + 2 * (p - 1) / p * (p * 2 * kv_bytes(1))
+    raise ValueError(strategy)
 
 
 def _bytes_worker(rank, world_size):
-    meshes = {"flat": seqpar.make_mesh(), "two_d": seqpar.make_mesh(ulysses_size=CFG["ulysses"])}
-    s = CFG["seq"] // world_size
+    meshes = {"flat": seqpar.make_mesh(), "two_d": seqpar.make_mesh(ulysses_size=ULYSSES)}
+    s = SEQ // world_size
     for kv_heads in (2, 8):
-        cfg = {**CFG, "kv_heads": kv_heads}
-        q = torch.randn(1, cfg["heads"], s, cfg["head_dim"], requires_grad=True)
-        k, v = (torch.randn(1, kv_heads, s, cfg["head_dim"], requires_grad=True) for _ in "kv")
+        q = torch.randn(1, HEADS, s, HEAD_DIM, requires_grad=True)
+        k, v = (torch.randn(1, kv_heads, s, HEAD_DIM, requires_grad=True) for _ in "kv")
         for strategy in ("ring", "ulysses", "hybrid", "allgather"):
             mesh = meshes["two_d" if strategy == "hybrid" else "flat"]
             dist.barrier()
             before = _written_bytes()
             seqpar.attention(q, k, v, mesh=mesh, strategy=strategy).sum().backward()
             sent = _written_bytes() - before
-            want = expected_bytes(strategy, cfg)
+            want = _analytical_bytes(strategy, kv_heads)
             assert abs(sent / want - 1) < 0.01, f"{strategy} kv_heads={kv_heads}: sent {sent} bytes, expected {want}"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/io")
 def test_bytes_sent_match_analytical_volume():
-    run_ranks(4, _bytes_worker)
+    run_ranks(RANKS, _bytes_worker)

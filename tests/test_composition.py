@@ -19,7 +19,7 @@ import torch.distributed as dist
 import seqpar
 from seqpar.errors import SeqparInputError
 from tests._dist import run_ranks
-from tests.test_transformers import SEQ, build, tokens
+from tests._models import SEQ, build, tokens
 
 # Packed rows: documents restart their position ids; edges fall inside shards and chunks at 2 and 4 ranks.
 DOCUMENTS = [(13, 21, 14), (30, 18), (48,), (7, 7, 34)]

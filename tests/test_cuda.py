@@ -156,7 +156,7 @@ def _strategies_worker(rank, world_size):
                     what = f"{strategy} {dtype} {layout} causal={causal} H={heads}/{kv_heads} P={world_size}"
                     _check_shard(what, got, baseline, exact, idx, dtype)
     # packed documents and a sliding window: masked tiles take the efficient kernel, whole ones flash
-    from tests.test_masking import dense_mask, packed_positions
+    from tests._cases import dense_mask, packed_positions
 
     positions = packed_positions(seq, (70, 300, 33, 129)).cuda()[None].repeat(2, 1)
     for strategy in ("ring", "ulysses", "allgather"):
@@ -185,7 +185,7 @@ def _llama(rank, world_size, mesh):
     """A prepared tiny Llama on the GPU: logits and loss equal the unprepared model's (fp32, efficient kernel)."""
     import transformers
 
-    from tests.test_transformers import tiny_config, tokens
+    from tests._models import tiny_config, tokens
 
     torch.manual_seed(0)
     ref = transformers.AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="eager")

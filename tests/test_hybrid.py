@@ -8,8 +8,8 @@ import pytest
 
 import seqpar
 from seqpar.errors import SeqparInputError
+from tests._cases import check_case, qkv_case
 from tests._dist import run_ranks
-from tests.test_attention_exact import check_case, qkv_case
 
 
 def _hybrid_worker(rank, world_size):

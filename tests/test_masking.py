@@ -6,71 +6,16 @@ Documents cross shard boundaries; tiles wholly outside a document or window are 
 from __future__ import annotations
 
 import itertools
-import zlib
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import seqpar
 from seqpar.errors import SeqparInputError
-from seqpar.strategies._blocks import plan
 from seqpar.strategies.masking import SequenceMask
-from tests._dist import run_ranks, shard_index
-from tests.test_attention_exact import ATOL, RTOL
-
-DOC_LENGTHS = (5, 17, 1, 30, 11)  # uneven, so documents straddle every shard and chunk edge
-
-
-def packed_positions(seq_len: int, lengths=DOC_LENGTHS) -> torch.Tensor:
-    """Position ids of documents of ``lengths`` packed into ``seq_len`` tokens (the last one filled up)."""
-    pieces, used = [], 0
-    for n in itertools.cycle(lengths):
-        n = min(n, seq_len - used)
-        pieces.append(torch.arange(n))
-        used += n
-        if used == seq_len:
-            return torch.cat(pieces)
-
-
-def dense_mask(positions: torch.Tensor, causal: bool, window: int | None) -> torch.Tensor:
-    """``[B, 1, S, S]`` visibility written out directly from the position ids."""
-    s = positions.shape[-1]
-    starts = torch.arange(s) - positions  # [B, S]
-    keep = starts[:, :, None] == starts[:, None, :]
-    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
-    if causal:
-        keep &= j <= i
-    if window is not None:
-        keep &= i - j < window
-    return keep[:, None]
-
-
-def _check(rank, world_size, mesh, strategy, layout, batch, heads, kv_heads, positions, window, prebuilt):
-    seq_len = positions.shape[-1]
-    gen = torch.Generator().manual_seed(zlib.crc32(repr((strategy, layout, batch, heads, window)).encode()))
-    q = torch.randn(batch, heads, seq_len, 32, generator=gen)
-    k = torch.randn(batch, kv_heads, seq_len, 32, generator=gen)
-    v = torch.randn(batch, kv_heads, seq_len, 32, generator=gen)
-    dout = torch.randn(batch, heads, seq_len, 32, generator=gen)
-    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    want = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=dense_mask(positions, True, window), enable_gqa=True)
-    want.backward(dout)
-    idx = shard_index(layout, world_size, rank, seq_len)
-    ql, kl, vl = (t[:, :, idx].clone().requires_grad_() for t in (q, k, v))
-    local_pos = positions[:, idx]
-    if prebuilt:
-        mask = seqpar.sequence_mask(local_pos, mesh, layout=layout, window=window)
-        out = seqpar.attention(ql, kl, vl, mesh=mesh, strategy=strategy, layout=layout, mask=mask)
-    else:
-        out = seqpar.attention(
-            ql, kl, vl, mesh=mesh, strategy=strategy, layout=layout, position_ids=local_pos, window=window
-        )
-    out.backward(dout[:, :, idx])
-    what = f"{strategy} {layout} B={batch} H={heads}/{kv_heads} window={window} P={world_size}"
-    refs = (want, qr.grad, kr.grad, vr.grad)
-    for name, got, ref in zip(("out", "dq", "dk", "dv"), (out, ql.grad, kl.grad, vl.grad), refs, strict=True):
-        torch.testing.assert_close(got, ref[:, :, idx], atol=ATOL, rtol=RTOL, msg=lambda m, n=name: f"{what} {n}: {m}")
+from seqpar.strategies.planner import plan
+from tests._cases import check_mask_case, packed_positions
+from tests._dist import run_ranks
 
 
 def _masking_worker(rank, world_size):
@@ -88,7 +33,7 @@ def _masking_worker(rank, world_size):
             (False, True),
         ):
             batch = positions.shape[0]
-            _check(rank, world_size, mesh, strategy, layout, batch, *heads, positions, window, prebuilt)
+            check_mask_case(rank, world_size, mesh, strategy, layout, batch, *heads, positions, window, prebuilt)
     mesh = seqpar.make_mesh()
     ids = torch.arange(seq_len // world_size)
     bad = ids.clone()

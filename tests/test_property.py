@@ -13,8 +13,8 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 import seqpar
+from tests._cases import dense_mask, packed_positions
 from tests._dist import run_ranks, shard_index
-from tests.test_masking import dense_mask, packed_positions
 
 ATOL, RTOL = 2e-5, 1e-4
 

@@ -4,24 +4,25 @@ Attention: ``make_mesh``, ``shard_sequence``, ``attention``.
 Models: ``prepare_model``, ``shard_batch``, ``cross_entropy``.
 """
 
-from seqpar.api import attention, resolve_strategy
-from seqpar.checks import STRATEGIES
+from seqpar.api import AttentionChoice, attention, choose_attention
 from seqpar.data import IGNORE_INDEX, pack_documents, shard_batch
 from seqpar.errors import SeqparInputError
 from seqpar.gradients import clip_grad_norm_, reduce_gradients
 from seqpar.integrations.data_parallel import apply_data_parallel, data_parallel_group
 from seqpar.integrations.tensor_parallel import apply_tensor_parallel
-from seqpar.integrations.transformers import prepare_model
+from seqpar.integrations.transformers import attention_choice, prepare_model
 from seqpar.kernels import select_kernel
 from seqpar.layout import LAYOUTS, gather_sequence, position_ids, shard_sequence
 from seqpar.loss import count_valid_tokens, cross_entropy, lm_head_cross_entropy, sum_over
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh, make_mesh
 from seqpar.strategies.masking import SequenceMask, sequence_mask
+from seqpar.strategies.policy import STRATEGIES, resolve_strategy
 
 __all__ = [
     "IGNORE_INDEX",
     "LAYOUTS",
     "STRATEGIES",
+    "AttentionChoice",
     "SeqparInputError",
     "SequenceMask",
     "SequenceParallelMesh",
@@ -29,6 +30,8 @@ __all__ = [
     "apply_tensor_parallel",
     "as_sp_mesh",
     "attention",
+    "attention_choice",
+    "choose_attention",
     "clip_grad_norm_",
     "count_valid_tokens",
     "cross_entropy",

@@ -7,43 +7,61 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 
-from seqpar.checks import check_attention_inputs, ulysses_degrees
+from seqpar.checks import check_attention_inputs
 from seqpar.errors import SeqparInputError
 from seqpar.kernels import AttentionKernel, select_kernel
-from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
-from seqpar.strategies import (
-    allgather_attention,
-    hybrid_attention,
-    local_attention,
-    ring_attention,
-    ulysses_attention,
-)
+from seqpar.mesh import as_sp_mesh
+from seqpar.strategies import STRATEGY_FUNCTIONS
 from seqpar.strategies.masking import SequenceMask, sequence_mask
+from seqpar.strategies.policy import resolve_strategy
 
-__all__ = ["attention", "resolve_strategy"]
+__all__ = ["AttentionChoice", "attention", "choose_attention"]
 
 _log = logging.getLogger("seqpar")
-_STRATEGY_FUNCTIONS = {"ring": ring_attention, "ulysses": ulysses_attention, "allgather": allgather_attention}
 
 
-def resolve_strategy(strategy: str, heads: int, kv_heads: int, mesh: SequenceParallelMesh) -> str:
-    """The strategy ``"auto"`` stands for; any other name is returned unchanged.
+@dataclass(frozen=True)
+class AttentionChoice:
+    """What ``seqpar.attention`` runs for given inputs: the strategy (``"local"`` on one rank) and kernel."""
 
-    On a mesh with both a ring and an ulysses axis: hybrid when the heads allow the ulysses degree. On a
-    flat mesh: ulysses when the heads allow the whole SP degree (one all-to-all hop, no sequential ring
-    steps). Otherwise ring, which serves any head count.
+    strategy: str
+    """"local", "ring", "ulysses", "allgather" or "hybrid": never "auto"."""
+    kernel: AttentionKernel
+    """The local kernel that computes every block."""
+
+
+def choose_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mesh: object = None,
+    strategy: str = "auto",
+    kernel: str | AttentionKernel = "auto",
+) -> AttentionChoice:
+    """The strategy and kernel ``seqpar.attention`` uses for these (already checked) inputs.
+
+    Args:
+        q, k, v: this rank's shards, as given to ``seqpar.attention``.
+        mesh: as in ``seqpar.attention``.
+        strategy: a strategy name or "auto".
+        kernel: "auto", a kernel name or an ``AttentionKernel``.
+
+    Returns:
+        The choice; passing its fields back to ``seqpar.attention`` runs exactly that.
+
+    Raises:
+        SeqparInputError: a kernel that cannot run these inputs.
     """
-    if strategy != "auto":
-        return strategy
-    allowed = ulysses_degrees(heads, kv_heads)
-    if 1 < mesh.ulysses_size < mesh.sp_size and mesh.ulysses_size in allowed:
-        return "hybrid"
-    if mesh.sp_size in allowed:
-        return "ulysses"
-    return "ring"
+    sp = as_sp_mesh(mesh)
+    chosen_kernel = select_kernel(q, k, v, kernel)
+    # one rank holds the whole sequence: whatever strategy was asked for, nothing needs to travel
+    chosen = resolve_strategy(strategy, q.shape[1], k.shape[1], sp) if sp.sp_size > 1 else "local"
+    return AttentionChoice(chosen, chosen_kernel)
 
 
 def attention(
@@ -119,26 +137,8 @@ def attention(
         )
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    chosen_kernel = select_kernel(q, k, v, kernel)
-    if sp.sp_size == 1:
-        return local_attention(q, k, v, causal=causal, scale=scale, kernel=chosen_kernel, mask=mask)
-    chosen = resolve_strategy(strategy, q.shape[1], k.shape[1], sp)
-    _log.debug("seqpar.attention: strategy=%s kernel=%s sp=%d", chosen, chosen_kernel.name, sp.sp_size)
-    if chosen == "hybrid":
-        ring_group = sp.ring_group if sp.ring_group is not None else sp.sp_group
-        return hybrid_attention(
-            q,
-            k,
-            v,
-            ring_group=ring_group,
-            ulysses_group=sp.ulysses_group,
-            sp_rank=sp.sp_rank,
-            layout=layout,
-            causal=causal,
-            scale=scale,
-            kernel=chosen_kernel,
-            mask=mask,
-        )
-    return _STRATEGY_FUNCTIONS[chosen](
-        q, k, v, group=sp.sp_group, layout=layout, causal=causal, scale=scale, kernel=chosen_kernel, mask=mask
+    choice = choose_attention(q, k, v, mesh=sp, strategy=strategy, kernel=kernel)
+    _log.debug("seqpar.attention: strategy=%s kernel=%s sp=%d", choice.strategy, choice.kernel.name, sp.sp_size)
+    return STRATEGY_FUNCTIONS[choice.strategy](
+        q, k, v, mesh=sp, layout=layout, causal=causal, scale=scale, kernel=choice.kernel, mask=mask
     )

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from seqpar.errors import SeqparInputError
-from seqpar.layout import _shard, chunks_per_rank
+from seqpar.layout import chunks_per_rank, shard_for_rank
 from seqpar.mesh import as_sp_mesh
 from seqpar.strategies.masking import check_packed_positions
 
@@ -122,9 +122,9 @@ def shard_batch(
         shifted = torch.cat([shifted, shifted.new_full((b, pad), ignore_index)], dim=1)
         positions = torch.cat([positions, torch.arange(pad, device=ids.device).expand(b, pad)], dim=1)
     return {
-        "input_ids": _shard(ids, sp.sp_rank, sp.sp_size, 1, layout),
-        "position_ids": _shard(positions, sp.sp_rank, sp.sp_size, 1, layout),
-        "shift_labels": _shard(shifted, sp.sp_rank, sp.sp_size, 1, layout),
+        "input_ids": shard_for_rank(ids, sp.sp_rank, sp.sp_size, 1, layout),
+        "position_ids": shard_for_rank(positions, sp.sp_rank, sp.sp_size, 1, layout),
+        "shift_labels": shard_for_rank(shifted, sp.sp_rank, sp.sp_size, 1, layout),
     }
 
 

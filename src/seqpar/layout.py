@@ -26,6 +26,7 @@ __all__ = [
     "gather_sequence",
     "position_ids",
     "rank_chunk_ids",
+    "shard_for_rank",
     "shard_sequence",
 ]
 
@@ -95,12 +96,27 @@ def shard_sequence(x: torch.Tensor, mesh: object, dim: int = 1, layout: str = "z
         SeqparInputError: unknown layout, or a length that does not divide into the layout.
     """
     rank, size, _ = _sp_rank_and_size(mesh)
-    return _shard(x, rank, size, dim, layout)
+    return shard_for_rank(x, rank, size, dim, layout)
 
 
-def _shard(x: torch.Tensor, rank: int, size: int, dim: int, layout: str) -> torch.Tensor:
-    chunk = _check_divisible(x.shape[dim], layout, size)
-    pieces = [x.narrow(dim, c * chunk, chunk) for c in rank_chunk_ids(layout, size, rank)]
+def shard_for_rank(x: torch.Tensor, rank: int, world_size: int, dim: int, layout: str) -> torch.Tensor:
+    """The shard of a full sequence tensor that ``rank`` of ``world_size`` holds (no group needed).
+
+    Args:
+        x: the full sequence.
+        rank: the sequence-parallel rank whose shard to take.
+        world_size: the sequence-parallel degree.
+        dim: the sequence dimension of ``x``.
+        layout: "contiguous" or "zigzag" (Note [zigzag layout]).
+
+    Returns:
+        ``x.shape[dim] // world_size`` positions along ``dim``, chunks in local order (a view when contiguous).
+
+    Raises:
+        SeqparInputError: unknown layout, or a length that does not divide into the layout.
+    """
+    chunk = _check_divisible(x.shape[dim], layout, world_size)
+    pieces = [x.narrow(dim, c * chunk, chunk) for c in rank_chunk_ids(layout, world_size, rank)]
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
@@ -187,4 +203,4 @@ def position_ids(
         SeqparInputError: unknown layout, or a length that does not divide into the layout.
     """
     rank, size, _ = _sp_rank_and_size(mesh)
-    return _shard(torch.arange(seq_len, device=device), rank, size, 0, layout)
+    return shard_for_rank(torch.arange(seq_len, device=device), rank, size, 0, layout)

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from seqpar.errors import SeqparInputError
 
-__all__ = ["SequenceParallelMesh", "as_sp_mesh", "make_mesh"]
+__all__ = ["SequenceParallelMesh", "as_sp_mesh", "flattened_group", "make_mesh"]
 
 
 def _size(group: dist.ProcessGroup | None) -> int:
@@ -57,16 +57,27 @@ class SequenceParallelMesh:
         return _size(self.ulysses_group)
 
 
-def _sp_groups(device_mesh: DeviceMesh, sp_dims: list[str]) -> dist.ProcessGroup:
-    """This rank's group over ``sp_dims`` (ring before ulysses); every rank creates every group, in order."""
+def flattened_group(device_mesh: DeviceMesh, axes: list[str]) -> dist.ProcessGroup:
+    """This rank's process group over the mesh axes ``axes`` taken together, ranks in ``axes`` order.
+
+    Collective: every rank creates every such group, in the same order, so call it on every rank.
+
+    Args:
+        device_mesh: a DeviceMesh with named axes (``make_mesh`` builds one).
+        axes: the axis names to flatten, outermost first (e.g. ``["ring", "ulysses"]``).
+
+    Returns:
+        The group of the ranks that share this rank's coordinates on every other axis (the default group
+        when ``axes`` cover the whole world).
+    """
     names = list(device_mesh.mesh_dim_names)
-    others = [n for n in names if n not in sp_dims]
-    order = [names.index(n) for n in others + sp_dims]
-    sp_size = 1
-    for n in sp_dims:
-        sp_size *= device_mesh.size(names.index(n))
-    rows = device_mesh.mesh.permute(order).reshape(-1, sp_size).tolist()
-    if len(rows) == 1 and sp_size == dist.get_world_size():
+    others = [n for n in names if n not in axes]
+    order = [names.index(n) for n in others + axes]
+    size = 1
+    for n in axes:
+        size *= device_mesh.size(names.index(n))
+    rows = device_mesh.mesh.permute(order).reshape(-1, size).tolist()
+    if len(rows) == 1 and size == dist.get_world_size():
         return dist.group.WORLD
     mine = None
     for row in rows:
@@ -156,7 +167,7 @@ def _from_device_mesh(device_mesh: DeviceMesh) -> SequenceParallelMesh:
     has_ulysses = "ulysses" in names and device_mesh.size(names.index("ulysses")) > 1
     ring_dim = "sp" if "sp" in names else ("ring" if "ring" in names else None)
     return SequenceParallelMesh(
-        sp_group=_sp_groups(device_mesh, sp_dims),
+        sp_group=flattened_group(device_mesh, sp_dims),
         ring_group=device_mesh.get_group(ring_dim) if ring_dim is not None else None,
         ulysses_group=device_mesh.get_group("ulysses") if has_ulysses else None,
         device_mesh=device_mesh,

@@ -25,14 +25,13 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import seqpar
-from seqpar.bench._spawn import time_and_memory, write_slowest
+from seqpar.runtime.measure import time_and_memory, write_slowest
 from seqpar.runtime.memory import reset_resident_peak, resident_mb
 
 
@@ -74,9 +73,8 @@ def _measure(fn, q, k, v, dout, repeats: int, sync) -> tuple[float, float]:
     return statistics.median(times), growth
 
 
-def _single(cfg: dict, ref_path: str, result_path: str) -> None:
+def _single(_rank: int, _world_size: int, cfg: dict, ref_path: str, result_path: str) -> None:
     """One process on the whole sequence: saves the reference (time run) and writes seconds or growth."""
-    torch.set_num_threads(1)
     n_chunks = 2 * cfg["ranks"]
     (q, k, v), dout = _inputs(cfg, range(n_chunks), n_chunks)
 
@@ -92,17 +90,8 @@ def _single(cfg: dict, ref_path: str, result_path: str) -> None:
         json.dump({"seconds": seconds, "growth_mb": growth}, f)
 
 
-def _parallel(rank: int, cfg: dict, store: str, ref_path: str, result_path: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        rank=rank,
-        world_size=cfg["ranks"],
-        init_method=f"file://{store}",
-        timeout=timedelta(minutes=10),
-    )
+def _parallel(rank: int, size: int, cfg: dict, ref_path: str, result_path: str) -> None:
     mesh = seqpar.make_mesh()
-    size = cfg["ranks"]
     chunk_ids = seqpar.layout.rank_chunk_ids("zigzag", size, rank)
     (q, k, v), dout = _inputs(cfg, chunk_ids, 2 * size)
 
@@ -125,12 +114,6 @@ def _parallel(rank: int, cfg: dict, store: str, ref_path: str, result_path: str)
     del ref, out
     seconds, growth = _measure(fn, q, k, v, dout, 1 if cfg["memory"] else cfg["repeats"], dist.barrier)
     write_slowest(result_path, seconds, growth)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _single_entry(_rank: int, *args) -> None:
-    _single(*args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,13 +144,12 @@ def main(argv: list[str] | None = None) -> int:
             def single_args(memory, base=base, ref_path=ref_path, single_path=single_path):
                 return ({**base, "memory": memory}, ref_path, single_path)
 
-            single = time_and_memory(_single_entry, single_args, 1, single_path)
+            single = time_and_memory(_single, single_args, 1, single_path, backend=None)
             for strategy in args.strategies:
                 par_path = os.path.join(tmp, "par.json")
 
                 def par_args(memory, strategy=strategy, base=base, ref_path=ref_path, par_path=par_path):
-                    store = os.path.join(tmp, f"store-{base['seq']}-{strategy}-{memory}")
-                    return ({**base, "strategy": strategy, "memory": memory}, store, ref_path, par_path)
+                    return ({**base, "strategy": strategy, "memory": memory}, ref_path, par_path)
 
                 par = time_and_memory(_parallel, par_args, args.ranks, par_path)
                 rows.append(

@@ -20,8 +20,11 @@ import torch.nn.functional as F
 
 from seqpar.kernels import select_kernel
 from seqpar.kernels.merge import new_accumulator
-from seqpar.strategies._blocks import blocks_backward, blocks_forward, plan_blocks
-from seqpar.strategies.ring import _piece, _pieces_per_chunk, _split_ids
+from seqpar.strategies.blocks import blocks_backward, blocks_forward
+from seqpar.strategies.pieces import piece_ids, pieces_per_chunk, take_piece
+from seqpar.strategies.planner import plan_blocks
+
+__all__ = ["main"]
 
 
 def _time_ms(fn, repeats: int) -> float:
@@ -51,9 +54,9 @@ def _rank_step(q, k, v, dout, ranks: int, rank: int):
     kv = [(ids, _chunks(k, ids, chunk), _chunks(v, ids, chunk)) for ids in held]
     kernel = select_kernel(ql, kv[0][1], kv[0][2])
     scale = q.shape[-1] ** -0.5
-    split = _pieces_per_chunk(chunk, q.device.type) if ranks > 1 else 1  # one rank runs local attention
+    split = pieces_per_chunk(chunk, q.device.type) if ranks > 1 else 1  # one rank runs local attention
     piece = chunk // split
-    q_pieces = _split_ids(mine, split)
+    q_pieces = piece_ids(mine, split)
 
     def run():
         out, lse = new_accumulator(ql)
@@ -63,7 +66,7 @@ def _rank_step(q, k, v, dout, ranks: int, rank: int):
         dq = torch.zeros_like(ql, dtype=torch.float32)
         for j in range(split):
             for ids, kl, vl in kv:
-                kp, vp = _piece(kl, 2, split, j), _piece(vl, 2, split, j)
+                kp, vp = take_piece(kl, 2, split, j), take_piece(vl, 2, split, j)
                 dk = torch.zeros_like(kp, dtype=torch.float32)
                 dv = torch.zeros_like(vp, dtype=torch.float32)
                 blocks = plan_blocks(q_pieces, [c * split + j for c in ids], piece, True)

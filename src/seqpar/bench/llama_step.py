@@ -9,7 +9,7 @@ Fixed total sequence; every degree runs in fresh processes (one thread per rank)
 Each step is forward + backward + AdamW on ``seqpar.shard_batch`` shards with ``seqpar.cross_entropy``.
 Before timing, the sharded loss of the first step is checked against the sp=1 loss. Memory = growth of the
 resident-set peak (VmHWM) during a step, above the resident set after the warm-up step (weights, optimizer
-state and inputs already allocated), measured in separate processes from the timing (``bench._spawn``).
+state and inputs already allocated), measured in separate processes from the timing (``seqpar.runtime.measure``).
 With more ranks than cores, compare the ratios, not the times.
 """
 
@@ -21,14 +21,13 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import transformers
 
 import seqpar
-from seqpar.bench._spawn import time_and_memory, write_slowest
+from seqpar.runtime.measure import time_and_memory, write_slowest
 from seqpar.runtime.memory import reset_resident_peak, resident_mb
 
 
@@ -46,12 +45,7 @@ def _model(cfg: dict):
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def _worker(rank: int, cfg: dict, store: str, out_path: str) -> None:
-    torch.set_num_threads(1)
-    sp = cfg["sp"]
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=sp, init_method=f"file://{store}", timeout=timedelta(minutes=10)
-    )
+def _worker(_rank: int, _world_size: int, cfg: dict, out_path: str) -> None:
     mesh = seqpar.make_mesh()
     model = seqpar.prepare_model(_model(cfg), mesh, strategy=cfg["strategy"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -88,8 +82,6 @@ def _worker(rank: int, cfg: dict, store: str, out_path: str) -> None:
         if i == 0:
             growth = resident_mb("VmHWM") - before
     write_slowest(out_path, statistics.median(times), growth, first_loss=first_loss)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             out = os.path.join(tmp, f"{sp}.json")
 
             def args_for(memory, sp=sp, out=out):
-                return ({**cfg, "sp": sp, "memory": memory}, os.path.join(tmp, f"store{sp}-{memory}"), out)
+                return ({**cfg, "sp": sp, "memory": memory}, out)
 
             rows.append({"sp": sp, **time_and_memory(_worker, args_for, sp, out)})
             print(f"sp {sp}: {rows[-1]}", flush=True)

@@ -13,18 +13,15 @@ tests check every mask against SDPA.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import tempfile
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import seqpar
+from seqpar.runtime.spawn import spawn_ranks
 
 
 def _visible_fraction(seq: int, docs: int | None, window: int | None) -> float:
@@ -38,11 +35,7 @@ def _visible_fraction(seq: int, docs: int | None, window: int | None) -> float:
     return float(keep.float().mean()) * 2  # relative to the causal half
 
 
-def _worker(rank: int, args: argparse.Namespace, store: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=args.ranks, init_method=f"file://{store}", timeout=timedelta(minutes=10)
-    )
+def _worker(rank: int, _world_size: int, args: argparse.Namespace) -> None:
     mesh = seqpar.make_mesh()
     local = args.seq // args.ranks
     gen = torch.Generator().manual_seed(rank)
@@ -79,8 +72,6 @@ def _worker(rank: int, args: argparse.Namespace, store: str) -> None:
         print("|---|---|---|---|---|")
         for strategy, name, seconds, ratio, fraction in rows:
             print(f"| {strategy} | {name} | {seconds:.2f} | {ratio:.2f} | {fraction:.2f} |")
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategies", nargs="+", default=["ring", "ulysses", "allgather"])
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(args, os.path.join(tmp, "store")), nprocs=args.ranks, start_method="spawn")
+    spawn_ranks(_worker, args.ranks, args)
     return 0
 
 

@@ -22,10 +22,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import seqpar
 from seqpar.checks import SIGNATURE_LENGTH
+from seqpar.runtime.spawn import spawn_ranks
 
 _SIGNATURE_BYTES = SIGNATURE_LENGTH * 8  # the input check's all-gathered int64 signature
 
@@ -66,11 +66,7 @@ def expected_bytes(strategy: str, cfg: dict) -> float:
     raise ValueError(strategy)
 
 
-def _rank(rank: int, cfg: dict, store: str, results: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=cfg["ranks"], init_method=f"file://{store}", timeout=timedelta(minutes=20)
-    )
+def _rank(rank: int, _world_size: int, cfg: dict, results: str) -> None:
     flat = seqpar.make_mesh()
     two_d = seqpar.make_mesh(ulysses_size=cfg["ulysses"])
     gen = torch.Generator().manual_seed(rank)
@@ -106,8 +102,6 @@ def _rank(rank: int, cfg: dict, store: str, results: str) -> None:
         with open(results, "w") as f:
             for line in lines:
                 f.write(" ".join(map(str, line)) + "\n")
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,9 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {**vars(args), "kv_heads": args.kv_heads, "head_dim": args.head_dim}
     with tempfile.TemporaryDirectory() as tmp:
         results = os.path.join(tmp, "results")
-        mp.start_processes(
-            _rank, args=(cfg, os.path.join(tmp, "store"), results), nprocs=args.ranks, start_method="spawn"
-        )
+        spawn_ranks(_rank, args.ranks, cfg, results, timeout=timedelta(minutes=20))
         with open(results) as f:
             rows = [line.split() for line in f]
     ring_time = next((float(r[1]) for r in rows if r[0] == "ring"), None)

@@ -3,7 +3,8 @@
 seqpar train                                   # embedded demo: passkey retrieval, 2 CPU ranks, a few minutes
 seqpar train --model ./my-llama --data a.jsonl --seq-len 32768 --sp 8    # under torchrun on GPUs
 seqpar demo                                    # every attention strategy on 2 CPU ranks vs one device
-seqpar bench attention                         # benchmarks: attention, strategies, masks, llama_step, cuda
+seqpar bench attention                         # benchmarks: attention, strategies, masks, llama_step, cuda,
+                                               # context_parallel
 """
 
 from __future__ import annotations

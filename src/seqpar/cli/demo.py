@@ -6,26 +6,20 @@ seqpar demo --ranks 2 --seq 4096
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import seqpar
+from seqpar.runtime.spawn import spawn_ranks
 
 __all__ = ["run_demo"]
 
 
-def _demo_rank(rank: int, args: argparse.Namespace, store: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=args.ranks, init_method=f"file://{store}", timeout=timedelta(minutes=5)
-    )
+def _demo_rank(rank: int, world_size: int, args: argparse.Namespace) -> None:
     mesh = seqpar.make_mesh()
     gen = torch.Generator().manual_seed(0)
     shape = (1, args.heads, args.seq, args.head_dim)
@@ -62,13 +56,24 @@ def _demo_rank(rank: int, args: argparse.Namespace, store: str) -> None:
             print(
                 f"  {strategy:>9}: max |difference| vs one device {worst_all[0]:.1e}, slowest rank {worst_all[1]:.2f}s"
             )
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def run_demo(ranks: int, seq: int, heads: int, kv_heads: int, head_dim: int) -> int:
-    """Spawn ``ranks`` gloo ranks and compare ring, ulysses and allgather with one-device SDPA; returns 0."""
+    """Spawn gloo ranks and compare ring, ulysses and allgather attention with one-device SDPA.
+
+    Args:
+        ranks: sequence-parallel ranks to spawn (one thread each).
+        seq: total sequence length.
+        heads: query heads.
+        kv_heads: key/value heads.
+        head_dim: head dimension.
+
+    Returns:
+        0 (the exit code); the comparison and the times are printed by rank 0.
+
+    Raises:
+        torch.multiprocessing.ProcessRaisedException: a rank failed.
+    """
     args = argparse.Namespace(ranks=ranks, seq=seq, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_demo_rank, args=(args, os.path.join(tmp, "store")), nprocs=args.ranks, start_method="spawn")
+    spawn_ranks(_demo_rank, ranks, args, timeout=timedelta(minutes=5))
     return 0

@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from seqpar.errors import SeqparInputError
 from seqpar.gradients import SUMMED_BY_WRAPPER
-from seqpar.mesh import SequenceParallelMesh, _sp_groups
+from seqpar.mesh import SequenceParallelMesh, flattened_group
 
 __all__ = ["apply_data_parallel", "data_parallel_group", "decoder_blocks"]
 
@@ -47,7 +47,7 @@ def data_parallel_group(mesh: SequenceParallelMesh) -> dist.ProcessGroup:
         raise SeqparInputError("apply_data_parallel needs a mesh from seqpar.make_mesh (with a DeviceMesh)")
     dm = mesh.device_mesh
     names = [n for n in ("dp", "ring", "ulysses", "sp") if n in (dm.mesh_dim_names or ())]
-    return _sp_groups(dm, names)
+    return flattened_group(dm, names)
 
 
 def _scale_new_gradients(model: torch.nn.Module, factor: int) -> list:

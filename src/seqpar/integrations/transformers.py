@@ -21,17 +21,19 @@ from dataclasses import dataclass
 
 import torch
 
-from seqpar.api import attention
-from seqpar.checks import STRATEGIES, by_rank, exchange_signatures
+from seqpar.api import AttentionChoice, attention, choose_attention
+from seqpar.checks import Signature, by_rank, exchange_signatures
 from seqpar.errors import SeqparInputError
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
 from seqpar.strategies.masking import SequenceMask, sequence_mask
+from seqpar.strategies.policy import STRATEGIES
 
-__all__ = ["ATTENTION_NAME", "prepare_model"]
+__all__ = ["ATTENTION_NAME", "attention_choice", "prepare_model"]
 
 ATTENTION_NAME = "seqpar"
 _CONTEXT_KEY = "seqpar_context"
 _HOOK_ATTR = "_seqpar_forward_hook"
+_CHOICE_ATTR = "_seqpar_attention_choices"
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class _Context:
     layout: str
     kernel: str
     mask: SequenceMask
+    choices: dict  # layer index -> AttentionChoice of its last call, read by attention_choice()
 
 
 def _seqpar_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -75,6 +78,10 @@ def _seqpar_attention(module, query, key, value, attention_mask, scaling=None, d
         window=kwargs.get("sliding_window"),
         mask=ctx.mask,
     )
+    # what attention ran, decided by the same function on the same (now checked) inputs
+    ctx.choices[getattr(module, "layer_idx", 0)] = choose_attention(
+        query, key, value, mesh=ctx.mesh, strategy=ctx.strategy, kernel=ctx.kernel
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -97,38 +104,72 @@ def _unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
-_CALL_PROBLEMS = (
-    "call a seqpar-prepared model with keywords: model(input_ids=..., position_ids=...)",
-    "a seqpar-prepared model needs position_ids (the global positions of this rank's tokens, from "
-    "seqpar.shard_batch); without them RoPE would use local positions",
-    "do not pass labels to a seqpar-prepared model: it would shift them again inside its shard; "
+# One flag of _CallSignature per mistake, with what to do instead.
+_CALL_PROBLEMS = {
+    "positional_args": "call a seqpar-prepared model with keywords: model(input_ids=..., position_ids=...)",
+    "no_position_ids": "a seqpar-prepared model needs position_ids (the global positions of this rank's tokens, "
+    "from seqpar.shard_batch); without them RoPE would use local positions",
+    "labels": "do not pass labels to a seqpar-prepared model: it would shift them again inside its shard; "
     "compute seqpar.cross_entropy(logits, shard['shift_labels'], mesh) instead",
-    "seqpar reads documents and padding from position_ids and shift_labels; drop attention_mask "
+    "attention_mask": "seqpar reads documents and padding from position_ids and shift_labels; drop attention_mask "
     "(shard_batch already masks padding out of the loss)",
-    "seqpar-prepared models train without a KV cache; pass use_cache=False",
-)
+    "use_cache": "seqpar-prepared models train without a KV cache; pass use_cache=False",
+}
+
+
+@dataclass(frozen=True)
+class _CallSignature(Signature):
+    """One model call as the ranks compare it: the mistakes of ``_CALL_PROBLEMS`` and the position ids' shape."""
+
+    positional_args: bool
+    no_position_ids: bool
+    labels: bool
+    attention_mask: bool  # one that masks something out (an all-ones mask is harmless)
+    use_cache: bool
+    positions_ndim: int
+    positions_dims: tuple[int, int]  # the first two sizes, zero-padded
+
+    @property
+    def positions_shape(self) -> list[int]:
+        """The position ids' sizes as far as they were sent (at most two)."""
+        return list(self.positions_dims[: self.positions_ndim])
 
 
 def _agree_on_call(args: tuple, kwargs: dict, sp: SequenceParallelMesh) -> None:
     """Check one model call on every rank at once (Note [agreeing on errors]): all raise, or none does."""
     attention_mask = kwargs.get("attention_mask")
     positions = kwargs.get("position_ids")
-    flags = [
-        bool(args),
-        positions is None,
-        kwargs.get("labels") is not None,
-        attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()),
-        bool(kwargs.get("use_cache")),
-    ]
     shape = list(positions.shape) if positions is not None else []
-    signature = [int(f) for f in flags] + [len(shape), *[*shape, 0, 0][:2]]
+    signature = _CallSignature(
+        positional_args=bool(args),
+        no_position_ids=positions is None,
+        labels=kwargs.get("labels") is not None,
+        attention_mask=attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()),
+        use_cache=bool(kwargs.get("use_cache")),
+        positions_ndim=len(shape),
+        positions_dims=tuple([*shape, 0, 0][:2]),
+    )
     table = [signature] if sp.sp_size == 1 else exchange_signatures(signature, sp.sp_group)
-    problems = by_rank([[m for flag, m in zip(row, _CALL_PROBLEMS) if flag] for row in table])
-    if not problems and any(row[5:] != table[0][5:] for row in table):
-        shapes = "; ".join(f"rank {r}: {row[6 : 6 + row[5]]}" for r, row in enumerate(table))
+    problems = by_rank([[m for name, m in _CALL_PROBLEMS.items() if getattr(row, name)] for row in table])
+    same = (table[0].positions_ndim, table[0].positions_dims)
+    if not problems and any((row.positions_ndim, row.positions_dims) != same for row in table):
+        shapes = "; ".join(f"rank {r}: {row.positions_shape}" for r, row in enumerate(table))
         problems.append(f"position_ids shapes differ across ranks (every rank holds one equal shard): {shapes}")
     if problems:
         raise SeqparInputError(" | ".join(problems))
+
+
+def attention_choice(model: torch.nn.Module) -> AttentionChoice | None:
+    """The strategy and kernel the first attention layer of a prepared model ran in its last forward.
+
+    Args:
+        model: a model returned by ``prepare_model``.
+
+    Returns:
+        The choice, or None before the first forward (or for a model seqpar did not prepare).
+    """
+    choices = getattr(model, _CHOICE_ATTR, None)
+    return choices[min(choices)] if choices else None
 
 
 def prepare_model(
@@ -176,6 +217,8 @@ def prepare_model(
     for old in getattr(model, _HOOK_ATTR, ()):
         old.remove()
     max_positions = getattr(model.config, "max_position_embeddings", None)
+    choices: dict = {}
+    setattr(model, _CHOICE_ATTR, choices)
 
     def check_and_inject(module, args, kwargs):
         if _CONTEXT_KEY in kwargs:  # checked by the enclosing model, which passes its context down
@@ -190,7 +233,7 @@ def prepare_model(
                 f"position id {mask.max_position} is beyond the model's max_position_embeddings ({max_positions}); "
                 "use shorter sequences or documents"
             )
-        kwargs[_CONTEXT_KEY] = _Context(sp, strategy, layout, kernel, mask)
+        kwargs[_CONTEXT_KEY] = _Context(sp, strategy, layout, kernel, mask, choices)
         return args, kwargs
 
     # The decoder is hooked too, so that it can be called alone (hidden states for a chunked loss).

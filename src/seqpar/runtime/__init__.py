@@ -1,5 +1,17 @@
-"""What the applications (``seqpar train``, ``seqpar bench``, the tests) share to run: process memory readings."""
+"""What the applications (``seqpar train``, ``seqpar bench``, the tests) share to run: spawning ranks and
+reading the memory of a process.
+"""
 
+from seqpar.runtime.measure import MEMORY_RUN_ENV, time_and_memory, write_slowest
 from seqpar.runtime.memory import PeakMemory, reset_resident_peak, resident_mb
+from seqpar.runtime.spawn import spawn_ranks
 
-__all__ = ["PeakMemory", "reset_resident_peak", "resident_mb"]
+__all__ = [
+    "MEMORY_RUN_ENV",
+    "PeakMemory",
+    "reset_resident_peak",
+    "resident_mb",
+    "spawn_ranks",
+    "time_and_memory",
+    "write_slowest",
+]

@@ -17,8 +17,10 @@ from seqpar.comm import all_gather_first_dim, reduce_scatter_first_dim
 from seqpar.kernels import AttentionKernel
 from seqpar.kernels.merge import new_accumulator
 from seqpar.layout import chunks_per_rank, natural_order_index, owner_order_index, rank_chunk_ids
-from seqpar.strategies._blocks import blocks_backward, blocks_forward, plan
+from seqpar.mesh import SequenceParallelMesh
+from seqpar.strategies.blocks import blocks_backward, blocks_forward
 from seqpar.strategies.masking import SequenceMask
+from seqpar.strategies.planner import plan
 
 __all__ = ["allgather_attention"]
 
@@ -83,18 +85,18 @@ def allgather_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    group: dist.ProcessGroup,
+    mesh: SequenceParallelMesh,
     layout: str,
     causal: bool,
     scale: float,
     kernel: AttentionKernel,
-    mask: SequenceMask | None = None,
+    mask: SequenceMask | None,
 ) -> torch.Tensor:
-    """All-gather attention over ``group`` (Note [allgather memory]); inputs already validated.
+    """All-gather attention over the mesh's SP group (Note [allgather memory]); inputs already validated.
 
     Args:
         q: ``[B, H, S/P, D]``; k, v: ``[B, Hkv, S/P, D]``, sharded with ``layout``.
-        group: the sequence-parallel group (size P).
+        mesh: keys/values are gathered over ``mesh.sp_group`` (size P).
         layout, causal, scale: as in ``seqpar.attention``.
         kernel: the local kernel.
         mask: packed documents and sliding window (Note [masked tiles]), or None.
@@ -102,4 +104,4 @@ def allgather_attention(
     Returns:
         ``[B, H, S/P, D]`` local output.
     """
-    return _AllGatherAttention.apply(q, k, v, group, layout, causal, scale, kernel, mask)
+    return _AllGatherAttention.apply(q, k, v, mesh.sp_group, layout, causal, scale, kernel, mask)

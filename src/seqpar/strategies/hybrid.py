@@ -20,8 +20,10 @@ from seqpar.comm import head_to_seq_shards, seq_to_head_shards
 from seqpar.errors import SeqparInputError
 from seqpar.kernels import AttentionKernel
 from seqpar.layout import rank_chunk_ids
+from seqpar.mesh import SequenceParallelMesh
 from seqpar.strategies.masking import SequenceMask
 from seqpar.strategies.ring import ring_attention_on_chunks
+from seqpar.strategies.ulysses import repeat_kv_heads
 
 __all__ = ["hybrid_attention"]
 
@@ -31,21 +33,20 @@ def hybrid_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    ring_group: dist.ProcessGroup,
-    ulysses_group: dist.ProcessGroup | None,
-    sp_rank: int,
+    mesh: SequenceParallelMesh,
     layout: str,
     causal: bool,
     scale: float,
     kernel: AttentionKernel,
-    mask: SequenceMask | None = None,
+    mask: SequenceMask | None,
 ) -> torch.Tensor:
     """Ulysses x ring attention (Note [hybrid layout]); inputs already validated.
 
     Args:
         q: ``[B, H, S/P, D]``; k, v: ``[B, Hkv, S/P, D]``, sharded with ``layout`` over P = R x U SP ranks.
-        ring_group: the R ranks that share an ulysses rank; ulysses_group: the U ranks of one ring rank.
-        sp_rank: this rank's index in the SP group (must be ``ring_rank * U + ulysses_rank``).
+        mesh: its ring group holds the R ranks that share an ulysses rank (the SP group when it has none),
+            its ulysses group the U ranks of one ring rank (None: U = 1), and this rank's SP rank must be
+            ``ring_rank * U + ulysses_rank`` (``seqpar.make_mesh`` builds it so).
         layout, causal, scale: as in ``seqpar.attention``.
         kernel: the local kernel.
         mask: packed documents and sliding window (Note [masked tiles]), or None.
@@ -56,6 +57,8 @@ def hybrid_attention(
     Raises:
         SeqparInputError: groups whose ranks do not follow ``sp_rank = ring_rank * U + ulysses_rank``.
     """
+    ring_group = mesh.ring_group if mesh.ring_group is not None else mesh.sp_group
+    ulysses_group, sp_rank = mesh.ulysses_group, mesh.sp_rank
     ring_size, ring_rank = dist.get_world_size(ring_group), dist.get_rank(ring_group)
     u_size = 1 if ulysses_group is None else dist.get_world_size(ulysses_group)
     u_rank = 0 if ulysses_group is None else dist.get_rank(ulysses_group)
@@ -78,9 +81,7 @@ def hybrid_attention(
     mine = torch.tensor(members(ring_rank))
     to_natural = mine.argsort().to(q.device)
     to_owner = to_natural.argsort()
-    if k.shape[1] % u_size:
-        k = k.repeat_interleave(u_size // k.shape[1], dim=1)
-        v = v.repeat_interleave(u_size // v.shape[1], dim=1)
+    k, v = repeat_kv_heads(q, k, v, u_size)
     qh, kh, vh = (seq_to_head_shards(t, ulysses_group, to_natural, to_owner) for t in (q, k, v))  # [B, H/U, S/R, D]
     out = ring_attention_on_chunks(
         qh, kh, vh, group=ring_group, chunk_ids=ring_ids, causal=causal, scale=scale, kernel=kernel, mask=mask

@@ -1,7 +1,7 @@
 """Attention of a whole sequence held by one rank, as an autograd function around a kernel.
 
-Used for a sequence-parallel size of 1 and inside Ulysses after the all-to-all; with a ``SequenceMask`` it
-runs the tiles of Note [masked tiles] instead of one call.
+The strategy for a sequence-parallel size of 1, and the inner step of Ulysses after the all-to-all; with a
+``SequenceMask`` it runs the tiles of Note [masked tiles] instead of one call.
 """
 
 from __future__ import annotations
@@ -10,17 +10,29 @@ import torch
 
 from seqpar.kernels import AttentionKernel
 from seqpar.kernels.merge import new_accumulator
-from seqpar.strategies._blocks import Block, blocks_backward, blocks_forward, is_whole, plan
+from seqpar.mesh import SequenceParallelMesh
+from seqpar.strategies.blocks import blocks_backward, blocks_forward, is_whole
 from seqpar.strategies.masking import SequenceMask
+from seqpar.strategies.planner import Block, plan
 
-__all__ = ["local_attention", "local_backward", "local_forward", "local_plan"]
+__all__ = ["local_attention", "local_backward", "local_forward", "local_plan", "whole_sequence_attention"]
 
 # Chunks the whole sequence is cut into for planning masked tiles (the tile size caps the work per call).
 _PLAN_CHUNKS = 8
 
 
 def local_plan(seq: int, causal: bool, mask: SequenceMask | None, device: torch.device) -> list[Block]:
-    """The kernel calls for a whole sequence of ``seq`` tokens: one call, or masked tiles (Note [masked tiles])."""
+    """The kernel calls for a whole sequence of ``seq`` tokens: one call, or masked tiles (Note [masked tiles]).
+
+    Args:
+        seq: tokens in the sequence.
+        causal: whether a causal mask applies.
+        mask: packed documents and sliding window, or None.
+        device: where the tile masks go.
+
+    Returns:
+        The plan, in the sequence's own token coordinates.
+    """
     chunks = _PLAN_CHUNKS if mask is not None and not mask.trivial and seq % _PLAN_CHUNKS == 0 else 1
     ids = range(chunks)
     return plan(ids, ids, seq // chunks, causal, mask, device)
@@ -29,7 +41,17 @@ def local_plan(seq: int, causal: bool, mask: SequenceMask | None, device: torch.
 def local_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[Block], scale: float, kernel: AttentionKernel
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of ``blocks`` over the whole local sequence: out in ``q``'s dtype, lse float32."""
+    """``(out, lse)`` of ``blocks`` over the whole local sequence.
+
+    Args:
+        q: ``[B, H, S, D]``; k, v: ``[B, Hkv, S, D]``.
+        blocks: the plan (``local_plan``).
+        scale: softmax scale.
+        kernel: the local kernel.
+
+    Returns:
+        out ``[B, H, S, D]`` in ``q``'s dtype and lse ``[B, H, S]`` (float32 when the plan has several blocks).
+    """
     if is_whole(blocks, q, k):  # one kernel call: its own (out, lse) are the result
         return kernel.forward(q, k, v, causal=blocks[0].causal, scale=scale)
     out, lse = new_accumulator(q)  # [B, H, S, D], [B, H, S] float32
@@ -48,7 +70,17 @@ def local_backward(
     scale: float,
     kernel: AttentionKernel,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of ``local_forward``, in the inputs' dtypes, given its final out and lse."""
+    """``(dq, dk, dv)`` of ``local_forward``, in the inputs' dtypes, given its final out and lse.
+
+    Args:
+        dout: gradient of the output ``[B, H, S, D]``.
+        q, k, v: the forward's inputs.
+        out, lse: the forward's results.
+        blocks, scale, kernel: as for ``local_forward``.
+
+    Returns:
+        ``(dq, dk, dv)`` shaped and typed like ``q``, ``k``, ``v``.
+    """
     if is_whole(blocks, q, k):
         return kernel.backward(dout, q, k, v, out, lse, causal=blocks[0].causal, scale=scale)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -73,7 +105,7 @@ class _LocalAttention(torch.autograd.Function):
         return *grads, None, None, None
 
 
-def local_attention(
+def whole_sequence_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -87,5 +119,44 @@ def local_attention(
 
     The sequence is whole and in global order; ``mask`` adds packed documents and a sliding window.
     Without one, the plan is a single kernel call over everything (Note [block plan]).
+
+    Args:
+        q: ``[B, H, S, D]``; k, v: ``[B, Hkv, S, D]``, the whole sequence in global order.
+        causal, scale: as in ``seqpar.attention``.
+        kernel: the local kernel.
+        mask: packed documents and sliding window (Note [masked tiles]), or None.
+
+    Returns:
+        ``[B, H, S, D]`` in ``q``'s dtype.
     """
     return _LocalAttention.apply(q, k, v, local_plan(q.shape[2], causal, mask, q.device), scale, kernel)
+
+
+def local_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mesh: SequenceParallelMesh,
+    layout: str,
+    causal: bool,
+    scale: float,
+    kernel: AttentionKernel,
+    mask: SequenceMask | None,
+) -> torch.Tensor:
+    """The strategy for a sequence-parallel size of 1: this rank holds the whole sequence.
+
+    Every layout of one rank is the global order itself, so ``layout`` changes nothing here.
+
+    Args:
+        q: ``[B, H, S, D]``; k, v: ``[B, Hkv, S, D]``.
+        mesh: a mesh whose SP size is 1 (nothing is communicated).
+        layout, causal, scale: as in ``seqpar.attention``.
+        kernel: the local kernel.
+        mask: packed documents and sliding window (Note [masked tiles]), or None.
+
+    Returns:
+        ``[B, H, S, D]`` output.
+    """
+    del mesh, layout  # one rank: no group to talk to, and every layout is the natural order
+    return whole_sequence_attention(q, k, v, causal=causal, scale=scale, kernel=kernel, mask=mask)

@@ -10,9 +10,10 @@ Note [ring schedule]
     plan]). The backward replays the ring with the final out and lse (Note [ring backward]).
 
 Note [ring backward]
-    Every local chunk's K/V is cut into ``_BACKWARD_PIECES`` pieces, and the backward makes one ring pass
-    per piece index j, carrying piece j of each of the rank's chunks (with zigzag, one piece from each
-    end of the sequence, so that every rank's work stays balanced pass by pass: passes synchronise).
+    Every local chunk's K/V is cut into pieces (up to 8; ``seqpar.strategies.pieces``), and the backward
+    makes one ring pass per piece index j, carrying piece j of each of the rank's chunks (with zigzag, one
+    piece from each end of the sequence, so that every rank's work stays balanced pass by pass: passes
+    synchronise).
     In a pass, each source's dK/dV accumulator (float32) follows one hop behind its K/V, so after P hops
     it is home, complete, and is written into that piece of dK/dV. A rank waits for the incoming partial
     before computing and adds its gradients straight into it: the outgoing partial is freed one step
@@ -36,15 +37,15 @@ from seqpar.comm import RingExchange
 from seqpar.kernels import AttentionKernel
 from seqpar.kernels.merge import new_accumulator
 from seqpar.layout import rank_chunk_ids
-from seqpar.strategies._blocks import blocks_backward, blocks_forward, is_whole, plan
+from seqpar.mesh import SequenceParallelMesh
+from seqpar.strategies.blocks import blocks_backward, blocks_forward, is_whole
 from seqpar.strategies.masking import SequenceMask
+from seqpar.strategies.pieces import piece_ids, pieces_per_chunk, put_piece, take_piece
+from seqpar.strategies.planner import plan
 
 __all__ = ["ring_attention", "ring_attention_on_chunks"]
 
 _KV_TAG, _DKV_TAG = 0, 2
-_BACKWARD_PIECES = 8  # per chunk; chunks that do not divide, or would give short pieces, take 2, then 1
-# The shortest piece worth its extra kernel calls and ring passes (Note [ring backward]).
-_MIN_PIECE_TOKENS = {"cpu": 256, "cuda": 16384}
 
 
 class _RingAttention(torch.autograd.Function):
@@ -81,9 +82,9 @@ class _RingAttention(torch.autograd.Function):
         group, scale, kernel, chunk, chunk_ids, causal, mask = ctx.args
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         dout = dout.contiguous()
-        split = _pieces_per_chunk(chunk, q.device.type)
+        split = pieces_per_chunk(chunk, q.device.type)
         piece = chunk // split
-        q_pieces = _split_ids(chunk_ids[rank], split)
+        q_pieces = piece_ids(chunk_ids[rank], split)
         chunks = len(chunk_ids[rank])
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -92,7 +93,7 @@ class _RingAttention(torch.autograd.Function):
             # rings per pass: their receive buffers are freed with the pass, not kept two turns deep
             kv_ring = RingExchange(group, _KV_TAG) if size > 1 else None
             dkv_ring = RingExchange(group, _DKV_TAG) if size > 1 else None
-            kv = [_piece(k, chunks, split, j), _piece(v, chunks, split, j)]  # [B, Hkv, chunks * piece, D]
+            kv = [take_piece(k, chunks, split, j), take_piece(v, chunks, split, j)]  # [B, Hkv, chunks * piece, D]
             for step in range(size):
                 source = (rank - step) % size
                 kv_ids = [c * split + j for c in chunk_ids[source]]
@@ -111,37 +112,10 @@ class _RingAttention(torch.autograd.Function):
                     del dkv
             if size > 1:
                 dkv = dkv_ring.wait()  # this rank's pieces, home after P hops
-            _piece(dk, chunks, split, j, dkv[0])
-            _piece(dv, chunks, split, j, dkv[1])
+            put_piece(dk, chunks, split, j, dkv[0])
+            put_piece(dv, chunks, split, j, dkv[1])
             del dkv, kv, kv_ring, dkv_ring
         return dq.to(q.dtype), dk, dv, None, None, None, None, None, None
-
-
-def _pieces_per_chunk(chunk: int, device_type: str) -> int:
-    """How many pieces each chunk's K/V is cut into for the backward (Note [ring backward])."""
-    shortest = _MIN_PIECE_TOKENS.get(device_type, _MIN_PIECE_TOKENS["cuda"])
-    for pieces in (_BACKWARD_PIECES, 2):
-        if chunk % pieces == 0 and chunk // pieces >= shortest:
-            return pieces
-    return 1
-
-
-def _split_ids(chunk_ids: tuple[int, ...], pieces: int) -> list[int]:
-    """Global ids of the pieces of ``chunk_ids`` when every chunk is cut into ``pieces`` (local order kept)."""
-    return [c * pieces + i for c in chunk_ids for i in range(pieces)]
-
-
-def _piece(x: torch.Tensor, chunks: int, pieces: int, j: int, value: torch.Tensor | None = None) -> torch.Tensor:
-    """Piece ``j`` of each of the ``chunks`` local chunks of ``x`` ``[B, H, S/P, D]``, one after another.
-
-    With ``value`` (shaped like that result), write it there instead (``x`` contiguous) and return ``x``.
-    """
-    b, h, s, d = x.shape
-    split = x.reshape(b, h, chunks, pieces, s // (chunks * pieces), d)
-    if value is None:
-        return split[:, :, :, j].reshape(b, h, s // pieces, d)
-    split[:, :, :, j] = value.view(b, h, chunks, s // (chunks * pieces), d)
-    return x
 
 
 def ring_attention(
@@ -149,18 +123,18 @@ def ring_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    group: dist.ProcessGroup,
+    mesh: SequenceParallelMesh,
     layout: str,
     causal: bool,
     scale: float,
     kernel: AttentionKernel,
-    mask: SequenceMask | None = None,
+    mask: SequenceMask | None,
 ) -> torch.Tensor:
-    """Ring attention over ``group`` (Note [ring schedule]); inputs already validated.
+    """Ring attention around the mesh's SP group (Note [ring schedule]); inputs already validated.
 
     Args:
         q: ``[B, H, S/P, D]`` local queries; k, v: ``[B, Hkv, S/P, D]`` local keys/values.
-        group: the ring (size P); SP rank ``i`` holds shard ``i`` of ``layout``.
+        mesh: the ring is ``mesh.sp_group`` (size P); SP rank ``i`` holds shard ``i`` of ``layout``.
         layout, causal, scale: as in ``seqpar.attention``.
         kernel: the local kernel.
         mask: packed documents and sliding window (Note [masked tiles]), or None.
@@ -168,10 +142,10 @@ def ring_attention(
     Returns:
         ``[B, H, S/P, D]`` local output.
     """
-    size = dist.get_world_size(group)
+    size = mesh.sp_size
     chunk_ids = tuple(rank_chunk_ids(layout, size, r) for r in range(size))
     return ring_attention_on_chunks(
-        q, k, v, group=group, chunk_ids=chunk_ids, causal=causal, scale=scale, kernel=kernel, mask=mask
+        q, k, v, group=mesh.sp_group, chunk_ids=chunk_ids, causal=causal, scale=scale, kernel=kernel, mask=mask
     )
 
 
@@ -191,5 +165,16 @@ def ring_attention_on_chunks(
 
     The general form behind ``ring_attention`` (one layout's chunks per rank) and the ring stage of hybrid
     attention (the chunks of a whole Ulysses group per ring rank).
+
+    Args:
+        q: ``[B, H, S_local, D]`` local queries; k, v: ``[B, Hkv, S_local, D]`` local keys/values.
+        group: the ring.
+        chunk_ids: every ring rank's global chunk ids, in ring-rank order.
+        causal, scale: as in ``seqpar.attention``.
+        kernel: the local kernel.
+        mask: packed documents and sliding window (Note [masked tiles]), or None.
+
+    Returns:
+        ``[B, H, S_local, D]`` local output.
     """
     return _RingAttention.apply(q, k, v, group, chunk_ids, causal, scale, kernel, mask)

@@ -27,16 +27,43 @@ Note [ulysses memory]
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from seqpar.comm import head_group_to_seq, head_to_seq_shards, seq_to_head_group, seq_to_head_shards
 from seqpar.kernels import AttentionKernel
 from seqpar.layout import natural_order_index, owner_order_index
-from seqpar.strategies._blocks import Block
-from seqpar.strategies.local import local_attention, local_backward, local_forward, local_plan
+from seqpar.mesh import SequenceParallelMesh
+from seqpar.strategies.local import local_backward, local_forward, local_plan, whole_sequence_attention
 from seqpar.strategies.masking import SequenceMask
+from seqpar.strategies.planner import Block
+from seqpar.strategies.policy import kv_head_repeats
 
-__all__ = ["ulysses_attention"]
+__all__ = ["repeat_kv_heads", "ulysses_attention"]
+
+
+def repeat_kv_heads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, degree: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k`` and ``v`` with each head copied as often as an all-to-all over ``degree`` ranks needs.
+
+    Autograd sums the copies' gradients back into the original heads (Note [ulysses heads]).
+
+    Args:
+        q: ``[B, H, S, D]`` (only its head count is read).
+        k, v: ``[B, Hkv, S, D]``.
+        degree: ranks of the all-to-all; the heads must allow it (``policy.ulysses_degrees``).
+
+    Returns:
+        ``(k, v)`` with ``Hkv * repeats`` heads, the same tensors when no copy is needed.
+
+    Raises:
+        ValueError: heads that do not split over ``degree`` ranks (the input checks reject them earlier).
+    """
+    repeats = kv_head_repeats(q.shape[1], k.shape[1], degree)
+    if repeats is None:
+        raise ValueError(f"{q.shape[1]} query and {k.shape[1]} key/value heads do not split over {degree} ranks")
+    if repeats == 1:
+        return k, v
+    return k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
 
 
 def ulysses_attention(
@@ -44,18 +71,18 @@ def ulysses_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    group: dist.ProcessGroup,
+    mesh: SequenceParallelMesh,
     layout: str,
     causal: bool,
     scale: float,
     kernel: AttentionKernel,
-    mask: SequenceMask | None = None,
+    mask: SequenceMask | None,
 ) -> torch.Tensor:
-    """Ulysses attention over ``group`` (Note [ulysses heads]); inputs already validated.
+    """Ulysses attention over the mesh's SP group (Note [ulysses heads]); inputs already validated.
 
     Args:
         q: ``[B, H, S/P, D]``; k, v: ``[B, Hkv, S/P, D]``, sharded with ``layout``.
-        group: the all-to-all group (size P).
+        mesh: the all-to-all runs over ``mesh.sp_group`` (size P).
         layout, causal, scale: as in ``seqpar.attention``.
         kernel: the local kernel.
         mask: packed documents and sliding window (Note [masked tiles]), or None.
@@ -63,11 +90,8 @@ def ulysses_attention(
     Returns:
         ``[B, H, S/P, D]`` local output.
     """
-    size = dist.get_world_size(group)
-    kv_heads = k.shape[1]
-    if kv_heads % size:
-        k = k.repeat_interleave(size // kv_heads, dim=1)
-        v = v.repeat_interleave(size // kv_heads, dim=1)
+    group, size = mesh.sp_group, mesh.sp_size
+    k, v = repeat_kv_heads(q, k, v, size)
     to_natural = natural_order_index(layout, size, q.device)
     to_owner = owner_order_index(layout, size, q.device)
     groups = k.shape[1] // size  # one KV head per rank in each group (Note [ulysses memory])
@@ -75,7 +99,7 @@ def ulysses_attention(
         blocks = local_plan(q.shape[2] * size, causal, mask, q.device)
         return _GroupedUlysses.apply(q, k, v, group, to_natural, to_owner, groups, blocks, scale, kernel)
     qh, kh, vh = (seq_to_head_shards(t, group, to_natural, to_owner) for t in (q, k, v))  # [B, H/P, S, D]
-    out = local_attention(qh, kh, vh, causal=causal, scale=scale, kernel=kernel, mask=mask)
+    out = whole_sequence_attention(qh, kh, vh, causal=causal, scale=scale, kernel=kernel, mask=mask)
     return head_to_seq_shards(out, group, to_natural, to_owner)
 
 

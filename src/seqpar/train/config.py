@@ -11,8 +11,8 @@ import json
 import os
 from dataclasses import dataclass, field, fields
 
-from seqpar.checks import STRATEGIES
 from seqpar.errors import SeqparInputError
+from seqpar.strategies.policy import STRATEGIES
 
 __all__ = ["TrainConfig", "build_parser", "config_from_args"]
 
@@ -108,7 +108,13 @@ class TrainConfig:
     """Show a progress bar on rank 0."""
 
     def validate(self) -> None:
-        """Raise ``SeqparInputError`` for settings that cannot work, before any rank starts."""
+        """Raise ``SeqparInputError`` for settings that cannot work, before any rank starts.
+
+        The world size is not known here (torchrun sets it); ``seqpar.train.launch`` checks dp x sp x tp against it.
+
+        Raises:
+            SeqparInputError: every problem found, one per line.
+        """
         problems = []
         if self.strategy not in STRATEGIES:
             problems.append(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
@@ -117,13 +123,6 @@ class TrainConfig:
                 problems.append(f"--{name.replace('_', '-')} must be at least 1")
         if self.ulysses >= 1 and self.sp >= 1 and self.sp % self.ulysses:
             problems.append(f"--ulysses {self.ulysses} must divide --sp {self.sp}")
-        world = self.nproc if self.nproc is not None else self.dp * self.sp * self.tp
-        if world is not None and self.dp * self.sp * self.tp != world:
-            problems.append(
-                f"--dp {self.dp} x --sp {self.sp} x --tp {self.tp} = {self.dp * self.sp * self.tp} does not match "
-                f"the {world} ranks (valid sp for {world} ranks: {[d for d in range(1, world + 1) if world % d == 0]}"
-                f" with dp x tp = {world} / sp)"
-            )
         if self.batch_size >= 1 and self.grad_accum >= 1 and self.batch_size % self.grad_accum:
             problems.append(f"--batch-size {self.batch_size} must be divisible by --grad-accum {self.grad_accum}")
         if self.dp_mode not in ("replicate", "ddp", "fsdp"):

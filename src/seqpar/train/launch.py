@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 import time
 from datetime import timedelta
 
@@ -17,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from seqpar.errors import SeqparInputError
+from seqpar.runtime.spawn import spawn_ranks
 from seqpar.train.checkpoint import latest_checkpoint, verify_checkpoint
 from seqpar.train.config import TrainConfig
 from seqpar.train.data import load_tokenizer
@@ -37,12 +37,15 @@ def _prepare_run_dir(config: TrainConfig) -> str:
 
 
 def _precheck(config: TrainConfig, world_size: int) -> None:
-    """Checks that need files (tokenizer, model config, checkpoint), before any rank starts."""
+    """Checks that need the world size or files (tokenizer, model config, checkpoint), before any rank trains.
+
+    The one check of dp x sp x tp against the world size: here both launchers know it (spawned or torchrun).
+    """
     if config.dp * config.sp * config.tp != world_size:
         valid = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise SeqparInputError(
-            f"--sp {config.sp} x --dp {config.dp} x --tp {config.tp} must equal the world size {world_size}; "
-            f"valid --sp: {valid}"
+            f"--dp {config.dp} x --sp {config.sp} x --tp {config.tp} = {config.dp * config.sp * config.tp} does not "
+            f"match the {world_size} ranks (valid sp for {world_size} ranks: {valid} with dp x tp = {world_size} / sp)"
         )
     tokenizer = load_tokenizer(config.tokenizer_path())
     vocab = getattr(tokenizer, "vocab_size", None) or len(tokenizer)
@@ -65,22 +68,10 @@ def _precheck(config: TrainConfig, world_size: int) -> None:
         raise SeqparInputError(f"--seq-len {config.seq_len} must be a multiple of 2 x sp = {multiple}")
 
 
-def _rank_main(rank: int, world_size: int, store: str, config: TrainConfig, run_dir: str, threads: int) -> None:
+def _rank_main(rank: int, world_size: int, config: TrainConfig, run_dir: str) -> None:
     from seqpar.train.loop import train_rank
 
-    torch.set_num_threads(threads)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, init_method=f"file://{store}", timeout=timedelta(minutes=30)
-    )
-    try:
-        train_rank(config, run_dir)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    # Success: skip C++ static destructors, where gloo's threads can abort an otherwise finished process.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    train_rank(config, run_dir)
 
 
 def launch(config: TrainConfig) -> int:
@@ -101,21 +92,15 @@ def launch(config: TrainConfig) -> int:
         json.dump({**config.to_dict(), **resolved}, f, indent=2)
     print(f"run directory: {run_dir}", flush=True)
     threads = max(1, (os.cpu_count() or 1) // world)
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            mp.start_processes(
-                _rank_main,
-                args=(world, os.path.join(tmp, "store"), config, run_dir, threads),
-                nprocs=world,
-                start_method="spawn",
-            )
-        except mp.ProcessRaisedException as error:
-            lines = [line for line in str(error).strip().splitlines() if line.strip()]
-            print(f"seqpar train failed on rank {error.error_index}: {lines[-1].strip()}", file=sys.stderr)
-            return 1
-        except mp.ProcessExitedException as error:
-            print(f"seqpar train failed: rank {error.error_index} exited ({error})", file=sys.stderr)
-            return 1
+    try:
+        spawn_ranks(_rank_main, world, config, run_dir, timeout=timedelta(minutes=30), threads=threads)
+    except mp.ProcessRaisedException as error:
+        lines = [line for line in str(error).strip().splitlines() if line.strip()]
+        print(f"seqpar train failed on rank {error.error_index}: {lines[-1].strip()}", file=sys.stderr)
+        return 1
+    except mp.ProcessExitedException as error:
+        print(f"seqpar train failed: rank {error.error_index} exited ({error})", file=sys.stderr)
+        return 1
     print(f"done; run directory: {run_dir}", flush=True)
     return 0
 

@@ -1,4 +1,4 @@
-"""Which (query rows, key columns) rectangles a rank computes, and running a kernel over them.
+"""The block planner: which (query rows, key columns) rectangles a rank computes, and with which mask.
 
 Every strategy reduces to this: local query chunks against a key/value piece whose chunk ids are known.
 
@@ -9,6 +9,38 @@ Note [block plan]
     square is exact (an earlier local chunk is also earlier globally). Otherwise each query chunk gets its
     fully visible key chunks (grouped into contiguous runs) and its diagonal; neighbouring query chunks with
     the same runs share one call. Invisible rectangles are never computed.
+
+Note [masked tiles]
+    A ``SequenceMask`` with packed documents or a sliding window makes visibility depend on more than the
+    chunk ids, so each chunk pair the causal rule leaves visible (key chunk not after the query chunk) is
+    cut into square tiles of ``MASK_TILE`` tokens a side, or of half the window (at least
+    ``MIN_WINDOW_TILE``) with a window, so that the band's ragged edge wastes fewer scores. Each tile is
+    classified from its four corners alone:
+    - skipped: nothing in it is visible. Every key comes after every query (causal), the last key lies a
+      whole window or more before the first query, or in every batch row the queries' documents and the
+      keys' documents are disjoint. It costs nothing.
+    - plain: everything in it is visible, so the chosen (fused) kernel runs it with no mask: a full
+      rectangle, or a square on the diagonal run as a plain causal call.
+    - mixed: anything else. It carries a boolean mask ``[B or 1, 1, q, kv]`` built from the global
+      positions and document starts, and runs on the chosen kernel if that takes masks, otherwise on the
+      preferred kernel that does (``blocks_forward`` and ``blocks_backward`` swap it per tile).
+    Why the corners suffice: causality and the window depend only on the query position minus the key
+    position, which over a tile is smallest at (first query, last key) and largest at (last query, first
+    key); those two bounds say whether all, none or some of the tile passes. Document starts never decrease
+    along the sequence (Note [documents from position ids]): if a row has one start at the first and last
+    query and at the first and last key, every pair between shares that document; if the keys' last start
+    is below the queries' first, or the keys' first start above the queries' last, no pair does. Every
+    reason to skip is tested before any reason to mask, so a tile hidden by one rule and cut by another is
+    skipped rather than computed under an all-False mask.
+    Empty rows: the document test is conservative, so a mixed tile may still hold query rows that see no
+    key in it (a query just past a document start, against keys of the previous document), or even none
+    at all. Kernels return out 0 and lse -inf for such rows (``kernels.base.mark_empty_rows`` for the
+    fused ops), and the LSE merge leaves the running result untouched by them (Note [LSE merge]). In the
+    backward a masked score's weight is exp(-inf - lse) = 0; an lse of -inf is first turned into +inf
+    (``kernels.base.unmark_empty_rows``) so that it is 0 there too, not NaN. Every query sees at least
+    itself somewhere in its plan, so no row is still empty once all its tiles are merged.
+    Tiles depend only on the mask, the chunk ids, the chunk length and the causal flag, so ``plan``
+    keeps them on the mask (``SequenceMask.plans``) and every layer of one forward shares them.
 """
 
 from __future__ import annotations
@@ -18,11 +50,9 @@ from dataclasses import dataclass
 
 import torch
 
-from seqpar.kernels import AttentionKernel, select_kernel
-from seqpar.kernels.merge import merge_into
 from seqpar.strategies.masking import SequenceMask
 
-__all__ = ["MASK_TILE", "Block", "blocks_backward", "blocks_forward", "is_whole", "plan", "plan_blocks"]
+__all__ = ["MASK_TILE", "MIN_WINDOW_TILE", "Block", "plan", "plan_blocks"]
 
 MASK_TILE = 1024
 MIN_WINDOW_TILE = 128
@@ -60,6 +90,9 @@ def plan_blocks(q_chunks: Sequence[int], kv_chunks: Sequence[int], chunk_len: in
         kv_chunks: global chunk ids of the keys/values in hand, in their local order.
         chunk_len: tokens per chunk (the same for all chunks).
         causal: whether a causal mask applies.
+
+    Returns:
+        Unmasked blocks in local token coordinates; empty when nothing is visible.
     """
     q_all = slice(0, len(q_chunks) * chunk_len)
     kv_all = slice(0, len(kv_chunks) * chunk_len)
@@ -96,6 +129,17 @@ def plan(
     """``plan_blocks``, or with a non-trivial ``mask`` the tiles of Note [masked tiles] (masks on ``device``).
 
     Masked plans are kept on the mask, so the layers of one forward share them.
+
+    Args:
+        q_chunks: global chunk ids of the local queries, in local order.
+        kv_chunks: global chunk ids of the keys/values in hand, in their local order.
+        chunk_len: tokens per chunk.
+        causal: whether a causal mask applies.
+        mask: packed documents and sliding window, or None.
+        device: where the tile masks go (None: the CPU).
+
+    Returns:
+        The blocks to run, in local token coordinates.
     """
     if mask is None or mask.trivial:
         return plan_blocks(q_chunks, kv_chunks, chunk_len, causal)
@@ -180,93 +224,3 @@ def _dense_mask(
         same = mask.starts[:, q[0] : q[1], None] == mask.starts[:, None, kv[0] : kv[1]]  # [B, q, kv]
         keep = keep & same[:, None]
     return keep if device is None else keep.to(device)
-
-
-def is_whole(blocks: Sequence[Block], q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether ``blocks`` is one unmasked call over all local queries and keys (no accumulation needed)."""
-    return (
-        len(blocks) == 1
-        and blocks[0].mask is None
-        and (blocks[0].q.start, blocks[0].q.stop) == (0, q.shape[2])
-        and (blocks[0].kv.start, blocks[0].kv.stop) == (0, k.shape[2])
-    )
-
-
-def _kernel_for(block: Block, kernel: AttentionKernel, q: torch.Tensor, k: torch.Tensor) -> AttentionKernel:
-    """``kernel``, unless the block is masked and it takes no masks: then the preferred kernel that does."""
-    if block.mask is None or kernel.takes_masks:
-        return kernel
-    return select_kernel(q, k, k, mask=block.mask)
-
-
-def blocks_forward(
-    kernel: AttentionKernel,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    blocks: Sequence[Block],
-    scale: float,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-) -> None:
-    """Run ``blocks`` and merge each result into the float32 running ``(out, lse)`` in place."""
-    for b in blocks:
-        o, l = _kernel_for(b, kernel, q, k).forward(
-            q[:, :, b.q], k[:, :, b.kv], v[:, :, b.kv], causal=b.causal, scale=scale, mask=b.mask
-        )
-        merge_into(out[:, :, b.q], lse[:, :, b.q], o, l)
-
-
-def _tiles(blocks: Sequence[Block], split: int | None) -> list[Block]:
-    if split is None:
-        return list(blocks)
-    tiles = []
-    for b in blocks:
-        if b.causal or b.mask is not None:
-            tiles.append(b)
-            continue
-        for q0 in range(b.q.start, b.q.stop, split):
-            for k0 in range(b.kv.start, b.kv.stop, split):
-                tiles.append(Block(slice(q0, min(q0 + split, b.q.stop)), slice(k0, min(k0 + split, b.kv.stop)), False))
-    return tiles
-
-
-def blocks_backward(
-    kernel: AttentionKernel,
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    blocks: Sequence[Block],
-    scale: float,
-    dq: torch.Tensor,
-    dk: torch.Tensor,
-    dv: torch.Tensor,
-    split: int | None = None,
-) -> None:
-    """Backward of ``blocks`` with the final ``out``/``lse``; adds into float32 ``dq``, ``dk``, ``dv`` in place.
-
-    Each block's gradients are added as soon as the kernel returns them, so at most one block's
-    temporaries are alive at a time; with ``split``, full (non-causal) blocks are further cut into
-    ``split x split`` tiles to keep those temporaries small (gradients of tiles add up exactly, since every
-    tile uses the final ``out`` and ``lse``).
-    """
-    for b in _tiles(blocks, split):
-        dq_b, dk_b, dv_b = _kernel_for(b, kernel, q, k).backward(
-            dout[:, :, b.q],
-            q[:, :, b.q],
-            k[:, :, b.kv],
-            v[:, :, b.kv],
-            out[:, :, b.q],
-            lse[:, :, b.q],
-            causal=b.causal,
-            scale=scale,
-            mask=b.mask,
-        )
-        dq[:, :, b.q] += dq_b
-        del dq_b
-        dk[:, :, b.kv] += dk_b
-        del dk_b
-        dv[:, :, b.kv] += dv_b

@@ -1,0 +1,106 @@
+"""Running a function on N local ranks: spawn the processes, set up the default process group, tear it down.
+
+``seqpar demo``, ``seqpar train`` without torchrun, the benchmarks and the tests all start their ranks here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["spawn_ranks"]
+
+
+def _rank_entry(
+    rank: int,
+    fn: Callable[..., None],
+    world_size: int,
+    args: tuple,
+    store: str,
+    backend: str | None,
+    timeout: timedelta,
+    threads: int,
+) -> None:
+    # ranks share the machine's cores; more threads per rank than cores per rank only contend
+    torch.set_num_threads(threads)
+    if backend is None:
+        fn(rank, world_size, *args)
+    else:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, init_method=f"file://{store}", timeout=timeout
+        )
+        # A failure propagates at once, the group left standing: tearing it down first closes the peers'
+        # connections while this rank still has to report, and the parent then often hears a peer's
+        # "connection closed" before the error itself.
+        fn(rank, world_size, *args)
+        dist.barrier()  # no rank tears its connections down while another still talks to it
+        dist.destroy_process_group()
+    # Leave without running C++ static destructors: gloo's worker threads have been seen to abort the
+    # process there ("terminate called without an active exception") after all of its work had succeeded.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+@contextlib.contextmanager
+def _environment(env: Mapping[str, str] | None) -> Iterator[None]:
+    """Set ``env`` in this process while the block runs (spawned children inherit it), then restore it."""
+    saved = {name: os.environ.get(name) for name in env or {}}
+    os.environ.update(env or {})
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def spawn_ranks(
+    fn: Callable[..., None],
+    world_size: int,
+    *args: object,
+    backend: str | None = "gloo",
+    timeout: timedelta = timedelta(minutes=10),
+    threads: int = 1,
+    env: Mapping[str, str] | None = None,
+) -> None:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes, each a rank of a fresh group.
+
+    Each process sets its torch thread count, joins the default process group (a file store in a temporary
+    directory), runs ``fn``, waits at a barrier for every rank to finish and destroys the group. Returns when
+    every rank has succeeded; the first rank to fail stops the others.
+
+    Args:
+        fn: a module-level function (it is pickled by name into the spawned processes).
+        world_size: number of ranks (processes).
+        *args: further arguments of ``fn``; they must pickle.
+        backend: "gloo" (CPU), "nccl" (rank r uses GPU r), or None to run ``fn`` without a process group.
+        timeout: how long a collective waits for the other ranks before it fails.
+        threads: torch intra-op threads per rank.
+        env: environment variables that the spawned processes start with (for settings read at process
+            start, such as glibc's ``MALLOC_*``); this process's environment is restored afterwards.
+
+    Raises:
+        torch.multiprocessing.ProcessRaisedException: a rank raised; ``error_index`` is the rank and the
+            message ends with its traceback.
+        torch.multiprocessing.ProcessExitedException: a rank died without raising (a signal, ``os._exit``).
+    """
+    with tempfile.TemporaryDirectory() as tmp, _environment(env):
+        mp.start_processes(
+            _rank_entry,
+            args=(fn, world_size, args, os.path.join(tmp, "store"), backend, timeout, threads),
+            nprocs=world_size,
+            start_method="spawn",
+        )
