@@ -25,12 +25,16 @@ def strategies_for(world_size: int) -> list[str]:
     return ["ring", "allgather", "auto"] + (["ulysses"] if 4 % world_size == 0 else [])
 
 
+AUTO_AT = {1: "local", 2: "ulysses", 3: "ring", 4: "ulysses"}
+
+
 def _logits_and_loss(rank, world_size, mesh):
     hybrid = [("hybrid", seqpar.make_mesh(ulysses_size=2))] if world_size == 4 else []
     runs = [(s, mesh) for s in strategies_for(world_size)] + hybrid
     for kind, (strategy, run_mesh) in itertools.product(("llama", "qwen2", "mistral"), runs):
         ref = build(kind)
         model = seqpar.prepare_model(copy.deepcopy(ref), run_mesh, strategy=strategy)
+        assert seqpar.attention_choice(model) is None, "nothing has run yet"
         ids = tokens(2, SEQ, 1)
         with torch.no_grad():
             want = ref(input_ids=ids, labels=ids)
@@ -41,6 +45,10 @@ def _logits_and_loss(rank, world_size, mesh):
         what = f"{kind} {strategy} P={world_size}"
         torch.testing.assert_close(logits, want.logits[:, idx], atol=ATOL, rtol=RTOL, msg=lambda m, w=what: f"{w}: {m}")
         torch.testing.assert_close(loss, want.loss, atol=ATOL, rtol=RTOL, msg=lambda m, w=what: f"{w} loss: {m}")
+        # what ran: "auto" with 4 query / 2 KV heads is ulysses where 4 heads split (P = 2, 4), else ring
+        ran = seqpar.attention_choice(model)
+        assert ran.strategy == (AUTO_AT[world_size] if strategy == "auto" else strategy), (what, ran)
+        assert ran.kernel.name == "torch_cpu_flash", (what, ran)
         if kind == "llama" and strategy == "ring":
             # the decoder alone (hidden states) and the loss made in pieces give the same loss and gradients
             logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
