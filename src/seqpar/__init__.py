@@ -1,13 +1,14 @@
 """seqpar: sequence parallelism for long-context transformer training (Ulysses, ring, all-gather attention).
 
 Attention: ``make_mesh``, ``shard_sequence``, ``attention``.
-Models: ``prepare_model``, ``shard_batch``, ``cross_entropy``.
+Models: ``prepare_model``, ``shard_batch``, ``cross_entropy``; plain PyTorch SDPA code: ``context_parallel``.
 """
 
 from seqpar.api import AttentionChoice, attention, choose_attention
 from seqpar.data import IGNORE_INDEX, pack_documents, shard_batch
 from seqpar.errors import SeqparInputError
 from seqpar.gradients import clip_grad_norm_, reduce_gradients
+from seqpar.integrations.context_parallel import context_parallel, context_parallel_unshard
 from seqpar.integrations.data_parallel import apply_data_parallel, data_parallel_group
 from seqpar.integrations.tensor_parallel import apply_tensor_parallel
 from seqpar.integrations.transformers import attention_choice, prepare_model
@@ -33,6 +34,8 @@ __all__ = [
     "attention_choice",
     "choose_attention",
     "clip_grad_norm_",
+    "context_parallel",
+    "context_parallel_unshard",
     "count_valid_tokens",
     "cross_entropy",
     "data_parallel_group",

@@ -1,0 +1,33 @@
+"""Hugging Face ``Trainer``, TRL ``SFTTrainer`` and accelerate loops with the sequence split over ranks.
+
+``SequenceParallelTrainer`` / ``SequenceParallelSFTTrainer`` take ``sequence_parallel=SequenceParallelConfig(...)``.
+"""
+
+from __future__ import annotations
+
+from seqpar.hf.batches import SequenceShard, StepShards, replica_of, replica_sampler, shard_step, to_shard
+from seqpar.hf.config import SequenceParallelConfig
+from seqpar.hf.trainer import SequenceParallelMixin, SequenceParallelTrainer, build_mesh
+
+__all__ = [
+    "SequenceParallelConfig",
+    "SequenceParallelMixin",
+    "SequenceParallelSFTTrainer",
+    "SequenceParallelTrainer",
+    "SequenceShard",
+    "StepShards",
+    "build_mesh",
+    "replica_of",
+    "replica_sampler",
+    "shard_step",
+    "to_shard",
+]
+
+
+def __getattr__(name: str) -> object:
+    # trl is optional and slow to import: load the SFT trainer only when it is asked for
+    if name == "SequenceParallelSFTTrainer":
+        from seqpar.hf.sft import SequenceParallelSFTTrainer
+
+        return SequenceParallelSFTTrainer
+    raise AttributeError(f"module 'seqpar.hf' has no attribute {name!r}")

@@ -1,0 +1,229 @@
+"""Collator output -> this rank's shard, for every micro-batch of an optimizer step, checked on all ranks at once.
+
+Used by the Trainer mixin and by hand-written accelerate loops (``shard_step``); ``replica_sampler`` gives a
+plain DataLoader the rows of this rank's data-parallel replica.
+
+Note [one exchange per step]
+    Before the model runs, every rank turns its micro-batches into shards (``seqpar.shard_batch``: labels
+    shifted before sharding, rows padded to the layout) and checks them. The ranks then all-gather one short
+    row each: an error flag, the valid-token count of their shards, and a fingerprint of the rows they
+    loaded. From that table every rank knows (1) whether any rank was given bad input, and raises the same
+    ``SeqparInputError`` if so (the messages travel only then), before any collective that could hang;
+    (2) the number of valid tokens of the whole step over every data-parallel replica and micro-batch, the
+    normaliser of the exact loss (Note [global token normalisation]); (3) whether the ranks of each
+    sequence-parallel group loaded the same rows, which they must (the dataloader shards by replica).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler
+
+from seqpar.comm.collectives import collective_device
+from seqpar.data import IGNORE_INDEX, shard_batch
+from seqpar.errors import SeqparInputError
+from seqpar.mesh import SequenceParallelMesh
+
+__all__ = ["SequenceShard", "StepShards", "replica_of", "replica_sampler", "shard_step", "to_shard"]
+
+# Keys that carry packed-document boundaries for varlen kernels: seqpar reads the same from position_ids.
+PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+SEQUENCE_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask")
+DROPPED_KEYS = ("use_cache", "return_loss", "num_items_in_batch")
+
+
+class SequenceShard(dict):
+    """This rank's shard of one micro-batch: ``input_ids``, ``position_ids``, ``shift_labels`` ``[B, S'/P]``.
+
+    A dict subclass so that the Trainer's device move (which rebuilds mappings with their own type) keeps
+    it recognisable as already sharded.
+    """
+
+
+@dataclass
+class StepShards:
+    """The shards of one optimizer step and the normaliser of its exact loss.
+
+    Attributes:
+        shards: one ``SequenceShard`` per micro-batch, in order.
+        num_valid_tokens: valid (shifted, not ignored) tokens of the whole step over every rank.
+    """
+
+    shards: list[SequenceShard]
+    num_valid_tokens: int
+
+
+def _problem(batch: Mapping[str, object], sp_size: int) -> str | None:
+    """What is wrong with one collator output, or None."""
+    if not isinstance(batch, Mapping) or "input_ids" not in batch:
+        return "each batch must be a mapping with 'input_ids' (inputs_embeds and other inputs are not supported)"
+    ids = batch["input_ids"]
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return f"input_ids must be a [batch, seq] tensor, got {getattr(ids, 'shape', type(ids))}"
+    unknown = sorted(str(k) for k in batch if k not in (*SEQUENCE_KEYS, *PACKING_KEYS, *DROPPED_KEYS))
+    if unknown:
+        return (
+            f"batch keys {unknown} are not understood by seqpar.hf: sequence parallelism shards input_ids, labels, "
+            "position_ids and attention_mask only"
+        )
+    packed = [k for k in PACKING_KEYS if batch.get(k) is not None]
+    if packed and batch.get("position_ids") is None:
+        return (
+            f"the batch packs several documents per row ({packed}) but has no position_ids: seqpar finds document "
+            "boundaries from position ids restarting at 0 (DataCollatorWithFlattening(return_position_ids=True))"
+        )
+    mask = batch.get("attention_mask")
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
+        return f"attention_mask must be a [batch, seq] padding mask, got {getattr(mask, 'shape', type(mask))}"
+    if ids.shape[1] < sp_size:
+        return (
+            f"a sequence of {ids.shape[1]} tokens cannot be split over sp_size={sp_size} ranks (some would hold "
+            "no token of it); use longer sequences or a smaller sp_size"
+        )
+    return None
+
+
+def to_shard(batch: Mapping[str, object], mesh: SequenceParallelMesh, *, layout: str = "zigzag") -> SequenceShard:
+    """This rank's shard of one collator output (no communication).
+
+    Args:
+        batch: a Hugging Face collator's output for the *whole* rows of this data-parallel replica:
+            ``input_ids``, optional unshifted ``labels`` (or ``shift_labels``), ``position_ids`` (restarting at 0
+            at every packed document), ``attention_mask`` (right padding only). Varlen keys
+            (``cu_seq_lens_q`` ...) are dropped: the documents are read from ``position_ids``.
+        mesh: the sequence-parallel mesh.
+        layout: the layout the prepared model was told.
+
+    Returns:
+        A ``SequenceShard``; rows that do not divide into the layout are padded, and the padding is ignored.
+
+    Raises:
+        SeqparInputError: unknown keys, packed rows without position ids, left padding, a sequence shorter
+            than ``sp_size``, labels that look shifted already.
+    """
+    problem = _problem(batch, mesh.sp_size)
+    if problem is not None:
+        raise SeqparInputError(problem)
+    wanted = {k: batch[k] for k in SEQUENCE_KEYS if batch.get(k) is not None}
+    return SequenceShard(shard_batch(wanted, mesh, layout=layout))
+
+
+def _fingerprint(batch: Mapping[str, object]) -> int:
+    """A number that differs, almost surely, between two different batches (same on every rank for one)."""
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+    if not isinstance(ids, torch.Tensor):
+        return 0
+    flat = ids.detach().reshape(-1).long().cpu()
+    weights = torch.arange(flat.numel()) % 65521 + 1
+    return int((flat % 1048573 * weights).sum()) + 1000003 * flat.numel()
+
+
+def _gather_rows(row: list[int], group: dist.ProcessGroup | None) -> list[list[int]]:
+    if group is None:
+        return [row]
+    mine = torch.tensor(row, dtype=torch.int64, device=collective_device(group))
+    table = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(table, mine, group=group)
+    return [t.tolist() for t in table]
+
+
+def _raise_agreed(message: str | None, group: dist.ProcessGroup | None) -> None:
+    """Raise on every rank with the messages of the ranks that failed (called only when some rank failed)."""
+    messages = [message]
+    if group is not None:
+        messages = [None] * dist.get_world_size(group)
+        dist.all_gather_object(messages, message, group=group)
+    by_message: dict[str, list[int]] = {}
+    for r, m in enumerate(messages):
+        if m is not None:
+            by_message.setdefault(m, []).append(r)
+    failed = [f"rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}: {m}" for m, r in by_message.items()]
+    raise SeqparInputError("bad batch for sequence parallelism | " + " | ".join(failed))
+
+
+def shard_step(
+    batches: Sequence[Mapping[str, object]],
+    mesh: SequenceParallelMesh,
+    *,
+    group: dist.ProcessGroup | None = None,
+    layout: str = "zigzag",
+) -> StepShards:
+    """Shard the micro-batches of one optimizer step and count its valid tokens over every rank (collective).
+
+    Note [one exchange per step]: one all-gather of a few integers over ``group``.
+
+    Args:
+        batches: this data-parallel replica's micro-batches (collator outputs), the same on every rank of
+            its sequence-parallel group.
+        mesh: the sequence-parallel mesh.
+        group: every rank that trains together (dp x sp; the default group under torchrun), or None for a
+            single process.
+        layout: the layout the prepared model was told.
+
+    Returns:
+        The shards and ``num_valid_tokens`` for ``seqpar.cross_entropy``.
+
+    Raises:
+        SeqparInputError: on every rank, when any rank's batch is bad (naming the rank and the problem) or
+            the ranks of a sequence-parallel group loaded different rows.
+    """
+    shards, message = [], None
+    try:
+        shards = [to_shard(b, mesh, layout=layout) for b in batches]
+    except SeqparInputError as error:
+        message = str(error)
+    count = sum(int((s["shift_labels"] != IGNORE_INDEX).sum()) for s in shards)
+    fingerprint = sum(_fingerprint(b) for b in batches) % (1 << 62)
+    table = _gather_rows([int(message is not None), count, fingerprint, len(batches)], group)
+    if any(row[0] for row in table):
+        _raise_agreed(message, group)
+    if group is not None and mesh.sp_group is not None:
+        peers = dist.get_process_group_ranks(mesh.sp_group)
+        seen = {tuple(table[dist.get_group_rank(group, r)][2:]) for r in peers}
+        if len(seen) > 1:
+            raise SeqparInputError(
+                f"the ranks {peers} of one sequence-parallel group loaded different batches; every rank of a group "
+                "must get the same rows (shard the dataset by data-parallel replica, e.g. with replica_sampler)"
+            )
+    return StepShards(shards, sum(row[1] for row in table))
+
+
+def replica_sampler(
+    dataset: Sequence, mesh: SequenceParallelMesh, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False
+) -> DistributedSampler:
+    """A sampler giving every rank the rows of its data-parallel replica (the same rows within an SP group).
+
+    For hand-written loops: pass it to a plain ``DataLoader`` (do not ``accelerator.prepare`` that loader:
+    accelerate would shard it by process instead). Call ``set_epoch`` on it every epoch when shuffling.
+
+    Args:
+        dataset: a map-style dataset.
+        mesh: the mesh from ``seqpar.make_mesh`` (its "dp" axis numbers the replicas).
+        shuffle, seed, drop_last: as in ``torch.utils.data.DistributedSampler``.
+
+    Returns:
+        A ``DistributedSampler`` over the data-parallel replicas.
+    """
+    dp_size, dp_rank = replica_of(mesh)
+    return DistributedSampler(
+        dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+    )
+
+
+def replica_of(mesh: SequenceParallelMesh) -> tuple[int, int]:
+    """How many data-parallel replicas there are and which one this rank belongs to.
+
+    Args:
+        mesh: a mesh from ``seqpar.make_mesh`` (its "dp" axis), or any other mesh (one replica).
+
+    Returns:
+        ``(dp_size, dp_rank)``.
+    """
+    dm = mesh.device_mesh
+    if dm is None or "dp" not in (dm.mesh_dim_names or ()):
+        return 1, 0
+    return dm.size(dm.mesh_dim_names.index("dp")), dm.get_local_rank("dp")

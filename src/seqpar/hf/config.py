@@ -1,0 +1,155 @@
+"""What a sequence-parallel Hugging Face run is configured with, and the Trainer / SFTConfig options it refuses.
+
+Every check here reads only settings that are the same on every rank, so all ranks raise the same error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from seqpar.errors import SeqparInputError
+from seqpar.layout import LAYOUTS
+from seqpar.strategies import STRATEGIES
+
+__all__ = ["SequenceParallelConfig", "check_sft_arguments", "check_trainer_options", "check_training_arguments"]
+
+
+@dataclass(frozen=True)
+class SequenceParallelConfig:
+    """How the ranks of a ``torchrun`` / ``accelerate launch`` job split each sequence.
+
+    The world is dp x sp: ``sp_size`` ranks share every sequence and the data-parallel degree is derived
+    (world size / ``sp_size``). ``per_device_train_batch_size`` counts the sequences of one *data-parallel
+    replica*: the ``sp_size`` ranks of a group all hold the same rows, each a ``1/sp_size`` shard of the tokens.
+
+    Attributes:
+        sp_size: ranks that share one sequence; None: every rank of the job (no data parallel).
+        ulysses_size: how many of them exchange heads by all-to-all (the rest form a ring); divides ``sp_size``.
+        strategy: "auto", "ulysses", "ring", "allgather" or "hybrid" (as in ``seqpar.attention``).
+        layout: "zigzag" (balanced causal work) or "contiguous".
+        kernel: the local attention kernel, as in ``seqpar.attention`` ("auto" picks the fastest available).
+    """
+
+    sp_size: int | None = None
+    ulysses_size: int = 1
+    strategy: str = "auto"
+    layout: str = "zigzag"
+    kernel: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.sp_size is not None and (not isinstance(self.sp_size, int) or self.sp_size < 1):
+            raise SeqparInputError(f"sp_size must be a positive integer or None, got {self.sp_size!r}")
+        if not isinstance(self.ulysses_size, int) or self.ulysses_size < 1:
+            raise SeqparInputError(f"ulysses_size must be a positive integer, got {self.ulysses_size!r}")
+        if self.sp_size is not None and self.sp_size % self.ulysses_size:
+            raise SeqparInputError(f"ulysses_size {self.ulysses_size} must divide sp_size {self.sp_size}")
+        if self.strategy not in STRATEGIES:
+            raise SeqparInputError(f"unknown strategy {self.strategy!r}; choose one of {STRATEGIES}")
+        if self.layout not in LAYOUTS:
+            raise SeqparInputError(f"unknown layout {self.layout!r}; choose one of {LAYOUTS}")
+
+
+def check_training_arguments(args: object) -> None:
+    """Refuse ``TrainingArguments`` that seqpar cannot honour, before the Trainer sets anything up.
+
+    Args:
+        args: the ``TrainingArguments`` (or ``SFTConfig``) given to the Trainer, or None (defaults).
+
+    Raises:
+        SeqparInputError: DeepSpeed, accelerate's own sequence/context parallelism, FSDP version 1, label
+            smoothing, per-device token averaging, NEFTune, the batch-rebalance sampler.
+    """
+    if args is None:
+        return
+    problems = []
+    if getattr(args, "deepspeed", None):
+        problems.append(
+            f"DeepSpeed (deepspeed={args.deepspeed!r}) is not a data-parallel engine seqpar supports: its ZeRO "
+            "optimizer reduces gradients itself; use DDP (the default under torchrun) or FSDP2 (fsdp=... with "
+            "fsdp_config={'version': 2})"
+        )
+    if getattr(args, "parallelism_config", None) is not None:
+        problems.append(
+            "parallelism_config (accelerate's own sequence/context parallelism) cannot be combined with seqpar: "
+            "seqpar splits the sequence itself; leave parallelism_config unset"
+        )
+    if getattr(args, "fsdp", None) and int((getattr(args, "fsdp_config", None) or {}).get("version", 2)) != 2:
+        problems.append("FSDP version 1 is not supported with seqpar; use FSDP2 (fsdp_config={'version': 2})")
+    if getattr(args, "label_smoothing_factor", 0.0):
+        problems.append(
+            f"label_smoothing_factor={args.label_smoothing_factor}: seqpar's exact loss is plain token "
+            "cross-entropy; label smoothing is not implemented (set it to 0)"
+        )
+    if getattr(args, "average_tokens_across_devices", True) is False:
+        problems.append(
+            "average_tokens_across_devices=False asks for a per-device token mean; seqpar always normalises by "
+            "the valid tokens of the whole optimizer step over every rank (the one-process loss): set it to True"
+        )
+    if getattr(args, "neftune_noise_alpha", None):
+        problems.append(
+            "neftune_noise_alpha: NEFTune scales its noise by 1/sqrt(sequence length x hidden size), and under "
+            "sequence parallelism each rank sees only its shard's length, so the noise would be too large"
+        )
+    if getattr(args, "train_sampling_strategy", None) == "batch_rebalance":
+        problems.append(
+            "train_sampling_strategy='batch_rebalance' assigns batches to every process; seqpar gives the same "
+            "rows to all ranks of a sequence-parallel group (use 'random', 'sequential' or 'group_by_length')"
+        )
+    if problems:
+        raise SeqparInputError("seqpar.hf cannot honour these training arguments: " + " | ".join(problems))
+
+
+def check_trainer_options(trainer: object) -> None:
+    """Refuse Trainer features that need whole-sequence logits or another loss.
+
+    Args:
+        trainer: the constructed Trainer (reads ``compute_loss_func``, ``compute_metrics``,
+            ``preprocess_logits_for_metrics``, ``model_init`` and the model's config).
+
+    Raises:
+        SeqparInputError: naming each feature and why.
+    """
+    problems = []
+    if getattr(trainer, "compute_loss_func", None) is not None:
+        problems.append(
+            "compute_loss_func would receive one rank's shard of the logits; seqpar computes the exact token "
+            "cross-entropy itself (override compute_loss in a subclass to change it)"
+        )
+    for name in ("compute_metrics", "preprocess_logits_for_metrics"):
+        if getattr(trainer, name, None) is not None:
+            problems.append(f"{name} needs whole-sequence logits; under seqpar evaluation reports the loss only")
+    if getattr(trainer, "model_init", None) is not None:
+        problems.append("model_init builds new models that seqpar has not prepared; pass model= instead")
+    config = getattr(getattr(trainer, "model", None), "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "output_router_logits", False):
+        problems.append("mixture-of-experts auxiliary losses (output_router_logits) are not part of seqpar's loss")
+    if problems:
+        raise SeqparInputError("seqpar.hf cannot honour these Trainer options: " + " | ".join(problems))
+
+
+def check_sft_arguments(args: object) -> None:
+    """Refuse ``SFTConfig`` options that seqpar cannot honour, with the reason for each.
+
+    Args:
+        args: the ``SFTConfig``.
+
+    Raises:
+        SeqparInputError: ``use_liger_kernel`` (a fused loss on unsharded labels), ``loss_type`` other than
+            "nll" (seqpar's loss is token cross-entropy), ``activation_offloading`` (not tried with seqpar).
+    """
+    problems = []
+    if getattr(args, "use_liger_kernel", False):
+        problems.append(
+            "use_liger_kernel: Liger fuses the loss into the model's forward on labels it shifts itself; "
+            "under sequence parallelism the labels must be shifted before sharding (seqpar's loss does that)"
+        )
+    if getattr(args, "loss_type", "nll") != "nll":
+        problems.append(
+            f"loss_type={args.loss_type!r}: seqpar computes the plain token negative log-likelihood ('nll') "
+            "normalised over the whole step; other SFT losses are not implemented"
+        )
+    if getattr(args, "activation_offloading", False):
+        problems.append("activation_offloading has not been verified with seqpar's attention; leave it off")
+    if problems:
+        raise SeqparInputError("seqpar.hf cannot honour these SFTConfig options: " + " | ".join(problems))

@@ -1,0 +1,94 @@
+"""The evaluation loss under sequence parallelism: the number the one-process Trainer reports, over sharded rows.
+
+Note [evaluation loss]
+    The one-process Trainer's ``eval_loss`` is the mean over batches of each batch's token-mean loss,
+    each batch weighted by its number of examples (its loss is repeated ``eval_batch_size`` times and the
+    last, partial batch is cut to the examples it holds). Here every data-parallel replica evaluates the
+    batches ``j = k * dp + replica`` of the same sequential order, with the sequence split over its SP
+    group: a batch's loss is the sum of the group's token losses over the group's valid-token count, its
+    weight ``min(E, N - j * E)`` examples. Replicas may get one batch fewer than others; they run a
+    forward on a tiny padding batch instead (weight 0), so that every rank makes the same collectives,
+    which FSDP's parameter all-gathers and the per-batch input agreement need.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from seqpar.comm.collectives import collective_device
+from seqpar.data import IGNORE_INDEX
+from seqpar.hf.batches import replica_of, shard_step
+from seqpar.loss import cross_entropy, sum_over
+from seqpar.mesh import SequenceParallelMesh
+
+__all__ = ["evaluation_loss"]
+
+
+def _max_over(value: int, group: dist.ProcessGroup | None) -> int:
+    if group is None:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=collective_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t)
+
+
+def _padding_batch(mesh: SequenceParallelMesh, device: torch.device) -> dict[str, torch.Tensor]:
+    """A two-chunk-per-rank batch whose labels are all ignored: a forward with no effect on the loss."""
+    n = 2 * mesh.sp_size
+    return {"input_ids": torch.zeros(1, n, dtype=torch.long, device=device), "labels": torch.full((1, n), IGNORE_INDEX)}
+
+
+def evaluation_loss(
+    model: torch.nn.Module,
+    dataloader: object,
+    mesh: SequenceParallelMesh,
+    *,
+    group: dist.ProcessGroup | None,
+    batch_size: int,
+    layout: str = "zigzag",
+    autocast: object = None,
+    on_batch: object = None,
+) -> tuple[float, int]:
+    """The one-process Trainer's evaluation loss over a replica-sharded dataloader (Note [evaluation loss]).
+
+    Collective over ``group``: every rank calls it with its own replica's dataloader.
+
+    Args:
+        model: the prepared model (not the DDP wrapper: no gradients flow here).
+        dataloader: this replica's batches, in the shared sequential order, not topped up to equal counts.
+        mesh: the sequence-parallel mesh.
+        group: every rank of the job (None for one process).
+        batch_size: the per-replica evaluation batch size ``E``.
+        layout: the layout the prepared model was told.
+        autocast: a context-manager factory for mixed precision (e.g. ``accelerator.autocast``), or None.
+        on_batch: called after every real batch (progress callbacks), or None.
+
+    Returns:
+        ``(eval_loss, number of examples)``; the loss is NaN when no batch had a valid token.
+    """
+    total = len(dataloader.dataset)
+    dp_size, dp_rank = replica_of(mesh)
+    device = next(model.parameters()).device
+    steps = _max_over(len(dataloader), group)
+    batches = iter(dataloader)
+    sums = torch.zeros(2, dtype=torch.float64)  # sum of weight x batch loss, sum of weights
+    model.eval()
+    for k in range(steps):
+        batch = next(batches, None)
+        weight = max(0, min(batch_size, total - (k * dp_size + dp_rank) * batch_size)) if batch is not None else 0
+        real = batch if batch is not None else _padding_batch(mesh, device)
+        shard = {key: v.to(device) for key, v in shard_step([real], mesh, group=group, layout=layout).shards[0].items()}
+        with torch.no_grad(), autocast() if autocast is not None else torch.autocast(device.type, enabled=False):
+            logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+            loss_sum = cross_entropy(logits, shard["shift_labels"], num_valid_tokens=1).double()
+        count = (shard["shift_labels"] != IGNORE_INDEX).sum().double()
+        group_sum, group_count = sum_over(torch.stack([loss_sum, count]), mesh).tolist()
+        if weight and group_count:
+            sums += torch.tensor([weight * group_sum / group_count, weight], dtype=torch.float64)
+        if batch is not None and on_batch is not None:
+            on_batch()
+    # every rank of an SP group holds the same sums: the ratio over the whole job is unchanged by that
+    if group is not None:
+        sums = sum_over(sums, group)
+    return (float(sums[0] / sums[1]) if sums[1] > 0 else float("nan")), total

@@ -1,0 +1,216 @@
+"""``transformers.Trainer`` with the sequence split over ranks: a mixin and the ready-made Trainer subclass.
+
+Launch with ``torchrun`` or ``accelerate launch``; the world is dp x sp and the Trainer's DDP/FSDP2 wrap it.
+
+Note [exact loss under the Trainer]
+    The Trainer wraps the model in DDP (or FSDP2) over *every* process and that wrapper averages
+    gradients over all dp x sp of them. Each rank's loss is ``(sum of its token losses) / N x W``: N is the
+    number of valid tokens of the whole optimizer step (every replica, every micro-batch: Note [one
+    exchange per step]) and W the number of processes the wrapper averages over. The wrapper's average of
+    W-scaled gradients is their sum, which is the exact gradient of the step's token-mean loss (Note
+    [summed gradients]); under gradient accumulation each micro-batch adds its exact share, with or
+    without ``no_sync``. The loss is already normalised for the whole step, so the Trainer must not
+    divide it by the accumulation steps again (``loss_is_scaled_for_ga = True``). The Trainer logs the
+    mean over processes of the summed micro-batch losses, i.e. their sum over processes / W: the step's
+    token-mean loss, as one process computes it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from transformers import DataCollatorWithFlattening, Trainer
+from transformers.trainer_utils import EvalLoopOutput
+
+from seqpar.errors import SeqparInputError
+from seqpar.hf.batches import SequenceShard, replica_of, shard_step
+from seqpar.hf.config import SequenceParallelConfig, check_trainer_options, check_training_arguments
+from seqpar.hf.evaluation import evaluation_loss
+from seqpar.hf.loaders import shard_by_replica
+from seqpar.integrations.transformers import prepare_model
+from seqpar.loss import cross_entropy
+from seqpar.mesh import SequenceParallelMesh, as_sp_mesh, make_mesh
+
+__all__ = ["SequenceParallelMixin", "SequenceParallelTrainer", "build_mesh"]
+
+
+def build_mesh(config: SequenceParallelConfig) -> SequenceParallelMesh:
+    """The mesh for ``config`` over the initialised default group (or a one-process mesh).
+
+    Collective when a process group is initialised (it builds a DeviceMesh): call it on every rank.
+
+    Args:
+        config: the sequence-parallel settings (``sp_size`` None: every rank shares each sequence).
+
+    Returns:
+        A ``SequenceParallelMesh`` with axes ("dp", "ring", "ulysses"); dp = world size / ``sp_size``.
+
+    Raises:
+        SeqparInputError: ``sp_size > 1`` without a process group; a world size that ``sp_size`` does not divide.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        if (config.sp_size or 1) > 1:
+            raise SeqparInputError(
+                f"sp_size={config.sp_size} needs several processes: launch with torchrun or accelerate launch"
+            )
+        return as_sp_mesh(None)
+    world = dist.get_world_size()
+    sp_size = config.sp_size or world
+    if world % sp_size:
+        raise SeqparInputError(
+            f"the world size {world} is not divisible by sp_size {sp_size}: the job runs world / sp_size "
+            f"data-parallel replicas; valid sp sizes here: {[d for d in range(1, world + 1) if world % d == 0]}"
+        )
+    return make_mesh(sp_size=sp_size, ulysses_size=config.ulysses_size)
+
+
+class SequenceParallelMixin:
+    """Adds sequence parallelism to a ``transformers.Trainer`` subclass: put it first among the bases.
+
+    The constructor takes the Trainer's arguments plus ``sequence_parallel=SequenceParallelConfig(...)``.
+    ``per_device_train_batch_size`` (and ``per_device_eval_batch_size``) count sequences per *data-parallel
+    replica*: the ``sp_size`` ranks of a group load the same rows and each keeps a shard of their tokens.
+    The logged loss and gradient norm, the gradients and the evaluation loss are those of one process
+    training on the whole batch (Note [exact loss under the Trainer], Note [evaluation loss]).
+
+    Raises:
+        SeqparInputError: on every rank, for settings and batches seqpar cannot serve (see
+            ``check_training_arguments``, ``check_trainer_options``, ``shard_step``).
+    """
+
+    # compute_loss normalises over the whole optimizer step (Note [exact loss under the Trainer])
+    loss_is_scaled_for_ga = True
+
+    def __init__(self, *args, sequence_parallel: SequenceParallelConfig | None = None, **kwargs) -> None:
+        check_training_arguments(kwargs.get("args", args[1] if len(args) > 1 else None))
+        super().__init__(*args, **kwargs)
+        config = sequence_parallel if sequence_parallel is not None else SequenceParallelConfig()
+        if getattr(self, "is_deepspeed_enabled", False):
+            raise SeqparInputError("DeepSpeed (set in the accelerate config) is refused by seqpar; use DDP or FSDP2")
+        fsdp_plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        if fsdp_plugin is not None and getattr(fsdp_plugin, "fsdp_version", 1) != 2:
+            raise SeqparInputError("FSDP version 1 (from the accelerate config) is not supported; use fsdp_version 2")
+        check_trainer_options(self)
+        collator = self.data_collator
+        if isinstance(collator, DataCollatorWithFlattening) and (
+            not collator.return_position_ids or getattr(collator, "position_ids_start", 0) != 0
+        ):
+            raise SeqparInputError(
+                "DataCollatorWithFlattening packs documents; seqpar finds their boundaries from position ids that "
+                "restart at 0: pass return_position_ids=True (and keep position_ids_start=0)"
+            )
+        self.sequence_parallel = config
+        # transformers versions without loss_is_scaled_for_ga read this to leave the loss undivided
+        self.model_accepts_loss_kwargs = True
+        self.sp_mesh = build_mesh(config)
+        self.dp_size, self.dp_rank = replica_of(self.sp_mesh)
+        prepare_model(self.model, self.sp_mesh, strategy=config.strategy, layout=config.layout, kernel=config.kernel)
+
+    # ---- data: rows per data-parallel replica (Note [loaders by replica]) ----
+
+    def _world_group(self) -> dist.ProcessGroup | None:
+        return dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
+
+    def get_train_dataloader(self):
+        """The Trainer's training dataloader, yielding this rank's data-parallel replica's batches."""
+        loader = super().get_train_dataloader()
+        return shard_by_replica(loader, self.dp_size, self.dp_rank, world_size=self.accelerator.num_processes)
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        """The evaluation dataloader for this replica, without batches repeated to even out the replicas."""
+        loader = super().get_eval_dataloader(eval_dataset)
+        world = self.accelerator.num_processes
+        return shard_by_replica(loader, self.dp_size, self.dp_rank, world_size=world, even_batches=False)
+
+    def get_test_dataloader(self, test_dataset):
+        """The prediction dataloader for this replica (``predict`` reports the loss only)."""
+        loader = super().get_test_dataloader(test_dataset)
+        world = self.accelerator.num_processes
+        return shard_by_replica(loader, self.dp_size, self.dp_rank, world_size=world, even_batches=False)
+
+    def get_total_train_batch_size(self, args) -> int:
+        """Sequences per optimizer step: per-replica batch x accumulation steps x data-parallel replicas."""
+        return self._train_batch_size * args.gradient_accumulation_steps * self.dp_size
+
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
+        """The step's micro-batches as this rank's shards, and the step's valid-token count over every rank.
+
+        Collective (Note [one exchange per step]); bad input raises ``SeqparInputError`` on every rank.
+        """
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        step = shard_step(batches, self.sp_mesh, group=self._world_group(), layout=self.sequence_parallel.layout)
+        return step.shards, step.num_valid_tokens
+
+    # ---- loss (Note [exact loss under the Trainer]) ----
+
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        """This rank's share of the step's token-mean loss, scaled for the data-parallel wrapper's average.
+
+        Args:
+            model: the (wrapped) prepared model.
+            inputs: a ``SequenceShard`` from ``get_batch_samples``, or a whole collator batch (then sharded
+                here, and normalised by its own valid tokens over every rank: collective).
+            return_outputs: also return the model outputs (this rank's logits shard).
+            num_items_in_batch: valid tokens of the whole step over every rank.
+
+        Returns:
+            The loss, or ``(loss, outputs)``.
+        """
+        if not isinstance(inputs, SequenceShard):
+            step = shard_step([inputs], self.sp_mesh, group=self._world_group(), layout=self.sequence_parallel.layout)
+            inputs = step.shards[0]
+            if num_items_in_batch is None:
+                num_items_in_batch = step.num_valid_tokens
+        if model.training and self.accelerator.num_processes > 1 and model is self.model and not self.is_fsdp_enabled:
+            raise SeqparInputError(
+                "the model is not wrapped in DDP/FSDP: gradients would not be summed over ranks; train through "
+                "trainer.train() (which wraps it)"
+            )
+        outputs = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"])
+        total = int(num_items_in_batch) if num_items_in_batch is not None else None
+        loss = cross_entropy(outputs.logits, inputs["shift_labels"], num_valid_tokens=total)
+        loss = loss * self.accelerator.num_processes  # DDP / FSDP2 average over every process
+        return (loss, outputs) if return_outputs else loss
+
+    # ---- evaluation (Note [evaluation loss]) ----
+
+    def evaluation_loop(
+        self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
+    ) -> EvalLoopOutput:
+        """The evaluation loss of one process, computed on sharded sequences; no predictions are gathered."""
+        self.callback_handler.eval_dataloader = dataloader
+
+        def on_batch() -> None:
+            self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
+
+        loss, count = evaluation_loss(
+            self.model,
+            dataloader,
+            self.sp_mesh,
+            group=self._world_group(),
+            batch_size=self.args.eval_batch_size,
+            layout=self.sequence_parallel.layout,
+            autocast=self.accelerator.autocast,
+            on_batch=on_batch,
+        )
+        metrics = {f"{metric_key_prefix}_loss": loss}
+        return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics, num_samples=count)
+
+
+class SequenceParallelTrainer(SequenceParallelMixin, Trainer):
+    """``transformers.Trainer`` with sequence parallelism; the same constructor plus ``sequence_parallel=``.
+
+    ``per_device_train_batch_size`` counts sequences per data-parallel replica (the SP ranks of a group share
+    them). Example, under ``torchrun --nproc-per-node 4``::
+
+        trainer = SequenceParallelTrainer(
+            model=model, args=training_args, train_dataset=ds, data_collator=collator,
+            sequence_parallel=SequenceParallelConfig(sp_size=2),  # 2 replicas x 2 ranks per sequence
+        )
+        trainer.train()
+    """

@@ -1,0 +1,170 @@
+"""The runs that tests/test_hf.py compares: tiny models, documents, collators and Trainer settings by case name.
+
+Imports no seqpar module, so that the one-process reference runs without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import transformers
+
+from tests._models import VOCAB, tiny_config
+
+__all__ = ["CASES", "Case", "documents", "padded_collator", "results", "tokenizer", "training_args"]
+
+STEPS = 6
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One training run: the same settings for the one-process reference and the sequence-parallel run."""
+
+    world: int
+    kind: str = "llama"
+    sp_size: int = 2
+    ulysses_size: int = 1
+    strategy: str = "auto"
+    batch: int = 2  # sequences per data-parallel replica per micro-batch
+    collator: str = "flatten"  # "flatten" (packed documents), "padded" (right padding) or "sft"
+    optim: str = "sgd"
+    extra: tuple = ()  # more TrainingArguments / SFTConfig fields
+    eval_batch: int = 0  # 0: no evaluation
+    reference: str = ""  # compare with another case's reference (same data and settings)
+
+    @property
+    def dp(self) -> int:
+        return self.world // self.sp_size
+
+
+SFT_PACKING = (("packing", True), ("max_length", 40), ("activation_checkpointing", False))
+CASES = {
+    "sp2": Case(2, eval_batch=4),
+    "sp2_adamw": Case(2, kind="qwen2", optim="adamw_torch"),
+    "sp2_padded": Case(2, kind="mistral", strategy="ring", collator="padded"),
+    "sp2_checkpointing": Case(2, extra=(("activation_checkpointing", True),), reference="sp2"),
+    "sp2_bf16": Case(2, extra=(("bf16", True),), reference="sp2"),
+    "sft_packing": Case(2, collator="sft", extra=SFT_PACKING, eval_batch=2),
+    "sft_padding_free": Case(
+        2, collator="sft", extra=(("padding_free", True), ("max_length", None), ("activation_checkpointing", False))
+    ),
+    "sp3_ring": Case(3, sp_size=3, strategy="ring"),
+    "dp2_sp2": Case(4, batch=1, extra=(("train_sampling_strategy", "random"),), eval_batch=2),
+    "ulysses2_ring2": Case(4, sp_size=4, ulysses_size=2, strategy="hybrid"),
+}
+
+
+def documents(count: int, seed: int, low: int = 5, high: int = 21) -> list[dict[str, list[int]]]:
+    """``count`` token documents of random lengths in [low, high)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high, (count,), generator=g).tolist()
+    return [{"input_ids": torch.randint(2, VOCAB, (n,), generator=g).tolist()} for n in lengths]
+
+
+def padded_collator(features: list[dict]) -> dict[str, torch.Tensor]:
+    """Right-padded rows with an attention mask; labels are the inputs with padding ignored."""
+    width = max(len(f["input_ids"]) for f in features)
+    ids = torch.zeros(len(features), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, f in enumerate(features):
+        ids[i, : len(f["input_ids"])] = torch.tensor(f["input_ids"])
+        mask[i, : len(f["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def tokenizer():
+    """A word-level tokenizer over the tiny vocabulary (TRL needs one for its pad token)."""
+    from tokenizers import Tokenizer, models
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"t{i}": i for i in range(2, VOCAB)}}
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<pad>")), pad_token="<pad>", eos_token="<eos>"
+    )
+    return tok
+
+
+def model(kind: str, attn: str = "sdpa"):
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(tiny_config(kind), attn_implementation=attn)
+
+
+def training_args(case: Case, out: str, reference: bool, **overrides):
+    """TrainingArguments (or SFTConfig) for ``case``; the reference's batch is the whole step's rows."""
+    batch = case.batch * (case.dp if reference else 1)
+    fields = dict(
+        output_dir=out,
+        use_cpu=True,
+        report_to="none",
+        disable_tqdm=True,
+        save_strategy="no",
+        logging_steps=1,
+        max_steps=STEPS,
+        per_device_train_batch_size=batch,
+        per_device_eval_batch_size=case.eval_batch or 1,
+        gradient_accumulation_steps=2,
+        learning_rate=0.5 if case.optim == "sgd" else 3e-3,
+        lr_scheduler_type="constant",
+        optim=case.optim,
+        max_grad_norm=0.5,  # below the gradient norms here: clipping is active
+        train_sampling_strategy="sequential",
+        seed=0,
+        bf16=False,
+    )
+    if case.eval_batch:
+        fields.update(eval_strategy="steps", eval_steps=3)
+    fields.update(dict(case.extra), **overrides)
+    if case.collator == "sft":
+        from trl import SFTConfig
+
+        return SFTConfig(**fields)
+    return transformers.TrainingArguments(**fields)
+
+
+def build_trainer(name: str, case: Case, out: str, trainer_cls, reference: bool, **kwargs):
+    """The Trainer (class given) for ``case`` with its model, data and collator."""
+    train, held_out = documents(96, 1), documents(10, 2)
+    args = training_args(case, out, reference, **kwargs.pop("args", {}))
+    mutate = kwargs.pop("mutate", None)
+    if mutate is not None:
+        mutate(args)
+    common = dict(model=model(case.kind), args=args, train_dataset=train, **kwargs)
+    if case.eval_batch:
+        common["eval_dataset"] = held_out
+    if case.collator == "sft":
+        from datasets import Dataset
+
+        common.update(
+            train_dataset=Dataset.from_list(train),
+            eval_dataset=Dataset.from_list(held_out) if case.eval_batch else None,
+            processing_class=tokenizer(),
+        )
+    elif case.collator == "padded":
+        common.setdefault("data_collator", padded_collator)
+    else:
+        common.setdefault("data_collator", transformers.DataCollatorWithFlattening(return_position_ids=True))
+    return trainer_cls(**common)
+
+
+def results(trainer) -> dict:
+    """Per-step loss and grad_norm, evaluation losses and final parameters (collective under FSDP2)."""
+    logs = [(h["step"], h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+    evals = [(h["step"], h["eval_loss"]) for h in trainer.state.log_history if "eval_loss" in h]
+    params = {}
+    for n, p in trainer.model.named_parameters():
+        p = p.full_tensor() if hasattr(p, "full_tensor") else p
+        params[n] = p.detach().float().cpu().clone()
+    wrapped = trainer.model_wrapped
+    setup = {
+        "wrapper": type(wrapped).__name__,
+        "fsdp2": any(hasattr(p, "full_tensor") for p in trainer.model.parameters()),
+        "checkpointing": bool(getattr(trainer.model, "is_gradient_checkpointing", False)),
+        "mixed_precision": str(trainer.accelerator.mixed_precision),
+    }
+    return {"log": logs, "eval": evals, "params": params, "setup": setup}
+
+
+def save(path: str, value: object) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save(value, path)

@@ -1,0 +1,117 @@
+"""The sequence-parallel side of tests/test_hf.py, one torchrun launch for many runs.
+
+``torchrun --nproc-per-node W -m tests.hf_scripts.parallel OUT NAME...``: each NAME is a case of
+``common.CASES`` (trained with seqpar.hf, results in OUT/NAME.pt) or one of the checks below.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import transformers
+
+import seqpar.hf
+from tests.hf_scripts.common import CASES, build_trainer, documents, results, save
+
+
+def _config(case) -> seqpar.hf.SequenceParallelConfig:
+    return seqpar.hf.SequenceParallelConfig(
+        sp_size=case.sp_size, ulysses_size=case.ulysses_size, strategy=case.strategy
+    )
+
+
+def _trainer_class(case):
+    return seqpar.hf.SequenceParallelSFTTrainer if case.collator == "sft" else seqpar.hf.SequenceParallelTrainer
+
+
+def run_case(out: str, name: str) -> None:
+    case = CASES[name]
+    trainer = build_trainer(
+        name, case, os.path.join(out, name), _trainer_class(case), reference=False, sequence_parallel=_config(case)
+    )
+    trainer.train()
+    found = results(trainer)
+    if dist.get_rank() == 0:
+        save(os.path.join(out, f"{name}.pt"), found)
+
+
+class _Unscaled(seqpar.hf.SequenceParallelMixin, transformers.Trainer):
+    """A user's own Trainer subclass with seqpar's mixin, whose loss forgets DDP's average (a control)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        return loss / self.accelerator.num_processes
+
+
+def control_unscaled(out: str) -> None:
+    case = CASES["sp2"]
+    trainer = build_trainer(
+        "sp2",
+        case,
+        os.path.join(out, "control"),
+        _Unscaled,
+        reference=False,
+        sequence_parallel=_config(case),
+        args={"eval_strategy": "no"},
+    )
+    trainer.train()
+    found = results(trainer)
+    if dist.get_rank() == 0:
+        save(os.path.join(out, "control_unscaled.pt"), found)
+
+
+def resume(out: str) -> None:
+    """sp2 with a checkpoint at step 3, resumed from it by a new trainer; then save_model."""
+    case = CASES["sp2"]
+    where = os.path.join(out, "resume")
+    first = build_trainer(
+        "sp2",
+        case,
+        where,
+        seqpar.hf.SequenceParallelTrainer,
+        reference=False,
+        sequence_parallel=_config(case),
+        args={"save_strategy": "steps", "save_steps": 3, "max_steps": 3, "eval_strategy": "no"},
+    )
+    first.train()
+    second = build_trainer(
+        "sp2",
+        case,
+        where,
+        seqpar.hf.SequenceParallelTrainer,
+        reference=False,
+        sequence_parallel=_config(case),
+        args={"eval_strategy": "no"},
+    )
+    second.train(resume_from_checkpoint=os.path.join(where, "checkpoint-3"))
+    second.save_model(os.path.join(out, "saved_model"))
+    found = results(second)
+    if dist.get_rank() == 0:
+        save(os.path.join(out, "resume.pt"), found)
+
+
+def main(out: str, names: list[str]) -> None:
+    torch.set_num_threads(1)
+    if not dist.is_initialized():  # accelerate adopts this group
+        dist.init_process_group("gloo")
+    from tests.hf_scripts.refusals import refusals
+
+    special = {"resume": resume, "refusals": refusals, "control_unscaled": control_unscaled}
+    for name in names:
+        if name in special:
+            special[name](out)
+        elif name == "accelerate_loop":
+            from tests.hf_scripts.accelerate_loop import run
+
+            run(out, documents(96, 1))
+        else:
+            run_case(out, name)
+        dist.barrier()
+    dist.destroy_process_group()  # before exit: gloo's threads have aborted processes torn down later
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

@@ -1,0 +1,29 @@
+"""One-process Trainer runs (no seqpar imported): the references tests/test_hf.py compares seqpar's runs with.
+
+Run as ``python -m tests.hf_scripts.reference OUT CASE...``; writes OUT/reference/CASE.pt.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import transformers
+
+from tests.hf_scripts.common import CASES, build_trainer, results, save
+
+
+def main(out: str, names: list[str]) -> None:
+    for name in names:
+        case = CASES[name]
+        if case.collator == "sft":
+            from trl import SFTTrainer as cls
+        else:
+            cls = transformers.Trainer
+        trainer = build_trainer(name, case, os.path.join(out, "reference", name), cls, reference=True)
+        trainer.train()
+        save(os.path.join(out, "reference", f"{name}.pt"), results(trainer))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

@@ -1,0 +1,94 @@
+"""Bad settings and batches under seqpar.hf: each must raise SeqparInputError on every rank, not hang.
+
+Called from tests.hf_scripts.parallel; every rank records the messages it got.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import transformers
+
+import seqpar.hf
+from seqpar.errors import SeqparInputError
+from tests.hf_scripts.common import CASES, build_trainer, save
+
+
+class _ByProcess(seqpar.hf.SequenceParallelTrainer):
+    """Loads batches per process, as the plain Trainer does: the ranks of a group get different rows."""
+
+    def get_train_dataloader(self):
+        return transformers.Trainer.get_train_dataloader(self)
+
+
+def _expect_refusal(what: str, make) -> str:
+    try:
+        make()
+    except SeqparInputError as error:
+        return str(error)
+    raise AssertionError(f"{what}: no SeqparInputError")
+
+
+def refusals(out: str) -> None:
+    """Bad settings and batches raise SeqparInputError on every rank (each rank records its messages)."""
+    case, world = CASES["sp2"], dist.get_world_size()
+
+    def trainer(collator=None, sp=None, args=None, cls=seqpar.hf.SequenceParallelTrainer, mutate=None):
+        config = sp or seqpar.hf.SequenceParallelConfig(sp_size=world)
+        c = CASES["sft_packing"] if cls is seqpar.hf.SequenceParallelSFTTrainer else case
+        extra = {} if collator is None else {"data_collator": collator}
+        return build_trainer(
+            "x",
+            c,
+            os.path.join(out, "x"),
+            cls,
+            reference=False,
+            sequence_parallel=config,
+            args=args or {},
+            mutate=mutate,
+            **extra,
+        )
+
+    def train_on(batch_fn):
+        t = trainer(collator=batch_fn)
+        t.train()
+
+    def left_padded(features):
+        batch = transformers.DataCollatorWithFlattening(return_position_ids=True)(features)
+        if dist.get_rank() == world - 1:  # one rank only: the others must raise too
+            n = batch["input_ids"].shape[1]
+            batch = {
+                "input_ids": batch["input_ids"],
+                "labels": batch["labels"],
+                "attention_mask": (torch.arange(n) >= 2).long()[None],
+            }
+        return batch
+
+    def short(features):
+        return {"input_ids": torch.tensor([[3]]), "labels": torch.tensor([[3]])}
+
+    checks = {
+        "flattening without position ids": lambda: trainer(
+            collator=transformers.DataCollatorWithFlattening(return_position_ids=False)
+        ),
+        "varlen keys without position ids": lambda: train_on(
+            transformers.DataCollatorWithFlattening(return_position_ids=False, return_flash_attn_kwargs=True).__call__
+        ),
+        "left padding on one rank": lambda: train_on(left_padded),
+        "sp larger than the sequence": lambda: train_on(short),
+        "world not divisible by sp": lambda: trainer(sp=seqpar.hf.SequenceParallelConfig(sp_size=world + 1)),
+        # TrainingArguments itself needs the deepspeed package to accept the setting; set it afterwards
+        "deepspeed": lambda: trainer(mutate=lambda a: setattr(a, "deepspeed", "ds_config.json")),
+        "label smoothing": lambda: trainer(args={"label_smoothing_factor": 0.1}),
+        "sft liger": lambda: trainer(cls=seqpar.hf.SequenceParallelSFTTrainer, args={"use_liger_kernel": True}),
+        "sft dft loss": lambda: trainer(cls=seqpar.hf.SequenceParallelSFTTrainer, args={"loss_type": "dft"}),
+        "unknown strategy": lambda: seqpar.hf.SequenceParallelConfig(strategy="zigzag"),
+        "loader by process": lambda: trainer(cls=_ByProcess).train(),
+    }
+    messages = {what: _expect_refusal(what, make) for what, make in checks.items()}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, messages)
+    if dist.get_rank() == 0:
+        save(os.path.join(out, "refusals.pt"), gathered)
