@@ -27,6 +27,7 @@ LAYERS = {
     "gradients": 8,
     "integrations": 9,
     "hf": 9,
+    "memory": 9,
     "runtime": 10,
     "train": 11,
     "bench": 11,

@@ -15,6 +15,7 @@ from seqpar.integrations.transformers import attention_choice, prepare_model
 from seqpar.kernels import select_kernel
 from seqpar.layout import LAYOUTS, gather_sequence, position_ids, shard_sequence
 from seqpar.loss import count_valid_tokens, cross_entropy, lm_head_cross_entropy, sum_over
+from seqpar.memory import MemoryEstimate, estimate_memory
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh, make_mesh
 from seqpar.strategies.masking import SequenceMask, sequence_mask
 from seqpar.strategies.policy import STRATEGIES, resolve_strategy
@@ -24,6 +25,7 @@ __all__ = [
     "LAYOUTS",
     "STRATEGIES",
     "AttentionChoice",
+    "MemoryEstimate",
     "SeqparInputError",
     "SequenceMask",
     "SequenceParallelMesh",
@@ -39,6 +41,7 @@ __all__ = [
     "count_valid_tokens",
     "cross_entropy",
     "data_parallel_group",
+    "estimate_memory",
     "gather_sequence",
     "lm_head_cross_entropy",
     "make_mesh",

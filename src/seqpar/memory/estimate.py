@@ -1,0 +1,272 @@
+"""Per-rank memory of one training step, predicted from a transformers config (Note [memory estimate]).
+
+``seqpar estimate``, ``seqpar train --max-memory-mb`` and ``seqpar bench maxlen`` all ask ``estimate_memory``.
+
+Note [memory estimate]
+    Notation, per rank: T = micro_batch x seq_len / sp tokens, H hidden size, Hq = heads x head_dim,
+    Hkv = kv_heads x head_dim (both divided by tp), I intermediate size (divided by tp), V vocab, L layers,
+    b bytes of ``dtype``. A Llama-style decoder layer (RMSNorm, q/k/v/o projections, rotary embedding,
+    seqpar attention, gated MLP) keeps for its backward, per token: its input (H), both norms' normalised and
+    weighted outputs (4H), rotated q (Hq), k and v (2Hkv), the attention output (Hq) and its row-major copy
+    that o_proj reads (Hq), the attention residual sum (H), and in the MLP gate, up, silu(gate) and their
+    product (4I). Counted from the tensors autograd saves in one layer (saved-tensor hooks): 5H + 3Hq +
+    2Hkv + 4I elements per token.
+    Backward of one layer additionally holds gradients: three I-sized ones in the MLP (product, silu, up or
+    gate) and about two H-sized ones flowing through the residual stream.
+    * no checkpointing: all L layers' saved tensors live at the start of the backward;
+    * checkpointing: only each layer's input (H) lives, plus one layer recomputed in the backward;
+    * tiled MLP: the 4I tensors and the 3I gradients exist for one chunk of tokens at a time (a fixed cost
+      of 7 x chunk x I), the MLP keeping only its input;
+    * offload: the checkpointed inputs leave the device (two layers in flight); on the CPU it does nothing.
+    Logits: whole logits keep [T, V] float32 logits and log-softmax, and the loss backward adds their two
+    gradients (4 x T x V x 4 bytes). Chunked loss: the same for one chunk, plus the [T, H] gradient of the
+    hidden states and its running sum.
+    Attention is a flash kernel (no [S, S] scores). Communication buffers per layer: ulysses sends
+    contiguous copies of q, k, v and receives them head-sharded (Hq + 2Hkv per token, each way); ring keeps
+    a receive buffer for k and v and, in the backward, for dk and dv (4 Hkv per token, double-buffered);
+    allgather gathers the whole sequence's k and v (2 Hkv x sp per token, twice in the backward). The gradient
+    all-reduce over dp x sp flattens every gradient into one buffer (parameter-sized).
+    Parameters and gradients are in ``dtype``; AdamW keeps two states per parameter, and its update makes
+    about one parameter-sized temporary. The peak is the largest of four moments: the start of the
+    backward (activations, loss gradients, the output head's gradient), one layer's backward (activations,
+    the recomputed layer, gradients so far), the gradient all-reduce, and the optimizer update.
+    The counts are those of the saved tensors, not fitted to measured points (README "## Memory").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from seqpar.errors import SeqparInputError
+from seqpar.memory.shapes import ModelDims, model_dims, parameter_counts
+from seqpar.strategies.policy import kv_head_repeats, ulysses_degrees, ulysses_heads_problem
+
+__all__ = ["FEATURES", "MemoryEstimate", "estimate_memory"]
+
+FEATURES = ("checkpointing", "chunked_loss", "tiled_mlp", "offload")
+_OPTIMIZERS = {"adamw": 2, "adam": 2, "sgd": 0}
+_MB = 2**20
+
+
+@dataclass
+class MemoryEstimate:
+    """Predicted bytes on one rank during one training step, by category (Note [memory estimate])."""
+
+    parameters: int
+    """Model parameters held by this rank (sharded by tp; by dp x sp under fsdp)."""
+    gradients: int
+    """Parameter gradients at the moment of the peak (the output head's alone at the start of the backward)."""
+    optimizer_state: int
+    """Optimizer state (AdamW: two tensors per parameter), plus its update's temporary when that is the peak."""
+    checkpointed_activations: int
+    """Activations every layer keeps for the backward: whole layers without checkpointing, each layer's input
+    with it (0 on the device when offloaded)."""
+    layer_transient: int
+    """The largest transient of one layer: its recomputed activations (checkpointing) and the gradients of
+    its backward, MLP chunks included, attention kernel buffers."""
+    logits_loss: int
+    """Logits, log-softmax and their gradients: whole [T, V] or one chunk of them."""
+    communication: int
+    """Attention communication buffers of the chosen strategy, or the flat gradient all-reduce buffer when
+    that moment is the peak."""
+    peak: int
+    """Largest total over the moments of the step (see ``moment``)."""
+    moment: str
+    """Which moment sets the peak: "backward start", "layer backward", "gradient all-reduce" or "optimizer"."""
+    between_steps: int
+    """Bytes that live between steps (parameters and optimizer state): the baseline of ``step_peak``."""
+    tokens_per_rank: int
+    """Tokens of one micro-batch on this rank (micro_batch x seq_len / sp)."""
+    strategy: str
+    """Attention strategy the estimate assumes (``auto`` resolved)."""
+    features: tuple[str, ...] = field(default_factory=tuple)
+    """Memory features switched on."""
+
+    @property
+    def step_peak(self) -> int:
+        """Peak minus what lives between steps (parameters, optimizer state): the growth one step adds."""
+        return self.peak - self.between_steps
+
+    def table(self) -> str:
+        """A plain-text table of the categories in MiB, with the peak and the moment that sets it."""
+        rows = [
+            ("parameters", self.parameters),
+            ("gradients", self.gradients),
+            ("optimizer state", self.optimizer_state),
+            ("checkpointed activations", self.checkpointed_activations),
+            ("layer transient", self.layer_transient),
+            ("logits / loss", self.logits_loss),
+            ("communication", self.communication),
+            (f"peak ({self.moment})", self.peak),
+            ("step growth (peak - params - optimizer)", self.step_peak),
+        ]
+        head = (
+            f"per-rank memory: {self.tokens_per_rank} tokens/rank, strategy {self.strategy}, "
+            f"features: {', '.join(self.features) or 'none'}"
+        )
+        width = max(len(name) for name, _ in rows)
+        return "\n".join([head, *(f"  {name:<{width}}  {value / _MB:10.1f} MiB" for name, value in rows)])
+
+
+def _strategy(strategy: str, d: ModelDims, sp: int, ulysses: int) -> str:
+    """``auto`` resolved as ``seqpar.resolve_strategy`` does; head counts checked for ulysses and hybrid."""
+    allowed = ulysses_degrees(d.heads, d.kv_heads)
+    if strategy == "auto":
+        if 1 < ulysses < sp and ulysses in allowed:
+            return "hybrid"
+        return "ulysses" if sp in allowed else "ring"
+    degree = sp if strategy == "ulysses" else ulysses if strategy == "hybrid" else 1
+    problem = ulysses_heads_problem(d.heads, d.kv_heads, degree, strategy)
+    if problem:
+        raise SeqparInputError(problem)
+    return strategy
+
+
+def _check(seq_len, sizes: dict, micro_batch, features, strategy, optimizer, dp_mode) -> None:
+    problems = [f"{name} must be a positive integer, not {value!r}" for name, value in sizes.items() if value < 1]
+    problems += [f"unknown feature {f!r}; choose from {', '.join(FEATURES)}" for f in features if f not in FEATURES]
+    if micro_batch < 1 or seq_len < 1:
+        problems.append("seq_len and micro_batch must be at least 1")
+    elif not problems and seq_len % sizes["sp_size"]:
+        problems.append(f"seq_len {seq_len} must be divisible by sp_size {sizes['sp_size']}")
+    if sizes["sp_size"] >= 1 and sizes["ulysses_size"] >= 1 and sizes["sp_size"] % sizes["ulysses_size"]:
+        problems.append(f"ulysses_size {sizes['ulysses_size']} must divide sp_size {sizes['sp_size']}")
+    if strategy not in ("ulysses", "ring", "allgather", "hybrid", "auto"):
+        problems.append(f"unknown strategy {strategy!r}")
+    if optimizer not in _OPTIMIZERS:
+        problems.append(f"unknown optimizer {optimizer!r}; choose from {', '.join(_OPTIMIZERS)}")
+    if dp_mode not in ("replicate", "ddp", "fsdp"):
+        problems.append(f"dp_mode must be replicate, ddp or fsdp, not {dp_mode!r}")
+    if problems:
+        raise SeqparInputError("cannot estimate memory:\n  - " + "\n  - ".join(problems))
+
+
+def _comm_elements(strategy: str, d: ModelDims, sp: int, ulysses: int) -> float:
+    """Attention communication buffers of one layer's forward and backward, elements per local token."""
+    if sp == 1:
+        return 0.0
+    repeats = kv_head_repeats(d.heads, d.kv_heads, ulysses if strategy == "hybrid" else sp) or 1
+    a2a = 2.0 * (d.q_width + 2 * d.kv_width * repeats)
+    ring = 8.0 * d.kv_width
+    if strategy == "ulysses":
+        return a2a
+    if strategy == "ring":
+        return ring
+    if strategy == "allgather":
+        return 4.0 * d.kv_width * sp
+    return a2a + ring  # hybrid: after the all-to-all a ring rank holds as many k, v elements as before it
+
+
+def _activation_bytes(d: ModelDims, tokens: int, b: int, features: tuple[str, ...], mlp_chunk: int) -> dict:
+    """Kept, recomputed and transient activation bytes of the layers (Note [memory estimate])."""
+    h, hq, hkv, i = d.hidden, d.q_width, d.kv_width, d.intermediate
+    tiled = "tiled_mlp" in features
+    norm_copies = 0 if b >= 4 else 8 * h  # 16-bit: each RMSNorm keeps a float32 copy of its input
+    layer = tokens * (b * (5 * h + 3 * hq + 2 * hkv + (0 if tiled else 4 * i)) + norm_copies)
+    grads = tokens * b * (2 * h + (0 if tiled else 3 * i)) + (7 * min(mlp_chunk, tokens) * i * b if tiled else 0)
+    kept_per_layer = tokens * h * b if "checkpointing" in features else layer
+    kept_layers = d.layers
+    if "offload" in features and "checkpointing" in features:
+        kept_layers = min(2, d.layers)  # the rest waits in host memory
+    final = 3 * tokens * h * b  # final norm's input, normalised and weighted outputs
+    return {
+        "kept_per_layer": kept_per_layer,
+        "kept_layers": kept_layers,
+        "kept": kept_per_layer * kept_layers + final,
+        "recomputed": layer if "checkpointing" in features else 0,
+        "grads": grads,
+    }
+
+
+def estimate_memory(
+    model_config: object,
+    seq_len: int,
+    *,
+    sp_size: int,
+    ulysses_size: int = 1,
+    dp_size: int = 1,
+    tp_size: int = 1,
+    dtype: torch.dtype = torch.float32,
+    micro_batch: int = 1,
+    features: tuple[str, ...] | list[str] = (),
+    strategy: str = "auto",
+    optimizer: str = "adamw",
+    dp_mode: str = "replicate",
+    loss_chunk: int = 1024,
+    mlp_chunk: int = 1024,
+) -> MemoryEstimate:
+    """Predict one rank's memory during one training step (forward, backward, gradient sum, optimizer).
+
+    Analytic, from the config's sizes (Note [memory estimate]); nothing is allocated.
+
+    Args:
+        model_config: a transformers decoder config (LlamaConfig, Qwen2Config, ...) or a dict of its fields.
+        seq_len: tokens of one whole sequence (before it is split over sp ranks).
+        sp_size: sequence-parallel degree.
+        ulysses_size: ulysses degree inside sp (hybrid).
+        dp_size: data-parallel degree.
+        tp_size: tensor-parallel degree (heads and MLP split).
+        dtype: dtype of parameters, gradients and activations.
+        micro_batch: sequences per micro-batch.
+        features: any of "checkpointing", "chunked_loss", "tiled_mlp", "offload".
+        strategy: attention strategy ("auto" resolved as ``seqpar.resolve_strategy``).
+        optimizer: "adamw" (two states per parameter), "adam" or "sgd" (none).
+        dp_mode: "replicate", "ddp" or "fsdp" (parameters, gradients and state sharded over dp x sp).
+        loss_chunk: tokens per piece of the chunked loss.
+        mlp_chunk: tokens per chunk of the tiled MLP.
+
+    Returns:
+        The ``MemoryEstimate``: bytes by category, the peak and the moment that sets it.
+
+    Raises:
+        SeqparInputError: an unknown feature, strategy, optimizer or dp_mode, sizes below 1, a seq_len not
+            divisible by sp_size, heads that the ulysses degree (or tp) cannot split, a config without sizes.
+    """
+    features = tuple(features)
+    sizes = {"sp_size": sp_size, "ulysses_size": ulysses_size, "dp_size": dp_size, "tp_size": tp_size}
+    _check(seq_len, sizes, micro_batch, features, strategy, optimizer, dp_mode)
+    d = model_dims(model_config, tp_size)
+    chosen = _strategy(strategy, d, sp_size, ulysses_size)
+    b = torch.empty((), dtype=dtype).element_size()
+    tokens = micro_batch * seq_len // sp_size
+    total, layer_params, head_params = parameter_counts(d)
+    shards = dp_size * sp_size if dp_mode == "fsdp" else 1
+    params = -(-total * b // shards) + (2 * layer_params * b if shards > 1 else 0)  # fsdp: one layer gathered
+    states = _OPTIMIZERS[optimizer] * -(-total * b // shards)
+    act = _activation_bytes(d, tokens, b, features, mlp_chunk)
+    comm = int(_comm_elements(chosen, d, sp_size, ulysses_size) * tokens * b)
+    chunk = min(loss_chunk, tokens) if "chunked_loss" in features else tokens
+    loss = 4 * chunk * d.vocab * 4 + (2 * tokens * d.hidden * b if "chunked_loss" in features else 0)
+    head_grad = head_params * b // shards
+    moments = {"backward start": (head_grad, act["kept"], 0, loss, 0, 0)}
+    worst = (0, 0)
+    for done in range(d.layers):  # the backward of the (done+1)-th layer from the top
+        grads = head_grad + (done + 1) * layer_params * b // shards
+        kept = act["kept"] - done * act["kept_per_layer"] * (act["kept_layers"] == d.layers)
+        worst = max(worst, (grads + kept, grads))
+    transient = act["recomputed"] + act["grads"]
+    moments["layer backward"] = (worst[1], worst[0] - worst[1], transient, 0, comm, 0)
+    all_grads = -(-total * b // shards)
+    if dp_mode == "replicate" and dp_size * sp_size > 1:
+        moments["gradient all-reduce"] = (all_grads, 0, 0, 0, all_grads, 0)
+    largest = max(head_params, layer_params // 3) * b // shards  # AdamW updates tensor by tensor on the CPU
+    moments["optimizer"] = (all_grads, 0, 0, 0, 0, 2 * largest if states else 0)
+    moment = max(moments, key=lambda m: sum(moments[m]))
+    g, kept, trans, logits, comm_at, opt_tmp = moments[moment]
+    return MemoryEstimate(
+        parameters=params,
+        gradients=g,
+        optimizer_state=states + opt_tmp,
+        checkpointed_activations=kept,
+        layer_transient=trans,
+        logits_loss=logits,
+        communication=comm_at,
+        peak=params + states + sum(moments[moment]),
+        moment=moment,
+        between_steps=params + states,
+        tokens_per_rank=tokens,
+        strategy=chosen,
+        features=features,
+    )
