@@ -33,6 +33,7 @@ class Case:
     extra: tuple = ()  # more TrainingArguments / SFTConfig fields
     eval_batch: int = 0  # 0: no evaluation
     reference: str = ""  # compare with another case's reference (same data and settings)
+    fsdp: bool = False  # the seqpar run loads its model FSDP2-sharded over every process (DistributedConfig)
 
     @property
     def dp(self) -> int:
@@ -44,15 +45,27 @@ CASES = {
     "sp2": Case(2, eval_batch=4),
     "sp2_adamw": Case(2, kind="qwen2", optim="adamw_torch"),
     "sp2_padded": Case(2, kind="mistral", strategy="ring", collator="padded"),
-    "sp2_checkpointing": Case(2, extra=(("activation_checkpointing", True),), reference="sp2"),
+    "sp2_checkpointing": Case(2, extra=(("gradient_checkpointing", True),), reference="sp2"),
     "sp2_bf16": Case(2, extra=(("bf16", True),), reference="sp2"),
     "sft_packing": Case(2, collator="sft", extra=SFT_PACKING, eval_batch=2),
     "sft_padding_free": Case(
         2, collator="sft", extra=(("padding_free", True), ("max_length", None), ("activation_checkpointing", False))
     ),
+    "sp2_fsdp2": Case(2, eval_batch=4, fsdp=True, reference="sp2"),
+    "gemma3_sp2": Case(2, kind="gemma3", eval_batch=2),
+    "kv1_sp2": Case(2, kind="llama_kv1"),  # one KV head, degree 2: auto picks ulysses with the KV head copied
     "sp3_ring": Case(3, sp_size=3, strategy="ring"),
     "dp2_sp2": Case(4, batch=1, extra=(("train_sampling_strategy", "random"),), eval_batch=2),
     "ulysses2_ring2": Case(4, sp_size=4, ulysses_size=2, strategy="hybrid"),
+    "dp2_sp2_fsdp2": Case(  # and activation checkpointing inside the FSDP2 units
+        4,
+        batch=1,
+        extra=(("train_sampling_strategy", "random"), ("gradient_checkpointing", True)),
+        eval_batch=2,
+        fsdp=True,
+        reference="dp2_sp2",
+    ),
+    "kv1_ulysses2_ring2": Case(4, kind="llama_kv1", sp_size=4, ulysses_size=2),  # auto: hybrid, KV head copied
 }
 
 
@@ -86,8 +99,12 @@ def tokenizer():
 
 
 def model(kind: str, attn: str = "sdpa"):
+    """A tiny model of ``kind`` (as ``tests._models.tiny_config``; ``*_kv1``: one key/value head), seed 0."""
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(tiny_config(kind), attn_implementation=attn)
+    config = tiny_config(kind.removesuffix("_kv1"))
+    if kind.endswith("_kv1"):
+        config.num_key_value_heads = 1
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
 
 
 def training_args(case: Case, out: str, reference: bool, **overrides):
@@ -129,7 +146,8 @@ def build_trainer(name: str, case: Case, out: str, trainer_cls, reference: bool,
     mutate = kwargs.pop("mutate", None)
     if mutate is not None:
         mutate(args)
-    common = dict(model=model(case.kind), args=args, train_dataset=train, **kwargs)
+    net = kwargs.pop("model", None) or model(case.kind)
+    common = dict(model=net, args=args, train_dataset=train, **kwargs)
     if case.eval_batch:
         common["eval_dataset"] = held_out
     if case.collator == "sft":

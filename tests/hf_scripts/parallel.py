@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 import transformers
 
+import seqpar
 import seqpar.hf
-from tests.hf_scripts.common import CASES, build_trainer, documents, results, save
+from tests.hf_scripts.common import CASES, build_trainer, documents, model, results, save
 
 
 def _config(case) -> seqpar.hf.SequenceParallelConfig:
@@ -27,13 +28,29 @@ def _trainer_class(case):
     return seqpar.hf.SequenceParallelSFTTrainer if case.collator == "sft" else seqpar.hf.SequenceParallelTrainer
 
 
+def _sharded_model(case, where: str):
+    """The case's model, FSDP2-sharded over every process as it loads (transformers' DistributedConfig)."""
+    from transformers.distributed import DistributedConfig
+
+    if dist.get_rank() == 0:
+        model(case.kind).save_pretrained(where)
+    dist.barrier()
+    config = DistributedConfig(fsdp_size=dist.get_world_size())
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        where, attn_implementation="sdpa", distributed_config=config, device_map="cpu"
+    )
+
+
 def run_case(out: str, name: str) -> None:
     case = CASES[name]
+    where = os.path.join(out, name)
+    extra = {"model": _sharded_model(case, os.path.join(where, "initial"))} if case.fsdp else {}
     trainer = build_trainer(
-        name, case, os.path.join(out, name), _trainer_class(case), reference=False, sequence_parallel=_config(case)
+        name, case, where, _trainer_class(case), reference=False, sequence_parallel=_config(case), **extra
     )
     trainer.train()
     found = results(trainer)
+    found["setup"]["strategy"] = seqpar.attention_choice(trainer.model).strategy
     if dist.get_rank() == 0:
         save(os.path.join(out, f"{name}.pt"), found)
 

@@ -13,6 +13,7 @@ import transformers
 
 import seqpar.hf
 from seqpar.errors import SeqparInputError
+from tests._models import VOCAB
 from tests.hf_scripts.common import CASES, build_trainer, save
 
 
@@ -21,6 +22,22 @@ class _ByProcess(seqpar.hf.SequenceParallelTrainer):
 
     def get_train_dataloader(self):
         return transformers.Trainer.get_train_dataloader(self)
+
+
+def _soft_capped():
+    """A tiny Gemma 2 (attention logits soft-capped, which seqpar's attention does not implement)."""
+    config = transformers.Gemma2Config(
+        vocab_size=VOCAB,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=12,
+        attn_logit_softcapping=50.0,
+    )
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
 
 
 def _expect_refusal(what: str, make) -> str:
@@ -86,6 +103,17 @@ def refusals(out: str) -> None:
         "sft dft loss": lambda: trainer(cls=seqpar.hf.SequenceParallelSFTTrainer, args={"loss_type": "dft"}),
         "unknown strategy": lambda: seqpar.hf.SequenceParallelConfig(strategy="zigzag"),
         "loader by process": lambda: trainer(cls=_ByProcess).train(),
+        # accelerate keeps DDP on the CPU whatever fsdp says: refused rather than silently replicated
+        "fsdp plugin on the cpu": lambda: trainer(args={"fsdp": True, "fsdp_config": {"version": 2}}),
+        "model seqpar cannot serve": lambda: build_trainer(
+            "x",
+            case,
+            os.path.join(out, "x"),
+            seqpar.hf.SequenceParallelTrainer,
+            reference=False,
+            sequence_parallel=seqpar.hf.SequenceParallelConfig(sp_size=world),
+            model=_soft_capped(),
+        ),
     }
     messages = {what: _expect_refusal(what, make) for what, make in checks.items()}
     gathered = [None] * world

@@ -11,7 +11,13 @@ from seqpar.errors import SeqparInputError
 from seqpar.layout import LAYOUTS
 from seqpar.strategies import STRATEGIES
 
-__all__ = ["SequenceParallelConfig", "check_sft_arguments", "check_trainer_options", "check_training_arguments"]
+__all__ = [
+    "SequenceParallelConfig",
+    "check_data_parallel_engine",
+    "check_sft_arguments",
+    "check_trainer_options",
+    "check_training_arguments",
+]
 
 
 @dataclass(frozen=True)
@@ -65,8 +71,8 @@ def check_training_arguments(args: object) -> None:
     if getattr(args, "deepspeed", None):
         problems.append(
             f"DeepSpeed (deepspeed={args.deepspeed!r}) is not a data-parallel engine seqpar supports: its ZeRO "
-            "optimizer reduces gradients itself; use DDP (the default under torchrun) or FSDP2 (fsdp=... with "
-            "fsdp_config={'version': 2})"
+            "optimizer reduces gradients itself; use DDP (the default under torchrun) or FSDP2 (a model loaded with "
+            "distributed_config=DistributedConfig(fsdp_size=world), or fsdp=... on GPU)"
         )
     if getattr(args, "parallelism_config", None) is not None:
         problems.append(
@@ -153,3 +159,44 @@ def check_sft_arguments(args: object) -> None:
         problems.append("activation_offloading has not been verified with seqpar's attention; leave it off")
     if problems:
         raise SeqparInputError("seqpar.hf cannot honour these SFTConfig options: " + " | ".join(problems))
+
+
+def check_data_parallel_engine(trainer: object, world_size: int) -> None:
+    """Refuse data-parallel set-ups whose gradients would not be averaged over all ``world_size`` processes.
+
+    Note [FSDP2 under the Trainer]: accelerate (1.15) applies an FSDP plugin only on accelerator backends
+    (``AcceleratorState`` sets ``DistributedType.FSDP`` in its multi-GPU/XPU/NPU... branch, not for
+    ``MULTI_CPU``), so on the CPU ``fsdp=...`` is dropped without a word and the Trainer wraps the model in
+    DDP; a model sharded by hand is refused by ``Accelerator.prepare_model`` ("DTensor parameters ... DDP").
+    FSDP2 on any device: load the model sharded, ``from_pretrained(..., distributed_config=
+    DistributedConfig(fsdp_size=world))``; the Trainer then leaves the reduction to FSDP2 (an average over
+    the fsdp x replicate ranks, which must be every process for the loss scaling to sum the gradients).
+
+    Args:
+        trainer: the constructed Trainer (reads ``args``, ``is_fsdp_enabled``, ``model``).
+        world_size: processes in the job.
+
+    Raises:
+        SeqparInputError: an FSDP request that accelerate dropped; a model sharded at load time with tensor,
+            pipeline or expert parallelism, or whose data-parallel ranks are not the whole job.
+    """
+    args = getattr(trainer, "args", None)
+    if getattr(args, "fsdp", None) and world_size > 1 and not getattr(trainer, "is_fsdp_enabled", False):
+        raise SeqparInputError(
+            "FSDP was requested (TrainingArguments fsdp=...) but accelerate did not enable it: accelerate "
+            "applies its FSDP plugin only on GPU-class devices, and on the CPU the Trainer would silently train with "
+            "DDP. For FSDP2 on any device load the model sharded: from_pretrained(..., distributed_config="
+            f"DistributedConfig(fsdp_size={world_size})) and leave fsdp unset; or drop fsdp to train with DDP"
+        )
+    model = getattr(trainer, "model", None)
+    if not getattr(model, "is_distributed_loading_by_transformers", False):
+        return
+    dc = getattr(model.config, "distributed_config", None)
+    sizes = {k: getattr(dc, k, None) or 1 for k in ("tp_size", "pp_size", "ep_size")}
+    dp = (getattr(dc, "fsdp_size", None) or 1) * (getattr(dc, "dp_replicate_size", None) or 1)
+    if any(v > 1 for v in sizes.values()) or dp != world_size:
+        raise SeqparInputError(
+            f"the model was sharded at load time with {sizes} and fsdp_size x dp_replicate_size = {dp}; seqpar.hf "
+            f"supports FSDP2 alone over every process: DistributedConfig(fsdp_size={world_size}) (sequence "
+            "parallelism splits the sequence over the same ranks; tensor/pipeline/expert parallelism are not supported)"
+        )

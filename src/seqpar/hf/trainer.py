@@ -3,8 +3,9 @@
 Launch with ``torchrun`` or ``accelerate launch``; the world is dp x sp and the Trainer's DDP/FSDP2 wrap it.
 
 Note [exact loss under the Trainer]
-    The Trainer wraps the model in DDP (or FSDP2) over *every* process and that wrapper averages
-    gradients over all dp x sp of them. Each rank's loss is ``(sum of its token losses) / N x W``: N is the
+    The Trainer wraps the model in DDP over *every* process (or the model arrives FSDP2-sharded over
+    every process: Note [FSDP2 under the Trainer]), and that wrapper averages gradients over all dp x sp
+    of them. Each rank's loss is ``(sum of its token losses) / N x W``: N is the
     number of valid tokens of the whole optimizer step (every replica, every micro-batch: Note [one
     exchange per step]) and W the number of processes the wrapper averages over. The wrapper's average of
     W-scaled gradients is their sum, which is the exact gradient of the step's token-mean loss (Note
@@ -19,12 +20,18 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from transformers import DataCollatorWithFlattening, Trainer
 from transformers.trainer_utils import EvalLoopOutput
 
 from seqpar.errors import SeqparInputError
 from seqpar.hf.batches import SequenceShard, replica_of, shard_step
-from seqpar.hf.config import SequenceParallelConfig, check_trainer_options, check_training_arguments
+from seqpar.hf.config import (
+    SequenceParallelConfig,
+    check_data_parallel_engine,
+    check_trainer_options,
+    check_training_arguments,
+)
 from seqpar.hf.evaluation import evaluation_loss
 from seqpar.hf.loaders import shard_by_replica
 from seqpar.integrations.transformers import prepare_model
@@ -90,6 +97,7 @@ class SequenceParallelMixin:
         fsdp_plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
         if fsdp_plugin is not None and getattr(fsdp_plugin, "fsdp_version", 1) != 2:
             raise SeqparInputError("FSDP version 1 (from the accelerate config) is not supported; use fsdp_version 2")
+        check_data_parallel_engine(self, self.accelerator.num_processes)
         check_trainer_options(self)
         collator = self.data_collator
         if isinstance(collator, DataCollatorWithFlattening) and (
@@ -166,7 +174,8 @@ class SequenceParallelMixin:
             inputs = step.shards[0]
             if num_items_in_batch is None:
                 num_items_in_batch = step.num_valid_tokens
-        if model.training and self.accelerator.num_processes > 1 and model is self.model and not self.is_fsdp_enabled:
+        sharded = self.is_fsdp_enabled or isinstance(model, FSDPModule)
+        if model.training and self.accelerator.num_processes > 1 and model is self.model and not sharded:
             raise SeqparInputError(
                 "the model is not wrapped in DDP/FSDP: gradients would not be summed over ranks; train through "
                 "trainer.train() (which wraps it)"
