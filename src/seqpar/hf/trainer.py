@@ -78,7 +78,9 @@ class SequenceParallelMixin:
     ``per_device_train_batch_size`` (and ``per_device_eval_batch_size``) count sequences per *data-parallel
     replica*: the ``sp_size`` ranks of a group load the same rows and each keeps a shard of their tokens.
     The logged loss and gradient norm, the gradients and the evaluation loss are those of one process
-    training on the whole batch (Note [exact loss under the Trainer], Note [evaluation loss]).
+    training on the whole batch (Note [exact loss under the Trainer], Note [evaluation loss]). Data
+    parallel is the Trainer's DDP, or FSDP2 for a model loaded with ``from_pretrained(...,
+    distributed_config=DistributedConfig(fsdp_size=world))`` (Note [FSDP2 under the Trainer]).
 
     Raises:
         SeqparInputError: on every rank, for settings and batches seqpar cannot serve (see
