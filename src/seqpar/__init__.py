@@ -15,7 +15,7 @@ from seqpar.integrations.transformers import attention_choice, prepare_model
 from seqpar.kernels import select_kernel
 from seqpar.layout import LAYOUTS, gather_sequence, position_ids, shard_sequence
 from seqpar.loss import count_valid_tokens, cross_entropy, lm_head_cross_entropy, sum_over
-from seqpar.memory import MemoryEstimate, estimate_memory
+from seqpar.memory import MemoryEstimate, apply_activation_offload, apply_tiled_mlp, estimate_memory
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh, make_mesh
 from seqpar.strategies.masking import SequenceMask, sequence_mask
 from seqpar.strategies.policy import STRATEGIES, resolve_strategy
@@ -29,8 +29,10 @@ __all__ = [
     "SeqparInputError",
     "SequenceMask",
     "SequenceParallelMesh",
+    "apply_activation_offload",
     "apply_data_parallel",
     "apply_tensor_parallel",
+    "apply_tiled_mlp",
     "as_sp_mesh",
     "attention",
     "attention_choice",

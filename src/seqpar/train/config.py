@@ -86,6 +86,14 @@ class TrainConfig:
     """fp32 or bf16 (bf16 autocast; parameters and optimizer state stay fp32)."""
     activation_checkpointing: bool = False
     """Recompute each layer's activations in the backward instead of keeping them."""
+    tiled_mlp: bool = False
+    """Run each decoder MLP over chunks of --tiled-mlp-chunk tokens and recompute it a chunk at a time in the
+    backward, so only one chunk's [tokens, intermediate] activations exist at once (same results)."""
+    tiled_mlp_chunk: int = 1024
+    """Tokens per chunk of the tiled MLP (this rank's tokens, batch and sequence together)."""
+    offload_activations: bool = False
+    """Keep each checkpointed layer's input hidden states in pinned CPU memory until its backward, copied on a
+    side CUDA stream (needs --activation-checkpointing; does nothing without CUDA)."""
     seed: int = 0
     """Seed of the model initialisation and of the synthetic data."""
 
@@ -135,6 +143,13 @@ class TrainConfig:
             problems.append("--loss-chunk must be 0 (off) or a positive number of tokens")
         elif self.loss_chunk and self.dp_mode != "replicate":
             problems.append("--loss-chunk needs --dp-mode replicate (ddp/fsdp wrap the whole model's forward)")
+        if self.tiled_mlp_chunk < 1:
+            problems.append("--tiled-mlp-chunk must be a positive number of tokens")
+        if self.offload_activations and not self.activation_checkpointing:
+            problems.append(
+                "--offload-activations moves the layer inputs that activation checkpointing keeps: "
+                "add --activation-checkpointing"
+            )
         if self.precision not in ("fp32", "bf16"):
             problems.append(f"--precision must be fp32 or bf16, not {self.precision!r}")
         if self.lr_schedule not in ("cosine", "linear", "constant"):

@@ -11,6 +11,7 @@ import os
 import torch
 
 from seqpar.errors import SeqparInputError
+from seqpar.memory import apply_activation_offload, apply_tiled_mlp
 from seqpar.train.config import TrainConfig
 
 __all__ = ["build_model", "model_config"]
@@ -84,4 +85,8 @@ def build_model(config: TrainConfig, vocab_size: int) -> torch.nn.Module:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if config.tiled_mlp:
+        apply_tiled_mlp(model, chunk_tokens=config.tiled_mlp_chunk)
+    if config.offload_activations:  # after checkpointing, whose saved layer inputs it moves
+        apply_activation_offload(model)
     return model
