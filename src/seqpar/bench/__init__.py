@@ -3,6 +3,6 @@
 They measure, in one run, ratios against a single process or between strategies; they never assert speed.
 """
 
-BENCHMARKS = ("attention", "strategies", "masks", "llama_step", "cuda", "context_parallel", "hf_trainer")
+BENCHMARKS = ("attention", "strategies", "masks", "llama_step", "cuda", "context_parallel", "hf_trainer", "plan_check")
 
 __all__ = ["BENCHMARKS"]

@@ -3,6 +3,7 @@
 seqpar train                                   # embedded demo: passkey retrieval, 2 CPU ranks, a few minutes
 seqpar train --model ./my-llama --data a.jsonl --seq-len 32768 --sp 8    # under torchrun on GPUs
 seqpar demo                                    # every attention strategy on 2 CPU ranks vs one device
+seqpar plan --model llama-8b --seq-len 1M --gpus 64   # which degrees, strategy and memory features
 seqpar bench attention                         # benchmarks: attention, strategies, masks, llama_step, cuda,
                                                # context_parallel
 """
@@ -15,6 +16,7 @@ import sys
 
 from seqpar.bench import BENCHMARKS
 from seqpar.errors import SeqparInputError
+from seqpar.plan.cli import add_plan_flags, run_plan
 from seqpar.train.config import build_parser, config_from_args
 from seqpar.train.launch import launch
 
@@ -38,6 +40,13 @@ def main(argv: list[str] | None = None) -> int:
         "defaults, then --config, then the flags.",
     )
     build_parser(train)
+    plan = sub.add_parser(
+        "plan",
+        help="rank the dp/sp/ulysses/tp degrees, strategies and memory features for a model on a cluster",
+        description="Predict per-rank peak memory, step time, tokens/s per device and MFU of every valid layout "
+        "of --model at --seq-len on the described cluster, print the best and say why the rest were rejected.",
+    )
+    add_plan_flags(plan)
     bench = sub.add_parser(
         "bench",
         help="run a benchmark (ratios measured side by side in one run)",
@@ -48,13 +57,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "bench":
         return importlib.import_module(f"seqpar.bench.{args.name}").main(args.options)
+    if args.command == "plan":
+        return run_plan(args)
     if args.command == "demo":
         from seqpar.cli.demo import run_demo
 
         return run_demo(args.ranks, args.seq, args.heads, args.kv_heads, args.head_dim)
     if args.command == "train":
         try:
-            return launch(config_from_args(args))
+            config = config_from_args(args)
+            if config.plan:
+                from seqpar.cli.plan import train_plan
+
+                print(train_plan(config))
+                return 0
+            return launch(config)
         except SeqparInputError as error:
             print(f"seqpar train: {error}", file=sys.stderr)
             return 2

@@ -114,6 +114,9 @@ class TrainConfig:
     """Sequence lengths to evaluate at; default: seq_len and 2 x seq_len (never trained on)."""
     progress: bool = True
     """Show a progress bar on rank 0."""
+    plan: bool = False
+    """Print the predicted per-rank memory and step time of these settings, and the ranked layouts of
+    ``seqpar plan`` for the same model, length and device count (H100-class devices), then exit."""
 
     def validate(self) -> None:
         """Raise ``SeqparInputError`` for settings that cannot work, before any rank starts.

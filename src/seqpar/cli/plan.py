@@ -1,0 +1,75 @@
+"""``seqpar train --plan``: the planner's prediction for a training run's own settings, printed before any rank starts.
+
+The model, length, degrees, strategy and memory features come from the ``TrainConfig``; nothing is trained.
+"""
+
+from __future__ import annotations
+
+from seqpar.plan.cluster import Cluster
+from seqpar.plan.memory import DTYPE_BYTES, estimate_layout
+from seqpar.plan.models import shape_from_config
+from seqpar.plan.report import format_plan
+from seqpar.plan.search import plan
+from seqpar.plan.timing import Layout, step_time
+from seqpar.strategies.policy import ulysses_degrees
+from seqpar.train.config import TrainConfig
+from seqpar.train.model import model_config
+from seqpar.train.tokenizer import ByteTokenizer
+
+__all__ = ["train_plan"]
+
+
+def _layout(config: TrainConfig, heads: int, kv_heads: int) -> Layout:
+    features = [
+        name
+        for name, on in (
+            ("checkpointing", config.activation_checkpointing),
+            ("chunked_loss", config.loss_chunk > 0),
+            ("tiled_mlp", config.tiled_mlp),
+            ("offload", config.offload_activations),
+        )
+        if on
+    ]
+    strategy = config.strategy
+    if config.sp == 1:
+        strategy = "local"
+    elif strategy == "auto":  # as seqpar.resolve_strategy picks it
+        allowed = ulysses_degrees(heads // config.tp, max(1, kv_heads // config.tp))
+        strategy = "hybrid" if 1 < config.ulysses < config.sp and config.ulysses in allowed else "ring"
+        strategy = "ulysses" if strategy == "ring" and config.sp in allowed else strategy
+    ulysses = config.sp if strategy == "ulysses" else config.ulysses if strategy == "hybrid" else 1
+    return Layout(config.dp, config.sp, ulysses, config.tp, strategy, tuple(features), config.dp_mode)
+
+
+def train_plan(config: TrainConfig) -> str:
+    """The text ``seqpar train --plan`` prints for ``config``.
+
+    Args:
+        config: the resolved training settings.
+
+    Returns:
+        This layout's predicted memory by category and step time, then the ranked plan for its device count.
+
+    Raises:
+        SeqparInputError: a model config the planner or the estimator cannot read.
+    """
+    hf_config = model_config(config, ByteTokenizer.vocab_size)
+    shape = shape_from_config(hf_config.to_dict(), config.model or "embedded default model")
+    layout = _layout(config, shape.num_attention_heads, shape.num_key_value_heads)
+    dtype = "bf16" if config.precision == "bf16" else "fp32"
+    micro_batch = config.batch_size // config.grad_accum
+    cluster = Cluster(gpus=layout.world, gpus_per_node=min(layout.world, 8))
+    estimate = estimate_layout(shape, config.seq_len, layout, dtype=dtype, micro_batch=micro_batch)
+    time = step_time(shape, config.seq_len, layout, cluster, dtype_bytes=DTYPE_BYTES[dtype], micro_batch=micro_batch)
+    lines = [
+        f"these settings: dp {layout.dp} sp {layout.sp} ulysses {layout.ulysses} tp {layout.tp} {layout.strategy} "
+        f"{layout.dp_mode}, features {'+'.join(layout.features) or 'none'}, micro-batch {micro_batch}, {dtype}",
+        estimate.table(),
+        f"predicted step (one micro-batch) on H100-class devices: {time.total:.3g} s "
+        f"(matmul {time.matmul:.3g}, attention {time.attention:.3g}, all-to-all {time.all_to_all:.3g}, "
+        f"tp {time.tensor_parallel:.3g}, gradients {time.gradients:.3g})",
+        "",
+        "ranked layouts for the same model, length and device count (`seqpar plan` describes other clusters):",
+        format_plan(plan(shape, config.seq_len, cluster, micro_batch=micro_batch, dtype=dtype)),
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,33 @@
+"""Planning a run: which dp / sp / ulysses / tp degrees, strategy and memory features fit and train fastest.
+
+``plan(model, seq_len, Cluster(...))`` ranks every valid layout by predicted tokens/s per device.
+"""
+
+from seqpar.plan.cluster import Calibration, Cluster, load_calibration, save_calibration
+from seqpar.plan.limits import max_seq_len
+from seqpar.plan.models import PRESETS, ModelShape, load_model_shape
+from seqpar.plan.report import format_plan, plan_to_dict
+from seqpar.plan.search import Candidate, Plan, Rejection, plan
+from seqpar.plan.timing import FEATURES, Layout, StepTime, model_flops, step_time
+
+__all__ = [
+    "FEATURES",
+    "PRESETS",
+    "Calibration",
+    "Candidate",
+    "Cluster",
+    "Layout",
+    "ModelShape",
+    "Plan",
+    "Rejection",
+    "StepTime",
+    "format_plan",
+    "load_calibration",
+    "load_model_shape",
+    "max_seq_len",
+    "model_flops",
+    "plan",
+    "plan_to_dict",
+    "save_calibration",
+    "step_time",
+]

@@ -1,0 +1,50 @@
+"""Per-rank memory of a layout, as the planner asks it of seqpar's memory estimator.
+
+The estimator (``seqpar.memory.estimate_memory``) does the accounting; this module translates a ``Layout``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from seqpar.memory import MemoryEstimate, estimate_memory
+from seqpar.plan.models import ModelShape
+from seqpar.plan.timing import Layout
+
+__all__ = ["DTYPES", "DTYPE_BYTES", "estimate_layout"]
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def estimate_layout(
+    model: ModelShape, seq_len: int, layout: Layout, *, dtype: str, micro_batch: int = 1
+) -> MemoryEstimate:
+    """Predicted memory of one rank for one training step of ``layout`` (AdamW).
+
+    Args:
+        model: the sizes.
+        seq_len: tokens per sequence.
+        layout: degrees, strategy, features, dp mode.
+        dtype: bf16, fp16 or fp32.
+        micro_batch: sequences per data-parallel replica.
+
+    Returns:
+        The estimator's bytes by category and peak.
+
+    Raises:
+        SeqparInputError: the estimator refuses the layout (e.g. a length sp does not divide).
+    """
+    return estimate_memory(
+        model.as_config(),
+        seq_len,
+        sp_size=layout.sp,
+        ulysses_size=layout.ulysses,
+        dp_size=layout.dp,
+        tp_size=layout.tp,
+        dtype=DTYPES[dtype],
+        micro_batch=micro_batch,
+        features=layout.features,
+        strategy="ring" if layout.strategy == "local" else layout.strategy,
+        dp_mode=layout.dp_mode,
+    )

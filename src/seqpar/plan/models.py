@@ -1,0 +1,170 @@
+"""The shape of a decoder model as the planner needs it: sizes read from a config.json, a model dir or a preset.
+
+Only sizes matter here (no weights): they give the FLOPs, the bytes on the wire and the memory of a step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from seqpar.errors import SeqparInputError
+
+__all__ = ["PRESETS", "ModelShape", "load_model_shape"]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Sizes of a decoder-only transformer with gated (SwiGLU) MLPs, as in a Hugging Face config."""
+
+    hidden_size: int
+    """Width of the residual stream."""
+    intermediate_size: int
+    """Width of the MLP's gate and up projections."""
+    num_hidden_layers: int
+    """Decoder layers."""
+    num_attention_heads: int
+    """Query heads."""
+    num_key_value_heads: int
+    """Key/value heads (grouped-query attention when fewer than the query heads)."""
+    vocab_size: int
+    """Rows of the embedding and the language-model head."""
+    head_dim: int = 0
+    """Width of one head; 0 means hidden_size // num_attention_heads."""
+    tie_word_embeddings: bool = False
+    """Whether the language-model head shares the embedding's weights."""
+    model_type: str = "llama"
+    """The Hugging Face model type the sizes came from."""
+    source: str = ""
+    """Where the sizes came from (a file, or a preset's published config)."""
+
+    @property
+    def dim(self) -> int:
+        """Width of one attention head."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def layer_params(self) -> int:
+        """Weights of one decoder layer that take part in matmuls (projections and MLP; norms left out)."""
+        h, d = self.hidden_size, self.dim
+        attention = h * d * (2 * self.num_attention_heads + 2 * self.num_key_value_heads)
+        return attention + 3 * h * self.intermediate_size
+
+    @property
+    def num_params(self) -> int:
+        """All weights: layers, embedding, head (once when tied) and the RMSNorm scales."""
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        norms = (2 * self.num_hidden_layers + 1) * self.hidden_size
+        return self.num_hidden_layers * self.layer_params + embed + norms
+
+    def as_config(self) -> dict:
+        """The sizes as a Hugging Face config dictionary."""
+        return {
+            "model_type": self.model_type,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "vocab_size": self.vocab_size,
+            "head_dim": self.dim,
+            "tie_word_embeddings": self.tie_word_embeddings,
+        }
+
+
+# Values copied from each model's config.json on the Hugging Face Hub (the URL in ``source``).
+PRESETS: dict[str, ModelShape] = {
+    "llama-8b": ModelShape(
+        4096, 14336, 32, 32, 8, 128256, source="https://huggingface.co/meta-llama/Llama-3.1-8B/blob/main/config.json"
+    ),
+    "llama-70b": ModelShape(
+        8192, 28672, 80, 64, 8, 128256, source="https://huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json"
+    ),
+    "llama2-7b": ModelShape(
+        4096, 11008, 32, 32, 32, 32000, source="https://huggingface.co/meta-llama/Llama-2-7b-hf/blob/main/config.json"
+    ),
+    "qwen2.5-7b": ModelShape(
+        3584,
+        18944,
+        28,
+        28,
+        4,
+        152064,
+        model_type="qwen2",
+        source="https://huggingface.co/Qwen/Qwen2.5-7B/blob/main/config.json",
+    ),
+}
+
+_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def shape_from_config(config: dict, source: str = "") -> ModelShape:
+    """A ``ModelShape`` from a Hugging Face config dictionary (``text_config`` of multimodal configs used).
+
+    Args:
+        config: the parsed config.json.
+        source: where it came from, for messages.
+
+    Returns:
+        The sizes.
+
+    Raises:
+        SeqparInputError: a size is missing or not a positive integer, or the heads do not divide.
+    """
+    config = config.get("text_config", config)
+    missing = [key for key in _REQUIRED if not isinstance(config.get(key), int) or config[key] <= 0]
+    if missing:
+        raise SeqparInputError(f"model config {source or ''} lacks positive integer {', '.join(missing)}")
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    if heads % kv_heads:
+        raise SeqparInputError(f"model config {source}: {heads} query heads do not divide into {kv_heads} KV heads")
+    return ModelShape(
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_hidden_layers=config["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=config["vocab_size"],
+        head_dim=config.get("head_dim") or 0,
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        model_type=str(config.get("model_type", "llama")),
+        source=source,
+    )
+
+
+def load_model_shape(model: str | dict | ModelShape) -> ModelShape:
+    """The model's sizes from a preset name, a config.json, a model directory or a config dictionary.
+
+    Args:
+        model: a name in ``PRESETS``, a path to a config.json or to a directory holding one, a config dict,
+            or a ``ModelShape`` (returned as it is).
+
+    Returns:
+        The sizes.
+
+    Raises:
+        SeqparInputError: an unknown name, a missing or unreadable file, or a config without the sizes.
+    """
+    if isinstance(model, ModelShape):
+        return model
+    if isinstance(model, dict):
+        return shape_from_config(model, "(dict)")
+    if not isinstance(model, str):
+        raise SeqparInputError(f"model must be a preset name, a path or a config dict, got {type(model).__name__}")
+    if model.lower() in PRESETS:
+        return PRESETS[model.lower()]
+    path = os.path.join(model, "config.json") if os.path.isdir(model) else model
+    if not os.path.isfile(path):
+        raise SeqparInputError(
+            f"model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json or a directory with one"
+        )
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, json.JSONDecodeError) as error:
+        raise SeqparInputError(f"cannot read model config {path}: {error}") from error
+    if not isinstance(config, dict):
+        raise SeqparInputError(f"model config {path} is not a JSON object")
+    return shape_from_config(config, path)

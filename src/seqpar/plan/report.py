@@ -1,0 +1,104 @@
+"""A plan as text (the ranked table and the rejected families) and as JSON.
+
+Used by ``seqpar plan`` and ``seqpar train --plan``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+from seqpar.plan.search import Candidate, Plan
+
+__all__ = ["format_plan", "plan_to_dict", "write_json"]
+
+
+def _features(c: Candidate) -> str:
+    return "+".join(c.layout.features) or "none"
+
+
+def format_plan(result: Plan, top: int = 10) -> str:
+    """The plan as a Markdown table of the ``top`` best layouts, then the rejected families.
+
+    Args:
+        result: what ``plan`` returned.
+        top: rows of the table.
+
+    Returns:
+        The text to print.
+    """
+    m, c = result.model, result.cluster
+    lines = [
+        f"{m.num_hidden_layers} layers x {m.hidden_size} hidden, {m.num_attention_heads}/{m.num_key_value_heads} "
+        f"heads, vocab {m.vocab_size} ({m.num_params / 1e9:.2f}B parameters); seq {result.seq_len:,} x "
+        f"micro-batch {result.micro_batch}, {result.dtype}",
+        f"{c.gpus} devices ({c.gpus_per_node} per node), {c.gpu_memory_gb:g} GB x {c.memory_headroom:g} usable, "
+        f"{c.gpu_tflops:g} TFLOP/s (matmul x {c.matmul_efficiency:g}, attention x {c.attention_efficiency:g}), "
+        f"links {c.intra_node_gbps:g} GB/s intra, {c.inter_node_gbps:g} Gbit/s inter (x {c.link_efficiency:g})",
+        f"{result.considered} layouts estimated, {len(result.candidates)} fit",
+        "",
+        "| # | dp | sp | ulysses | tp | strategy | dp mode | features | peak/rank (GB) | step (s) "
+        "| tokens/s/GPU | MFU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for i, cand in enumerate(result.top(top), 1):
+        lay = cand.layout
+        lines.append(
+            f"| {i} | {lay.dp} | {lay.sp} | {lay.ulysses} | {lay.tp} | {lay.strategy} | {lay.dp_mode} | "
+            f"{_features(cand)} | {cand.peak_bytes / 1e9:.1f} | {cand.time.total:.3g} | "
+            f"{cand.tokens_per_s_per_gpu:,.0f} | {cand.mfu:.1%} |"
+        )
+    if not result.candidates:
+        lines.append("| - | nothing fits | | | | | | | | | | |")
+    if result.rejected:
+        lines += ["", "Rejected:"]
+        lines += [f"- {r.family}: {r.reason}" for r in result.rejected]
+    return "\n".join(lines)
+
+
+def _candidate(c: Candidate) -> dict:
+    return {
+        **asdict(c.layout),
+        "features": list(c.layout.features),
+        "peak_bytes": c.peak_bytes,
+        "step_s": c.time.total,
+        "step_parts_s": asdict(c.time),
+        "tokens_per_s_per_gpu": c.tokens_per_s_per_gpu,
+        "mfu": c.mfu,
+    }
+
+
+def plan_to_dict(result: Plan, top: int = 10) -> dict:
+    """The plan as JSON-ready data: inputs, the ``top`` best layouts, every fitting layout, rejections.
+
+    Args:
+        result: what ``plan`` returned.
+        top: how many layouts go in "top".
+
+    Returns:
+        A dictionary of plain values.
+    """
+    return {
+        "model": result.model.as_config(),
+        "seq_len": result.seq_len,
+        "micro_batch": result.micro_batch,
+        "dtype": result.dtype,
+        "cluster": asdict(result.cluster),
+        "considered": result.considered,
+        "top": [_candidate(c) for c in result.top(top)],
+        "fitting": len(result.candidates),
+        "rejected": [asdict(r) for r in result.rejected],
+    }
+
+
+def write_json(result: Plan, path: str, top: int = 10) -> None:
+    """Write ``plan_to_dict(result, top)`` to ``path``.
+
+    Args:
+        result: what ``plan`` returned.
+        path: the file.
+        top: how many layouts go in "top".
+    """
+    with open(path, "w") as f:
+        json.dump(plan_to_dict(result, top), f, indent=2)
+        f.write("\n")

@@ -1,0 +1,223 @@
+"""Every valid layout of a model on a cluster, its memory and step time, ranked; and why the others are out.
+
+``plan`` is the entry point; ``seqpar plan`` prints what it returns (``seqpar.plan.report``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from seqpar.errors import SeqparInputError
+from seqpar.memory import MemoryEstimate
+from seqpar.plan.cluster import Cluster
+from seqpar.plan.memory import DTYPE_BYTES, estimate_layout
+from seqpar.plan.models import ModelShape, load_model_shape
+from seqpar.plan.timing import FEATURES, Layout, StepTime, model_flops, step_time
+from seqpar.strategies.policy import kv_head_repeats
+
+__all__ = ["Candidate", "Plan", "Rejection", "plan"]
+
+DP_MODES = ("fsdp", "replicate")
+# Offload moves the checkpointed hidden states: without checkpointing there are none.
+FEATURE_SETS = tuple(
+    tuple(f for f, on in zip(FEATURES, bits, strict=True) if on)
+    for bits in itertools.product((0, 1), repeat=len(FEATURES))
+    if not (bits[3] and not bits[0])
+)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout that fits, with its predicted memory and speed."""
+
+    layout: Layout
+    """Degrees, strategy, features, dp mode."""
+    memory: MemoryEstimate
+    """Predicted memory of one rank, by category (``seqpar.estimate_memory``)."""
+    time: StepTime
+    """Predicted seconds of one step, by part."""
+    tokens_per_s_per_gpu: float
+    """Tokens trained per second, per device."""
+    mfu: float
+    """Model FLOPs (no recomputation) per second over the cluster's peak."""
+
+    @property
+    def peak_bytes(self) -> int:
+        """Predicted peak memory of one rank."""
+        return self.memory.peak
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A family of layouts left out, and why."""
+
+    family: str
+    """What was left out, e.g. "tp 8 sp 4 ulysses 4 (ulysses)"."""
+    reason: str
+    """Why."""
+
+
+@dataclass
+class Plan:
+    """The ranked layouts that fit, and the families that were rejected."""
+
+    model: ModelShape
+    """The model's sizes."""
+    seq_len: int
+    """Tokens per sequence."""
+    micro_batch: int
+    """Sequences per data-parallel replica per step."""
+    dtype: str
+    """Training dtype."""
+    cluster: Cluster
+    """The machines."""
+    candidates: list[Candidate] = field(default_factory=list)
+    """Every fitting layout, fastest (tokens/s per device) first."""
+    rejected: list[Rejection] = field(default_factory=list)
+    """Families left out, with reasons."""
+    considered: int = 0
+    """Layouts whose memory was estimated."""
+
+    def top(self, n: int = 10) -> list[Candidate]:
+        """The ``n`` best layouts, one per (degrees, strategy, dp mode): its fastest feature set that fits."""
+        seen, best = set(), []
+        for c in self.candidates:
+            key = (c.layout.dp, c.layout.sp, c.layout.ulysses, c.layout.tp, c.layout.strategy, c.layout.dp_mode)
+            if key not in seen:
+                seen.add(key)
+                best.append(c)
+            if len(best) == n:
+                break
+        return best
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tp_problem(model: ModelShape, tp: int, cluster: Cluster) -> str | None:
+    if tp > cluster.gpus_per_node and not cluster.ulysses_across_nodes:
+        return f"tensor parallel of {tp} spans nodes of {cluster.gpus_per_node}"
+    if model.num_attention_heads % tp or model.intermediate_size % tp:
+        return f"{model.num_attention_heads} heads / {model.intermediate_size} MLP width do not divide by {tp}"
+    if model.num_key_value_heads % tp:
+        return f"{model.num_key_value_heads} KV heads do not divide by tp {tp}"
+    return None
+
+
+def _strategies(model: ModelShape, sp: int, tp: int, cluster: Cluster):
+    """(strategy, ulysses degree, problem or None) for every strategy at this sp x tp."""
+    if sp == 1:
+        yield "local", 1, None
+        return
+    yield "ring", 1, None
+    yield "allgather", 1, None
+    heads, kv = model.num_attention_heads // tp, max(1, model.num_key_value_heads // tp)
+    for u in _divisors(sp)[1:]:
+        name = "ulysses" if u == sp else "hybrid"
+        problem = None
+        if kv_head_repeats(heads, kv, u) is None:
+            problem = f"{heads} query / {kv} KV heads per tp rank do not split over ulysses {u}"
+        elif u * tp > cluster.gpus_per_node and not cluster.ulysses_across_nodes:
+            problem = f"ulysses {u} x tp {tp} spans nodes of {cluster.gpus_per_node}"
+        yield name, u, problem
+
+
+def _family(layout: Layout) -> str:
+    u = f" ulysses {layout.ulysses}" if layout.strategy == "hybrid" else ""
+    return f"dp {layout.dp} sp {layout.sp}{u} tp {layout.tp} {layout.strategy} {layout.dp_mode}"
+
+
+def plan(
+    model: str | dict | ModelShape,
+    seq_len: int,
+    cluster: Cluster,
+    *,
+    micro_batch: int = 1,
+    dtype: str = "bf16",
+    dp_modes: tuple[str, ...] = DP_MODES,
+    memory: Callable[..., MemoryEstimate] | None = None,
+) -> Plan:
+    """Every valid (dp, sp, ulysses, tp, strategy, features, dp mode) for ``model`` on ``cluster``, ranked.
+
+    Args:
+        model: a preset name, a config.json or model dir, a config dict, or a ``ModelShape``.
+        seq_len: tokens per sequence.
+        cluster: device count, memory, rates and links (``Cluster``, optionally ``with_calibration``).
+        micro_batch: sequences per data-parallel replica per step.
+        dtype: bf16, fp16 or fp32.
+        dp_modes: how parameters are held over the dp x sp ranks: any of fsdp, replicate, ddp.
+        memory: per-rank memory as ``memory(model, seq_len, layout, dtype=, micro_batch=)``; default the
+            memory estimator (``seqpar.plan.memory.estimate_layout``).
+
+    Returns:
+        The plan: fitting layouts fastest first, rejected families with reasons.
+
+    Raises:
+        SeqparInputError: a non-positive length or batch, an unknown dtype or dp mode, a bad model.
+    """
+    shape = load_model_shape(model)
+    if not isinstance(seq_len, int) or seq_len < 1 or not isinstance(micro_batch, int) or micro_batch < 1:
+        raise SeqparInputError(f"seq_len ({seq_len}) and micro_batch ({micro_batch}) must be positive integers")
+    if dtype not in DTYPE_BYTES:
+        raise SeqparInputError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+    if not dp_modes or any(m not in ("fsdp", "replicate", "ddp") for m in dp_modes):
+        raise SeqparInputError(f"dp_modes must be some of fsdp, replicate, ddp, got {dp_modes}")
+    result = Plan(shape, seq_len, micro_batch, dtype, cluster)
+    for tp in _divisors(cluster.gpus):
+        problem = _tp_problem(shape, tp, cluster)
+        if problem:
+            result.rejected.append(Rejection(f"tp {tp}", problem))
+            continue
+        for sp in _divisors(cluster.gpus // tp):
+            if seq_len % sp:
+                result.rejected.append(Rejection(f"sp {sp} tp {tp}", f"seq_len {seq_len} does not divide by sp {sp}"))
+                continue
+            for strategy, u, problem in _strategies(shape, sp, tp, cluster):
+                for mode in dp_modes:
+                    layout = Layout(cluster.gpus // (sp * tp), sp, u, tp, strategy, (), mode)
+                    if problem:
+                        result.rejected.append(Rejection(_family(layout), problem))
+                    else:
+                        _try_features(result, layout, memory or estimate_layout)
+    # ties to 6 digits (FSDP's hidden gathers make totals equal up to rounding) go to fewer features
+    result.candidates.sort(
+        key=lambda c: (-float(f"{c.tokens_per_s_per_gpu:.6g}"), len(c.layout.features), c.peak_bytes)
+    )
+    return result
+
+
+def _try_features(result: Plan, family: Layout, memory: Callable[..., MemoryEstimate]) -> None:
+    """Add every feature set of ``family`` that fits to ``result``; if none does, record why."""
+    budget, smallest = result.cluster.memory_bytes, None
+    for features in FEATURE_SETS:
+        layout = Layout(family.dp, family.sp, family.ulysses, family.tp, family.strategy, features, family.dp_mode)
+        estimate = memory(result.model, result.seq_len, layout, dtype=result.dtype, micro_batch=result.micro_batch)
+        peak = estimate.peak
+        result.considered += 1
+        smallest = peak if smallest is None else min(smallest, peak)
+        if peak > budget:
+            continue
+        time = step_time(
+            result.model,
+            result.seq_len,
+            layout,
+            result.cluster,
+            dtype_bytes=DTYPE_BYTES[result.dtype],
+            micro_batch=result.micro_batch,
+        )
+        tokens = result.micro_batch * result.seq_len * layout.dp
+        flops = model_flops(result.model, result.seq_len, result.micro_batch) * layout.dp
+        peak_rate = result.cluster.gpu_tflops * 1e12 * layout.world
+        result.candidates.append(
+            Candidate(layout, estimate, time, tokens / time.total / layout.world, flops / time.total / peak_rate)
+        )
+    if smallest is not None and smallest > budget:
+        result.rejected.append(
+            Rejection(
+                _family(family),
+                f"does not fit: {smallest / 1e9:.1f} GB per rank at best (all feature sets) > {budget / 1e9:.1f} GB",
+            )
+        )

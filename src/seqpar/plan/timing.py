@@ -1,0 +1,194 @@
+"""How long one training step of a layout takes: FLOPs at a stated rate plus the collectives each link carries.
+
+Note [plan time model] below states every assumption; ``step_time`` is the one entry point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from seqpar.plan.cluster import Cluster
+from seqpar.plan.models import ModelShape
+
+__all__ = ["FEATURES", "Layout", "StepTime", "model_flops", "step_time"]
+
+FEATURES = ("checkpointing", "chunked_loss", "tiled_mlp", "offload")
+
+# Note [plan time model]
+# One step is forward + backward of ``micro_batch`` sequences of ``seq_len`` tokens per data-parallel
+# replica, then one gradient reduction; the optimizer update (memory bound, a few ms) is left out.
+# - Matmuls: 2 FLOPs per weight per token forward, twice that backward, each rank doing 1/sp of the
+#   tokens and 1/tp of each layer's weights (the head is not split by tp). Checkpointing runs every
+#   layer's forward again in backward; a tiled MLP recomputes its MLP once more; the chunked loss makes
+#   its logits again in backward. All at ``Cluster.matmul_flops``.
+# - Attention: causal, 2 S^2 H d FLOPs forward per sequence (half of the full 4 S^2 H d), 2.5x that in
+#   backward (flash-style: five matmuls against two), shared evenly by the sp x tp ranks (zigzag
+#   layout), plus one more forward under checkpointing; at ``Cluster.attention_flops``.
+# - Bytes on the wire are the analytical volumes ``seqpar bench strategies`` checks against the kernel's
+#   socket count (tests/test_bytes_sent.py): Ulysses sends (U-1)/U of q, k, v, out forward and dout, dq,
+#   dk, dv backward (six of each, not four, when more than one KV head per rank stays after the
+#   exchange); the ring sends K and V P-1 hops forward and again backward and the float32 dK, dV P hops;
+#   hybrid does both, the ring on the head-sharded tensors. Under checkpointing the forward exchanges
+#   happen again. The all-gather strategy reduce-scatters dK, dV as NCCL does ((P-1)/P of the P-fold
+#   tensor, half of what gloo's ring all-reduce sends).
+# - Each collective runs over the slowest link its group crosses: ranks are ordered (dp, ring, ulysses,
+#   tp) with tp innermost, so a group covering more consecutive ranks than a node crosses nodes.
+# - Ring transfers overlap the attention blocks: a layer's attention costs max(compute, transfers) plus
+#   one hop, which nothing can hide. All-to-alls, all-gathers and tensor-parallel all-reduces (two per
+#   layer forward, two backward, of the [tokens, hidden] activation) are not overlapped.
+# - Gradients are summed over the dp x sp ranks in the training dtype: replicate is one all-reduce after
+#   backward (exposed); FSDP all-gathers the weights forward and backward and reduce-scatters gradients,
+#   overlapped with compute (only the excess over compute shows); DDP's all-reduce overlaps the backward.
+# - Offloaded checkpoints move on a side stream and are taken as hidden behind compute.
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the step: the degrees, the strategy and the memory features."""
+
+    dp: int
+    """Data-parallel degree."""
+    sp: int
+    """Sequence-parallel degree (ranks sharing one sequence)."""
+    ulysses: int
+    """All-to-all degree inside sp (sp itself for ulysses, 1 for ring and all-gather)."""
+    tp: int
+    """Tensor-parallel degree."""
+    strategy: str
+    """ulysses, ring, hybrid or allgather."""
+    features: tuple[str, ...] = ()
+    """Memory features on: a subset of FEATURES."""
+    dp_mode: str = "replicate"
+    """replicate, ddp or fsdp."""
+
+    @property
+    def world(self) -> int:
+        """Ranks in all."""
+        return self.dp * self.sp * self.tp
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds of one step by part; ``total`` is what the step takes."""
+
+    matmul: float
+    """Projections, MLP and head."""
+    attention: float
+    """Attention blocks, with the ring transfers they do not hide."""
+    all_to_all: float
+    """Ulysses exchanges."""
+    gather: float
+    """All-gather strategy's collectives."""
+    tensor_parallel: float
+    """Tensor-parallel all-reduces."""
+    gradients: float
+    """Gradient reduction (and FSDP's weight gathers) not hidden behind compute."""
+
+    @property
+    def total(self) -> float:
+        """The step's seconds."""
+        return self.matmul + self.attention + self.all_to_all + self.gather + self.tensor_parallel + self.gradients
+
+
+def _attention_flops(model: ModelShape, seq_len: int, micro_batch: int) -> float:
+    """Causal attention FLOPs of one forward over whole sequences (all ranks together)."""
+    return 2.0 * micro_batch * seq_len**2 * model.num_attention_heads * model.dim * model.num_hidden_layers
+
+
+def model_flops(model: ModelShape, seq_len: int, micro_batch: int = 1) -> float:
+    """FLOPs of forward + backward of ``micro_batch`` sequences, no recomputation (the MFU numerator).
+
+    Args:
+        model: the sizes.
+        seq_len: tokens per sequence.
+        micro_batch: sequences.
+
+    Returns:
+        3x the forward matmul FLOPs (6 per weight per token) plus 3.5x the causal attention forward.
+    """
+    tokens = micro_batch * seq_len
+    matmul = 6.0 * tokens * (model.num_hidden_layers * model.layer_params + model.hidden_size * model.vocab_size)
+    return matmul + 3.5 * _attention_flops(model, seq_len, micro_batch)
+
+
+def _matmul_seconds(model: ModelShape, tokens: float, layout: Layout, cluster: Cluster) -> float:
+    h, inter = model.hidden_size, model.intermediate_size
+    layer_passes = 3 + ("checkpointing" in layout.features)
+    mlp_extra = model.num_hidden_layers * 3 * h * inter / layout.tp if "tiled_mlp" in layout.features else 0
+    layers = model.num_hidden_layers * model.layer_params / layout.tp * layer_passes + mlp_extra
+    head = h * model.vocab_size * (3 + ("chunked_loss" in layout.features))
+    return 2.0 * tokens * (layers + head) / cluster.matmul_flops
+
+
+def _sent_kv_heads(kv_heads: int, degree: int) -> int:
+    """KV heads on the wire around an all-to-all over ``degree`` ranks (too few to divide are copied up)."""
+    return kv_heads if kv_heads % degree == 0 else degree
+
+
+def step_time(
+    model: ModelShape, seq_len: int, layout: Layout, cluster: Cluster, *, dtype_bytes: int = 2, micro_batch: int = 1
+) -> StepTime:
+    """Seconds of one step of ``layout`` on ``cluster`` (Note [plan time model]).
+
+    Args:
+        model: the sizes.
+        seq_len: tokens per sequence (whole, before the split).
+        layout: degrees, strategy, features.
+        cluster: rates and links.
+        dtype_bytes: bytes per element of activations and gradients (2 for bf16, 4 for fp32).
+        micro_batch: sequences per data-parallel replica in the step.
+
+    Returns:
+        The seconds by part.
+    """
+    layers, ckpt = model.num_hidden_layers, "checkpointing" in layout.features
+    tokens = micro_batch * seq_len / layout.sp  # on this rank
+    d, e, u, r = model.dim, dtype_bytes, layout.ulysses, layout.sp // layout.ulysses
+    heads, kv = model.num_attention_heads // layout.tp, max(1, model.num_key_value_heads // layout.tp)
+    q_bytes = heads * tokens * d * e
+
+    def kv_bytes(degree: int, elem: int = e) -> float:
+        return _sent_kv_heads(kv, degree) * tokens * d * elem
+
+    forward = _attention_flops(model, seq_len, micro_batch) / (layout.sp * layout.tp) / layers
+    attention = forward * (3.5 + ckpt) / cluster.attention_flops  # per layer
+    a2a = gather = 0.0
+    if u > 1:
+        tensors = 6 if _sent_kv_heads(kv, u) > u else 4
+        moved = (u - 1) / u * (tensors + 2 * ckpt) * (q_bytes + kv_bytes(u))
+        a2a = moved / cluster.link(u * layout.tp)
+    if r > 1 and layout.strategy == "allgather":
+        moved = (2 + ckpt) * (r - 1) * 2 * kv_bytes(1) + (r - 1) * 2 * kv_bytes(1, 4)
+        gather = moved / cluster.link(layout.sp * layout.tp)
+    elif r > 1:
+        link = cluster.link(layout.sp * layout.tp)
+        ring = ((r - 1) * (4 + 2 * ckpt) * kv_bytes(u) + r * 2 * kv_bytes(u, 4)) / link
+        attention = max(attention, ring) + 2 * kv_bytes(u) / link
+    tp = 0.0
+    if layout.tp > 1:
+        tp = (4 + 2 * ckpt) * 2 * (layout.tp - 1) / layout.tp * tokens * model.hidden_size * e
+        tp /= cluster.link(layout.tp)
+    matmul = _matmul_seconds(model, tokens, layout, cluster)
+    return StepTime(
+        matmul=matmul,
+        attention=attention * layers,
+        all_to_all=a2a * layers,
+        gather=gather * layers,
+        tensor_parallel=tp * layers,
+        gradients=_gradient_seconds(model, layout, cluster, e, matmul + attention * layers),
+    )
+
+
+def _gradient_seconds(model: ModelShape, layout: Layout, cluster: Cluster, e: int, compute: float) -> float:
+    """Exposed seconds of the gradient reduction (and FSDP's weight gathers) over the dp x sp ranks."""
+    n = layout.dp * layout.sp
+    if n == 1:
+        return 0.0
+    weights = model.num_params / layout.tp * e
+    link = cluster.link(layout.world)
+    if layout.dp_mode == "fsdp":
+        return max(0.0, 3 * (n - 1) / n * weights / link - compute)
+    seconds = 2 * (n - 1) / n * weights / link
+    if layout.dp_mode == "ddp":  # overlaps the backward, two thirds of the compute
+        return max(0.0, seconds - 2 * compute / 3)
+    return seconds
