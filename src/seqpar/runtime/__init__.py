@@ -1,14 +1,18 @@
 """What the applications (``seqpar train``, ``seqpar bench``, the tests) share to run: spawning ranks and
-reading the memory of a process.
+reading the memory of a process, stopping cleanly on SIGTERM/SIGINT.
 """
 
 from seqpar.runtime.measure import MEMORY_RUN_ENV, time_and_memory, write_slowest
 from seqpar.runtime.memory import PeakMemory, reset_resident_peak, resident_mb
+from seqpar.runtime.signals import STOP_SIGNALS, StopSignals, exit_code_for
 from seqpar.runtime.spawn import spawn_ranks
 
 __all__ = [
     "MEMORY_RUN_ENV",
+    "STOP_SIGNALS",
     "PeakMemory",
+    "StopSignals",
+    "exit_code_for",
     "reset_resident_peak",
     "resident_mb",
     "spawn_ranks",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
@@ -15,6 +16,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from seqpar.runtime.signals import StopSignals
 
 __all__ = ["spawn_ranks"]
 
@@ -75,7 +78,8 @@ def spawn_ranks(
     timeout: timedelta = timedelta(minutes=10),
     threads: int = 1,
     env: Mapping[str, str] | None = None,
-) -> None:
+    forward_signals: bool = False,
+) -> signal.Signals | None:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes, each a rank of a fresh group.
 
     Each process sets its torch thread count, joins the default process group (a file store in a temporary
@@ -91,16 +95,31 @@ def spawn_ranks(
         threads: torch intra-op threads per rank.
         env: environment variables that the spawned processes start with (for settings read at process
             start, such as glibc's ``MALLOC_*``); this process's environment is restored afterwards.
+        forward_signals: pass SIGTERM and SIGINT on to the ranks instead of dying of them, and keep waiting
+            for the ranks (which decide how to stop); False: this process's own handlers stay.
+
+    Returns:
+        The first SIGTERM or SIGINT passed on to the ranks, or None.
 
     Raises:
         torch.multiprocessing.ProcessRaisedException: a rank raised; ``error_index`` is the rank and the
             message ends with its traceback.
         torch.multiprocessing.ProcessExitedException: a rank died without raising (a signal, ``os._exit``).
     """
-    with tempfile.TemporaryDirectory() as tmp, _environment(env):
-        mp.start_processes(
+    pids: list[int] = []
+    stop = StopSignals(forward_to=lambda: pids) if forward_signals else contextlib.nullcontext()
+    with tempfile.TemporaryDirectory() as tmp, _environment(env), stop:
+        context = mp.start_processes(
             _rank_entry,
             args=(fn, world_size, args, os.path.join(tmp, "store"), backend, timeout, threads),
             nprocs=world_size,
             start_method="spawn",
+            join=False,
         )
+        pids.extend(context.pids())
+        if forward_signals and stop.received is not None:  # it came while the ranks were being started
+            for pid in pids:
+                os.kill(pid, stop.received)
+        while not context.join():
+            pass
+    return stop.received if forward_signals else None

@@ -57,6 +57,9 @@ class TrainConfig:
     fsdp (FSDP2: parameters, gradients and optimizer state sharded); gradients are summed, never averaged."""
     nproc: int | None = None
     """Ranks to spawn on this machine when not started by torchrun; default dp x sp x tp."""
+    timeout_s: int = 600
+    """Seconds a collective waits for the other ranks before the run fails, naming the rank and the step or
+    phase it was in (a stalled rank, a lost node); it must cover packing --data files on rank 0."""
 
     # --- optimisation
     seq_len: int = 512
@@ -129,7 +132,7 @@ class TrainConfig:
         problems = []
         if self.strategy not in STRATEGIES:
             problems.append(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
-        for name in ("sp", "ulysses", "dp", "tp", "seq_len", "batch_size", "grad_accum", "steps"):
+        for name in ("sp", "ulysses", "dp", "tp", "seq_len", "batch_size", "grad_accum", "steps", "timeout_s"):
             if getattr(self, name) < 1:
                 problems.append(f"--{name.replace('_', '-')} must be at least 1")
         if self.ulysses >= 1 and self.sp >= 1 and self.sp % self.ulysses:

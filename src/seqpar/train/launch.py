@@ -16,10 +16,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from seqpar.errors import SeqparInputError
+from seqpar.runtime.signals import exit_code_for
 from seqpar.runtime.spawn import spawn_ranks
 from seqpar.train.checkpoint import latest_checkpoint, verify_checkpoint
 from seqpar.train.config import TrainConfig
 from seqpar.train.data import load_tokenizer
+from seqpar.train.fit import check_memory
 from seqpar.train.model import model_config
 from seqpar.train.passkey import PasskeyTask
 
@@ -56,6 +58,9 @@ def _precheck(config: TrainConfig, world_size: int) -> None:
         raise SeqparInputError(
             f"--tp {config.tp} must divide the heads ({heads}) and KV heads ({kv_heads}) of the model"
         )
+    memory = check_memory(config, cfg)  # raises before any rank trains when --max-memory-mb is exceeded
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(memory, flush=True)
     if config.resume not in (None, "auto"):
         verify_checkpoint(config.resume)
     if not config.data:
@@ -77,6 +82,10 @@ def _rank_main(rank: int, world_size: int, config: TrainConfig, run_dir: str) ->
 def launch(config: TrainConfig) -> int:
     """Run the training described by ``config``; returns the process exit code.
 
+    SIGTERM or SIGINT to this process (or to the ranks) stops the run after the current optimizer step with
+    one checkpoint written there; the exit code is then 0 for SIGTERM and 130 for SIGINT. A rank that fails
+    or dies ends every rank (exit code 1, the failing rank and its error printed).
+
     Raises:
         SeqparInputError: settings or files that cannot work (raised before any rank starts).
     """
@@ -92,8 +101,11 @@ def launch(config: TrainConfig) -> int:
         json.dump({**config.to_dict(), **resolved}, f, indent=2)
     print(f"run directory: {run_dir}", flush=True)
     threads = max(1, (os.cpu_count() or 1) // world)
+    timeout = timedelta(seconds=config.timeout_s)
     try:
-        spawn_ranks(_rank_main, world, config, run_dir, timeout=timedelta(minutes=30), threads=threads)
+        received = spawn_ranks(
+            _rank_main, world, config, run_dir, timeout=timeout, threads=threads, forward_signals=True
+        )
     except mp.ProcessRaisedException as error:
         lines = [line for line in str(error).strip().splitlines() if line.strip()]
         print(f"seqpar train failed on rank {error.error_index}: {lines[-1].strip()}", file=sys.stderr)
@@ -101,6 +113,8 @@ def launch(config: TrainConfig) -> int:
     except mp.ProcessExitedException as error:
         print(f"seqpar train failed: rank {error.error_index} exited ({error})", file=sys.stderr)
         return 1
+    if received is not None:
+        return exit_code_for(received)
     print(f"done; run directory: {run_dir}", flush=True)
     return 0
 
@@ -111,7 +125,8 @@ def _launch_torchrun(config: TrainConfig) -> int:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=30))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=config.timeout_s))
+    received = None
     try:
         _precheck(config, dist.get_world_size())
         run_dir = _prepare_run_dir(config) if dist.get_rank() == 0 else None
@@ -127,9 +142,9 @@ def _launch_torchrun(config: TrainConfig) -> int:
                 }
                 json.dump({**config.to_dict(), **resolved}, f, indent=2)
             print(f"run directory: {run_dir}", flush=True)
-        train_rank(config, run_dir)
+        received = train_rank(config, run_dir)
         dist.barrier()
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0 and received is None:
             print(f"done; run directory: {run_dir}", flush=True)
     except SeqparInputError as error:
         if dist.get_rank() == 0:
@@ -137,4 +152,4 @@ def _launch_torchrun(config: TrainConfig) -> int:
         return 1
     finally:
         dist.destroy_process_group()
-    return 0
+    return exit_code_for(received)

@@ -3,18 +3,30 @@ then the evaluation.
 
 ``train_rank`` expects an initialised default process group (``seqpar.train.launch`` sets it up). The steps it
 calls live in ``state`` (set-up), ``step`` (one optimizer step) and ``evaluate`` (passkey accuracy).
+
+Note [stopping on a signal]
+    SIGTERM or SIGINT on any rank only sets a flag there (``seqpar.runtime.StopSignals``). The flag rides
+    in the per-step all-gather of memory and time that the metrics need anyway, so every rank learns of it
+    after the same optimizer step without an extra collective; they then write one checkpoint at that step
+    and return the signal. A rank blocked in a collective whose peer died gets an error from the backend
+    instead, so a signal never turns a failure into a hang.
 """
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 import seqpar
-from seqpar.runtime.memory import PeakMemory
+from seqpar.errors import SeqparInputError
+from seqpar.runtime.memory import PeakMemory, resident_mb
+from seqpar.runtime.signals import StopSignals
 from seqpar.train.checkpoint import save_checkpoint
 from seqpar.train.config import TrainConfig
 from seqpar.train.evaluate import evaluate_passkey
@@ -43,19 +55,45 @@ def _say(bar: tqdm | None, line: str) -> None:
     (bar.write if bar is not None else print)(line)
 
 
-def _step_record(run: RunState, step: int, result: StepResult, peak_mb: float, seconds: float) -> dict | None:
-    """Gather the step's per-rank memory and time and its summed losses (collective); rank 0 gets the record.
+@contextlib.contextmanager
+def _doing(run: RunState, what: str) -> Iterator[None]:
+    """Re-raise a collective's failure (a timeout, a lost peer) saying which rank failed and while doing what."""
+    try:
+        yield
+    except RuntimeError as error:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        why = (
+            f" (no answer from the other ranks within --timeout-s {run.config.timeout_s}: a rank is stalled or dead)"
+            if "timed out" in first.lower()
+            else ""
+        )
+        raise RuntimeError(f"rank {run.rank} failed while {what}{why}: {first}") from error
+
+
+def _resident_mb() -> float:
+    try:
+        return resident_mb("VmRSS")
+    except (OSError, RuntimeError):
+        return 0.0
+
+
+def _step_record(
+    run: RunState, step: int, result: StepResult, peak_mb: float, seconds: float, stop: bool
+) -> tuple[dict | None, bool]:
+    """Gather the step's per-rank memory, time and stop flags and its summed losses (collective).
 
     Returns:
-        The metrics.jsonl record on rank 0, None on the other ranks.
+        The metrics.jsonl record on rank 0 (None on the other ranks), and whether any rank was asked to stop
+        (the same on every rank: Note [stopping on a signal]).
     """
     config = run.config
-    stats = torch.tensor([peak_mb, seconds], dtype=torch.float64, device=run.device)
+    stats = torch.tensor([peak_mb, seconds, _resident_mb(), float(stop)], dtype=torch.float64, device=run.device)
     gathered = [torch.empty_like(stats) for _ in range(run.world)]
     dist.all_gather(gathered, stats)
+    stopping = any(float(g[3]) > 0 for g in gathered)
     sums = seqpar.sum_over(torch.stack([result.loss_sum, result.answer_sum]), run.loss_group)
     if run.rank != 0:
-        return None
+        return None, stopping
     step_time = max(float(g[1]) for g in gathered)  # the slowest rank sets the pace
     record = {
         "kind": "train",
@@ -66,10 +104,11 @@ def _step_record(run: RunState, step: int, result: StepResult, peak_mb: float, s
         "tokens_per_s": config.batch_size * config.dp * config.seq_len / step_time,
         "step_s": step_time,
         "peak_memory_mb": [round(float(g[0]), 1) for g in gathered],
+        "resident_mb": [round(float(g[2]), 1) for g in gathered],
     }
     if result.has_answers:
         record["answer_loss"] = float(sums[1])
-    return record
+    return record, stopping
 
 
 def _log_step(config: TrainConfig, record: dict, writer: MetricsWriter, bar: tqdm | None, end: int) -> None:
@@ -92,46 +131,95 @@ def _log_step(config: TrainConfig, record: dict, writer: MetricsWriter, bar: tqd
         )
 
 
-def _save(run: RunState, steps_done: int, bar: tqdm | None) -> None:
-    """Checkpoint the model, optimizer and schedule after ``steps_done`` steps (collective)."""
-    path = save_checkpoint(run.checkpoint_dir, steps_done, checkpoint_state(run))
+def _save(run: RunState, steps_done: int, bar: tqdm | None) -> str:
+    """Checkpoint the model, optimizer and schedule after ``steps_done`` steps (collective); returns its path."""
+    config = run.config
+    layout = {"dp": config.dp, "sp": config.sp, "tp": config.tp, "dp_mode": config.dp_mode, "world": run.world}
+    with _doing(run, f"saving the checkpoint of step {steps_done}"):
+        path = save_checkpoint(run.checkpoint_dir, steps_done, checkpoint_state(run), layout)
     if run.rank == 0:
         _say(bar, f"checkpoint: {path}")
+    return path
 
 
-def train_rank(config: TrainConfig, run_dir: str) -> None:
-    """Train on this rank, then evaluate (collective: every rank of the default group calls it alike).
+def _train_steps(run: RunState, stop: StopSignals, writer: MetricsWriter | None, bar: tqdm | None) -> int | None:
+    """The optimizer steps from ``run.start``; returns the step a signal stopped them after, or None.
 
-    Args:
-        config: the run's settings, the same on every rank.
-        run_dir: the run directory; rank 0 writes metrics, plots and eval results there, all ranks checkpoints.
-
-    Raises:
-        SeqparInputError: settings or files that turn out not to work on the ranks (raised on every rank).
+    A stop leaves one checkpoint at that step (Note [stopping on a signal]).
     """
-    run = set_up_run(config, run_dir)
-    writer = MetricsWriter(run_dir, run.start) if run.rank == 0 else None
-    bar = _progress_bar(config, run.start) if run.rank == 0 and config.progress else None
+    config = run.config
     memory = PeakMemory(run.device)
     end = config.stop_at or config.steps
     run.model.train()
     for step in range(run.start, end):
         memory.reset()
         began = time.perf_counter()
-        result = optimizer_step(run, step)
+        with _doing(run, f"optimizer step {step + 1}"):
+            result = optimizer_step(run, step)
         seconds = time.perf_counter() - began
         if step == run.start and run.rank == 0:  # what attention ran, now that it has run
             _say(bar, banner(config, run.model, run.mesh))
-        record = _step_record(run, step, result, memory.peak_mb(), seconds)
+        with _doing(run, f"gathering the metrics of step {step + 1}"):
+            record, stopping = _step_record(run, step, result, memory.peak_mb(), seconds, stop.received is not None)
         if record is not None:
             _log_step(config, record, writer, bar, end)
-        if (config.save_every and (step + 1) % config.save_every == 0) or step + 1 == end:
+        if stopping and run.rank == 0:
+            _say(bar, f"stop requested: every rank finished step {step + 1}; saving one checkpoint there")
+        if (config.save_every and (step + 1) % config.save_every == 0) or step + 1 == end or stopping:
             _save(run, step + 1, bar)
-    if bar is not None:
-        bar.close()
-    if end == config.steps and run.source.passkey is not None:
-        evaluate_passkey(run, writer)
-    if writer is not None:
-        writer.close()
-        for path in plot_metrics(run_dir):
-            print(f"plot: {path}", flush=True)
+        if stopping:
+            return step + 1
+    return None
+
+
+def _stopped_line(run: RunState, received: signal.Signals | None, done: int) -> str:
+    what = received.name if received is not None else "a signal to another rank"
+    return (
+        f"stopped by {what} after step {done} of {run.config.steps}; checkpoint "
+        f"{run.checkpoint_dir}/step_{done:07d} is complete. To resume, run the same command with "
+        f"--run-dir {run.run_dir} --resume auto"
+    )
+
+
+def train_rank(config: TrainConfig, run_dir: str) -> signal.Signals | None:
+    """Train on this rank, then evaluate (collective: every rank of the default group calls it alike).
+
+    SIGTERM and SIGINT stop the run cleanly after the current optimizer step (Note [stopping on a signal]):
+    one checkpoint is written there, rank 0 prints how to resume, and the evaluation is skipped.
+
+    Args:
+        config: the run's settings, the same on every rank.
+        run_dir: the run directory; rank 0 writes metrics, plots and eval results there, all ranks checkpoints.
+
+    Returns:
+        The signal this rank received if the run was stopped by one (None if the stop came from a signal to
+        another rank, or if the run finished).
+
+    Raises:
+        SeqparInputError: settings or files that turn out not to work on the ranks (raised on every rank).
+        RuntimeError: a collective failed or timed out (``--timeout-s``); the message names the rank and the
+            step or phase it was in.
+    """
+    with StopSignals() as stop:
+        try:
+            run = set_up_run(config, run_dir)
+        except RuntimeError as error:
+            if isinstance(error, SeqparInputError):
+                raise
+            first = (str(error).strip().splitlines() or [""])[0][:300]
+            raise RuntimeError(f"rank {dist.get_rank()} failed while setting up the run: {first}") from error
+        writer = MetricsWriter(run_dir, run.start) if run.rank == 0 else None
+        bar = _progress_bar(config, run.start) if run.rank == 0 and config.progress else None
+        stopped = _train_steps(run, stop, writer, bar)
+        if bar is not None:
+            bar.close()
+        if stopped is None and (config.stop_at or config.steps) == config.steps and run.source.passkey is not None:
+            with _doing(run, "evaluating"):
+                evaluate_passkey(run, writer)
+        if writer is not None:
+            writer.close()
+            for path in plot_metrics(run_dir):
+                print(f"plot: {path}", flush=True)
+            if stopped is not None:
+                print(_stopped_line(run, stop.received, stopped), flush=True)
+        return stop.received if stopped is not None else None

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import seqpar
 from seqpar.data import IGNORE_INDEX
-from seqpar.train.checkpoint import latest_checkpoint, load_checkpoint
+from seqpar.train.checkpoint import checkpoint_layout, latest_checkpoint, load_checkpoint
 from seqpar.train.config import TrainConfig
 from seqpar.train.data import FileRows, load_tokenizer
 from seqpar.train.model import build_model
@@ -225,5 +225,18 @@ def _resume(run: RunState) -> int:
     set_state_dict(run.model, run.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     run.scheduler.load_state_dict(state["scheduler"])
     if run.rank == 0:
-        print(f"resumed from {resume} at step {start}", flush=True)
+        print(f"resumed from {resume} at step {start}{_resharding(run, checkpoint_layout(resume))}", flush=True)
     return start
+
+
+def _resharding(run: RunState, written: dict) -> str:
+    """ " (written at ...; resharded to ...)" when the checkpoint's layout differs from this run's, else ""."""
+    config = run.config
+
+    def describe(layout: dict) -> str:
+        return f"dp {layout['dp']} x sp {layout['sp']} x tp {layout['tp']}, {layout['dp_mode']}"
+
+    now = {"dp": config.dp, "sp": config.sp, "tp": config.tp, "dp_mode": config.dp_mode}
+    if not written or all(written.get(key) == value for key, value in now.items()):
+        return ""
+    return f" (written at {describe(written)}; resharded to {describe(now)})"

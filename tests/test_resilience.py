@@ -1,0 +1,268 @@
+"""``seqpar train`` under preemption, faults and changed layouts: real processes, real signals, real files.
+
+Independent runs start together (``Popen``) to keep the wall time down; each case checks what a user sees:
+exit codes, the lines printed, the checkpoints left on disk and the losses after resuming.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from seqpar.errors import SeqparInputError
+from seqpar.runtime.spawn import spawn_ranks
+from tests.test_train_cli import TINY, losses
+
+QUIET = [*TINY, "--no-progress"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "seqpar.cli", "train"]
+
+
+def start(*args: str, torchrun: bool = False) -> subprocess.Popen:
+    """Start ``seqpar train``; stderr goes to a file, so reading stdout line by line can never block it."""
+    command = [*TORCHRUN] if torchrun else [sys.executable, "-m", "seqpar.cli", "train"]
+    stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed by finish()
+    process = subprocess.Popen([*command, *QUIET, *args], stdout=subprocess.PIPE, stderr=stderr, text=True)
+    process.stderr_file = stderr
+    return process
+
+
+def finish(process: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
+    """Wait for ``process``; its exit code, the stdout not read yet and its whole stderr."""
+    out = process.stdout.read()  # through the same buffer that read_until used: no line is lost
+    code = process.wait(timeout=timeout)
+    with process.stderr_file as err:
+        err.seek(0)
+        return code, out, err.read()
+
+
+def read_until(process: subprocess.Popen, pattern: str, seen: list[str]) -> str:
+    """Read ``process``'s stdout lines (kept in ``seen``) until one matches ``pattern``; return that line."""
+    for line in process.stdout:
+        seen.append(line)
+        if re.search(pattern, line):
+            return line
+    process.wait()
+    process.stderr_file.seek(0)
+    raise AssertionError(f"{pattern!r} never printed; output:\n{''.join(seen)}\n{process.stderr_file.read()}")
+
+
+def children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def rank_pids(launcher: int) -> list[int]:
+    """The rank processes of a spawning ``seqpar train`` (not multiprocessing's resource tracker)."""
+    found = []
+    for pid in children(launcher):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                found.append(pid)
+    return found
+
+
+def torchrun_rank_pid(torchrun: int, rank: int) -> int:
+    for pid in children(torchrun):
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            if f"RANK={rank}".encode() in f.read().split(b"\0"):
+                return pid
+    raise AssertionError(f"no rank {rank} under torchrun {torchrun}")
+
+
+def checkpoints(run_dir) -> list[str]:
+    return sorted(os.listdir(run_dir / "checkpoints"))
+
+
+def assert_same_losses(got: dict, want: dict, steps: range, rel: float, what: str) -> None:
+    for step in steps:
+        assert got[step] == pytest.approx(want[step], rel=rel, abs=1e-7), (what, step, got, want)
+
+
+def test_preemption_then_resume_here_and_on_other_layouts(tmp_path):
+    ref, cut = tmp_path / "ref", tmp_path / "cut"
+    reference = start("--steps", "8", "--save-every", "4", "--run-dir", str(ref))
+    stopped = start("--steps", "8", "--save-every", "0", "--run-dir", str(cut))
+    seen: list[str] = []
+    read_until(stopped, r"^step 1/8", seen)
+    stopped.send_signal(signal.SIGTERM)
+    # a second signal while the checkpoint is being written changes nothing: the save is not cut short
+    read_until(stopped, r"^stop requested", seen)
+    stopped.send_signal(signal.SIGINT)
+    code, out, err = finish(stopped)
+    out = "".join(seen) + out
+    assert code == 0, err  # SIGTERM came first: a clean preemption
+    done = int(re.search(r"stopped by SIGTERM after step (\d) of 8", out).group(1))
+    assert 2 <= done < 8, out
+    assert f"--run-dir {cut} --resume auto" in out
+    assert checkpoints(cut) == [f"step_{done:07d}"]  # one checkpoint, complete (no .partial left)
+    assert "eval.json" not in os.listdir(cut)
+    assert finish(reference)[0] == 0
+    curve = losses(ref)
+
+    # resumed in place, the same layout: every step equals the run never stopped
+    resumed = start("--steps", "8", "--run-dir", str(cut), "--resume", "auto")
+    # elastic: the sp 2 checkpoint of step 4 continued on 1 rank, on 4 ranks, and on dp 2 x sp 2 with FSDP2
+    # sharding (half the batch per replica: the same global batch)
+    step4 = str(ref / "checkpoints" / "step_0000004")
+    layouts = {
+        "sp1": ["--sp", "1"],
+        "sp4": ["--sp", "4"],
+        "dp2sp2fsdp": ["--sp", "2", "--dp", "2", "--batch-size", "1", "--grad-accum", "1", "--dp-mode", "fsdp"],
+    }
+    others = {
+        name: start("--steps", "8", "--run-dir", str(tmp_path / name), "--resume", step4, *extra)
+        for name, extra in layouts.items()
+    }
+    code, out, err = finish(resumed)
+    assert code == 0, err
+    assert f"resumed from {cut}/checkpoints/step_{done:07d} at step {done}" in out
+    assert_same_losses(losses(cut), curve, range(1, 9), 1e-6, "resumed in place")
+    for name, process in others.items():
+        code, out, err = finish(process)
+        assert code == 0, (name, err)
+        assert "(written at dp 1 x sp 2 x tp 1, replicate; resharded to" in out, (name, out)
+        got = losses(tmp_path / name)
+        assert sorted(got) == [5, 6, 7, 8], name
+        # float rounding only: the attention and the sums are split differently (as sp 1 vs sp 2 from step 0)
+        assert_same_losses(got, curve, range(5, 9), 1e-4, name)
+        grads = losses(tmp_path / name, "grad_norm")
+        assert_same_losses(grads, losses(ref, "grad_norm"), range(5, 9), 1e-4, name)
+    check_refusals(ref / "checkpoints" / "step_0000004", tmp_path)
+
+
+def _rewrite_marker(checkpoint) -> None:
+    """Record the files' current sizes in the completion marker, as a tamperer who knows the format would."""
+    marker = checkpoint / "seqpar_complete.json"
+    meta = json.loads(marker.read_text())
+    meta["files"] = {name: os.path.getsize(checkpoint / name) for name in meta["files"]}
+    marker.write_text(json.dumps(meta))
+
+
+class _Payload:
+    """Unpickling this writes ``path``: the proof that a loader ran code from the file."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (exec, (f"open({self.path!r}, 'w').write('ran')",))
+
+
+def _state(hidden: int) -> dict:
+    """What the trainer loads a checkpoint into, for the TINY model at ``hidden`` width (one process)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from seqpar.train.config import TrainConfig
+    from seqpar.train.model import build_model
+
+    model = build_model(TrainConfig(hidden_size=hidden, layers=1, heads=2, seq_len=192), 258)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optim_state, "scheduler": scheduler.state_dict()}
+
+
+def check_refusals(source, tmp_path) -> None:
+    """Checkpoints that would run code, and one of another model shape, are refused with clear errors."""
+    from seqpar.train.checkpoint import load_checkpoint, read_metadata
+
+    assert load_checkpoint(str(source), _state(32)) == 4  # the untouched checkpoint loads in one process
+    with pytest.raises(SeqparInputError, match=r"different model shape: .*is \[258, 32\] in the checkpoint but"):
+        load_checkpoint(str(source), _state(64))
+
+    # .metadata replaced by a pickle that runs code when unpickled
+    evil = tmp_path / "evil_meta"
+    shutil.copytree(source, evil)
+    proof = tmp_path / "metadata_ran"
+    (evil / ".metadata").write_bytes(pickle.dumps(_Payload(str(proof))))
+    _rewrite_marker(evil)
+    with pytest.raises(SeqparInputError, match=r"unsafe or unreadable .*refused to load builtins.exec"):
+        load_checkpoint(str(evil), _state(32))
+    assert not proof.exists()
+    with open(evil / ".metadata", "rb") as f:  # control: the payload is live under the plain unpickler
+        pickle.load(f)
+    assert proof.read_text() == "ran"
+
+    # a non-tensor value (the schedule's step) replaced by a torch.save pickle that runs code
+    evil = tmp_path / "evil_value"
+    shutil.copytree(source, evil)
+    proof = tmp_path / "value_ran"
+    metadata = read_metadata(str(evil))
+    key = next(k for k in metadata.storage_data if k.fqn == "scheduler.last_epoch")
+    info = metadata.storage_data[key]
+    with open(evil / info.relative_path, "ab") as f:
+        offset = f.tell()
+        torch.save(_Payload(str(proof)), f)
+        length = f.tell() - offset
+    metadata.storage_data[key] = dataclasses.replace(info, offset=offset, length=length)
+    (evil / ".metadata").write_bytes(pickle.dumps(metadata))
+    _rewrite_marker(evil)
+    with pytest.raises(SeqparInputError, match=r"scheduler.last_epoch is not plain data"):
+        load_checkpoint(str(evil), _state(32))
+    assert not proof.exists()
+
+
+def _one_rank_raises(rank: int, world_size: int) -> None:
+    dist.all_reduce(torch.ones(1))  # both ranks are up and talking
+    if rank == 1:
+        raise ValueError("row 17 of shard 1 is not valid UTF-8")
+    dist.all_reduce(torch.ones(1))  # rank 0 waits here for a rank that has failed
+
+
+def test_faults_end_every_rank_promptly_and_say_why(tmp_path):
+    # a stalled rank: the other one gives up after --timeout-s and says where it was
+    stall = start("--steps", "2000", "--timeout-s", "3", "--run-dir", str(tmp_path / "stall"))
+    # torchrun: SIGTERM to torchrun reaches every rank, which stop after the step with one checkpoint
+    preempted = start("--steps", "2000", "--save-every", "0", "--run-dir", str(tmp_path / "tr"), torchrun=True)
+    read_until(preempted, r"^step 2/2000", [])
+    preempted.send_signal(signal.SIGTERM)
+    read_until(stall, r"^step 2/2000", [])
+    frozen, other = rank_pids(stall.pid)
+    os.kill(frozen, signal.SIGSTOP)
+    while os.path.exists(f"/proc/{other}"):
+        time.sleep(0.2)
+    os.kill(frozen, signal.SIGCONT)  # its pending SIGTERM from the launcher, then its lost peer, end it
+    code, out, err = finish(stall)
+    assert code == 1, out
+    assert re.search(
+        r"failed on rank \d: RuntimeError: rank \d failed while (optimizer step|gathering the metrics of step) \d+ "
+        r"\(no answer from the other ranks within --timeout-s 3: a rank is stalled or dead\)",
+        err,
+    ), err
+    code, out, err = finish(preempted)
+    # torchrun passes the SIGTERM on to its workers, waits for them, then re-raises it (exit code 1)
+    assert "stopped by SIGTERM after step" in out, (out, err)
+    assert "Received 15 death signal, shutting down workers" in err, err
+    stop_step = int(re.search(r"stopped by SIGTERM after step (\d+) of 2000", out).group(1))
+    assert checkpoints(tmp_path / "tr") == [f"step_{stop_step:07d}"]
+
+    # torchrun: one rank SIGKILLed ends the run within seconds, naming the rank
+    resumed = start("--steps", "2000", "--run-dir", str(tmp_path / "tr"), "--resume", "auto", torchrun=True)
+    read_until(resumed, rf"^step {stop_step + 2}/2000", [])
+    os.kill(torchrun_rank_pid(resumed.pid, 1), signal.SIGKILL)
+    killed = time.monotonic()
+    code, out, err = finish(resumed)
+    assert time.monotonic() - killed < 15
+    assert code != 0 and "Signal 9 (SIGKILL) received by PID" in err, err
+
+    # an exception on one rank only ends the rank waiting for it, with that error named
+    began = time.monotonic()
+    with pytest.raises(mp.ProcessRaisedException, match="ValueError: row 17 of shard 1") as raised:
+        spawn_ranks(_one_rank_raises, 2, timeout=timedelta(minutes=5))
+    assert raised.value.error_index == 1
+    assert time.monotonic() - began < 60  # far below the collective timeout: no hang
