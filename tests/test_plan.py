@@ -12,7 +12,7 @@ import pytest
 
 import seqpar
 from seqpar.cli import main as cli_main
-from seqpar.plan import Cluster, Layout, ModelShape, load_model_shape, max_seq_len, plan, step_time
+from seqpar.plan import Cluster, Layout, ModelShape, load_model_shape, max_seq_len, model_flops, plan, step_time
 from seqpar.plan.cli import parse_tokens
 from seqpar.plan.cluster import Calibration, load_calibration, save_calibration
 from seqpar.strategies.policy import kv_head_repeats
@@ -115,6 +115,24 @@ def test_published_max_length(gpus, published):
     # the same cluster without the memory features trains far shorter sequences (ALST: 32K at 1 GPU baseline)
     plain = max_seq_len("llama-8b", Layout(1, gpus, gpus, 1, "ulysses", (), "fsdp"), cluster)
     assert plain < longest / 4
+
+
+@pytest.mark.parametrize(
+    ("seq_k", "gpus", "tp", "dp", "cp", "published"),
+    [(128, 128, 4, 8, 4, 555), (256, 256, 4, 8, 8, 549), (512, 512, 8, 4, 16, 549), (1024, 1024, 8, 4, 32, 536)],
+)
+def test_published_throughput(seq_k, gpus, tp, dp, cp, published):
+    # NVIDIA NeMo Framework 24.12, "Long Sequence Performance", table "LLAMA2-7B (FP8)": TFLOPS per GPU of
+    # Llama-2-7B pre-training on H100s with context parallelism (a ring over CP ranks), at the TP / PP 1 / DP /
+    # CP of each row (docs.nvidia.com/nemo-framework/user-guide/24.12/nemotoolkit/performance/
+    # performance_long_sequence.html). Planner: H100 SXM dense FP8 peak 1979 TFLOP/s, its default efficiencies
+    # (matmul 0.6, attention 0.45, links 0.75; not fitted to these rows), DDP-style overlapped gradients.
+    # NeMo's FLOP count may differ from the planner's (causal attention counted as half); tolerance 15%.
+    cluster = Cluster(gpus=gpus, gpus_per_node=8, gpu_tflops=1979)
+    seq = seq_k * 1024
+    time = step_time(load_model_shape("llama2-7b"), seq, Layout(dp, cp, 1, tp, "ring", (), "ddp"), cluster)
+    predicted = model_flops(load_model_shape("llama2-7b"), seq) * dp / time.total / gpus / 1e12
+    assert abs(predicted / published - 1) <= 0.15, f"{predicted:.0f} TFLOP/s per GPU vs published {published}"
 
 
 def test_json_output_and_cli(tmp_path, capsys):

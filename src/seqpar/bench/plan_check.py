@@ -3,6 +3,8 @@
     seqpar bench plan_check                              # llama_step's configurations: seq 8192, sp 1 2 4, ring
     seqpar bench plan_check --calibration cal.json       # rates from `seqpar plan --calibrate cal.json`
 
+First it times planning Llama-8B at 16M tokens on 1,024 devices (the planner's own speed).
+
 The measured side is ``seqpar bench llama_step``'s step (forward, backward, gradient sum, AdamW; fp32; one
 thread per rank), run with no memory features and with checkpointing + chunked loss. The predicted side is
 ``seqpar.plan.step_time`` on the calibrated rates, and the memory estimator's growth above what lives between
@@ -30,6 +32,7 @@ from seqpar.plan.calibrate import calibrate, probe_compute
 from seqpar.plan.cluster import Cluster, load_calibration
 from seqpar.plan.memory import estimate_layout
 from seqpar.plan.models import shape_from_config
+from seqpar.plan.search import plan
 from seqpar.plan.timing import Layout, step_time
 from seqpar.runtime.measure import time_and_memory, write_slowest
 from seqpar.runtime.memory import reset_resident_peak, resident_mb
@@ -124,6 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--features", nargs="+", default=list(FEATURE_SETS), choices=list(FEATURE_SETS))
     parser.add_argument("--calibration", help="a file from `seqpar plan --calibrate`; default: calibrate now")
     args = parser.parse_args(argv)
+    start = time.perf_counter()
+    big = plan("llama-8b", 16 * 2**20, Cluster(gpus=1024, gpus_per_node=8))
+    print(
+        f"planning llama-8b, 16M tokens, 1,024 devices: {time.perf_counter() - start:.2f} s "
+        f"({big.considered} layouts estimated, {len(big.candidates)} fit)",
+        flush=True,
+    )
     calibration = load_calibration(args.calibration) if args.calibration else calibrate()
     print(f"calibration: {calibration}", flush=True)
     cluster = Cluster(gpus=max(args.sp), gpus_per_node=max(args.sp)).with_calibration(calibration)

@@ -17,12 +17,18 @@ def _features(c: Candidate) -> str:
     return "+".join(c.layout.features) or "none"
 
 
-def format_plan(result: Plan, top: int = 10) -> str:
+def _kind(reason: str) -> str:
+    """A rejection reason without its numbers."""
+    return "".join(ch for ch in reason.split(":")[0] if not ch.isdigit())
+
+
+def format_plan(result: Plan, top: int = 10, rejected: int = 15) -> str:
     """The plan as a Markdown table of the ``top`` best layouts, then the rejected families.
 
     Args:
         result: what ``plan`` returned.
         top: rows of the table.
+        rejected: rejected families listed (the rest are counted; ``plan_to_dict`` has them all).
 
     Returns:
         The text to print.
@@ -52,7 +58,15 @@ def format_plan(result: Plan, top: int = 10) -> str:
         lines.append("| - | nothing fits | | | | | | | | | | |")
     if result.rejected:
         lines += ["", "Rejected:"]
-        lines += [f"- {r.family}: {r.reason}" for r in result.rejected]
+        # one of each kind of reason first, so a short list still shows every kind
+        kinds: dict[str, int] = {}
+        for i, r in enumerate(result.rejected):
+            kinds.setdefault(_kind(r.reason), i)
+        first = sorted(kinds.values())
+        order = first + [i for i in range(len(result.rejected)) if i not in set(first)]
+        lines += [f"- {result.rejected[i].family}: {result.rejected[i].reason}" for i in order[:rejected]]
+        if len(result.rejected) > rejected:
+            lines.append(f"- ... {len(result.rejected) - rejected} more (all of them in --json)")
     return "\n".join(lines)
 
 
