@@ -3,13 +3,16 @@
     seqpar bench hf_trainer                           # Llama 4x256, one packed row of 8192 tokens, sp 2, ring
     seqpar bench hf_trainer --seq 2048 --steps 3      # small, quick
 
-Every configuration runs in fresh torchrun processes (one thread per rank) in one invocation:
-``SequenceParallelTrainer`` at sp 2, seqpar's own step at sp 2 for the same model, row and optimizer
-(``prepare_model`` + ``shard_batch`` + ``cross_entropy`` over the step's tokens + DDP + clipping + AdamW, as
-``seqpar train`` runs it), and the plain ``transformers.Trainer`` in one process on the whole row. Time is
-the median step (data loading included) of the slowest rank after a warm-up step; memory is the growth of
-the resident-set peak during one step above the resident set before it, from separate processes whose
-large allocations are served by mmap (``seqpar.runtime.measure``), so freed memory leaves the resident set.
+Time: one torchrun job at sp 2 trains ``SequenceParallelTrainer`` and, at every Trainer step end, runs one
+step of seqpar's own loop on its own copy of the model (``prepare_model`` + ``shard_batch`` +
+``cross_entropy`` over the step's tokens + DDP + clipping + AdamW, as ``seqpar train`` runs it), so that
+each Trainer step (step end to step end: data, token exchange, forward, backward, clipping, optimizer,
+logging) and the own step after it see the same load; the ratio is the median over these pairs of the
+slowest rank's times, after a warm-up step of each. The plain ``transformers.Trainer`` in one process on
+the whole row is timed separately. Memory: the growth of the resident-set peak during the second step
+above the resident set before it, from separate processes (Trainer at sp 2, own step at sp 2, one
+process) whose large allocations are served by mmap (``seqpar.runtime.measure``), so freed memory leaves
+the resident set.
 With more ranks than cores, compare the ratios, not the times.
 """
 
@@ -30,10 +33,10 @@ import transformers
 
 import seqpar
 import seqpar.hf
-from seqpar.runtime.measure import MEMORY_RUN_ENV, write_slowest
+from seqpar.runtime.measure import MEMORY_RUN_ENV
 from seqpar.runtime.memory import reset_resident_peak, resident_mb
 
-MODES = ("trainer_sp", "loop_sp", "trainer_one")
+MODES = ("pair", "trainer_sp", "loop_sp", "trainer_one")
 
 
 def _model(cfg: dict):
@@ -61,24 +64,68 @@ def _row(cfg: dict) -> dict[str, list[int]]:
 
 
 class _StepMeter(transformers.TrainerCallback):
-    """Step times and the peak growth of the second step (the first allocates the optimizer state)."""
+    """Peak growth of the second step (the first allocates the optimizer state); with ``own``, the pairing.
 
-    def __init__(self) -> None:
+    Interleaving: at every step end the Trainer's time since the previous step end (data, exchange, forward,
+    backward, clipping, optimizer, logging) is recorded, then one step of ``own`` runs and is timed, so both
+    see the same load on the machine.
+    """
+
+    def __init__(self, own: _OwnStep | None = None) -> None:
+        self.own, self.growth, self.last = own, 0.0, None
         self.times: list[float] = []
-        self.growth = 0.0
+        self.own_times: list[float] = []
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self.before = resident_mb("VmRSS")
-        reset_resident_peak()
-        self.start = time.perf_counter()
+        if state.global_step == 1:
+            self.before = resident_mb("VmRSS")
+            reset_resident_peak()
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.times.append(time.perf_counter() - self.start)
+        now = time.perf_counter()
         if state.global_step == 2:
             self.growth = resident_mb("VmHWM") - self.before
+        if self.last is not None:
+            self.times.append(now - self.last)
+        if self.own is not None:
+            start = time.perf_counter()
+            self.own.step()
+            self.own_times.append(time.perf_counter() - start)
+        self.last = time.perf_counter()
 
 
-def _trainer_worker(cfg: dict, out: str, parallel: bool) -> None:
+class _OwnStep:
+    """seqpar's own exact step (as ``seqpar train`` runs it) on the same model, row and optimizer."""
+
+    def __init__(self, cfg: dict) -> None:
+        self.mesh = seqpar.make_mesh(sp_size=cfg["sp"])
+        self.model = seqpar.prepare_model(_model(cfg), self.mesh, strategy=cfg["strategy"])
+        self.ddp = seqpar.apply_data_parallel(self.model, self.mesh, "ddp")
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.0)  # the Trainer's
+        self.row, self.first_loss = _row(cfg), None
+
+    def step(self) -> None:
+        batch = {k: torch.tensor(v)[None] for k, v in self.row.items()}
+        shard = seqpar.shard_batch(batch, self.mesh)
+        total = seqpar.count_valid_tokens(shard["shift_labels"], dist.group.WORLD)
+        logits = self.ddp(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+        loss = seqpar.cross_entropy(logits, shard["shift_labels"], num_valid_tokens=total)
+        loss.backward()
+        seqpar.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.first_loss is None:
+            self.first_loss = float(seqpar.sum_over(loss.detach(), dist.group.WORLD))
+
+
+def _slowest_steps(times: list[float]) -> list[float]:
+    """Each step's time on the slowest rank."""
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _trainer_worker(cfg: dict, out: str, mode: str) -> None:
     args = transformers.TrainingArguments(
         output_dir=os.path.join(os.path.dirname(out), "trainer"),
         use_cpu=True,
@@ -93,52 +140,37 @@ def _trainer_worker(cfg: dict, out: str, parallel: bool) -> None:
         logging_steps=1,
         train_sampling_strategy="sequential",
     )
-    meter = _StepMeter()
-    kwargs = dict(model=_model(cfg), args=args, train_dataset=[_row(cfg)] * (cfg["steps"] + 1), callbacks=[meter])
-    if parallel:
-        config = seqpar.hf.SequenceParallelConfig(sp_size=cfg["sp"], strategy=cfg["strategy"])
-        trainer = seqpar.hf.SequenceParallelTrainer(**kwargs, sequence_parallel=config)
-    else:
+    if mode != "trainer_one" and not dist.is_initialized():  # TrainingArguments' accelerate state may have
+        dist.init_process_group("gloo")
+    meter = _StepMeter(_OwnStep(cfg) if mode in ("pair", "loop_sp") else None)
+    data = [_row(cfg)] * (cfg["steps"] + 1)
+    kwargs = dict(model=_model(cfg), args=args, train_dataset=data, callbacks=[meter])
+    if mode == "trainer_one":
         trainer = transformers.Trainer(**kwargs)
-    trainer.train()
-    first_loss = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
-    seconds = statistics.median(meter.times[1:])
-    if dist.is_initialized():
-        write_slowest(out, seconds, meter.growth, first_loss=first_loss)
-        dist.destroy_process_group()
-    else:
-        with open(out, "w") as f:
-            json.dump({"seconds": seconds, "growth_mb": meter.growth, "first_loss": first_loss}, f)
-
-
-def _loop_worker(cfg: dict, out: str) -> None:
-    """seqpar's own exact step (as ``seqpar train`` runs it) on the same model, row and optimizer."""
-    dist.init_process_group("gloo")
-    mesh = seqpar.make_mesh(sp_size=cfg["sp"])
-    model = seqpar.prepare_model(_model(cfg), mesh, strategy=cfg["strategy"])
-    ddp = seqpar.apply_data_parallel(model, mesh, "ddp")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)  # the Trainer's defaults
-    row = _row(cfg)
-    times, growth, first_loss = [], 0.0, None
-    for step in range(cfg["steps"] + 1):
+        trainer.train()
+        first_loss = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
+    elif mode == "loop_sp":  # the own step alone, for its memory
+        meter.own.step()  # allocates the optimizer state
         before = resident_mb("VmRSS")
         reset_resident_peak()
-        start = time.perf_counter()
-        batch = {k: torch.tensor(v)[None] for k, v in row.items()}
-        shard = seqpar.shard_batch(batch, mesh)
-        total = seqpar.count_valid_tokens(shard["shift_labels"], dist.group.WORLD)
-        logits = ddp(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
-        loss = seqpar.cross_entropy(logits, shard["shift_labels"], num_valid_tokens=total)
-        loss.backward()
-        seqpar.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        first_loss = first_loss if first_loss is not None else float(seqpar.sum_over(loss, dist.group.WORLD))
-        times.append(time.perf_counter() - start)
-        if step == 1:
-            growth = resident_mb("VmHWM") - before
-    write_slowest(out, statistics.median(times[1:]), growth, first_loss=first_loss)
-    dist.destroy_process_group()
+        meter.own.step()
+        meter.growth, first_loss = resident_mb("VmHWM") - before, meter.own.first_loss
+    else:
+        config = seqpar.hf.SequenceParallelConfig(sp_size=cfg["sp"], strategy=cfg["strategy"])
+        trainer = seqpar.hf.SequenceParallelTrainer(**kwargs, sequence_parallel=config)
+        trainer.train()
+        first_loss = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
+    seconds = statistics.median(meter.times) if meter.times else 0.0
+    record, rank = {"growth_mb": meter.growth, "first_loss": first_loss, "seconds": seconds}, 0
+    if mode == "pair":
+        record.update(trainer_s=_slowest_steps(meter.times), own_s=_slowest_steps(meter.own_times[1:]))
+        record["own_first_loss"] = meter.own.first_loss
+    if dist.is_initialized():
+        record["growth_mb"], rank = _slowest_steps([meter.growth])[0], dist.get_rank()
+        dist.destroy_process_group()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(record, f)
 
 
 def _launch(mode: str, cfg: dict, out: str, memory: bool) -> dict:
@@ -184,46 +216,42 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         torch.set_num_threads(1)
-        cfg = json.loads(args.cfg)
-        if args.worker == "loop_sp":
-            _loop_worker(cfg, args.json)
-        else:
-            _trainer_worker(cfg, args.json, parallel=args.worker == "trainer_sp")
+        _trainer_worker(json.loads(args.cfg), args.json, args.worker)
         return 0
     keys = ("seq", "doc", "sp", "strategy", "hidden", "layers", "heads", "vocab", "steps")
     cfg = {k: getattr(args, k) for k in keys}
-    rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in MODES:
-            timed = _launch(mode, cfg, os.path.join(tmp, f"{mode}.json"), memory=False)
-            measured = _launch(mode, cfg, os.path.join(tmp, f"{mode}_memory.json"), memory=True)
-            rows[mode] = {**timed, "growth_mb": measured["growth_mb"]}
-            print(f"{mode}: {rows[mode]}", flush=True)
-    return _report(cfg, rows)
+        pair = _launch("pair", cfg, os.path.join(tmp, "pair.json"), memory=False)
+        one = _launch("trainer_one", cfg, os.path.join(tmp, "one.json"), memory=False)
+        two_steps = {**cfg, "steps": 1}  # memory: the growth of the second step
+        memory = {m: _launch(m, two_steps, os.path.join(tmp, f"{m}.json"), memory=True) for m in MODES[1:]}
+    return _report(cfg, pair, one, memory)
 
 
-def _report(cfg: dict, rows: dict) -> int:
-    base = rows["trainer_one"]["first_loss"]
-    for mode, r in rows.items():
-        if abs(r["first_loss"] - base) > 1e-4 * abs(base):
-            raise SystemExit(f"{mode}: first loss {r['first_loss']} differs from one process {base}")
+def _report(cfg: dict, pair: dict, one: dict, memory: dict) -> int:
+    base = one["first_loss"]
+    for what, loss in (("Trainer at sp", pair["first_loss"]), ("own step", pair["own_first_loss"])):
+        if abs(loss - base) > 1e-4 * abs(base):
+            raise SystemExit(f"{what}: first loss {loss} differs from one process {base}")
+    ratios = [t / o for t, o in zip(pair["trainer_s"], pair["own_s"])]
     print(
-        f"\nLlama {cfg['layers']}x{cfg['hidden']}, {cfg['heads']} heads, vocab {cfg['vocab']}, one row of "
+        f"Llama {cfg['layers']}x{cfg['hidden']}, {cfg['heads']} heads, vocab {cfg['vocab']}, one row of "
         f"{cfg['seq']} tokens ({cfg['doc']}-token documents), sp {cfg['sp']} {cfg['strategy']}, fp32, 1 thread/rank"
     )
-    print("| run | step (s) | vs seqpar's own step | per-rank peak growth (MB) | memory vs one process |")
-    print("|---|---|---|---|---|")
-    own, one = rows["loop_sp"], rows["trainer_one"]
-    names = {
-        "trainer_sp": "SequenceParallelTrainer",
-        "loop_sp": "seqpar's own step",
-        "trainer_one": "Trainer, 1 process",
-    }
-    for mode, r in rows.items():
-        print(
-            f"| {names[mode]} | {r['seconds']:.2f} | {r['seconds'] / own['seconds']:.3f}x | {r['growth_mb']:.0f} | "
-            f"{r['growth_mb'] / one['growth_mb']:.2f} |"
-        )
+    print(
+        f"Trainer step / own step, median of {len(ratios)} interleaved pairs: {statistics.median(ratios):.3f}x "
+        f"(each pair: {', '.join(f'{r:.3f}' for r in ratios)})"
+    )
+    print("| run | step (s) | per-rank peak growth (MB) | memory vs one process |")
+    print("|---|---|---|---|")
+    rows = (
+        ("SequenceParallelTrainer", statistics.median(pair["trainer_s"]), memory["trainer_sp"]),
+        ("seqpar's own step", statistics.median(pair["own_s"]), memory["loop_sp"]),
+        ("Trainer, 1 process", one["seconds"], memory["trainer_one"]),
+    )
+    for name, seconds, mem in rows:
+        growth = mem["growth_mb"]
+        print(f"| {name} | {seconds:.2f} | {growth:.0f} | {growth / memory['trainer_one']['growth_mb']:.2f} |")
     return 0
 
 
