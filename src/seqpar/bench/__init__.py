@@ -3,6 +3,16 @@
 They measure, in one run, ratios against a single process or between strategies; they never assert speed.
 """
 
-BENCHMARKS = ("attention", "strategies", "masks", "llama_step", "cuda", "context_parallel", "hf_trainer", "plan_check")
+BENCHMARKS = (
+    "attention",
+    "strategies",
+    "masks",
+    "llama_step",
+    "cuda",
+    "context_parallel",
+    "hf_trainer",
+    "maxlen",
+    "plan_check",
+)
 
 __all__ = ["BENCHMARKS"]

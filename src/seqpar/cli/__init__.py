@@ -3,6 +3,7 @@
 seqpar train                                   # embedded demo: passkey retrieval, 2 CPU ranks, a few minutes
 seqpar train --model ./my-llama --data a.jsonl --seq-len 32768 --sp 8    # under torchrun on GPUs
 seqpar demo                                    # every attention strategy on 2 CPU ranks vs one device
+seqpar estimate --seq-len 65536 --sp 4         # predicted per-rank memory of a training step
 seqpar plan --model llama-8b --seq-len 1M --gpus 64   # which degrees, strategy and memory features
 seqpar bench attention                         # benchmarks: attention, strategies, masks, llama_step, cuda,
                                                # context_parallel
@@ -15,6 +16,7 @@ import importlib
 import sys
 
 from seqpar.bench import BENCHMARKS
+from seqpar.cli.estimate import add_estimate_parser, run_estimate
 from seqpar.errors import SeqparInputError
 from seqpar.plan.cli import add_plan_flags, run_plan
 from seqpar.train.config import build_parser, config_from_args
@@ -47,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         "of --model at --seq-len on the described cluster, print the best and say why the rest were rejected.",
     )
     add_plan_flags(plan)
+    add_estimate_parser(sub)
     bench = sub.add_parser(
         "bench",
         help="run a benchmark (ratios measured side by side in one run)",
@@ -59,6 +62,12 @@ def main(argv: list[str] | None = None) -> int:
         return importlib.import_module(f"seqpar.bench.{args.name}").main(args.options)
     if args.command == "plan":
         return run_plan(args)
+    if args.command == "estimate":
+        try:
+            return run_estimate(args)
+        except SeqparInputError as error:
+            print(f"seqpar estimate: {error}", file=sys.stderr)
+            return 2
     if args.command == "demo":
         from seqpar.cli.demo import run_demo
 

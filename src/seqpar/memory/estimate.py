@@ -6,31 +6,34 @@ Note [memory estimate]
     Notation, per rank: T = micro_batch x seq_len / sp tokens, H hidden size, Hq = heads x head_dim,
     Hkv = kv_heads x head_dim (both divided by tp), I intermediate size (divided by tp), V vocab, L layers,
     b bytes of ``dtype``. A Llama-style decoder layer (RMSNorm, q/k/v/o projections, rotary embedding,
-    seqpar attention, gated MLP) keeps for its backward, per token: its input (H), both norms' normalised and
-    weighted outputs (4H), rotated q (Hq), k and v (2Hkv), the attention output (Hq) and its row-major copy
-    that o_proj reads (Hq), the attention residual sum (H), and in the MLP gate, up, silu(gate) and their
-    product (4I). Counted from the tensors autograd saves in one layer (saved-tensor hooks): 5H + 3Hq +
-    2Hkv + 4I elements per token.
-    Backward of one layer additionally holds gradients: three I-sized ones in the MLP (product, silu, up or
-    gate) and about two H-sized ones flowing through the residual stream.
-    * no checkpointing: all L layers' saved tensors live at the start of the backward;
-    * checkpointing: only each layer's input (H) lives, plus one layer recomputed in the backward;
-    * tiled MLP: the 4I tensors and the 3I gradients exist for one chunk of tokens at a time (a fixed cost
-      of 7 x chunk x I), the MLP keeping only its input;
+    seqpar attention, gated MLP) keeps for its backward, per token, besides its input (H): both norms'
+    normalised and weighted outputs and the attention residual sum (4H, counting the sum once), rotated q,
+    the attention output and its row-major copy for o_proj (3Hq), k and v (2Hkv), and in the MLP gate, up,
+    silu(gate) and their product (4I): 4H + 3Hq + 2Hkv + 4I elements (counted with saved-tensor hooks on
+    one layer; measured: 21 KB/token for 4 x 256 layers kept after the forward, predicted 21.5).
+    * no checkpointing: every layer keeps input + saved tensors; the backward starts at the loss;
+    * checkpointing: each layer keeps its input only; the backward of a layer recomputes its saved tensors
+      and, while the MLP's gradients are formed, holds about one more I-sized tensor per token (calibrated
+      once: measured 22.6 KB/token of layer transient for 4 x 256 / 768 at 4K and 8K tokens; 23 predicted);
+    * tiled MLP: the 4I saved tensors and the extra I exist for one chunk of tokens at a time (5 x chunk
+      x I), while the MLP's input gradient accumulates over chunks (2H per token);
     * offload: the checkpointed inputs leave the device (two layers in flight); on the CPU it does nothing.
-    Logits: whole logits keep [T, V] float32 logits and log-softmax, and the loss backward adds their two
-    gradients (4 x T x V x 4 bytes). Chunked loss: the same for one chunk, plus the [T, H] gradient of the
-    hidden states and its running sum.
-    Attention is a flash kernel (no [S, S] scores). Communication buffers per layer: ulysses sends
+    Logits: whole logits keep the [T, V] float32 log-softmax, and the loss backward adds the loss's and the
+    log-softmax's gradients (3 x T x V x 4 bytes at the start of the backward, before the output head's
+    weight gradient exists). Chunked loss: the same for one chunk, plus the [T, H] hidden-state gradient
+    and its running sum, and the output head's weight gradient, accumulated from the first piece on.
+    Attention is a flash kernel (no [S, S] scores). Its communication buffers live during the attention's
+    forward and backward, when the layer's MLP tensors are not alive, so a layer's transient is the larger of
+    the MLP moment and the attention moment (its saved tensors plus these buffers). Per layer: ulysses sends
     contiguous copies of q, k, v and receives them head-sharded (Hq + 2Hkv per token, each way); ring keeps
     a receive buffer for k and v and, in the backward, for dk and dv (4 Hkv per token, double-buffered);
     allgather gathers the whole sequence's k and v (2 Hkv x sp per token, twice in the backward). The gradient
     all-reduce over dp x sp flattens every gradient into one buffer (parameter-sized).
-    Parameters and gradients are in ``dtype``; AdamW keeps two states per parameter, and its update makes
-    about one parameter-sized temporary. The peak is the largest of four moments: the start of the
-    backward (activations, loss gradients, the output head's gradient), one layer's backward (activations,
-    the recomputed layer, gradients so far), the gradient all-reduce, and the optimizer update.
-    The counts are those of the saved tensors, not fitted to measured points (README "## Memory").
+    Parameters and gradients are in ``dtype``; AdamW keeps two states per parameter, and its update (tensor
+    by tensor on the CPU) makes temporaries of the largest parameter. The peak is the largest of four
+    moments: the start of the backward, one layer's backward (kept activations, the recomputed layer, the
+    gradients so far), the gradient all-reduce, and the optimizer update.
+    Only the extra I above is calibrated; nothing is fitted to the points of README "## Memory".
 """
 
 from __future__ import annotations
@@ -164,19 +167,21 @@ def _activation_bytes(d: ModelDims, tokens: int, b: int, features: tuple[str, ..
     h, hq, hkv, i = d.hidden, d.q_width, d.kv_width, d.intermediate
     tiled = "tiled_mlp" in features
     norm_copies = 0 if b >= 4 else 8 * h  # 16-bit: each RMSNorm keeps a float32 copy of its input
-    layer = tokens * (b * (5 * h + 3 * hq + 2 * hkv + (0 if tiled else 4 * i)) + norm_copies)
-    grads = tokens * b * (2 * h + (0 if tiled else 3 * i)) + (7 * min(mlp_chunk, tokens) * i * b if tiled else 0)
-    kept_per_layer = tokens * h * b if "checkpointing" in features else layer
+    attention = tokens * (b * (4 * h + 3 * hq + 2 * hkv) + norm_copies)
+    saved = attention + (0 if tiled else tokens * b * 4 * i)
+    chunk = min(mlp_chunk, tokens)
+    extra = tokens * b * (2 * h if tiled else i) + (5 * chunk * i * b if tiled else 0)
+    kept_per_layer = tokens * h * b + (0 if "checkpointing" in features else saved)
     kept_layers = d.layers
     if "offload" in features and "checkpointing" in features:
         kept_layers = min(2, d.layers)  # the rest waits in host memory
-    final = 3 * tokens * h * b  # final norm's input, normalised and weighted outputs
     return {
         "kept_per_layer": kept_per_layer,
         "kept_layers": kept_layers,
-        "kept": kept_per_layer * kept_layers + final,
-        "recomputed": layer if "checkpointing" in features else 0,
-        "grads": grads,
+        "kept": kept_per_layer * kept_layers + 3 * tokens * h * b,  # + the final norm's input and outputs
+        "recomputed": saved if "checkpointing" in features else 0,
+        "recomputed_attention": attention if "checkpointing" in features else 0,
+        "extra": extra,
     }
 
 
@@ -238,15 +243,21 @@ def estimate_memory(
     act = _activation_bytes(d, tokens, b, features, mlp_chunk)
     comm = int(_comm_elements(chosen, d, sp_size, ulysses_size) * tokens * b)
     chunk = min(loss_chunk, tokens) if "chunked_loss" in features else tokens
-    loss = 4 * chunk * d.vocab * 4 + (2 * tokens * d.hidden * b if "chunked_loss" in features else 0)
+    loss = 3 * chunk * d.vocab * 4 + (2 * tokens * d.hidden * b if "chunked_loss" in features else 0)
     head_grad = head_params * b // shards
-    moments = {"backward start": (head_grad, act["kept"], 0, loss, 0, 0)}
+    # chunked: the output head's gradient accumulates from the first piece's backward on
+    early = head_grad if "chunked_loss" in features and tokens > chunk else 0
+    moments = {"backward start": (early, act["kept"], 0, loss, 0, 0)}
     worst = (0, 0)
     for done in range(d.layers):  # the backward of the (done+1)-th layer from the top
         grads = head_grad + (done + 1) * layer_params * b // shards
         kept = act["kept"] - done * act["kept_per_layer"] * (act["kept_layers"] == d.layers)
         worst = max(worst, (grads + kept, grads))
-    transient = act["recomputed"] + act["grads"]
+    # the attention's buffers live while its backward runs, after the MLP's tensors of the layer are freed
+    if act["recomputed"] + act["extra"] >= act["recomputed_attention"] + comm:
+        transient, comm = act["recomputed"] + act["extra"], 0
+    else:
+        transient = act["recomputed_attention"]
     moments["layer backward"] = (worst[1], worst[0] - worst[1], transient, 0, comm, 0)
     all_grads = -(-total * b // shards)
     if dp_mode == "replicate" and dp_size * sp_size > 1:

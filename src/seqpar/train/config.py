@@ -97,6 +97,9 @@ class TrainConfig:
     offload_activations: bool = False
     """Keep each checkpointed layer's input hidden states in pinned CPU memory until its backward, copied on a
     side CUDA stream (needs --activation-checkpointing; does nothing without CUDA)."""
+    max_memory_mb: float | None = None
+    """Per-rank memory budget in MiB: refuse to start a run whose predicted peak (seqpar.estimate_memory)
+    exceeds it, naming the smallest sp or the feature that would fit (default: no check)."""
     seed: int = 0
     """Seed of the model initialisation and of the synthetic data."""
 
@@ -149,6 +152,8 @@ class TrainConfig:
             problems.append("--loss-chunk must be 0 (off) or a positive number of tokens")
         elif self.loss_chunk and self.dp_mode != "replicate":
             problems.append("--loss-chunk needs --dp-mode replicate (ddp/fsdp wrap the whole model's forward)")
+        if self.max_memory_mb is not None and self.max_memory_mb <= 0:
+            problems.append("--max-memory-mb must be a positive number of MiB")
         if self.tiled_mlp_chunk < 1:
             problems.append("--tiled-mlp-chunk must be a positive number of tokens")
         if self.offload_activations and not self.activation_checkpointing:

@@ -21,6 +21,7 @@ from seqpar.runtime.spawn import spawn_ranks
 from seqpar.train.checkpoint import latest_checkpoint, verify_checkpoint
 from seqpar.train.config import TrainConfig
 from seqpar.train.data import load_tokenizer
+from seqpar.train.fit import check_memory
 from seqpar.train.model import model_config
 from seqpar.train.passkey import PasskeyTask
 
@@ -57,6 +58,9 @@ def _precheck(config: TrainConfig, world_size: int) -> None:
         raise SeqparInputError(
             f"--tp {config.tp} must divide the heads ({heads}) and KV heads ({kv_heads}) of the model"
         )
+    memory = check_memory(config, cfg)  # raises before any rank trains when --max-memory-mb is exceeded
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(memory, flush=True)
     if config.resume not in (None, "auto"):
         verify_checkpoint(config.resume)
     if not config.data:

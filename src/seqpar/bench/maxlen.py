@@ -1,0 +1,290 @@
+"""The longest sequence whose whole training step fits a per-rank memory budget, per SP degree and feature set.
+
+    seqpar bench maxlen --budget-mb 600 --sp 1 2 4 --json maxlen.json --png maxlen.png
+    seqpar bench maxlen --model ./config.json --budget-mb 2000 --ladder none checkpointing
+
+A step is forward, backward, gradient sum over the sp ranks and AdamW update of a model built as
+``seqpar train`` builds it (``seqpar.train.model``), on ``seqpar.shard_batch`` shards. Feature sets form a
+ladder, each rung adding one: none; checkpointing; + chunked_loss; + tiled_mlp; + offload (GPU only: on the
+CPU the offload is a no-op). Every probe is one fresh spawn of sp ranks; on the CPU a step "fits" when the
+growth of the resident-set peak (VmHWM) during the step, above the resident set after a warm-up step
+(parameters and AdamW state already allocated), stays within the budget on every rank; glibc serves large
+allocations by mmap (``seqpar.runtime.measure.MEMORY_RUN_ENV``) so the peak tracks live tensors. On CUDA it is
+the growth of the allocator peak. The search starts at the length ``seqpar.estimate_memory`` predicts, steps
+out until it brackets the answer, then bisects to the granularity (a multiple of ``--unit`` x sp tokens).
+Prints a Markdown table with the measured peak growth and the estimate (``MemoryEstimate.step_peak``)
+side by side, and writes the PNG and JSON records ``{"sp", "features", "max_seq", "peak_mb", "estimate_mb"}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+import seqpar
+from seqpar.runtime.measure import MEMORY_RUN_ENV, write_slowest
+from seqpar.runtime.memory import reset_resident_peak, resident_mb
+from seqpar.runtime.spawn import spawn_ranks
+from seqpar.train.config import TrainConfig
+from seqpar.train.model import build_model, model_config
+
+LADDER = ("none", "checkpointing", "chunked_loss", "tiled_mlp", "offload")
+_MB = 2**20
+
+
+def _features(rung: str) -> tuple[str, ...]:
+    """The cumulative feature set of a rung of the ladder ("none" -> ())."""
+    return tuple(LADDER[1 : LADDER.index(rung) + 1])
+
+
+def _train_config(cfg: dict, seq: int) -> TrainConfig:
+    return TrainConfig(
+        model=cfg["model"],
+        hidden_size=cfg["hidden"],
+        layers=cfg["layers"],
+        heads=cfg["heads"],
+        seq_len=seq,
+        eval_lengths=[seq],
+        activation_checkpointing="checkpointing" in cfg["features"],
+    )
+
+
+def _step(model, opt, shard: dict, mesh, cfg: dict, sizes: dict | None) -> None:
+    """One training step; ``sizes`` (when given) receives the memory held after the forward."""
+    inputs = {"input_ids": shard["input_ids"], "position_ids": shard["position_ids"]}
+    labels = shard["shift_labels"]
+    if "chunked_loss" in cfg["features"]:
+        hidden = model.get_decoder()(**inputs).last_hidden_state
+        loss = seqpar.lm_head_cross_entropy(hidden, model.lm_head, labels, mesh, chunk_size=cfg["loss_chunk"])
+        del hidden
+    else:
+        loss = seqpar.cross_entropy(model(**inputs).logits, labels, mesh)
+    if sizes is not None:
+        sizes["forward"] = _held(cfg["device"])
+    loss.backward()
+    seqpar.reduce_gradients(model.parameters(), mesh)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _held(device: str) -> float:
+    return torch.cuda.memory_allocated() / _MB if device == "cuda" else resident_mb("VmRSS")
+
+
+def _worker(rank: int, world_size: int, cfg: dict, out_path: str) -> None:
+    device = torch.device(f"cuda:{rank}" if cfg["device"] == "cuda" else "cpu")
+    mesh = seqpar.make_mesh()
+    model = build_model(_train_config(cfg, cfg["seq"]), cfg["vocab"])
+    if "tiled_mlp" in cfg["features"]:
+        from seqpar.memory import apply_tiled_mlp
+
+        apply_tiled_mlp(model, chunk_tokens=cfg["mlp_chunk"])
+    if "offload" in cfg["features"]:
+        from seqpar.memory import apply_activation_offload
+
+        apply_activation_offload(model)
+    model = seqpar.prepare_model(model.to(device), mesh, strategy=cfg["strategy"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def shard_of(seq: int) -> dict:
+        ids = torch.randint(0, cfg["vocab"], (1, seq), generator=torch.Generator().manual_seed(seq))
+        return {k: v.to(device) for k, v in seqpar.shard_batch({"input_ids": ids}, mesh).items()}
+
+    _step(model, opt, shard_of(64 * world_size), mesh, cfg, None)  # warm-up: AdamW state, kernels
+    shard = shard_of(cfg["seq"])
+    dist.barrier()
+    sizes = {}
+    before = _held(cfg["device"])
+    if cfg["device"] == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        reset_resident_peak()
+    _step(model, opt, shard, mesh, cfg, sizes)
+    peak = torch.cuda.max_memory_allocated() / _MB if cfg["device"] == "cuda" else resident_mb("VmHWM")
+    write_slowest(out_path, 0.0, peak - before, forward_mb=sizes["forward"] - before)
+
+
+def _probe(cfg: dict, sp: int, seq: int, tmp: str) -> dict:
+    """Peak growth of one step at ``seq`` tokens on ``sp`` fresh ranks (the largest rank's), in MiB."""
+    out = os.path.join(tmp, "probe.json")
+    backend = "nccl" if cfg["device"] == "cuda" else "gloo"
+    env = MEMORY_RUN_ENV if cfg["device"] == "cpu" else None
+    spawn_ranks(_worker, sp, {**cfg, "seq": seq}, out, backend=backend, env=env)
+    with open(out) as f:
+        result = json.load(f)
+    return {"seq": seq, "peak_mb": result["growth_mb"], "forward_mb": result["forward_mb"]}
+
+
+def _estimate_mb(cfg: dict, sp: int, seq: int, features: tuple[str, ...]) -> float:
+    """``seqpar.estimate_memory``'s step growth (peak minus parameters and optimizer state), in MiB."""
+    config = model_config(_train_config({**cfg, "features": features}, seq), cfg["vocab"])
+    estimate = seqpar.estimate_memory(
+        config,
+        seq,
+        sp_size=sp,
+        features=features,
+        strategy=cfg["strategy"],
+        loss_chunk=cfg["loss_chunk"],
+        mlp_chunk=cfg["mlp_chunk"],
+    )
+    return estimate.step_peak / _MB
+
+
+def _predicted(cfg: dict, sp: int, features: tuple[str, ...], unit: int) -> int:
+    """The longest multiple of ``unit`` tokens the estimate puts within the budget (at least ``unit``)."""
+    cap = max(unit, cfg["max_seq"] // unit * unit)
+    lo, hi = unit, unit
+    while _estimate_mb(cfg, sp, hi, features) <= cfg["budget_mb"]:
+        lo = hi
+        if hi == cap:
+            return hi
+        hi = min(2 * hi, cap)
+    while hi - lo > unit:
+        mid = lo + (hi - lo) // unit // 2 * unit
+        lo, hi = (mid, hi) if _estimate_mb(cfg, sp, mid, features) <= cfg["budget_mb"] else (lo, mid)
+    return lo
+
+
+def _search(cfg: dict, sp: int, rung: str, tmp: str) -> dict:
+    """Probe from the estimate's guess outwards until the answer is bracketed, then bisect to ``unit x sp``."""
+    features = _features(rung)
+    run = {**cfg, "features": features}
+    unit = cfg["unit"] * sp
+    seq, best, fail, probes = _predicted(run, sp, features, unit), None, None, []
+    while len(probes) < cfg["max_probes"]:
+        result = _probe(run, sp, seq, tmp)
+        probes.append(result)
+        print(f"  sp {sp} {rung}: {seq} tokens -> {result['peak_mb']:.0f} MB", flush=True)
+        if result["peak_mb"] <= cfg["budget_mb"]:
+            best = result if best is None or seq > best["seq"] else best
+        else:
+            fail = seq if fail is None else min(fail, seq)
+        if fail is None:
+            seq = max(seq + unit, int(seq * 1.25) // unit * unit)
+            if seq > cfg["max_seq"]:
+                break
+        elif best is None:
+            seq = min(seq - unit, int(seq * 0.8) // unit * unit)
+            if seq < unit:
+                break
+        elif fail - best["seq"] <= unit:
+            break
+        else:
+            seq = best["seq"] + (fail - best["seq"]) // unit // 2 * unit
+    max_seq = best["seq"] if best else 0
+    return {
+        "sp": sp,
+        "features": rung,
+        "max_seq": max_seq,
+        "peak_mb": round(best["peak_mb"], 1) if best else None,
+        "estimate_mb": round(_estimate_mb(run, sp, max_seq, features), 1) if best else None,
+        "forward_mb": round(best["forward_mb"], 1) if best else None,
+        "bracketed": fail is not None and best is not None and fail - max_seq <= unit,
+        "probes": probes,
+    }
+
+
+def _table(records: list[dict]) -> str:
+    lines = [
+        "| features | sp | max seq | vs sp 1 | vs rung below | measured peak (MB) | estimate (MB) | est / measured |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    first = {r["features"]: r["max_seq"] for r in records if r["sp"] == min(x["sp"] for x in records)}
+    by_key = {(r["features"], r["sp"]): r["max_seq"] for r in records}
+    for r in records:
+        rung = LADDER.index(r["features"])
+        prev = by_key.get((LADDER[rung - 1], r["sp"])) if rung else None
+        ratio = f"{r['max_seq'] / first[r['features']]:.2f}x" if first.get(r["features"]) else "-"
+        step = f"{r['max_seq'] / prev:.2f}x" if prev else "-"
+        est = f"{r['estimate_mb'] / r['peak_mb']:.2f}" if r["peak_mb"] else "-"
+        more = "" if r["bracketed"] else " (not bracketed)"
+        lines.append(
+            f"| {r['features']} | {r['sp']} | {r['max_seq']}{more} | {ratio} | {step} | {r['peak_mb']} | "
+            f"{r['estimate_mb']} | {est} |"
+        )
+    return "\n".join(lines)
+
+
+def _plot(records: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for rung in dict.fromkeys(r["features"] for r in records):
+        points = [(r["sp"], r["max_seq"]) for r in records if r["features"] == rung]
+        ax.plot(*zip(*points), marker="o", label=rung if rung == "none" else f"+ {rung}")
+    ax.set_xlabel("sequence-parallel degree (ranks)")
+    ax.set_ylabel("longest sequence within the budget (tokens)")
+    ax.set_xticks(sorted({r["sp"] for r in records}))
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="seqpar bench maxlen", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--budget-mb", type=float, required=True, help="per-rank peak growth of one step (MiB)")
+    parser.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4], help="sequence-parallel degrees")
+    parser.add_argument("--ladder", nargs="+", choices=LADDER, default=None, help="rungs (default: all there are)")
+    parser.add_argument("--model", default="default", help="config.json or model directory; default: embedded Llama")
+    parser.add_argument("--hidden", type=int, default=256, help="embedded Llama: hidden size (intermediate 3x)")
+    parser.add_argument("--layers", type=int, default=4, help="embedded Llama: layers")
+    parser.add_argument("--heads", type=int, default=8, help="embedded Llama: heads (key/value heads: half)")
+    parser.add_argument("--vocab", type=int, default=32768, help="embedded Llama: vocabulary")
+    parser.add_argument("--strategy", default="auto", help="attention strategy")
+    parser.add_argument("--loss-chunk", type=int, default=256, help="tokens per piece of the chunked loss")
+    parser.add_argument("--mlp-chunk", type=int, default=1024, help="tokens per chunk of the tiled MLP")
+    parser.add_argument("--unit", type=int, default=256, help="granularity: lengths are multiples of unit x sp")
+    parser.add_argument("--max-seq", type=int, default=131072, help="longest length probed")
+    parser.add_argument("--max-probes", type=int, default=8, help="probes per (sp, rung) at most")
+    parser.add_argument("--json", help="write the records here")
+    parser.add_argument("--png", help="draw max length vs sp here")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ladder = args.ladder or [r for r in LADDER if r != "offload" or device == "cuda"]
+    if device == "cpu" and "offload" in ladder:
+        print("offload moves activations from the GPU to host memory; on the CPU it changes nothing", flush=True)
+    cfg = {
+        "model": None if args.model == "default" else args.model,
+        **{k: getattr(args, k) for k in ("hidden", "layers", "heads", "vocab", "strategy", "loss_chunk")},
+        **{k: getattr(args, k) for k in ("mlp_chunk", "unit", "max_seq", "max_probes", "budget_mb")},
+        "device": device,
+    }
+    records = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for rung in ladder:
+            for sp in args.sp:
+                records.append(_search(cfg, sp, rung, tmp))
+    what = "embedded Llama" if cfg["model"] is None else cfg["model"]
+    if cfg["model"] is None:
+        what += f" {args.layers}x{args.hidden}, {args.heads} heads, vocab {args.vocab}"
+    title = f"{what}, fp32, AdamW, budget {args.budget_mb:.0f} MB/rank ({device})"
+    print(f"\n{title}; loss chunk {args.loss_chunk}, MLP chunk {args.mlp_chunk}, strategy {args.strategy}")
+    print(_table(records))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    if args.png:
+        _plot(records, args.png, title)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""``seqpar estimate``: the predicted per-rank memory of one training step, as a table (``seqpar.estimate_memory``).
+
+seqpar estimate --model ./llama-config.json --seq-len 65536 --sp 8 --features checkpointing chunked_loss
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from seqpar.memory import FEATURES, estimate_memory
+from seqpar.train.config import TrainConfig
+from seqpar.train.data import load_tokenizer
+from seqpar.train.model import model_config
+
+__all__ = ["add_estimate_parser", "run_estimate"]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def add_estimate_parser(sub: argparse._SubParsersAction) -> None:
+    """Add the ``estimate`` subcommand and its flags to the ``seqpar`` command line.
+
+    Args:
+        sub: the subparsers of the ``seqpar`` parser.
+    """
+    p = sub.add_parser(
+        "estimate",
+        help="print the predicted per-rank memory of a training step",
+        description="Predict one rank's memory during one training step (forward, backward, gradient sum, "
+        "optimizer) from a model config, without allocating it.",
+    )
+    p.add_argument("--model", default="default", help="config.json or model directory; default: the train demo's")
+    p.add_argument("--seq-len", type=int, required=True, help="tokens of one whole sequence")
+    p.add_argument("--sp", type=int, required=True, help="sequence-parallel degree")
+    p.add_argument("--ulysses", type=int, default=1, help="ulysses degree inside sp (hybrid)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel degree")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--dtype", choices=tuple(_DTYPES), default="fp32", help="parameters and activations")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    p.add_argument("--features", nargs="*", default=[], help=f"any of: {', '.join(FEATURES)}")
+    p.add_argument("--strategy", default="auto", help="attention strategy")
+    p.add_argument("--optimizer", default="adamw", help="adamw, adam or sgd")
+    p.add_argument("--dp-mode", default="replicate", help="replicate, ddp or fsdp")
+    p.add_argument("--loss-chunk", type=int, default=1024, help="tokens per piece of the chunked loss")
+    p.add_argument("--mlp-chunk", type=int, default=1024, help="tokens per chunk of the tiled MLP")
+    p.add_argument("--hidden", type=int, default=TrainConfig.hidden_size, help="default model: hidden size")
+    p.add_argument("--layers", type=int, default=TrainConfig.layers, help="default model: layers")
+    p.add_argument("--heads", type=int, default=TrainConfig.heads, help="default model: heads")
+    p.add_argument("--vocab", type=int, default=None, help="default model: vocabulary (default: byte tokenizer)")
+
+
+def run_estimate(args: argparse.Namespace) -> int:
+    """Print the estimate's table for the parsed ``seqpar estimate`` flags; returns the exit code.
+
+    Raises:
+        SeqparInputError: an unreadable config or settings the estimate cannot take.
+    """
+    vocab = args.vocab
+    if vocab is None:
+        tokenizer = load_tokenizer(None)
+        vocab = getattr(tokenizer, "vocab_size", None) or len(tokenizer)
+    settings = TrainConfig(
+        model=None if args.model == "default" else args.model,
+        hidden_size=args.hidden,
+        layers=args.layers,
+        heads=args.heads,
+        seq_len=args.seq_len,
+        eval_lengths=[args.seq_len],
+    )
+    estimate = estimate_memory(
+        model_config(settings, vocab),
+        args.seq_len,
+        sp_size=args.sp,
+        ulysses_size=args.ulysses,
+        dp_size=args.dp,
+        tp_size=args.tp,
+        dtype=_DTYPES[args.dtype],
+        micro_batch=args.micro_batch,
+        features=tuple(args.features),
+        strategy=args.strategy,
+        optimizer=args.optimizer,
+        dp_mode=args.dp_mode,
+        loss_chunk=args.loss_chunk,
+        mlp_chunk=args.mlp_chunk,
+    )
+    print(estimate.table())
+    return 0

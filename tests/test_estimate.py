@@ -1,0 +1,151 @@
+"""The memory estimate: against a measured training step, its scaling with sp and features, bad input, the CLIs.
+
+The measured check runs ``seqpar bench maxlen`` itself (one probe per sp degree, fresh ranks, peak resident
+growth of one step with mmap-served allocations), so the JSON records and the accuracy come from one run.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+import seqpar
+from seqpar.bench import maxlen
+from seqpar.cli import main as cli_main
+
+LLAMA = transformers.LlamaConfig(
+    vocab_size=32768,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    tie_word_embeddings=False,
+)
+LADDER = [(), ("checkpointing",), ("checkpointing", "chunked_loss"), ("checkpointing", "chunked_loss", "tiled_mlp")]
+
+
+def test_measured_step_within_15_percent_and_json_records(tmp_path):
+    """Small Llama (2 x 256, vocab 4K), checkpointing + chunked loss, 2048 tokens at sp 1 and 2: the estimate's
+    step growth is within 15% of the measured peak growth; every record carries the five keys."""
+    out = tmp_path / "maxlen.json"
+    args = ["--budget-mb", "100000", "--sp", "1", "2", "--ladder", "chunked_loss", "--max-seq", "2048"]
+    args += [
+        "--layers",
+        "2",
+        "--vocab",
+        "8192",
+        "--max-probes",
+        "1",
+        "--json",
+        str(out),
+        "--png",
+        str(tmp_path / "m.png"),
+    ]
+    assert maxlen.main(args) == 0
+    records = json.loads(out.read_text())
+    assert [(r["sp"], r["max_seq"]) for r in records] == [(1, 2048), (2, 2048)]
+    for r in records:
+        assert {"sp", "features", "max_seq", "peak_mb", "estimate_mb"} <= set(r)
+        assert r["features"] == "chunked_loss"
+        assert abs(r["estimate_mb"] - r["peak_mb"]) <= 0.15 * r["peak_mb"], r
+    assert records[1]["peak_mb"] < 0.8 * records[0]["peak_mb"]  # the sequence's memory is split
+    assert (tmp_path / "m.png").stat().st_size > 0
+
+
+def test_categories_sum_to_peak_and_activations_fall_with_sp():
+    for features in LADDER:
+        one = seqpar.estimate_memory(LLAMA, 16384, sp_size=1, features=features)
+        parts = (one.parameters, one.gradients, one.optimizer_state, one.checkpointed_activations)
+        assert one.peak == sum(parts) + one.layer_transient + one.logits_loss + one.communication
+        for sp in (2, 4, 8):
+            e = seqpar.estimate_memory(LLAMA, 16384, sp_size=sp, features=features)
+            assert e.tokens_per_rank == 16384 // sp
+            kept = e.checkpointed_activations if e.moment == one.moment else None
+            if kept is not None:
+                assert kept * sp == pytest.approx(one.checkpointed_activations, rel=0.01)
+            assert e.parameters == one.parameters
+            assert e.step_peak < one.step_peak
+
+
+def test_each_feature_only_lowers_the_peak():
+    for seq in (8192, 65536):  # at least two loss pieces per rank (chunking a single piece only adds)
+        for sp in (1, 4):
+            peaks = [seqpar.estimate_memory(LLAMA, seq, sp_size=sp, features=f).peak for f in LADDER]
+            assert peaks == sorted(peaks, reverse=True), (seq, sp, peaks)
+    long = [seqpar.estimate_memory(LLAMA, 65536, sp_size=1, features=f).peak for f in LADDER]
+    assert long[2] < 0.5 * long[1] and long[3] < 0.8 * long[2]  # chunked loss, tiled MLP matter at 64K
+    gpu = seqpar.estimate_memory(LLAMA, 65536, sp_size=1, features=LADDER[3] + ("offload",))
+    assert gpu.checkpointed_activations < seqpar.estimate_memory(LLAMA, 65536, sp_size=1, features=LADDER[3]).peak
+
+
+def test_dtype_strategy_and_sharding():
+    bf16 = seqpar.estimate_memory(LLAMA, 8192, sp_size=2, dtype=torch.bfloat16, features=LADDER[2])
+    fp32 = seqpar.estimate_memory(LLAMA, 8192, sp_size=2, features=LADDER[2])
+    assert bf16.parameters * 2 == fp32.parameters
+    assert seqpar.estimate_memory(LLAMA, 8192, sp_size=2).strategy == "ulysses"
+    assert seqpar.estimate_memory(LLAMA, 8192, sp_size=16).strategy == "ring"  # 8 heads cannot split 16 ways
+    # with the MLP tiled, the attention's buffers set the layer's transient
+    ring = seqpar.estimate_memory(LLAMA, 65536, sp_size=8, strategy="ring", features=LADDER[3], loss_chunk=128)
+    gather = seqpar.estimate_memory(LLAMA, 65536, sp_size=8, strategy="allgather", features=LADDER[3], loss_chunk=128)
+    assert gather.communication > ring.communication > 0 and gather.peak > ring.peak
+    fsdp = seqpar.estimate_memory(LLAMA, 8192, sp_size=4, dp_size=2, dp_mode="fsdp")
+    assert fsdp.parameters < fp32.parameters / 4
+    assert "optimizer state" in fp32.table() and "MiB" in fp32.table()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"sp_size": 3, "strategy": "ulysses"}, "divisible by the degree 3"),
+        ({"sp_size": 2, "features": ("tiled_mlps",)}, "unknown feature 'tiled_mlps'"),
+        ({"sp_size": 0}, "sp_size must be a positive integer"),
+        ({"sp_size": 2, "optimizer": "lion"}, "unknown optimizer"),
+        ({"sp_size": 2, "tp_size": 3}, "tp_size 3 must divide"),
+        ({"sp_size": 4, "ulysses_size": 3, "strategy": "hybrid"}, "must divide sp_size"),
+    ],
+)
+def test_bad_input_raises(kwargs, message):
+    with pytest.raises(seqpar.SeqparInputError, match=message):
+        seqpar.estimate_memory(LLAMA, 12288, **kwargs)
+    with pytest.raises(seqpar.SeqparInputError, match="divisible by sp_size"):
+        seqpar.estimate_memory(LLAMA, 1000, sp_size=3, strategy="ring")
+    with pytest.raises(seqpar.SeqparInputError, match="hidden_size"):
+        seqpar.estimate_memory({"vocab_size": 10}, 1024, sp_size=1)
+
+
+def test_train_refuses_what_does_not_fit_and_names_a_fitting_sp(tmp_path, capsys):
+    args = ["train", "--sp", "1", "--seq-len", "16384", "--hidden-size", "256", "--layers", "4", "--heads", "8"]
+    args += ["--batch-size", "1", "--grad-accum", "1", "--eval-lengths", "16384", "--run-dir", str(tmp_path / "r")]
+    assert cli_main([*args, "--max-memory-mb", "400"]) == 2
+    err = capsys.readouterr().err
+    assert "exceeds --max-memory-mb 400" in err and "would fit: --sp " in err
+    sp = int(err.split("would fit: --sp ")[1].split()[0])
+    cfg = transformers.LlamaConfig(
+        **{**LLAMA.to_dict(), "vocab_size": seqpar_vocab(), "max_position_embeddings": 16384}
+    )
+    assert seqpar.estimate_memory(cfg, 16384, sp_size=sp).peak <= 400 * 2**20
+    assert seqpar.estimate_memory(cfg, 16384, sp_size=sp // 2).peak > 400 * 2**20
+    assert not (tmp_path / "r").exists()  # refused before the run directory or any rank
+
+
+def seqpar_vocab() -> int:
+    from seqpar.train.data import load_tokenizer
+
+    tokenizer = load_tokenizer(None)
+    return getattr(tokenizer, "vocab_size", None) or len(tokenizer)
+
+
+def test_estimate_and_maxlen_command_lines(capsys):
+    assert cli_main(["estimate", "--seq-len", "4096", "--sp", "2", "--features", "checkpointing"]) == 0
+    out = capsys.readouterr().out
+    assert "2048 tokens/rank" in out and "peak (" in out
+    assert cli_main(["estimate", "--seq-len", "4096", "--sp", "2", "--features", "bogus"]) == 2
+    assert "unknown feature 'bogus'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        cli_main(["bench", "maxlen", "--help"])
+    assert stop.value.code == 0
+    assert "--budget-mb" in capsys.readouterr().out
