@@ -7,6 +7,7 @@ exit codes, the lines printed, the checkpoints left on disk and the losses after
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import pickle
@@ -139,9 +140,9 @@ def test_preemption_then_resume_here_and_on_other_layouts(tmp_path):
         got = losses(tmp_path / name)
         assert sorted(got) == [5, 6, 7, 8], name
         # float rounding only: the attention and the sums are split differently (as sp 1 vs sp 2 from step 0)
-        assert_same_losses(got, curve, range(5, 9), 1e-4, name)
+        assert_same_losses(got, curve, range(5, 9), 1e-5, name)
         grads = losses(tmp_path / name, "grad_norm")
-        assert_same_losses(grads, losses(ref, "grad_norm"), range(5, 9), 1e-4, name)
+        assert_same_losses(grads, losses(ref, "grad_norm"), range(5, 9), 1e-5, name)
     check_refusals(ref / "checkpoints" / "step_0000004", tmp_path)
 
 
@@ -215,6 +216,10 @@ def check_refusals(source, tmp_path) -> None:
     with pytest.raises(SeqparInputError, match=r"scheduler.last_epoch is not plain data"):
         load_checkpoint(str(evil), _state(32))
     assert not proof.exists()
+    with open(evil / info.relative_path, "rb") as f:  # control: torch.load's full unpickler runs it
+        f.seek(offset)
+        torch.load(io.BytesIO(f.read(length)), weights_only=False)
+    assert proof.read_text() == "ran"
 
 
 def _one_rank_raises(rank: int, world_size: int) -> None:
@@ -226,13 +231,13 @@ def _one_rank_raises(rank: int, world_size: int) -> None:
 
 def test_faults_end_every_rank_promptly_and_say_why(tmp_path):
     # a stalled rank: the other one gives up after --timeout-s and says where it was
-    stall = start("--steps", "2000", "--timeout-s", "3", "--run-dir", str(tmp_path / "stall"))
+    stall = start("--steps", "2000", "--timeout-s", "10", "--run-dir", str(tmp_path / "stall"))
     # torchrun: SIGTERM to torchrun reaches every rank, which stop after the step with one checkpoint
     preempted = start("--steps", "2000", "--save-every", "0", "--run-dir", str(tmp_path / "tr"), torchrun=True)
     read_until(preempted, r"^step 2/2000", [])
     preempted.send_signal(signal.SIGTERM)
     read_until(stall, r"^step 2/2000", [])
-    frozen, other = rank_pids(stall.pid)
+    other, frozen = sorted(rank_pids(stall.pid))  # ranks 0 and 1, spawned in that order
     os.kill(frozen, signal.SIGSTOP)
     while os.path.exists(f"/proc/{other}"):
         time.sleep(0.2)
@@ -240,8 +245,9 @@ def test_faults_end_every_rank_promptly_and_say_why(tmp_path):
     code, out, err = finish(stall)
     assert code == 1, out
     assert re.search(
-        r"failed on rank \d: RuntimeError: rank \d failed while (optimizer step|gathering the metrics of step) \d+ "
-        r"\(no answer from the other ranks within --timeout-s 3: a rank is stalled or dead\)",
+        r"failed on rank 0: RuntimeError: rank 0 failed while (optimizer step|gathering the metrics of step) \d+ "
+        r"\(no answer from the other ranks within --timeout-s 10(: a rank is stalled or dead|; rank 1 last reported "
+        r"(optimizer step|gathering the metrics of step) \d+)\)",
         err,
     ), err
     code, out, err = finish(preempted)
@@ -259,6 +265,7 @@ def test_faults_end_every_rank_promptly_and_say_why(tmp_path):
     code, out, err = finish(resumed)
     assert time.monotonic() - killed < 15
     assert code != 0 and "Signal 9 (SIGKILL) received by PID" in err, err
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)", err), err
 
     # an exception on one rank only ends the rank waiting for it, with that error named
     began = time.monotonic()

@@ -13,6 +13,7 @@ BENCHMARKS = (
     "hf_trainer",
     "maxlen",
     "plan_check",
+    "soak",
 )
 
 __all__ = ["BENCHMARKS"]

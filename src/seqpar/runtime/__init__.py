@@ -4,6 +4,7 @@ reading the memory of a process, stopping cleanly on SIGTERM/SIGINT.
 
 from seqpar.runtime.measure import MEMORY_RUN_ENV, time_and_memory, write_slowest
 from seqpar.runtime.memory import PeakMemory, reset_resident_peak, resident_mb
+from seqpar.runtime.progress import RankProgress
 from seqpar.runtime.signals import STOP_SIGNALS, StopSignals, exit_code_for
 from seqpar.runtime.spawn import spawn_ranks
 
@@ -11,6 +12,7 @@ __all__ = [
     "MEMORY_RUN_ENV",
     "STOP_SIGNALS",
     "PeakMemory",
+    "RankProgress",
     "StopSignals",
     "exit_code_for",
     "reset_resident_peak",

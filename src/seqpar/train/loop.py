@@ -26,6 +26,7 @@ import torch.distributed as dist
 import seqpar
 from seqpar.errors import SeqparInputError
 from seqpar.runtime.memory import PeakMemory, resident_mb
+from seqpar.runtime.progress import RankProgress
 from seqpar.runtime.signals import StopSignals
 from seqpar.train.checkpoint import save_checkpoint
 from seqpar.train.config import TrainConfig
@@ -56,17 +57,22 @@ def _say(bar: tqdm | None, line: str) -> None:
 
 
 @contextlib.contextmanager
-def _doing(run: RunState, what: str) -> Iterator[None]:
-    """Re-raise a collective's failure (a timeout, a lost peer) saying which rank failed and while doing what."""
+def _doing(run: RunState, progress: RankProgress, what: str) -> Iterator[None]:
+    """Record ``what`` as this rank's phase, and re-raise a collective's failure (a timeout, a lost peer)
+    saying which rank failed while doing what, and which ranks were elsewhere."""
+    progress.mark(what)
     try:
         yield
     except RuntimeError as error:
+        if isinstance(error, SeqparInputError):
+            raise
         first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
-        why = (
-            f" (no answer from the other ranks within --timeout-s {run.config.timeout_s}: a rank is stalled or dead)"
-            if "timed out" in first.lower()
-            else ""
-        )
+        why = ""
+        if "timed out" in first.lower():
+            others = progress.elsewhere()
+            why = f" (no answer from the other ranks within --timeout-s {run.config.timeout_s}" + (
+                f"; {others})" if others else ": a rank is stalled or dead)"
+            )
         raise RuntimeError(f"rank {run.rank} failed while {what}{why}: {first}") from error
 
 
@@ -131,18 +137,20 @@ def _log_step(config: TrainConfig, record: dict, writer: MetricsWriter, bar: tqd
         )
 
 
-def _save(run: RunState, steps_done: int, bar: tqdm | None) -> str:
+def _save(run: RunState, progress: RankProgress, steps_done: int, bar: tqdm | None) -> str:
     """Checkpoint the model, optimizer and schedule after ``steps_done`` steps (collective); returns its path."""
     config = run.config
     layout = {"dp": config.dp, "sp": config.sp, "tp": config.tp, "dp_mode": config.dp_mode, "world": run.world}
-    with _doing(run, f"saving the checkpoint of step {steps_done}"):
+    with _doing(run, progress, f"saving the checkpoint of step {steps_done}"):
         path = save_checkpoint(run.checkpoint_dir, steps_done, checkpoint_state(run), layout)
     if run.rank == 0:
         _say(bar, f"checkpoint: {path}")
     return path
 
 
-def _train_steps(run: RunState, stop: StopSignals, writer: MetricsWriter | None, bar: tqdm | None) -> int | None:
+def _train_steps(
+    run: RunState, stop: StopSignals, progress: RankProgress, writer: MetricsWriter | None, bar: tqdm | None
+) -> int | None:
     """The optimizer steps from ``run.start``; returns the step a signal stopped them after, or None.
 
     A stop leaves one checkpoint at that step (Note [stopping on a signal]).
@@ -154,19 +162,19 @@ def _train_steps(run: RunState, stop: StopSignals, writer: MetricsWriter | None,
     for step in range(run.start, end):
         memory.reset()
         began = time.perf_counter()
-        with _doing(run, f"optimizer step {step + 1}"):
+        with _doing(run, progress, f"optimizer step {step + 1}"):
             result = optimizer_step(run, step)
         seconds = time.perf_counter() - began
         if step == run.start and run.rank == 0:  # what attention ran, now that it has run
             _say(bar, banner(config, run.model, run.mesh))
-        with _doing(run, f"gathering the metrics of step {step + 1}"):
+        with _doing(run, progress, f"gathering the metrics of step {step + 1}"):
             record, stopping = _step_record(run, step, result, memory.peak_mb(), seconds, stop.received is not None)
         if record is not None:
             _log_step(config, record, writer, bar, end)
         if stopping and run.rank == 0:
             _say(bar, f"stop requested: every rank finished step {step + 1}; saving one checkpoint there")
         if (config.save_every and (step + 1) % config.save_every == 0) or step + 1 == end or stopping:
-            _save(run, step + 1, bar)
+            _save(run, progress, step + 1, bar)
         if stopping:
             return step + 1
     return None
@@ -200,6 +208,8 @@ def train_rank(config: TrainConfig, run_dir: str) -> signal.Signals | None:
         RuntimeError: a collective failed or timed out (``--timeout-s``); the message names the rank and the
             step or phase it was in.
     """
+    progress = RankProgress()
+    progress.mark("setting up the run")
     with StopSignals() as stop:
         try:
             run = set_up_run(config, run_dir)
@@ -210,11 +220,11 @@ def train_rank(config: TrainConfig, run_dir: str) -> signal.Signals | None:
             raise RuntimeError(f"rank {dist.get_rank()} failed while setting up the run: {first}") from error
         writer = MetricsWriter(run_dir, run.start) if run.rank == 0 else None
         bar = _progress_bar(config, run.start) if run.rank == 0 and config.progress else None
-        stopped = _train_steps(run, stop, writer, bar)
+        stopped = _train_steps(run, stop, progress, writer, bar)
         if bar is not None:
             bar.close()
         if stopped is None and (config.stop_at or config.steps) == config.steps and run.source.passkey is not None:
-            with _doing(run, "evaluating"):
+            with _doing(run, progress, "evaluating"):
                 evaluate_passkey(run, writer)
         if writer is not None:
             writer.close()
