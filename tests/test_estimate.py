@@ -149,3 +149,15 @@ def test_estimate_and_maxlen_command_lines(capsys):
         cli_main(["bench", "maxlen", "--help"])
     assert stop.value.code == 0
     assert "--budget-mb" in capsys.readouterr().out
+
+
+def test_train_estimate_line_for_models_it_cannot_read():
+    from seqpar.train.config import TrainConfig
+    from seqpar.train.fit import check_memory
+
+    gpt2 = transformers.GPT2Config(n_layer=2)
+    assert "not available" in check_memory(TrainConfig(seq_len=1000, sp=3), gpt2)  # trains on, unestimated
+    with pytest.raises(seqpar.SeqparInputError, match="--max-memory-mb cannot be checked"):
+        check_memory(TrainConfig(seq_len=1000, sp=3, max_memory_mb=100), gpt2)
+    line = check_memory(TrainConfig(seq_len=1000, sp=3, max_memory_mb=10000), LLAMA)  # 1000 padded to 1002
+    assert line.startswith("memory estimate per rank: peak ")

@@ -52,10 +52,12 @@ def train_estimate(
     Raises:
         SeqparInputError: settings the estimate cannot take (e.g. heads that ulysses cannot split).
     """
+    sp = sp or config.sp
+    padded = -(-config.seq_len // (2 * sp)) * 2 * sp  # shard_batch pads rows to a multiple of 2 x sp
     return estimate_memory(
         model_config,
-        config.seq_len,
-        sp_size=sp or config.sp,
+        padded,
+        sp_size=sp,
         ulysses_size=config.ulysses,
         dp_size=config.dp,
         tp_size=config.tp,
@@ -89,10 +91,16 @@ def check_memory(config: TrainConfig, model_config: object) -> str:
         One line for rank 0 to print: the predicted per-rank peak and its largest parts.
 
     Raises:
-        SeqparInputError: the predicted peak exceeds ``max_memory_mb``; the message names the smallest sp
-            that would fit at this sequence length, and the features that alone would make it fit.
+        SeqparInputError: the predicted peak exceeds ``max_memory_mb`` (the message names the smallest sp
+            that would fit at this sequence length, and the features that alone would make it fit), or
+            ``max_memory_mb`` is set and the model cannot be estimated.
     """
-    estimate = train_estimate(config, model_config)
+    try:
+        estimate = train_estimate(config, model_config)
+    except SeqparInputError as error:
+        if config.max_memory_mb:
+            raise SeqparInputError(f"--max-memory-mb cannot be checked: {error}") from error
+        return f"memory estimate per rank: not available ({str(error).splitlines()[-1].strip(' -')})"
     parts = (
         f"parameters {estimate.parameters / _MB:.0f}, optimizer {estimate.optimizer_state / _MB:.0f}, "
         f"activations {(estimate.checkpointed_activations + estimate.layer_transient) / _MB:.0f}, "
