@@ -34,8 +34,10 @@ class StopSignals:
     """
 
     def __init__(self, forward_to: Callable[[], list[int]] | None = None) -> None:
-        """Args:
-        forward_to: returns the process ids to pass each signal on to (a launcher's ranks); None: none.
+        """Record signals from ``__enter__`` to ``__exit__``.
+
+        Args:
+            forward_to: returns the process ids to pass each signal on to (a launcher's ranks); None: none.
         """
         self.forward_to = forward_to
         self.received: signal.Signals | None = None
