@@ -11,6 +11,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
+
+from seqpar.errors import SeqparInputError
 
 TINY = "--seq-len 192 --batch-size 2 --grad-accum 2 --hidden-size 32 --layers 1 --heads 2 --eval-examples 4 "
 TINY = (TINY + "--eval-lengths 192 --log-every 1 --warmup-steps 2").split()
@@ -43,6 +46,12 @@ def test_run_directory_resume_and_sp_degrees_agree(tmp_path):
     assert (full / "checkpoints" / "step_0000006" / "seqpar_complete.json").is_file()
     curve = losses(full)
     assert sorted(curve) == [1, 2, 3, 4, 5, 6] and curve[6] < curve[1]
+    answer_curve = losses(full, "answer_loss")  # the loss on the scored recited letters
+    assert sorted(answer_curve) == [1, 2, 3, 4, 5, 6]
+    evaluation = json.loads((full / "eval.json").read_text())
+    assert evaluation["task"] == "pass-key recitation" and evaluation["chance"] == pytest.approx(1 / 26)
+    assert list(evaluation["accuracy"]) == ["192"] and 0 <= evaluation["accuracy"]["192"] <= 1
+    assert evaluation["answers"] == {"192": 4 * 63}  # 4 examples, letters 129-191 of the first recitation
 
     # stopped after 3 steps, then resumed: steps 4-6 repeat the uninterrupted run exactly
     first = seqpar_train(*TINY, "--steps", "6", "--stop-at", "3", "--run-dir", str(part))
@@ -56,11 +65,49 @@ def test_run_directory_resume_and_sp_degrees_agree(tmp_path):
     for step in range(1, 7):
         assert resumed[step] == pytest.approx(curve[step], rel=1e-6, abs=1e-7), step
 
-    # one rank on the whole sequence gives the same curve as two ranks sharing it (fp32)
+    for step in range(1, 7):
+        assert losses(part, "answer_loss")[step] == pytest.approx(answer_curve[step], rel=1e-6, abs=1e-7), step
+
+    # one rank on the whole sequence gives the same curves and evaluation as two ranks sharing it (fp32)
     one = seqpar_train(*TINY, "--steps", "6", "--sp", "1", "--run-dir", str(single))
     assert one.returncode == 0, one.stderr
     for step, loss in losses(single).items():
         assert loss == pytest.approx(curve[step], rel=1e-4), step
+    for step, loss in losses(single, "answer_loss").items():
+        assert loss == pytest.approx(answer_curve[step], rel=1e-4), step
+    single_eval = json.loads((single / "eval.json").read_text())
+    # the same argmax on every answer, but for at most one near-tie flipped by float rounding
+    assert abs(single_eval["accuracy"]["192"] - evaluation["accuracy"]["192"]) <= 1 / (4 * 63)
+
+
+def test_passkey_examples_are_deterministic_and_answered_from_another_rank():
+    from seqpar.layout import shard_for_rank
+    from seqpar.train.config import TrainConfig
+    from seqpar.train.passkey import BLOCK, PasskeyTask
+    from seqpar.train.tokenizer import ByteTokenizer
+
+    task = PasskeyTask(ByteTokenizer(), seed=0)
+    length = TrainConfig().seq_len  # the default run's
+    ids, answers = task.example(length, 5)
+    assert len(ids) == length and (ids, answers) == task.example(length, 5)  # a function of its arguments
+    assert PasskeyTask(ByteTokenizer(), seed=0).example(length, 5) == (ids, answers)
+    for other in (
+        task.example(length, 6),
+        task.example(length, 5, "eval"),
+        PasskeyTask(ByteTokenizer(), 1).example(length, 5),
+    ):
+        assert other[0] != ids
+    assert len(answers) == 2 * (BLOCK - 1) and all(ids[p] == ids[p - BLOCK] for p in answers)
+    assert all(97 <= t <= 122 for t in ids)
+    # under the zigzag layout, each scored letter is predicted (at p - 1) on another rank than its key's letter
+    for sp in (2, 4):
+        owner = {}
+        for rank in range(sp):
+            for p in shard_for_rank(torch.arange(length)[None], rank, sp, 1, "zigzag")[0].tolist():
+                owner[p] = rank
+        assert all(owner[p - 1] != owner[p - BLOCK] for p in answers), sp
+    with pytest.raises(SeqparInputError, match="too short for the passkey task"):
+        task.example(BLOCK, 0)
 
 
 def test_real_data_files_and_local_model_config(tmp_path):

@@ -1,6 +1,6 @@
 """The ``seqpar`` command line: ``seqpar train`` trains a model with the sequence split over ranks.
 
-seqpar train                                   # embedded demo: passkey retrieval, 2 CPU ranks, a few minutes
+seqpar train                                   # embedded demo: pass-key recitation, 2 CPU ranks, ~2 minutes
 seqpar train --model ./my-llama --data a.jsonl --seq-len 32768 --sp 8    # under torchrun on GPUs
 seqpar demo                                    # every attention strategy on 2 CPU ranks vs one device
 seqpar estimate --seq-len 65536 --sp 4         # predicted per-rank memory of a training step
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         "train",
         help="train a model with the sequence split over ranks (no arguments: the embedded CPU demo)",
         description="Train a causal language model with sequence parallelism. Without arguments it runs the "
-        "embedded demo: a small Llama trained on passkey retrieval with each sequence split over 2 spawned CPU "
+        "embedded demo: a small Llama trained on pass-key recitation with each sequence split over 2 spawned CPU "
         "ranks. Under torchrun it uses the ranks torchrun started (NCCL on GPUs). Settings come from the "
         "defaults, then --config, then the flags.",
     )

@@ -1,6 +1,6 @@
 """Everything ``seqpar train`` can be told, as one dataclass: defaults, then a config file, then flags.
 
-The defaults are the embedded demo: a small Llama learning passkey retrieval with the sequence over 2 CPU ranks.
+The defaults are the embedded demo: a small Llama learning pass-key recitation with the sequence over 2 CPU ranks.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class TrainConfig:
     else seqpar's byte tokenizer (the passkey task always uses the byte tokenizer)."""
     data: list[str] = field(default_factory=list)
     """Local .txt / .jsonl / .json / .parquet files, packed into rows of seq_len tokens with document
-    boundaries kept; default: the synthetic passkey-retrieval task."""
+    boundaries kept; default: the synthetic pass-key recitation task (seqpar.train.passkey)."""
     text_field: str = "text"
     """Column holding the text in JSONL/JSON/Parquet files."""
     hidden_size: int = 128
@@ -68,7 +68,7 @@ class TrainConfig:
     """Sequences per optimizer step and data-parallel replica, over all micro-batches."""
     grad_accum: int = 2
     """Micro-batches per optimizer step (batch_size must divide by it)."""
-    steps: int = 400
+    steps: int = 300
     """Optimizer steps."""
     lr: float = 3e-3
     """Peak learning rate (AdamW)."""
@@ -115,7 +115,7 @@ class TrainConfig:
     stop_at: int | None = None
     """Save a checkpoint and stop after this step (the schedule still counts to steps)."""
     eval_examples: int = 32
-    """Held-out passkey examples per evaluated length."""
+    """Held-out pass-key examples per evaluated length."""
     eval_lengths: list[int] = field(default_factory=list)
     """Sequence lengths to evaluate at; default: seq_len and 2 x seq_len (never trained on)."""
     progress: bool = True

@@ -1,4 +1,4 @@
-"""End-of-run evaluation: teacher-forced passkey accuracy at each evaluation length (Note [passkey task]).
+"""End-of-run evaluation: teacher-forced retrieval accuracy at each evaluation length (Note [passkey task]).
 
 Every rank evaluates its data-parallel slice of the held-out examples with the sequence split as in training;
 rank 0 writes the results (metrics.jsonl, eval.json) and prints one line per length.
@@ -16,17 +16,20 @@ import seqpar
 from seqpar.data import IGNORE_INDEX
 from seqpar.train.config import TrainConfig
 from seqpar.train.metrics import MetricsWriter
-from seqpar.train.passkey import DIGITS
+from seqpar.train.passkey import CHANCE, TASK
 from seqpar.train.state import RunState, answer_shift_labels
 
 __all__ = ["evaluate_passkey"]
 
 
-def _accuracy_at(run: RunState, length: int) -> tuple[float, float]:
-    """Fractions of held-out examples of ``length`` tokens with every digit right, and of digits right (collective)."""
+def _accuracy_at(run: RunState, length: int) -> tuple[float, int]:
+    """Fraction of the scored answers of held-out examples of ``length`` tokens predicted right (collective).
+
+    Returns:
+        The accuracy over every data-parallel replica's examples, and the number of answers it counts.
+    """
     config, mesh, task = run.config, run.mesh, run.source.passkey
-    correct = torch.zeros(2, dtype=torch.float64)  # documents with every digit right, digits right
-    count = 0
+    counts = torch.zeros(2, dtype=torch.float64)  # answers right, answers
     last = (run.dp_rank + 1) * config.eval_examples
     for first in range(run.dp_rank * config.eval_examples, last, 4):
         indices = list(range(first, min(first + 4, last)))
@@ -37,44 +40,42 @@ def _accuracy_at(run: RunState, length: int) -> tuple[float, float]:
                 input_ids=shard["input_ids"].to(run.device), position_ids=shard["position_ids"].to(run.device)
             ).logits
         labels = shard["shift_labels"].to(run.device)
-        hits = ((logits.argmax(-1) == labels) & (labels != IGNORE_INDEX)).sum(-1).double()  # [B] digits right here
-        hits = seqpar.sum_over(hits, mesh)  # digits right over the whole sequence
-        correct += torch.stack([(hits == DIGITS).sum(), hits.sum()]).cpu()
-        count += len(indices)
-    correct = seqpar.sum_over(correct, dist.group.WORLD) / (mesh.sp_size * config.tp)  # each SP/TP rank counted
-    return float(correct[0]) / (count * config.dp), float(correct[1]) / (count * config.dp * DIGITS)
+        scored = labels != IGNORE_INDEX
+        counts += torch.stack([((logits.argmax(-1) == labels) & scored).sum(), scored.sum()]).double().cpu()
+    # each sequence is split over the sp ranks and seen whole by each tp rank: sum the sp shards, count tp once
+    counts = seqpar.sum_over(counts, dist.group.WORLD) / config.tp
+    return float(counts[0] / counts[1]), int(counts[1])
 
 
-def _report(config: TrainConfig, results: dict[int, tuple[float, float]], writer: MetricsWriter) -> None:
+def _report(config: TrainConfig, results: dict[int, tuple[float, int]], writer: MetricsWriter) -> None:
     """Write the eval record and eval.json next to metrics.jsonl, and print one line per length."""
     record = {"kind": "eval", "step": config.steps}
-    for n, (exact, digits) in results.items():
-        record[f"passkey_accuracy_{n}"] = exact
-        record[f"passkey_digit_accuracy_{n}"] = digits
+    record.update({f"accuracy_{n}": accuracy for n, (accuracy, _) in results.items()})
     writer.write(record)
     with open(os.path.join(os.path.dirname(writer.path), "eval.json"), "w") as f:
         json.dump(
             {
-                "passkey_accuracy": {n: r[0] for n, r in results.items()},
-                "passkey_digit_accuracy": {n: r[1] for n, r in results.items()},
+                "task": TASK,
+                "accuracy": {str(n): accuracy for n, (accuracy, _) in results.items()},
+                "chance": CHANCE,
+                "answers": {str(n): count for n, (_, count) in results.items()},
                 "examples_per_length": config.eval_examples * config.dp,
-                "chance_digit_accuracy": 0.1,
             },
             f,
             indent=2,
         )
-    for n, (exact, digits) in results.items():
+    for n, (accuracy, count) in results.items():
         note = "the trained length" if n == config.seq_len else "never trained on"
         print(
-            f"passkey at {n} tokens ({note}): {exact:.1%} of {config.eval_examples * config.dp} keys fully "
-            f"retrieved, {digits:.1%} of digits (chance 10%)",
+            f"{TASK} at {n} tokens ({note}): {accuracy:.1%} of {count} answers right "
+            f"({config.eval_examples * config.dp} examples; chance {CHANCE:.1%})",
             flush=True,
         )
 
 
 @torch.no_grad()
 def evaluate_passkey(run: RunState, writer: MetricsWriter | None) -> None:
-    """Measure passkey accuracy at ``config.eval_lengths`` (default: seq_len and twice it) (collective).
+    """Measure retrieval accuracy at ``config.eval_lengths`` (default: seq_len and twice it) (collective).
 
     Args:
         run: the run's state; its source must be the passkey task.

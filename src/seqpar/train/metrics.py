@@ -9,6 +9,8 @@ import json
 import math
 import os
 
+from seqpar.train.passkey import CHANCE
+
 __all__ = ["MetricsWriter", "plot_metrics", "read_metrics"]
 
 
@@ -51,8 +53,44 @@ def read_metrics(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def _loss_figure(plt, run_dir: str, records: list[dict]) -> object:
+    """The loss plot: training loss, loss on the answers against chance, and the evaluation's accuracy if any."""
+    steps = [r["step"] for r in records]
+    path = os.path.join(run_dir, "eval.json")
+    evaluation = None
+    if os.path.exists(path) and any("answer_loss" in r for r in records):
+        with open(path) as f:
+            evaluation = json.load(f)
+    fig, axes = plt.subplots(1, 2 if evaluation else 1, figsize=(11 if evaluation else 7, 4), squeeze=False)
+    ax = axes[0][0]
+    ax.plot(steps, [r["loss"] for r in records], label="training loss (every token; keys are random)")
+    if any("answer_loss" in r for r in records):
+        pts = [(r["step"], r["answer_loss"]) for r in records if "answer_loss" in r]
+        ax.plot(*zip(*pts), label="loss on the scored answers")
+        ax.axhline(-math.log(CHANCE), color="gray", linestyle="--", linewidth=1, label="chance on an answer")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title("Training loss")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    if evaluation:
+        ax = axes[0][1]
+        lengths = list(evaluation["accuracy"])
+        bars = ax.bar(lengths, [100 * evaluation["accuracy"][n] for n in lengths], color="tab:orange")
+        ax.bar_label(bars, fmt="%.1f%%")
+        ax.axhline(100 * evaluation["chance"], color="gray", linestyle="--", linewidth=1, label="chance")
+        ax.set_xlabel("sequence length (tokens)")
+        ax.set_ylabel("answers right (%)")
+        ax.set_title(f"After training: {evaluation['task']}")
+        ax.set_ylim(0, 110)
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend()
+    return fig
+
+
 def plot_metrics(run_dir: str) -> list[str]:
-    """Write loss.png, tokens_per_s.png and memory.png from the run's training records; returns the paths."""
+    """Write loss.png (with the evaluation, when there is one), tokens_per_s.png and memory.png; returns the paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -71,18 +109,7 @@ def plot_metrics(run_dir: str) -> list[str]:
         plt.close(fig)
         made.append(path)
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [r["loss"] for r in records], label="training loss (mean token cross-entropy)")
-    if any("answer_loss" in r for r in records):
-        pts = [(r["step"], r["answer_loss"]) for r in records if "answer_loss" in r]
-        ax.plot(*zip(*pts), label="loss on the answer's digits (needs the far needle)")
-        ax.axhline(math.log(10), color="gray", linestyle="--", linewidth=1, label="chance on a digit (ln 10)")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.set_title("Training loss")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    save(fig, "loss.png")
+    save(_loss_figure(plt, run_dir, records), "loss.png")
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, [r["tokens_per_s"] for r in records])
