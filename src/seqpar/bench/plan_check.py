@@ -9,8 +9,9 @@ The measured side is ``seqpar bench llama_step``'s step (forward, backward, grad
 thread per rank), run with no memory features and with checkpointing + chunked loss. The predicted side is
 ``seqpar.plan.step_time`` on the calibrated rates, and the memory estimator's growth above what lives between
 steps (``MemoryEstimate.step_peak``), which is what the benchmark measures (resident-set peak growth). The
-matmul and attention rates are probed inside each rank just before each timed step (the machine's load, and
-ranks sharing cores, change them); the link rate comes from the calibration.
+matmul and attention rates are probed inside each rank just before and after each timed step, on the wall
+clock and on the process's CPU time: on a shared machine the wall clock says how much of a core a rank got,
+CPU time what the step costs on a core of its own. The link rate comes from the calibration.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def _worker(_rank: int, _world_size: int, cfg: dict, out_path: str) -> None:
     mesh = seqpar.make_mesh()
     model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**_config(cfg)))
     if "checkpointing" in cfg["features"]:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model = seqpar.prepare_model(model, mesh, strategy=cfg["strategy"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, cfg["vocab"], (1, cfg["seq"]), generator=torch.Generator().manual_seed(1))
@@ -84,32 +85,48 @@ def _worker(_rank: int, _world_size: int, cfg: dict, out_path: str) -> None:
 
     model.train()
     step()  # warm-up: allocates the optimizer state
-    times, growth, rates = [], 0.0, []
-    for i in range(1 if cfg["memory"] else cfg["repeats"]):
-        if not cfg["memory"]:  # this rank's rates under the load of this moment, next to the step they predict
-            rates.append(probe_compute(repeats=2, attention_seq=1024))
+    if cfg["memory"]:
         dist.barrier()
         before = resident_mb("VmRSS")
         reset_resident_peak()
-        start = time.perf_counter()
         step()
-        times.append(time.perf_counter() - start)
-        if i == 0:
-            growth = resident_mb("VmHWM") - before
-    matmul = statistics.median(r[0] for r in rates) if rates else 0.0
-    attention = statistics.median(r[1] for r in rates) if rates else 0.0
-    write_slowest(out_path, statistics.median(times), growth, matmul_flops=matmul, attention_flops=attention)
+        write_slowest(out_path, 0.0, resident_mb("VmHWM") - before)
+        return
+    walls, cpus, rates = [], [], {"wall": [], "cpu": []}
+    for _ in range(cfg["repeats"]):
+        # this rank's rates under the load of the moment, before and after the step they predict, on the wall
+        # clock and on this process's CPU time (what the step would take on cores of its own)
+        for name, clock in (("wall", time.perf_counter), ("cpu", time.process_time)):
+            rates[name].append(probe_compute(repeats=2, attention_seq=1024, clock=clock))
+        dist.barrier()
+        wall, cpu = time.perf_counter(), time.process_time()
+        step()
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+        for name, clock in (("wall", time.perf_counter), ("cpu", time.process_time)):
+            rates[name].append(probe_compute(repeats=2, attention_seq=1024, clock=clock))
+    extra = {
+        f"{name}_{kind}": statistics.mean(r[i] for r in rates[name])
+        for name in rates
+        for i, kind in enumerate(("matmul", "attention"))
+    }
+    write_slowest(out_path, statistics.median(walls), 0.0, cpu_seconds=statistics.median(cpus), **extra)
 
 
-def _predict(cfg: dict, sp: int, features: tuple[str, ...], cluster: Cluster, measured: dict) -> tuple[float, float]:
-    """Predicted (step seconds, peak growth MiB) of one configuration, on the rates its ranks measured."""
-    shape = shape_from_config(_config(cfg), "plan_check")
-    layout = Layout(1, sp, sp if cfg["strategy"] == "ulysses" else 1, 1, cfg["strategy"], features, "replicate")
-    matmul, attention = measured["matmul_flops"], measured["attention_flops"]
+def _predict(cfg: dict, sp: int, features: tuple[str, ...], cluster: Cluster, rates: tuple) -> float:
+    """Predicted step seconds of one configuration at the (matmul, attention) FLOP/s its ranks measured."""
+    shape = _shape(cfg)
+    matmul, attention = rates
     rated = replace(cluster, gpu_tflops=matmul / 1e12, attention_efficiency=min(1.0, attention / matmul))
-    seconds = step_time(shape, cfg["seq"], layout, rated, dtype_bytes=4).total
-    estimate = estimate_layout(shape, cfg["seq"], layout, dtype="fp32")
-    return seconds, estimate.step_peak / 2**20
+    return step_time(shape, cfg["seq"], _layout(cfg, sp, features), rated, dtype_bytes=4).total
+
+
+def _shape(cfg: dict):
+    return shape_from_config(_config(cfg), "plan_check")
+
+
+def _layout(cfg: dict, sp: int, features: tuple[str, ...]) -> Layout:
+    return Layout(1, sp, sp if cfg["strategy"] == "ulysses" else 1, 1, cfg["strategy"], features, "replicate")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,20 +166,27 @@ def main(argv: list[str] | None = None) -> int:
                 def args_for(memory, run=run, out=out):
                     return ({**run, "memory": memory}, out)
 
-                measured = time_and_memory(_worker, args_for, sp, out)
-                predicted = _predict(cfg, sp, FEATURE_SETS[name], cluster, measured)
-                rows.append((name, sp, measured["seconds"], predicted[0], measured["growth_mb"], predicted[1]))
-                print(f"{name} sp {sp}: measured {measured}, predicted {predicted}", flush=True)
+                m = time_and_memory(_worker, args_for, sp, out)
+                wall = _predict(cfg, sp, FEATURE_SETS[name], cluster, (m["wall_matmul"], m["wall_attention"]))
+                cpu = _predict(cfg, sp, FEATURE_SETS[name], cluster, (m["cpu_matmul"], m["cpu_attention"]))
+                memory = estimate_layout(_shape(cfg), cfg["seq"], _layout(cfg, sp, FEATURE_SETS[name]), dtype="fp32")
+                rows.append(
+                    (name, sp, m["seconds"], wall, m["cpu_seconds"], cpu, m["growth_mb"], memory.step_peak / 2**20)
+                )
+                print(f"{name} sp {sp}: measured {m}, predicted wall {wall:.2f} s, cpu {cpu:.2f} s", flush=True)
     print(
         f"\nLlama {args.layers}x{args.hidden}, {args.heads}/{args.heads // 2} heads, vocab {args.vocab}, seq "
         f"{args.seq}, {args.strategy}, fp32, 1 thread/rank on {cfg['cores']} cores"
     )
-    print("| features | sp | step measured (s) | predicted | ratio | peak growth measured (MiB) | predicted | ratio |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, sp, t_meas, t_pred, m_meas, m_pred in rows:
+    print(
+        "| features | sp | step wall (s) | predicted | ratio | step CPU time (s) | predicted | ratio "
+        "| peak growth (MiB) | predicted | ratio |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, sp, wall, wall_p, cpu, cpu_p, mem, mem_p in rows:
         print(
-            f"| {name} | {sp} | {t_meas:.2f} | {t_pred:.2f} | {t_pred / t_meas:.2f} | {m_meas:.0f} | {m_pred:.0f} | "
-            f"{m_pred / m_meas:.2f} |"
+            f"| {name} | {sp} | {wall:.2f} | {wall_p:.2f} | {wall_p / wall:.2f} | {cpu:.2f} | {cpu_p:.2f} | "
+            f"{cpu_p / cpu:.2f} | {mem:.0f} | {mem_p:.0f} | {mem_p / mem:.2f} |"
         )
     return 0
 

@@ -10,6 +10,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -25,25 +26,25 @@ _MATMULS = ((4096, 256, 768), (4096, 768, 256), (4096, 512, 1536), (2048, 1024, 
 _LINK_BYTES = 32 * 2**20
 
 
-def _seconds(fn, repeats: int) -> float:
+def _seconds(fn, repeats: int, clock=time.perf_counter) -> float:
     fn()  # warm-up
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times)
 
 
-def _matmul_flops(repeats: int) -> float:
+def _matmul_flops(repeats: int, clock=time.perf_counter) -> float:
     rates = []
     for m, k, n in _MATMULS:
         a, b = torch.randn(m, k), torch.randn(k, n)
-        rates.append(2.0 * m * k * n / _seconds(lambda a=a, b=b: a @ b, repeats))
+        rates.append(2.0 * m * k * n / _seconds(lambda a=a, b=b: a @ b, repeats, clock))
     return statistics.median(rates)
 
 
-def _attention_flops(repeats: int, seq: int = 2048, heads: int = 8, dim: int = 64) -> float:
+def _attention_flops(repeats: int, seq: int = 2048, heads: int = 8, dim: int = 64, clock=time.perf_counter) -> float:
     q = torch.randn(1, heads, seq, dim, requires_grad=True)
     k, v = (torch.randn(1, heads // 2, seq, dim, requires_grad=True) for _ in "kv")
 
@@ -51,20 +52,24 @@ def _attention_flops(repeats: int, seq: int = 2048, heads: int = 8, dim: int = 6
         F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
 
     # the planner's count: causal forward 2 S^2 H d, backward 2.5x that
-    return 3.5 * 2.0 * seq**2 * heads * dim / _seconds(step, repeats)
+    return 3.5 * 2.0 * seq**2 * heads * dim / _seconds(step, repeats, clock)
 
 
-def probe_compute(repeats: int = 3, attention_seq: int = 2048) -> tuple[float, float]:
+def probe_compute(
+    repeats: int = 3, attention_seq: int = 2048, clock: Callable[[], float] = time.perf_counter
+) -> tuple[float, float]:
     """This process's matmul and causal attention rates now, on the threads torch has.
 
     Args:
         repeats: timed repetitions of each probe (the median is kept).
         attention_seq: tokens of the attention probe (8/4 heads of 64).
+        clock: the clock the probes are timed with: wall time, or ``time.process_time`` for the CPU time
+            this process gets (what it would take on a machine of its own, the load of others aside).
 
     Returns:
         (matmul FLOP/s, attention FLOP/s), attention counted as the planner counts it.
     """
-    return _matmul_flops(repeats), _attention_flops(repeats, attention_seq)
+    return _matmul_flops(repeats, clock), _attention_flops(repeats, attention_seq, clock=clock)
 
 
 def _link_rank(rank: int, _world: int, repeats: int, path: str) -> None:

@@ -62,6 +62,7 @@ def add_plan_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     parser.add_argument("--dp-mode", nargs="+", default=list(DP_MODES), choices=("fsdp", "replicate", "ddp"))
     parser.add_argument("--top", type=int, default=10, help="rows of the table")
+    parser.add_argument("--rejected", type=int, default=15, help="rejected families listed (0: all of them)")
     parser.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
     parser.add_argument("--calibration", metavar="FILE", help="rates measured by --calibrate (replace the above)")
     parser.add_argument(
@@ -114,7 +115,7 @@ def run_plan(args: argparse.Namespace) -> int:
     except SeqparInputError as error:
         print(f"seqpar plan: {error}", file=sys.stderr)
         return 2
-    print(format_plan(result, args.top))
+    print(format_plan(result, args.top, args.rejected or len(result.rejected)))
     if args.json:
         write_json(result, args.json, args.top)
     return 0

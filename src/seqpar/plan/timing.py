@@ -154,7 +154,8 @@ def step_time(
     attention = forward * (3.5 + ckpt) / cluster.attention_flops  # per layer
     a2a = gather = 0.0
     if u > 1:
-        tensors = 6 if _sent_kv_heads(kv, u) > u else 4
+        # head groups (more than one KV head per rank after the exchange) resend q, k, v, out; hybrid has none
+        tensors = 6 if layout.strategy == "ulysses" and _sent_kv_heads(kv, u) > u else 4
         moved = (u - 1) / u * (tensors + 2 * ckpt) * (q_bytes + kv_bytes(u))
         a2a = moved / cluster.link(u * layout.tp)
     if r > 1 and layout.strategy == "allgather":
