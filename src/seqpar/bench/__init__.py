@@ -14,6 +14,7 @@ BENCHMARKS = (
     "maxlen",
     "plan_check",
     "soak",
+    "tiled_mlp",
 )
 
 __all__ = ["BENCHMARKS"]
