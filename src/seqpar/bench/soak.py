@@ -2,14 +2,15 @@
 
 Runs the real command (spawned ranks, checkpoints every 100 steps, metrics and plots) in a subprocess:
 
-    seqpar bench soak                          # 2,000 steps of the default run; compare RSS at step 100 and end
+    seqpar bench soak                          # 2,000 steps of the default run; RSS at step 100 vs the end
     seqpar bench soak --steps 600 --mark 100   # shorter
     seqpar bench soak --run-dir runs/soak -- --sp 4 --strategy ring   # flags after -- go to seqpar train
 
 Every step's record in ``metrics.jsonl`` holds each rank's resident set (VmRSS) after the step; the bench
-reports it at ``--mark`` (after warm-up: optimizer state, allocator pools and the first checkpoint exist)
-and at the last step, per rank, and the growth in percent against the 2% the soak allows. It also prints the
-resident set every ``--every`` steps so a slow leak shows its slope, not just its end points.
+compares, per rank, the median over ``--window`` steps from ``--mark`` (after warm-up: optimizer state,
+allocator pools and the first checkpoint exist) with the median over the last ``--window`` steps (one step's
+resident set moves by about 1% with the allocator's pools), against the 2% growth the soak allows. It also
+prints the resident set every ``--every`` steps so a slow leak shows its slope, not just its end points.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,19 +29,20 @@ __all__ = ["main", "resident_growth"]
 LIMIT_PERCENT = 2.0
 
 
-def resident_growth(metrics_path: str, mark: int) -> dict:
-    """Each rank's resident set at step ``mark`` and at the last step of a run's ``metrics.jsonl``.
+def resident_growth(metrics_path: str, mark: int, window: int = 10) -> dict:
+    """Each rank's resident set from step ``mark`` and at the end of a run's ``metrics.jsonl``.
 
     Args:
         metrics_path: the run's ``metrics.jsonl``.
-        mark: the step to compare the end against.
+        mark: the first step of the baseline window.
+        window: steps per median (baseline: ``mark`` onwards; end: the last ``window`` steps).
 
     Returns:
-        ``{"mark", "end", "at_mark_mb", "at_end_mb", "growth_percent", "series"}``; the lists are per rank,
-        ``series`` maps a step to the per-rank resident sets.
+        ``{"mark", "end", "at_mark_mb", "at_end_mb", "growth_percent", "series"}``: the medians and growth
+        are per rank, ``series`` maps a step to the per-rank resident sets.
 
     Raises:
-        ValueError: the file has no resident sets for ``mark`` or holds no steps after it.
+        ValueError: the file has no resident sets for the baseline window or none after it.
     """
     series = {}
     with open(metrics_path) as f:
@@ -47,16 +50,22 @@ def resident_growth(metrics_path: str, mark: int) -> dict:
             record = json.loads(line)
             if record.get("kind") == "train" and "resident_mb" in record:
                 series[record["step"]] = record["resident_mb"]
-    if mark not in series or max(series) <= mark:
-        raise ValueError(f"{metrics_path}: no resident sets at step {mark} and after it")
-    end = max(series)
-    growth = [100 * (b - a) / a for a, b in zip(series[mark], series[end])]
+    steps = sorted(series)
+    base = [s for s in steps if mark <= s < mark + window]
+    last = steps[-window:]
+    if len(base) < window or not steps or last[0] < mark + window:
+        raise ValueError(f"{metrics_path}: no resident sets for steps {mark}-{mark + window - 1} and after them")
+
+    def medians(chosen: list[int]) -> list[float]:
+        return [statistics.median(series[s][r] for s in chosen) for r in range(len(series[chosen[0]]))]
+
+    at_mark, at_end = medians(base), medians(last)
     return {
         "mark": mark,
-        "end": end,
-        "at_mark_mb": series[mark],
-        "at_end_mb": series[end],
-        "growth_percent": [round(g, 2) for g in growth],
+        "end": steps[-1],
+        "at_mark_mb": at_mark,
+        "at_end_mb": at_end,
+        "growth_percent": [round(100 * (b - a) / a, 2) for a, b in zip(at_mark, at_end)],
         "series": series,
     }
 
@@ -70,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--steps", type=int, default=2000, help="optimizer steps of the run")
     parser.add_argument("--mark", type=int, default=100, help="the step whose resident set is the baseline")
+    parser.add_argument("--window", type=int, default=10, help="steps per median, at the mark and at the end")
     parser.add_argument("--every", type=int, default=250, help="print the resident sets every this many steps")
     parser.add_argument("--run-dir", default=None, help="keep the run here (default: a temporary directory)")
     args = parser.parse_args(argv)
@@ -84,15 +94,15 @@ def main(argv: list[str] | None = None) -> int:
         if done.returncode != 0:
             print(f"seqpar train exited with {done.returncode}", file=sys.stderr)
             return done.returncode
-        result = resident_growth(os.path.join(run_dir, "metrics.jsonl"), args.mark)
+        result = resident_growth(os.path.join(run_dir, "metrics.jsonl"), args.mark, args.window)
     for step in sorted(result["series"]):
         if step % args.every == 0 or step in (result["mark"], result["end"]):
             print(f"step {step:5d}: resident MiB per rank {result['series'][step]}")
     worst = max(abs(g) for g in result["growth_percent"])
     print(
-        f"resident set per rank at step {result['mark']}: {result['at_mark_mb']} MiB; at step {result['end']}: "
-        f"{result['at_end_mb']} MiB; growth {result['growth_percent']} % (limit {LIMIT_PERCENT} %); "
-        f"{args.steps} steps in {seconds:.0f} s"
+        f"resident set per rank, median of steps {result['mark']}-{result['mark'] + args.window - 1}: "
+        f"{result['at_mark_mb']} MiB; of the last {args.window} steps (to {result['end']}): {result['at_end_mb']} "
+        f"MiB; growth {result['growth_percent']} % (limit {LIMIT_PERCENT} %); {args.steps} steps in {seconds:.0f} s"
     )
     print("soak: PASS" if worst < LIMIT_PERCENT else "soak: FAIL (resident memory grew)")
     return 0 if worst < LIMIT_PERCENT else 1
