@@ -1,6 +1,6 @@
 """A Hugging Face Trainer step under seqpar against seqpar's own training step, and its memory against one process.
 
-    seqpar bench hf_trainer                           # Llama 4x256, one packed row of 8192 tokens, sp 2, ring
+    seqpar bench hf_trainer --steps 8                 # Llama 4x256, one packed row of 8192 tokens, sp 2, ring
     seqpar bench hf_trainer --seq 2048 --steps 3      # small, quick
 
 Time: one torchrun job at sp 2 trains ``SequenceParallelTrainer`` and, at every Trainer step end, runs one
