@@ -29,14 +29,14 @@ __all__ = ["RunState", "TrainSource", "answer_shift_labels", "banner", "checkpoi
 
 
 def answer_shift_labels(input_ids: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
-    """Shifted labels that keep only the passkey digits: position p-1 predicts the digit at p.
+    """Shifted labels that keep only the passkey answers: position p-1 predicts the answer token at p.
 
     Args:
         input_ids: ``[B, S]`` token ids of whole passkey examples.
-        answers: ``[B, DIGITS]`` positions of each example's answer digits.
+        answers: ``[B, A]`` positions of each example's scored answers.
 
     Returns:
-        ``[B, S]`` labels, ``IGNORE_INDEX`` everywhere but the positions just before the digits.
+        ``[B, S]`` labels, ``IGNORE_INDEX`` everywhere but the positions just before the answers.
     """
     labels = torch.full_like(input_ids, IGNORE_INDEX)
     rows = torch.arange(input_ids.shape[0])[:, None]

@@ -25,7 +25,7 @@ class StepResult:
     loss_sum: torch.Tensor
     """This rank's share of the step's mean loss (the shares of the loss group sum to the loss)."""
     answer_sum: torch.Tensor
-    """This rank's share of the mean loss on the passkey answer digits (0 for data files)."""
+    """This rank's share of the mean loss on the scored passkey answers (0 for data files)."""
     has_answers: bool
     """Whether the batches carried passkey answers."""
     grad_norm: torch.Tensor
@@ -36,7 +36,7 @@ class StepResult:
 
 @torch.no_grad()
 def _answer_loss(outputs: torch.Tensor, labels: torch.Tensor, total: int, head: torch.nn.Module | None) -> torch.Tensor:
-    """This rank's share of the mean loss on the answer digits, from logits or (``head`` given) hidden states."""
+    """This rank's share of the mean loss on the answers, from logits or (``head`` given) hidden states."""
     if head is None:
         return seqpar.cross_entropy(outputs, labels, num_valid_tokens=total)
     keep = labels != IGNORE_INDEX
