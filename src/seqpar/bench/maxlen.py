@@ -272,15 +272,15 @@ def main(argv: list[str] | None = None) -> int:
         for rung in ladder:
             for sp in args.sp:
                 records.append(_search(cfg, sp, rung, tmp))
+                if args.json:  # after every point, so an interrupted run keeps what it found
+                    with open(args.json, "w") as f:
+                        json.dump(records, f, indent=1)
     what = "embedded Llama" if cfg["model"] is None else cfg["model"]
     if cfg["model"] is None:
         what += f" {args.layers}x{args.hidden}, {args.heads} heads, vocab {args.vocab}"
     title = f"{what}, fp32, AdamW, budget {args.budget_mb:.0f} MB/rank ({device})"
     print(f"\n{title}; loss chunk {args.loss_chunk}, MLP chunk {args.mlp_chunk}, strategy {args.strategy}")
     print(_table(records))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
     if args.png:
         _plot(records, args.png, title)
     return 0
