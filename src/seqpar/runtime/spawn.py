@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import signal
 import sys
 import tempfile
@@ -103,7 +104,7 @@ def spawn_ranks(
 
     Raises:
         torch.multiprocessing.ProcessRaisedException: a rank raised; ``error_index`` is the rank and the
-            message ends with its traceback.
+            message ends with its traceback (the rank that failed first, not a peer that lost it).
         torch.multiprocessing.ProcessExitedException: a rank died without raising (a signal, ``os._exit``).
     """
     pids: list[int] = []
@@ -120,6 +121,31 @@ def spawn_ranks(
         if forward_signals and stop.received is not None:  # it came while the ranks were being started
             for pid in pids:
                 os.kill(pid, stop.received)
-        while not context.join():
-            pass
+        try:
+            while not context.join():
+                pass
+        except mp.ProcessRaisedException as error:
+            raise _root_cause(context, error) from None
     return stop.received if forward_signals else None
+
+
+_LOST_PEER = ("Connection closed by peer", "Connection reset by peer")
+
+
+def _root_cause(context: mp.ProcessContext, error: mp.ProcessRaisedException) -> mp.ProcessRaisedException:
+    """The error of a rank that failed by itself, when ``error`` is only another rank losing its connection.
+
+    A rank that raises closes its connections as it exits; a peer waiting in a collective then fails too, and
+    the launcher may see that peer first. Every failed rank leaves its traceback in its error file.
+    """
+    if not any(text in str(error) for text in _LOST_PEER):
+        return error
+    for rank, path in enumerate(context.error_files):
+        if rank == error.error_index or not path or not os.path.isfile(path) or not os.path.getsize(path):
+            continue
+        with open(path, "rb") as f:
+            trace = pickle.load(f)  # a traceback string, written by torch in our own rank process
+        if not any(text in trace for text in _LOST_PEER):
+            message = f"\n\n-- Process {rank:d} terminated with the following error:\n{trace}"
+            return mp.ProcessRaisedException(message, rank, context.processes[rank].pid)
+    return error
