@@ -12,9 +12,9 @@ import pytest
 
 import seqpar
 from seqpar.cli import main as cli_main
-from seqpar.plan import Cluster, Layout, ModelShape, load_model_shape, max_seq_len, model_flops, plan, step_time
-from seqpar.plan.cli import parse_tokens
-from seqpar.plan.cluster import Calibration, load_calibration, save_calibration
+from seqpar.planning import Cluster, Layout, ModelShape, load_model_shape, max_seq_len, model_flops, plan, step_time
+from seqpar.planning.cli import parse_tokens
+from seqpar.planning.cluster import Calibration, load_calibration, save_calibration
 from seqpar.strategies.policy import kv_head_repeats
 
 ALL_FEATURES = ("checkpointing", "chunked_loss", "tiled_mlp", "offload")

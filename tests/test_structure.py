@@ -28,7 +28,7 @@ LAYERS = {
     "integrations": 9,
     "hf": 9,
     "memory": 9,
-    "plan": 10,
+    "planning": 10,
     "runtime": 10,
     "train": 11,
     "bench": 11,

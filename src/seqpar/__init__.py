@@ -17,7 +17,7 @@ from seqpar.layout import LAYOUTS, gather_sequence, position_ids, shard_sequence
 from seqpar.loss import count_valid_tokens, cross_entropy, lm_head_cross_entropy, sum_over
 from seqpar.memory import MemoryEstimate, apply_activation_offload, apply_tiled_mlp, estimate_memory
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh, make_mesh
-from seqpar.plan import Cluster, Plan, plan
+from seqpar.planning import Cluster, Plan, plan
 from seqpar.strategies.masking import SequenceMask, sequence_mask
 from seqpar.strategies.policy import STRATEGIES, resolve_strategy
 

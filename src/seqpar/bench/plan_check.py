@@ -7,7 +7,7 @@ First it times planning Llama-8B at 16M tokens on 1,024 devices (the planner's o
 
 The measured side is ``seqpar bench llama_step``'s step (forward, backward, gradient sum, AdamW; fp32; one
 thread per rank), run with no memory features and with checkpointing + chunked loss. The predicted side is
-``seqpar.plan.step_time`` on the calibrated rates, and the memory estimator's growth above what lives between
+``seqpar.planning.step_time`` on the calibrated rates, and the memory estimator's growth above what lives between
 steps (``MemoryEstimate.step_peak``), which is what the benchmark measures (resident-set peak growth). The
 matmul and attention rates are probed inside each rank just before and after each timed step, on the wall
 clock and on the process's CPU time: on a shared machine the wall clock says how much of a core a rank got,
@@ -29,12 +29,12 @@ import torch.distributed as dist
 import transformers
 
 import seqpar
-from seqpar.plan.calibrate import calibrate, probe_compute
-from seqpar.plan.cluster import Cluster, load_calibration
-from seqpar.plan.memory import estimate_layout
-from seqpar.plan.models import shape_from_config
-from seqpar.plan.search import plan
-from seqpar.plan.timing import Layout, step_time
+from seqpar.planning.calibrate import calibrate, probe_compute
+from seqpar.planning.cluster import Cluster, load_calibration
+from seqpar.planning.memory import estimate_layout
+from seqpar.planning.models import shape_from_config
+from seqpar.planning.search import plan
+from seqpar.planning.timing import Layout, step_time
 from seqpar.runtime.measure import time_and_memory, write_slowest
 from seqpar.runtime.memory import reset_resident_peak, resident_mb
 

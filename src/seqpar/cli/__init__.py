@@ -18,7 +18,7 @@ import sys
 from seqpar.bench import BENCHMARKS
 from seqpar.cli.estimate import add_estimate_parser, run_estimate
 from seqpar.errors import SeqparInputError
-from seqpar.plan.cli import add_plan_flags, run_plan
+from seqpar.planning.cli import add_plan_flags, run_plan
 from seqpar.train.config import build_parser, config_from_args
 from seqpar.train.launch import launch
 

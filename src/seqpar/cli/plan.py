@@ -5,12 +5,12 @@ The model, length, degrees, strategy and memory features come from the ``TrainCo
 
 from __future__ import annotations
 
-from seqpar.plan.cluster import Cluster
-from seqpar.plan.memory import DTYPE_BYTES, estimate_layout
-from seqpar.plan.models import shape_from_config
-from seqpar.plan.report import format_plan
-from seqpar.plan.search import plan
-from seqpar.plan.timing import Layout, step_time
+from seqpar.planning.cluster import Cluster
+from seqpar.planning.memory import DTYPE_BYTES, estimate_layout
+from seqpar.planning.models import shape_from_config
+from seqpar.planning.report import format_plan
+from seqpar.planning.search import plan
+from seqpar.planning.timing import Layout, step_time
 from seqpar.strategies.policy import ulysses_degrees
 from seqpar.train.config import TrainConfig
 from seqpar.train.model import model_config

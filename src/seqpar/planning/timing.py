@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from seqpar.plan.cluster import Cluster
-from seqpar.plan.models import ModelShape
+from seqpar.planning.cluster import Cluster
+from seqpar.planning.models import ModelShape
 
 __all__ = ["FEATURES", "Layout", "StepTime", "model_flops", "step_time"]
 

@@ -3,12 +3,12 @@
 ``plan(model, seq_len, Cluster(...))`` ranks every valid layout by predicted tokens/s per device.
 """
 
-from seqpar.plan.cluster import Calibration, Cluster, load_calibration, save_calibration
-from seqpar.plan.limits import max_seq_len
-from seqpar.plan.models import PRESETS, ModelShape, load_model_shape
-from seqpar.plan.report import format_plan, plan_to_dict
-from seqpar.plan.search import Candidate, Plan, Rejection, plan
-from seqpar.plan.timing import FEATURES, Layout, StepTime, model_flops, step_time
+from seqpar.planning.cluster import Calibration, Cluster, load_calibration, save_calibration
+from seqpar.planning.limits import max_seq_len
+from seqpar.planning.models import PRESETS, ModelShape, load_model_shape
+from seqpar.planning.report import format_plan, plan_to_dict
+from seqpar.planning.search import Candidate, Plan, Rejection, plan
+from seqpar.planning.timing import FEATURES, Layout, StepTime, model_flops, step_time
 
 __all__ = [
     "FEATURES",

@@ -6,10 +6,10 @@ Used to compare the planner with published maximum lengths and by ``seqpar plan`
 from __future__ import annotations
 
 from seqpar.errors import SeqparInputError
-from seqpar.plan.cluster import Cluster
-from seqpar.plan.memory import estimate_layout
-from seqpar.plan.models import ModelShape, load_model_shape
-from seqpar.plan.timing import Layout
+from seqpar.planning.cluster import Cluster
+from seqpar.planning.memory import estimate_layout
+from seqpar.planning.models import ModelShape, load_model_shape
+from seqpar.planning.timing import Layout
 
 __all__ = ["max_seq_len"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-from seqpar.plan.search import Candidate, Plan
+from seqpar.planning.search import Candidate, Plan
 
 __all__ = ["format_plan", "plan_to_dict", "write_json"]
 

@@ -10,11 +10,11 @@ import re
 import sys
 
 from seqpar.errors import SeqparInputError
-from seqpar.plan.calibrate import calibrate
-from seqpar.plan.cluster import Cluster, load_calibration, save_calibration
-from seqpar.plan.models import PRESETS
-from seqpar.plan.report import format_plan, write_json
-from seqpar.plan.search import DP_MODES, plan
+from seqpar.planning.calibrate import calibrate
+from seqpar.planning.cluster import Cluster, load_calibration, save_calibration
+from seqpar.planning.models import PRESETS
+from seqpar.planning.report import format_plan, write_json
+from seqpar.planning.search import DP_MODES, plan
 
 __all__ = ["add_plan_flags", "parse_tokens", "run_plan"]
 

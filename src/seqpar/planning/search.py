@@ -1,6 +1,6 @@
 """Every valid layout of a model on a cluster, its memory and step time, ranked; and why the others are out.
 
-``plan`` is the entry point; ``seqpar plan`` prints what it returns (``seqpar.plan.report``).
+``plan`` is the entry point; ``seqpar plan`` prints what it returns (``seqpar.planning.report``).
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 from seqpar.errors import SeqparInputError
 from seqpar.memory import MemoryEstimate
-from seqpar.plan.cluster import Cluster
-from seqpar.plan.memory import DTYPE_BYTES, estimate_layout
-from seqpar.plan.models import ModelShape, load_model_shape
-from seqpar.plan.timing import FEATURES, Layout, StepTime, model_flops, step_time
+from seqpar.planning.cluster import Cluster
+from seqpar.planning.memory import DTYPE_BYTES, estimate_layout
+from seqpar.planning.models import ModelShape, load_model_shape
+from seqpar.planning.timing import FEATURES, Layout, StepTime, model_flops, step_time
 from seqpar.strategies.policy import kv_head_repeats
 
 __all__ = ["Candidate", "Plan", "Rejection", "plan"]
@@ -150,7 +150,7 @@ def plan(
         dtype: bf16, fp16 or fp32.
         dp_modes: how parameters are held over the dp x sp ranks: any of fsdp, replicate, ddp.
         memory: per-rank memory as ``memory(model, seq_len, layout, dtype=, micro_batch=)``; default the
-            memory estimator (``seqpar.plan.memory.estimate_layout``).
+            memory estimator (``seqpar.planning.memory.estimate_layout``).
 
     Returns:
         The plan: fitting layouts fastest first, rejected families with reasons.

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from seqpar.memory import MemoryEstimate, estimate_memory
-from seqpar.plan.models import ModelShape
-from seqpar.plan.timing import Layout
+from seqpar.planning.models import ModelShape
+from seqpar.planning.timing import Layout
 
 __all__ = ["DTYPES", "DTYPE_BYTES", "estimate_layout"]
 

@@ -1,6 +1,7 @@
 """A short probe of this machine's rates for the planner: matmul and attention FLOP/s of one rank, link bandwidth.
 
-``seqpar plan --calibrate FILE`` writes them (``seqpar.plan.cluster.Calibration``); ``--calibration FILE`` uses them.
+``seqpar plan --calibrate FILE`` writes them (``seqpar.planning.cluster.Calibration``); ``--calibration FILE``
+uses them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from seqpar.plan.cluster import Calibration
+from seqpar.planning.cluster import Calibration
 from seqpar.runtime.spawn import spawn_ranks
 
 __all__ = ["calibrate", "probe_compute"]
