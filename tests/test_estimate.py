@@ -28,11 +28,12 @@ LLAMA = transformers.LlamaConfig(
 LADDER = [(), ("checkpointing",), ("checkpointing", "chunked_loss"), ("checkpointing", "chunked_loss", "tiled_mlp")]
 
 
-def test_measured_step_within_15_percent_and_json_records(tmp_path):
-    """Small Llama (2 x 256, vocab 4K), checkpointing + chunked loss, 2048 tokens at sp 1 and 2: the estimate's
-    step growth is within 15% of the measured peak growth; every record carries the five keys."""
+def test_measured_step_within_10_percent_and_json_records(tmp_path):
+    """Small Llama (2 x 256, vocab 4K), checkpointing + chunked loss, 4096 tokens at sp 1 and 2: the estimate's
+    step growth is within 10% of the measured peak growth (measured: 4% and 6%; a layer term off by two MLP-sized
+    tensors fails it); every record carries the five keys."""
     out = tmp_path / "maxlen.json"
-    args = ["--budget-mb", "100000", "--sp", "1", "2", "--ladder", "chunked_loss", "--max-seq", "2048"]
+    args = ["--budget-mb", "100000", "--sp", "1", "2", "--ladder", "chunked_loss", "--max-seq", "4096"]
     args += [
         "--layers",
         "2",
@@ -47,11 +48,11 @@ def test_measured_step_within_15_percent_and_json_records(tmp_path):
     ]
     assert maxlen.main(args) == 0
     records = json.loads(out.read_text())
-    assert [(r["sp"], r["max_seq"]) for r in records] == [(1, 2048), (2, 2048)]
+    assert [(r["sp"], r["max_seq"]) for r in records] == [(1, 4096), (2, 4096)]
     for r in records:
         assert {"sp", "features", "max_seq", "peak_mb", "estimate_mb"} <= set(r)
         assert r["features"] == "chunked_loss"
-        assert abs(r["estimate_mb"] - r["peak_mb"]) <= 0.15 * r["peak_mb"], r
+        assert abs(r["estimate_mb"] - r["peak_mb"]) <= 0.10 * r["peak_mb"], r
     assert records[1]["peak_mb"] < 0.8 * records[0]["peak_mb"]  # the sequence's memory is split
     assert (tmp_path / "m.png").stat().st_size > 0
 
