@@ -33,6 +33,7 @@ import transformers
 
 import seqpar
 import seqpar.hf
+from seqpar.bench.llama_step import llama_config
 from seqpar.runtime.measure import MEMORY_RUN_ENV
 from seqpar.runtime.memory import reset_resident_peak, resident_mb
 
@@ -41,15 +42,7 @@ MODES = ("pair", "trainer_sp", "loop_sp", "trainer_one")
 
 def _model(cfg: dict):
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=cfg["vocab"],
-        hidden_size=cfg["hidden"],
-        intermediate_size=cfg["hidden"] * 3,
-        num_hidden_layers=cfg["layers"],
-        num_attention_heads=cfg["heads"],
-        num_key_value_heads=cfg["heads"] // 2,
-        max_position_embeddings=cfg["doc"],
-    )
+    config = transformers.LlamaConfig(**llama_config(cfg, cfg["doc"]))
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 

@@ -31,17 +31,41 @@ from seqpar.runtime.measure import time_and_memory, write_slowest
 from seqpar.runtime.memory import reset_resident_peak, resident_mb
 
 
+def llama_config(cfg: dict, max_positions: int) -> dict:
+    """The benchmarks' Llama (MLP 3x hidden, half as many KV heads) as config.json fields, from ``cfg``."""
+    return {
+        "model_type": "llama",
+        "vocab_size": cfg["vocab"],
+        "hidden_size": cfg["hidden"],
+        "intermediate_size": cfg["hidden"] * 3,
+        "num_hidden_layers": cfg["layers"],
+        "num_attention_heads": cfg["heads"],
+        "num_key_value_heads": cfg["heads"] // 2,
+        "max_position_embeddings": max_positions,
+    }
+
+
+def train_step(model, opt: torch.optim.Optimizer, shard: dict, mesh, loss_chunk: int) -> torch.Tensor:
+    """One AdamW step of a prepared model on a sharded batch; returns this rank's share of the loss."""
+    inputs = {"input_ids": shard["input_ids"], "position_ids": shard["position_ids"]}
+    if loss_chunk:  # logits made and dropped piece by piece
+        hidden = model.get_decoder()(**inputs).last_hidden_state
+        loss = seqpar.lm_head_cross_entropy(hidden, model.lm_head, shard["shift_labels"], mesh, chunk_size=loss_chunk)
+        del hidden
+    else:
+        logits = model(**inputs).logits
+        loss = seqpar.cross_entropy(logits, shard["shift_labels"], mesh)
+        del logits
+    loss.backward()
+    seqpar.reduce_gradients(model.parameters(), mesh)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
 def _model(cfg: dict):
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=cfg["vocab"],
-        hidden_size=cfg["hidden"],
-        intermediate_size=cfg["hidden"] * 3,
-        num_hidden_layers=cfg["layers"],
-        num_attention_heads=cfg["heads"],
-        num_key_value_heads=cfg["heads"] // 2,
-        max_position_embeddings=cfg["seq"],
-    )
+    config = transformers.LlamaConfig(**llama_config(cfg, cfg["seq"]))
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
@@ -53,22 +77,7 @@ def _worker(_rank: int, _world_size: int, cfg: dict, out_path: str) -> None:
     shard = seqpar.shard_batch({"input_ids": ids}, mesh)
 
     def step() -> float:
-        inputs = {"input_ids": shard["input_ids"], "position_ids": shard["position_ids"]}
-        if cfg["loss_chunk"]:  # logits made and dropped piece by piece
-            hidden = model.get_decoder()(**inputs).last_hidden_state
-            loss = seqpar.lm_head_cross_entropy(
-                hidden, model.lm_head, shard["shift_labels"], mesh, chunk_size=cfg["loss_chunk"]
-            )
-            del hidden
-        else:
-            logits = model(**inputs).logits
-            loss = seqpar.cross_entropy(logits, shard["shift_labels"], mesh)
-            del logits
-        loss.backward()
-        seqpar.reduce_gradients(model.parameters(), mesh)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(seqpar.sum_over(loss, mesh))
+        return float(seqpar.sum_over(train_step(model, opt, shard, mesh, cfg["loss_chunk"]), mesh))
 
     first_loss = step()  # warm-up: allocates optimizer state
     times, growth = [], 0.0

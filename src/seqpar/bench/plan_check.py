@@ -29,6 +29,7 @@ import torch.distributed as dist
 import transformers
 
 import seqpar
+from seqpar.bench.llama_step import llama_config, train_step
 from seqpar.planning.calibrate import calibrate, probe_compute
 from seqpar.planning.cluster import Cluster, load_calibration
 from seqpar.planning.memory import estimate_layout
@@ -42,46 +43,20 @@ FEATURE_SETS = {"none": (), "ckpt+chunked": ("checkpointing", "chunked_loss")}
 LOSS_CHUNK = 1024  # the estimator's default piece of the chunked loss
 
 
-def _config(cfg: dict) -> dict:
-    return {
-        "model_type": "llama",
-        "vocab_size": cfg["vocab"],
-        "hidden_size": cfg["hidden"],
-        "intermediate_size": cfg["hidden"] * 3,
-        "num_hidden_layers": cfg["layers"],
-        "num_attention_heads": cfg["heads"],
-        "num_key_value_heads": cfg["heads"] // 2,
-        "max_position_embeddings": cfg["seq"],
-    }
-
-
 def _worker(_rank: int, _world_size: int, cfg: dict, out_path: str) -> None:
     torch.manual_seed(0)
     mesh = seqpar.make_mesh()
-    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**_config(cfg)))
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**llama_config(cfg, cfg["seq"])))
     if "checkpointing" in cfg["features"]:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model = seqpar.prepare_model(model, mesh, strategy=cfg["strategy"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, cfg["vocab"], (1, cfg["seq"]), generator=torch.Generator().manual_seed(1))
     shard = seqpar.shard_batch({"input_ids": ids}, mesh)
-    inputs = {"input_ids": shard["input_ids"], "position_ids": shard["position_ids"]}
+    loss_chunk = LOSS_CHUNK if "chunked_loss" in cfg["features"] else 0
 
     def step() -> None:
-        if "chunked_loss" in cfg["features"]:
-            hidden = model.get_decoder()(**inputs).last_hidden_state
-            loss = seqpar.lm_head_cross_entropy(
-                hidden, model.lm_head, shard["shift_labels"], mesh, chunk_size=LOSS_CHUNK
-            )
-            del hidden
-        else:
-            logits = model(**inputs).logits
-            loss = seqpar.cross_entropy(logits, shard["shift_labels"], mesh)
-            del logits
-        loss.backward()
-        seqpar.reduce_gradients(model.parameters(), mesh)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        train_step(model, opt, shard, mesh, loss_chunk)
 
     model.train()
     step()  # warm-up: allocates the optimizer state
@@ -122,7 +97,7 @@ def _predict(cfg: dict, sp: int, features: tuple[str, ...], cluster: Cluster, ra
 
 
 def _shape(cfg: dict):
-    return shape_from_config(_config(cfg), "plan_check")
+    return shape_from_config(llama_config(cfg, cfg["seq"]), "plan_check")
 
 
 def _layout(cfg: dict, sp: int, features: tuple[str, ...]) -> Layout:
