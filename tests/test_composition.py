@@ -61,12 +61,12 @@ def _reference(model, steps):
     return torch.stack(history)
 
 
-def _parallel(model, forward, mesh, group, dp_rank, dp_size, accumulation, *, reduce=False, no_sync=None):
+def _parallel(model, forward, mesh, group, dp_rank, dp_size, accumulation, *, reduce=None, no_sync=None):
     """SGD steps on this rank's shards of each micro-batch; per-step (loss, gradient norm) of the whole batch.
 
     ``forward`` is the (possibly wrapped) model to call; ``model`` owns the parameters. ``group`` is the
-    dp x sp group: ``reduce_gradients`` runs over it when ``reduce`` (no DDP/FSDP). ``no_sync`` wraps every
-    micro-batch but the last.
+    dp x sp group: ``reduce_gradients`` runs over it with buckets of ``reduce`` MiB when given (no DDP/FSDP).
+    ``no_sync`` wraps every micro-batch but the last.
     """
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     history = []
@@ -86,8 +86,8 @@ def _parallel(model, forward, mesh, group, dp_rank, dp_size, accumulation, *, re
                 loss = seqpar.cross_entropy(logits, shard["shift_labels"], num_valid_tokens=total)
                 loss.backward()
             step_loss += loss.detach()
-        if reduce:
-            seqpar.reduce_gradients(model.parameters(), group)
+        if reduce is not None:
+            seqpar.reduce_gradients(model.parameters(), group, bucket_mb=reduce)
         norm = seqpar.clip_grad_norm_(model.parameters(), max_norm=float("inf"))  # DTensor-aware
         opt.step()
         opt.zero_grad()
@@ -151,10 +151,14 @@ def _dp_sp_worker(rank, world_size):
             run_dp_rank,
             dp_size,
             accumulation,
-            reduce=mode == "reduce",
+            # 2 KiB buckets at accumulation 2: small tensors coalesced, larger ones summed in place
+            reduce=(16.0 if accumulation == 1 else 2 / 1024) if mode == "reduce" else None,
             no_sync=no_sync,
         )
         _assert_same_training(got, want, model, reference_model, f"{mode} {strategy} accumulation {accumulation}")
+        if mode == "reduce":
+            with pytest.raises(SeqparInputError, match="bucket_mb must be positive"):
+                seqpar.reduce_gradients(model.parameters(), run_group, bucket_mb=0)
         if mode != "reduce":  # the wrapper summed them already: a second sum would count each rank's part G times
             with pytest.raises(SeqparInputError, match=r"already summed over ranks by (DDP|FSDP2)"):
                 seqpar.reduce_gradients(model.parameters(), run_group)
@@ -207,7 +211,7 @@ def _tp_sp_worker(rank, world_size):
         model = seqpar.apply_tensor_parallel(copy.deepcopy(ref), mesh)
         seqpar.prepare_model(model, mesh, strategy=strategy).train()
         assert model.model.layers[0].self_attn.q_proj.weight.to_local().shape[0] == 2 * 12  # 2 of 4 heads
-        got = _parallel(model, model, mesh, group, 0, 1, accumulation, reduce=True)
+        got = _parallel(model, model, mesh, group, 0, 1, accumulation, reduce=16.0)
         _assert_same_training(got, want, model, reference_model, f"tp {strategy} accumulation {accumulation}")
     with pytest.raises(SeqparInputError, match="must divide the heads"):
         seqpar.apply_tensor_parallel(build("llama"), seqpar.make_mesh(sp_size=1, tp_size=4))

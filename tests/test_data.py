@@ -64,13 +64,28 @@ def test_chunked_lm_head_loss_equals_full_logits_loss():
     full = F.cross_entropy(head(hidden).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
     torch.testing.assert_close(seqpar.cross_entropy(head(hidden), labels), full, atol=1e-6, rtol=1e-6)
     full.backward()
-    grads = [hidden.grad.clone(), head.weight.grad.clone()]
-    hidden.grad = None
-    head.weight.grad = None
+    grads = [hidden.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone()]
+    hidden.grad = head.weight.grad = head.bias.grad = None
     chunked = seqpar.lm_head_cross_entropy(hidden, head, labels, chunk_size=7)
     chunked.backward()
     torch.testing.assert_close(chunked, full, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(hidden.grad, grads[0], atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(head.weight.grad, grads[1], atol=1e-6, rtol=1e-5)
+    for got, want in zip((hidden.grad, head.weight.grad, head.bias.grad), grads):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    # under bf16 autocast: the matmuls in bf16 as autocast makes them, the softmax in float32
+    hidden.grad = head.weight.grad = head.bias.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        full = F.cross_entropy(head(hidden).flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
+    full.backward()
+    grads = [hidden.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone()]
+    hidden.grad = head.weight.grad = head.bias.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        chunked = seqpar.lm_head_cross_entropy(hidden, head, labels, chunk_size=7)
+    chunked.backward()
+    torch.testing.assert_close(chunked, full, atol=1e-5, rtol=1e-5)  # same bf16 logits, float32 sums
+    for got, want in zip((hidden.grad, head.weight.grad, head.bias.grad), grads):
+        assert got.dtype == want.dtype == torch.float32
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=2**-7)  # bf16 matmuls, rounded in other places
+    with pytest.raises(SeqparInputError, match="chunk_size must be a positive"):
+        seqpar.lm_head_cross_entropy(hidden, head, labels, chunk_size=0)
     # no valid token: zero, not NaN
     assert seqpar.cross_entropy(torch.randn(1, 3, 50), torch.full((1, 3), IGNORE_INDEX)).item() == 0.0

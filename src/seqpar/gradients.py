@@ -18,21 +18,29 @@ __all__ = ["SUMMED_BY_WRAPPER", "clip_grad_norm_", "reduce_gradients"]
 # Set on parameters whose gradients a wrapper (DDP, FSDP2) already sums over ranks (Note [summed gradients]).
 SUMMED_BY_WRAPPER = "_seqpar_summed_by"
 
+BUCKET_MB = 16.0
+"""Default bucket of ``reduce_gradients``: the most memory its reduction adds to the gradients, in MiB."""
 
-def reduce_gradients(parameters: Iterable[torch.nn.Parameter], group: object) -> None:
-    """Sum the gradients of replicated parameters over ``group`` in place (one flat all-reduce per dtype).
+
+def reduce_gradients(parameters: Iterable[torch.nn.Parameter], group: object, *, bucket_mb: float = BUCKET_MB) -> None:
+    """Sum the gradients of replicated parameters over ``group`` in place, in buckets of ``bucket_mb``.
 
     Use it over the SP group (or dp x sp) when the model is not wrapped in DDP/FSDP; with the losses of
     Note [global token normalisation] the result is the exact gradient of the global batch. Every rank
-    must pass the same parameters with gradients (collective).
+    must pass the same parameters with gradients (collective). Gradients of at least ``bucket_mb`` are
+    summed where they are; smaller ones of one dtype are copied into a flat bucket of at most ``bucket_mb``
+    and summed together, so the reduction holds at most one bucket beyond the gradients (a single flat
+    buffer would double the gradient memory at the end of every step).
 
     Args:
         parameters: the model's parameters; those without a gradient are skipped.
         group: a ProcessGroup, a mesh (its SP group), or None (nothing to do).
+        bucket_mb: the largest bucket of coalesced small gradients, in MiB.
 
     Raises:
         SeqparInputError: parameters of a model wrapped by ``apply_data_parallel`` (DDP or FSDP2 already
-            summed their gradients; summing again would count every rank's part once per rank).
+            summed their gradients; summing again would count every rank's part once per rank), or a
+            ``bucket_mb`` that is not positive.
     """
     parameters = list(parameters)
     wrapped = {getattr(p, SUMMED_BY_WRAPPER) for p in parameters if hasattr(p, SUMMED_BY_WRAPPER)}
@@ -41,21 +49,42 @@ def reduce_gradients(parameters: Iterable[torch.nn.Parameter], group: object) ->
             f"these parameters' gradients are already summed over ranks by {wrapped.pop()} "
             "(apply_data_parallel); do not call reduce_gradients on them"
         )
+    if not bucket_mb > 0:
+        raise SeqparInputError(f"bucket_mb must be positive, not {bucket_mb!r}")
     group = as_sp_mesh(group).sp_group
     if group is None or dist.get_world_size(group) == 1:
         return
     # a DTensor gradient (tensor parallel, FSDP) is reduced through its local shard
     grads = [getattr(p.grad, "_local_tensor", p.grad) for p in parameters if p.grad is not None]
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for same in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in same])
+    for bucket in _buckets(grads, int(bucket_mb * 2**20)):
+        if len(bucket) == 1 and bucket[0].is_contiguous():
+            dist.all_reduce(bucket[0], group=group)
+            continue
+        flat = torch.cat([g.reshape(-1) for g in bucket])
         dist.all_reduce(flat, group=group)
         offset = 0
-        for g in same:
+        for g in bucket:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+def _buckets(grads: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """Gradients grouped in order: one dtype per bucket, at most ``limit`` bytes unless a tensor alone is larger."""
+    buckets: list[list[torch.Tensor]] = []
+    open_by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[int]]] = {}
+    for g in grads:
+        size = g.numel() * g.element_size()
+        if size >= limit:
+            buckets.append([g])
+            continue
+        bucket, used = open_by_dtype.get(g.dtype, (None, [0]))
+        if bucket is None or used[0] + size > limit:
+            bucket, used = [], [0]
+            buckets.append(bucket)
+            open_by_dtype[g.dtype] = (bucket, used)
+        bucket.append(g)
+        used[0] += size
+    return buckets
 
 
 def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

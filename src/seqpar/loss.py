@@ -18,6 +18,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from seqpar.comm.collectives import collective_device
@@ -107,6 +108,61 @@ def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, bias, labels: torch.
     return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
 
 
+def _piece_logits(hidden: torch.Tensor, weight: torch.Tensor, bias, cast: torch.dtype | None) -> torch.Tensor:
+    """``[chunk, V]`` float32 logits, the matmul in ``cast`` when the caller ran under autocast."""
+    if cast is not None:
+        hidden, weight = hidden.to(cast), weight.to(cast)
+        bias = bias.to(cast) if bias is not None else None
+    return F.linear(hidden, weight, bias).float()
+
+
+class _HeadLossInPieces(torch.autograd.Function):
+    """Summed token cross-entropy of ``hidden @ weight.T + bias``, a piece of ``chunk`` tokens at a time.
+
+    The backward makes each piece's logits again and adds the piece's weight gradient into one ``[V, H]``
+    buffer in place, so besides the inputs it holds one piece's logits and that buffer: autograd through
+    per-piece checkpoints would keep a second ``[V, H]`` sum plus each piece's own weight gradient, and a
+    full-size ``[T, H]`` gradient for every sliced piece of the hidden states.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, chunk: int, ignore_index: int, cast):
+        ctx.save_for_backward(hidden, weight, bias, labels)
+        ctx.chunk, ctx.ignore_index, ctx.cast = chunk, ignore_index, cast
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, labels.numel(), chunk):
+            piece = slice(start, start + chunk)
+            logits = _piece_logits(hidden[piece], weight, bias, cast)
+            total += F.cross_entropy(logits, labels[piece], ignore_index=ignore_index, reduction="sum")
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        hidden, weight, bias, labels = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros_like(weight) if need_weight else None
+        grad_bias = torch.zeros_like(bias) if bias is not None and need_bias else None
+        compute = ctx.cast or weight.dtype
+        for start in range(0, labels.numel(), ctx.chunk):
+            piece = slice(start, start + ctx.chunk)
+            # d(sum of -log softmax[label]) / d logits = softmax - one_hot(label); 0 for ignored tokens
+            grad_logits = torch.softmax(_piece_logits(hidden[piece], weight, bias, ctx.cast), dim=-1)
+            keep = labels[piece] != ctx.ignore_index
+            rows = keep.nonzero().squeeze(1)
+            grad_logits[rows, labels[piece][rows]] -= 1.0
+            grad_logits[~keep] = 0.0
+            grad_logits *= grad_total
+            if grad_bias is not None:
+                grad_bias += grad_logits.sum(0).to(grad_bias.dtype)
+            if grad_hidden is not None:
+                grad_hidden[piece] = (grad_logits.to(compute) @ weight.to(compute)).to(hidden.dtype)
+            if grad_weight is not None:
+                h = hidden[piece].to(weight.dtype)
+                grad_weight.addmm_(grad_logits.to(weight.dtype).T, h)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
 def lm_head_cross_entropy(
     hidden: torch.Tensor,
     lm_head: torch.nn.Linear,
@@ -120,8 +176,9 @@ def lm_head_cross_entropy(
     """``cross_entropy(lm_head(hidden), ...)`` without ever holding the whole ``[S/P, V]`` logits block.
 
     The tokens are cut into ``chunk_size`` pieces; each piece's logits are made, reduced to a loss and
-    dropped, and made again in the backward (activation checkpointing per piece), so the logits alive at
-    any time are ``chunk_size x V`` floats.
+    dropped, and made again in the backward, which adds each piece's output-head gradient into one buffer in
+    place: the loss holds one piece's ``chunk_size x V`` float32 logits (twice in the backward) and one
+    output-head-sized gradient, whatever the sequence length.
 
     Args:
         hidden: ``[B, S/P, hidden]`` final hidden states.
@@ -133,24 +190,34 @@ def lm_head_cross_entropy(
         The same scalar as ``cross_entropy`` (equal up to float summation order).
 
     Raises:
-        SeqparInputError: hidden states and labels that do not match.
+        SeqparInputError: hidden states and labels that do not match, or a chunk_size below 1.
     """
+    if chunk_size < 1:
+        raise SeqparInputError(f"chunk_size must be a positive number of tokens, not {chunk_size!r}")
     if hidden.shape[:-1] != shift_labels.shape:
         raise SeqparInputError(f"hidden {tuple(hidden.shape)} and labels {tuple(shift_labels.shape)} do not match")
     if num_valid_tokens is None:
         num_valid_tokens = count_valid_tokens(shift_labels, group, ignore_index)
     flat_hidden = hidden.flatten(0, -2)
     flat_labels = shift_labels.flatten()
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, flat_labels.numel(), chunk_size):
-        piece = slice(start, start + chunk_size)
-        total = total + checkpoint(
-            _chunk_loss,
-            flat_hidden[piece],
-            lm_head.weight,
-            lm_head.bias,
-            flat_labels[piece],
-            ignore_index,
-            use_reentrant=False,
-        )
+    if isinstance(lm_head.weight, DTensor):  # a sharded head: autograd through per-piece checkpoints
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for start in range(0, flat_labels.numel(), chunk_size):
+            piece = slice(start, start + chunk_size)
+            total = total + checkpoint(
+                _chunk_loss,
+                flat_hidden[piece],
+                lm_head.weight,
+                lm_head.bias,
+                flat_labels[piece],
+                ignore_index,
+                use_reentrant=False,
+            )
+    else:
+        device = hidden.device.type
+        cast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        with torch.autocast(device, enabled=False):
+            total = _HeadLossInPieces.apply(
+                flat_hidden, lm_head.weight, lm_head.bias, flat_labels, chunk_size, ignore_index, cast
+            )
     return total / max(num_valid_tokens, 1)

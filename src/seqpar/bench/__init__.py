@@ -12,9 +12,9 @@ BENCHMARKS = (
     "context_parallel",
     "hf_trainer",
     "maxlen",
+    "features",
     "plan_check",
     "soak",
-    "tiled_mlp",
 )
 
 __all__ = ["BENCHMARKS"]

@@ -8,7 +8,9 @@ A step is forward, backward, gradient sum over the sp ranks and AdamW update of 
 ladder, each rung adding one: none; checkpointing; + chunked_loss; + tiled_mlp; + offload (GPU only: on the
 CPU the offload is a no-op). Every probe is one fresh spawn of sp ranks; on the CPU a step "fits" when the
 growth of the resident-set peak (VmHWM) during the step, above the resident set after a warm-up step
-(parameters and AdamW state already allocated), stays within the budget on every rank; glibc serves large
+(parameters, gradients and AdamW state allocated: gradients are zeroed in place between steps, as DDP's and
+FSDP's buffers are, so the budget is what grows with the sequence), stays within the budget on every rank;
+glibc serves large
 allocations by mmap (``seqpar.runtime.measure.MEMORY_RUN_ENV``) so the peak tracks live tensors. On CUDA it is
 the growth of the allocator peak. The search starts at the length ``seqpar.estimate_memory`` predicts, steps
 out until it brackets the answer, then bisects to the granularity (a multiple of ``--unit`` x sp tokens).
@@ -28,18 +30,20 @@ import torch
 import torch.distributed as dist
 
 import seqpar
+from seqpar.bench.maxlen_report import LADDER, plot, table
 from seqpar.runtime.measure import MEMORY_RUN_ENV, write_slowest
 from seqpar.runtime.memory import reset_resident_peak, resident_mb
 from seqpar.runtime.spawn import spawn_ranks
 from seqpar.train.config import TrainConfig
 from seqpar.train.model import build_model, model_config
 
-LADDER = ("none", "checkpointing", "chunked_loss", "tiled_mlp", "offload")
+__all__ = ["LADDER", "feature_model", "feature_step", "main", "rung_features"]
+
 _MB = 2**20
 
 
-def _features(rung: str) -> tuple[str, ...]:
-    """The cumulative feature set of a rung of the ladder ("none" -> ())."""
+def rung_features(rung: str) -> tuple[str, ...]:
+    """The cumulative feature set of a rung of the ladder ("none" -> (); "chunked_loss" -> checkpointing too)."""
     return tuple(LADDER[1 : LADDER.index(rung) + 1])
 
 
@@ -55,8 +59,19 @@ def _train_config(cfg: dict, seq: int) -> TrainConfig:
     )
 
 
-def _step(model, opt, shard: dict, mesh, cfg: dict, sizes: dict | None) -> None:
-    """One training step; ``sizes`` (when given) receives the memory held after the forward."""
+def feature_step(model, opt, shard: dict, mesh, cfg: dict, sizes: dict | None = None) -> torch.Tensor:
+    """One training step with ``cfg["features"]``, gradients zeroed in place after the update.
+
+    Args:
+        model, opt: from ``feature_model`` and an optimizer over its parameters.
+        shard: this rank's ``seqpar.shard_batch`` shard.
+        mesh: the SP mesh.
+        cfg: the bench configuration (``features``, ``loss_chunk``, ``device``).
+        sizes: when given, receives ``"forward"``: the memory held after the forward, in MiB.
+
+    Returns:
+        This rank's share of the loss, detached.
+    """
     inputs = {"input_ids": shard["input_ids"], "position_ids": shard["position_ids"]}
     labels = shard["shift_labels"]
     if "chunked_loss" in cfg["features"]:
@@ -70,33 +85,45 @@ def _step(model, opt, shard: dict, mesh, cfg: dict, sizes: dict | None) -> None:
     loss.backward()
     seqpar.reduce_gradients(model.parameters(), mesh)
     opt.step()
-    opt.zero_grad(set_to_none=True)
+    opt.zero_grad(set_to_none=False)  # gradients live between steps, as DDP's and FSDP's buffers do
+    return loss.detach()
 
 
 def _held(device: str) -> float:
     return torch.cuda.memory_allocated() / _MB if device == "cuda" else resident_mb("VmRSS")
 
 
+def feature_model(cfg: dict, mesh, device: torch.device) -> torch.nn.Module:
+    """The bench's model (``seqpar train``'s build, seed 0) with ``cfg["features"]`` applied, prepared on ``mesh``.
+
+    Args:
+        cfg: the bench configuration (model sizes, ``seq``, ``features``, ``mlp_chunk``, ``strategy``).
+        mesh: the SP mesh.
+        device: where the model lives.
+
+    Returns:
+        The prepared model.
+    """
+    torch.manual_seed(0)
+    model = build_model(_train_config(cfg, cfg["seq"]), cfg["vocab"])
+    if "tiled_mlp" in cfg["features"]:
+        seqpar.apply_tiled_mlp(model, chunk_tokens=cfg["mlp_chunk"])
+    if "offload" in cfg["features"]:
+        seqpar.apply_activation_offload(model)
+    return seqpar.prepare_model(model.to(device), mesh, strategy=cfg["strategy"])
+
+
 def _worker(rank: int, world_size: int, cfg: dict, out_path: str) -> None:
     device = torch.device(f"cuda:{rank}" if cfg["device"] == "cuda" else "cpu")
     mesh = seqpar.make_mesh()
-    model = build_model(_train_config(cfg, cfg["seq"]), cfg["vocab"])
-    if "tiled_mlp" in cfg["features"]:
-        from seqpar.memory import apply_tiled_mlp
-
-        apply_tiled_mlp(model, chunk_tokens=cfg["mlp_chunk"])
-    if "offload" in cfg["features"]:
-        from seqpar.memory import apply_activation_offload
-
-        apply_activation_offload(model)
-    model = seqpar.prepare_model(model.to(device), mesh, strategy=cfg["strategy"])
+    model = feature_model(cfg, mesh, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def shard_of(seq: int) -> dict:
         ids = torch.randint(0, cfg["vocab"], (1, seq), generator=torch.Generator().manual_seed(seq))
         return {k: v.to(device) for k, v in seqpar.shard_batch({"input_ids": ids}, mesh).items()}
 
-    _step(model, opt, shard_of(64 * world_size), mesh, cfg, None)  # warm-up: AdamW state, kernels
+    feature_step(model, opt, shard_of(64 * world_size), mesh, cfg)  # warm-up: gradients, AdamW state
     shard = shard_of(cfg["seq"])
     dist.barrier()
     sizes = {}
@@ -105,7 +132,7 @@ def _worker(rank: int, world_size: int, cfg: dict, out_path: str) -> None:
         torch.cuda.reset_peak_memory_stats()
     else:
         reset_resident_peak()
-    _step(model, opt, shard, mesh, cfg, sizes)
+    feature_step(model, opt, shard, mesh, cfg, sizes)
     peak = torch.cuda.max_memory_allocated() / _MB if cfg["device"] == "cuda" else resident_mb("VmHWM")
     write_slowest(out_path, 0.0, peak - before, forward_mb=sizes["forward"] - before)
 
@@ -132,6 +159,7 @@ def _estimate_mb(cfg: dict, sp: int, seq: int, features: tuple[str, ...]) -> flo
         strategy=cfg["strategy"],
         loss_chunk=cfg["loss_chunk"],
         mlp_chunk=cfg["mlp_chunk"],
+        keep_gradients=True,
     )
     return estimate.step_peak / _MB
 
@@ -153,7 +181,7 @@ def _predicted(cfg: dict, sp: int, features: tuple[str, ...], unit: int) -> int:
 
 def _search(cfg: dict, sp: int, rung: str, tmp: str) -> dict:
     """Probe from the estimate's guess outwards until the answer is bracketed, then bisect to ``unit x sp``."""
-    features = _features(rung)
+    features = rung_features(rung)
     run = {**cfg, "features": features}
     unit = cfg["unit"] * sp
     seq, best, fail, probes = _predicted(run, sp, features, unit), None, None, []
@@ -190,48 +218,6 @@ def _search(cfg: dict, sp: int, rung: str, tmp: str) -> dict:
     }
 
 
-def _table(records: list[dict]) -> str:
-    lines = [
-        "| features | sp | max seq | vs sp 1 | vs rung below | measured peak (MB) | estimate (MB) | est / measured |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    first = {r["features"]: r["max_seq"] for r in records if r["sp"] == min(x["sp"] for x in records)}
-    by_key = {(r["features"], r["sp"]): r["max_seq"] for r in records}
-    for r in records:
-        rung = LADDER.index(r["features"])
-        prev = by_key.get((LADDER[rung - 1], r["sp"])) if rung else None
-        ratio = f"{r['max_seq'] / first[r['features']]:.2f}x" if first.get(r["features"]) else "-"
-        step = f"{r['max_seq'] / prev:.2f}x" if prev else "-"
-        est = f"{r['estimate_mb'] / r['peak_mb']:.2f}" if r["peak_mb"] else "-"
-        more = "" if r["bracketed"] else " (not bracketed)"
-        lines.append(
-            f"| {r['features']} | {r['sp']} | {r['max_seq']}{more} | {ratio} | {step} | {r['peak_mb']} | "
-            f"{r['estimate_mb']} | {est} |"
-        )
-    return "\n".join(lines)
-
-
-def _plot(records: list[dict], path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for rung in dict.fromkeys(r["features"] for r in records):
-        points = [(r["sp"], r["max_seq"]) for r in records if r["features"] == rung]
-        ax.plot(*zip(*points), marker="o", label=rung if rung == "none" else f"+ {rung}")
-    ax.set_xlabel("sequence-parallel degree (ranks)")
-    ax.set_ylabel("longest sequence within the budget (tokens)")
-    ax.set_xticks(sorted({r["sp"] for r in records}))
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="seqpar bench maxlen", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -249,7 +235,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--mlp-chunk", type=int, default=1024, help="tokens per chunk of the tiled MLP")
     parser.add_argument("--unit", type=int, default=256, help="granularity: lengths are multiples of unit x sp")
     parser.add_argument("--max-seq", type=int, default=131072, help="longest length probed")
-    parser.add_argument("--max-probes", type=int, default=8, help="probes per (sp, rung) at most")
+    parser.add_argument("--max-probes", type=int, default=12, help="probes per (sp, rung) at most")
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--png", help="draw max length vs sp here")
     return parser.parse_args(argv)
@@ -280,9 +266,9 @@ def main(argv: list[str] | None = None) -> int:
         what += f" {args.layers}x{args.hidden}, {args.heads} heads, vocab {args.vocab}"
     title = f"{what}, fp32, AdamW, budget {args.budget_mb:.0f} MB/rank ({device})"
     print(f"\n{title}; loss chunk {args.loss_chunk}, MLP chunk {args.mlp_chunk}, strategy {args.strategy}")
-    print(_table(records))
+    print(table(records))
     if args.png:
-        _plot(records, args.png, title)
+        plot(records, args.png, title)
     return 0
 
 

@@ -13,24 +13,28 @@ Note [memory estimate]
     one layer; measured after the forward: 21 KB per token and layer for a 256-wide Llama, predicted 21.5).
     * no checkpointing: every layer keeps input + saved tensors; the backward starts at the loss;
     * checkpointing: each layer keeps its input only; the backward of a layer recomputes its saved tensors
-      and, while the MLP's gradients are formed, holds about one more I-sized tensor per token (calibrated
-      once: measured 22.6 KB/token of layer transient for 4 x 256 / 768 at 4K and 8K tokens; 23 predicted);
+      and, while the MLP's gradients are formed, holds about one more I-sized and one H-sized tensor per
+      token (calibrated once, with gradients kept between steps: the step's peak grows 31.3 KiB/token for
+      4 x 256 / 768 between 4K and 8K tokens, 31.0 predicted);
     * tiled MLP: the 4I saved tensors and the extra I exist for one chunk of tokens at a time (5 x chunk
-      x I), while the MLP's input gradient accumulates over chunks (2H per token);
+      x I), while the MLP's input gradient accumulates over chunks (H per token);
     * offload: the checkpointed inputs leave the device (two layers in flight); on the CPU it does nothing.
     Logits: whole logits keep the [T, V] float32 log-softmax, and the loss backward adds the loss's and the
     log-softmax's gradients (3 x T x V x 4 bytes at the start of the backward, before the output head's
     weight gradient exists). Chunked loss: the same for one chunk, plus the [T, H] hidden-state gradient
-    and its running sum, and the output head's weight gradient, accumulated from the first piece on.
+    and the output head's weight gradient, accumulated in one buffer from the first piece on.
     Attention is a flash kernel (no [S, S] scores). Its communication buffers live during the attention's
     forward and backward, when the layer's MLP tensors are not alive, so a layer's transient is the larger of
     the MLP moment and the attention moment (its saved tensors plus these buffers). Per layer: ulysses sends
     contiguous copies of q, k, v and receives them head-sharded (Hq + 2Hkv per token, each way); ring keeps
     a receive buffer for k and v and, in the backward, for dk and dv (4 Hkv per token, double-buffered);
     allgather gathers the whole sequence's k and v (2 Hkv x sp per token, twice in the backward). The gradient
-    all-reduce over dp x sp flattens every gradient into one buffer (parameter-sized).
+    all-reduce over dp x sp copies the small gradients into buckets of ``reduce_gradients``'s bucket size
+    (the large ones are summed in place), so it adds at most one bucket.
     Parameters and gradients are in ``dtype``; AdamW keeps two states per parameter, and its update (tensor
-    by tensor on the CPU) makes temporaries of the largest parameter. The peak is the largest of four
+    by tensor on the CPU) makes temporaries of the largest parameter. Gradients either exist only during
+    the step (``zero_grad(set_to_none=True)``: they grow layer by layer in the backward) or live between
+    steps (``keep_gradients``: zeroed in place, as DDP and FSDP keep their buffers). The peak is the largest of four
     moments: the start of the backward, one layer's backward (kept activations, the recomputed layer, the
     gradients so far), the gradient all-reduce, and the optimizer update.
     Only the extra I above is calibrated; nothing is fitted to the points of README "## Memory".
@@ -43,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 
 from seqpar.errors import SeqparInputError
+from seqpar.gradients import BUCKET_MB
 from seqpar.memory.shapes import ModelDims, model_dims, parameter_counts
 from seqpar.strategies.policy import kv_head_repeats, ulysses_degrees, ulysses_heads_problem
 
@@ -72,14 +77,15 @@ class MemoryEstimate:
     logits_loss: int
     """Logits, log-softmax and their gradients: whole [T, V] or one chunk of them."""
     communication: int
-    """Attention communication buffers of the chosen strategy, or the flat gradient all-reduce buffer when
-    that moment is the peak."""
+    """Attention communication buffers of the chosen strategy, or the gradient all-reduce's bucket when that
+    moment is the peak."""
     peak: int
     """Largest total over the moments of the step (see ``moment``)."""
     moment: str
     """Which moment sets the peak: "backward start", "layer backward", "gradient all-reduce" or "optimizer"."""
     between_steps: int
-    """Bytes that live between steps (parameters and optimizer state): the baseline of ``step_peak``."""
+    """Bytes that live between steps (parameters, optimizer state, and gradients when they are kept): the
+    baseline of ``step_peak``."""
     tokens_per_rank: int
     """Tokens of one micro-batch on this rank (micro_batch x seq_len / sp)."""
     strategy: str
@@ -89,7 +95,7 @@ class MemoryEstimate:
 
     @property
     def step_peak(self) -> int:
-        """Peak minus what lives between steps (parameters, optimizer state): the growth one step adds."""
+        """Peak minus what lives between steps (``between_steps``): the growth one step adds."""
         return self.peak - self.between_steps
 
     def table(self) -> str:
@@ -103,7 +109,7 @@ class MemoryEstimate:
             ("logits / loss", self.logits_loss),
             ("communication", self.communication),
             (f"peak ({self.moment})", self.peak),
-            ("step growth (peak - params - optimizer)", self.step_peak),
+            ("step growth (peak - what lives between steps)", self.step_peak),
         ]
         head = (
             f"per-rank memory: {self.tokens_per_rank} tokens/rank, strategy {self.strategy}, "
@@ -170,7 +176,7 @@ def _activation_bytes(d: ModelDims, tokens: int, b: int, features: tuple[str, ..
     attention = tokens * (b * (4 * h + 3 * hq + 2 * hkv) + norm_copies)
     saved = attention + (0 if tiled else tokens * b * 4 * i)
     chunk = min(mlp_chunk, tokens)
-    extra = tokens * b * (2 * h if tiled else i) + (5 * chunk * i * b if tiled else 0)
+    extra = tokens * b * (h if tiled else i + h) + (5 * chunk * i * b if tiled else 0)
     kept_per_layer = tokens * h * b + (0 if "checkpointing" in features else saved)
     kept_layers = d.layers
     if "offload" in features and "checkpointing" in features:
@@ -201,6 +207,7 @@ def estimate_memory(
     dp_mode: str = "replicate",
     loss_chunk: int = 1024,
     mlp_chunk: int = 1024,
+    keep_gradients: bool = False,
 ) -> MemoryEstimate:
     """Predict one rank's memory during one training step (forward, backward, gradient sum, optimizer).
 
@@ -221,6 +228,8 @@ def estimate_memory(
         dp_mode: "replicate", "ddp" or "fsdp" (parameters, gradients and state sharded over dp x sp).
         loss_chunk: tokens per piece of the chunked loss.
         mlp_chunk: tokens per chunk of the tiled MLP.
+        keep_gradients: gradients live between steps (zeroed in place, not freed): counted in
+            ``between_steps`` and whole at every moment of the step.
 
     Returns:
         The ``MemoryEstimate``: bytes by category, the peak and the moment that sets it.
@@ -243,14 +252,16 @@ def estimate_memory(
     act = _activation_bytes(d, tokens, b, features, mlp_chunk)
     comm = int(_comm_elements(chosen, d, sp_size, ulysses_size) * tokens * b)
     chunk = min(loss_chunk, tokens) if "chunked_loss" in features else tokens
-    loss = 3 * chunk * d.vocab * 4 + (2 * tokens * d.hidden * b if "chunked_loss" in features else 0)
+    loss = 3 * chunk * d.vocab * 4 + (tokens * d.hidden * b if "chunked_loss" in features else 0)
     head_grad = head_params * b // shards
-    # chunked: the output head's gradient accumulates from the first piece's backward on
-    early = head_grad if "chunked_loss" in features and tokens > chunk else 0
-    moments = {"backward start": (early, act["kept"], 0, loss, 0, 0)}
+    all_grads = -(-total * b // shards)
+    kept_grads = all_grads if keep_gradients else 0
+    # chunked: the output head's gradient accumulates in its own buffer from the first piece's backward on
+    early = head_grad if "chunked_loss" in features and (tokens > chunk or keep_gradients) else 0
+    moments = {"backward start": (kept_grads + early, act["kept"], 0, loss, 0, 0)}
     worst = (0, 0)
     for done in range(d.layers):  # the backward of the (done+1)-th layer from the top
-        grads = head_grad + (done + 1) * layer_params * b // shards
+        grads = kept_grads or head_grad + (done + 1) * layer_params * b // shards
         kept = act["kept"] - done * act["kept_per_layer"] * (act["kept_layers"] == d.layers)
         worst = max(worst, (grads + kept, grads))
     # the attention's buffers live while its backward runs, after the MLP's tensors of the layer are freed
@@ -259,9 +270,9 @@ def estimate_memory(
     else:
         transient = act["recomputed_attention"]
     moments["layer backward"] = (worst[1], worst[0] - worst[1], transient, 0, comm, 0)
-    all_grads = -(-total * b // shards)
     if dp_mode == "replicate" and dp_size * sp_size > 1:
-        moments["gradient all-reduce"] = (all_grads, 0, 0, 0, all_grads, 0)
+        bucket = min(all_grads, int(BUCKET_MB * _MB))
+        moments["gradient all-reduce"] = (all_grads, 0, 0, 0, bucket, 0)
     largest = max(head_params, layer_params // 3) * b // shards  # AdamW updates tensor by tensor on the CPU
     moments["optimizer"] = (all_grads, 0, 0, 0, 0, 2 * largest if states else 0)
     moment = max(moments, key=lambda m: sum(moments[m]))
@@ -276,7 +287,7 @@ def estimate_memory(
         communication=comm_at,
         peak=params + states + sum(moments[moment]),
         moment=moment,
-        between_steps=params + states,
+        between_steps=params + states + kept_grads,
         tokens_per_rank=tokens,
         strategy=chosen,
         features=features,

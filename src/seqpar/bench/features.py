@@ -1,0 +1,131 @@
+"""Throughput cost of each memory feature: tokens/s of one training step per rung of the maxlen ladder, side by side.
+
+One model per rung (same weights) lives in the same ranks and their steps take turns, so machine load hits all
+alike:
+
+    seqpar bench features                                  # seq 4096, sp 1, every rung the CPU has
+    seqpar bench features --seq 8192 --sp 2 --repeats 4 --loss-chunk 32
+    seqpar bench features --ladder checkpointing tiled_mlp  # only these rungs (features still cumulative)
+
+Rungs and the step are those of ``seqpar bench maxlen`` (``feature_model``, ``feature_step``): none;
+checkpointing; + chunked_loss; + tiled_mlp; + offload (GPU). The first step's losses of all rungs must agree
+(rel 1e-5) before anything is timed. Each rung's time is reported as the median over repeats of its ratio to
+the first rung's step in the same repeat, steadier on a loaded machine than a ratio of medians, both for
+wall-clock time and for the rank processes' CPU time (one thread each), which waiting for a busy core does
+not inflate. Checkpointing runs each layer's forward twice; the tiled MLP a third time for its own backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+import seqpar
+from seqpar.bench.maxlen import LADDER, feature_model, feature_step, rung_features
+from seqpar.runtime.spawn import spawn_ranks
+
+__all__ = ["main"]
+
+
+def _worker(_rank: int, _world_size: int, cfg: dict, out_path: str) -> None:
+    torch.set_num_threads(1)
+    device = torch.device("cuda", _rank) if cfg["device"] == "cuda" else torch.device("cpu")
+    mesh = seqpar.make_mesh()
+    ids = torch.randint(0, cfg["vocab"], (1, cfg["seq"]), generator=torch.Generator().manual_seed(1))
+    shard = {k: v.to(device) for k, v in seqpar.shard_batch({"input_ids": ids}, mesh).items()}
+    runs = {}
+    for rung in cfg["ladder"]:
+        run = {**cfg, "features": rung_features(rung)}
+        model = feature_model(run, mesh, device)
+        runs[rung] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4), run)
+
+    def step(rung: str) -> float:
+        model, opt, run = runs[rung]
+        return float(seqpar.sum_over(feature_step(model, opt, shard, mesh, run), mesh))
+
+    first = {rung: step(rung) for rung in runs}  # warm-up: gradients, optimizer state
+    base = first[cfg["ladder"][0]]
+    for rung, loss in first.items():
+        if abs(loss - base) > 1e-5 * abs(base):
+            raise SystemExit(f"{rung}: first loss {loss} differs from {cfg['ladder'][0]}'s {base}")
+    times = {rung: [] for rung in runs}
+    cpu = {rung: [] for rung in runs}
+    for repeat in range(cfg["repeats"]):
+        for rung in list(runs)[:: 1 if repeat % 2 == 0 else -1]:  # alternate the order
+            dist.barrier()
+            start, start_cpu = time.perf_counter(), time.process_time()
+            step(rung)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            elapsed = torch.tensor([time.perf_counter() - start, time.process_time() - start_cpu], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times[rung].append(float(elapsed[0]))
+            cpu[rung].append(float(elapsed[1]))
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump({"times": times, "cpu": cpu, "first_loss": first}, f)
+
+
+def _table(result: dict, ladder: list[str], seq: int) -> str:
+    lines = [
+        "| features | step (s) | tokens/s | vs none (wall) | vs none (CPU time) | vs rung below (wall) |",
+        "|---|---|---|---|---|---|",
+    ]
+    times, cpu, first = result["times"], result["cpu"], ladder[0]
+
+    def ratio(series: dict, rung: str, against: str) -> float:  # throughput of rung relative to against
+        return statistics.median(a / b for a, b in zip(series[against], series[rung]))
+
+    for i, rung in enumerate(ladder):
+        median = statistics.median(times[rung])
+        below = f"{ratio(times, rung, ladder[i - 1]):.3f}x" if i else "-"
+        lines.append(
+            f"| {rung if i == 0 else '+ ' + rung} | {median:.2f} | {seq / median:.0f} | "
+            f"{ratio(times, rung, first):.3f}x | {ratio(cpu, rung, first):.3f}x | {below} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="seqpar bench features", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seq", type=int, default=4096, help="total sequence length")
+    parser.add_argument("--sp", type=int, default=1, help="sequence-parallel degree (spawned ranks)")
+    parser.add_argument("--ladder", nargs="+", choices=LADDER, default=None, help="rungs (default: all there are)")
+    parser.add_argument("--hidden", type=int, default=256, help="embedded Llama: hidden size (intermediate 3x)")
+    parser.add_argument("--layers", type=int, default=4, help="embedded Llama: layers")
+    parser.add_argument("--heads", type=int, default=8, help="embedded Llama: heads (key/value heads: half)")
+    parser.add_argument("--vocab", type=int, default=32768, help="embedded Llama: vocabulary")
+    parser.add_argument("--strategy", default="auto", help="attention strategy")
+    parser.add_argument("--loss-chunk", type=int, default=256, help="tokens per piece of the chunked loss")
+    parser.add_argument("--mlp-chunk", type=int, default=1024, help="tokens per chunk of the tiled MLP")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps of each rung")
+    args = parser.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ladder = args.ladder or [r for r in LADDER if r != "offload" or device == "cuda"]
+    cfg = {**vars(args), "ladder": ladder, "model": None, "device": device}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        spawn_ranks(_worker, args.sp, cfg, out, backend="nccl" if device == "cuda" else "gloo")
+        with open(out) as f:
+            result = json.load(f)
+    print(
+        f"\nLlama {args.layers}x{args.hidden} (MLP {3 * args.hidden}), vocab {args.vocab}, seq {args.seq}, "
+        f"sp {args.sp}, fp32, strategy {args.strategy}, loss chunk {args.loss_chunk}, MLP chunk {args.mlp_chunk}, "
+        f"1 thread/rank ({device}); {args.repeats} steps per rung, taking turns; medians"
+    )
+    print(_table(result, ladder, args.seq))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
