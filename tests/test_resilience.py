@@ -94,6 +94,17 @@ def assert_same_losses(got: dict, want: dict, steps: range, rel: float, what: st
         assert got[step] == pytest.approx(want[step], rel=rel, abs=1e-7), (what, step, got, want)
 
 
+def assert_resumed(process: subprocess.Popen, run_dir, written: str, ref, steps: range) -> None:
+    """A resumed run ended well, said what it resharded from, and repeated ``ref``'s losses and grad norms."""
+    code, out, err = finish(process)
+    assert code == 0, (run_dir.name, err)
+    assert f"(written at {written}" in out, (run_dir.name, out)
+    assert sorted(losses(run_dir)) == list(steps), run_dir.name
+    # float rounding only: the attention and the sums are split differently (as sp 1 vs sp 2 from step 0)
+    for key in ("loss", "grad_norm"):
+        assert_same_losses(losses(run_dir, key), losses(ref, key), steps, 1e-5, f"{run_dir.name} {key}")
+
+
 def test_preemption_then_resume_here_and_on_other_layouts(tmp_path):
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     reference = start("--steps", "8", "--save-every", "4", "--run-dir", str(ref))
@@ -126,7 +137,7 @@ def test_preemption_then_resume_here_and_on_other_layouts(tmp_path):
         "dp2sp2fsdp": ["--sp", "2", "--dp", "2", "--batch-size", "1", "--grad-accum", "1", "--dp-mode", "fsdp"],
     }
     others = {
-        name: start("--steps", "8", "--run-dir", str(tmp_path / name), "--resume", step4, *extra)
+        name: start("--steps", "8", "--run-dir", str(tmp_path / name), "--resume", step4, *extra, "--save-every", "2")
         for name, extra in layouts.items()
     }
     code, out, err = finish(resumed)
@@ -134,15 +145,12 @@ def test_preemption_then_resume_here_and_on_other_layouts(tmp_path):
     assert f"resumed from {cut}/checkpoints/step_{done:07d} at step {done}" in out
     assert_same_losses(losses(cut), curve, range(1, 9), 1e-6, "resumed in place")
     for name, process in others.items():
-        code, out, err = finish(process)
-        assert code == 0, (name, err)
-        assert "(written at dp 1 x sp 2 x tp 1, replicate; resharded to" in out, (name, out)
-        got = losses(tmp_path / name)
-        assert sorted(got) == [5, 6, 7, 8], name
-        # float rounding only: the attention and the sums are split differently (as sp 1 vs sp 2 from step 0)
-        assert_same_losses(got, curve, range(5, 9), 1e-5, name)
-        grads = losses(tmp_path / name, "grad_norm")
-        assert_same_losses(grads, losses(ref, "grad_norm"), range(5, 9), 1e-5, name)
+        assert_resumed(process, tmp_path / name, "dp 1 x sp 2 x tp 1, replicate; resharded to", ref, range(5, 9))
+    # and back: the FSDP2 shards that dp 2 x sp 2 wrote at step 6, continued replicated on one rank
+    fsdp6 = str(tmp_path / "dp2sp2fsdp" / "checkpoints" / "step_0000006")
+    back = start("--steps", "8", "--sp", "1", "--run-dir", str(tmp_path / "back"), "--resume", fsdp6)
+    wrote = "dp 2 x sp 2 x tp 1, fsdp; resharded to dp 1 x sp 1 x tp 1, replicate)"
+    assert_resumed(back, tmp_path / "back", wrote, ref, range(7, 9))
     check_refusals(ref / "checkpoints" / "step_0000004", tmp_path)
 
 
@@ -222,8 +230,26 @@ def check_refusals(source, tmp_path) -> None:
     assert proof.read_text() == "ran"
 
 
-def _one_rank_raises(rank: int, world_size: int) -> None:
-    dist.all_reduce(torch.ones(1))  # both ranks are up and talking
+def _stall_then_one_rank_raises(rank: int, world_size: int) -> None:
+    from seqpar.runtime.progress import RankProgress
+
+    dist.all_reduce(torch.ones(1))  # every rank is up and talking
+    # rank 2 stalls while ranks 0 and 1 wait for it, in different phases, with a 2 s timeout
+    short = dist.new_group(timeout=timedelta(seconds=2))
+    progress = RankProgress()
+    progress.mark("gathering the metrics of step 5" if rank == 1 else "optimizer step 5")
+    if rank == 2:
+        time.sleep(8)  # past the others' timeout and grace period
+    else:
+        # the first rank to time out closes its connections, so the other may fail with a lost peer instead
+        with pytest.raises(RuntimeError, match=r"(?i)timed out|connection closed"):
+            dist.all_reduce(torch.ones(1), group=short)
+        said = progress.stalled(grace_s=3.0)
+        want = "rank 2 is stalled or dead: not waiting on the others (last reported optimizer step 5)"
+        phase = "gathering the metrics of step 5" if rank == 0 else "optimizer step 5"
+        other = f"rank {1 - rank} failed waiting too, in {phase}"
+        assert said.startswith(want) and other in said and "every rank" not in said, said
+    dist.barrier()  # the default group, with its long timeout, is untouched
     if rank == 1:
         raise ValueError("row 17 of shard 1 is not valid UTF-8")
     dist.all_reduce(torch.ones(1))  # rank 0 waits here for a rank that has failed
@@ -246,8 +272,8 @@ def test_faults_end_every_rank_promptly_and_say_why(tmp_path):
     assert code == 1, out
     assert re.search(
         r"failed on rank 0: RuntimeError: rank 0 failed while (optimizer step|gathering the metrics of step) \d+ "
-        r"\(no answer from the other ranks within --timeout-s 10(: a rank is stalled or dead|; rank 1 last reported "
-        r"(optimizer step|gathering the metrics of step) \d+)\)",
+        r"\(no answer from the other ranks within --timeout-s 10; rank 1 is stalled or dead: not waiting on the "
+        r"others \(last reported (optimizer step|gathering the metrics of step) \d+\)\)",
         err,
     ), err
     code, out, err = finish(preempted)
@@ -267,9 +293,10 @@ def test_faults_end_every_rank_promptly_and_say_why(tmp_path):
     assert code != 0 and "Signal 9 (SIGKILL) received by PID" in err, err
     assert re.search(r"rank\s*: 1 \(local_rank: 1\)", err), err
 
-    # an exception on one rank only ends the rank waiting for it, with that error named
+    # ranks that time out name the stalled rank (store-level, 3 ranks); then an exception on one rank only
+    # ends the ranks waiting for it, with that error named
     began = time.monotonic()
     with pytest.raises(mp.ProcessRaisedException, match="ValueError: row 17 of shard 1") as raised:
-        spawn_ranks(_one_rank_raises, 2, timeout=timedelta(minutes=5))
+        spawn_ranks(_stall_then_one_rank_raises, 3, timeout=timedelta(minutes=5))
     assert raised.value.error_index == 1
     assert time.monotonic() - began < 60  # far below the collective timeout: no hang

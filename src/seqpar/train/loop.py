@@ -56,10 +56,15 @@ def _say(bar: tqdm | None, line: str) -> None:
     (bar.write if bar is not None else print)(line)
 
 
+_LOST_PEER = ("Connection closed by peer", "Connection reset by peer")
+
+
 @contextlib.contextmanager
 def _doing(run: RunState, progress: RankProgress, what: str) -> Iterator[None]:
     """Record ``what`` as this rank's phase, and re-raise a collective's failure (a timeout, a lost peer)
-    saying which rank failed while doing what, and which ranks were elsewhere."""
+    saying which rank failed while doing what and which ranks are stalled or dead and where they were
+    (``RankProgress.stalled``, which first waits up to five seconds for the other ranks to fail too, less
+    when a signal says the run is ending)."""
     progress.mark(what)
     try:
         yield
@@ -67,13 +72,19 @@ def _doing(run: RunState, progress: RankProgress, what: str) -> Iterator[None]:
         if isinstance(error, SeqparInputError):
             raise
         first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
-        why = ""
-        if "timed out" in first.lower():
-            others = progress.elsewhere()
+        timed_out = "timed out" in first.lower()
+        others = progress.stalled(min(5.0, run.config.timeout_s)) if timed_out or _lost_peer(first) else ""
+        why = f" ({others})" if others else ""
+        if timed_out:
             why = f" (no answer from the other ranks within --timeout-s {run.config.timeout_s}" + (
                 f"; {others})" if others else ": a rank is stalled or dead)"
             )
         raise RuntimeError(f"rank {run.rank} failed while {what}{why}: {first}") from error
+
+
+def _lost_peer(message: str) -> bool:
+    """Whether a collective failed because a peer closed its connection (it died, or gave up waiting)."""
+    return any(text in message for text in _LOST_PEER)
 
 
 def _resident_mb() -> float:
@@ -208,9 +219,9 @@ def train_rank(config: TrainConfig, run_dir: str) -> signal.Signals | None:
         RuntimeError: a collective failed or timed out (``--timeout-s``); the message names the rank and the
             step or phase it was in.
     """
-    progress = RankProgress()
-    progress.mark("setting up the run")
     with StopSignals() as stop:
+        progress = RankProgress(interrupted=lambda: stop.received is not None)
+        progress.mark("setting up the run")
         try:
             run = set_up_run(config, run_dir)
         except RuntimeError as error:
