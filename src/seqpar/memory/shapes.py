@@ -31,22 +31,30 @@ def model_dims(model_config: object, tp: int) -> ModelDims:
     """The sizes of ``model_config``, with the attention and MLP widths of one of ``tp`` ranks.
 
     Args:
-        model_config: a transformers config (LlamaConfig, Qwen2Config, ...) or a dict of its fields.
+        model_config: a transformers config (LlamaConfig, Qwen2Config, ...) or a dict of its fields; a
+            multimodal config's ``text_config`` is read.
         tp: tensor-parallel degree.
 
     Returns:
         The ``ModelDims``.
 
     Raises:
-        SeqparInputError: a config without the sizes of a decoder, or heads that tp does not divide.
+        SeqparInputError: a config without the sizes of a decoder (positive integers), query heads that do
+            not group over the key/value heads, or heads that tp does not divide.
     """
+    if isinstance(model_config, dict):
+        model_config = model_config.get("text_config", model_config)
+    else:
+        model_config = getattr(model_config, "text_config", None) or model_config
     get = model_config.get if isinstance(model_config, dict) else lambda k, d=None: getattr(model_config, k, d)
     names = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "num_hidden_layers")
-    missing = [n for n in names if not isinstance(get(n), int)]
+    missing = [n for n in names if not isinstance(get(n), int) or isinstance(get(n), bool) or get(n) <= 0]
     if missing:
-        raise SeqparInputError(f"the model config has no {', '.join(missing)}; estimate_memory needs a decoder config")
+        raise SeqparInputError(f"the model config lacks positive integer {', '.join(missing)}: not a decoder config")
     hidden, heads = get("hidden_size"), get("num_attention_heads")
     kv_heads = get("num_key_value_heads") or heads
+    if heads % kv_heads:
+        raise SeqparInputError(f"{heads} query heads do not divide into {kv_heads} key/value heads")
     head_dim = get("head_dim") or hidden // heads
     if heads % tp or kv_heads % tp:
         raise SeqparInputError(f"tp_size {tp} must divide the heads ({heads}) and key/value heads ({kv_heads})")

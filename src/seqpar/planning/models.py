@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 
 from seqpar.errors import SeqparInputError
+from seqpar.memory.shapes import model_dims, parameter_counts
 
 __all__ = ["PRESETS", "ModelShape", "load_model_shape"]
 
@@ -54,9 +55,7 @@ class ModelShape:
     @property
     def num_params(self) -> int:
         """All weights: layers, embedding, head (once when tied) and the RMSNorm scales."""
-        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        norms = (2 * self.num_hidden_layers + 1) * self.hidden_size
-        return self.num_hidden_layers * self.layer_params + embed + norms
+        return parameter_counts(model_dims(self.as_config(), 1))[0]
 
     def as_config(self) -> dict:
         """The sizes as a Hugging Face config dictionary."""
@@ -96,8 +95,6 @@ PRESETS: dict[str, ModelShape] = {
     ),
 }
 
-_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-
 
 def shape_from_config(config: dict, source: str = "") -> ModelShape:
     """A ``ModelShape`` from a Hugging Face config dictionary (``text_config`` of multimodal configs used).
@@ -112,23 +109,20 @@ def shape_from_config(config: dict, source: str = "") -> ModelShape:
     Raises:
         SeqparInputError: a size is missing or not a positive integer, or the heads do not divide.
     """
+    try:
+        d = model_dims(config, 1)
+    except SeqparInputError as error:
+        raise SeqparInputError(f"model config {source}: {error}") from None
     config = config.get("text_config", config)
-    missing = [key for key in _REQUIRED if not isinstance(config.get(key), int) or config[key] <= 0]
-    if missing:
-        raise SeqparInputError(f"model config {source or ''} lacks positive integer {', '.join(missing)}")
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    if heads % kv_heads:
-        raise SeqparInputError(f"model config {source}: {heads} query heads do not divide into {kv_heads} KV heads")
     return ModelShape(
-        hidden_size=config["hidden_size"],
-        intermediate_size=config["intermediate_size"],
-        num_hidden_layers=config["num_hidden_layers"],
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        vocab_size=config["vocab_size"],
+        hidden_size=d.hidden,
+        intermediate_size=d.intermediate,
+        num_hidden_layers=d.layers,
+        num_attention_heads=d.heads,
+        num_key_value_heads=d.kv_heads,
+        vocab_size=d.vocab,
         head_dim=config.get("head_dim") or 0,
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        tie_word_embeddings=d.tied,
         model_type=str(config.get("model_type", "llama")),
         source=source,
     )
