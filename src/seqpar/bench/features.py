@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import seqpar
-from seqpar.bench.maxlen import LADDER, feature_model, feature_step, rung_features
+from seqpar.bench.maxlen import LADDER, add_model_arguments, feature_model, feature_step, rung_features
 from seqpar.runtime.spawn import spawn_ranks
 
 __all__ = ["main"]
@@ -101,13 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=4096, help="total sequence length")
     parser.add_argument("--sp", type=int, default=1, help="sequence-parallel degree (spawned ranks)")
     parser.add_argument("--ladder", nargs="+", choices=LADDER, default=None, help="rungs (default: all there are)")
-    parser.add_argument("--hidden", type=int, default=256, help="embedded Llama: hidden size (intermediate 3x)")
-    parser.add_argument("--layers", type=int, default=4, help="embedded Llama: layers")
-    parser.add_argument("--heads", type=int, default=8, help="embedded Llama: heads (key/value heads: half)")
-    parser.add_argument("--vocab", type=int, default=32768, help="embedded Llama: vocabulary")
-    parser.add_argument("--strategy", default="auto", help="attention strategy")
-    parser.add_argument("--loss-chunk", type=int, default=256, help="tokens per piece of the chunked loss")
-    parser.add_argument("--mlp-chunk", type=int, default=1024, help="tokens per chunk of the tiled MLP")
+    add_model_arguments(parser)
     parser.add_argument("--repeats", type=int, default=3, help="timed steps of each rung")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"

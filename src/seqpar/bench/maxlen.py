@@ -37,7 +37,7 @@ from seqpar.runtime.spawn import spawn_ranks
 from seqpar.train.config import TrainConfig
 from seqpar.train.model import build_model, model_config
 
-__all__ = ["LADDER", "feature_model", "feature_step", "main", "rung_features"]
+__all__ = ["LADDER", "add_model_arguments", "feature_model", "feature_step", "main", "rung_features"]
 
 _MB = 2**20
 
@@ -218,6 +218,21 @@ def _search(cfg: dict, sp: int, rung: str, tmp: str) -> dict:
     }
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The embedded Llama's sizes, the attention strategy and the feature chunk sizes, as command-line options.
+
+    Args:
+        parser: gets ``--hidden --layers --heads --vocab --strategy --loss-chunk --mlp-chunk``.
+    """
+    parser.add_argument("--hidden", type=int, default=256, help="embedded Llama: hidden size (intermediate 3x)")
+    parser.add_argument("--layers", type=int, default=4, help="embedded Llama: layers")
+    parser.add_argument("--heads", type=int, default=8, help="embedded Llama: heads (key/value heads: half)")
+    parser.add_argument("--vocab", type=int, default=32768, help="embedded Llama: vocabulary")
+    parser.add_argument("--strategy", default="auto", help="attention strategy")
+    parser.add_argument("--loss-chunk", type=int, default=256, help="tokens per piece of the chunked loss")
+    parser.add_argument("--mlp-chunk", type=int, default=1024, help="tokens per chunk of the tiled MLP")
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="seqpar bench maxlen", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -226,13 +241,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4], help="sequence-parallel degrees")
     parser.add_argument("--ladder", nargs="+", choices=LADDER, default=None, help="rungs (default: all there are)")
     parser.add_argument("--model", default="default", help="config.json or model directory; default: embedded Llama")
-    parser.add_argument("--hidden", type=int, default=256, help="embedded Llama: hidden size (intermediate 3x)")
-    parser.add_argument("--layers", type=int, default=4, help="embedded Llama: layers")
-    parser.add_argument("--heads", type=int, default=8, help="embedded Llama: heads (key/value heads: half)")
-    parser.add_argument("--vocab", type=int, default=32768, help="embedded Llama: vocabulary")
-    parser.add_argument("--strategy", default="auto", help="attention strategy")
-    parser.add_argument("--loss-chunk", type=int, default=256, help="tokens per piece of the chunked loss")
-    parser.add_argument("--mlp-chunk", type=int, default=1024, help="tokens per chunk of the tiled MLP")
+    add_model_arguments(parser)
     parser.add_argument("--unit", type=int, default=256, help="granularity: lengths are multiples of unit x sp")
     parser.add_argument("--max-seq", type=int, default=131072, help="longest length probed")
     parser.add_argument("--max-probes", type=int, default=12, help="probes per (sp, rung) at most")
