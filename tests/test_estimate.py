@@ -146,10 +146,21 @@ def test_estimate_and_maxlen_command_lines(capsys):
     assert "2048 tokens/rank" in out and "peak (" in out
     assert cli_main(["estimate", "--seq-len", "4096", "--sp", "2", "--features", "bogus"]) == 2
     assert "unknown feature 'bogus'" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as stop:
-        cli_main(["bench", "maxlen", "--help"])
-    assert stop.value.code == 0
-    assert "--budget-mb" in capsys.readouterr().out
+    for bench, option in (("maxlen", "--budget-mb"), ("features", "--loss-chunk")):
+        with pytest.raises(SystemExit) as stop:
+            cli_main(["bench", bench, "--help"])
+        assert stop.value.code == 0
+        assert option in capsys.readouterr().out
+
+
+def test_kept_gradients_move_into_what_lives_between_steps():
+    sizes = dict(sp_size=2, features=("checkpointing", "chunked_loss", "tiled_mlp"), loss_chunk=32)
+    freed = seqpar.estimate_memory(LLAMA, 16384, **sizes)
+    kept = seqpar.estimate_memory(LLAMA, 16384, **sizes, keep_gradients=True)
+    assert kept.between_steps - freed.between_steps == freed.parameters  # fp32 gradients, one per parameter
+    assert kept.peak >= freed.peak and kept.step_peak < freed.step_peak
+    assert kept.gradients == freed.parameters  # whole at the moment of the peak
+    assert cli_main(["estimate", "--seq-len", "4096", "--sp", "2", "--keep-gradients"]) == 0
 
 
 def test_train_estimate_line_for_models_it_cannot_read():

@@ -45,6 +45,9 @@ def add_estimate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dp-mode", default="replicate", help="replicate, ddp or fsdp")
     p.add_argument("--loss-chunk", type=int, default=1024, help="tokens per piece of the chunked loss")
     p.add_argument("--mlp-chunk", type=int, default=1024, help="tokens per chunk of the tiled MLP")
+    p.add_argument(
+        "--keep-gradients", action="store_true", help="gradients live between steps (zeroed in place, not freed)"
+    )
     p.add_argument("--hidden", type=int, default=TrainConfig.hidden_size, help="default model: hidden size")
     p.add_argument("--layers", type=int, default=TrainConfig.layers, help="default model: layers")
     p.add_argument("--heads", type=int, default=TrainConfig.heads, help="default model: heads")
@@ -84,6 +87,7 @@ def run_estimate(args: argparse.Namespace) -> int:
         dp_mode=args.dp_mode,
         loss_chunk=args.loss_chunk,
         mlp_chunk=args.mlp_chunk,
+        keep_gradients=args.keep_gradients,
     )
     print(estimate.table())
     return 0
