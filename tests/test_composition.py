@@ -159,6 +159,15 @@ def _dp_sp_worker(rank, world_size):
         if mode == "reduce":
             with pytest.raises(SeqparInputError, match="bucket_mb must be positive"):
                 seqpar.reduce_gradients(model.parameters(), run_group, bucket_mb=0)
+            # a parameter listed twice and one bucket per dtype (inf): each gradient summed exactly once
+            ranks = dist.get_world_size(run_group)
+            small, large = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(4096))
+            for bucket_mb in (1 / 1024, float("inf")):
+                small.grad = torch.full((3,), dist.get_rank() + 1.0)
+                large.grad = torch.full((4096,), dist.get_rank() + 1.0)
+                seqpar.reduce_gradients([small, large, small, large], run_group, bucket_mb=bucket_mb)
+                for p in (small, large):
+                    torch.testing.assert_close(p.grad, torch.full_like(p.grad, ranks * (ranks + 1) / 2))
         if mode != "reduce":  # the wrapper summed them already: a second sum would count each rank's part G times
             with pytest.raises(SeqparInputError, match=r"already summed over ranks by (DDP|FSDP2)"):
                 seqpar.reduce_gradients(model.parameters(), run_group)

@@ -85,6 +85,12 @@ def test_chunked_lm_head_loss_equals_full_logits_loss():
     for got, want in zip((hidden.grad, head.weight.grad, head.bias.grad), grads):
         assert got.dtype == want.dtype == torch.float32
         torch.testing.assert_close(got, want, atol=2e-3, rtol=2**-7)  # bf16 matmuls, rounded in other places
+    # its backward is not differentiable again: an error, not a wrong second derivative
+    (grad,) = torch.autograd.grad(
+        seqpar.lm_head_cross_entropy(hidden, head, labels, chunk_size=7), hidden, create_graph=True
+    )
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        grad.sum().backward()
     with pytest.raises(SeqparInputError, match="chunk_size must be a positive"):
         seqpar.lm_head_cross_entropy(hidden, head, labels, chunk_size=0)
     # no valid token: zero, not NaN

@@ -35,7 +35,7 @@ def reduce_gradients(parameters: Iterable[torch.nn.Parameter], group: object, *,
     Args:
         parameters: the model's parameters; those without a gradient are skipped.
         group: a ProcessGroup, a mesh (its SP group), or None (nothing to do).
-        bucket_mb: the largest bucket of coalesced small gradients, in MiB.
+        bucket_mb: the largest bucket of coalesced small gradients, in MiB (``math.inf``: one per dtype).
 
     Raises:
         SeqparInputError: parameters of a model wrapped by ``apply_data_parallel`` (DDP or FSDP2 already
@@ -49,14 +49,17 @@ def reduce_gradients(parameters: Iterable[torch.nn.Parameter], group: object, *,
             f"these parameters' gradients are already summed over ranks by {wrapped.pop()} "
             "(apply_data_parallel); do not call reduce_gradients on them"
         )
-    if not bucket_mb > 0:
+    if not bucket_mb > 0:  # also NaN
         raise SeqparInputError(f"bucket_mb must be positive, not {bucket_mb!r}")
     group = as_sp_mesh(group).sp_group
     if group is None or dist.get_world_size(group) == 1:
         return
-    # a DTensor gradient (tensor parallel, FSDP) is reduced through its local shard
-    grads = [getattr(p.grad, "_local_tensor", p.grad) for p in parameters if p.grad is not None]
-    for bucket in _buckets(grads, int(bucket_mb * 2**20)):
+    # a DTensor gradient (tensor parallel, FSDP) is reduced through its local shard; a gradient reached
+    # twice (a parameter listed twice, a shared .grad) is summed once
+    grads = list(
+        {id(g): g for g in (getattr(p.grad, "_local_tensor", p.grad) for p in parameters) if g is not None}.values()
+    )
+    for bucket in _buckets(grads, bucket_mb * 2**20):
         if len(bucket) == 1 and bucket[0].is_contiguous():
             dist.all_reduce(bucket[0], group=group)
             continue
@@ -68,7 +71,7 @@ def reduce_gradients(parameters: Iterable[torch.nn.Parameter], group: object, *,
             offset += g.numel()
 
 
-def _buckets(grads: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+def _buckets(grads: list[torch.Tensor], limit: float) -> list[list[torch.Tensor]]:
     """Gradients grouped in order: one dtype per bucket, at most ``limit`` bytes unless a tensor alone is larger."""
     buckets: list[list[torch.Tensor]] = []
     open_by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[int]]] = {}

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
@@ -108,12 +109,16 @@ def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, bias, labels: torch.
     return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
 
 
-def _piece_logits(hidden: torch.Tensor, weight: torch.Tensor, bias, cast: torch.dtype | None) -> torch.Tensor:
-    """``[chunk, V]`` float32 logits, the matmul in ``cast`` when the caller ran under autocast."""
-    if cast is not None:
-        hidden, weight = hidden.to(cast), weight.to(cast)
-        bias = bias.to(cast) if bias is not None else None
-    return F.linear(hidden, weight, bias).float()
+def _cast(weight: torch.Tensor, bias, cast: torch.dtype | None):
+    """The head's weight and bias in ``cast`` (once per call, not per piece), or as they are."""
+    if cast is None:
+        return weight, bias
+    return weight.to(cast), bias.to(cast) if bias is not None else None
+
+
+def _piece_logits(hidden: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+    """``[chunk, V]`` float32 logits, the matmul in the dtype of ``weight`` (autocast's when it was on)."""
+    return F.linear(hidden.to(weight.dtype), weight, bias).float()
 
 
 class _HeadLossInPieces(torch.autograd.Function):
@@ -122,32 +127,36 @@ class _HeadLossInPieces(torch.autograd.Function):
     The backward makes each piece's logits again and adds the piece's weight gradient into one ``[V, H]``
     buffer in place, so besides the inputs it holds one piece's logits and that buffer: autograd through
     per-piece checkpoints would keep a second ``[V, H]`` sum plus each piece's own weight gradient, and a
-    full-size ``[T, H]`` gradient for every sliced piece of the hidden states.
+    full-size ``[T, H]`` gradient for every sliced piece of the hidden states. Under autocast the matmuls
+    run in autocast's dtype, with the weight cast once per call; the weight gradient is summed in the
+    weight's own dtype. Its backward is not differentiable again (no double backward).
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, chunk: int, ignore_index: int, cast):
         ctx.save_for_backward(hidden, weight, bias, labels)
         ctx.chunk, ctx.ignore_index, ctx.cast = chunk, ignore_index, cast
+        w, b = _cast(weight, bias, cast)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, labels.numel(), chunk):
             piece = slice(start, start + chunk)
-            logits = _piece_logits(hidden[piece], weight, bias, cast)
+            logits = _piece_logits(hidden[piece], w, b)
             total += F.cross_entropy(logits, labels[piece], ignore_index=ignore_index, reduction="sum")
         return total
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_total):
         hidden, weight, bias, labels = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.zeros_like(weight) if need_weight else None
         grad_bias = torch.zeros_like(bias) if bias is not None and need_bias else None
-        compute = ctx.cast or weight.dtype
+        w, b = _cast(weight, bias, ctx.cast)
         for start in range(0, labels.numel(), ctx.chunk):
             piece = slice(start, start + ctx.chunk)
             # d(sum of -log softmax[label]) / d logits = softmax - one_hot(label); 0 for ignored tokens
-            grad_logits = torch.softmax(_piece_logits(hidden[piece], weight, bias, ctx.cast), dim=-1)
+            grad_logits = torch.softmax(_piece_logits(hidden[piece], w, b), dim=-1)
             keep = labels[piece] != ctx.ignore_index
             rows = keep.nonzero().squeeze(1)
             grad_logits[rows, labels[piece][rows]] -= 1.0
@@ -156,10 +165,9 @@ class _HeadLossInPieces(torch.autograd.Function):
             if grad_bias is not None:
                 grad_bias += grad_logits.sum(0).to(grad_bias.dtype)
             if grad_hidden is not None:
-                grad_hidden[piece] = (grad_logits.to(compute) @ weight.to(compute)).to(hidden.dtype)
+                grad_hidden[piece] = (grad_logits.to(w.dtype) @ w).to(hidden.dtype)
             if grad_weight is not None:
-                h = hidden[piece].to(weight.dtype)
-                grad_weight.addmm_(grad_logits.to(weight.dtype).T, h)
+                grad_weight.addmm_(grad_logits.to(weight.dtype).T, hidden[piece].to(weight.dtype))
         return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 

@@ -257,7 +257,7 @@ def estimate_memory(
     all_grads = -(-total * b // shards)
     kept_grads = all_grads if keep_gradients else 0
     # chunked: the output head's gradient accumulates in its own buffer from the first piece's backward on
-    early = head_grad if "chunked_loss" in features and (tokens > chunk or keep_gradients) else 0
+    early = head_grad if "chunked_loss" in features else 0
     moments = {"backward start": (kept_grads + early, act["kept"], 0, loss, 0, 0)}
     worst = (0, 0)
     for done in range(d.layers):  # the backward of the (done+1)-th layer from the top
