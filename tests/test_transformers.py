@@ -12,6 +12,8 @@ import itertools
 import pytest
 import torch
 import transformers
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, distribute_tensor
 
 import seqpar
 from seqpar.errors import SeqparInputError
@@ -63,6 +65,14 @@ def _logits_and_loss(rank, world_size, mesh):
             torch.testing.assert_close(seqpar.sum_over(chunked, run_mesh), want.loss, atol=ATOL, rtol=RTOL)
             for g, p in zip(grads, model.parameters()):
                 torch.testing.assert_close(p.grad, g, atol=1e-6, rtol=1e-5)
+            # a DTensor head (tensor parallel or FSDP2 around it) is refused, not multiplied as a plain tensor
+            sharded = copy.deepcopy(model.lm_head)
+            replicated = distribute_tensor(
+                sharded.weight.detach(), DeviceMesh("cpu", list(range(world_size))), [Replicate()]
+            )
+            sharded.weight = torch.nn.Parameter(replicated)
+            with pytest.raises(SeqparInputError, match="not a DTensor"):
+                seqpar.lm_head_cross_entropy(hidden.last_hidden_state, sharded, shard["shift_labels"], run_mesh)
 
 
 def _packing(rank, world_size, mesh):

@@ -74,19 +74,21 @@ def reduce_gradients(parameters: Iterable[torch.nn.Parameter], group: object, *,
 def _buckets(grads: list[torch.Tensor], limit: float) -> list[list[torch.Tensor]]:
     """Gradients grouped in order: one dtype per bucket, at most ``limit`` bytes unless a tensor alone is larger."""
     buckets: list[list[torch.Tensor]] = []
-    open_by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[int]]] = {}
+    filled: list[int] = []  # bytes in each bucket
+    open_bucket: dict[torch.dtype, int] = {}  # the bucket still taking gradients of each dtype
     for g in grads:
         size = g.numel() * g.element_size()
         if size >= limit:
             buckets.append([g])
+            filled.append(size)
             continue
-        bucket, used = open_by_dtype.get(g.dtype, (None, [0]))
-        if bucket is None or used[0] + size > limit:
-            bucket, used = [], [0]
-            buckets.append(bucket)
-            open_by_dtype[g.dtype] = (bucket, used)
-        bucket.append(g)
-        used[0] += size
+        i = open_bucket.get(g.dtype)
+        if i is None or filled[i] + size > limit:
+            i = open_bucket[g.dtype] = len(buckets)
+            buckets.append([])
+            filled.append(0)
+        buckets[i].append(g)
+        filled[i] += size
     return buckets
 
 

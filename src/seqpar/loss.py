@@ -20,7 +20,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import checkpoint
 
 from seqpar.comm.collectives import collective_device
 from seqpar.data import IGNORE_INDEX
@@ -104,11 +103,6 @@ def cross_entropy(
     return total / max(num_valid_tokens, 1)
 
 
-def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, bias, labels: torch.Tensor, ignore_index: int):
-    logits = F.linear(hidden, weight, bias).float()  # [chunk, V]
-    return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
-
-
 def _cast(weight: torch.Tensor, bias, cast: torch.dtype | None):
     """The head's weight and bias in ``cast`` (once per call, not per piece), or as they are."""
     if cast is None:
@@ -157,10 +151,10 @@ class _HeadLossInPieces(torch.autograd.Function):
             piece = slice(start, start + ctx.chunk)
             # d(sum of -log softmax[label]) / d logits = softmax - one_hot(label); 0 for ignored tokens
             grad_logits = torch.softmax(_piece_logits(hidden[piece], w, b), dim=-1)
-            keep = labels[piece] != ctx.ignore_index
-            rows = keep.nonzero().squeeze(1)
-            grad_logits[rows, labels[piece][rows]] -= 1.0
-            grad_logits[~keep] = 0.0
+            keep = (labels[piece] != ctx.ignore_index)[:, None]
+            target = labels[piece][:, None].masked_fill(~keep, 0)  # ignored rows are zeroed next
+            grad_logits.scatter_add_(1, target, torch.full(target.shape, -1.0, device=target.device))
+            grad_logits.masked_fill_(~keep, 0.0)
             grad_logits *= grad_total
             if grad_bias is not None:
                 grad_bias += grad_logits.sum(0).to(grad_bias.dtype)
@@ -198,34 +192,25 @@ def lm_head_cross_entropy(
         The same scalar as ``cross_entropy`` (equal up to float summation order).
 
     Raises:
-        SeqparInputError: hidden states and labels that do not match, or a chunk_size below 1.
+        SeqparInputError: hidden states and labels that do not match, a chunk_size below 1, or a DTensor head.
     """
     if chunk_size < 1:
         raise SeqparInputError(f"chunk_size must be a positive number of tokens, not {chunk_size!r}")
     if hidden.shape[:-1] != shift_labels.shape:
         raise SeqparInputError(f"hidden {tuple(hidden.shape)} and labels {tuple(shift_labels.shape)} do not match")
+    if isinstance(lm_head.weight, DTensor):
+        raise SeqparInputError(
+            "lm_head_cross_entropy needs the output head's whole weight, not a DTensor (tensor parallel or FSDP2 "
+            "around the head): use seqpar.cross_entropy on the model's logits"
+        )
     if num_valid_tokens is None:
         num_valid_tokens = count_valid_tokens(shift_labels, group, ignore_index)
     flat_hidden = hidden.flatten(0, -2)
     flat_labels = shift_labels.flatten()
-    if isinstance(lm_head.weight, DTensor):  # a sharded head: autograd through per-piece checkpoints
-        total = hidden.new_zeros((), dtype=torch.float32)
-        for start in range(0, flat_labels.numel(), chunk_size):
-            piece = slice(start, start + chunk_size)
-            total = total + checkpoint(
-                _chunk_loss,
-                flat_hidden[piece],
-                lm_head.weight,
-                lm_head.bias,
-                flat_labels[piece],
-                ignore_index,
-                use_reentrant=False,
-            )
-    else:
-        device = hidden.device.type
-        cast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-        with torch.autocast(device, enabled=False):
-            total = _HeadLossInPieces.apply(
-                flat_hidden, lm_head.weight, lm_head.bias, flat_labels, chunk_size, ignore_index, cast
-            )
+    device = hidden.device.type
+    cast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    with torch.autocast(device, enabled=False):
+        total = _HeadLossInPieces.apply(
+            flat_hidden, lm_head.weight, lm_head.bias, flat_labels, chunk_size, ignore_index, cast
+        )
     return total / max(num_valid_tokens, 1)
