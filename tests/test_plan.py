@@ -12,12 +12,12 @@ import pytest
 
 import seqpar
 from seqpar.cli import main as cli_main
+from seqpar.memory import FEATURES
 from seqpar.planning import Cluster, Layout, ModelShape, load_model_shape, max_seq_len, model_flops, plan, step_time
 from seqpar.planning.cli import parse_tokens
 from seqpar.planning.cluster import Calibration, load_calibration, save_calibration
 from seqpar.strategies.policy import kv_head_repeats
 
-ALL_FEATURES = ("checkpointing", "chunked_loss", "tiled_mlp", "offload")
 TINY = ModelShape(256, 768, 4, 8, 4, 4096)  # seqpar bench llama_step's model
 
 
@@ -71,7 +71,7 @@ def test_rejection_reasons():
     odd_heads = ModelShape(384, 1024, 2, 6, 2, 1000)  # 6 query / 2 KV heads: ulysses 4 cannot split them
     result = plan(odd_heads, 8192, Cluster(gpus=4, gpus_per_node=4), dp_modes=("fsdp",))
     reasons = {r.family: r.reason for r in result.rejected}
-    assert "do not split over ulysses 4" in reasons["dp 1 sp 4 tp 1 ulysses fsdp"]
+    assert "ulysses at tp 1 needs query heads (6) divisible by the degree 4" in reasons["dp 1 sp 4 tp 1 ulysses fsdp"]
     assert "do not divide by 4" in reasons["tp 4"]
     tight = plan("llama-8b", 2**20, Cluster(gpus=8, gpu_memory_gb=16))
     assert not tight.candidates
@@ -108,7 +108,7 @@ def test_published_max_length(gpus, published):
     # 3.7M tokens on one 8xH100 node and over 15M on 4 nodes (32 H100s), with Ulysses SP over all GPUs,
     # ZeRO-3, bf16, tiled loss and MLP, checkpointed hidden states offloaded to the CPU. H100 80GB: nvidia-smi
     # shows 81,559 MiB = 85.5 GB, of which the planner fills 90%. Tolerance: 25% below or above.
-    layout = Layout(1, gpus, gpus, 1, "ulysses", ALL_FEATURES, "fsdp")
+    layout = Layout(1, gpus, gpus, 1, "ulysses", FEATURES, "fsdp")
     cluster = Cluster(gpus=gpus, gpus_per_node=8, gpu_memory_gb=85.5, ulysses_across_nodes=True)
     longest = max_seq_len("llama-8b", layout, cluster)
     assert abs(longest / published - 1) <= 0.25, f"{longest:,} tokens vs published {published:,.0f}"
@@ -150,6 +150,8 @@ def test_json_output_and_cli(tmp_path, capsys):
     config.mkdir()
     (config / "config.json").write_text(json.dumps(load_model_shape("qwen2.5-7b").as_config()))
     assert cli_main(["plan", "--model", str(config), "--seq-len", "128K", "--gpus", "8"]) == 0
+    header = "28 layers x 3584 hidden, 28/4 heads, vocab 152064 (7.62B parameters); seq 131,072 x micro-batch 1, bf16"
+    assert header in capsys.readouterr().out
 
 
 def test_train_plan_prints_its_own_layout(capsys):
@@ -158,6 +160,14 @@ def test_train_plan_prints_its_own_layout(capsys):
     printed = capsys.readouterr().out
     assert "these settings: dp 1 sp 2 ulysses 2 tp 1 ulysses replicate, features checkpointing" in printed
     assert "| # | dp | sp |" in printed
+    # a length sp does not divide is padded to a multiple of 2 x sp, as training pads it
+    assert cli_main(["train", "--plan", "--sp", "3", "--seq-len", "1000"]) == 0
+    printed = capsys.readouterr().out
+    assert "these settings: dp 1 sp 3 ulysses 1 tp 1 ring replicate" in printed
+    assert "1002 tokens per sequence (padded from 1000)" in printed and "seq 1,002 x micro-batch" in printed
+    # "auto" on an sp 4 x ulysses 2 mesh with 4/2 heads: hybrid, as resolve_strategy picks it
+    assert cli_main(["train", "--plan", "--sp", "4", "--ulysses", "2", "--seq-len", "1024"]) == 0
+    assert "these settings: dp 1 sp 4 ulysses 2 tp 1 hybrid replicate" in capsys.readouterr().out
 
 
 def test_large_cluster_plans():
@@ -185,6 +195,9 @@ def test_bad_input(tmp_path, capsys):
         plan("llama-8b", 0, Cluster(gpus=8))
     with pytest.raises(err, match="dtype"):
         plan("llama-8b", 1024, Cluster(gpus=8), dtype="int8")
+    odd_heads = ModelShape(384, 1024, 2, 6, 2, 1000)
+    with pytest.raises(err, match=r"needs query heads \(6\) divisible by the degree 4"):
+        step_time(odd_heads, 8192, Layout(1, 4, 4, 1, "ulysses"), Cluster(gpus=4, gpus_per_node=4))
     with pytest.raises(err, match="do not fill nodes"):
         Cluster(gpus=12, gpus_per_node=8)
     with pytest.raises(err, match="must be positive"):

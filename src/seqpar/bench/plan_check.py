@@ -31,7 +31,7 @@ import transformers
 import seqpar
 from seqpar.bench.llama_step import llama_config, train_step
 from seqpar.planning.calibrate import calibrate, probe_compute
-from seqpar.planning.cluster import Cluster, load_calibration
+from seqpar.planning.cluster import Calibration, Cluster, load_calibration
 from seqpar.planning.memory import estimate_layout
 from seqpar.planning.models import shape_from_config
 from seqpar.planning.search import plan
@@ -67,33 +67,37 @@ def _worker(_rank: int, _world_size: int, cfg: dict, out_path: str) -> None:
         step()
         write_slowest(out_path, 0.0, resident_mb("VmHWM") - before)
         return
-    walls, cpus, rates = [], [], {"wall": [], "cpu": []}
+    walls, cpus, rates = [], [], []
+
+    def probe() -> None:
+        # this rank's rates under the load of the moment, on the wall clock and on this process's CPU time
+        # (what the step would take on cores of its own), both read around the same probe runs
+        rates.append(dict(zip(("wall", "cpu"), probe_compute(2, 1024, (time.perf_counter, time.process_time)))))
+
     for _ in range(cfg["repeats"]):
-        # this rank's rates under the load of the moment, before and after the step they predict, on the wall
-        # clock and on this process's CPU time (what the step would take on cores of its own)
-        for name, clock in (("wall", time.perf_counter), ("cpu", time.process_time)):
-            rates[name].append(probe_compute(repeats=2, attention_seq=1024, clock=clock))
+        probe()  # before and after the step they predict
         dist.barrier()
         wall, cpu = time.perf_counter(), time.process_time()
         step()
         walls.append(time.perf_counter() - wall)
         cpus.append(time.process_time() - cpu)
-        for name, clock in (("wall", time.perf_counter), ("cpu", time.process_time)):
-            rates[name].append(probe_compute(repeats=2, attention_seq=1024, clock=clock))
+        probe()
     extra = {
-        f"{name}_{kind}": statistics.mean(r[i] for r in rates[name])
-        for name in rates
+        f"{name}_{kind}": statistics.mean(r[name][i] for r in rates)
+        for name in ("wall", "cpu")
         for i, kind in enumerate(("matmul", "attention"))
     }
     write_slowest(out_path, statistics.median(walls), 0.0, cpu_seconds=statistics.median(cpus), **extra)
 
 
-def _predict(cfg: dict, sp: int, features: tuple[str, ...], cluster: Cluster, rates: tuple) -> float:
+def _predict(
+    cfg: dict, sp: int, features: tuple[str, ...], cluster: Cluster, calibration: Calibration, rates: tuple
+) -> float:
     """Predicted step seconds of one configuration at the (matmul, attention) FLOP/s its ranks measured."""
-    shape = _shape(cfg)
     matmul, attention = rates
-    rated = replace(cluster, gpu_tflops=matmul / 1e12, attention_efficiency=min(1.0, attention / matmul))
-    return step_time(shape, cfg["seq"], _layout(cfg, sp, features), rated, dtype_bytes=4).total
+    measured = replace(calibration, matmul_tflops=matmul / 1e12, attention_tflops=attention / 1e12)
+    rated = cluster.with_calibration(measured)
+    return step_time(_shape(cfg), cfg["seq"], _layout(cfg, sp, features), rated, dtype_bytes=4).total
 
 
 def _shape(cfg: dict):
@@ -128,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     calibration = load_calibration(args.calibration) if args.calibration else calibrate()
     print(f"calibration: {calibration}", flush=True)
-    cluster = Cluster(gpus=max(args.sp), gpus_per_node=max(args.sp)).with_calibration(calibration)
+    cluster = Cluster(gpus=max(args.sp), gpus_per_node=max(args.sp))
     cfg = {k: getattr(args, k) for k in ("seq", "strategy", "hidden", "layers", "heads", "vocab", "repeats")}
     cfg["cores"] = os.cpu_count() or 1  # for the record: the rates are measured inside the (sharing) ranks
     rows = []
@@ -142,8 +146,10 @@ def main(argv: list[str] | None = None) -> int:
                     return ({**run, "memory": memory}, out)
 
                 m = time_and_memory(_worker, args_for, sp, out)
-                wall = _predict(cfg, sp, FEATURE_SETS[name], cluster, (m["wall_matmul"], m["wall_attention"]))
-                cpu = _predict(cfg, sp, FEATURE_SETS[name], cluster, (m["cpu_matmul"], m["cpu_attention"]))
+                wall, cpu = (
+                    _predict(cfg, sp, FEATURE_SETS[name], cluster, calibration, (m[f"{c}_matmul"], m[f"{c}_attention"]))
+                    for c in ("wall", "cpu")
+                )
                 memory = estimate_layout(_shape(cfg), cfg["seq"], _layout(cfg, sp, FEATURE_SETS[name]), dtype="fp32")
                 rows.append(
                     (name, sp, m["seconds"], wall, m["cpu_seconds"], cpu, m["growth_mb"], memory.step_peak / 2**20)

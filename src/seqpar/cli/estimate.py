@@ -7,16 +7,13 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from seqpar.memory import FEATURES, estimate_memory
+from seqpar.planning.memory import DTYPES
 from seqpar.train.config import TrainConfig
 from seqpar.train.data import load_tokenizer
 from seqpar.train.model import model_config
 
 __all__ = ["add_estimate_parser", "run_estimate"]
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def add_estimate_parser(sub: argparse._SubParsersAction) -> None:
@@ -37,7 +34,7 @@ def add_estimate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ulysses", type=int, default=1, help="ulysses degree inside sp (hybrid)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel degree")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-    p.add_argument("--dtype", choices=tuple(_DTYPES), default="fp32", help="parameters and activations")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="parameters and activations")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
     p.add_argument("--features", nargs="*", default=[], help=f"any of: {', '.join(FEATURES)}")
     p.add_argument("--strategy", default="auto", help="attention strategy")
@@ -79,7 +76,7 @@ def run_estimate(args: argparse.Namespace) -> int:
         ulysses_size=args.ulysses,
         dp_size=args.dp,
         tp_size=args.tp,
-        dtype=_DTYPES[args.dtype],
+        dtype=DTYPES[args.dtype],
         micro_batch=args.micro_batch,
         features=tuple(args.features),
         strategy=args.strategy,

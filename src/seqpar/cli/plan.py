@@ -6,13 +6,14 @@ The model, length, degrees, strategy and memory features come from the ``TrainCo
 from __future__ import annotations
 
 from seqpar.planning.cluster import Cluster
-from seqpar.planning.memory import DTYPE_BYTES, estimate_layout
+from seqpar.planning.memory import DTYPE_BYTES
 from seqpar.planning.models import shape_from_config
 from seqpar.planning.report import format_plan
 from seqpar.planning.search import plan
 from seqpar.planning.timing import Layout, step_time
-from seqpar.strategies.policy import ulysses_degrees
+from seqpar.strategies.policy import resolve_strategy_for
 from seqpar.train.config import TrainConfig
+from seqpar.train.fit import memory_features, train_estimate
 from seqpar.train.model import model_config
 from seqpar.train.tokenizer import ByteTokenizer
 
@@ -20,25 +21,11 @@ __all__ = ["train_plan"]
 
 
 def _layout(config: TrainConfig, heads: int, kv_heads: int) -> Layout:
-    features = [
-        name
-        for name, on in (
-            ("checkpointing", config.activation_checkpointing),
-            ("chunked_loss", config.loss_chunk > 0),
-            ("tiled_mlp", config.tiled_mlp),
-            ("offload", config.offload_activations),
-        )
-        if on
-    ]
-    strategy = config.strategy
-    if config.sp == 1:
-        strategy = "local"
-    elif strategy == "auto":  # as seqpar.resolve_strategy picks it
-        allowed = ulysses_degrees(heads // config.tp, max(1, kv_heads // config.tp))
-        strategy = "hybrid" if 1 < config.ulysses < config.sp and config.ulysses in allowed else "ring"
-        strategy = "ulysses" if strategy == "ring" and config.sp in allowed else strategy
+    tp_heads, tp_kv = heads // config.tp, max(1, kv_heads // config.tp)
+    strategy = resolve_strategy_for(config.strategy, tp_heads, tp_kv, config.sp, config.ulysses)
+    strategy = "local" if config.sp == 1 else strategy
     ulysses = config.sp if strategy == "ulysses" else config.ulysses if strategy == "hybrid" else 1
-    return Layout(config.dp, config.sp, ulysses, config.tp, strategy, tuple(features), config.dp_mode)
+    return Layout(config.dp, config.sp, ulysses, config.tp, strategy, memory_features(config), config.dp_mode)
 
 
 def train_plan(config: TrainConfig) -> str:
@@ -59,17 +46,19 @@ def train_plan(config: TrainConfig) -> str:
     dtype = "bf16" if config.precision == "bf16" else "fp32"
     micro_batch = config.batch_size // config.grad_accum
     cluster = Cluster(gpus=layout.world, gpus_per_node=min(layout.world, 8))
-    estimate = estimate_layout(shape, config.seq_len, layout, dtype=dtype, micro_batch=micro_batch)
-    time = step_time(shape, config.seq_len, layout, cluster, dtype_bytes=DTYPE_BYTES[dtype], micro_batch=micro_batch)
+    estimate = train_estimate(config, hf_config)
+    seq_len = estimate.tokens_per_rank * config.sp // micro_batch  # padded to a multiple of 2 x sp, as trained
+    time = step_time(shape, seq_len, layout, cluster, dtype_bytes=DTYPE_BYTES[dtype], micro_batch=micro_batch)
     lines = [
         f"these settings: dp {layout.dp} sp {layout.sp} ulysses {layout.ulysses} tp {layout.tp} {layout.strategy} "
-        f"{layout.dp_mode}, features {'+'.join(layout.features) or 'none'}, micro-batch {micro_batch}, {dtype}",
+        f"{layout.dp_mode}, features {'+'.join(layout.features) or 'none'}, micro-batch {micro_batch}, {dtype}, "
+        f"{seq_len} tokens per sequence" + (f" (padded from {config.seq_len})" if seq_len != config.seq_len else ""),
         estimate.table(),
         f"predicted step (one micro-batch) on H100-class devices: {time.total:.3g} s "
         f"(matmul {time.matmul:.3g}, attention {time.attention:.3g}, all-to-all {time.all_to_all:.3g}, "
         f"tp {time.tensor_parallel:.3g}, gradients {time.gradients:.3g})",
         "",
         "ranked layouts for the same model, length and device count (`seqpar plan` describes other clusters):",
-        format_plan(plan(shape, config.seq_len, cluster, micro_batch=micro_batch, dtype=dtype)),
+        format_plan(plan(shape, seq_len, cluster, micro_batch=micro_batch, dtype=dtype)),
     ]
     return "\n".join(lines)

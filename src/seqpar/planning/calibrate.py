@@ -26,26 +26,30 @@ __all__ = ["calibrate", "probe_compute"]
 _MATMULS = ((4096, 256, 768), (4096, 768, 256), (4096, 512, 1536), (2048, 1024, 1024), (4096, 256, 4096))
 _LINK_BYTES = 32 * 2**20
 
+Clocks = tuple[Callable[[], float], ...]
 
-def _seconds(fn, repeats: int, clock=time.perf_counter) -> float:
+
+def _seconds(fn, repeats: int, clocks: Clocks) -> list[float]:
+    """Median seconds of ``fn`` on each of ``clocks``, all read around the same runs."""
     fn()  # warm-up
-    times = []
+    times = [[] for _ in clocks]
     for _ in range(repeats):
-        start = clock()
+        starts = [clock() for clock in clocks]
         fn()
-        times.append(clock() - start)
-    return statistics.median(times)
+        for elapsed, clock, start in zip(times, clocks, starts, strict=True):
+            elapsed.append(clock() - start)
+    return [statistics.median(t) for t in times]
 
 
-def _matmul_flops(repeats: int, clock=time.perf_counter) -> float:
+def _matmul_flops(repeats: int, clocks: Clocks) -> list[float]:
     rates = []
     for m, k, n in _MATMULS:
         a, b = torch.randn(m, k), torch.randn(k, n)
-        rates.append(2.0 * m * k * n / _seconds(lambda a=a, b=b: a @ b, repeats, clock))
-    return statistics.median(rates)
+        rates.append([2.0 * m * k * n / s for s in _seconds(lambda a=a, b=b: a @ b, repeats, clocks)])
+    return [statistics.median(per_clock) for per_clock in zip(*rates, strict=True)]
 
 
-def _attention_flops(repeats: int, seq: int = 2048, heads: int = 8, dim: int = 64, clock=time.perf_counter) -> float:
+def _attention_flops(repeats: int, seq: int, clocks: Clocks, heads: int = 8, dim: int = 64) -> list[float]:
     q = torch.randn(1, heads, seq, dim, requires_grad=True)
     k, v = (torch.randn(1, heads // 2, seq, dim, requires_grad=True) for _ in "kv")
 
@@ -53,24 +57,26 @@ def _attention_flops(repeats: int, seq: int = 2048, heads: int = 8, dim: int = 6
         F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
 
     # the planner's count: causal forward 2 S^2 H d, backward 2.5x that
-    return 3.5 * 2.0 * seq**2 * heads * dim / _seconds(step, repeats, clock)
+    return [3.5 * 2.0 * seq**2 * heads * dim / s for s in _seconds(step, repeats, clocks)]
 
 
 def probe_compute(
-    repeats: int = 3, attention_seq: int = 2048, clock: Callable[[], float] = time.perf_counter
-) -> tuple[float, float]:
+    repeats: int = 3, attention_seq: int = 2048, clocks: Clocks = (time.perf_counter,)
+) -> list[tuple[float, float]]:
     """This process's matmul and causal attention rates now, on the threads torch has.
 
     Args:
         repeats: timed repetitions of each probe (the median is kept).
         attention_seq: tokens of the attention probe (8/4 heads of 64).
-        clock: the clock the probes are timed with: wall time, or ``time.process_time`` for the CPU time
-            this process gets (what it would take on a machine of its own, the load of others aside).
+        clocks: the clocks the same probe runs are timed with: wall time, and/or ``time.process_time`` for
+            the CPU time this process gets (what it would take on a machine of its own, the load of others aside).
 
     Returns:
-        (matmul FLOP/s, attention FLOP/s), attention counted as the planner counts it.
+        One (matmul FLOP/s, attention FLOP/s) per clock, attention counted as the planner counts it.
     """
-    return _matmul_flops(repeats, clock), _attention_flops(repeats, attention_seq, clock=clock)
+    matmul = _matmul_flops(repeats, clocks)
+    attention = _attention_flops(repeats, attention_seq, clocks)
+    return list(zip(matmul, attention, strict=True))
 
 
 def _link_rank(rank: int, _world: int, repeats: int, path: str) -> None:
@@ -104,7 +110,7 @@ def calibrate(repeats: int = 5) -> Calibration:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the benchmarks run each rank
     try:
-        matmul, attention = probe_compute(repeats)
+        ((matmul, attention),) = probe_compute(repeats)
     finally:
         torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:

@@ -8,10 +8,12 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from dataclasses import fields
 
 from seqpar.errors import SeqparInputError
 from seqpar.planning.calibrate import calibrate
 from seqpar.planning.cluster import Cluster, load_calibration, save_calibration
+from seqpar.planning.memory import DTYPES
 from seqpar.planning.models import PRESETS
 from seqpar.planning.report import format_plan, write_json
 from seqpar.planning.search import DP_MODES, plan
@@ -48,18 +50,26 @@ def add_plan_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help=f"config.json, a model directory, or a preset: {', '.join(PRESETS)}")
     parser.add_argument("--seq-len", default="128K", help="tokens per sequence: 131072, 128K, 1M (K=1024)")
     parser.add_argument("--gpus", type=int, default=8, help="devices in all")
-    parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--gpu-memory-gb", type=float, default=80.0)
-    parser.add_argument("--gpu-tflops", type=float, default=989.0, help="dense peak at the dtype (H100 bf16: 989)")
-    parser.add_argument("--intra-node-gbps", type=float, default=900.0, help="GB/s per device, both ways (NVLink)")
-    parser.add_argument("--inter-node-gbps", type=float, default=400.0, help="Gbit/s per device (NIC line rate)")
-    parser.add_argument("--matmul-efficiency", type=float, default=0.6)
-    parser.add_argument("--attention-efficiency", type=float, default=0.45)
-    parser.add_argument("--link-efficiency", type=float, default=0.75)
-    parser.add_argument("--memory-headroom", type=float, default=0.9, help="fraction of device memory to fill")
+    parser.add_argument("--gpus-per-node", type=int, default=Cluster.gpus_per_node)
+    parser.add_argument("--gpu-memory-gb", type=float, default=Cluster.gpu_memory_gb)
+    parser.add_argument(
+        "--gpu-tflops", type=float, default=Cluster.gpu_tflops, help="dense peak at the dtype (H100 bf16: 989)"
+    )
+    parser.add_argument(
+        "--intra-node-gbps", type=float, default=Cluster.intra_node_gbps, help="GB/s per device, both ways (NVLink)"
+    )
+    parser.add_argument(
+        "--inter-node-gbps", type=float, default=Cluster.inter_node_gbps, help="Gbit/s per device (NIC line rate)"
+    )
+    parser.add_argument("--matmul-efficiency", type=float, default=Cluster.matmul_efficiency)
+    parser.add_argument("--attention-efficiency", type=float, default=Cluster.attention_efficiency)
+    parser.add_argument("--link-efficiency", type=float, default=Cluster.link_efficiency)
+    parser.add_argument(
+        "--memory-headroom", type=float, default=Cluster.memory_headroom, help="fraction of device memory to fill"
+    )
     parser.add_argument("--ulysses-across-nodes", action="store_true", help="allow all-to-all and tp across nodes")
     parser.add_argument("--micro-batch", type=int, default=1)
-    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    parser.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
     parser.add_argument("--dp-mode", nargs="+", default=list(DP_MODES), choices=("fsdp", "replicate", "ddp"))
     parser.add_argument("--top", type=int, default=10, help="rows of the table")
     parser.add_argument("--rejected", type=int, default=15, help="rejected families listed (0: all of them)")
@@ -71,19 +81,7 @@ def add_plan_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _cluster(args: argparse.Namespace) -> Cluster:
-    cluster = Cluster(
-        gpus=args.gpus,
-        gpus_per_node=args.gpus_per_node,
-        gpu_memory_gb=args.gpu_memory_gb,
-        gpu_tflops=args.gpu_tflops,
-        intra_node_gbps=args.intra_node_gbps,
-        inter_node_gbps=args.inter_node_gbps,
-        matmul_efficiency=args.matmul_efficiency,
-        attention_efficiency=args.attention_efficiency,
-        link_efficiency=args.link_efficiency,
-        memory_headroom=args.memory_headroom,
-        ulysses_across_nodes=args.ulysses_across_nodes,
-    )
+    cluster = Cluster(**{f.name: getattr(args, f.name) for f in fields(Cluster)})
     return cluster.with_calibration(load_calibration(args.calibration)) if args.calibration else cluster
 
 

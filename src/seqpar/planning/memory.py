@@ -14,7 +14,7 @@ from seqpar.planning.timing import Layout
 __all__ = ["DTYPES", "DTYPE_BYTES", "estimate_layout"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 
 
 def estimate_layout(

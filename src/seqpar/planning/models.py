@@ -113,7 +113,6 @@ def shape_from_config(config: dict, source: str = "") -> ModelShape:
         d = model_dims(config, 1)
     except SeqparInputError as error:
         raise SeqparInputError(f"model config {source}: {error}") from None
-    config = config.get("text_config", config)
     return ModelShape(
         hidden_size=d.hidden,
         intermediate_size=d.intermediate,
@@ -121,9 +120,9 @@ def shape_from_config(config: dict, source: str = "") -> ModelShape:
         num_attention_heads=d.heads,
         num_key_value_heads=d.kv_heads,
         vocab_size=d.vocab,
-        head_dim=config.get("head_dim") or 0,
+        head_dim=d.q_width // d.heads,
         tie_word_embeddings=d.tied,
-        model_type=str(config.get("model_type", "llama")),
+        model_type=str(config.get("text_config", config).get("model_type", "llama")),
         source=source,
     )
 

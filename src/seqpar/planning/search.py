@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from seqpar.errors import SeqparInputError
@@ -15,16 +14,18 @@ from seqpar.planning.cluster import Cluster
 from seqpar.planning.memory import DTYPE_BYTES, estimate_layout
 from seqpar.planning.models import ModelShape, load_model_shape
 from seqpar.planning.timing import FEATURES, Layout, StepTime, model_flops, step_time
-from seqpar.strategies.policy import kv_head_repeats
+from seqpar.strategies.policy import ulysses_heads_problem
 
 __all__ = ["Candidate", "Plan", "Rejection", "plan"]
 
 DP_MODES = ("fsdp", "replicate")
 # Offload moves the checkpointed hidden states: without checkpointing there are none.
 FEATURE_SETS = tuple(
-    tuple(f for f, on in zip(FEATURES, bits, strict=True) if on)
-    for bits in itertools.product((0, 1), repeat=len(FEATURES))
-    if not (bits[3] and not bits[0])
+    features
+    for features in (
+        tuple(itertools.compress(FEATURES, bits)) for bits in itertools.product((0, 1), repeat=len(FEATURES))
+    )
+    if "checkpointing" in features or "offload" not in features
 )
 
 
@@ -117,10 +118,8 @@ def _strategies(model: ModelShape, sp: int, tp: int, cluster: Cluster):
     heads, kv = model.num_attention_heads // tp, max(1, model.num_key_value_heads // tp)
     for u in _divisors(sp)[1:]:
         name = "ulysses" if u == sp else "hybrid"
-        problem = None
-        if kv_head_repeats(heads, kv, u) is None:
-            problem = f"{heads} query / {kv} KV heads per tp rank do not split over ulysses {u}"
-        elif u * tp > cluster.gpus_per_node and not cluster.ulysses_across_nodes:
+        problem = ulysses_heads_problem(heads, kv, u, f"{name} at tp {tp}")
+        if problem is None and u * tp > cluster.gpus_per_node and not cluster.ulysses_across_nodes:
             problem = f"ulysses {u} x tp {tp} spans nodes of {cluster.gpus_per_node}"
         yield name, u, problem
 
@@ -138,7 +137,6 @@ def plan(
     micro_batch: int = 1,
     dtype: str = "bf16",
     dp_modes: tuple[str, ...] = DP_MODES,
-    memory: Callable[..., MemoryEstimate] | None = None,
 ) -> Plan:
     """Every valid (dp, sp, ulysses, tp, strategy, features, dp mode) for ``model`` on ``cluster``, ranked.
 
@@ -149,8 +147,6 @@ def plan(
         micro_batch: sequences per data-parallel replica per step.
         dtype: bf16, fp16 or fp32.
         dp_modes: how parameters are held over the dp x sp ranks: any of fsdp, replicate, ddp.
-        memory: per-rank memory as ``memory(model, seq_len, layout, dtype=, micro_batch=)``; default the
-            memory estimator (``seqpar.planning.memory.estimate_layout``).
 
     Returns:
         The plan: fitting layouts fastest first, rejected families with reasons.
@@ -181,7 +177,7 @@ def plan(
                     if problem:
                         result.rejected.append(Rejection(_family(layout), problem))
                     else:
-                        _try_features(result, layout, memory or estimate_layout)
+                        _try_features(result, layout)
     # ties to 6 digits (FSDP's hidden gathers make totals equal up to rounding) go to fewer features
     result.candidates.sort(
         key=lambda c: (-float(f"{c.tokens_per_s_per_gpu:.6g}"), len(c.layout.features), c.peak_bytes)
@@ -189,12 +185,14 @@ def plan(
     return result
 
 
-def _try_features(result: Plan, family: Layout, memory: Callable[..., MemoryEstimate]) -> None:
+def _try_features(result: Plan, family: Layout) -> None:
     """Add every feature set of ``family`` that fits to ``result``; if none does, record why."""
     budget, smallest = result.cluster.memory_bytes, None
     for features in FEATURE_SETS:
         layout = Layout(family.dp, family.sp, family.ulysses, family.tp, family.strategy, features, family.dp_mode)
-        estimate = memory(result.model, result.seq_len, layout, dtype=result.dtype, micro_batch=result.micro_batch)
+        estimate = estimate_layout(
+            result.model, result.seq_len, layout, dtype=result.dtype, micro_batch=result.micro_batch
+        )
         peak = estimate.peak
         result.considered += 1
         smallest = peak if smallest is None else min(smallest, peak)

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from seqpar.errors import SeqparInputError
+from seqpar.memory import FEATURES
 from seqpar.planning.cluster import Cluster
 from seqpar.planning.models import ModelShape
+from seqpar.strategies.policy import kv_head_repeats, ulysses_heads_problem
 
 __all__ = ["FEATURES", "Layout", "StepTime", "model_flops", "step_time"]
-
-FEATURES = ("checkpointing", "chunked_loss", "tiled_mlp", "offload")
 
 # Note [plan time model]
 # One step is forward + backward of ``micro_batch`` sequences of ``seq_len`` tokens per data-parallel
@@ -120,9 +121,12 @@ def _matmul_seconds(model: ModelShape, tokens: float, layout: Layout, cluster: C
     return 2.0 * tokens * (layers + head) / cluster.matmul_flops
 
 
-def _sent_kv_heads(kv_heads: int, degree: int) -> int:
+def _sent_kv_heads(heads: int, kv_heads: int, degree: int) -> int:
     """KV heads on the wire around an all-to-all over ``degree`` ranks (too few to divide are copied up)."""
-    return kv_heads if kv_heads % degree == 0 else degree
+    repeats = kv_head_repeats(heads, kv_heads, degree)
+    if repeats is None:
+        raise SeqparInputError(ulysses_heads_problem(heads, kv_heads, degree, "the layout's ulysses axis"))
+    return kv_heads * repeats
 
 
 def step_time(
@@ -140,6 +144,9 @@ def step_time(
 
     Returns:
         The seconds by part.
+
+    Raises:
+        SeqparInputError: heads (per tp rank) that the layout's ulysses degree cannot split.
     """
     layers, ckpt = model.num_hidden_layers, "checkpointing" in layout.features
     tokens = micro_batch * seq_len / layout.sp  # on this rank
@@ -148,14 +155,14 @@ def step_time(
     q_bytes = heads * tokens * d * e
 
     def kv_bytes(degree: int, elem: int = e) -> float:
-        return _sent_kv_heads(kv, degree) * tokens * d * elem
+        return _sent_kv_heads(heads, kv, degree) * tokens * d * elem
 
     forward = _attention_flops(model, seq_len, micro_batch) / (layout.sp * layout.tp) / layers
     attention = forward * (3.5 + ckpt) / cluster.attention_flops  # per layer
     a2a = gather = 0.0
     if u > 1:
         # head groups (more than one KV head per rank after the exchange) resend q, k, v, out; hybrid has none
-        tensors = 6 if layout.strategy == "ulysses" and _sent_kv_heads(kv, u) > u else 4
+        tensors = 6 if layout.strategy == "ulysses" and _sent_kv_heads(heads, kv, u) > u else 4
         moved = (u - 1) / u * (tensors + 2 * ckpt) * (q_bytes + kv_bytes(u))
         a2a = moved / cluster.link(u * layout.tp)
     if r > 1 and layout.strategy == "allgather":

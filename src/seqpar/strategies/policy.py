@@ -7,7 +7,14 @@ from __future__ import annotations
 
 from seqpar.mesh import SequenceParallelMesh
 
-__all__ = ["STRATEGIES", "kv_head_repeats", "resolve_strategy", "ulysses_degrees", "ulysses_heads_problem"]
+__all__ = [
+    "STRATEGIES",
+    "kv_head_repeats",
+    "resolve_strategy",
+    "resolve_strategy_for",
+    "ulysses_degrees",
+    "ulysses_heads_problem",
+]
 
 STRATEGIES = ("ulysses", "ring", "allgather", "hybrid", "auto")
 
@@ -89,11 +96,27 @@ def resolve_strategy(strategy: str, heads: int, kv_heads: int, mesh: SequencePar
     Returns:
         "hybrid", "ulysses" or "ring" for "auto"; ``strategy`` itself otherwise.
     """
+    return resolve_strategy_for(strategy, heads, kv_heads, mesh.sp_size, mesh.ulysses_size)
+
+
+def resolve_strategy_for(strategy: str, heads: int, kv_heads: int, sp_size: int, ulysses_size: int) -> str:
+    """``resolve_strategy`` for degrees given as numbers, with no mesh (for predictions before any rank starts).
+
+    Args:
+        strategy: a name from ``STRATEGIES``.
+        heads: query heads.
+        kv_heads: key/value heads.
+        sp_size: the sequence-parallel degree.
+        ulysses_size: the all-to-all degree inside it (1 on a flat mesh).
+
+    Returns:
+        "hybrid", "ulysses" or "ring" for "auto"; ``strategy`` itself otherwise.
+    """
     if strategy != "auto":
         return strategy
     allowed = ulysses_degrees(heads, kv_heads)
-    if 1 < mesh.ulysses_size < mesh.sp_size and mesh.ulysses_size in allowed:
+    if 1 < ulysses_size < sp_size and ulysses_size in allowed:
         return "hybrid"
-    if mesh.sp_size in allowed:
+    if sp_size in allowed:
         return "ulysses"
     return "ring"
