@@ -11,7 +11,7 @@ from seqpar.errors import SeqparInputError
 from seqpar.memory import MemoryEstimate, estimate_memory
 from seqpar.train.config import TrainConfig
 
-__all__ = ["check_memory", "train_estimate"]
+__all__ = ["check_memory", "memory_features", "train_estimate"]
 
 _MB = 2**20
 _FLAGS = {
@@ -22,7 +22,8 @@ _FLAGS = {
 }
 
 
-def _features(config: TrainConfig) -> tuple[str, ...]:
+def memory_features(config: TrainConfig) -> tuple[str, ...]:
+    """The memory features ``config`` switches on, as ``seqpar.estimate_memory`` names them."""
     chosen = {
         "checkpointing": config.activation_checkpointing,
         "chunked_loss": config.loss_chunk > 0,
@@ -33,7 +34,12 @@ def _features(config: TrainConfig) -> tuple[str, ...]:
 
 
 def train_estimate(
-    config: TrainConfig, model_config: object, *, sp: int | None = None, features: tuple[str, ...] | None = None
+    config: TrainConfig,
+    model_config: object,
+    *,
+    sp: int | None = None,
+    features: tuple[str, ...] | None = None,
+    keep_gradients: bool = False,
 ) -> MemoryEstimate:
     """The per-rank estimate of one optimizer step of ``config`` (a micro-batch's activations).
 
@@ -45,6 +51,7 @@ def train_estimate(
         model_config: the transformers config of the run's model.
         sp: another sequence-parallel degree to estimate instead of ``config.sp``.
         features: another feature set instead of the one ``config`` switches on.
+        keep_gradients: gradients live between steps (``estimate_memory``'s option of that name).
 
     Returns:
         The ``MemoryEstimate``.
@@ -63,11 +70,12 @@ def train_estimate(
         tp_size=config.tp,
         dtype=torch.float32 if config.precision == "fp32" else torch.bfloat16,
         micro_batch=config.batch_size // config.grad_accum,
-        features=_features(config) if features is None else features,
+        features=memory_features(config) if features is None else features,
         strategy=config.strategy,
         dp_mode=config.dp_mode,
         loss_chunk=config.loss_chunk or 1024,
         mlp_chunk=config.tiled_mlp_chunk,
+        keep_gradients=keep_gradients,
     )
 
 
@@ -118,7 +126,7 @@ def check_memory(config: TrainConfig, model_config: object) -> str:
             ways.append(f"--sp {sp} ({peak / _MB:.0f} MiB)")
             break
         sp *= 2
-    have = _features(config)
+    have = memory_features(config)
     for name in (f for f in _FLAGS if f not in have and (f != "offload" or torch.cuda.is_available())):
         if peak := _fits(config, model_config, budget, features=(*have, name)):
             ways.append(f"{_FLAGS[name]} ({peak / _MB:.0f} MiB)")
