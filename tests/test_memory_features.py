@@ -103,6 +103,33 @@ def test_plain_mlp_keeps_one_chunk_of_intermediates_and_matches():
     assert max(rows) == 16, rows
 
 
+def test_plain_mlp_under_autocast_recomputes_in_the_forward_dtype():
+    """bf16 autocast on the CPU: the backward's recomputation runs under the forward's autocast state."""
+    torch.manual_seed(0)
+    ref = _PlainMLP()
+    mlp = tiled_mlp(copy.deepcopy(ref), 16)
+    dtypes = []
+    mlp.body[0].register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
+    x, dout = torch.randn(3, 20, 12), torch.randn(3, 20, 12)
+
+    def run(model):
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = (model(xi) * dout).sum()
+        loss.backward()  # outside autocast, as a training loop calls it
+        return loss.detach(), xi.grad, [p.grad for p in model.parameters()]
+
+    want, got = run(ref), run(mlp)
+    assert dtypes == [torch.bfloat16] * 8  # 60 tokens in 4 chunks: in the forward and again in the backward
+    torch.testing.assert_close(got[0], want[0], rtol=RTOL, atol=0)
+    # the input gradient is computed row by row in bf16 in both (recomputed in fp32 it is 0.6% off)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-3, atol=1e-5)
+    # bf16 tolerance: each chunk's weight gradient is rounded to bf16 before the chunks are summed
+    for (name, _), p, q in zip(ref.named_parameters(), want[2], got[2], strict=True):
+        tol = {"rtol": 1.6e-2, "atol": 1e-2 * p.abs().max().item()}
+        torch.testing.assert_close(q, p, **tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
 class _BatchNormMLP(nn.Module):
     def __init__(self):
         super().__init__()
@@ -224,6 +251,16 @@ def test_tiled_mlp_and_offload_under_prepare_model(world_size):
 
 
 def test_train_cli_tiled_mlp_gives_the_same_losses(tmp_path):
+    from seqpar.train.config import TrainConfig
+    from seqpar.train.model import build_model
+
+    options = dict(seq_len=192, hidden_size=32, layers=2, heads=2, activation_checkpointing=True)
+    # the flag reaches the model (the same losses below would also come from a run that ignored it)
+    built = build_model(TrainConfig(**options, tiled_mlp=True, tiled_mlp_chunk=40), 64)
+    assert [is_tiled(layer.mlp) for layer in built.model.layers] == [True, True]
+    assert built.model.layers[0].mlp.forward.chunk_tokens == 40
+    plain_built = build_model(TrainConfig(**options), 64)
+    assert not any(is_tiled(m) for m in plain_built.modules())
     common = [*TINY, "--steps", "2", "--eval-examples", "2", "--activation-checkpointing"]
     bad = seqpar_train(*TINY, "--offload-activations", "--run-dir", str(tmp_path / "bad"))
     assert bad.returncode != 0 and "add --activation-checkpointing" in bad.stderr, bad.stderr

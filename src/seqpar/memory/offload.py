@@ -60,7 +60,7 @@ class CheckpointOffload:
         self.offloaded_bytes = 0
         """Bytes moved to the host so far."""
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._open: list[tuple[object, torch.Tensor | None]] = []
+        self._open: list[object | None] = []  # the saved-tensor hooks each open layer call entered
         self._last: _Saved | None = None
 
     def attach(self, layer: nn.Module) -> list:
@@ -74,14 +74,14 @@ class CheckpointOffload:
         checkpointed = getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled()
         hidden = args[0] if args else kwargs.get("hidden_states")
         if not checkpointed or not isinstance(hidden, torch.Tensor):
-            self._open.append((None, None))
+            self._open.append(None)
             return
         hooks = torch.autograd.graph.saved_tensors_hooks(self.pack_for(hidden), self.unpack)
         hooks.__enter__()
-        self._open.append((hooks, hidden))
+        self._open.append(hooks)
 
     def _exit(self, layer: nn.Module, args: tuple, output: object) -> None:
-        hooks, _ = self._open.pop()
+        hooks = self._open.pop()
         if hooks is not None:
             hooks.__exit__(None, None, None)
 
@@ -205,7 +205,7 @@ def apply_activation_offload(model: nn.Module) -> bool:
     Raises:
         SeqparInputError: no decoder layers, or activation checkpointing not enabled on all of them.
     """
-    layers = _checkpointed_layers(model)
+    _checkpointed_layers(model)  # refuses a model without checkpointing with or without CUDA
     if not torch.cuda.is_available():
         warnings.warn(
             "activation offload does nothing without CUDA: the checkpointed hidden states stay in CPU memory",
@@ -214,7 +214,5 @@ def apply_activation_offload(model: nn.Module) -> bool:
         return False
     # installed while the model may still be on the CPU (seqpar train moves it after building it):
     # hidden states are offloaded only when they are on a CUDA device
-    offload = CheckpointOffload()
-    for layer in layers:
-        offload.attach(layer)
+    offload_layer_inputs(model)
     return True

@@ -128,29 +128,24 @@ class _TiledFunction(torch.autograd.Function):
         need_x, need_params = ctx.needs_input_grad[2], ctx.needs_input_grad[3:]
         wanted = [i for i, need in enumerate(need_params) if need]
         grad_x = torch.empty_like(flat) if need_x else None
-        grads: list[torch.Tensor | None] = [None] * len(wanted)
+        param_grads: list[torch.Tensor | None] = [None] * len(need_params)
         device, enabled, dtype = ctx.autocast
         with (
             torch.enable_grad(),
             torch.autocast(device, dtype=dtype, enabled=enabled),
             _stand_ins(tiled.module) as params,
         ):
+            wanted_params = [params[i] for i in wanted]
             for start in range(0, flat.shape[0], tiled.chunk_tokens):
                 piece = flat[start : start + tiled.chunk_tokens].detach().requires_grad_(need_x)
-                inputs = ([piece] if need_x else []) + [params[i] for i in wanted]
-                if not inputs:
-                    break
                 y = tiled.run(piece, ctx.ndim)
+                inputs = [piece, *wanted_params] if need_x else wanted_params
                 found = torch.autograd.grad(y, inputs, grad_out[start : start + piece.shape[0]], allow_unused=True)
                 if need_x:
                     grad_x[start : start + piece.shape[0]] = found[0]
-                    found = found[1:]
-                for k, g in enumerate(found):
+                for i, g in zip(wanted, found[1:] if need_x else found, strict=True):
                     if g is not None:
-                        grads[k] = g if grads[k] is None else grads[k].add_(g)
-        param_grads: list[torch.Tensor | None] = [None] * len(need_params)
-        for k, i in enumerate(wanted):
-            param_grads[i] = grads[k]
+                        param_grads[i] = g if param_grads[i] is None else param_grads[i].add_(g)
         return (None, None, grad_x, *param_grads)
 
 
