@@ -35,6 +35,33 @@ def losses(run_dir, key: str = "loss") -> dict[int, float]:
     return {r["step"]: r[key] for r in records if r["kind"] == "train"}
 
 
+def _plain_accuracy(checkpoint, step: int) -> tuple[float, float]:
+    """Pass-key accuracy of a TINY run's checkpoint on its 4 eval examples, by one process: the prediction
+    at each scored position p - 1 (the model's argmax) against the token at p; and the same with the
+    prediction read one position off (p - 2), what a broken evaluation would report."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict
+
+    from seqpar.train.checkpoint import load_checkpoint
+    from seqpar.train.config import TrainConfig
+    from seqpar.train.model import build_model
+    from seqpar.train.passkey import PasskeyTask
+    from seqpar.train.tokenizer import ByteTokenizer
+
+    model = build_model(TrainConfig(hidden_size=32, layers=1, heads=2, seq_len=192), 258)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state, "scheduler": scheduler.state_dict()}
+    assert load_checkpoint(str(checkpoint), state) == step
+    set_model_state_dict(model, state["model"])
+    ids, answers = PasskeyTask(ByteTokenizer(), 0).batch(192, list(range(4)), "eval")
+    with torch.no_grad():
+        argmax = model(input_ids=ids).logits.argmax(-1)
+    assert answers.numel() == 4 * 63
+    right, off = (argmax.gather(1, answers - k) == ids.gather(1, answers) for k in (1, 2))
+    return float(right.double().mean()), float(off.double().mean())
+
+
 def test_run_directory_resume_and_sp_degrees_agree(tmp_path):
     full, part, single = tmp_path / "full", tmp_path / "part", tmp_path / "single"
     done = seqpar_train(*TINY, "--steps", "6", "--run-dir", str(full))
@@ -52,6 +79,15 @@ def test_run_directory_resume_and_sp_degrees_agree(tmp_path):
     assert evaluation["task"] == "pass-key recitation" and evaluation["chance"] == pytest.approx(1 / 26)
     assert list(evaluation["accuracy"]) == ["192"] and 0 <= evaluation["accuracy"]["192"] <= 1
     assert evaluation["answers"] == {"192": 4 * 63}  # 4 examples, letters 129-191 of the first recitation
+    # the trainer's accuracy against one plain forward of its checkpoint, read here; after one step the
+    # model's argmax still varies along the sequence (after six it is one letter everywhere), so an
+    # evaluation reading the prediction one position off would be caught: that count differs
+    early = tmp_path / "early"
+    assert seqpar_train(*TINY, "--steps", "1", "--run-dir", str(early)).returncode == 0
+    plain, one_off = _plain_accuracy(early / "checkpoints" / "step_0000001", 1)
+    assert abs(plain - one_off) > 1 / (4 * 63)
+    reported = json.loads((early / "eval.json").read_text())["accuracy"]["192"]
+    assert abs(reported - plain) <= 1 / (4 * 63)  # at most one near-tie flipped by float rounding
 
     # stopped after 3 steps, then resumed: steps 4-6 repeat the uninterrupted run exactly
     first = seqpar_train(*TINY, "--steps", "6", "--stop-at", "3", "--run-dir", str(part))

@@ -12,18 +12,27 @@ import torch
 __all__ = ["PeakMemory", "reset_resident_peak", "resident_mb"]
 
 
-def resident_mb(field: str = "VmRSS") -> float:
+def resident_mb(field: str = "VmRSS", default: float | None = None) -> float:
     """``VmRSS`` (resident now) or ``VmHWM`` (its peak since the last reset) of this process, in MiB.
 
+    Args:
+        field: the /proc/self/status field.
+        default: returned instead of raising when the field cannot be read.
+
     Raises:
-        OSError: no /proc (not Linux).
-        RuntimeError: the field is not in /proc/self/status.
+        OSError: no /proc (not Linux), unless ``default`` is given.
+        RuntimeError: the field is not in /proc/self/status, unless ``default`` is given.
     """
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field):
+                    return int(line.split()[1]) / 1024
+        raise RuntimeError(f"{field} not in /proc/self/status")
+    except (OSError, RuntimeError):
+        if default is None:
+            raise
+        return default
 
 
 def reset_resident_peak() -> None:
@@ -50,7 +59,4 @@ class PeakMemory:
         """The peak since ``reset``, in MiB."""
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device) / 2**20
-        try:
-            return resident_mb("VmHWM")
-        except (OSError, RuntimeError):
-            return 0.0
+        return resident_mb("VmHWM", default=0.0)

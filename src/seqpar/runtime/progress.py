@@ -12,10 +12,17 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-__all__ = ["RankProgress"]
+__all__ = ["RankProgress", "lost_peer"]
+
+_LOST_PEER = ("Connection closed by peer", "Connection reset by peer")
 
 _STORE_WAIT = timedelta(seconds=5)
 """The longest one store operation may wait once a collective has failed (the store may have gone)."""
+
+
+def lost_peer(message: str) -> bool:
+    """Whether a collective's error says a peer closed its connection (it died, or gave up waiting itself)."""
+    return any(text in message for text in _LOST_PEER)
 
 
 def _ranks(ranks: list[int], singular: str, plural: str) -> str:

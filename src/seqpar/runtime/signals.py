@@ -28,7 +28,7 @@ def exit_code_for(received: signal.Signals | None) -> int:
 class StopSignals:
     """While installed, SIGTERM and SIGINT are recorded (and passed on to ``forward_to()``'s processes).
 
-    The first signal sets ``received``; later ones are counted and passed on but change nothing else, so a
+    The first signal sets ``received``; later ones are passed on but change nothing else, so a
     second Ctrl-C cannot interrupt the checkpoint being written. The previous handlers come back on exit.
     Outside the main thread (where Python cannot install handlers) it installs nothing.
     """
@@ -42,12 +42,9 @@ class StopSignals:
         self.forward_to = forward_to
         self.received: signal.Signals | None = None
         """The first signal received, or None."""
-        self.count = 0
-        """Signals received so far."""
         self._previous: dict[signal.Signals, object] = {}
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
-        self.count += 1
         if self.received is None:
             self.received = signal.Signals(signum)
         for pid in self.forward_to() if self.forward_to else []:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from seqpar.runtime.progress import lost_peer
 from seqpar.runtime.signals import StopSignals
 
 __all__ = ["spawn_ranks"]
@@ -129,23 +130,20 @@ def spawn_ranks(
     return stop.received if forward_signals else None
 
 
-_LOST_PEER = ("Connection closed by peer", "Connection reset by peer")
-
-
 def _root_cause(context: mp.ProcessContext, error: mp.ProcessRaisedException) -> mp.ProcessRaisedException:
     """The error of a rank that failed by itself, when ``error`` is only another rank losing its connection.
 
     A rank that raises closes its connections as it exits; a peer waiting in a collective then fails too, and
     the launcher may see that peer first. Every failed rank leaves its traceback in its error file.
     """
-    if not any(text in str(error) for text in _LOST_PEER):
+    if not lost_peer(str(error)):
         return error
     for rank, path in enumerate(context.error_files):
         if rank == error.error_index or not path or not os.path.isfile(path) or not os.path.getsize(path):
             continue
         with open(path, "rb") as f:
             trace = pickle.load(f)  # a traceback string, written by torch in our own rank process
-        if not any(text in trace for text in _LOST_PEER):
+        if not lost_peer(trace):
             message = f"\n\n-- Process {rank:d} terminated with the following error:\n{trace}"
             return mp.ProcessRaisedException(message, rank, context.processes[rank].pid)
     return error

@@ -24,15 +24,14 @@ import torch
 import torch.distributed as dist
 
 import seqpar
-from seqpar.errors import SeqparInputError
 from seqpar.runtime.memory import PeakMemory, resident_mb
-from seqpar.runtime.progress import RankProgress
+from seqpar.runtime.progress import RankProgress, lost_peer
 from seqpar.runtime.signals import StopSignals
 from seqpar.train.checkpoint import save_checkpoint
 from seqpar.train.config import TrainConfig
 from seqpar.train.evaluate import evaluate_passkey
 from seqpar.train.metrics import MetricsWriter, plot_metrics
-from seqpar.train.state import RunState, banner, checkpoint_state, set_up_run
+from seqpar.train.state import RunState, banner, checkpoint_state, run_layout, set_up_run
 from seqpar.train.step import StepResult, optimizer_step
 
 if TYPE_CHECKING:
@@ -56,11 +55,8 @@ def _say(bar: tqdm | None, line: str) -> None:
     (bar.write if bar is not None else print)(line)
 
 
-_LOST_PEER = ("Connection closed by peer", "Connection reset by peer")
-
-
 @contextlib.contextmanager
-def _doing(run: RunState, progress: RankProgress, what: str) -> Iterator[None]:
+def _doing(config: TrainConfig, progress: RankProgress, what: str) -> Iterator[None]:
     """Record ``what`` as this rank's phase, and re-raise a collective's failure (a timeout, a lost peer)
     saying which rank failed while doing what and which ranks are stalled or dead and where they were
     (``RankProgress.stalled``, which first waits up to five seconds for the other ranks to fail too, less
@@ -68,30 +64,16 @@ def _doing(run: RunState, progress: RankProgress, what: str) -> Iterator[None]:
     progress.mark(what)
     try:
         yield
-    except RuntimeError as error:
-        if isinstance(error, SeqparInputError):
-            raise
+    except RuntimeError as error:  # SeqparInputError is a ValueError: it passes through as it is
         first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
         timed_out = "timed out" in first.lower()
-        others = progress.stalled(min(5.0, run.config.timeout_s)) if timed_out or _lost_peer(first) else ""
+        others = progress.stalled(min(5.0, config.timeout_s)) if timed_out or lost_peer(first) else ""
         why = f" ({others})" if others else ""
         if timed_out:
-            why = f" (no answer from the other ranks within --timeout-s {run.config.timeout_s}" + (
+            why = f" (no answer from the other ranks within --timeout-s {config.timeout_s}" + (
                 f"; {others})" if others else ": a rank is stalled or dead)"
             )
-        raise RuntimeError(f"rank {run.rank} failed while {what}{why}: {first}") from error
-
-
-def _lost_peer(message: str) -> bool:
-    """Whether a collective failed because a peer closed its connection (it died, or gave up waiting)."""
-    return any(text in message for text in _LOST_PEER)
-
-
-def _resident_mb() -> float:
-    try:
-        return resident_mb("VmRSS")
-    except (OSError, RuntimeError):
-        return 0.0
+        raise RuntimeError(f"rank {progress.rank} failed while {what}{why}: {first}") from error
 
 
 def _step_record(
@@ -104,14 +86,17 @@ def _step_record(
         (the same on every rank: Note [stopping on a signal]).
     """
     config = run.config
-    stats = torch.tensor([peak_mb, seconds, _resident_mb(), float(stop)], dtype=torch.float64, device=run.device)
+    stats = torch.tensor(
+        [peak_mb, seconds, resident_mb("VmRSS", default=0.0), float(stop)], dtype=torch.float64, device=run.device
+    )
     gathered = [torch.empty_like(stats) for _ in range(run.world)]
     dist.all_gather(gathered, stats)
-    stopping = any(float(g[3]) > 0 for g in gathered)
+    table = torch.stack(gathered).cpu()  # one copy from the device, read row by row below
+    stopping = bool((table[:, 3] > 0).any())
     sums = seqpar.sum_over(torch.stack([result.loss_sum, result.answer_sum]), run.loss_group)
     if run.rank != 0:
         return None, stopping
-    step_time = max(float(g[1]) for g in gathered)  # the slowest rank sets the pace
+    step_time = float(table[:, 1].max())  # the slowest rank sets the pace
     record = {
         "kind": "train",
         "step": step + 1,
@@ -120,8 +105,8 @@ def _step_record(
         "grad_norm": float(result.grad_norm),
         "tokens_per_s": config.batch_size * config.dp * config.seq_len / step_time,
         "step_s": step_time,
-        "peak_memory_mb": [round(float(g[0]), 1) for g in gathered],
-        "resident_mb": [round(float(g[2]), 1) for g in gathered],
+        "peak_memory_mb": [round(float(mb), 1) for mb in table[:, 0]],
+        "resident_mb": [round(float(mb), 1) for mb in table[:, 2]],
     }
     if result.has_answers:
         record["answer_loss"] = float(sums[1])
@@ -150,10 +135,8 @@ def _log_step(config: TrainConfig, record: dict, writer: MetricsWriter, bar: tqd
 
 def _save(run: RunState, progress: RankProgress, steps_done: int, bar: tqdm | None) -> str:
     """Checkpoint the model, optimizer and schedule after ``steps_done`` steps (collective); returns its path."""
-    config = run.config
-    layout = {"dp": config.dp, "sp": config.sp, "tp": config.tp, "dp_mode": config.dp_mode, "world": run.world}
-    with _doing(run, progress, f"saving the checkpoint of step {steps_done}"):
-        path = save_checkpoint(run.checkpoint_dir, steps_done, checkpoint_state(run), layout)
+    with _doing(run.config, progress, f"saving the checkpoint of step {steps_done}"):
+        path = save_checkpoint(run.checkpoint_dir, steps_done, checkpoint_state(run), run_layout(run.config))
     if run.rank == 0:
         _say(bar, f"checkpoint: {path}")
     return path
@@ -173,12 +156,12 @@ def _train_steps(
     for step in range(run.start, end):
         memory.reset()
         began = time.perf_counter()
-        with _doing(run, progress, f"optimizer step {step + 1}"):
+        with _doing(run.config, progress, f"optimizer step {step + 1}"):
             result = optimizer_step(run, step)
         seconds = time.perf_counter() - began
         if step == run.start and run.rank == 0:  # what attention ran, now that it has run
             _say(bar, banner(config, run.model, run.mesh))
-        with _doing(run, progress, f"gathering the metrics of step {step + 1}"):
+        with _doing(run.config, progress, f"gathering the metrics of step {step + 1}"):
             record, stopping = _step_record(run, step, result, memory.peak_mb(), seconds, stop.received is not None)
         if record is not None:
             _log_step(config, record, writer, bar, end)
@@ -221,21 +204,15 @@ def train_rank(config: TrainConfig, run_dir: str) -> signal.Signals | None:
     """
     with StopSignals() as stop:
         progress = RankProgress(interrupted=lambda: stop.received is not None)
-        progress.mark("setting up the run")
-        try:
+        with _doing(config, progress, "setting up the run"):
             run = set_up_run(config, run_dir)
-        except RuntimeError as error:
-            if isinstance(error, SeqparInputError):
-                raise
-            first = (str(error).strip().splitlines() or [""])[0][:300]
-            raise RuntimeError(f"rank {dist.get_rank()} failed while setting up the run: {first}") from error
         writer = MetricsWriter(run_dir, run.start) if run.rank == 0 else None
         bar = _progress_bar(config, run.start) if run.rank == 0 and config.progress else None
         stopped = _train_steps(run, stop, progress, writer, bar)
         if bar is not None:
             bar.close()
         if stopped is None and (config.stop_at or config.steps) == config.steps and run.source.passkey is not None:
-            with _doing(run, progress, "evaluating"):
+            with _doing(run.config, progress, "evaluating"):
                 evaluate_passkey(run, writer)
         if writer is not None:
             writer.close()

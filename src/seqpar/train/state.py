@@ -25,7 +25,15 @@ from seqpar.train.data import FileRows, load_tokenizer
 from seqpar.train.model import build_model
 from seqpar.train.passkey import PasskeyTask
 
-__all__ = ["RunState", "TrainSource", "answer_shift_labels", "banner", "checkpoint_state", "set_up_run"]
+__all__ = [
+    "RunState",
+    "TrainSource",
+    "answer_shift_labels",
+    "banner",
+    "checkpoint_state",
+    "run_layout",
+    "set_up_run",
+]
 
 
 def answer_shift_labels(input_ids: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
@@ -229,6 +237,11 @@ def _resume(run: RunState) -> int:
     return start
 
 
+def run_layout(config: TrainConfig) -> dict:
+    """The parallel layout a checkpoint records, so that a resume elsewhere can say what it resharded from."""
+    return {"dp": config.dp, "sp": config.sp, "tp": config.tp, "dp_mode": config.dp_mode}
+
+
 def _resharding(run: RunState, written: dict) -> str:
     """ " (written at ...; resharded to ...)" when the checkpoint's layout differs from this run's, else ""."""
     config = run.config
@@ -236,7 +249,7 @@ def _resharding(run: RunState, written: dict) -> str:
     def describe(layout: dict) -> str:
         return f"dp {layout['dp']} x sp {layout['sp']} x tp {layout['tp']}, {layout['dp_mode']}"
 
-    now = {"dp": config.dp, "sp": config.sp, "tp": config.tp, "dp_mode": config.dp_mode}
+    now = run_layout(config)
     if not written or all(written.get(key) == value for key, value in now.items()):
         return ""
     return f" (written at {describe(written)}; resharded to {describe(now)})"
