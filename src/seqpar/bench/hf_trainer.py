@@ -34,7 +34,7 @@ import transformers
 import seqpar
 import seqpar.hf
 from seqpar.bench.llama_step import llama_config
-from seqpar.runtime.measure import MEMORY_RUN_ENV
+from seqpar.runtime.measure import MEMORY_RUN_ENV, write_slowest
 from seqpar.runtime.memory import reset_resident_peak, resident_mb
 
 MODES = ("pair", "trainer_sp", "loop_sp", "trainer_one")
@@ -154,16 +154,16 @@ def _trainer_worker(cfg: dict, out: str, mode: str) -> None:
         trainer.train()
         first_loss = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
     seconds = statistics.median(meter.times) if meter.times else 0.0
-    record, rank = {"growth_mb": meter.growth, "first_loss": first_loss, "seconds": seconds}, 0
-    if mode == "pair":
-        record.update(trainer_s=_slowest_steps(meter.times), own_s=_slowest_steps(meter.own_times[1:]))
-        record["own_first_loss"] = meter.own.first_loss
-    if dist.is_initialized():
-        record["growth_mb"], rank = _slowest_steps([meter.growth])[0], dist.get_rank()
-        dist.destroy_process_group()
-    if rank == 0:
+    if not dist.is_initialized():  # the one-process Trainer
         with open(out, "w") as f:
-            json.dump(record, f)
+            json.dump({"growth_mb": meter.growth, "first_loss": first_loss, "seconds": seconds}, f)
+        return
+    extra = {"first_loss": first_loss}
+    if mode == "pair":
+        extra.update(trainer_s=_slowest_steps(meter.times), own_s=_slowest_steps(meter.own_times[1:]))
+        extra["own_first_loss"] = meter.own.first_loss
+    write_slowest(out, seconds, meter.growth, **extra)  # the slowest rank's time, the largest growth
+    dist.destroy_process_group()
 
 
 def _launch(mode: str, cfg: dict, out: str, memory: bool) -> dict:

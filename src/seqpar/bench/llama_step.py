@@ -21,6 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -45,8 +46,27 @@ def llama_config(cfg: dict, max_positions: int) -> dict:
     }
 
 
-def train_step(model, opt: torch.optim.Optimizer, shard: dict, mesh, loss_chunk: int) -> torch.Tensor:
-    """One AdamW step of a prepared model on a sharded batch; returns this rank's share of the loss."""
+def train_step(
+    model,
+    opt: torch.optim.Optimizer,
+    shard: dict,
+    mesh,
+    loss_chunk: int,
+    *,
+    set_to_none: bool = True,
+    after_forward: Callable[[], None] | None = None,
+) -> torch.Tensor:
+    """One AdamW step of a prepared model on a sharded batch; returns this rank's share of the loss.
+
+    Args:
+        model, opt: the prepared model and its optimizer.
+        shard: this rank's ``seqpar.shard_batch`` shard.
+        mesh: the SP mesh (the loss normaliser and the gradient sum run over its SP group).
+        loss_chunk: tokens per piece of ``lm_head_cross_entropy``; 0: whole logits.
+        set_to_none: free the gradients after the update (True) or zero them in place, as DDP and FSDP keep
+            their gradient buffers (False).
+        after_forward: called between the forward and the backward (a memory reading).
+    """
     inputs = {"input_ids": shard["input_ids"], "position_ids": shard["position_ids"]}
     if loss_chunk:  # logits made and dropped piece by piece
         hidden = model.get_decoder()(**inputs).last_hidden_state
@@ -56,10 +76,12 @@ def train_step(model, opt: torch.optim.Optimizer, shard: dict, mesh, loss_chunk:
         logits = model(**inputs).logits
         loss = seqpar.cross_entropy(logits, shard["shift_labels"], mesh)
         del logits
+    if after_forward is not None:
+        after_forward()
     loss.backward()
     seqpar.reduce_gradients(model.parameters(), mesh)
     opt.step()
-    opt.zero_grad(set_to_none=True)
+    opt.zero_grad(set_to_none=set_to_none)
     return loss.detach()
 
 

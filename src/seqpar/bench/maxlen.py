@@ -30,11 +30,13 @@ import torch
 import torch.distributed as dist
 
 import seqpar
+from seqpar.bench.llama_step import train_step
 from seqpar.bench.maxlen_report import LADDER, plot, table
 from seqpar.runtime.measure import MEMORY_RUN_ENV, write_slowest
 from seqpar.runtime.memory import reset_resident_peak, resident_mb
 from seqpar.runtime.spawn import spawn_ranks
 from seqpar.train.config import TrainConfig
+from seqpar.train.fit import train_estimate
 from seqpar.train.model import build_model, model_config
 
 __all__ = ["LADDER", "add_model_arguments", "feature_model", "feature_step", "main", "rung_features"]
@@ -48,6 +50,8 @@ def rung_features(rung: str) -> tuple[str, ...]:
 
 
 def _train_config(cfg: dict, seq: int) -> TrainConfig:
+    """The bench's model and features as ``seqpar train`` settings (one sequence per micro-batch)."""
+    features = cfg["features"]
     return TrainConfig(
         model=cfg["model"],
         hidden_size=cfg["hidden"],
@@ -55,38 +59,22 @@ def _train_config(cfg: dict, seq: int) -> TrainConfig:
         heads=cfg["heads"],
         seq_len=seq,
         eval_lengths=[seq],
-        activation_checkpointing="checkpointing" in cfg["features"],
+        batch_size=1,
+        grad_accum=1,
+        strategy=cfg["strategy"],
+        activation_checkpointing="checkpointing" in features,
+        loss_chunk=cfg["loss_chunk"] if "chunked_loss" in features else 0,
+        tiled_mlp="tiled_mlp" in features,
+        tiled_mlp_chunk=cfg["mlp_chunk"],
+        offload_activations="offload" in features,
     )
 
 
-def feature_step(model, opt, shard: dict, mesh, cfg: dict, sizes: dict | None = None) -> torch.Tensor:
-    """One training step with ``cfg["features"]``, gradients zeroed in place after the update.
-
-    Args:
-        model, opt: from ``feature_model`` and an optimizer over its parameters.
-        shard: this rank's ``seqpar.shard_batch`` shard.
-        mesh: the SP mesh.
-        cfg: the bench configuration (``features``, ``loss_chunk``, ``device``).
-        sizes: when given, receives ``"forward"``: the memory held after the forward, in MiB.
-
-    Returns:
-        This rank's share of the loss, detached.
-    """
-    inputs = {"input_ids": shard["input_ids"], "position_ids": shard["position_ids"]}
-    labels = shard["shift_labels"]
-    if "chunked_loss" in cfg["features"]:
-        hidden = model.get_decoder()(**inputs).last_hidden_state
-        loss = seqpar.lm_head_cross_entropy(hidden, model.lm_head, labels, mesh, chunk_size=cfg["loss_chunk"])
-        del hidden
-    else:
-        loss = seqpar.cross_entropy(model(**inputs).logits, labels, mesh)
-    if sizes is not None:
-        sizes["forward"] = _held(cfg["device"])
-    loss.backward()
-    seqpar.reduce_gradients(model.parameters(), mesh)
-    opt.step()
-    opt.zero_grad(set_to_none=False)  # gradients live between steps, as DDP's and FSDP's buffers do
-    return loss.detach()
+def feature_step(model, opt, shard: dict, mesh, cfg: dict, after_forward=None) -> torch.Tensor:
+    """``llama_step.train_step`` with ``cfg["features"]``' loss, gradients zeroed in place (they live between
+    steps, as DDP's and FSDP's buffers do); ``after_forward`` as there. Returns this rank's loss share."""
+    chunk = cfg["loss_chunk"] if "chunked_loss" in cfg["features"] else 0
+    return train_step(model, opt, shard, mesh, chunk, set_to_none=False, after_forward=after_forward)
 
 
 def _held(device: str) -> float:
@@ -94,22 +82,18 @@ def _held(device: str) -> float:
 
 
 def feature_model(cfg: dict, mesh, device: torch.device) -> torch.nn.Module:
-    """The bench's model (``seqpar train``'s build, seed 0) with ``cfg["features"]`` applied, prepared on ``mesh``.
+    """The bench's model as ``seqpar train`` builds it (seed 0, ``cfg["features"]`` applied), prepared on ``mesh``.
 
     Args:
-        cfg: the bench configuration (model sizes, ``seq``, ``features``, ``mlp_chunk``, ``strategy``).
+        cfg: the bench configuration (model sizes, ``seq``, ``features``, ``loss_chunk``, ``mlp_chunk``,
+            ``strategy``).
         mesh: the SP mesh.
         device: where the model lives.
 
     Returns:
         The prepared model.
     """
-    torch.manual_seed(0)
     model = build_model(_train_config(cfg, cfg["seq"]), cfg["vocab"])
-    if "tiled_mlp" in cfg["features"]:
-        seqpar.apply_tiled_mlp(model, chunk_tokens=cfg["mlp_chunk"])
-    if "offload" in cfg["features"]:
-        seqpar.apply_activation_offload(model)
     return seqpar.prepare_model(model.to(device), mesh, strategy=cfg["strategy"])
 
 
@@ -132,7 +116,7 @@ def _worker(rank: int, world_size: int, cfg: dict, out_path: str) -> None:
         torch.cuda.reset_peak_memory_stats()
     else:
         reset_resident_peak()
-    feature_step(model, opt, shard, mesh, cfg, sizes)
+    feature_step(model, opt, shard, mesh, cfg, lambda: sizes.update(forward=_held(cfg["device"])))
     peak = torch.cuda.max_memory_allocated() / _MB if cfg["device"] == "cuda" else resident_mb("VmHWM")
     write_slowest(out_path, 0.0, peak - before, forward_mb=sizes["forward"] - before)
 
@@ -149,18 +133,9 @@ def _probe(cfg: dict, sp: int, seq: int, tmp: str) -> dict:
 
 
 def _estimate_mb(cfg: dict, sp: int, seq: int, features: tuple[str, ...]) -> float:
-    """``seqpar.estimate_memory``'s step growth (peak minus parameters and optimizer state), in MiB."""
-    config = model_config(_train_config({**cfg, "features": features}, seq), cfg["vocab"])
-    estimate = seqpar.estimate_memory(
-        config,
-        seq,
-        sp_size=sp,
-        features=features,
-        strategy=cfg["strategy"],
-        loss_chunk=cfg["loss_chunk"],
-        mlp_chunk=cfg["mlp_chunk"],
-        keep_gradients=True,
-    )
+    """``seqpar train``'s estimate of this step's growth above what lives between steps, in MiB."""
+    settings = _train_config({**cfg, "features": features}, seq)
+    estimate = train_estimate(settings, model_config(settings, cfg["vocab"]), sp=sp, keep_gradients=True)
     return estimate.step_peak / _MB
 
 

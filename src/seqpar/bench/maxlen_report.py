@@ -5,7 +5,10 @@ The records come from ``seqpar.bench.maxlen`` (one per sp degree and rung of ``L
 
 from __future__ import annotations
 
-LADDER = ("none", "checkpointing", "chunked_loss", "tiled_mlp", "offload")
+from seqpar.memory import FEATURES
+
+LADDER = ("none", *FEATURES)
+"""Rungs of the ladder: none, then each memory feature added to the ones before it."""
 
 __all__ = ["LADDER", "plot", "table"]
 
