@@ -143,7 +143,8 @@ class _TiledFunction(torch.autograd.Function):
                 found = torch.autograd.grad(y, inputs, grad_out[start : start + piece.shape[0]], allow_unused=True)
                 if need_x:
                     grad_x[start : start + piece.shape[0]] = found[0]
-                for i, g in zip(wanted, found[1:] if need_x else found, strict=True):
+                    found = found[1:]  # drop the chunk's input gradient now, not after the next chunk's backward
+                for i, g in zip(wanted, found, strict=True):
                     if g is not None:
                         param_grads[i] = g if param_grads[i] is None else param_grads[i].add_(g)
         return (None, None, grad_x, *param_grads)
