@@ -16,6 +16,7 @@ import torch
 import transformers
 
 from tests.hf_scripts.common import CASES, STEPS, documents, model
+from tests.hf_scripts.upstream import UPSTREAM
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BIN = pathlib.Path(sys.executable).parent
@@ -40,6 +41,7 @@ def out(tmp_path_factory) -> pathlib.Path:
     """One-process references of every case (one interpreter, no seqpar imported)."""
     path = tmp_path_factory.mktemp("hf")
     _launch([sys.executable, "-m", "tests.hf_scripts.reference", str(path), *REFERENCES])
+    _launch([sys.executable, "-m", "tests.hf_scripts.upstream", str(path), *UPSTREAM])
     return path
 
 
@@ -61,6 +63,7 @@ def two_ranks(out) -> pathlib.Path:
             "resume",
             "accelerate_loop",
             "control_unscaled",
+            *(n for n, (_, _, dp) in UPSTREAM.items() if dp == 1),
         )
     )
     return out
@@ -70,6 +73,7 @@ def two_ranks(out) -> pathlib.Path:
 def more_ranks(out) -> pathlib.Path:
     for world in (3, 4):
         names = [n for n, c in CASES.items() if c.world == world]
+        names += [n for n, (_, _, dp) in UPSTREAM.items() if world == 4 and dp == 2]  # dp 2 x sp 2
         _launch(_torchrun(world, "-m", "tests.hf_scripts.parallel", str(out), *names))
     return out
 
@@ -241,3 +245,62 @@ def test_examples_train(tmp_path, script, launcher):
     assert record["sp"] == 2 and record["steps"] == 4  # both processes share each sequence
     losses = [record["first_loss"], record["last_loss"], record.get("eval_loss", 1.0)]
     assert all(0 < v < 10 for v in losses), record  # finite, and near ln(256) or below
+
+
+@pytest.mark.parametrize("name", list(UPSTREAM))
+def test_upstream_examples_equal_one_process(request, name):
+    """TRL's packing quick start and the Trainer's DataCollatorWithFlattening example, as documented but for the
+    import, over several epochs without drop_last: every step's loss and grad_norm (and TRL's entropy, token
+    accuracy and token count), and the final SGD parameters, equal one process's at dp 1 and dp 2."""
+    example, batch, dp = UPSTREAM[name]
+    root = request.getfixturevalue("two_ranks" if dp == 1 else "more_ranks")
+    found, want = _load(root / f"{name}.pt"), _load(root / "reference" / f"{name}.pt")
+    # the data exercise an epoch end: a short last batch, and at dp 2 a last round where one replica has a short
+    # batch (the Trainer example) or none at all (TRL's)
+    rows, last = want["rows"], want["rows"] % (batch * dp)
+    assert last > 0 and rows % batch, f"{name}: {rows} rows fill every batch"
+    if dp == 2:
+        assert (last <= batch) == (example == "trl_packing"), f"{name}: {last} rows in the last round"
+    assert want["log"][-1][1] >= 2 and [row[:2] for row in found["log"]] == [row[:2] for row in want["log"]]
+    tolerances = {"loss": LOSS_RTOL, "grad_norm": GRAD_NORM_RTOL, "num_tokens": 0.0}
+    assert found["keys"] == want["keys"]
+    for i, key in enumerate(want["keys"], start=2):
+        got, ref = (torch.tensor([row[i] for row in run["log"]], dtype=torch.float64) for run in (found, want))
+        torch.testing.assert_close(
+            got, ref, rtol=tolerances.get(key, LOSS_RTOL), atol=0, msg=lambda m, k=key: f"{k}: {m}"
+        )
+    for n, ref in want["params"].items():
+        torch.testing.assert_close(found["params"][n], ref, rtol=0, atol=PARAM_RTOL * float(ref.abs().max()))
+
+
+def _replica_batches(rows: int, batch: int, dp: int, **options) -> list[list[list[int]]]:
+    """Each replica's batches of a loader that accelerate prepared for dp x sp 2 processes, sharded by replica."""
+    from accelerate.data_loader import prepare_data_loader
+    from torch.utils.data import DataLoader
+
+    from seqpar.hf.loaders import shard_by_replica
+
+    out = []
+    for replica in range(dp):
+        ids = {"collate_fn": lambda f: {"input_ids": torch.tensor(f)[None]}}
+        loader = DataLoader(list(range(rows)), batch_size=batch, **ids)
+        rank = 2 * replica  # the first rank of the replica's sp group
+        loader = prepare_data_loader(loader, num_processes=2 * dp, process_index=rank, put_on_device=False, **options)
+        loader = shard_by_replica(loader, dp, replica, world_size=2 * dp)
+        assert len(loader) == len(list(loader))
+        out.append([b["input_ids"].flatten().tolist() for b in loader])
+    return out
+
+
+@pytest.mark.parametrize("rows", [20, 21, 23, 24, 3])
+def test_replica_batches_are_one_process_batches(rows):
+    """Note [epoch ends]: every replica gets as many batches, none repeats a row, and each round's rows are one
+    process's batch of dp x B rows (empty batches where a replica has none left)."""
+    for dp in (1, 2, 3):
+        batches = _replica_batches(rows, 4, dp)
+        assert len({len(b) for b in batches}) == 1
+        one_process = [list(range(i, min(i + 4 * dp, rows))) for i in range(0, rows, 4 * dp)]
+        rounds = [[row for b in batches for row in b[k]] for k in range(len(batches[0]))]
+        assert rounds == one_process
+        split = _replica_batches(rows, 4 * dp, dp, split_batches=True)  # one batch of dp x B rows shared out
+        assert [[row for b in split for row in b[k]] for k in range(len(split[0]))] == one_process

@@ -110,6 +110,23 @@ def resume(out: str) -> None:
         save(os.path.join(out, "resume.pt"), found)
 
 
+def upstream(out: str, name: str) -> None:
+    """A documented upstream example with seqpar's trainer in place of upstream's (tests.hf_scripts.upstream)."""
+    import functools
+
+    from tests.hf_scripts.upstream import UPSTREAM, run
+
+    example, _, dp = UPSTREAM[name]
+    cls = seqpar.hf.SequenceParallelSFTTrainer if example == "trl_packing" else seqpar.hf.SequenceParallelTrainer
+    if dp > 1:  # the one argument a dp x sp job adds: how many ranks share a sequence
+        cls = functools.partial(
+            cls, sequence_parallel=seqpar.hf.SequenceParallelConfig(sp_size=dist.get_world_size() // dp)
+        )
+    found = run(name, cls, out, reference=False)
+    if dist.get_rank() == 0:
+        save(os.path.join(out, f"{name}.pt"), found)
+
+
 def main(out: str, names: list[str]) -> None:
     torch.set_num_threads(1)
     if not dist.is_initialized():  # accelerate adopts this group
@@ -120,6 +137,8 @@ def main(out: str, names: list[str]) -> None:
     for name in names:
         if name in special:
             special[name](out)
+        elif name.startswith(("trl_packing", "flattening")):
+            upstream(out, name)
         elif name == "accelerate_loop":
             from tests.hf_scripts.accelerate_loop import run
 

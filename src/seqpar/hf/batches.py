@@ -28,7 +28,15 @@ from seqpar.data import IGNORE_INDEX, shard_batch
 from seqpar.errors import SeqparInputError
 from seqpar.mesh import SequenceParallelMesh
 
-__all__ = ["SequenceShard", "StepShards", "replica_of", "replica_sampler", "shard_step", "to_shard"]
+__all__ = [
+    "SequenceShard",
+    "StepShards",
+    "padding_batch",
+    "replica_of",
+    "replica_sampler",
+    "shard_step",
+    "to_shard",
+]
 
 # Keys that carry packed-document boundaries for varlen kernels: seqpar reads the same from position_ids.
 PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
@@ -55,6 +63,24 @@ class StepShards:
 
     shards: list[SequenceShard]
     num_valid_tokens: int
+
+
+def padding_batch(mesh: SequenceParallelMesh, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """A one-row batch of two chunks per rank whose labels are all ignored: a forward and backward with no effect.
+
+    A replica with no rows left in a micro-batch (Note [epoch ends]) or an evaluation batch fewer than the
+    others runs it, so that every rank makes the same collectives.
+
+    Args:
+        mesh: the sequence-parallel mesh.
+        device: where the tensors live.
+
+    Returns:
+        ``{"input_ids", "labels"}`` of shape ``[1, 2 x sp_size]``.
+    """
+    n = 2 * mesh.sp_size
+    ids = torch.zeros(1, n, dtype=torch.long, device=device)
+    return {"input_ids": ids, "labels": torch.full_like(ids, IGNORE_INDEX)}
 
 
 def _problem(batch: Mapping[str, object], sp_size: int) -> str | None:
@@ -100,11 +126,16 @@ def to_shard(batch: Mapping[str, object], mesh: SequenceParallelMesh, *, layout:
 
     Returns:
         A ``SequenceShard``; rows that do not divide into the layout are padded, and the padding is ignored.
+        A batch of zero rows (a replica with no rows left at an epoch's end, Note [epoch ends]) becomes the
+        shard of ``padding_batch``: no valid token.
 
     Raises:
         SeqparInputError: unknown keys, packed rows without position ids, left padding, a sequence shorter
             than ``sp_size``, labels that look shifted already.
     """
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+    if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[0] == 0:
+        batch = padding_batch(mesh, ids.device)
     problem = _problem(batch, mesh.sp_size)
     if problem is not None:
         raise SeqparInputError(problem)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from seqpar.comm.collectives import collective_device
 from seqpar.data import IGNORE_INDEX
-from seqpar.hf.batches import replica_of, shard_step
+from seqpar.hf.batches import padding_batch, replica_of, shard_step
 from seqpar.loss import cross_entropy, sum_over
 from seqpar.mesh import SequenceParallelMesh
 
@@ -31,12 +31,6 @@ def _max_over(value: int, group: dist.ProcessGroup | None) -> int:
     t = torch.tensor([value], dtype=torch.int64, device=collective_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return int(t)
-
-
-def _padding_batch(mesh: SequenceParallelMesh, device: torch.device) -> dict[str, torch.Tensor]:
-    """A two-chunk-per-rank batch whose labels are all ignored: a forward with no effect on the loss."""
-    n = 2 * mesh.sp_size
-    return {"input_ids": torch.zeros(1, n, dtype=torch.long, device=device), "labels": torch.full((1, n), IGNORE_INDEX)}
 
 
 def evaluation_loss(
@@ -77,7 +71,7 @@ def evaluation_loss(
     for k in range(steps):
         batch = next(batches, None)
         weight = max(0, min(batch_size, total - (k * dp_size + dp_rank) * batch_size)) if batch is not None else 0
-        real = batch if batch is not None else _padding_batch(mesh, device)
+        real = batch if batch is not None else padding_batch(mesh, device)
         shard = {key: v.to(device) for key, v in shard_step([real], mesh, group=group, layout=layout).shards[0].items()}
         with torch.no_grad(), autocast() if autocast is not None else torch.autocast(device.type, enabled=False):
             logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits

@@ -11,15 +11,78 @@ Note [loaders by replica]
     process), so ranks of one group get identical batches, and ``shard_step`` verifies that they do.
     Iterable datasets are sharded inside the dataset or dispatched from process 0 by accelerate, which
     cannot be redirected this way; they are refused.
+
+Note [epoch ends]
+    One process training on batches of ``dp x B`` rows sees, at the end of an epoch whose rows do not fill
+    the last batch, a short batch of the ``r`` rows left. accelerate's ``even_batches`` (its default for
+    training) would instead top every replica's last batch up with rows from the start of the epoch, so
+    those rows would be trained on twice in that step and every step after it would differ. For training,
+    the shard is made a ``ReplicaBatchSampler``: replica ``j`` gets batch ``j`` of every round of ``dp``
+    consecutive batches as it is (the last one short), and an *empty* batch ``[]`` in a last round that has
+    no batch left for it. Every replica thus has the same number of micro-batches per epoch (the Trainer's
+    step count and the DDP/FSDP collectives stay in step), and the rows of a step are exactly those one
+    process sees. The collate function is wrapped so that an empty batch becomes a batch of zero rows,
+    which ``to_shard`` turns into a tiny padding batch whose labels are all ignored: the replica runs its
+    forward and backward with zero tokens, adding exactly nothing to the loss (already normalised by the
+    step's token count over every rank) or to the gradients. With ``dataloader_drop_last=True`` the
+    incomplete last round is dropped, as one process drops its short batch.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Iterator
+
+import torch
 from accelerate.data_loader import BatchSamplerShard
 
 from seqpar.errors import SeqparInputError
 
-__all__ = ["shard_by_replica"]
+__all__ = ["ReplicaBatchSampler", "shard_by_replica"]
+
+
+class ReplicaBatchSampler(BatchSamplerShard):
+    """The batches of one data-parallel replica: batch ``dp_rank`` of every round of ``dp`` (Note [epoch ends]).
+
+    Never repeats a row: a last round without a batch for this replica yields ``[]``; a short batch stays short.
+    """
+
+    def __len__(self) -> int:
+        n = len(self.batch_sampler)
+        if self.split_batches:  # each batch is shared out among the replicas (a short one dropped by drop_last)
+            return n
+        return n // self.num_processes if self.drop_last else math.ceil(n / self.num_processes)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self._split() if self.split_batches else self._rounds()
+
+    def _rounds(self) -> Iterator[list[int]]:
+        round_: list[list[int]] = []
+        for batch in self.batch_sampler:
+            round_.append(batch)
+            if len(round_) == self.num_processes:
+                yield round_[self.process_index]
+                round_ = []
+        if round_ and not self.drop_last:
+            yield round_[self.process_index] if self.process_index < len(round_) else []
+
+    def _split(self) -> Iterator[list[int]]:
+        # one batch of dp x B rows per step, sliced by replica; the short last batch is sliced as it is
+        for batch in self.batch_sampler:
+            width = self.batch_sampler.batch_size // self.num_processes
+            yield list(batch[width * self.process_index : width * (self.process_index + 1)])
+
+
+class _EmptyAwareCollator:
+    """The loader's collate function, except that an empty batch becomes a batch of zero rows."""
+
+    def __init__(self, collate: Callable) -> None:
+        self.collate = collate
+
+    def __call__(self, features: list) -> object:
+        if len(features) == 0:
+            return {"input_ids": torch.zeros(0, 0, dtype=torch.long)}
+        return self.collate(features)
 
 
 def shard_by_replica(loader: object, dp_size: int, dp_rank: int, *, world_size: int, even_batches: bool | None = None):
@@ -30,7 +93,9 @@ def shard_by_replica(loader: object, dp_size: int, dp_rank: int, *, world_size: 
         dp_size: data-parallel replicas (world size / sp size).
         dp_rank: this rank's replica.
         world_size: processes in the job (accelerate's ``num_processes``).
-        even_batches: when given, whether replicas are topped up to the same number of batches.
+        even_batches: None for training: every replica gets the same number of batches, the last ones as
+            one process would see them, empty where a replica has no row left (Note [epoch ends]); False:
+            replicas may get one batch fewer (evaluation, which evens them out itself).
 
     Returns:
         The same loader.
@@ -53,4 +118,10 @@ def shard_by_replica(loader: object, dp_size: int, dp_rank: int, *, world_size: 
     shard.process_index = dp_rank
     if even_batches is not None:
         shard.even_batches = even_batches
+        return loader
+    # the shard object belongs to this loader alone; its class decides how the rounds end (Note [epoch ends])
+    shard.__class__ = ReplicaBatchSampler
+    base = getattr(loader, "base_dataloader", loader)  # accelerate's adapter iterates its base loader
+    if not isinstance(base.collate_fn, _EmptyAwareCollator):
+        base.collate_fn = _EmptyAwareCollator(base.collate_fn)
     return loader

@@ -25,7 +25,7 @@ from transformers import DataCollatorWithFlattening, Trainer
 from transformers.trainer_utils import EvalLoopOutput
 
 from seqpar.errors import SeqparInputError
-from seqpar.hf.batches import SequenceShard, replica_of, shard_step
+from seqpar.hf.batches import SequenceShard, StepShards, replica_of, shard_step
 from seqpar.hf.config import (
     SequenceParallelConfig,
     check_data_parallel_engine,
@@ -153,10 +153,39 @@ class SequenceParallelMixin:
                 batches.append(next(epoch_iterator))
             except StopIteration:
                 break
-        step = shard_step(batches, self.sp_mesh, group=self._world_group(), layout=self.sequence_parallel.layout)
+        step = self.shard_batches(batches)
         return step.shards, step.num_valid_tokens
 
+    def shard_batches(self, batches: list) -> StepShards:
+        """This rank's shards of one step's collator outputs and the step's valid tokens (collective).
+
+        Args:
+            batches: this replica's micro-batches of one optimizer step.
+
+        Returns:
+            The ``StepShards`` of ``seqpar.hf.shard_step`` over every process of the job.
+
+        Raises:
+            SeqparInputError: on every rank, when any rank's batch is bad.
+        """
+        return shard_step(batches, self.sp_mesh, group=self._world_group(), layout=self.sequence_parallel.layout)
+
     # ---- loss (Note [exact loss under the Trainer]) ----
+
+    def as_shard(self, inputs, num_items_in_batch=None) -> tuple[SequenceShard, int | None]:
+        """``inputs`` as this rank's shard, with the valid tokens to normalise by (collective for a whole batch).
+
+        Args:
+            inputs: a ``SequenceShard`` from ``get_batch_samples``, or a whole collator batch.
+            num_items_in_batch: the step's valid tokens over every rank, if known.
+
+        Returns:
+            ``(shard, num_items_in_batch)``; a whole batch is normalised by its own valid tokens over every rank.
+        """
+        if isinstance(inputs, SequenceShard):
+            return inputs, num_items_in_batch
+        step = self.shard_batches([inputs])
+        return step.shards[0], step.num_valid_tokens if num_items_in_batch is None else num_items_in_batch
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
         """This rank's share of the step's token-mean loss, scaled for the data-parallel wrapper's average.
@@ -171,11 +200,7 @@ class SequenceParallelMixin:
         Returns:
             The loss, or ``(loss, outputs)``.
         """
-        if not isinstance(inputs, SequenceShard):
-            step = shard_step([inputs], self.sp_mesh, group=self._world_group(), layout=self.sequence_parallel.layout)
-            inputs = step.shards[0]
-            if num_items_in_batch is None:
-                num_items_in_batch = step.num_valid_tokens
+        inputs, num_items_in_batch = self.as_shard(inputs, num_items_in_batch)
         sharded = self.is_fsdp_enabled or isinstance(model, FSDPModule)
         if model.training and self.accelerator.num_processes > 1 and model is self.model and not sharded:
             raise SeqparInputError(

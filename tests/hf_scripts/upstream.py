@@ -1,0 +1,105 @@
+"""Upstream's documented usage, as written but for the import, for the one-process reference and for seqpar.
+
+Each function below is a documented example with the trainer class passed in: the reference passes
+``trl.SFTTrainer`` / ``transformers.Trainer``, the seqpar run ``seqpar.hf.SequenceParallelSFTTrainer`` /
+``SequenceParallelTrainer`` (with ``sequence_parallel=`` bound when dp > 1), which is what changing the import
+does. What the documents leave to the reader is filled in the same way for both: a tiny model built from a
+config and documents made here (no hub), a CPU run without reporting, and SGD with a learning rate large
+enough that a wrongly scaled gradient shows in the parameters, plus one log line per step. Everything else
+keeps its default: several epochs (TRL 3, the Trainer example 2), no ``dataloader_drop_last``, the default
+sampling order, clipping at 1.0, the linear schedule. The datasets do not fill the last batch of an epoch
+(the tests check that they do not), so epoch ends are exercised; see Note [epoch ends].
+
+Run as ``python -m tests.hf_scripts.upstream OUT NAME...`` for the references (batch = dp x the per-replica
+batch); ``tests.hf_scripts.parallel`` runs the seqpar side.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import datasets
+import transformers
+
+from tests.hf_scripts.common import documents, model, save, tokenizer
+
+# name: (example, per-replica batch, dp)
+UPSTREAM = {
+    "trl_packing_dp1": ("trl_packing", 4, 1),
+    "trl_packing_dp2": ("trl_packing", 4, 2),
+    "flattening_dp1": ("flattening_trainer", 8, 1),
+    "flattening_dp2": ("flattening_trainer", 8, 2),
+}
+TRL_DOCUMENTS, TRAINER_DOCUMENTS = 300, 75
+
+
+def _filled_in(out: str, batch: int) -> dict:
+    """What the documented examples leave to the reader, the same for the reference and for seqpar."""
+    return dict(
+        output_dir=out,
+        per_device_train_batch_size=batch,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        disable_tqdm=True,
+        save_strategy="no",
+        logging_steps=1,
+        optim="sgd",
+        learning_rate=0.1,
+        seed=0,
+    )
+
+
+def trl_packing(SFTTrainer, out: str, batch: int) -> dict:
+    """TRL's SFT quick start with packing on (``SFTConfig(packing=True)``, best-fit decreasing, padding-free)."""
+    from trl import SFTConfig
+
+    dataset = datasets.Dataset.from_list(documents(TRL_DOCUMENTS, 5, low=5, high=60))
+    training_args = SFTConfig(packing=True, **_filled_in(out, batch))
+    trainer = SFTTrainer(model=model("llama"), args=training_args, train_dataset=dataset, processing_class=tokenizer())
+    trainer.train()
+    return results(trainer, ("entropy", "mean_token_accuracy", "num_tokens"))
+
+
+def flattening_trainer(Trainer, out: str, batch: int) -> dict:
+    """transformers' padding-free packing: ``Trainer(..., data_collator=DataCollatorWithFlattening())``."""
+    from transformers import DataCollatorWithFlattening, TrainingArguments
+
+    train_dataset = datasets.Dataset.from_list(documents(TRAINER_DOCUMENTS, 6))
+    training_args = TrainingArguments(num_train_epochs=2, gradient_accumulation_steps=2, **_filled_in(out, batch))
+    trainer = Trainer(
+        model=model("llama"),
+        args=training_args,
+        train_dataset=train_dataset,
+        data_collator=DataCollatorWithFlattening(),
+    )
+    trainer.train()
+    return results(trainer)
+
+
+def results(trainer, metrics: tuple[str, ...] = ()) -> dict:
+    """Per-step loss, grad_norm and ``metrics``, the epoch of each step, the training rows, final parameters."""
+    keys = ("loss", "grad_norm", *metrics)
+    log = [(h["step"], h["epoch"], *(h[k] for k in keys)) for h in trainer.state.log_history if "loss" in h]
+    params = {n: p.detach().float().cpu().clone() for n, p in trainer.model.named_parameters()}
+    return {"keys": keys, "log": log, "params": params, "rows": len(trainer.train_dataset)}
+
+
+def run(name: str, trainer_class, out: str, reference: bool) -> dict:
+    example, batch, dp = UPSTREAM[name]
+    return globals()[example](trainer_class, os.path.join(out, name), batch * dp if reference else batch)
+
+
+def main(out: str, names: list[str]) -> None:
+    for name in names:
+        example = UPSTREAM[name][0]
+        if example == "trl_packing":
+            from trl import SFTTrainer as cls
+        else:
+            cls = transformers.Trainer
+        save(os.path.join(out, "reference", f"{name}.pt"), run(name, cls, out, reference=True))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
