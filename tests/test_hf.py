@@ -42,6 +42,7 @@ def out(tmp_path_factory) -> pathlib.Path:
     path = tmp_path_factory.mktemp("hf")
     _launch([sys.executable, "-m", "tests.hf_scripts.reference", str(path), *REFERENCES])
     _launch([sys.executable, "-m", "tests.hf_scripts.upstream", str(path), *UPSTREAM])
+    _launch([sys.executable, "-m", "tests.hf_scripts.accelerate_loop", str(path), "1", "2"])
     return path
 
 
@@ -61,7 +62,7 @@ def two_ranks(out) -> pathlib.Path:
             *names,
             "refusals",
             "resume",
-            "accelerate_loop",
+            "accelerate_dp1",
             "control_unscaled",
             *(n for n, (_, _, dp) in UPSTREAM.items() if dp == 1),
         )
@@ -73,7 +74,8 @@ def two_ranks(out) -> pathlib.Path:
 def more_ranks(out) -> pathlib.Path:
     for world in (3, 4):
         names = [n for n, c in CASES.items() if c.world == world]
-        names += [n for n, (_, _, dp) in UPSTREAM.items() if world == 4 and dp == 2]  # dp 2 x sp 2
+        if world == 4:  # dp 2 x sp 2
+            names += [*(n for n, (_, _, dp) in UPSTREAM.items() if dp == 2), "accelerate_dp2"]
         _launch(_torchrun(world, "-m", "tests.hf_scripts.parallel", str(out), *names))
     return out
 
@@ -144,9 +146,21 @@ def test_gradient_checkpointing_and_bf16(two_ranks):
             assert float(((got - ref) / ref).abs().max()) > 2e-6
 
 
-def test_accelerate_loop_recipe(two_ranks):
-    found = _load(two_ranks / "accelerate_loop.pt")
-    assert_matches(found, _load(two_ranks / "reference" / "sp2.pt") | {"eval": []})
+@pytest.mark.parametrize("dp", [1, 2])
+def test_accelerate_loop_recipe(request, dp):
+    """accelerate's documented loop with the README's seqpar additions, 2 epochs without drop_last, equals one
+    process: every step's loss and grad_norm, the held-out token accuracy and loss reduced over the processes
+    after each epoch, and the final parameters."""
+    root = request.getfixturevalue("two_ranks" if dp == 1 else "more_ranks")
+    found, want = _load(root / f"accelerate_dp{dp}.pt"), _load(root / "reference" / f"accelerate_dp{dp}.pt")
+    steps = {1: 12, 2: 6}[dp]  # 21 rows in batches of 2 x dp, 2 micro-batches a step, 2 epochs
+    assert [s for s, _, _ in found["log"]] == [s for s, _, _ in want["log"]] == list(range(1, steps + 1))
+    for i, rtol in ((1, LOSS_RTOL), (2, GRAD_NORM_RTOL)):
+        got, ref = (torch.tensor([row[i] for row in run["log"]], dtype=torch.float64) for run in (found, want))
+        torch.testing.assert_close(got, ref, rtol=rtol, atol=0)
+    torch.testing.assert_close(torch.tensor(found["metrics"]), torch.tensor(want["metrics"]), rtol=LOSS_RTOL, atol=0)
+    for n, ref in want["params"].items():
+        torch.testing.assert_close(found["params"][n], ref, rtol=0, atol=PARAM_RTOL * float(ref.abs().max()))
 
 
 def test_a_loss_that_forgets_the_data_parallel_average_fails(two_ranks):

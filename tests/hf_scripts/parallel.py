@@ -15,7 +15,7 @@ import transformers
 
 import seqpar
 import seqpar.hf
-from tests.hf_scripts.common import CASES, build_trainer, documents, model, results, save
+from tests.hf_scripts.common import CASES, build_trainer, model, results, save
 
 
 def _config(case) -> seqpar.hf.SequenceParallelConfig:
@@ -139,10 +139,10 @@ def main(out: str, names: list[str]) -> None:
             special[name](out)
         elif name.startswith(("trl_packing", "flattening")):
             upstream(out, name)
-        elif name == "accelerate_loop":
+        elif name.startswith("accelerate_dp"):
             from tests.hf_scripts.accelerate_loop import run
 
-            run(out, documents(96, 1))
+            run(out, int(name.removeprefix("accelerate_dp")))
         else:
             run_case(out, name)
         dist.barrier()

@@ -228,6 +228,9 @@ def replica_sampler(
 ) -> DistributedSampler:
     """A sampler giving every rank the rows of its data-parallel replica (the same rows within an SP group).
 
+    Like ``DistributedSampler`` it repeats rows to give every replica as many when ``drop_last=False`` and
+    the dataset does not divide by dp; ``seqpar.hf.replica_loader`` never repeats a row (Note [epoch ends]).
+
     For hand-written loops: pass it to a plain ``DataLoader`` (do not ``accelerator.prepare`` that loader:
     accelerate would shard it by process instead). Call ``set_epoch`` on it every epoch when shuffling.
 

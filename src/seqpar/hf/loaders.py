@@ -35,10 +35,12 @@ from collections.abc import Callable, Iterator
 
 import torch
 from accelerate.data_loader import BatchSamplerShard
+from torch.utils.data import BatchSampler, DataLoader, Sampler
 
 from seqpar.errors import SeqparInputError
+from seqpar.hf.batches import replica_of
 
-__all__ = ["ReplicaBatchSampler", "shard_by_replica"]
+__all__ = ["ReplicaBatchSampler", "replica_loader", "shard_by_replica"]
 
 
 class ReplicaBatchSampler(BatchSamplerShard):
@@ -125,3 +127,64 @@ def shard_by_replica(loader: object, dp_size: int, dp_rank: int, *, world_size: 
     if not isinstance(base.collate_fn, _EmptyAwareCollator):
         base.collate_fn = _EmptyAwareCollator(base.collate_fn)
     return loader
+
+
+class _EpochOrder(Sampler[int]):
+    """Every row once per epoch: in order, or in a permutation drawn from ``seed + epoch`` (the same on every rank)."""
+
+    def __init__(self, size: int, shuffle: bool, seed: int) -> None:
+        self.size, self.shuffle, self.seed, self.epoch = size, shuffle, seed, 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Iterator[int]:
+        if not self.shuffle:
+            return iter(range(self.size))
+        return iter(torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist())
+
+
+class _ReplicaLoader(DataLoader):
+    """A DataLoader over one replica's batches whose ``set_epoch`` reshuffles as ``DistributedSampler`` does."""
+
+    def set_epoch(self, epoch: int) -> None:
+        """Draw the next epoch's order (call it before every epoch when shuffling)."""
+        self.batch_sampler.batch_sampler.sampler.epoch = epoch
+
+
+def replica_loader(
+    dataset: object,
+    mesh: object,
+    *,
+    batch_size: int,
+    collate_fn: Callable,
+    shuffle: bool = True,
+    seed: int = 0,
+    drop_last: bool = False,
+    **loader_options: object,
+) -> DataLoader:
+    """A DataLoader of this data-parallel replica's batches for hand-written (accelerate) loops.
+
+    The rows are ordered once per epoch, the same on every rank, and batch ``j`` of every round of ``dp``
+    consecutive batches of ``batch_size`` rows goes to replica ``j``: the rows of one round are one process's
+    batch of ``dp x batch_size``, no row is repeated at the end of an epoch, and every replica has the same
+    number of batches (an empty one becomes a zero-token padding batch in ``shard_step``; Note [epoch ends]).
+    Do not ``accelerator.prepare`` it: accelerate would shard it by process.
+
+    Args:
+        dataset: a map-style dataset (with ``__len__``).
+        mesh: the mesh from ``seqpar.make_mesh`` (its "dp" axis numbers the replicas).
+        batch_size: rows per replica per batch.
+        collate_fn: the collator (e.g. ``DataCollatorWithFlattening()``).
+        shuffle: draw a new order every epoch from ``seed + epoch`` (call ``loader.set_epoch(epoch)``).
+        seed: the shuffling seed, the same on every rank.
+        drop_last: drop the last round when it is not complete, as one process drops a short batch.
+        **loader_options: other ``DataLoader`` arguments (``num_workers``, ``pin_memory`` ...).
+
+    Returns:
+        The DataLoader (with ``set_epoch``).
+    """
+    dp_size, dp_rank = replica_of(mesh)
+    batches = BatchSampler(_EpochOrder(len(dataset), shuffle, seed), batch_size, drop_last)
+    sampler = ReplicaBatchSampler(batches, num_processes=dp_size, process_index=dp_rank)
+    return _ReplicaLoader(dataset, batch_sampler=sampler, collate_fn=_EmptyAwareCollator(collate_fn), **loader_options)
