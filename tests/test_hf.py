@@ -126,6 +126,15 @@ def test_reference_isolates_packed_documents():
 def test_two_ranks_equal_one_process(two_ranks, name):
     found = _compare(two_ranks, name)
     assert found["setup"]["wrapper"] == "DistributedDataParallel"
+    want = _load(two_ranks / "reference" / f"{name}.pt")
+    # TRL's metrics (Note [SFT metrics over shards]); the packing case evaluates, so its eval metrics too
+    expected = {"sft_packing": 5, "sft_padding_free": 3}.get(name, 0)
+    assert sum(bool(v) for v in want["metrics"].values()) == expected, want["metrics"]
+    assert found["metrics"].keys() == want["metrics"].keys()
+    for key, rows in want["metrics"].items():
+        assert [s for s, _ in found["metrics"][key]] == [s for s, _ in rows], key
+        got, ref = (torch.tensor([v for _, v in r], dtype=torch.float64) for r in (found["metrics"][key], rows))
+        torch.testing.assert_close(got, ref, rtol=0 if key == "num_tokens" else LOSS_RTOL, atol=0, msg=key)
 
 
 def test_adamw(two_ranks):

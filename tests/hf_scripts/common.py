@@ -169,6 +169,10 @@ def results(trainer) -> dict:
     """Per-step loss and grad_norm, evaluation losses and final parameters (collective under FSDP2)."""
     logs = [(h["step"], h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
     evals = [(h["step"], h["eval_loss"]) for h in trainer.state.log_history if "eval_loss" in h]
+    metrics = {
+        key: [(h["step"], h[key]) for h in trainer.state.log_history if key in h]
+        for key in ("entropy", "mean_token_accuracy", "num_tokens", "eval_entropy", "eval_mean_token_accuracy")
+    }
     params = {}
     for n, p in trainer.model.named_parameters():
         p = p.full_tensor() if hasattr(p, "full_tensor") else p
@@ -180,7 +184,7 @@ def results(trainer) -> dict:
         "checkpointing": bool(getattr(trainer.model, "is_gradient_checkpointing", False)),
         "mixed_precision": str(trainer.accelerator.mixed_precision),
     }
-    return {"log": logs, "eval": evals, "params": params, "setup": setup}
+    return {"log": logs, "eval": evals, "params": params, "setup": setup, "metrics": metrics}
 
 
 def save(path: str, value: object) -> None:

@@ -13,6 +13,8 @@ Note [evaluation loss]
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -43,6 +45,8 @@ def evaluation_loss(
     layout: str = "zigzag",
     autocast: object = None,
     on_batch: object = None,
+    statistics: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    collected: list[torch.Tensor] | None = None,
 ) -> tuple[float, int]:
     """The one-process Trainer's evaluation loss over a replica-sharded dataloader (Note [evaluation loss]).
 
@@ -57,6 +61,9 @@ def evaluation_loss(
         layout: the layout the prepared model was told.
         autocast: a context-manager factory for mixed precision (e.g. ``accelerator.autocast``), or None.
         on_batch: called after every real batch (progress callbacks), or None.
+        statistics: ``(logits, shift_labels) -> 1-D tensor`` of sums over this rank's shard, added up over the
+            sequence-parallel group for every batch (in the loss's collective), or None.
+        collected: receives, for each of this replica's real batches in order, its group sums of ``statistics``.
 
     Returns:
         ``(eval_loss, number of examples)``; the loss is NaN when no batch had a valid token.
@@ -76,8 +83,12 @@ def evaluation_loss(
         with torch.no_grad(), autocast() if autocast is not None else torch.autocast(device.type, enabled=False):
             logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
             loss_sum = cross_entropy(logits, shard["shift_labels"], num_valid_tokens=1).double()
+            extra = statistics(logits, shard["shift_labels"]) if statistics is not None else torch.zeros(0)
         count = (shard["shift_labels"] != IGNORE_INDEX).sum().double()
-        group_sum, group_count = sum_over(torch.stack([loss_sum, count]), mesh).tolist()
+        sums_of_group = sum_over(torch.cat([torch.stack([loss_sum, count]), extra.double().to(loss_sum.device)]), mesh)
+        group_sum, group_count = sums_of_group[:2].tolist()
+        if batch is not None and collected is not None:
+            collected.append(sums_of_group[2:].cpu())
         if weight and group_count:
             sums += torch.tensor([weight * group_sum / group_count, weight], dtype=torch.float64)
         if batch is not None and on_batch is not None:

@@ -109,3 +109,21 @@ class SequenceParallelSFTTrainer(SequenceParallelMixin, SFTTrainer):
             self._total_train_tokens += round(tokens / self.sp_mesh.sp_size)
         self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
         return (loss, outputs) if return_outputs else loss
+
+    def eval_statistics(self, logits: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
+        """Per evaluation batch: the labelled positions, entropy and correct predictions of this rank's shard."""
+        return token_statistics(logits, shift_labels)
+
+    def record_eval_statistics(self, per_batch: list[torch.Tensor]) -> None:
+        """TRL's eval metrics: the mean over every evaluation batch of each batch's entropy and accuracy."""
+        ratios = torch.zeros(3, dtype=torch.float64)
+        for count, entropy, correct in (t.tolist() for t in per_batch):
+            ratios += torch.tensor([entropy / count if count else 0.0, correct / count if count else 0.0, 1.0])
+        group = self._world_group()
+        if group is not None:  # each replica's batches are held by its sp_size ranks alike
+            ratios = ratios.to(collective_device(group))
+            dist.all_reduce(ratios, group=group)
+        entropy, accuracy, batches = (ratios / self.sp_mesh.sp_size).tolist()
+        self._metrics["eval"]["entropy"].append(entropy / batches if batches else 0.0)
+        self._metrics["eval"]["mean_token_accuracy"].append(accuracy / batches if batches else 0.0)
+        self._metrics["eval"]["num_tokens"] = [self._total_train_tokens]

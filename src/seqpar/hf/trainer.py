@@ -215,11 +215,18 @@ class SequenceParallelMixin:
 
     # ---- evaluation (Note [evaluation loss]) ----
 
+    # (logits, shift_labels) -> sums over this rank's shard that evaluation adds up per batch; None: none
+    eval_statistics = None
+
+    def record_eval_statistics(self, per_batch: list[torch.Tensor]) -> None:
+        """Receives ``eval_statistics``' sequence-group sums of each of this replica's evaluation batches."""
+
     def evaluation_loop(
         self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
     ) -> EvalLoopOutput:
         """The evaluation loss of one process, computed on sharded sequences; no predictions are gathered."""
         self.callback_handler.eval_dataloader = dataloader
+        collected: list[torch.Tensor] = []
 
         def on_batch() -> None:
             self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
@@ -233,7 +240,11 @@ class SequenceParallelMixin:
             layout=self.sequence_parallel.layout,
             autocast=self.accelerator.autocast,
             on_batch=on_batch,
+            statistics=self.eval_statistics,
+            collected=collected,
         )
+        if self.eval_statistics is not None:
+            self.record_eval_statistics(collected)
         metrics = {f"{metric_key_prefix}_loss": loss}
         return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics, num_samples=count)
 
