@@ -1,7 +1,8 @@
 """Sequence parallel composed with data and tensor parallel on one mesh (4 gloo ranks) trains like one process.
 
-Every path (plain gradient reduction, DDP and FSDP2 with and without their no-sync contexts, hybrid
-ring x ulysses, tensor parallel) at gradient accumulation 1 and 2, on packed documents: per-step loss and
+Every path (plain gradient reduction, DDP and FSDP2 with and without their no-sync contexts, FSDP2 with its
+parameters, gradients and optimizer state in host memory, hybrid ring x ulysses, tensor parallel) at gradient
+accumulation 1 and 2, on packed documents: per-step loss and
 gradient norm (rel 1e-5) and parameters after 3 plain SGD steps (rel 1e-4) equal one process. SGD, not Adam:
 Adam's first update is about the sign of the gradient, so a gradient scaled on some elements would hide.
 """
@@ -15,6 +16,7 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import CPUOffloadPolicy
 
 import seqpar
 from seqpar.errors import SeqparInputError
@@ -125,12 +127,22 @@ def _dp_sp_worker(rank, world_size):
     hybrid = seqpar.make_mesh(sp_size=4, ulysses_size=2)
     cases = [
         (mode, accumulation, mesh, dp_rank, 2, "ring")
-        for mode in ("reduce", "ddp", "ddp-no-sync", "fsdp", "fsdp-no-sync")
+        for mode in ("reduce", "ddp", "ddp-no-sync", "fsdp", "fsdp-no-sync", "fsdp-offload")
         for accumulation in (1, 2)
     ] + [("ddp", 2, hybrid, 0, 1, "hybrid"), ("reduce", 2, hybrid, 0, 1, "hybrid")]
+    cases.append(("fsdp-offload", 2, hybrid, 0, 1, "hybrid"))  # dp 1: FSDP2 over the 4 sp ranks alone
     for mode, accumulation, run_mesh, run_dp_rank, dp_size, strategy in cases:
         model = seqpar.prepare_model(copy.deepcopy(ref), run_mesh, strategy=strategy).train()
-        forward = model if mode == "reduce" else seqpar.apply_data_parallel(model, run_mesh, mode.split("-")[0])
+        offload = mode == "fsdp-offload"  # Note [optimizer offload]: on gloo the shards are host tensors anyway
+        forward = (
+            model
+            if mode == "reduce"
+            else seqpar.apply_data_parallel(model, run_mesh, mode.split("-")[0], offload_optimizer=offload)
+        )
+        if mode.startswith("fsdp"):  # the policy reached fully_shard of every unit, root included
+            for unit in (model.model.layers[0], model):
+                policy = unit._get_fsdp_state()._fsdp_param_group.offload_policy
+                assert isinstance(policy, CPUOffloadPolicy) == offload and not getattr(policy, "pin_memory", False)
         no_sync = None
         if mode == "ddp-no-sync":
             no_sync = forward.no_sync
@@ -201,6 +213,8 @@ def _dp_sp_worker(rank, world_size):
         seqpar.make_mesh(sp_size=2, dp_size=3)
     with pytest.raises(SeqparInputError, match="unknown data-parallel mode"):
         seqpar.apply_data_parallel(build("llama"), mesh, "zero3")
+    with pytest.raises(SeqparInputError, match="offload_optimizer needs mode 'fsdp'"):
+        seqpar.apply_data_parallel(build("llama"), mesh, "ddp", offload_optimizer=True)
 
 
 def test_dp2_x_sp2_trains_like_one_process():

@@ -177,3 +177,55 @@ def test_train_estimate_line_for_models_it_cannot_read():
         check_memory(TrainConfig(seq_len=1000, sp=3, max_memory_mb=100), gpt2)
     line = check_memory(TrainConfig(seq_len=1000, sp=3, max_memory_mb=10000), LLAMA)  # 1000 padded to 1002
     assert line.startswith("memory estimate per rank: peak ")
+    # seqpar train's line with --offload-optimizer: no optimizer state on the device, the host's share named
+    offloaded = check_memory(TrainConfig(seq_len=1000, sp=3, dp_mode="fsdp", offload_optimizer=True), LLAMA)
+    assert "optimizer 0," in offloaded and "host memory" in offloaded
+    # over budget: optimizer offload is named among what would fit (here the AdamW state is what does not)
+    settings = dict(seq_len=512, sp=2, hidden_size=512, layers=8, heads=8, batch_size=1, grad_accum=1)
+    with pytest.raises(seqpar.SeqparInputError, match=r"--dp-mode fsdp --offload-optimizer \("):
+        check_memory(TrainConfig(**settings, max_memory_mb=300), LLAMA)
+
+
+def test_optimizer_offload_leaves_working_copies_on_the_device(capsys):
+    # Note [memory estimate], optimizer offload: fp32 master parameters, gradients and AdamW state (16 bytes per
+    # parameter, over dp x sp) on the host; two gathered blocks, their gradients and the root on the device
+    from seqpar.memory.shapes import model_dims, parameter_counts
+
+    total, layer, head = parameter_counts(model_dims(LLAMA, 1))
+    sizes = dict(sp_size=2, dp_size=2, dtype=torch.bfloat16, features=LADDER[3], dp_mode="fsdp", loss_chunk=128)
+    kept = seqpar.estimate_memory(LLAMA, 65536, **sizes)
+    off = seqpar.estimate_memory(LLAMA, 65536, **sizes, offload_optimizer=True)
+    assert off.optimizer_state == 0 and off.between_steps == 0 and kept.host == 0
+    assert off.host == 16 * -(-total // 4)
+    assert (
+        off.moment == "layer backward" and off.parameters == (total - 2 * head - 4 * layer + 2 * layer) * 2
+    )  # root + 2 blocks
+    assert off.gradients == 2 * layer * 2  # untied: the head's gradient left with its reduce-scatter
+    assert off.peak < kept.peak - kept.optimizer_state
+    assert off.checkpointed_activations == kept.checkpointed_activations  # activations do not change
+    # keep_gradients keeps them on the host; the activation offload's share of the host is added
+    assert seqpar.estimate_memory(LLAMA, 65536, **sizes, offload_optimizer=True, keep_gradients=True).peak == off.peak
+    moved = seqpar.estimate_memory(
+        LLAMA, 65536, **{**sizes, "features": (*LADDER[3], "offload")}, offload_optimizer=True
+    )
+    assert moved.host - off.host == (4 - 2) * 32768 * 256 * 2  # two of four layer inputs wait on the host
+    # a tied embedding and head stay in the root: gathered, and their gradient kept, all backward
+    tied = seqpar.estimate_memory(
+        transformers.LlamaConfig(**{**LLAMA.to_dict(), "tie_word_embeddings": True}), 65536, **sizes
+    )
+    tied_off = seqpar.estimate_memory(
+        transformers.LlamaConfig(**{**LLAMA.to_dict(), "tie_word_embeddings": True}),
+        65536,
+        **sizes,
+        offload_optimizer=True,
+    )
+    assert tied_off.gradients == (head + 2 * layer) * 2 and tied.host == 0
+    assert "optimizer offloaded to the host" in off.table() and "host memory (offloaded" in off.table()
+    for mode in ("replicate", "ddp"):
+        with pytest.raises(seqpar.SeqparInputError, match="offload_optimizer needs dp_mode 'fsdp'"):
+            seqpar.estimate_memory(LLAMA, 4096, sp_size=2, dp_mode=mode, offload_optimizer=True)
+    argv = ["estimate", "--seq-len", "4096", "--sp", "2", "--dp-mode", "fsdp", "--offload-optimizer"]
+    assert cli_main(argv) == 0
+    assert "host memory (offloaded, not in the peak)" in capsys.readouterr().out
+    assert cli_main(["estimate", "--seq-len", "4096", "--sp", "2", "--offload-optimizer"]) == 2
+    assert "needs dp_mode 'fsdp'" in capsys.readouterr().err

@@ -98,6 +98,9 @@ def test_wire_time_is_the_analytical_volume():
     assert checkpointed.all_to_all == pytest.approx(ulysses.all_to_all * 6 / 4)  # the forward exchanges again
 
 
+ALL_FEATURES = (*FEATURES, "offload_optimizer")  # what ALST's recipes switch on (below)
+
+
 @pytest.mark.parametrize(
     ("gpus", "published"),
     [(8, 3.7e6), (32, 15e6)],
@@ -106,15 +109,58 @@ def test_wire_time_is_the_analytical_volume():
 def test_published_max_length(gpus, published):
     # Arctic Long Sequence Training (ALST), arXiv:2506.13996, abstract: Llama 8B (Llama-3.1-8B) trains at
     # 3.7M tokens on one 8xH100 node and over 15M on 4 nodes (32 H100s), with Ulysses SP over all GPUs,
-    # ZeRO-3, bf16, tiled loss and MLP, checkpointed hidden states offloaded to the CPU. H100 80GB: nvidia-smi
-    # shows 81,559 MiB = 85.5 GB, of which the planner fills 90%. Tolerance: 25% below or above.
-    layout = Layout(1, gpus, gpus, 1, "ulysses", FEATURES, "fsdp")
-    cluster = Cluster(gpus=gpus, gpus_per_node=8, gpu_memory_gb=85.5, ulysses_across_nodes=True)
+    # bf16, tiled loss and MLP, checkpointed hidden states offloaded to the CPU, and ZeRO-3 with the optimizer
+    # state offloaded to the CPU (ArcticTraining projects/sequence-parallelism/run-h100-sp8-llama-8b.yml:
+    # zero_optimization stage 3, offload_optimizer device cpu, cpu_adam, max_length 3,800,000). H100 "80 GB":
+    # 80 GiB (CUDA shows 81,559 MiB), of which the planner fills 90%. Tolerance: 25% below or above.
+    layout = Layout(1, gpus, gpus, 1, "ulysses", ALL_FEATURES, "fsdp")
+    cluster = Cluster(gpus=gpus, gpus_per_node=8, gpu_memory_gb=80, ulysses_across_nodes=True)
     longest = max_seq_len("llama-8b", layout, cluster)
     assert abs(longest / published - 1) <= 0.25, f"{longest:,} tokens vs published {published:,.0f}"
     # the same cluster without the memory features trains far shorter sequences (ALST: 32K at 1 GPU baseline)
     plain = max_seq_len("llama-8b", Layout(1, gpus, gpus, 1, "ulysses", (), "fsdp"), cluster)
     assert plain < longest / 4
+
+
+def test_published_single_gpu_max_length_needs_optimizer_offload(tmp_path, capsys):
+    # ALST (arXiv:2506.13996), abstract: Llama-3.1-8B trains at 500K tokens on a single H100
+    # 80GB. Its 1-GPU recipe (ArcticTraining projects/sequence-parallelism/run-h100-sp1-llama-8b.yml,
+    # max_length 500,000): sequence_parallel_size 1, ZeRO-3 with offload_optimizer and offload_param to the
+    # CPU (cpu_adam), activation_checkpoint_cpu_offload, tiled_mlp_compute, Liger's tiled loss, bf16: FSDP2's
+    # CPUOffloadPolicy plus seqpar's four activation features. Weights, gradients and Adam state of 8B in
+    # mixed precision (~128 GB) cannot stay on the card.
+    published = 500_000
+    one = Cluster(gpus=1, gpu_memory_gb=80)
+    assert one.memory_bytes == pytest.approx(80 * 2**30 * 0.9)  # "80 GB" as labelled = 80 GiB
+    longest = max_seq_len("llama-8b", Layout(1, 1, 1, 1, "local", ALL_FEATURES, "fsdp"), one)
+    assert abs(longest / published - 1) <= 0.25, f"{longest:,} tokens vs published {published:,}"
+    # without offload the 1-GPU maximum is far shorter (ALST: 32K for the plain Hugging Face baseline)
+    for mode in ("fsdp", "replicate"):
+        on_card = max_seq_len("llama-8b", Layout(1, 1, 1, 1, "local", FEATURES, mode), one)
+        assert on_card < longest / 4, (mode, on_card)
+    # the planner finds it: every layout that fits 500K (K = 1024) on one 80 GB card offloads the optimizer
+    result = plan("llama-8b", 500 * 1024, one)
+    assert result.candidates and all("offload_optimizer" in c.layout.features for c in result.candidates)
+    best = result.top(1)[0]
+    assert best.layout.dp_mode == "fsdp" and best.peak_bytes <= one.memory_bytes
+    assert best.memory.host > 16 * 8.03e9  # fp32 master, gradients, AdamW state on the host
+    assert best.time.offload > 0 and result.considered == 12 + 24  # replicate: 12 feature sets, fsdp: 24
+    out = tmp_path / "one.json"
+    argv = ["plan", "--model", "llama-8b", "--seq-len", "500K", "--gpus", "1", "--gpu-memory-gb", "80"]
+    assert cli_main([*argv, "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert (
+        "| 1 | 1 | 1 | 1 | 1 | local | fsdp | checkpointing+chunked_loss+tiled_mlp+offload+offload_optimizer |"
+        in printed
+    )
+    assert "80 GiB x 0.9 usable" in printed
+    top = json.loads(out.read_text())["top"][0]
+    assert "offload_optimizer" in top["features"] and top["peak_bytes"] <= one.memory_bytes < top["host_bytes"]
+    # offload costs time (host copies, AdamW on the host), so the planner takes it only when nothing else fits
+    short = plan("llama-8b", 32 * 1024, one)
+    assert "offload_optimizer" not in short.top(1)[0].layout.features
+    node = plan("llama-8b", 2**20, Cluster(gpus=8))
+    assert node.candidates and "offload_optimizer" not in node.top(1)[0].layout.features
 
 
 @pytest.mark.parametrize(
@@ -168,6 +214,18 @@ def test_train_plan_prints_its_own_layout(capsys):
     # "auto" on an sp 4 x ulysses 2 mesh with 4/2 heads: hybrid, as resolve_strategy picks it
     assert cli_main(["train", "--plan", "--sp", "4", "--ulysses", "2", "--seq-len", "1024"]) == 0
     assert "these settings: dp 1 sp 4 ulysses 2 tp 1 hybrid replicate" in capsys.readouterr().out
+    # optimizer offload: a feature of the layout, the estimate's host memory, the offload part of the step
+    argv = ["train", "--plan", "--sp", "2", "--seq-len", "1024", "--dp-mode", "fsdp", "--offload-optimizer"]
+    assert cli_main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "these settings: dp 1 sp 2 ulysses 2 tp 1 ulysses fsdp, features offload_optimizer," in printed
+    assert "optimizer offloaded to the host" in printed and "host memory (offloaded" in printed
+    assert ", offload " in printed
+    assert cli_main(["train", "--plan", "--offload-optimizer"]) == 2  # replicate is the default dp mode
+    assert "--offload-optimizer needs --dp-mode fsdp" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["train", "--help"])
+    assert "--offload-optimizer" in capsys.readouterr().out
 
 
 def test_large_cluster_plans():

@@ -228,12 +228,18 @@ def test_tensor_and_data_parallel_runs_match_the_sequence_parallel_run(tmp_path)
     for mode in ("fsdp", "ddp"):  # parameters sharded / replicated over the 2 SP ranks by torch
         done = seqpar_train(*common, "--sp", "2", "--dp-mode", mode, "--run-dir", str(tmp_path / mode))
         assert done.returncode == 0, done.stderr
-    # FSDP2-sharded parameters and optimizer state go through the checkpoint and resume exactly
+    # FSDP2-sharded parameters and optimizer state go through the checkpoint and resume exactly, here into a
+    # run whose parameters, gradients and AdamW state live in host memory (Note [optimizer offload]): CPU
+    # offload's code path (policy, AdamW on host DTensors, clip_grad_norm_, its final checkpoint) gives the
+    # same losses and gradient norms as FSDP2 on the device
     part = tmp_path / "fsdp-part"
-    for extra in (["--stop-at", "1"], ["--resume", "auto"]):
+    for extra in (["--stop-at", "1"], ["--resume", "auto", "--offload-optimizer"]):
         done = seqpar_train(*common, "--sp", "2", "--dp-mode", "fsdp", "--run-dir", str(part), *extra)
         assert done.returncode == 0, done.stderr
+    assert "host memory" in done.stdout and json.loads((part / "config.json").read_text())["offload_optimizer"]
+    assert (part / "checkpoints" / "step_0000002" / "seqpar_complete.json").is_file()
     assert losses(part) == pytest.approx(losses(tmp_path / "fsdp"), rel=1e-6)
+    assert losses(part, "grad_norm") == pytest.approx(losses(tmp_path / "fsdp", "grad_norm"), rel=1e-6)
     # the output projection and loss in pieces of 40 tokens instead of whole logits
     done = seqpar_train(*common, "--sp", "2", "--loss-chunk", "40", "--run-dir", str(tmp_path / "chunked"))
     assert done.returncode == 0, done.stderr

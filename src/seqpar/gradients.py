@@ -97,7 +97,8 @@ def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, n
 
     Like ``torch.nn.utils.clip_grad_norm_``, but the parameters may mix plain tensors and DTensors (each
     DTensor's norm is reduced over its own mesh), as after ``apply_tensor_parallel``. Every rank of a
-    DTensor's mesh must call it.
+    DTensor's mesh must call it. A DTensor gradient held in host memory on a CUDA mesh (FSDP2's CPU
+    offload, Note [optimizer offload]) is measured on the host and its norm reduced on the device.
 
     Args:
         parameters: the model's parameters; those without a gradient are skipped.
@@ -113,10 +114,23 @@ def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, n
     norms = []
     for g in grads:
         n = torch.linalg.vector_norm(g, norm_type)
-        norms.append(n.full_tensor() if hasattr(n, "full_tensor") else n)
-    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        if hasattr(n, "full_tensor"):
+            n = _on_mesh_device(n).full_tensor()
+        norms.append(n)
+    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
     scale = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
     if scale < 1.0:
         for g in grads:
             g.mul_(scale)
     return total
+
+
+def _on_mesh_device(n: torch.Tensor) -> torch.Tensor:
+    """A DTensor norm whose local part sits where its mesh's collectives run (host shards on a CUDA mesh)."""
+    mesh = n.device_mesh
+    if n.device.type == mesh.device_type:
+        return n
+    from torch.distributed.tensor import DTensor
+
+    device = torch.device(mesh.device_type, torch.accelerator.current_device_index())
+    return DTensor.from_local(n.to_local().to(device), mesh, n.placements, run_check=False)

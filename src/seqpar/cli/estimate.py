@@ -45,6 +45,12 @@ def add_estimate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--keep-gradients", action="store_true", help="gradients live between steps (zeroed in place, not freed)"
     )
+    p.add_argument(
+        "--offload-optimizer",
+        action="store_true",
+        help="FSDP2 CPU offload (needs --dp-mode fsdp): parameters, gradients and optimizer state in host "
+        "memory, the update on the CPU; the device keeps the layers in flight, the host figure is printed apart",
+    )
     p.add_argument("--hidden", type=int, default=TrainConfig.hidden_size, help="default model: hidden size")
     p.add_argument("--layers", type=int, default=TrainConfig.layers, help="default model: layers")
     p.add_argument("--heads", type=int, default=TrainConfig.heads, help="default model: heads")
@@ -85,6 +91,7 @@ def run_estimate(args: argparse.Namespace) -> int:
         loss_chunk=args.loss_chunk,
         mlp_chunk=args.mlp_chunk,
         keep_gradients=args.keep_gradients,
+        offload_optimizer=args.offload_optimizer,
     )
     print(estimate.table())
     return 0

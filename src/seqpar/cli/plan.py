@@ -10,7 +10,7 @@ from seqpar.planning.memory import DTYPE_BYTES
 from seqpar.planning.models import shape_from_config
 from seqpar.planning.report import format_plan
 from seqpar.planning.search import plan
-from seqpar.planning.timing import Layout, step_time
+from seqpar.planning.timing import OFFLOAD_OPTIMIZER, Layout, step_time
 from seqpar.strategies.policy import resolve_strategy_for
 from seqpar.train.config import TrainConfig
 from seqpar.train.fit import memory_features, train_estimate
@@ -25,7 +25,8 @@ def _layout(config: TrainConfig, heads: int, kv_heads: int) -> Layout:
     strategy = resolve_strategy_for(config.strategy, tp_heads, tp_kv, config.sp, config.ulysses)
     strategy = "local" if config.sp == 1 else strategy
     ulysses = config.sp if strategy == "ulysses" else config.ulysses if strategy == "hybrid" else 1
-    return Layout(config.dp, config.sp, ulysses, config.tp, strategy, memory_features(config), config.dp_mode)
+    features = (*memory_features(config), *((OFFLOAD_OPTIMIZER,) if config.offload_optimizer else ()))
+    return Layout(config.dp, config.sp, ulysses, config.tp, strategy, features, config.dp_mode)
 
 
 def train_plan(config: TrainConfig) -> str:
@@ -56,7 +57,7 @@ def train_plan(config: TrainConfig) -> str:
         estimate.table(),
         f"predicted step (one micro-batch) on H100-class devices: {time.total:.3g} s "
         f"(matmul {time.matmul:.3g}, attention {time.attention:.3g}, all-to-all {time.all_to_all:.3g}, "
-        f"tp {time.tensor_parallel:.3g}, gradients {time.gradients:.3g})",
+        f"tp {time.tensor_parallel:.3g}, gradients {time.gradients:.3g}, offload {time.offload:.3g})",
         "",
         "ranked layouts for the same model, length and device count (`seqpar plan` describes other clusters):",
         format_plan(plan(shape, seq_len, cluster, micro_batch=micro_batch, dtype=dtype)),

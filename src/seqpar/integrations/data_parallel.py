@@ -20,6 +20,44 @@ Note [summed gradients]
     the scaled local gradients pile up unreduced and the final average sums them once). Rule: a gradient
     is summed over ranks exactly once, and whatever may already hold a reduced value is averaged, never
     summed again.
+
+Note [FSDP2 units]
+    ``apply_data_parallel(..., "fsdp")`` shards the input embedding, every decoder block and the output head as
+    units of their own, then the model (the root: the final norm and whatever else is left), as torchtitan
+    does. A unit's parameters are gathered only while it runs: the embedding for the first moment of the
+    forward (and again at the very end of the backward), each block for its forward and again for its
+    backward, and the head from its forward through its backward (``reshard_after_forward=False``: the
+    backward starts with it), its gradient reduce-scattered as soon as the head's backward ends. In the root,
+    FSDP2 would keep the embedding and the head gathered from the forward until the end of the backward (a
+    root is not resharded after its forward), with the head's gradient waiting there too: for Llama-3.1-8B
+    in bf16 3 GB that every layer's backward would carry. A model whose embedding and head share a weight
+    keeps both in the root.
+
+Note [optimizer offload]
+    ``apply_data_parallel(..., "fsdp", offload_optimizer=True)`` shards every unit with FSDP2's
+    ``CPUOffloadPolicy``: the sharded parameters (the master copy the optimizer updates), their sharded
+    gradients and therefore the optimizer state live in host memory, and ``optimizer.step()`` runs on the
+    CPU. This is ZeRO-3 with ``offload_optimizer`` and ``offload_param`` to the CPU, what Arctic Long
+    Sequence Training (arXiv:2506.13996) runs Llama-3.1-8B at 500K tokens on one H100 with. What stays on
+    the device during a step: each unit's unsharded parameters while it runs (FSDP2 copies the unit's
+    shard host-to-device, all-gathers it, frees it after the unit's forward and gathers it again for its
+    backward; the next unit is prefetched, so about two decoder blocks at a time; Note [FSDP2 units]), the
+    output head from its forward through its backward, the root's (final norm; embedding and head too when
+    tied) from its forward until the end of the backward, and each unit's unsharded gradients until its
+    reduce-scatter, whose sharded output is copied device-to-host. Nothing of the model stays on the device
+    between steps. ``seqpar.estimate_memory(..., offload_optimizer=True)``
+    counts exactly these (Note [memory estimate]).
+    - It is FSDP2 only (DDP keeps whole replicas on the device); it works at any dp x sp size, 1 included
+      (FSDP2 over a group of one still keeps the shard on the host and gathers a unit at a time).
+    - Placement: FSDP2 moves a unit's parameters to the device of the mesh before sharding them, and the
+      shards to the host; the model may stay on the CPU until then, so an 8B model never sits whole on the
+      GPU. Host buffers are pinned (``pin_memory``) only when the mesh is on CUDA, where the copies overlap
+      compute; pinning needs CUDA.
+    - On the CPU (gloo) the shards are host tensors already: the same code path (the policy applied, the
+      optimizer stepping on host DTensors, ``seqpar.clip_grad_norm_``, distributed checkpoints) runs, and
+      training is exactly that of FSDP2 without offload (tests/test_composition.py).
+    - Global gradient norms of host-resident shards are reduced on the mesh's device, so a NCCL-only
+      group works (``seqpar.clip_grad_norm_``).
 """
 
 from __future__ import annotations
@@ -78,14 +116,34 @@ def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return []
 
 
-def apply_data_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh, mode: str = "auto") -> torch.nn.Module:
+def _embedding_and_head(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
+    """The input embedding and the output head as FSDP2 units of their own, or none when they share a weight."""
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    embedding = get_in() if callable(get_in) else None
+    head = get_out() if callable(get_out) else None
+    if not isinstance(embedding, torch.nn.Module) or not isinstance(head, torch.nn.Module):
+        return [], []
+    if any(p is q for p in embedding.parameters() for q in head.parameters()):  # tied: both stay in the root
+        return [], []
+    return [embedding], [head]
+
+
+def apply_data_parallel(
+    model: torch.nn.Module, mesh: SequenceParallelMesh, mode: str = "auto", *, offload_optimizer: bool = False
+) -> torch.nn.Module:
     """Wrap ``model`` for data parallel over dp x sp with summed gradients (Note [summed gradients]).
 
     Args:
-        model: the (already ``prepare_model``-ed) model, on its device.
+        model: the (already ``prepare_model``-ed) model, on its device (with ``offload_optimizer`` it may stay
+            on the CPU: FSDP2 moves each unit to the mesh's device as it shards it).
         mesh: the mesh from ``seqpar.make_mesh``.
-        mode: "fsdp" (FSDP2: parameters sharded over dp x sp, one unit per transformer block), "ddp", or
-            "auto" (FSDP2 on CUDA, DDP on the CPU).
+        mode: "fsdp" (FSDP2: parameters sharded over dp x sp; units: the input embedding, each transformer
+            block, the output head, and the rest in the root; Note [FSDP2 units]), "ddp", or
+            "auto" (FSDP2 on CUDA or with ``offload_optimizer``, DDP on the CPU otherwise).
+        offload_optimizer: FSDP2 only: keep the sharded parameters, their gradients and the optimizer state
+            in host memory and step the optimizer on the CPU (FSDP2's ``CPUOffloadPolicy``, pinned buffers
+            on CUDA; Note [optimizer offload]). Build the optimizer after this call, from
+            ``model.parameters()``.
 
     Returns:
         The FSDP2 module (the same object, now sharded) or the DDP wrapper. Call it with the same keywords.
@@ -94,10 +152,16 @@ def apply_data_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh, mode
         Gradient accumulation works with or without ``no_sync``.
 
     Raises:
-        SeqparInputError: an unknown mode; a model already wrapped by this function.
+        SeqparInputError: an unknown mode; a model already wrapped by this function; ``offload_optimizer``
+            with DDP.
     """
     if mode == "auto":
-        mode = "fsdp" if next(model.parameters()).is_cuda else "ddp"
+        mode = "fsdp" if offload_optimizer or next(model.parameters()).is_cuda else "ddp"
+    if offload_optimizer and mode != "fsdp":
+        raise SeqparInputError(
+            f"offload_optimizer needs mode 'fsdp' (FSDP2's CPUOffloadPolicy), not {mode!r}: DDP keeps whole "
+            "parameters, gradients and optimizer state on the device"
+        )
     wrapped = {getattr(p, SUMMED_BY_WRAPPER) for p in model.parameters() if hasattr(p, SUMMED_BY_WRAPPER)}
     if wrapped:
         raise SeqparInputError(f"this model is already wrapped by apply_data_parallel ({wrapped.pop()}); wrap it once")
@@ -110,13 +174,18 @@ def apply_data_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh, mode
         _mark_summed(model, "DDP")
         return ddp
     if mode == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-        device_type = next(model.parameters()).device.type
+        # with offload the model may still be on the CPU: compute where the mesh's collectives run
+        device_type = mesh.device_mesh.device_type if offload_optimizer else next(model.parameters()).device.type
         dp_mesh = DeviceMesh.from_group(group, device_type)
-        units = [*decoder_blocks(model), model]
+        policy = CPUOffloadPolicy(pin_memory=device_type == "cuda") if offload_optimizer else OffloadPolicy()
+        embedding, head = _embedding_and_head(model)
+        units = [*embedding, *decoder_blocks(model), *head, model]
         for unit in units:
-            fully_shard(unit, mesh=dp_mesh)
+            # the head's backward follows its forward at once: keep it gathered in between (Note [FSDP2 units])
+            keep = False if unit in head else None
+            fully_shard(unit, mesh=dp_mesh, offload_policy=policy, reshard_after_forward=keep)
         for unit in units:
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)

@@ -38,6 +38,18 @@ Note [memory estimate]
     moments: the start of the backward, one layer's backward (kept activations, the recomputed layer, the
     gradients so far), the gradient all-reduce, and the optimizer update.
     Only the extra I above is calibrated; nothing is fitted to the points of README "## Memory".
+    Optimizer offload (``offload_optimizer``, FSDP2's CPU offload, Note [optimizer offload] in
+    integrations/data_parallel.py): the sharded parameters, their gradients and the optimizer state live in
+    host memory (counted there as fp32 master parameters, fp32 gradients and fp32 states, 4 bytes each,
+    divided over dp x sp, whatever ``dtype`` is) and the update runs on the CPU, so the "optimizer" moment
+    leaves the device. On the device stay ``dtype`` working copies (units as Note [FSDP2 units]): two
+    decoder blocks gathered at a time (the one running and the one prefetched) and their unsharded
+    gradients (the one being formed, the one in its reduce-scatter and device-to-host copy), the root's
+    parameters (the final norm) from the forward to the end of the backward, and the output head's from its
+    forward through its backward (the "backward start" moment). A tied embedding and head stay in the root,
+    gathered all step, their gradient waiting there until the backward ends. The embedding's gather at the
+    very end of the backward meets no activations and is left out. Nothing of the model lives on the device
+    between steps; kept gradients stay on the host.
 """
 
 from __future__ import annotations
@@ -63,11 +75,13 @@ class MemoryEstimate:
     """Predicted bytes on one rank during one training step, by category (Note [memory estimate])."""
 
     parameters: int
-    """Model parameters held by this rank (sharded by tp; by dp x sp under fsdp)."""
+    """Model parameters held by this rank (sharded by tp; by dp x sp under fsdp). With ``offload_optimizer``
+    the device's working copies only: the root unit's and two gathered decoder blocks'."""
     gradients: int
     """Parameter gradients at the moment of the peak (the output head's alone at the start of the backward)."""
     optimizer_state: int
-    """Optimizer state (AdamW: two tensors per parameter), plus its update's temporary when that is the peak."""
+    """Optimizer state (AdamW: two tensors per parameter), plus its update's temporary when that is the peak
+    (0 on the device with ``offload_optimizer``: see ``host``)."""
     checkpointed_activations: int
     """Activations every layer keeps for the backward: whole layers without checkpointing, each layer's input
     with it (0 on the device when offloaded)."""
@@ -92,6 +106,11 @@ class MemoryEstimate:
     """Attention strategy the estimate assumes (``auto`` resolved)."""
     features: tuple[str, ...] = field(default_factory=tuple)
     """Memory features switched on."""
+    host: int = 0
+    """Bytes of host memory the step holds, not part of ``peak``: the fp32 master parameters, gradients and
+    optimizer state under ``offload_optimizer``, and the checkpointed layer inputs the "offload" feature moves."""
+    offload_optimizer: bool = False
+    """Parameters, gradients and optimizer state live in host memory; the update runs on the CPU."""
 
     @property
     def step_peak(self) -> int:
@@ -111,9 +130,12 @@ class MemoryEstimate:
             (f"peak ({self.moment})", self.peak),
             ("step growth (peak - what lives between steps)", self.step_peak),
         ]
+        if self.host:
+            rows.append(("host memory (offloaded, not in the peak)", self.host))
+        offload = "; optimizer offloaded to the host" if self.offload_optimizer else ""
         head = (
             f"per-rank memory: {self.tokens_per_rank} tokens/rank, strategy {self.strategy}, "
-            f"features: {', '.join(self.features) or 'none'}"
+            f"features: {', '.join(self.features) or 'none'}{offload}"
         )
         width = max(len(name) for name, _ in rows)
         return "\n".join([head, *(f"  {name:<{width}}  {value / _MB:10.1f} MiB" for name, value in rows)])
@@ -133,7 +155,7 @@ def _strategy(strategy: str, d: ModelDims, sp: int, ulysses: int) -> str:
     return strategy
 
 
-def _check(seq_len, sizes: dict, micro_batch, features, strategy, optimizer, dp_mode) -> None:
+def _check(seq_len, sizes: dict, micro_batch, features, strategy, optimizer, dp_mode, offload_optimizer) -> None:
     problems = [f"{name} must be a positive integer, not {value!r}" for name, value in sizes.items() if value < 1]
     problems += [f"unknown feature {f!r}; choose from {', '.join(FEATURES)}" for f in features if f not in FEATURES]
     if micro_batch < 1 or seq_len < 1:
@@ -148,6 +170,8 @@ def _check(seq_len, sizes: dict, micro_batch, features, strategy, optimizer, dp_
         problems.append(f"unknown optimizer {optimizer!r}; choose from {', '.join(_OPTIMIZERS)}")
     if dp_mode not in ("replicate", "ddp", "fsdp"):
         problems.append(f"dp_mode must be replicate, ddp or fsdp, not {dp_mode!r}")
+    elif offload_optimizer and dp_mode != "fsdp":
+        problems.append(f"offload_optimizer needs dp_mode 'fsdp' (FSDP2's CPU offload), not {dp_mode!r}")
     if problems:
         raise SeqparInputError("cannot estimate memory:\n  - " + "\n  - ".join(problems))
 
@@ -208,6 +232,7 @@ def estimate_memory(
     loss_chunk: int = 1024,
     mlp_chunk: int = 1024,
     keep_gradients: bool = False,
+    offload_optimizer: bool = False,
 ) -> MemoryEstimate:
     """Predict one rank's memory during one training step (forward, backward, gradient sum, optimizer).
 
@@ -230,17 +255,21 @@ def estimate_memory(
         mlp_chunk: tokens per chunk of the tiled MLP.
         keep_gradients: gradients live between steps (zeroed in place, not freed): counted in
             ``between_steps`` and whole at every moment of the step.
+        offload_optimizer: parameters, gradients and optimizer state in host memory, the update on the CPU
+            (``apply_data_parallel(..., offload_optimizer=True)``; needs dp_mode "fsdp"): the device keeps
+            working copies of the layers in flight, and ``host`` reports what moved.
 
     Returns:
         The ``MemoryEstimate``: bytes by category, the peak and the moment that sets it.
 
     Raises:
         SeqparInputError: an unknown feature, strategy, optimizer or dp_mode, sizes below 1, a seq_len not
-            divisible by sp_size, heads that the ulysses degree (or tp) cannot split, a config without sizes.
+            divisible by sp_size, heads that the ulysses degree (or tp) cannot split, a config without sizes,
+            ``offload_optimizer`` without dp_mode "fsdp".
     """
     features = tuple(features)
     sizes = {"sp_size": sp_size, "ulysses_size": ulysses_size, "dp_size": dp_size, "tp_size": tp_size}
-    _check(seq_len, sizes, micro_batch, features, strategy, optimizer, dp_mode)
+    _check(seq_len, sizes, micro_batch, features, strategy, optimizer, dp_mode, offload_optimizer)
     d = model_dims(model_config, tp_size)
     chosen = _strategy(strategy, d, sp_size, ulysses_size)
     b = torch.empty((), dtype=dtype).element_size()
@@ -256,12 +285,22 @@ def estimate_memory(
     head_grad = head_params * b // shards
     all_grads = -(-total * b // shards)
     kept_grads = all_grads if keep_gradients else 0
+    host = (d.layers - act["kept_layers"]) * act["kept_per_layer"]  # checkpointed inputs the offload moved
+    gathered_head = 0
+    if offload_optimizer:  # Note [memory estimate], optimizer offload: only working copies on the device
+        units = 0 if d.tied else 2 * head_params  # embedding and head are units of their own unless tied
+        params = (total - units - d.layers * layer_params + 2 * layer_params) * b  # the root, two blocks
+        gathered_head = units // 2 * b  # from the head's forward through its backward
+        host += (2 + _OPTIMIZERS[optimizer]) * 4 * -(-total // shards)  # fp32 master, gradients, states
+        states = all_grads = kept_grads = 0
+        head_grad = head_params * b if d.tied else 0  # a root's gradients wait for the end of the backward
     # chunked: the output head's gradient accumulates in its own buffer from the first piece's backward on
-    early = head_grad if "chunked_loss" in features else 0
+    early = (head_grad or gathered_head) if "chunked_loss" in features else 0
     moments = {"backward start": (kept_grads + early, act["kept"], 0, loss, 0, 0)}
     worst = (0, 0)
     for done in range(d.layers):  # the backward of the (done+1)-th layer from the top
-        grads = kept_grads or head_grad + (done + 1) * layer_params * b // shards
+        in_flight = 2 * layer_params * b if offload_optimizer else (done + 1) * layer_params * b // shards
+        grads = kept_grads or head_grad + in_flight
         kept = act["kept"] - done * act["kept_per_layer"] * (act["kept_layers"] == d.layers)
         worst = max(worst, (grads + kept, grads))
     # the attention's buffers live while its backward runs, after the MLP's tensors of the layer are freed
@@ -274,21 +313,25 @@ def estimate_memory(
         bucket = min(all_grads, int(BUCKET_MB * _MB))
         moments["gradient all-reduce"] = (all_grads, 0, 0, 0, bucket, 0)
     largest = max(head_params, layer_params // 3) * b // shards  # AdamW updates tensor by tensor on the CPU
-    moments["optimizer"] = (all_grads, 0, 0, 0, 0, 2 * largest if states else 0)
-    moment = max(moments, key=lambda m: sum(moments[m]))
+    if not offload_optimizer:  # offloaded, the update runs on the host
+        moments["optimizer"] = (all_grads, 0, 0, 0, 0, 2 * largest if states else 0)
+    on_device = {m: params + (gathered_head if m == "backward start" else 0) for m in moments}
+    moment = max(moments, key=lambda m: on_device[m] + sum(moments[m]))
     g, kept, trans, logits, comm_at, opt_tmp = moments[moment]
     return MemoryEstimate(
-        parameters=params,
+        parameters=on_device[moment],
         gradients=g,
         optimizer_state=states + opt_tmp,
         checkpointed_activations=kept,
         layer_transient=trans,
         logits_loss=logits,
         communication=comm_at,
-        peak=params + states + sum(moments[moment]),
+        peak=on_device[moment] + states + sum(moments[moment]),
         moment=moment,
-        between_steps=params + states + kept_grads,
+        between_steps=0 if offload_optimizer else params + states + kept_grads,
         tokens_per_rank=tokens,
         strategy=chosen,
         features=features,
+        host=host,
+        offload_optimizer=offload_optimizer,
     )

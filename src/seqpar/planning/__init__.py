@@ -8,10 +8,11 @@ from seqpar.planning.limits import max_seq_len
 from seqpar.planning.models import PRESETS, ModelShape, load_model_shape
 from seqpar.planning.report import format_plan, plan_to_dict
 from seqpar.planning.search import Candidate, Plan, Rejection, plan
-from seqpar.planning.timing import FEATURES, Layout, StepTime, model_flops, step_time
+from seqpar.planning.timing import FEATURES, OFFLOAD_OPTIMIZER, Layout, StepTime, model_flops, step_time
 
 __all__ = [
     "FEATURES",
+    "OFFLOAD_OPTIMIZER",
     "PRESETS",
     "Calibration",
     "Candidate",

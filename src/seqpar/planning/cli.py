@@ -51,7 +51,13 @@ def add_plan_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", default="128K", help="tokens per sequence: 131072, 128K, 1M (K=1024)")
     parser.add_argument("--gpus", type=int, default=8, help="devices in all")
     parser.add_argument("--gpus-per-node", type=int, default=Cluster.gpus_per_node)
-    parser.add_argument("--gpu-memory-gb", type=float, default=Cluster.gpu_memory_gb)
+    parser.add_argument(
+        "--gpu-memory-gb",
+        type=float,
+        default=Cluster.gpu_memory_gb,
+        help="memory of one device as labelled, read as GiB (2^30 bytes): 80 for an '80 GB' H100, which CUDA "
+        "shows as 81,559 MiB; --memory-headroom of it is planned with (default: %(default)g)",
+    )
     parser.add_argument(
         "--gpu-tflops", type=float, default=Cluster.gpu_tflops, help="dense peak at the dtype (H100 bf16: 989)"
     )
@@ -65,7 +71,25 @@ def add_plan_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-efficiency", type=float, default=Cluster.attention_efficiency)
     parser.add_argument("--link-efficiency", type=float, default=Cluster.link_efficiency)
     parser.add_argument(
-        "--memory-headroom", type=float, default=Cluster.memory_headroom, help="fraction of device memory to fill"
+        "--memory-headroom",
+        type=float,
+        default=Cluster.memory_headroom,
+        help="fraction of --gpu-memory-gb to fill; the rest: CUDA context, kernels, fragmentation "
+        "(default: %(default)g)",
+    )
+    parser.add_argument(
+        "--host-link-gbps",
+        type=float,
+        default=Cluster.host_link_gbps,
+        help="device <-> host GB/s each way, for optimizer offload (PCIe Gen5 x16: ~50 effective; "
+        "default: %(default)g)",
+    )
+    parser.add_argument(
+        "--host-adam-gparams-per-s",
+        type=float,
+        default=Cluster.host_adam_gparams_per_s,
+        help="billions of parameters/s one node's CPUs update with AdamW under optimizer offload "
+        "(default: %(default)g)",
     )
     parser.add_argument("--ulysses-across-nodes", action="store_true", help="allow all-to-all and tp across nodes")
     parser.add_argument("--micro-batch", type=int, default=1)

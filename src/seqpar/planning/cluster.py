@@ -1,6 +1,17 @@
 """The machines a plan is for: device count, memory, FLOP rate and links, and the calibration file that sets them.
 
 Rates are given as vendors quote them; ``Cluster`` turns them into the one-way bytes/s the time model uses.
+Device memory is given as the card is labelled, which is in GiB (Note [device memory units]).
+
+Note [device memory units]
+    Vendors label device memory in binary units while writing "GB": an "80 GB" H100 has 80 GiB of HBM
+    (85.9e9 bytes), of which CUDA sees 81,559 MiB (79.6 GiB: nvidia-smi's total, the second value of
+    ``torch.cuda.mem_get_info``), 0.4% less than the label. ``Cluster.gpu_memory_gb`` (``seqpar plan
+    --gpu-memory-gb``) therefore takes the label's number as GiB (2^30 bytes), and the planner prints memory
+    in GiB too (``seqpar estimate`` and ``seqpar train --max-memory-mb`` use MiB, 2^20 bytes).
+    ``memory_headroom`` (0.9) covers what the label has and a program cannot use: the 0.4% an H100 does not
+    show, the CUDA context (about 0.5 GiB), kernel workspaces and the caching allocator's fragmentation. To
+    plan with a measured total instead, give ``mem_get_info``'s total bytes / 2^30.
 """
 
 from __future__ import annotations
@@ -23,7 +34,8 @@ class Cluster:
     gpus_per_node: int = 8
     """Devices that share the fast intra-node links (NVLink); a node's devices are consecutive ranks."""
     gpu_memory_gb: float = 80.0
-    """Memory of one device in GB (1e9 bytes)."""
+    """Memory of one device as its label gives it, read as GiB (2^30 bytes): 80 for an "80 GB" H100, whose
+    80 GiB CUDA shows as 81,559 MiB (Note [device memory units]). A plan fills ``memory_headroom`` of it."""
     gpu_tflops: float = 989.0
     """Dense peak of one device at the training dtype, in TFLOP/s (H100 SXM bf16: 989)."""
     intra_node_gbps: float = 900.0
@@ -40,6 +52,15 @@ class Cluster:
     """Fraction of gpu_memory_gb a plan may fill (the rest: allocator fragmentation, CUDA context, kernels)."""
     ulysses_across_nodes: bool = False
     """Allow all-to-all groups (and tensor parallel) that span nodes."""
+    host_link_gbps: float = 50.0
+    """Device <-> host memory bandwidth in GB/s (1e9 bytes/s), each direction, that pinned copies reach: PCIe
+    Gen5 x16 is 64 GB/s raw per direction, about 50 effective (Gen4: about 25). Used by optimizer offload."""
+    host_adam_gparams_per_s: float = 1.0
+    """Billions of parameters per second that one node's CPUs update with AdamW under optimizer offload,
+    shared by the node's ranks. AdamW on the host is memory-bound: it reads and writes about 28 bytes per
+    fp32 parameter (the parameter, its gradient, two states), so 1e9 parameters/s is ~28 GB/s of host memory
+    traffic, what PyTorch's multi-threaded AdamW on CPU tensors sustains on a many-core server (a tuned CPU
+    Adam such as DeepSpeed's goes several times faster)."""
 
     def __post_init__(self) -> None:
         problems = [f.name for f in fields(self) if f.name != "ulysses_across_nodes" and not getattr(self, f.name) > 0]
@@ -74,8 +95,18 @@ class Cluster:
 
     @property
     def memory_bytes(self) -> float:
-        """Bytes of one device a plan may fill."""
-        return self.gpu_memory_gb * 1e9 * self.memory_headroom
+        """Bytes of one device a plan may fill: ``gpu_memory_gb`` GiB x ``memory_headroom``."""
+        return self.gpu_memory_gb * 2**30 * self.memory_headroom
+
+    @property
+    def host_bytes_per_s(self) -> float:
+        """Bytes/s of a device <-> host copy in one direction."""
+        return self.host_link_gbps * 1e9
+
+    @property
+    def host_adam_params_per_s(self) -> float:
+        """Parameters per second one node's CPUs update with AdamW."""
+        return self.host_adam_gparams_per_s * 1e9
 
     def link(self, span: int) -> float:
         """One-way bytes/s of a collective whose group covers ``span`` consecutive ranks."""

@@ -9,7 +9,7 @@ import torch
 
 from seqpar.memory import MemoryEstimate, estimate_memory
 from seqpar.planning.models import ModelShape
-from seqpar.planning.timing import Layout
+from seqpar.planning.timing import OFFLOAD_OPTIMIZER, Layout
 
 __all__ = ["DTYPES", "DTYPE_BYTES", "estimate_layout"]
 
@@ -22,6 +22,9 @@ def estimate_layout(
 ) -> MemoryEstimate:
     """Predicted memory of one rank for one training step of ``layout`` (AdamW).
 
+    "offload_optimizer" in ``layout.features`` is the estimator's ``offload_optimizer``; the rest are its
+    features.
+
     Args:
         model: the sizes.
         seq_len: tokens per sequence.
@@ -33,7 +36,8 @@ def estimate_layout(
         The estimator's bytes by category and peak.
 
     Raises:
-        SeqparInputError: the estimator refuses the layout (e.g. a length sp does not divide).
+        SeqparInputError: the estimator refuses the layout (e.g. a length sp does not divide, optimizer offload
+            without fsdp).
     """
     return estimate_memory(
         model.as_config(),
@@ -44,7 +48,8 @@ def estimate_layout(
         tp_size=layout.tp,
         dtype=DTYPES[dtype],
         micro_batch=micro_batch,
-        features=layout.features,
+        features=tuple(f for f in layout.features if f != OFFLOAD_OPTIMIZER),
         strategy="ring" if layout.strategy == "local" else layout.strategy,
         dp_mode=layout.dp_mode,
+        offload_optimizer=OFFLOAD_OPTIMIZER in layout.features,
     )

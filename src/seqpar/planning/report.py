@@ -38,12 +38,13 @@ def format_plan(result: Plan, top: int = 10, rejected: int = 15) -> str:
         f"{m.num_hidden_layers} layers x {m.hidden_size} hidden, {m.num_attention_heads}/{m.num_key_value_heads} "
         f"heads, vocab {m.vocab_size} ({m.num_params / 1e9:.2f}B parameters); seq {result.seq_len:,} x "
         f"micro-batch {result.micro_batch}, {result.dtype}",
-        f"{c.gpus} devices ({c.gpus_per_node} per node), {c.gpu_memory_gb:g} GB x {c.memory_headroom:g} usable, "
+        f"{c.gpus} devices ({c.gpus_per_node} per node), {c.gpu_memory_gb:g} GiB x {c.memory_headroom:g} usable, "
         f"{c.gpu_tflops:g} TFLOP/s (matmul x {c.matmul_efficiency:g}, attention x {c.attention_efficiency:g}), "
-        f"links {c.intra_node_gbps:g} GB/s intra, {c.inter_node_gbps:g} Gbit/s inter (x {c.link_efficiency:g})",
+        f"links {c.intra_node_gbps:g} GB/s intra, {c.inter_node_gbps:g} Gbit/s inter (x {c.link_efficiency:g}), "
+        f"host {c.host_link_gbps:g} GB/s, host AdamW {c.host_adam_gparams_per_s:g}e9 parameters/s per node",
         f"{result.considered} layouts estimated, {len(result.candidates)} fit",
         "",
-        "| # | dp | sp | ulysses | tp | strategy | dp mode | features | peak/rank (GB) | step (s) "
+        "| # | dp | sp | ulysses | tp | strategy | dp mode | features | peak/rank (GiB) | step (s) "
         "| tokens/s/GPU | MFU |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -51,7 +52,7 @@ def format_plan(result: Plan, top: int = 10, rejected: int = 15) -> str:
         lay = cand.layout
         lines.append(
             f"| {i} | {lay.dp} | {lay.sp} | {lay.ulysses} | {lay.tp} | {lay.strategy} | {lay.dp_mode} | "
-            f"{_features(cand)} | {cand.peak_bytes / 1e9:.1f} | {cand.time.total:.3g} | "
+            f"{_features(cand)} | {cand.peak_bytes / 2**30:.1f} | {cand.time.total:.3g} | "
             f"{cand.tokens_per_s_per_gpu:,.0f} | {cand.mfu:.1%} |"
         )
     if not result.candidates:
@@ -75,6 +76,7 @@ def _candidate(c: Candidate) -> dict:
         **asdict(c.layout),
         "features": list(c.layout.features),
         "peak_bytes": c.peak_bytes,
+        "host_bytes": c.memory.host,
         "step_s": c.time.total,
         "step_parts_s": asdict(c.time),
         "tokens_per_s_per_gpu": c.tokens_per_s_per_gpu,

@@ -13,13 +13,14 @@ from seqpar.memory import MemoryEstimate
 from seqpar.planning.cluster import Cluster
 from seqpar.planning.memory import DTYPE_BYTES, estimate_layout
 from seqpar.planning.models import ModelShape, load_model_shape
-from seqpar.planning.timing import FEATURES, Layout, StepTime, model_flops, step_time
+from seqpar.planning.timing import FEATURES, OFFLOAD_OPTIMIZER, Layout, StepTime, model_flops, step_time
 from seqpar.strategies.policy import ulysses_heads_problem
 
 __all__ = ["Candidate", "Plan", "Rejection", "plan"]
 
 DP_MODES = ("fsdp", "replicate")
-# Offload moves the checkpointed hidden states: without checkpointing there are none.
+# Offload moves the checkpointed hidden states: without checkpointing there are none. Optimizer offload is
+# FSDP2's (``_try_features`` keeps it to fsdp families).
 FEATURE_SETS = tuple(
     features
     for features in (
@@ -189,6 +190,8 @@ def _try_features(result: Plan, family: Layout) -> None:
     """Add every feature set of ``family`` that fits to ``result``; if none does, record why."""
     budget, smallest = result.cluster.memory_bytes, None
     for features in FEATURE_SETS:
+        if OFFLOAD_OPTIMIZER in features and family.dp_mode != "fsdp":
+            continue
         layout = Layout(family.dp, family.sp, family.ulysses, family.tp, family.strategy, features, family.dp_mode)
         estimate = estimate_layout(
             result.model, result.seq_len, layout, dtype=result.dtype, micro_batch=result.micro_batch
@@ -216,6 +219,7 @@ def _try_features(result: Plan, family: Layout) -> None:
         result.rejected.append(
             Rejection(
                 _family(family),
-                f"does not fit: {smallest / 1e9:.1f} GB per rank at best (all feature sets) > {budget / 1e9:.1f} GB",
+                f"does not fit: {smallest / 2**30:.1f} GiB per rank at best (all feature sets) > "
+                f"{budget / 2**30:.1f} GiB",
             )
         )

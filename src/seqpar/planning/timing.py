@@ -8,12 +8,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from seqpar.errors import SeqparInputError
-from seqpar.memory import FEATURES
+from seqpar.memory import FEATURES as MEMORY_FEATURES
 from seqpar.planning.cluster import Cluster
 from seqpar.planning.models import ModelShape
 from seqpar.strategies.policy import kv_head_repeats, ulysses_heads_problem
 
-__all__ = ["FEATURES", "Layout", "StepTime", "model_flops", "step_time"]
+__all__ = ["FEATURES", "OFFLOAD_OPTIMIZER", "Layout", "StepTime", "model_flops", "step_time"]
+
+OFFLOAD_OPTIMIZER = "offload_optimizer"
+"""The planner's name for FSDP2's CPU offload of parameters, gradients and optimizer state (fsdp layouts only)."""
+FEATURES = (*MEMORY_FEATURES, OFFLOAD_OPTIMIZER)
+"""What a layout may switch on: ``seqpar.memory.FEATURES`` (activations) and ``OFFLOAD_OPTIMIZER``."""
 
 # Note [plan time model]
 # One step is forward + backward of ``micro_batch`` sequences of ``seq_len`` tokens per data-parallel
@@ -41,6 +46,12 @@ __all__ = ["FEATURES", "Layout", "StepTime", "model_flops", "step_time"]
 #   backward (exposed); FSDP all-gathers the weights forward and backward and reduce-scatters gradients,
 #   overlapped with compute (only the excess over compute shows); DDP's all-reduce overlaps the backward.
 # - Offloaded checkpoints move on a side stream and are taken as hidden behind compute.
+# - Optimizer offload (fsdp only, Note [optimizer offload]): every step copies each rank's fp32 parameter
+#   shard host-to-device twice (forward and backward gathers, 4 bytes per parameter) and its gradient shard
+#   device-to-host once (in the training dtype), over ``Cluster.host_link_gbps`` each way; the copies
+#   overlap compute like FSDP's gathers (only the excess shows). The AdamW update then runs on the host,
+#   after the backward, exposed: the node's ranks share ``Cluster.host_adam_gparams_per_s``. Without
+#   offload the (on-device, memory-bound) update is left out as before.
 
 
 @dataclass(frozen=True)
@@ -58,7 +69,7 @@ class Layout:
     strategy: str
     """ulysses, ring, hybrid or allgather."""
     features: tuple[str, ...] = ()
-    """Memory features on: a subset of FEATURES."""
+    """Memory features on: a subset of FEATURES ("offload_optimizer" with dp_mode fsdp only)."""
     dp_mode: str = "replicate"
     """replicate, ddp or fsdp."""
 
@@ -84,11 +95,21 @@ class StepTime:
     """Tensor-parallel all-reduces."""
     gradients: float
     """Gradient reduction (and FSDP's weight gathers) not hidden behind compute."""
+    offload: float = 0.0
+    """Optimizer offload: host <-> device copies not hidden behind compute, and the update on the host."""
 
     @property
     def total(self) -> float:
         """The step's seconds."""
-        return self.matmul + self.attention + self.all_to_all + self.gather + self.tensor_parallel + self.gradients
+        return (
+            self.matmul
+            + self.attention
+            + self.all_to_all
+            + self.gather
+            + self.tensor_parallel
+            + self.gradients
+            + self.offload
+        )
 
 
 def _attention_flops(model: ModelShape, seq_len: int, micro_batch: int) -> float:
@@ -146,8 +167,11 @@ def step_time(
         The seconds by part.
 
     Raises:
-        SeqparInputError: heads (per tp rank) that the layout's ulysses degree cannot split.
+        SeqparInputError: heads (per tp rank) that the layout's ulysses degree cannot split; optimizer offload
+            in a layout whose dp mode is not fsdp.
     """
+    if OFFLOAD_OPTIMIZER in layout.features and layout.dp_mode != "fsdp":
+        raise SeqparInputError(f"{OFFLOAD_OPTIMIZER} needs dp_mode fsdp, not {layout.dp_mode!r}")
     layers, ckpt = model.num_hidden_layers, "checkpointing" in layout.features
     tokens = micro_batch * seq_len / layout.sp  # on this rank
     d, e, u, r = model.dim, dtype_bytes, layout.ulysses, layout.sp // layout.ulysses
@@ -177,14 +201,26 @@ def step_time(
         tp = (4 + 2 * ckpt) * 2 * (layout.tp - 1) / layout.tp * tokens * model.hidden_size * e
         tp /= cluster.link(layout.tp)
     matmul = _matmul_seconds(model, tokens, layout, cluster)
+    compute = matmul + attention * layers
     return StepTime(
         matmul=matmul,
         attention=attention * layers,
         all_to_all=a2a * layers,
         gather=gather * layers,
         tensor_parallel=tp * layers,
-        gradients=_gradient_seconds(model, layout, cluster, e, matmul + attention * layers),
+        gradients=_gradient_seconds(model, layout, cluster, e, compute),
+        offload=_offload_seconds(model, layout, cluster, e, compute),
     )
+
+
+def _offload_seconds(model: ModelShape, layout: Layout, cluster: Cluster, e: int, compute: float) -> float:
+    """Exposed seconds of optimizer offload: host <-> device copies beyond compute, and the host's AdamW."""
+    if OFFLOAD_OPTIMIZER not in layout.features:
+        return 0.0
+    shard = model.num_params / layout.tp / (layout.dp * layout.sp)  # parameters this rank updates
+    copies = shard * (2 * 4 + e) / cluster.host_bytes_per_s  # fp32 shard in twice, gradient out once
+    node_ranks = min(cluster.gpus_per_node, layout.world)
+    return max(0.0, copies - compute) + shard * node_ranks / cluster.host_adam_params_per_s
 
 
 def _gradient_seconds(model: ModelShape, layout: Layout, cluster: Cluster, e: int, compute: float) -> float:

@@ -55,6 +55,11 @@ class TrainConfig:
     dp_mode: str = "replicate"
     """How parameters live on the dp x sp ranks: replicate (gradients summed by one all-reduce), ddp, or
     fsdp (FSDP2: parameters, gradients and optimizer state sharded); gradients are summed, never averaged."""
+    offload_optimizer: bool = False
+    """Keep the sharded parameters (the fp32 master copy), their gradients and the AdamW state in host memory
+    and run the optimizer step on the CPU (FSDP2's CPUOffloadPolicy, ZeRO-3 offload); during the step only
+    about two layers' gathered parameters and gradients and the embeddings and output head visit the GPU.
+    Needs --dp-mode fsdp; works at any dp x sp, 1 included. On the CPU it only changes the code path."""
     nproc: int | None = None
     """Ranks to spawn on this machine when not started by torchrun; default dp x sp x tp."""
     timeout_s: int = 600
@@ -98,8 +103,9 @@ class TrainConfig:
     """Keep each checkpointed layer's input hidden states in pinned CPU memory until its backward, copied on a
     side CUDA stream (needs --activation-checkpointing; does nothing without CUDA)."""
     max_memory_mb: float | None = None
-    """Per-rank memory budget in MiB: refuse to start a run whose predicted peak (seqpar.estimate_memory)
-    exceeds it, naming the smallest sp or the feature that would fit (default: no check)."""
+    """Per-rank device memory budget in MiB (2^20 bytes; an "80 GB" H100 shows 81559 MiB in nvidia-smi):
+    refuse to start a run whose predicted peak (seqpar.estimate_memory) exceeds it, naming the smallest sp or
+    the feature that would fit (default: no check). Host memory (--offload-optimizer) is printed, not checked."""
     seed: int = 0
     """Seed of the model initialisation and of the synthetic data."""
 
@@ -146,6 +152,11 @@ class TrainConfig:
             problems.append(f"--dp-mode must be replicate, ddp or fsdp, not {self.dp_mode!r}")
         elif self.dp_mode != "replicate" and self.tp > 1:
             problems.append("--dp-mode ddp/fsdp with --tp > 1 is not supported; use --dp-mode replicate")
+        if self.offload_optimizer and self.dp_mode != "fsdp":
+            problems.append(
+                f"--offload-optimizer needs --dp-mode fsdp (FSDP2 shards and offloads the parameters, gradients "
+                f"and optimizer state), not {self.dp_mode}: add --dp-mode fsdp"
+            )
         if self.tokenizer and not self.data:
             problems.append("the passkey task uses seqpar's byte tokenizer; --tokenizer applies to --data files")
         if self.loss_chunk < 0:

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from seqpar.errors import SeqparInputError
@@ -76,11 +78,16 @@ def train_estimate(
         loss_chunk=config.loss_chunk or 1024,
         mlp_chunk=config.tiled_mlp_chunk,
         keep_gradients=keep_gradients,
+        offload_optimizer=config.offload_optimizer,
     )
 
 
-def _fits(config: TrainConfig, model_config: object, budget: int, **change: object) -> int | None:
-    """The predicted peak with ``change`` applied when it is within ``budget`` bytes, else None."""
+def _fits(
+    config: TrainConfig, model_config: object, budget: int, settings: dict | None = None, **change: object
+) -> int | None:
+    """The predicted peak with ``change`` (and ``settings`` changed in ``config``) when within ``budget``, else None."""
+    if settings:
+        config = dataclasses.replace(config, **settings)
     try:
         peak = train_estimate(config, model_config, **change).peak
     except SeqparInputError:
@@ -100,7 +107,8 @@ def check_memory(config: TrainConfig, model_config: object) -> str:
 
     Raises:
         SeqparInputError: the predicted peak exceeds ``max_memory_mb`` (the message names the smallest sp
-            that would fit at this sequence length, and the features that alone would make it fit), or
+            that would fit at this sequence length, and the features, optimizer offload among them, that
+            alone would make it fit), or
             ``max_memory_mb`` is set and the model cannot be estimated.
     """
     try:
@@ -115,6 +123,8 @@ def check_memory(config: TrainConfig, model_config: object) -> str:
         f"logits {estimate.logits_loss / _MB:.0f}, communication {estimate.communication / _MB:.0f}"
     )
     line = f"memory estimate per rank: peak {estimate.peak / _MB:.0f} MiB ({parts} MiB; at the {estimate.moment})"
+    if estimate.host:
+        line += f"; host memory {estimate.host / _MB:.0f} MiB (offloaded)"
     limit = config.max_memory_mb
     if not limit or estimate.peak <= limit * _MB:
         return line
@@ -130,6 +140,11 @@ def check_memory(config: TrainConfig, model_config: object) -> str:
     for name in (f for f in _FLAGS if f not in have and (f != "offload" or torch.cuda.is_available())):
         if peak := _fits(config, model_config, budget, features=(*have, name)):
             ways.append(f"{_FLAGS[name]} ({peak / _MB:.0f} MiB)")
+    offload = {"dp_mode": "fsdp", "offload_optimizer": True}
+    possible = not (config.offload_optimizer or config.loss_chunk or config.tp > 1)  # fsdp takes neither
+    if possible and (peak := _fits(config, model_config, budget, offload)):
+        flags = "--offload-optimizer" if config.dp_mode == "fsdp" else "--dp-mode fsdp --offload-optimizer"
+        ways.append(f"{flags} ({peak / _MB:.0f} MiB)")
     instead = "; would fit: " + ", or ".join(ways) if ways else "; no larger sp or single feature fits either"
     raise SeqparInputError(
         f"predicted peak {estimate.peak / _MB:.0f} MiB per rank exceeds --max-memory-mb {limit:g} "

@@ -125,7 +125,9 @@ def _launch_torchrun(config: TrainConfig) -> int:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=config.timeout_s))
+    # host-resident shards (--offload-optimizer): collectives on CPU tensors, e.g. in checkpointing, go to gloo
+    backend = ("cuda:nccl,cpu:gloo" if config.offload_optimizer else "nccl") if cuda else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=config.timeout_s))
     received = None
     try:
         _precheck(config, dist.get_world_size())

@@ -170,12 +170,18 @@ def set_up_run(config: TrainConfig, run_dir: str) -> RunState:
     device = _rank_device(mesh)
     tokenizer = load_tokenizer(config.tokenizer_path())
     vocab = getattr(tokenizer, "vocab_size", None) or len(tokenizer)
-    model = build_model(config, vocab).to(device)
+    model = build_model(config, vocab)
+    if not config.offload_optimizer:  # offloaded: FSDP2 moves each unit to the device as it shards it
+        model = model.to(device)
     if config.tp > 1:
         seqpar.apply_tensor_parallel(model, mesh)
     seqpar.prepare_model(model, mesh, strategy=config.strategy)
     # "replicate": every rank holds the parameters, gradients summed by one all-reduce after the backward
-    forward = model if config.dp_mode == "replicate" else seqpar.apply_data_parallel(model, mesh, config.dp_mode)
+    forward = (
+        model
+        if config.dp_mode == "replicate"
+        else seqpar.apply_data_parallel(model, mesh, config.dp_mode, offload_optimizer=config.offload_optimizer)
+    )
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay, eps=1e-8
     )
