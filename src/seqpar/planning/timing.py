@@ -22,7 +22,8 @@ FEATURES = (*MEMORY_FEATURES, OFFLOAD_OPTIMIZER)
 
 # Note [plan time model]
 # One step is forward + backward of ``micro_batch`` sequences of ``seq_len`` tokens per data-parallel
-# replica, then one gradient reduction; the optimizer update (memory bound, a few ms) is left out.
+# replica, then one gradient reduction; the optimizer update on the device (memory bound, a few ms) is
+# left out, the one on the host under optimizer offload is not (last item).
 # - Matmuls: 2 FLOPs per weight per token forward, twice that backward, each rank doing 1/sp of the
 #   tokens and 1/tp of each layer's weights (the head is not split by tp). Checkpointing runs every
 #   layer's forward again in backward; a tiled MLP recomputes its MLP once more; the chunked loss makes
