@@ -46,7 +46,9 @@ def choose_attention(
     """The strategy and kernel ``seqpar.attention`` uses for these (already checked) inputs.
 
     Args:
-        q, k, v: this rank's shards, as given to ``seqpar.attention``.
+        q: this rank's query shard, as given to ``seqpar.attention``.
+        k: this rank's key shard.
+        v: this rank's value shard.
         mesh: as in ``seqpar.attention``.
         strategy: a strategy name or "auto".
         kernel: "auto", a kernel name or an ``AttentionKernel``.
@@ -87,7 +89,8 @@ def attention(
 
     Args:
         q: ``[batch, heads, local_seq, head_dim]``, this rank's shard of the queries (``layout`` order).
-        k, v: ``[batch, kv_heads, local_seq, head_dim]``; ``kv_heads`` divides ``heads`` (GQA/MQA).
+        k: ``[batch, kv_heads, local_seq, head_dim]``; ``kv_heads`` divides ``heads`` (GQA/MQA).
+        v: like ``k``.
         mesh: a ``SequenceParallelMesh`` (``seqpar.make_mesh``), the SP ProcessGroup, a 1-D DeviceMesh,
             or None for a single process.
         strategy: "ulysses", "ring", "allgather", "hybrid" (the mesh's ulysses axis x its ring axis) or

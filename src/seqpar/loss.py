@@ -185,7 +185,10 @@ def lm_head_cross_entropy(
     Args:
         hidden: ``[B, S/P, hidden]`` final hidden states.
         lm_head: the output projection (``weight`` ``[V, hidden]``, optional ``bias``).
-        shift_labels, group, num_valid_tokens, ignore_index: as in ``cross_entropy``.
+        shift_labels: as in ``cross_entropy``.
+        group: as in ``cross_entropy``.
+        num_valid_tokens: as in ``cross_entropy``.
+        ignore_index: as in ``cross_entropy``.
         chunk_size: tokens per piece.
 
     Returns:

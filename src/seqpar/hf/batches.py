@@ -237,7 +237,9 @@ def replica_sampler(
     Args:
         dataset: a map-style dataset.
         mesh: the mesh from ``seqpar.make_mesh`` (its "dp" axis numbers the replicas).
-        shuffle, seed, drop_last: as in ``torch.utils.data.DistributedSampler``.
+        shuffle: as in ``torch.utils.data.DistributedSampler``.
+        seed: as in ``DistributedSampler``.
+        drop_last: as in ``DistributedSampler``.
 
     Returns:
         A ``DistributedSampler`` over the data-parallel replicas.

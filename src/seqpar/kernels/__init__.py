@@ -48,7 +48,9 @@ def select_kernel(
     """The kernel that will run these inputs.
 
     Args:
-        q, k, v: representative inputs (device, dtype and shapes matter).
+        q: a representative query (device, dtype and shape matter).
+        k: a representative key.
+        v: a representative value.
         kernel: "auto", a kernel name from ``KERNELS``, or an ``AttentionKernel`` instance.
         mask: the boolean mask the kernel must accept, if any.
 
