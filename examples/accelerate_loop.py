@@ -6,11 +6,12 @@
 
 The recipe: ``Accelerator`` (it wraps the model in DDP over every process), ``seqpar.make_mesh``,
 ``seqpar.prepare_model`` before ``accelerator.prepare``, a DataLoader that gives every rank the rows of its
-data-parallel replica (``seqpar.hf.replica_sampler``; not ``accelerator.prepare``-d, which would shard it per
-process), ``seqpar.hf.shard_step`` for each optimizer step's micro-batches (shards plus the step's valid
-token count over every rank), and ``seqpar.cross_entropy(..., num_valid_tokens=...)`` times
-``accelerator.num_processes`` for DDP's average. The same synthetic summarisation documents as
-examples/hf_trainer.py, packed by DataCollatorWithFlattening; a small Llama, nothing downloaded.
+data-parallel replica (``seqpar.hf.replica_loader``: no row repeated at an epoch's end; not
+``accelerator.prepare``-d, which would shard it per process), ``seqpar.hf.shard_step`` for each optimizer
+step's micro-batches (shards plus the step's valid token count over every rank), and
+``seqpar.cross_entropy(..., num_valid_tokens=...)`` times ``accelerator.num_processes`` for DDP's average.
+The same synthetic summarisation documents as examples/hf_trainer.py, packed by DataCollatorWithFlattening;
+a small Llama, nothing downloaded.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import torch
 import torch.distributed as dist
 import transformers
 from accelerate import Accelerator
-from torch.utils.data import DataLoader
 
 import seqpar
 import seqpar.hf
@@ -45,6 +45,15 @@ def summarisation_examples(count: int, seed: int) -> list[dict[str, list[int]]]:
             words.append(random_words[i] if jumps[i] else 4 + (words[-1] * 7 + 3) % (VOCAB - 4))
         examples.append({"input_ids": [BOS, *words, SEP, *words[::8], EOS]})
     return examples
+
+
+def epochs(loader):
+    """The loader's batches, epoch after epoch, reshuffled each time (every rank draws the same order)."""
+    epoch = 0
+    while True:
+        loader.set_epoch(epoch)
+        yield from loader
+        epoch += 1
 
 
 def main() -> None:
@@ -71,15 +80,16 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model, optimizer = accelerator.prepare(model, optimizer)  # DDP over every process: it averages gradients
     data = summarisation_examples(1024, seed=0)
-    loader = DataLoader(
+    loader = seqpar.hf.replica_loader(
         data,
+        mesh,
         batch_size=4,  # examples per data-parallel replica, shared by its sp ranks
-        sampler=seqpar.hf.replica_sampler(data, mesh, shuffle=True, seed=0),
         collate_fn=transformers.DataCollatorWithFlattening(return_position_ids=True),
-        drop_last=True,
+        shuffle=True,
+        seed=0,
     )
     group = dist.group.WORLD if accelerator.num_processes > 1 else None
-    batches, losses = iter(loader), []
+    batches, losses = epochs(loader), []
     for _ in range(args.max_steps):
         micro = [next(batches) for _ in range(args.accumulation)]
         step = seqpar.hf.shard_step(micro, mesh, group=group)  # collective: checks and counts on every rank
