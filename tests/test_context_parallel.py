@@ -6,18 +6,24 @@ fp64, at most 1.5x that of single-device bf16 SDPA (fp16 likewise). Labels are s
 labels are its own tokens' next tokens and every label is valid: each rank's mean loss over its S/P tokens
 is then a 1/P share of the sequence's mean, and the average over ranks of the losses and of the parameter
 gradients is the single-process loss and gradient (as data-parallel averaging over the CP ranks does).
+A leaf's ``.grad`` after a block is the full gradient of the sum of all ranks' losses, whether backward ran
+inside the block or after it (Note [grad-requiring buffers]).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention
 
 import seqpar
+import seqpar.integrations.cp_autograd as cp_autograd
 from seqpar import context_parallel, context_parallel_unshard
 from tests._dist import run_ranks, shard_index
 from tests._sdpa_models import GPT, VideoBlock
@@ -58,7 +64,8 @@ def _check_snippet(rank, world, mesh, device, seq, dtype):
     q, k, v = (t.to(dtype, copy=True).requires_grad_() for t in full)
     out = _snippet(mesh, q, k, v, local_dout)
     assert q.shape == full[0].shape and torch.equal(q.detach(), full[0].to(dtype)), "q not restored"
-    got = context_parallel_unshard(mesh, [out, q.grad, k.grad, v.grad], [2, 2, 2, 2])
+    assert q.grad.shape == q.shape, "after the block .grad is the full gradient"
+    got = [context_parallel_unshard(mesh, [out], [2])[0], q.grad, k.grad, v.grad]
     exact = _reference(full, dout, torch.float64)
     if dtype == torch.float32:
         for g, e in zip(got, exact):
@@ -67,14 +74,140 @@ def _check_snippet(rank, world, mesh, device, seq, dtype):
         single = _reference(full, dout, dtype)
         for name, g, s, e in zip(("out", "dq", "dk", "dv"), got, single, exact):
             assert _rel_err(g, e) <= RATIO * _rel_err(s, e), f"{dtype} {name}: {_rel_err(g, e)} vs {_rel_err(s, e)}"
-    # successive block, another kind of mesh, SDPA under an imported name: .grad keeps the shard's shape
+    # successive block, another kind of mesh over the same ranks, SDPA under an imported name: .grad adds up
     second = seqpar.make_mesh(device_type=torch.device(device).type) if dtype == torch.float32 else dist.group.WORLD
     with context_parallel(second, buffers=(q, k, v), buffer_seq_dims=(2, 2, 2), strategy="allgather"):
+        assert q.grad is None, "inside the block .grad holds the block's shard gradient only"
         scaled_dot_product_attention(q, k, v, is_causal=True).backward(local_dout)
-    twice = context_parallel_unshard(mesh, [q.grad, k.grad, v.grad], [2, 2, 2])
-    for g, first in zip(twice, got[1:]):
+        assert q.grad.shape == q.shape, "inside the block .grad is the shard's"
+    for g, first in zip((q.grad, k.grad, v.grad), got[1:]):
         tolerance = FP32 if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)  # low-precision .grad sums round
         torch.testing.assert_close(g, 2 * first, **tolerance)
+
+
+# fmt: off
+def _tutorial(device_mesh, world_size, device, qkv_len=64):
+    """PyTorch's tutorial (pytorch/tutorials unstable_source/context_parallel.rst), verbatim but for the device.
+
+    seqpar's import replaces torch's, and ``device`` replaces the tutorial's hard-coded ``'cuda'`` (on CPU
+    the caller seeds with ``torch.manual_seed(0)`` for ``torch.cuda.manual_seed(0)`` and the mesh is gloo's,
+    not NCCL's). ``qkv_len`` is the tutorial's 64 unless a caller passes another, and the tutorial's final
+    assertion is made by the caller (see ``_check_tutorial``).
+    """
+    batch = 8
+    nheads = 8
+    dim = 32
+    backend = SDPBackend.FLASH_ATTENTION
+    dtype = (
+        torch.bfloat16
+        if backend == SDPBackend.FLASH_ATTENTION
+        or backend == SDPBackend.CUDNN_ATTENTION
+        else torch.float32
+    )
+
+    qkv = [
+        torch.rand(
+            (batch, nheads, qkv_len, dim),
+            dtype=dtype,
+            requires_grad=True,
+            device=device,
+        )
+        for _ in range(3)
+    ]
+    # specify the SDPBackend to use
+    with sdpa_kernel(backend):
+        out = F.scaled_dot_product_attention(*qkv, is_causal=True)
+
+    # make a clean copy of QKV for output comparison
+    cp_qkv = [t.detach().clone() for t in qkv]
+
+    with sdpa_kernel(backend):
+        with context_parallel(
+            device_mesh, buffers=tuple(cp_qkv), buffer_seq_dims=(2, 2, 2)
+        ):
+            cp_out = F.scaled_dot_product_attention(*cp_qkv, is_causal=True)
+
+        (cp_out,) = context_parallel_unshard(device_mesh, [cp_out], [2])
+
+    return cp_out, out, dtype  # the tutorial's assertion follows in _check_tutorial
+# fmt: on
+
+
+def _tutorial_backward_after(device_mesh, world_size, device, qkv_len, backend):
+    """The tutorial's snippet on leaves that require grad, passed as buffers, with backward after the block.
+
+    Returns the inputs, then the unsharded output and the leaves' ``.grad`` (full-shaped after the block).
+    """
+    dtype = (
+        torch.bfloat16
+        if backend == SDPBackend.FLASH_ATTENTION or backend == SDPBackend.CUDNN_ATTENTION
+        else torch.float32
+    )
+    qkv = [torch.rand((8, 8, qkv_len, 32), dtype=dtype, requires_grad=True, device=device) for _ in range(3)]
+    full = [t.detach().clone() for t in qkv]
+    with sdpa_kernel(backend), context_parallel(device_mesh, buffers=tuple(qkv), buffer_seq_dims=(2, 2, 2)):
+        out = F.scaled_dot_product_attention(*qkv, is_causal=True)
+    out.float().square().mean().backward()
+    (out,) = context_parallel_unshard(device_mesh, [out], [2])
+    return full, [out, *(t.grad for t in qkv)]
+
+
+def _square_mean_reference(full, world, dtype, backend=None):
+    """Output and q/k/v gradients of the ranks' losses: each rank's mean over its S/P tokens, summed (P x mean)."""
+    leaves = [t.to(dtype).requires_grad_() for t in full]
+    with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+        out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+    (out.float().square().mean() * world).backward()
+    return [out.detach(), *(t.grad for t in leaves)]
+
+
+def _check_tutorial(rank, world, mesh, device):
+    """The tutorial as written (forward only), then with backward after the block in bf16 (flash) and fp32 (math).
+
+    qkv_len = 64 cuts into 2P zigzag chunks for P = 2 and 4, not for P = 3: there every rank raises
+    SeqparInputError ("does not divide into the zigzag layout over 3 ranks; pad it to a multiple of 6")
+    before any other collective, and the same code runs with qkv_len = 16P (48 at P = 3, a multiple of 6
+    near 64). On CPU at P = 2 and 4 "auto" picks Ulysses (8 heads), whose local attention is the
+    single-device kernel: the output is bit-identical and the tutorial's assertion holds as written. At
+    P = 3 (8 heads do not split over 3) it picks a ring, whose blocks merge in fp32 and round to bf16 once:
+    outputs then differ from single-device bf16 SDPA by up to one bf16 ulp (2^-8 for values in [0.5, 1)),
+    more than the tutorial's atol of 1e-3 x world_size = 3e-3 (it allows one ulp from world_size 4 on). So
+    there the check is at most one ulp apart and no worse norm-wise against fp64 than 1.5x the single-device
+    error; likewise on CUDA below 4 ranks, where seqpar's local kernel need not be the reference's.
+    """
+    qkv_len = 64 if 64 % (2 * world) == 0 else 16 * world
+    if qkv_len != 64:
+        torch.manual_seed(0)
+        _raises_everywhere(f"pad it to a multiple of {2 * world}", lambda: _tutorial(mesh, world, device))
+    torch.manual_seed(0)  # torch.cuda.manual_seed(0) in the tutorial, which runs on CUDA only
+    cp_out, out, dtype = _tutorial(mesh, world, device, qkv_len)
+    world_size = world
+    if qkv_len == 64 and (device == "cpu" or world_size >= 4):  # the tutorial's own assertion
+        assert torch.allclose(
+            cp_out,
+            out,
+            atol=(1e-08 if dtype == torch.float32 else 1e-03 * world_size),
+        )
+    else:
+        torch.manual_seed(0)
+        full = [torch.rand((8, 8, qkv_len, 32), dtype=torch.bfloat16, device=device) for _ in range(3)]
+        exact = F.scaled_dot_product_attention(*(t.double() for t in full), is_causal=True)
+        assert torch.allclose(cp_out, out, rtol=0, atol=2**-8), "more than one bf16 ulp from single-device SDPA"
+        assert _rel_err(cp_out, exact) <= RATIO * _rel_err(out, exact), f"{_rel_err(cp_out, exact)}"
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.MATH):
+        torch.manual_seed(0)
+        full, got = _tutorial_backward_after(mesh, world, device, qkv_len, backend)
+        exact = _square_mean_reference(full, world, torch.float64)
+        names = ("out", "dq", "dk", "dv")
+        if backend == SDPBackend.MATH:  # float32
+            for name, g, e in zip(names, got, exact):
+                torch.testing.assert_close(g, e.float(), **FP32, msg=f"tutorial, backward after, fp32: {name}")
+            continue
+        # bf16: no worse, norm-wise, than single-device bf16 SDPA under the same backend against fp64
+        single = _square_mean_reference(full, world, torch.bfloat16, backend)
+        for name, g, one, e in zip(names, got, single, exact):
+            assert g.shape == e.shape, f"{name}: {tuple(g.shape)}"
+            assert _rel_err(g, e) <= RATIO * _rel_err(one, e), f"bf16 {name}: {_rel_err(g, e)} vs {_rel_err(one, e)}"
 
 
 def _avg(t: torch.Tensor, world: int) -> torch.Tensor:
@@ -101,6 +234,9 @@ def _check_gpt(rank, world, cases):
             mesh, buffers=(ids, labels, model.rope), buffer_seq_dims=(1, 1, 0), strategy=strategy, layout=layout
         ):
             loss = F.cross_entropy(model(ids).flatten(0, 1), labels.flatten())
+            if checkpointing:  # the recomputation must run inside the block, where SDPA is seqpar's
+                loss.backward()
+        if not checkpointing:  # after the block: the graph saved the shards of ids, labels and the RoPE table
             loss.backward()
         what = f"GPT P={world} {strategy} {layout}{' checkpointed' if checkpointing else ''}"
         assert model.rope.shape[0] == SEQ and ids.shape[1] == SEQ, f"{what}: buffers not restored"
@@ -110,6 +246,10 @@ def _check_gpt(rank, world, cases):
 
 
 def _check_video(rank, world, mesh, strategies):
+    """Latents that require grad, a target and a position table as buffers; backward after the block.
+
+    The first run has its backward inside the block, where the latents' ``.grad`` is gathered on exit.
+    """
     torch.manual_seed(0)
     block = VideoBlock(channels=8, dim=48, heads=6, tokens=SEQ)  # 4 frames x 6 patches
     gen = torch.Generator().manual_seed(3)
@@ -118,27 +258,96 @@ def _check_video(rank, world, mesh, strategies):
     out_ref = block(ref_in, t)
     F.mse_loss(out_ref, target).backward()
     grads_ref = {n: p.grad.clone() for n, p in block.named_parameters()}
-    for strategy in strategies:
-        for layout in seqpar.LAYOUTS:
-            block.zero_grad(set_to_none=True)
-            x, y = latents.clone().requires_grad_(), target.clone()
-            with context_parallel(
-                mesh, buffers=(x, y, block.pos), buffer_seq_dims=(1, 1, 0), strategy=strategy, layout=layout
-            ):
-                out = block(x, t)
-                F.mse_loss(out, y).backward()
-            what = f"video P={world} {strategy} {layout}"
-            full_out, full_grad = context_parallel_unshard(mesh, [out.detach(), x.grad], [1, 1], layout=layout)
-            torch.testing.assert_close(full_out, out_ref.detach(), **FP32, msg=f"{what}: output")
-            # each rank's mean is over S/P tokens: the ranks' losses add up to P x the sequence's mean
-            torch.testing.assert_close(full_grad / world, ref_in.grad, **FP32, msg=f"{what}: input grad")
-            for n, p in block.named_parameters():
-                torch.testing.assert_close(_avg(p.grad, world), grads_ref[n], **FP32, msg=f"{what}: {n}")
+    runs = [(strategies[0], "zigzag", True)] + [(s, layout, False) for s in strategies for layout in seqpar.LAYOUTS]
+    for strategy, layout, inside in runs:
+        block.zero_grad(set_to_none=True)
+        x, y = latents.clone().requires_grad_(), target.clone()
+        with context_parallel(
+            mesh, buffers=(x, y, block.pos), buffer_seq_dims=(1, 1, 0), strategy=strategy, layout=layout
+        ):
+            out = block(x, t)
+            loss = F.mse_loss(out, y)
+            if inside:
+                loss.backward()
+        if not inside:
+            loss.backward()
+        what = f"video P={world} {strategy} {layout} backward {'inside' if inside else 'after'}"
+        assert x.shape == latents.shape and block.pos.shape[0] == SEQ, f"{what}: buffers not restored"
+        full_out = context_parallel_unshard(mesh, [out.detach()], [1], layout=layout)[0]
+        torch.testing.assert_close(full_out, out_ref.detach(), **FP32, msg=f"{what}: output")
+        # each rank's mean is over S/P tokens: the ranks' losses add up to P x the sequence's mean
+        torch.testing.assert_close(x.grad / world, ref_in.grad, **FP32, msg=f"{what}: input grad")
+        for n, p in block.named_parameters():
+            torch.testing.assert_close(_avg(p.grad, world), grads_ref[n], **FP32, msg=f"{what}: {n}")
+
+
+def _check_accumulation(rank, world, mesh):
+    """Several blocks on the same leaves before or between backwards, a ``.grad`` at entry, no_restore leaves.
+
+    Block A: causal ring attention, loss mean(out^2); block B: non-causal all-gather attention, loss mean(out),
+    each rank's mean over its S/P tokens: summed over ranks, P x the sequence's mean, whose exact gradient
+    ``.grad`` must hold.
+    """
+    gen = torch.Generator().manual_seed(5)
+    full = [torch.randn(1, 2, SEQ, 8, generator=gen) for _ in range(3)]
+    entry = [torch.randn(1, 2, SEQ, 8, generator=gen) for _ in range(3)]
+    ref = [t.double().requires_grad_() for t in full]
+    grad_a = torch.autograd.grad(F.scaled_dot_product_attention(*ref, is_causal=True).square().mean() * world, ref)
+    grad_b = torch.autograd.grad(F.scaled_dot_product_attention(*ref).mean() * world, ref)
+
+    def block(leaves, which, inside=False, mesh=mesh, **kwargs):
+        strategy, causal = ("ring", True) if which == "a" else ("allgather", False)
+        with context_parallel(mesh, buffers=leaves, buffer_seq_dims=(2, 2, 2), strategy=strategy, **kwargs):
+            out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
+            loss = out.square().mean() if causal else out.mean()
+            if inside:
+                loss.backward()
+                assert all(t.grad.shape == t.shape for t in leaves), "inside the block .grad is the shard's"
+        return loss
+
+    def check(leaves, want, what):
+        for t, w in zip(leaves, want):
+            assert t.shape == w.shape, f"{what}: shape {tuple(t.shape)}"
+            torch.testing.assert_close(t.grad, w.float(), **FP32, msg=what)
+
+    fresh = lambda: [t.clone().requires_grad_() for t in full]  # noqa: E731
+    leaves = fresh()  # two blocks, then one backward of the summed losses
+    (block(leaves, "a") + block(leaves, "b")).backward()
+    check(leaves, [a + b for a, b in zip(grad_a, grad_b)], f"P={world}: blocks A, B, then backward")
+    leaves = fresh()  # block, backward, block, backward
+    block(leaves, "a").backward()
+    check(leaves, grad_a, f"P={world}: block A, backward after")
+    block(leaves, "b").backward()
+    check(leaves, [a + b for a, b in zip(grad_a, grad_b)], f"P={world}: then block B, backward after")
+    leaves = fresh()  # blocks with other layouts and meshes (same ranks), then one backward: exact per block
+    other_mesh = seqpar.make_mesh(device_type="cpu")
+    (block(leaves, "a") + block(leaves, "b", layout="contiguous") + block(leaves, "a", mesh=other_mesh)).backward()
+    check(leaves, [2 * a + b for a, b in zip(grad_a, grad_b)], f"P={world}: zigzag, contiguous, zigzag blocks")
+    leaves = fresh()  # block A's graph run backward inside a contiguous block B: its shard of A's gradient too
+    loss_a = block(leaves, "a")
+    with context_parallel(mesh, buffers=leaves, buffer_seq_dims=(2, 2, 2), strategy="allgather", layout="contiguous"):
+        (loss_a + F.scaled_dot_product_attention(*leaves).mean()).backward()
+    check(leaves, [a + b for a, b in zip(grad_a, grad_b)], f"P={world}: block A's backward inside block B")
+    leaves = fresh()  # a .grad at entry; backward inside the first block, after the second
+    for t, g in zip(leaves, entry):
+        t.grad = g.clone()
+    block(leaves, "a", inside=True)
+    check(leaves, [g + a for g, a in zip(entry, grad_a)], f"P={world}: .grad at entry, backward inside")
+    block(leaves, "b").backward()
+    check(leaves, [g + a + b for g, a, b in zip(entry, grad_a, grad_b)], f"P={world}: then backward after")
+    leaves = fresh()  # no_restore leaves stay shards, and so do their .grad, also with backward after
+    for t, g in zip(leaves, entry):
+        t.grad = g.clone()
+    block(leaves, "a", no_restore_buffers=leaves).backward()
+    want = [seqpar.shard_sequence(g + a, mesh, dim=2) for g, a in zip(entry, grad_a)]
+    check(leaves, want, f"P={world}: no_restore_buffers, backward after")
 
 
 def _worker(rank, world):
     mesh = init_device_mesh("cpu", (world,))
     _check_snippet(rank, world, mesh, "cpu", 48, torch.float32)
+    _check_tutorial(rank, world, mesh, "cpu")
+    _check_accumulation(rank, world, mesh)
     if world == 2:
         for dtype in (torch.bfloat16, torch.float16):
             _check_snippet(rank, world, mesh, "cpu", 256, dtype)
@@ -161,6 +370,7 @@ def _cuda_worker(rank, world):
     mesh = init_device_mesh("cuda", (world,))
     for dtype in (torch.float32, torch.bfloat16):
         _check_snippet(rank, world, mesh, "cuda", 256, dtype)
+    _check_tutorial(rank, world, mesh, "cuda")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -224,6 +434,9 @@ def _bad_worker(rank, world):
         _ = 1 / 0
     torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v), _attend(q, k, v), **FP32)
     _check_nesting_and_grads(rank, world, mesh, q, k, v)
+    _check_grad_edges(rank, world, mesh)
+    a = torch.randn(2, requires_grad=True)
+    assert (a * a).grad_fn._saved_self is a, "a block left saved-tensor hooks behind"
 
 
 def _check_nesting_and_grads(rank, world, mesh, q, k, v):
@@ -252,6 +465,86 @@ def _check_nesting_and_grads(rank, world, mesh, q, k, v):
         with context_parallel(mesh, buffers=[x], buffer_seq_dims=[1]):
             got = mha(x, x, x, need_weights=False)[0].detach()
         torch.testing.assert_close(context_parallel_unshard(mesh, [got], [1])[0], want, **FP32)
+
+
+class _Recorder(torch.autograd.graph.saved_tensors_hooks):
+    """Saved-tensor hooks that count what they pack and unpack (as offloading hooks would see it)."""
+
+    def __init__(self) -> None:
+        self.packed = self.unpacked = 0
+        super().__init__(self.pack, self.unpack)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.packed += 1
+        return t.detach()
+
+    def unpack(self, t: torch.Tensor) -> torch.Tensor:
+        self.unpacked += 1
+        return t
+
+
+def _check_grad_edges(rank, world, mesh):
+    """The error path, leaves a block may not take, in-place changes to saved tensors, and saved-tensor hooks
+    set around the block and inside it."""
+    gen = torch.Generator().manual_seed(6)
+    full, entry = torch.randn(1, 2, 8, 4, generator=gen), torch.randn(1, 2, 8, 4, generator=gen)
+    calls = []
+    gather = cp_autograd.gather_sequence
+    cp_autograd.gather_sequence = lambda *a, **kw: calls.append(1) or gather(*a, **kw)
+    try:
+        for fail in (True, False):  # the same block, raising or not: a gather on exit only when it did not
+            q = full.clone().requires_grad_()
+            q.grad = entry.clone()
+            with contextlib.suppress(ValueError), context_parallel(mesh, buffers=[q], buffer_seq_dims=[2]):
+                (2 * q).sum().backward()  # local: a shard-shaped .grad on every rank, no collective
+                if fail:
+                    raise ValueError("the block fails")
+            assert q.shape == full.shape and torch.equal(q.detach(), full), f"fail={fail}: q not restored"
+            assert len(calls) == (0 if fail else 1), f"fail={fail}: {len(calls)} gathers on exit"
+            torch.testing.assert_close(q.grad, entry if fail else entry + 2, **FP32, msg=f"fail={fail}: .grad")
+    finally:
+        cp_autograd.gather_sequence = gather
+    q = full.clone().requires_grad_()  # a leaf an enclosing block holds sharded: refused by the inner block
+    with context_parallel(mesh, buffers=[q], buffer_seq_dims=[2]):
+        _raises_everywhere(
+            "already sharded by an enclosing block", lambda: _enter(mesh, buffers=[q], buffer_seq_dims=[2])
+        )
+    q = full.clone().requires_grad_()  # a no_restore leaf sharded again while its earlier graph lives: refused
+    with context_parallel(mesh, buffers=[q], buffer_seq_dims=[2], no_restore_buffers=[q]):
+        out = (q * q).sum()
+    again = dict(buffers=[q], buffer_seq_dims=[2], layout="contiguous")
+    _raises_everywhere(
+        r"sharded again.*fresh leaf \(t\.detach\(\)\.requires_grad_\(\)\)", lambda: _enter(mesh, **again)
+    )
+    out.backward()  # the refusal changed nothing; out still holds the graph, and the refusal stays
+    torch.testing.assert_close(q.grad, 2 * q.detach(), **FP32, msg="no_restore leaf after a refusal")
+    _raises_everywhere("sharded again", lambda: _enter(mesh, **again))
+    del out
+    _enter(mesh, **again)  # the graph is gone: the shard may be sharded again
+    for changed in ("buffer", "other"):  # torch's in-place check on what the graph saved inside the block
+        x, w = full.clone().requires_grad_(), torch.randn(3, requires_grad=True)
+        with context_parallel(mesh, buffers=[x], buffer_seq_dims=[2]):
+            h = w * 1
+            y = (x * x).sum() + (h * h).sum()
+            with torch.no_grad():
+                (x if changed == "buffer" else h).mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.backward()
+    ref = full.clone().requires_grad_()
+    F.scaled_dot_product_attention(ref, ref, ref, is_causal=True).sum().backward()
+    outer, inner = _Recorder(), _Recorder()
+    for where in ("around", "inside"):
+        q = full.clone().requires_grad_()
+        around, within = (outer, contextlib.nullcontext()) if where == "around" else (contextlib.nullcontext(), inner)
+        with around, context_parallel(mesh, buffers=[q], buffer_seq_dims=[2]), within:
+            out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+            if where == "inside":
+                out.sum().backward()
+        if where == "around":
+            out.sum().backward()
+        torch.testing.assert_close(q.grad, ref.grad, **FP32, msg=f"hooks {where}: .grad")
+    assert outer.packed and outer.unpacked == outer.packed, f"hooks around: {outer.packed}, {outer.unpacked}"
+    assert inner.packed and inner.unpacked == inner.packed, f"hooks inside: {inner.packed}, {inner.unpacked}"
 
 
 def test_bad_input_raises_on_every_rank_and_leaves_nothing_behind():

@@ -7,10 +7,10 @@
 within each repeat: ``seqpar.attention`` on local shards (direct); ``F.scaled_dot_product_attention``
 inside ``context_parallel`` on the same shards (the TorchFunctionMode and its agreement all-gather); and
 torch's snippet as written, where ``context_parallel`` shards full leaf q/k/v on entry and restores them
-on exit. Then a video block (non-causal, fwd+bwd, width heads x head_dim) that calls ``seqpar.attention``
-on its shard against the same block, calling SDPA, under ``context_parallel``: the mode sees every torch
-call of the block, so this is where its per-call cost shows. Times are the slowest rank's median; ratios
-are against the direct call.
+on exit, all-gathering their gradients. Then a video block (non-causal, fwd+bwd, width heads x head_dim)
+that calls ``seqpar.attention`` on its shard against the same block, calling SDPA, under
+``context_parallel``: the mode sees every torch call of the block, so this is where its per-call cost
+shows. Times are the slowest rank's median; ratios are against the direct call.
 
 (b) Memory. A DiT-style video block (non-causal attention over N patch tokens, fwd+bwd) in one process on
 all N tokens, and on the ranks under ``context_parallel`` (the batch replicated, as with torch's). The

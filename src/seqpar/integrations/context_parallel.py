@@ -11,21 +11,23 @@ Note [grad-requiring buffers]
     detached alias and set back on exit, so tensors that share it (views, aliases) see the full data
     throughout and writes into a shard inside the block are dropped on exit, as with torch.
 
-    Inside the block a leaf *is* its local shard. Backward therefore accumulates into ``.grad`` the
-    gradient, with respect to this rank's tokens, of the losses of all ranks added together (seqpar's
-    attention sends the key/value gradients home to the ranks that own those tokens): the local shard of
-    the full gradient, so ``context_parallel_unshard(mesh, [q.grad], [2])`` gives the full gradient.
-    ``.grad`` keeps the shard's shape after the block (gathering it on exit would put a collective in
-    every exit, including the error path), and successive blocks keep accumulating into it. A ``.grad``
-    that already has the full shape at entry is sharded along with its tensor.
+    A leaf's ``.grad`` always has the leaf's shape at the time you look. Inside the block the leaf *is*
+    its shard, and backward accumulates into ``.grad`` the gradient, with respect to this rank's tokens,
+    of the losses of all ranks added together (seqpar's attention sends the key/value gradients home to
+    the ranks that own those tokens). On exit a restored leaf's ``.grad`` becomes the full gradient, the
+    same on every rank: the ``.grad`` it had at entry (put aside for the block) plus the all-gather of
+    the shard's (one all-gather per leaf that got a gradient in the block). A backward after the block
+    adds the full gradient too (Note [gradients after the block]), so both orders, and several blocks
+    before one backward (gradient accumulation), give the same ``.grad``. The graph keeps what it saved
+    of the buffers (Note [buffers saved by the graph]), with torch's in-place check. A leaf in
+    ``no_restore_buffers`` stays a shard, and so does its ``.grad`` (sharded at entry if it had one;
+    ``context_parallel_unshard`` gathers it). If the block raises, tensors and ``.grad`` are put back as
+    they were at entry, without a collective (gradients from a backward inside the block are dropped).
 
-    ``set_`` is an in-place operation: it bumps the tensor's version counter. A graph that saved the
-    buffer and runs backward after the buffer was restored therefore fails loudly ("modified by an inplace
-    operation") instead of computing with the full tensor in place of the shard. So run backward inside
-    the block (as a training step does), or list the buffer in ``no_restore_buffers``. Tensors that
-    require grad but are not leaves are refused: their ``grad_fn`` expects the full shape; shard those
-    differentiably with ``seqpar.shard_sequence``. Parameters are refused (they are replicated, never
-    sharded), as torch does.
+    Tensors that require grad but are not leaves are refused: their ``grad_fn`` expects the full shape;
+    shard those differentiably with ``seqpar.shard_sequence``. Parameters are refused (they are
+    replicated, never sharded), as torch does. Blocks may shard a leaf with other meshes, layouts or dims
+    one after another, but a block may not take a leaf that an enclosing block holds sharded.
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from seqpar.errors import SeqparInputError
+from seqpar.integrations.cp_autograd import LeafGradients, SavedBuffers, ShardSpec, restore_in_place, shard_in_place
 from seqpar.integrations.sdpa_mode import SequenceParallelSDPA, agree_or_raise
-from seqpar.layout import LAYOUTS, chunks_per_rank, gather_sequence, shard_for_rank
+from seqpar.layout import LAYOUTS, chunks_per_rank, gather_sequence
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
 from seqpar.strategies import STRATEGIES
 
@@ -56,7 +59,10 @@ _BUFFER_PROBLEMS = (
     "buffers have different sequence lengths (every buffer must cover the same sequence)",
     "a sequence length does not divide into the layout",
     "unknown strategy or layout",
-    "a buffer's .grad has neither the buffer's full shape nor its shard's shape",
+    "a buffer's .grad does not have the buffer's shape",
+    "a leaf that requires grad is already sharded by an enclosing block",
+    "a leaf that requires grad, left sharded by no_restore_buffers, would be sharded again while a graph of the "
+    "earlier block is alive: unshard it, pass a fresh leaf (t.detach().requires_grad_()) or free that graph",
 )
 
 
@@ -94,7 +100,7 @@ def _list_problem(buffers: list, dims: list, layout: str) -> tuple[int, str] | N
 
 
 def _buffer_problem(
-    buffers: list, dims: list, skip: list, sp_size: int, strategy: str, layout: str
+    buffers: list, dims: list, skip: list, sp: SequenceParallelMesh, strategy: str, layout: str
 ) -> tuple[int, str] | None:
     problem = _list_problem(buffers, dims, layout)
     if problem is not None:
@@ -113,17 +119,18 @@ def _buffer_problem(
     lengths = [b.shape[d] for b, d in zip(buffers, dims)]
     if len(set(lengths)) > 1:
         return 7, f"{_BUFFER_PROBLEMS[7]}: lengths {lengths} (slice tables such as RoPE to the sequence length)"
-    chunks = sp_size * chunks_per_rank(layout)
+    chunks = sp.sp_size * chunks_per_rank(layout)
     if lengths and lengths[0] % chunks:
         return 8, (
-            f"sequence length {lengths[0]} does not divide into the {layout} layout over {sp_size} ranks; "
+            f"sequence length {lengths[0]} does not divide into the {layout} layout over {sp.sp_size} ranks; "
             f"pad it to a multiple of {chunks}"
         )
-    for i, (b, d) in enumerate(zip(buffers, dims)):
-        shard = list(b.shape)
-        shard[d] //= sp_size
-        if b.grad is not None and list(b.grad.shape) not in (list(b.shape), shard):
+    for i, b in enumerate(buffers):
+        if b.requires_grad and b.grad is not None and b.grad.shape != b.shape:
             return 10, f"buffer {i}: .grad has shape {tuple(b.grad.shape)}, the buffer {tuple(b.shape)}"
+        leaf = LeafGradients.problem(b) if b.requires_grad else None
+        if leaf is not None:
+            return 11 + leaf, f"buffer {i}: {_BUFFER_PROBLEMS[11 + leaf]}"
     return None
 
 
@@ -148,23 +155,6 @@ def _describe(row: list[int]) -> str:
     return f"{row[2]} buffers, sequence length {row[3]}, {strategy}/{layout}, shapes/dtypes hash {row[4]}"
 
 
-def _shard_in_place(buffers: list, dims: list, sp: SequenceParallelMesh, layout: str) -> list[torch.Tensor]:
-    """Point every buffer at a new storage holding its shard (Note [grad-requiring buffers]); return the old."""
-    shards = [
-        shard_for_rank(b, sp.sp_rank, sp.sp_size, d, layout).clone(memory_format=torch.contiguous_format)
-        for b, d in zip(buffers, dims)
-    ]
-    full_grads = [b.grad is not None and b.grad.shape == b.shape for b in buffers]
-    originals = [b.detach() for b in buffers]  # aliases of the old storage, sizes, strides and offset
-    for b, d, shard, full_grad in zip(buffers, dims, shards, full_grads):
-        b.set_(shard)
-        if full_grad and sp.sp_size > 1:
-            b.grad = shard_for_rank(b.grad, sp.sp_rank, sp.sp_size, d, layout).clone(
-                memory_format=torch.contiguous_format
-            )
-    return originals
-
-
 @contextlib.contextmanager
 def context_parallel(
     mesh: object,
@@ -182,43 +172,66 @@ def context_parallel(
     ``layout`` order that attention assumes; inside, every ``torch.nn.functional.scaled_dot_product_attention``
     call (under any name) runs ``seqpar.attention`` over ``mesh`` with its ``is_causal``, ``scale`` and
     ``enable_gqa``; on exit the buffers are restored, except those in ``no_restore_buffers``, and nothing of
-    the block is left behind, also when it raises. Unlike torch's, it runs on CPU and GPU, takes buffers
-    that require grad (Note [grad-requiring buffers]), serves non-causal attention with the zigzag layout,
-    and offers every seqpar strategy. Blocks may nest (the innermost block's mesh serves its SDPA calls).
+    the block is left behind, also when it raises (no mode, no saved-tensor hooks). Unlike torch's, it runs
+    on CPU and GPU, takes buffers that require grad and lets backward run inside or after the block (Note
+    [grad-requiring buffers]), serves non-causal attention with the zigzag layout, and offers every seqpar
+    strategy. Blocks may nest (the innermost block's mesh serves its SDPA calls). ``sdpa_kernel`` around or
+    inside the block does not restrict seqpar, which calls the fused attention ops itself.
 
     Args:
         mesh: a 1-D DeviceMesh (``init_device_mesh("cpu" | "cuda", (P,))``), a seqpar mesh
             (``seqpar.make_mesh``, hybrid included) or the sequence-parallel ProcessGroup.
-        buffers: full-sequence tensors, identical on every rank, to shard in place.
+        buffers: full-sequence tensors, identical on every rank, to shard in place; leaves that require
+            grad included (q/k/v, latents), parameters and other tensors that require grad excluded.
         buffer_seq_dims: the sequence dim of each buffer.
-        no_restore_buffers: buffers to leave sharded on exit (a subset of ``buffers``).
+        no_restore_buffers: buffers to leave sharded on exit (a subset of ``buffers``); their ``.grad``
+            stays this rank's shard.
         strategy: "auto", "ring", "ulysses", "allgather" or "hybrid".
         layout: "zigzag" (balanced causal work) or "contiguous".
+
+    Yields:
+        None. Inside the block each buffer is its shard and a leaf's ``.grad`` is its shard's gradient. After
+        it a restored leaf's ``.grad`` is the full gradient of the sum of all ranks' losses, identical on
+        every rank, whether backward ran inside the block or after it (one all-gather per such leaf, at exit
+        or in that backward), added to the ``.grad`` it had at entry.
 
     Raises:
         SeqparInputError: on every rank before any other collective, if any rank passed a mesh that is not
             1-D or seqpar's, mismatched buffers/dims, buffers of different sequence lengths, a length that
-            does not divide into the layout, an ``nn.Parameter``, a non-leaf that requires grad, or a
-            ``no_restore_buffers`` that is not a subset; inside the block, for an SDPA call with
-            ``attn_mask`` or ``dropout_p > 0``.
+            does not divide into the layout, an ``nn.Parameter``, a non-leaf that requires grad, a
+            ``no_restore_buffers`` that is not a subset, a leaf that an enclosing block holds sharded, or a
+            ``no_restore_buffers`` leaf sharded again while the earlier block's graph lives; inside the
+            block, for an SDPA call with ``attn_mask`` or ``dropout_p > 0``.
+        RuntimeError: from a backward, as torch's "modified by an inplace operation", if a buffer saved by
+            the graph was changed in place inside the block after it was saved.
     """
     sp = _sp_mesh(mesh, "seqpar.context_parallel")
     buffers = list(buffers) if buffers is not None else []
     dims = list(buffer_seq_dims) if buffer_seq_dims is not None else []
     skip = list(no_restore_buffers) if no_restore_buffers is not None else []
-    problem = _buffer_problem(buffers, dims, skip, sp.sp_size, strategy, layout)
+    problem = _buffer_problem(buffers, dims, skip, sp, strategy, layout)
     signature = _signature(buffers, dims, strategy, layout)
     agree_or_raise(sp.sp_group, "seqpar.context_parallel", problem, _BUFFER_PROBLEMS, signature, _describe)
+    specs = [ShardSpec.of(b, d, sp, layout) for b, d in zip(buffers, dims)]
+    restored = [_index_of(b, skip) < 0 for b in buffers]
     with torch.no_grad():
-        originals = _shard_in_place(buffers, dims, sp, layout)
+        kept = shard_in_place(buffers, specs, restored)
+    saved, leaves, finished = SavedBuffers(buffers), [], False
     try:
-        with SequenceParallelSDPA(sp, strategy, layout):
+        for b, spec, restore in zip(buffers, specs, restored):  # Note [gradients after the block]
+            if b.requires_grad:
+                record = LeafGradients.of(b)
+                leaves.append((record, *record.enter(b, spec, restore)))
+        with saved, SequenceParallelSDPA(sp, strategy, layout):
             yield
+        finished = True
     finally:
+        saved.freeze()
+        for record, arm, _node in leaves:
+            record.leave(arm)
+        leaves.clear()  # the block's AccumulateGrad nodes now live as long as its graph
         with torch.no_grad():
-            for b, original in zip(buffers, originals):
-                if _index_of(b, skip) < 0:
-                    b.set_(original)
+            restore_in_place(buffers, specs, restored, kept, gather=finished)
 
 
 def context_parallel_unshard(
