@@ -29,6 +29,7 @@ LAYERS = {
     "hf": 9,
     "memory": 9,
     "planning": 10,
+    "diagnosis": 10,
     "runtime": 10,
     "train": 11,
     "bench": 11,

@@ -2,10 +2,12 @@
 
 Attention: ``make_mesh``, ``shard_sequence``, ``attention``.
 Models: ``prepare_model``, ``shard_batch``, ``cross_entropy``; plain PyTorch SDPA code: ``context_parallel``.
+Why a sharded run differs from one process: ``doctor``.
 """
 
 from seqpar.api import AttentionChoice, attention, choose_attention
 from seqpar.data import IGNORE_INDEX, pack_documents, shard_batch
+from seqpar.diagnosis import DoctorReport, doctor
 from seqpar.errors import SeqparInputError
 from seqpar.gradients import clip_grad_norm_, reduce_gradients
 from seqpar.integrations.context_parallel import context_parallel, context_parallel_unshard
@@ -27,6 +29,7 @@ __all__ = [
     "STRATEGIES",
     "AttentionChoice",
     "Cluster",
+    "DoctorReport",
     "MemoryEstimate",
     "Plan",
     "SeqparInputError",
@@ -46,6 +49,7 @@ __all__ = [
     "count_valid_tokens",
     "cross_entropy",
     "data_parallel_group",
+    "doctor",
     "estimate_memory",
     "gather_sequence",
     "lm_head_cross_entropy",

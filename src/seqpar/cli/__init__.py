@@ -5,6 +5,7 @@ seqpar train --model ./my-llama --data a.jsonl --seq-len 32768 --sp 8    # under
 seqpar demo                                    # every attention strategy on 2 CPU ranks vs one device
 seqpar estimate --seq-len 65536 --sp 4         # predicted per-rank memory of a training step
 seqpar plan --model llama-8b --seq-len 1M --gpus 64   # which degrees, strategy and memory features
+seqpar doctor --model ./my-llama --sp 2        # does a sharded step differ from one process, and why
 seqpar bench attention                         # benchmarks: attention, strategies, masks, llama_step, cuda,
                                                # context_parallel
 """
@@ -16,6 +17,7 @@ import importlib
 import sys
 
 from seqpar.bench import BENCHMARKS
+from seqpar.cli.doctor import add_doctor_parser, run_doctor
 from seqpar.cli.estimate import add_estimate_parser, run_estimate
 from seqpar.errors import SeqparInputError
 from seqpar.planning.cli import add_plan_flags, run_plan
@@ -50,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_plan_flags(plan)
     add_estimate_parser(sub)
+    add_doctor_parser(sub)
     bench = sub.add_parser(
         "bench",
         help="run a benchmark (ratios measured side by side in one run)",
@@ -67,6 +70,12 @@ def main(argv: list[str] | None = None) -> int:
             return run_estimate(args)
         except SeqparInputError as error:
             print(f"seqpar estimate: {error}", file=sys.stderr)
+            return 2
+    if args.command == "doctor":
+        try:
+            return run_doctor(args)
+        except SeqparInputError as error:
+            print(f"seqpar doctor: {error}", file=sys.stderr)
             return 2
     if args.command == "demo":
         from seqpar.cli.demo import run_demo

@@ -1,0 +1,166 @@
+"""``seqpar doctor``: does a sequence-parallel step of this model differ from one process, and why (``seqpar.doctor``).
+
+seqpar doctor                                   # seqpar train's demo model, 2 spawned CPU ranks, a generated batch
+seqpar doctor --model ./my-llama --sp 4 --strategy ring --data a.jsonl --seq-len 4096   # or under torchrun
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from seqpar.data import pack_documents
+from seqpar.diagnosis import doctor
+from seqpar.layout import LAYOUTS
+from seqpar.mesh import make_mesh
+from seqpar.runtime.spawn import spawn_ranks
+from seqpar.strategies.policy import STRATEGIES
+from seqpar.train.config import TrainConfig
+from seqpar.train.data import FileRows, load_tokenizer
+from seqpar.train.model import build_model, model_config
+
+__all__ = ["add_doctor_parser", "run_doctor"]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def add_doctor_parser(sub: argparse._SubParsersAction) -> None:
+    """Add the ``doctor`` subcommand and its flags to the ``seqpar`` command line.
+
+    Args:
+        sub: the subparsers of the ``seqpar`` parser.
+    """
+    p = sub.add_parser(
+        "doctor",
+        help="compare one sequence-parallel training step with one process, layer by layer, and find setup pitfalls",
+        description="Run one forward and backward of the model on --sp ranks and on one process with the same "
+        "weights and batch; print per decoder layer the largest relative difference of activations and of "
+        "parameter gradients, the first layer beyond the dtype's tolerance, the setup pitfalls found (packing "
+        "without position ids, shifted labels, attention outside seqpar, token mixing outside attention, dropout, "
+        "left padding) and a verdict. Exit code 0 when everything agrees and no pitfall is found, else 1.",
+    )
+    p.add_argument("--model", default="default", help="config.json or model directory; default: the train demo's")
+    p.add_argument("--sp", type=int, default=2, help="sequence-parallel ranks (spawned on CPU unless under torchrun)")
+    p.add_argument("--ulysses", type=int, default=1, help="ulysses degree inside sp (hybrid)")
+    p.add_argument("--strategy", choices=STRATEGIES, default="auto", help="attention strategy")
+    p.add_argument("--layout", choices=LAYOUTS, default="zigzag", help="sequence layout")
+    p.add_argument("--dtype", choices=tuple(_DTYPES), default="fp32", help="parameters and activations")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per row")
+    p.add_argument("--batch-size", type=int, default=2, help="rows in the batch")
+    p.add_argument(
+        "--data", nargs="*", default=[], help="local .txt/.jsonl/.json/.parquet files, packed as seqpar train does"
+    )
+    p.add_argument("--text-field", default="text", help="column holding the text in --data files")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory for --data (default as seqpar train)")
+    p.add_argument("--tolerance", type=float, default=None, help="relative tolerance (default: by dtype)")
+    p.add_argument("--seed", type=int, default=0, help="weights and generated batch")
+    p.add_argument("--hidden", type=int, default=TrainConfig.hidden_size, help="default model: hidden size")
+    p.add_argument("--layers", type=int, default=TrainConfig.layers, help="default model: layers")
+    p.add_argument("--heads", type=int, default=TrainConfig.heads, help="default model: heads")
+
+
+def _settings(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
+        model=None if args.model == "default" else args.model,
+        data=list(args.data),
+        text_field=args.text_field,
+        tokenizer=args.tokenizer,
+        hidden_size=args.hidden,
+        layers=args.layers,
+        heads=args.heads,
+        seq_len=args.seq_len,
+        eval_lengths=[args.seq_len],
+        seed=args.seed,
+    )
+
+
+def _batch(args: argparse.Namespace, tokenizer: object, vocab: int, cache_dir: str) -> dict[str, torch.Tensor]:
+    """The --data rows seqpar train would pack, or generated rows of packed documents of random tokens."""
+    if args.data:
+        rows = FileRows(args.data, tokenizer, args.seq_len, args.text_field, args.seed, cache_dir)
+        return rows.batch(list(range(args.batch_size)))
+    gen = torch.Generator().manual_seed(args.seed)
+    lengths = torch.randint(max(2, args.seq_len // 4), args.seq_len + 1, (4 * args.batch_size,), generator=gen)
+    docs = [torch.randint(0, vocab, (int(n),), generator=gen).tolist() for n in lengths]
+    rows = pack_documents(docs, args.seq_len)[: args.batch_size]
+    return {key: torch.stack([r[key] for r in rows]) for key in ("input_ids", "position_ids")}
+
+
+def _tokenizer(settings: TrainConfig) -> tuple[object, int]:
+    tokenizer = load_tokenizer(settings.tokenizer_path())
+    return tokenizer, getattr(tokenizer, "vocab_size", None) or len(tokenizer)
+
+
+def _doctor_rank(rank: int, world_size: int, args: argparse.Namespace, workdir: str) -> None:
+    """One rank: model and batch built as ``seqpar train`` builds them, the doctor; rank 0 prints the report."""
+    settings = _settings(args)
+    tokenizer, vocab = _tokenizer(settings)
+    model = build_model(settings, vocab).to(_DTYPES[args.dtype])
+    if dist.get_backend() == "nccl":
+        model = model.cuda()
+    mesh = make_mesh(args.sp, ulysses_size=args.ulysses)
+    batch = _batch(args, tokenizer, vocab, workdir)
+    eos = getattr(tokenizer, "eos_token_id", None) if args.data else None
+    report = doctor(
+        model, mesh, batch, strategy=args.strategy, layout=args.layout, tolerance=args.tolerance, eos_token_id=eos
+    )
+    if rank == 0:
+        print(report.table(), flush=True)
+        with open(os.path.join(workdir, "verdict"), "w") as f:
+            f.write("0" if report.verdict else "1")
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def _run_torchrun(args: argparse.Namespace) -> int:
+    """The doctor on the ranks torchrun started; rank 0's temporary directory holds the packed --data rows."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            shared = [tmp]
+            dist.broadcast_object_list(shared, src=0)  # one machine: every rank reads rank 0's directory
+            _doctor_rank(dist.get_rank(), dist.get_world_size(), args, shared[0])
+            verdict = [None]
+            if dist.get_rank() == 0:
+                with open(os.path.join(tmp, "verdict")) as f:
+                    verdict = [f.read()]
+            dist.broadcast_object_list(verdict, src=0)
+    finally:
+        dist.destroy_process_group()
+    return int(verdict[0])
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    """Run ``seqpar doctor`` for the parsed flags; returns the exit code (0 agree, 1 differ or pitfalls, 2 failed).
+
+    Spawns ``--sp`` gloo CPU ranks, or uses the ranks torchrun started (NCCL on GPUs).
+
+    Raises:
+        SeqparInputError: an unreadable model config or tokenizer (before any rank starts).
+    """
+    settings = _settings(args)
+    model_config(settings, _tokenizer(settings)[1])
+    if _under_torchrun():
+        return _run_torchrun(args)
+    threads = max(1, (os.cpu_count() or 1) // args.sp)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            spawn_ranks(_doctor_rank, args.sp, args, tmp, threads=threads, timeout=timedelta(minutes=10))
+        except mp.ProcessRaisedException as error:
+            lines = [line for line in str(error).strip().splitlines() if line.strip()]
+            print(f"seqpar doctor failed on rank {error.error_index}: {lines[-1].strip()}", file=sys.stderr)
+            return 2
+        with open(os.path.join(tmp, "verdict")) as f:
+            return int(f.read())

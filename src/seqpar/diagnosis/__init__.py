@@ -1,0 +1,9 @@
+"""``seqpar.doctor``: why a sequence-parallel run differs from one process, the library or the setup.
+
+Per-layer comparison of activations and gradients with one process, plus setup pitfalls; ``seqpar doctor`` runs it.
+"""
+
+from seqpar.diagnosis.report import TOLERANCES, DoctorReport, LayerRow, Pitfall
+from seqpar.diagnosis.run import doctor
+
+__all__ = ["TOLERANCES", "DoctorReport", "LayerRow", "Pitfall", "doctor"]
