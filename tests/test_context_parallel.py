@@ -328,6 +328,10 @@ def _check_accumulation(rank, world, mesh):
     with context_parallel(mesh, buffers=leaves, buffer_seq_dims=(2, 2, 2), strategy="allgather", layout="contiguous"):
         (loss_a + F.scaled_dot_product_attention(*leaves).mean()).backward()
     check(leaves, [a + b for a, b in zip(grad_a, grad_b)], f"P={world}: block A's backward inside block B")
+    leaves = fresh()  # block A, then a contiguous no_restore block B, then backward: contiguous shards of both
+    (block(leaves, "a") + block(leaves, "b", layout="contiguous", no_restore_buffers=leaves)).backward()
+    want = [seqpar.shard_sequence(a + b, mesh, dim=2, layout="contiguous") for a, b in zip(grad_a, grad_b)]
+    check(leaves, want, f"P={world}: block A, then no_restore block B (contiguous), then backward")
     leaves = fresh()  # a .grad at entry; backward inside the first block, after the second
     for t, g in zip(leaves, entry):
         t.grad = g.clone()

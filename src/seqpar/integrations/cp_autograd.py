@@ -28,12 +28,13 @@ Note [gradients after the block]
     shard-sized zero ``.grad``; the leaf's post-accumulate hook then all-gathers that over the block's
     group (every rank runs the same backward, so the collective is symmetric) and sets ``.grad`` to what
     was moved aside plus the full gradient. Each node knows its block's sharding, so blocks with other
-    meshes, layouts or dims mix exactly; a backward inside a later block that shards the leaf otherwise
-    takes its own shard of the gathered gradient. The hooks of one leaf share a ``LeafGradients`` record,
-    an attribute of the tensor, which also knows the block the leaf is open in (one at a time: a nested
-    block may not take it again) and the full shapes of the earlier blocks whose nodes a graph still holds
-    (each hook tells the record when its node is freed): a ``no_restore_buffers`` leaf stays a shard, so
-    a block may not shard it again while such a graph lives. After the block the leaf's own node is a new
+    meshes, layouts or dims mix exactly; while a later block holds the leaf sharded otherwise (open, or
+    left so by ``no_restore_buffers``) the leaf takes its shard of the gathered gradient. The hooks of one
+    leaf share a ``LeafGradients`` record, an attribute of the tensor, which also knows whose shard the leaf
+    is, whether a block has it open (one at a time: a nested block may not take it again), and the full
+    shapes of the blocks whose nodes a graph still holds (each hook tells the record when its node is
+    freed): a ``no_restore_buffers`` leaf stays a shard, so no block may shard it again while such a graph
+    lives. After the block the leaf's own node is a new
     one, outside the block's graph: ``backward(inputs=[leaf])`` and ``torch.autograd.grad`` with respect to
     the leaf see no use of it there (torch's rules for an unused input); call them inside the block.
 """
@@ -165,7 +166,10 @@ class SavedBuffers(saved_tensors_hooks):
     def __enter__(self) -> None:
         self.claims = {_storage_key(b): _Claim(b) for b in self.buffers}  # the shards' storages by now
         self.claims.pop(None, None)
-        self.outer = _TOP_HOOKS(True) if _TOP_HOOKS is not None else None
+        try:
+            self.outer = _TOP_HOOKS(True) if _TOP_HOOKS is not None else None
+        except (TypeError, RuntimeError):  # a torch whose private signature differs: no hooks to hand on
+            self.outer = None
         super().__enter__()
 
     def freeze(self) -> None:
@@ -206,7 +210,8 @@ class LeafGradients:
     """What one leaf's gradient hooks share (Note [gradients after the block]); an attribute of the leaf."""
 
     def __init__(self, leaf: torch.Tensor) -> None:
-        self.current: ShardSpec | None = None  # the open block's sharding of the leaf, if any
+        self.held: ShardSpec | None = None  # whose shard the leaf is now: an open block's, or a no_restore one's
+        self.open = False
         self.live: dict[int, tuple[int, ...]] = {}  # id of a hook on a node not freed yet: its block's full shape
         self.armed: tuple[ShardSpec, ShardSpec | None] | None = None
         self.aside, self.policy = None, None
@@ -226,21 +231,23 @@ class LeafGradients:
         record = getattr(leaf, _ATTRIBUTE, None)
         if record is None:
             return None
-        if record.current is not None:
+        if record.open:
             return 0
         return 1 if any(full != tuple(leaf.shape) for full in record.live.values()) else None
 
     def enter(self, leaf: torch.Tensor, spec: ShardSpec, restore: bool) -> tuple[_Arm, object]:
         """Hook the shard-shaped leaf's new AccumulateGrad node; the block holds both until ``leave``."""
-        arm = _Arm(leaf, self, spec, restore)
+        arm = _Arm(leaf, self, spec, restore, self.held)
         node = get_gradient_edge(leaf).node
         node.register_prehook(arm)
-        self.current, self.live[id(arm)] = spec, tuple(spec.full)
+        self.held, self.open, self.live[id(arm)] = spec, True, tuple(spec.full)
         weakref.finalize(arm, self.live.pop, id(arm), None)
         return arm, node
 
     def leave(self, arm: _Arm) -> None:
-        arm.open, self.current = False, None
+        arm.open = self.open = False
+        if arm.restore:
+            self.held = arm.before
 
     def _gather(self, leaf: torch.Tensor) -> None:
         if self.armed is None:
@@ -252,7 +259,7 @@ class LeafGradients:
             self.policy = None
         leaf.grad = aside
         full = gather_sequence(shard, spec.mesh, dim=spec.dim, layout=spec.layout)
-        if reshard is not None:  # inside a block that shards the leaf otherwise: its shard of the gradient
+        if reshard is not None:  # the leaf is another block's shard now: its shard of the gradient
             full = shard_for_rank(full, reshard.mesh.sp_rank, reshard.mesh.sp_size, reshard.dim, reshard.layout)
         leaf.grad = full if aside is None else aside + full
 
@@ -260,17 +267,19 @@ class LeafGradients:
 class _Arm:
     """The pre-hook of one block's AccumulateGrad node of a leaf: makes room for a shard-shaped gradient."""
 
-    def __init__(self, leaf: torch.Tensor, record: LeafGradients, spec: ShardSpec, restore: bool) -> None:
+    def __init__(
+        self, leaf: torch.Tensor, record: LeafGradients, spec: ShardSpec, restore: bool, before: ShardSpec | None
+    ) -> None:
         self.leaf, self.record, self.spec = leaf, record, spec  # the node holds the leaf anyway
-        self.open, self.restore = True, restore
+        self.open, self.restore, self.before = True, restore, before
 
     def __call__(self, grads: tuple) -> None:
         leaf, record, spec, grad = self.leaf, self.record, self.spec, grads[0]
         if self.open or not self.restore or grad is None or record.armed is not None:
             return None  # the leaf is this block's shard (inside it, or left sharded): nothing to change
-        now = record.current  # the block the leaf is open in now, if any
+        now = record.held  # None: the leaf is whole again
         if now is not None and now.key == spec.key:
-            return None  # that block's shards are this block's
+            return None  # the leaf is a shard just like this block's
         want = spec.full if now is None else now.shard
         if (spec.full == spec.shard and now is None) or grad.shape != spec.shard or leaf.shape != want:
             return None  # one rank, or not a gradient of this block's shard: AccumulateGrad takes it as it is
