@@ -37,7 +37,7 @@ Note [memory estimate]
     steps (``keep_gradients``: zeroed in place, as DDP and FSDP keep their buffers). The peak is the largest of four
     moments: the start of the backward, one layer's backward (kept activations, the recomputed layer, the
     gradients so far), the gradient all-reduce, and the optimizer update.
-    Only the extra I above is calibrated; nothing is fitted to the points of README "## Memory".
+    Only the extra I above is calibrated; nothing is fitted to the points of docs/guides/memory.md.
     Optimizer offload (``offload_optimizer``, FSDP2's CPU offload, Note [optimizer offload] in
     integrations/data_parallel.py): the sharded parameters, their gradients and the optimizer state live in
     host memory (counted there as fp32 master parameters, fp32 gradients and fp32 states, 4 bytes each,
