@@ -65,17 +65,12 @@ def main(argv: list[str] | None = None) -> int:
         return importlib.import_module(f"seqpar.bench.{args.name}").main(args.options)
     if args.command == "plan":
         return run_plan(args)
-    if args.command == "estimate":
+    checked = {"estimate": run_estimate, "doctor": run_doctor}  # bad input: a message and exit code 2
+    if args.command in checked:
         try:
-            return run_estimate(args)
+            return checked[args.command](args)
         except SeqparInputError as error:
-            print(f"seqpar estimate: {error}", file=sys.stderr)
-            return 2
-    if args.command == "doctor":
-        try:
-            return run_doctor(args)
-        except SeqparInputError as error:
-            print(f"seqpar doctor: {error}", file=sys.stderr)
+            print(f"seqpar {args.command}: {error}", file=sys.stderr)
             return 2
     if args.command == "demo":
         from seqpar.cli.demo import run_demo
