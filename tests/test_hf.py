@@ -296,7 +296,7 @@ def test_upstream_examples_equal_one_process(request, name):
         torch.testing.assert_close(found["params"][n], ref, rtol=0, atol=PARAM_RTOL * float(ref.abs().max()))
 
 
-def _replica_batches(rows: int, batch: int, dp: int, **options) -> list[list[list[int]]]:
+def _replica_batches(rows: int, batch: int, dp: int, drop_last: bool = False, **options) -> list[list[list[int]]]:
     """Each replica's batches of a loader that accelerate prepared for dp x sp 2 processes, sharded by replica."""
     from accelerate.data_loader import prepare_data_loader
     from torch.utils.data import DataLoader
@@ -306,7 +306,7 @@ def _replica_batches(rows: int, batch: int, dp: int, **options) -> list[list[lis
     out = []
     for replica in range(dp):
         ids = {"collate_fn": lambda f: {"input_ids": torch.tensor(f)[None]}}
-        loader = DataLoader(list(range(rows)), batch_size=batch, **ids)
+        loader = DataLoader(list(range(rows)), batch_size=batch, drop_last=drop_last, **ids)
         rank = 2 * replica  # the first rank of the replica's sp group
         loader = prepare_data_loader(loader, num_processes=2 * dp, process_index=rank, put_on_device=False, **options)
         loader = shard_by_replica(loader, dp, replica, world_size=2 * dp)
@@ -327,3 +327,7 @@ def test_replica_batches_are_one_process_batches(rows):
         assert rounds == one_process
         split = _replica_batches(rows, 4 * dp, dp, split_batches=True)  # one batch of dp x B rows shared out
         assert [[row for b in split for row in b[k]] for k in range(len(split[0]))] == one_process
+        dropped = _replica_batches(rows, 4, dp, drop_last=True)  # one process drops its short last batch
+        assert [[row for b in dropped for row in b[k]] for k in range(len(dropped[0]))] == [
+            b for b in one_process if len(b) == 4 * dp
+        ]
