@@ -12,6 +12,7 @@ from seqpar.errors import SeqparInputError
 from seqpar.gradients import clip_grad_norm_, reduce_gradients
 from seqpar.integrations.context_parallel import context_parallel, context_parallel_unshard
 from seqpar.integrations.data_parallel import apply_data_parallel, data_parallel_group
+from seqpar.integrations.pipeline_parallel import PipelineParallel, apply_pipeline_parallel
 from seqpar.integrations.tensor_parallel import apply_tensor_parallel
 from seqpar.integrations.transformers import attention_choice, prepare_model
 from seqpar.kernels import select_kernel
@@ -31,12 +32,14 @@ __all__ = [
     "Cluster",
     "DoctorReport",
     "MemoryEstimate",
+    "PipelineParallel",
     "Plan",
     "SeqparInputError",
     "SequenceMask",
     "SequenceParallelMesh",
     "apply_activation_offload",
     "apply_data_parallel",
+    "apply_pipeline_parallel",
     "apply_tensor_parallel",
     "apply_tiled_mlp",
     "as_sp_mesh",

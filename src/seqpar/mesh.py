@@ -1,4 +1,4 @@
-"""The process groups a sequence-parallel job runs on: one DeviceMesh ("dp", "ring", "ulysses", "tp") and its SP group.
+"""The process groups a job runs on: one DeviceMesh ("pp", "dp", "ring", "ulysses", "tp") and its SP group.
 
 ``make_mesh`` builds it over an initialised default group; ``as_sp_mesh`` accepts simpler stand-ins.
 """
@@ -39,6 +39,8 @@ class SequenceParallelMesh:
     """The ranks that exchange heads by all-to-all (None: size 1)."""
     device_mesh: DeviceMesh | None = None
     """The full mesh, when built by ``make_mesh``."""
+    pp_group: dist.ProcessGroup | None = None
+    """The ranks that hold the pipeline stages of one model replica and sequence shard (None: no "pp" axis)."""
 
     @property
     def sp_size(self) -> int:
@@ -55,6 +57,14 @@ class SequenceParallelMesh:
     @property
     def ulysses_size(self) -> int:
         return _size(self.ulysses_group)
+
+    @property
+    def pp_size(self) -> int:
+        return _size(self.pp_group)
+
+    @property
+    def pp_rank(self) -> int:
+        return _rank(self.pp_group)
 
 
 def flattened_group(device_mesh: DeviceMesh, axes: list[str]) -> dist.ProcessGroup:
@@ -93,22 +103,26 @@ def make_mesh(
     ulysses_size: int = 1,
     dp_size: int | None = None,
     tp_size: int = 1,
+    pp_size: int = 1,
     device_type: str | None = None,
     device_mesh: DeviceMesh | None = None,
 ) -> SequenceParallelMesh:
     """Build the sequence-parallel mesh over all ranks of the initialised default group, or over ``device_mesh``.
 
-    The DeviceMesh has axes ("dp", "ring", "ulysses") and "tp" last when ``tp_size > 1``; consecutive ranks
-    share tensor-parallel shards, then heads (ulysses), so the most communication-hungry axes span the
-    closest ranks. The SP group of a rank is the ring x ulysses ranks with its dp and tp coordinates.
+    The DeviceMesh has axes ("dp", "ring", "ulysses"), with "pp" first when ``pp_size > 1`` and "tp" last when
+    ``tp_size > 1``; consecutive ranks share tensor-parallel shards, then heads (ulysses), so the most
+    communication-hungry axes span the closest ranks, and pipeline stages the farthest (as Megatron and
+    torchtitan order them: a stage boundary sends one activation per micro-batch, the least traffic of all).
+    The SP group of a rank is the ring x ulysses ranks with its pp, dp and tp coordinates.
 
     Args:
-        sp_size: ranks that share one sequence; defaults to ``world_size // (dp_size * tp_size)``.
+        sp_size: ranks that share one sequence; defaults to ``world_size // (pp_size * dp_size * tp_size)``.
         ulysses_size: how many of them exchange heads by all-to-all; must divide ``sp_size``.
-        dp_size: data-parallel replicas; defaults to ``world_size // (sp_size * tp_size)``.
+        dp_size: data-parallel replicas; defaults to ``world_size // (pp_size * sp_size * tp_size)``.
         tp_size: tensor-parallel degree ("tp" axis; heads are split over it before ulysses splits them).
+        pp_size: pipeline-parallel degree ("pp" axis; ``seqpar.apply_pipeline_parallel`` puts the stages on it).
         device_type: "cpu" or "cuda"; defaults to "cuda" under NCCL and "cpu" otherwise.
-        device_mesh: an existing DeviceMesh whose dimension names are among "dp", "ring", "ulysses", "sp"
+        device_mesh: an existing DeviceMesh whose dimension names are among "pp", "dp", "ring", "ulysses", "sp"
             (a flat SP axis) and "tp"; the other arguments are then read from it.
 
     Returns:
@@ -127,15 +141,18 @@ def make_mesh(
     world = dist.get_world_size()
     if tp_size < 1 or world % tp_size:
         raise SeqparInputError(f"tp_size {tp_size} must divide the world size {world}")
-    per_tp = world // tp_size
+    if pp_size < 1 or world % (pp_size * tp_size):
+        raise SeqparInputError(f"pp_size {pp_size} x tp_size {tp_size} must divide the world size {world}")
+    per_tp = world // (tp_size * pp_size)
     if sp_size is None:
         sp_size = per_tp // (dp_size or 1)
     if dp_size is None:
         dp_size = per_tp // sp_size if sp_size > 0 else 0
-    if sp_size < 1 or ulysses_size < 1 or dp_size < 1 or sp_size * dp_size * tp_size != world:
+    if sp_size < 1 or ulysses_size < 1 or dp_size < 1 or pp_size * sp_size * dp_size * tp_size != world:
+        pp_text = f"pp_size ({pp_size}) x " if pp_size > 1 else ""
         tp_text = f" x tp_size ({tp_size})" if tp_size > 1 else ""
         raise SeqparInputError(
-            f"dp_size ({dp_size}) x sp_size ({sp_size}){tp_text} must equal the world size ({world}); "
+            f"{pp_text}dp_size ({dp_size}) x sp_size ({sp_size}){tp_text} must equal the world size ({world}); "
             f"valid sp sizes here: {[d for d in range(1, per_tp + 1) if per_tp % d == 0]}"
         )
     if sp_size % ulysses_size:
@@ -147,12 +164,14 @@ def make_mesh(
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     ring_size = sp_size // ulysses_size
     shape, names = (dp_size, ring_size, ulysses_size), ("dp", "ring", "ulysses")
+    if pp_size > 1:
+        shape, names = (pp_size, *shape), ("pp", *names)
     if tp_size > 1:
         shape, names = (*shape, tp_size), (*names, "tp")
     return _from_device_mesh(init_device_mesh(device_type, shape, mesh_dim_names=names))
 
 
-_KNOWN_DIMS = ("dp", "ring", "ulysses", "sp", "tp")
+_KNOWN_DIMS = ("pp", "dp", "ring", "ulysses", "sp", "tp")
 
 
 def _from_device_mesh(device_mesh: DeviceMesh) -> SequenceParallelMesh:
@@ -171,6 +190,7 @@ def _from_device_mesh(device_mesh: DeviceMesh) -> SequenceParallelMesh:
         ring_group=device_mesh.get_group(ring_dim) if ring_dim is not None else None,
         ulysses_group=device_mesh.get_group("ulysses") if has_ulysses else None,
         device_mesh=device_mesh,
+        pp_group=device_mesh.get_group("pp") if "pp" in names and device_mesh.size(names.index("pp")) > 1 else None,
     )
 
 
