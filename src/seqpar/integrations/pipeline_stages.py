@@ -18,10 +18,12 @@ Note [pipeline stages]
     stage receives with each micro-batch (global, packed-document ids from ``seqpar.shard_batch``, never
     sent between stages), and the forward hook of ``seqpar.prepare_model`` (copied with the frame) builds
     the sequence mask of the micro-batch over the SP group and hands seqpar's attention its context, as
-    for the whole model (Note [transformers integration]). Tied embeddings: the head's weight is the
-    embedding's, which lives on the first stage; the last stage (on another rank) holds a copy, and after
-    the step the two gradients are summed between those two ranks (Megatron's embedding group), so both
-    copies take the same update; the gradient norm counts the weight once (Note [pipeline loss]).
+    for the whole model (Note [transformers integration]); the frames keep the hook they were copied with,
+    so choose the strategy and layout in ``prepare_model`` before splitting. Tied embeddings: the head's
+    weight is the embedding's, which lives on the first stage; the last stage (on another rank) holds a
+    copy, and after the step the two gradients are summed between those two ranks (Megatron's embedding
+    group), so both copies take the same update; the gradient norm counts the weight once (Note [pipeline
+    loss]).
 """
 
 from __future__ import annotations
