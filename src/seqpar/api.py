@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +82,7 @@ def attention(
     window: int | None = None,
     position_ids: torch.Tensor | None = None,
     mask: SequenceMask | None = None,
+    blocks: int | Sequence[tuple[int, int]] | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention of this rank's query shard against the whole (sharded) sequence.
 
@@ -107,6 +109,9 @@ def attention(
             new packed document, and documents never see each other (one more small all-gather).
         mask: a prebuilt ``seqpar.sequence_mask`` (build it once per batch and pass it to every layer
             instead of ``position_ids``); ``window``, when given, replaces its window.
+        blocks: block-causal attention (Note [block-causal ranges]): a block size (video frames) or global
+            ``(start, stop)`` token ranges (images in a text stream); a token sees all of its own block and
+            of earlier blocks. Needs ``causal=True``; with a prebuilt mask, pass it to ``sequence_mask``.
 
     Returns:
         ``[batch, heads, local_seq, head_dim]``: this rank's shard of the output, in ``q.dtype``.
@@ -130,9 +135,12 @@ def attention(
         documents=2 if mask is not None else (1 if position_ids is not None else 0),
     )
     if mask is None:
-        mask = sequence_mask(position_ids, sp, layout=layout, window=window, batch_size=q.shape[0])
+        mask = sequence_mask(position_ids, sp, layout=layout, window=window, batch_size=q.shape[0], blocks=blocks)
+    elif blocks is not None:
+        raise SeqparInputError("blocks= goes to seqpar.sequence_mask when a prebuilt mask is passed")
     elif window is not None:
         mask = mask.with_window(window)
+    _check_blocks(mask, causal, q.shape[2] * sp.sp_size)
     if mask.starts is not None and mask.starts.shape[1] != q.shape[2] * sp.sp_size:
         raise SeqparInputError(
             f"the sequence mask covers {mask.starts.shape[1]} tokens but the sequence has "
@@ -142,6 +150,17 @@ def attention(
         scale = 1.0 / math.sqrt(q.shape[-1])
     choice = choose_attention(q, k, v, mesh=sp, strategy=strategy, kernel=kernel)
     _log.debug("seqpar.attention: strategy=%s kernel=%s sp=%d", choice.strategy, choice.kernel.name, sp.sp_size)
+    causal = causal and mask.blocks is None  # the blocks replace the causal rule (Note [block-causal ranges])
     return STRATEGY_FUNCTIONS[choice.strategy](
         q, k, v, mesh=sp, layout=layout, causal=causal, scale=scale, kernel=choice.kernel, mask=mask
     )
+
+
+def _check_blocks(mask: SequenceMask, causal: bool, seq_len: int) -> None:
+    """Block-causal ranges need ``causal=True`` and must lie inside the sequence (same answer on every rank)."""
+    if mask.blocks is None:
+        return
+    if not causal:
+        raise SeqparInputError("block-causal blocks need causal=True (causal=False is already fully bidirectional)")
+    if mask.blocks.end > seq_len:
+        raise SeqparInputError(f"block ranges reach token {mask.blocks.end} but the sequence has {seq_len} tokens")

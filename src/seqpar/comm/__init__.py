@@ -6,9 +6,11 @@ All take an explicit process group.
 from seqpar.comm.all_to_all import head_group_to_seq, head_to_seq_shards, seq_to_head_group, seq_to_head_shards
 from seqpar.comm.collectives import all_gather_first_dim, collective_device, reduce_scatter_first_dim
 from seqpar.comm.ring import RingExchange
+from seqpar.comm.sparse import SparseExchange
 
 __all__ = [
     "RingExchange",
+    "SparseExchange",
     "all_gather_first_dim",
     "collective_device",
     "head_group_to_seq",

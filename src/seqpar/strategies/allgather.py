@@ -6,6 +6,7 @@ Note [allgather memory]
     The gathered K/V are P times the local ones, so they are not kept for the backward: the backward
     gathers them again (one more all-gather) instead of holding them through the rest of the model's
     forward pass, the same trade the ring makes. dK/dV accumulate in float32 and are reduce-scattered.
+    A mask that hides some K/V from every query of a rank gathers only the rest (Note [mask-aware allgather]).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from seqpar.kernels.merge import new_accumulator
 from seqpar.layout import chunks_per_rank, natural_order_index, owner_order_index, rank_chunk_ids
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.strategies.blocks import blocks_backward, blocks_forward
+from seqpar.strategies.kv_needs import kv_needs
+from seqpar.strategies.masked_allgather import masked_allgather_attention
 from seqpar.strategies.masking import SequenceMask
 from seqpar.strategies.planner import plan
 
@@ -104,4 +107,9 @@ def allgather_attention(
     Returns:
         ``[B, H, S/P, D]`` local output.
     """
+    chunk_ids = tuple(rank_chunk_ids(layout, mesh.sp_size, r) for r in range(mesh.sp_size))
+    needs = kv_needs(mask, chunk_ids, q.shape[2] // len(chunk_ids[0]), causal) if mesh.sp_size > 1 else None
+    if needs is not None:  # the mask spares some K/V: gather only what is seen (Note [mask-aware allgather])
+        options = dict(group=mesh.sp_group, chunk_ids=chunk_ids, causal=causal, scale=scale, kernel=kernel)
+        return masked_allgather_attention(q, k, v, mask=mask, needs=needs, **options)
     return _AllGatherAttention.apply(q, k, v, mesh.sp_group, layout, causal, scale, kernel, mask)

@@ -1,4 +1,4 @@
-"""Masks beyond causal: packed documents (read from global position ids) and sliding windows.
+"""Masks beyond causal: packed documents (read from global position ids), sliding windows, block-causal ranges.
 
 ``SequenceMask`` describes the global sequence; the block planner turns it into skipped, plain and masked tiles.
 
@@ -15,6 +15,7 @@ Note [documents from position ids]
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,7 @@ from seqpar.comm.collectives import all_gather_first_dim, collective_device
 from seqpar.errors import SeqparInputError
 from seqpar.layout import chunks_per_rank, natural_order_index, reorder_chunks
 from seqpar.mesh import as_sp_mesh
+from seqpar.strategies.mask_blocks import BlockCausal, block_causal
 
 __all__ = ["SequenceMask", "check_packed_positions", "sequence_mask"]
 
@@ -31,9 +33,10 @@ __all__ = ["SequenceMask", "check_packed_positions", "sequence_mask"]
 class SequenceMask:
     """What a token may see besides the causal rule, over the global sequence.
 
-    ``starts`` and ``window`` combine: a query sees a key when both are in one document and, with a
-    window, when ``query_position - key_position < window`` (the Mistral convention: ``window`` keys,
-    itself included).
+    ``starts``, ``window`` and ``blocks`` combine: a query sees a key when both are in one document, with a
+    window when ``query_position - key_position < window`` (the Mistral convention: ``window`` keys,
+    itself included), and with blocks when the key's block is not after the query's (Note [block-causal
+    ranges]; the blocks then replace the token-level causal rule).
     """
 
     starts: torch.Tensor | None = None
@@ -43,6 +46,8 @@ class SequenceMask:
     """Sliding-window size in tokens, or None for no window."""
     max_position: int = 0
     """Largest position id in the sequence (0 when built without position ids)."""
+    blocks: BlockCausal | None = None
+    """Block-causal ranges (Note [block-causal ranges]), or None for the plain causal rule."""
     plans: dict = field(default_factory=dict, compare=False, repr=False)
     """Tile plans already made with this mask (Note [masked tiles]): every layer of one forward asks for
     the same ones, so they are made once per batch."""
@@ -54,13 +59,13 @@ class SequenceMask:
         if window == self.window:
             return self
         if window not in self.windowed:
-            self.windowed[window] = SequenceMask(self.starts, window, self.max_position)
+            self.windowed[window] = SequenceMask(self.starts, window, self.max_position, self.blocks)
         return self.windowed[window]
 
     @property
     def trivial(self) -> bool:
         """True when the mask adds nothing to the causal rule."""
-        return self.starts is None and self.window is None
+        return self.starts is None and self.window is None and self.blocks is None
 
 
 def _gather_positions(local: torch.Tensor, mesh: object, layout: str) -> torch.Tensor:
@@ -99,8 +104,9 @@ def sequence_mask(
     layout: str = "zigzag",
     window: int | None = None,
     batch_size: int | None = None,
+    blocks: int | Sequence[tuple[int, int]] | None = None,
 ) -> SequenceMask:
-    """Build the mask of packed documents (Note [documents from position ids]) and an optional window.
+    """Build the mask of packed documents (Note [documents from position ids]), an optional window and blocks.
 
     Collective over the SP group when ``position_ids`` is given (one all-gather of the ids): call it on
     every rank, once per batch, and hand the result to every attention call of the model.
@@ -112,18 +118,21 @@ def sequence_mask(
         layout: the layout the ids were sharded with.
         window: sliding-window size, or None.
         batch_size: expected batch size of the ids (checked when given).
+        blocks: block-causal blocks (Note [block-causal ranges]): a block size, or global ``(start, stop)``
+            token ranges (tokens outside them are causal); the same on every rank. None: plain causal.
 
     Returns:
         A ``SequenceMask``; its ``starts`` is None when no row holds more than one document.
 
     Raises:
         SeqparInputError: ids that are not integers, negative ids, ids that neither count up by one nor
-            restart at 0, a window below 1 (the same error on every rank).
+            restart at 0, a window below 1, bad block ranges (the same error on every rank).
     """
     if window is not None and (not isinstance(window, int) or window < 1):
         raise SeqparInputError(f"sliding window must be a positive integer or None, got {window!r}")
+    spec = None if blocks is None else block_causal(blocks)
     if position_ids is None:
-        return SequenceMask(None, window)
+        return SequenceMask(None, window, blocks=spec)
     if position_ids.is_floating_point() or position_ids.dtype == torch.bool:
         raise SeqparInputError(f"position_ids must be integers, got {position_ids.dtype}")
     local = position_ids.long()
@@ -140,4 +149,4 @@ def sequence_mask(
     index = torch.arange(full.shape[1])
     starts = index - full
     packed = bool((full[:, 1:] == 0).any())
-    return SequenceMask(starts if packed else None, window, int(full.max()))
+    return SequenceMask(starts if packed else None, window, int(full.max()), spec)

@@ -11,7 +11,7 @@ Note [block plan]
     the same runs share one call. Invisible rectangles are never computed.
 
 Note [masked tiles]
-    A ``SequenceMask`` with packed documents or a sliding window makes visibility depend on more than the
+    A ``SequenceMask`` with packed documents, a sliding window or blocks makes visibility depend on more than the
     chunk ids, so each chunk pair the causal rule leaves visible (key chunk not after the query chunk) is
     cut into square tiles of ``MASK_TILE`` tokens a side, or of half the window (at least
     ``MIN_WINDOW_TILE``) with a window, so that the band's ragged edge wastes fewer scores. Each tile is
@@ -24,6 +24,8 @@ Note [masked tiles]
     - mixed: anything else. It carries a boolean mask ``[B or 1, 1, q, kv]`` built from the global
       positions and document starts, and runs on the chosen kernel if that takes masks, otherwise on the
       preferred kernel that does (``blocks_forward`` and ``blocks_backward`` swap it per tile).
+    Block-causal ranges are decided from the corners too (Note [block-causal ranges]); a chunk pair whose
+    corners already say "skipped" is not cut into tiles at all.
     Why the corners suffice: causality and the window depend only on the query position minus the key
     position, which over a tile is smallest at (first query, last key) and largest at (last query, first
     key); those two bounds say whether all, none or some of the tile passes. Document starts never decrease
@@ -165,6 +167,9 @@ def _masked_plan(
         for j, c in enumerate(kv_chunks):
             if causal and c > g:
                 continue
+            whole = ((g * chunk_len, (g + 1) * chunk_len), (c * chunk_len, (c + 1) * chunk_len))
+            if _classify(*whole, causal, mask) == "skip":  # the skip rules hold for the whole pair at once
+                continue
             for q0 in range(0, chunk_len, tile):
                 for k0 in range(0, chunk_len, tile):
                     q_glob = (g * chunk_len + q0, g * chunk_len + min(q0 + tile, chunk_len))
@@ -198,8 +203,13 @@ def _classify(q: tuple[int, int], kv: tuple[int, int], causal: bool, mask: Seque
         return "skip"
     if docs is not None and bool(((docs[3] < docs[0]) | (docs[2] > docs[1])).all()):
         return "skip"  # document starts never decrease: disjoint ranges share no document
+    blocks = mask.blocks
+    if blocks is not None and blocks.start(kv_lo) > blocks.start(q_hi):
+        return "skip"  # Note [block-causal ranges]: every key's block is after every query's
     square = causal and q == kv
     if causal and kv_hi > q_lo and not square:
+        return "mixed"
+    if blocks is not None and blocks.start(kv_hi) > blocks.start(q_lo):
         return "mixed"
     if mask.window is not None and q_hi - kv_lo >= mask.window:
         return "mixed"
@@ -219,6 +229,8 @@ def _dense_mask(
         keep &= ki <= qi
     if mask.window is not None:
         keep &= qi - ki < mask.window
+    if mask.blocks is not None:
+        keep &= mask.blocks.starts(ki) <= mask.blocks.starts(qi)
     keep = keep[None, None]
     if mask.starts is not None:
         same = mask.starts[:, q[0] : q[1], None] == mask.starts[:, None, kv[0] : kv[1]]  # [B, q, kv]

@@ -8,6 +8,8 @@ Note [ring schedule]
     travel: grouped-query attention is expanded inside the kernel, never on the wire. With the zigzag
     layout and a causal mask every step after the first costs half a block on every rank (Note [block
     plan]). The backward replays the ring with the final out and lse (Note [ring backward]).
+    A mask that hides some of a peer's K/V from all local queries switches to direct sends of the tokens
+    that are seen (Note [mask-aware ring schedule]); plain causal attention keeps this ring.
 
 Note [ring backward]
     Every local chunk's K/V is cut into pieces (up to 8; ``seqpar.strategies.pieces``), and the backward
@@ -39,6 +41,8 @@ from seqpar.kernels.merge import new_accumulator
 from seqpar.layout import rank_chunk_ids
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.strategies.blocks import blocks_backward, blocks_forward, is_whole
+from seqpar.strategies.kv_needs import kv_needs
+from seqpar.strategies.masked_ring import masked_ring_attention
 from seqpar.strategies.masking import SequenceMask
 from seqpar.strategies.pieces import piece_ids, pieces_per_chunk, put_piece, take_piece
 from seqpar.strategies.planner import plan
@@ -177,4 +181,10 @@ def ring_attention_on_chunks(
     Returns:
         ``[B, H, S_local, D]`` local output.
     """
+    size = dist.get_world_size(group)
+    chunk = q.shape[2] // len(chunk_ids[dist.get_rank(group)])
+    needs = kv_needs(mask, chunk_ids, chunk, causal) if size > 1 else None
+    if needs is not None:  # the mask spares some K/V: move only what is seen (Note [mask-aware ring])
+        options = dict(group=group, chunk_ids=chunk_ids, causal=causal, scale=scale, kernel=kernel, mask=mask)
+        return masked_ring_attention(q, k, v, needs=needs, **options)
     return _RingAttention.apply(q, k, v, group, chunk_ids, causal, scale, kernel, mask)

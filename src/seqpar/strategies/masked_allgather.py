@@ -1,0 +1,126 @@
+"""Mask-aware all-gather attention: gather from each peer only the K/V tokens some local query sees.
+
+Note [mask-aware allgather]
+    Like the all-gather (Note [allgather memory]) but with the table of Note [mask-aware ring]: one batch
+    of point-to-point sends and receives (every peer at once, a sparse all-to-all) brings each rank the
+    tokens it needs; they go into a zero-filled ``[2, B, Hkv, S, D]`` in global order, and the unchanged
+    plan runs on it. The backward gathers the same tokens again and, in place of the reduce-scatter, sends
+    each owner back the float32 dK/dV rows of exactly the tokens it sent; the owner adds them to its own.
+    While the transfers are in flight the rank computes its own block, so they overlap that compute.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from seqpar.comm import SparseExchange
+from seqpar.kernels.merge import new_accumulator
+from seqpar.strategies.blocks import blocks_backward, blocks_forward
+from seqpar.strategies.kv_needs import KVNeeds, global_tokens, take_tokens
+from seqpar.strategies.planner import plan
+
+__all__ = ["masked_allgather_attention"]
+
+_KV_TAG, _DKV_TAG = 6, 7
+
+
+def _start_gather(exchange: SparseExchange, k, v, needs: KVNeeds, rank: int) -> dict[int, torch.Tensor]:
+    """Post every peer's needed tokens out and this rank's in; return the receive buffers by peer."""
+    b, h, _, d = k.shape
+    peers = [p for p in range(len(needs)) if p != rank]
+    recvs = {s: k.new_empty((2, b, h, len(needs[rank][s]), d)) for s in peers}
+    exchange.start({p: take_tokens(k, v, needs[p][rank]) for p in peers}, recvs)
+    return recvs
+
+
+def _whole_kv(k, v, recvs, needs: KVNeeds, chunk_ids, chunk: int, rank: int) -> torch.Tensor:
+    """``[2, B, Hkv, S, D]`` in global order: own tokens, received tokens, zeros elsewhere."""
+    b, h, _, d = k.shape
+    seq = chunk * sum(len(ids) for ids in chunk_ids)
+    kv = torch.zeros((2, b, h, seq, d), dtype=k.dtype, device=k.device)
+    kv.index_copy_(3, global_tokens(chunk_ids[rank], chunk).to(k.device), torch.stack([k, v]))
+    for s, got in recvs.items():
+        where = global_tokens(chunk_ids[s], chunk)[needs[rank][s]]
+        kv.index_copy_(3, where.to(k.device), got)
+    return kv
+
+
+class _MaskedAllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, chunk_ids, causal, scale, kernel, mask, needs):
+        rank = dist.get_rank(group)
+        chunk = q.shape[2] // len(chunk_ids[rank])
+        exchange = SparseExchange(group, _KV_TAG)
+        recvs = _start_gather(exchange, k, v, needs, rank)
+        own = plan(chunk_ids[rank], chunk_ids[rank], chunk, causal, mask, q.device)
+        out, lse = new_accumulator(q)  # [B, H, S/P, D], [B, H, S/P] float32
+        blocks_forward(kernel, q, k, v, own, scale, out, lse)  # overlaps the transfers
+        exchange.wait()
+        kv = _whole_kv(k, v, recvs, needs, chunk_ids, chunk, rank)
+        del recvs
+        others = [c for r, ids in enumerate(chunk_ids) if r != rank for c in ids]
+        kv_chunks = [c for ids in chunk_ids for c in ids]
+        blocks = _only(plan(chunk_ids[rank], sorted(kv_chunks), chunk, causal, mask, q.device), others, chunk)
+        blocks_forward(kernel, q, kv[0], kv[1], blocks, scale, out, lse)
+        del kv  # Note [allgather memory]
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (group, chunk_ids, scale, kernel, needs, own, blocks)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, chunk_ids, scale, kernel, needs, own, blocks = ctx.args
+        rank = dist.get_rank(group)
+        chunk = q.shape[2] // len(chunk_ids[rank])
+        dout = dout.contiguous()
+        exchange = SparseExchange(group, _KV_TAG)
+        recvs = _start_gather(exchange, k, v, needs, rank)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)  # this rank's dK, dV
+        blocks_backward(kernel, dout, q, k, v, out, lse, own, scale, dq, dkv[0], dkv[1])
+        exchange.wait()
+        kv = _whole_kv(k, v, recvs, needs, chunk_ids, chunk, rank)
+        del recvs
+        whole = torch.zeros(kv.shape, dtype=torch.float32, device=k.device)  # [2, B, Hkv, S, D]
+        blocks_backward(kernel, dout, q, kv[0], kv[1], out, lse, blocks, scale, dq, whole[0], whole[1])
+        del kv
+        b, h, _, d = k.shape
+        peers = [p for p in range(len(chunk_ids)) if p != rank]
+        back = {
+            s: whole.index_select(3, global_tokens(chunk_ids[s], chunk)[needs[rank][s]].to(k.device)) for s in peers
+        }
+        incoming = {p: whole.new_empty((2, b, h, len(needs[p][rank]), d)) for p in peers}
+        del whole
+        exchange = SparseExchange(group, _DKV_TAG)
+        exchange.start(back, incoming)
+        exchange.wait()
+        for p, got in incoming.items():
+            dkv.index_add_(3, needs[p][rank].to(k.device), got)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None
+
+
+def _only(blocks, chunks, chunk: int):
+    """The blocks of ``blocks`` (planned against all chunks in global order) whose keys lie in ``chunks``."""
+    keep = set(chunks)
+    return [b for b in blocks if b.kv.start // chunk in keep]
+
+
+def masked_allgather_attention(q, k, v, *, group, chunk_ids, causal, scale, kernel, mask, needs) -> torch.Tensor:
+    """All-gather attention moving only needed K/V tokens (Note [mask-aware allgather]).
+
+    Args:
+        q: ``[B, H, S/P, D]``; k, v: ``[B, Hkv, S/P, D]``.
+        group: the SP group (size P).
+        chunk_ids: every rank's global chunk ids, in rank order.
+        causal, scale: as in ``seqpar.attention`` (causal False under block-causal masks).
+        kernel: the local kernel.
+        mask: the sequence mask the plans and ``needs`` come from.
+        needs: ``kv_needs(mask, chunk_ids, ...)`` (Note [mask-aware ring]).
+
+    Returns:
+        ``[B, H, S/P, D]`` local output.
+    """
+    return _MaskedAllGather.apply(q, k, v, group, chunk_ids, causal, scale, kernel, mask, needs)

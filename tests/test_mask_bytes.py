@@ -1,0 +1,94 @@
+"""Under masks, ring, allgather and hybrid's ring axis send only the K/V that peers' queries see (and its dK/dV).
+
+Bytes are read from /proc/self/io as in test_bytes_sent; the needed volume is worked out here from a dense
+``[S, S]`` mask, independently of the code under test: for each pair of ranks, the keys of one that any
+query of the other sees.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import seqpar
+from tests._dist import run_ranks, shard_index
+from tests.test_bytes_sent import FLOAT32, SIGNATURE_INTS, _written_bytes
+from tests.test_mask_kinds import kind_mask
+
+RANKS, ULYSSES, SEQ, HEADS, KV_HEADS, HEAD_DIM = 4, 2, 2048, 8, 2, 64
+DOCS = (37, 301, 12, 95, 180, 64, 250, 9, 141, 77, 210, 33, 156, 120, 88, 275)  # 16 uneven documents, 2048 tokens
+CASES = {"16 documents": (DOCS, None), "window S/8": (None, SEQ // 8)}
+BOUND = 1.1  # the issue's acceptance bound on sent / needed
+
+
+def _positions(docs) -> torch.Tensor:
+    if docs is None:
+        return torch.arange(SEQ)[None]
+    return torch.cat([torch.arange(n) for n in docs])[None]
+
+
+def _needed_tokens(visible: torch.Tensor, holders: list[torch.Tensor]) -> list[list[int]]:
+    """``n[r][s]``: tokens of holder s that some query of holder r sees (``visible`` ``[S, S]``)."""
+    return [
+        [int(visible[qs][:, ks].any(0).sum()) if r != s else 0 for s, ks in enumerate(holders)]
+        for r, qs in enumerate(holders)
+    ]
+
+
+def needed_bytes(strategy: str, layout: str, docs, window, sp_rank: int) -> float:
+    """Bytes SP rank ``sp_rank`` must send in one forward + backward step under the mask (fp32)."""
+    visible = kind_mask(_positions(docs), True, window, None)[0, 0]  # [S, S]
+    shards = [shard_index(layout, RANKS, r, SEQ) for r in range(RANKS)]
+    check = (RANKS - 1) * SIGNATURE_INTS * 8
+    if strategy == "hybrid":  # Ulysses inside pairs, then the ring over the pairs' tokens, one KV head each
+        local = SEQ // RANKS
+        q_bytes, kv_bytes = HEADS * local * HEAD_DIM * FLOAT32, KV_HEADS * local * HEAD_DIM * FLOAT32
+        ulysses = (ULYSSES - 1) / ULYSSES * 4 * (q_bytes + kv_bytes)
+        holders = [torch.cat(shards[j * ULYSSES : (j + 1) * ULYSSES]) for j in range(RANKS // ULYSSES)]
+        me, token_bytes = sp_rank // ULYSSES, 2 * (KV_HEADS // ULYSSES) * HEAD_DIM * FLOAT32
+    else:
+        holders, me, ulysses = shards, sp_rank, 0.0
+        token_bytes = 2 * KV_HEADS * HEAD_DIM * FLOAT32
+    n = _needed_tokens(visible, holders)
+    sent_kv = sum(n[r][me] for r in range(len(holders)))  # my K/V that peers see: forward and again backward
+    returned = sum(n[me])  # dK/dV of the peers' tokens my queries saw, sent home
+    return check + ulysses + token_bytes * (2 * sent_kv + returned)
+
+
+def _mask_bytes_worker(rank, world_size, results):
+    meshes = {"flat": seqpar.make_mesh(), "two_d": seqpar.make_mesh(ulysses_size=ULYSSES)}
+    for name, (docs, window) in CASES.items():
+        for layout in ("zigzag", "contiguous"):
+            idx = shard_index(layout, world_size, rank, SEQ)
+            mask = seqpar.sequence_mask(_positions(docs)[:, idx], meshes["flat"], layout=layout, window=window)
+            q = torch.randn(1, HEADS, len(idx), HEAD_DIM, requires_grad=True)
+            k, v = (torch.randn(1, KV_HEADS, len(idx), HEAD_DIM, requires_grad=True) for _ in "kv")
+            for strategy in ("ring", "allgather", "hybrid"):
+                mesh = meshes["two_d" if strategy == "hybrid" else "flat"]
+                dist.barrier()
+                before = _written_bytes()
+                seqpar.attention(q, k, v, mesh=mesh, strategy=strategy, layout=layout, mask=mask).sum().backward()
+                sent = _written_bytes() - before
+                want = needed_bytes(strategy, layout, docs, window, rank)
+                ratio = torch.tensor([sent / want])
+                ratios = [torch.zeros(1) for _ in range(world_size)]
+                dist.all_gather(ratios, ratio)
+                if rank == 0:
+                    results.append((name, layout, strategy, max(float(r) for r in ratios)))
+                assert 0.99 < sent / want < BOUND, f"{name} {layout} {strategy}: sent {sent} bytes, needed {want}"
+
+
+def _report_worker(rank, world_size):
+    results = []
+    _mask_bytes_worker(rank, world_size, results)
+    if rank == 0:
+        for row in results:
+            print("mask bytes sent / needed:", *row)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/io")
+def test_masked_bytes_sent_match_needed_kv():
+    run_ranks(RANKS, _report_worker)

@@ -1,0 +1,131 @@
+"""Block-causal masks (a block size or token ranges) and bidirectional documents, alone and combined with
+documents and windows: every strategy and layout equals single-device SDPA with the dense mask written out
+here, outputs and gradients, at P = 2, 3, 4.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import seqpar
+from seqpar.errors import SeqparInputError
+from seqpar.strategies.mask_blocks import block_causal
+from seqpar.strategies.masking import SequenceMask
+from seqpar.strategies.planner import plan
+from tests._cases import ATOL, RTOL, packed_positions
+from tests._dist import run_ranks, shard_index
+
+
+def block_of(seq_len: int, blocks) -> torch.Tensor:
+    """``[S]`` block number of each token, written out directly: a size, or ranges with singletons between."""
+    if isinstance(blocks, int):
+        return torch.arange(seq_len) // blocks
+    label, ids, i = 0, [], 0
+    for a, b in [*blocks, (seq_len, seq_len)]:
+        while i < a:
+            ids.append(label)
+            label, i = label + 1, i + 1
+        if i < b:
+            ids += [label] * (b - i)
+            label, i = label + 1, b
+    return torch.tensor(ids[:seq_len])
+
+
+def kind_mask(positions: torch.Tensor, causal: bool, window: int | None, blocks) -> torch.Tensor:
+    """``[B, 1, S, S]`` visibility: same document, and the causal, block-causal and window rules."""
+    s = positions.shape[-1]
+    starts = torch.arange(s) - positions  # [B, S]
+    keep = starts[:, :, None] == starts[:, None, :]
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    if blocks is not None:
+        label = block_of(s, blocks)
+        keep &= label[None, :] <= label[:, None]
+    elif causal:
+        keep &= j <= i
+    if window is not None:
+        keep &= i - j < window
+    return keep[:, None]
+
+
+def check_kind(rank, world_size, mesh, strategy, layout, positions, causal, window, blocks, prebuilt):
+    """This rank's shard of ``strategy`` under the mask equals masked single-device SDPA (out, dq, dk, dv)."""
+    batch, seq_len = positions.shape
+    heads, kv_heads = (6, 3) if world_size == 3 else (4, 2)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((strategy, layout, causal, window, blocks)).encode()))
+    q = torch.randn(batch, heads, seq_len, 16, generator=gen)
+    k, v = (torch.randn(batch, kv_heads, seq_len, 16, generator=gen) for _ in "kv")
+    dout = torch.randn(batch, heads, seq_len, 16, generator=gen)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    dense = kind_mask(positions, causal, window, blocks)
+    want = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=dense, enable_gqa=True)
+    want.backward(dout)
+    idx = shard_index(layout, world_size, rank, seq_len)
+    ql, kl, vl = (t[:, :, idx].clone().requires_grad_() for t in (q, k, v))
+    local_pos = positions[:, idx]
+    options = dict(mesh=mesh, strategy=strategy, layout=layout, causal=causal)
+    if prebuilt:
+        mask = seqpar.sequence_mask(local_pos, mesh, layout=layout, window=window, blocks=blocks)
+        out = seqpar.attention(ql, kl, vl, mask=mask, **options)
+    else:
+        out = seqpar.attention(ql, kl, vl, position_ids=local_pos, window=window, blocks=blocks, **options)
+    out.backward(dout[:, :, idx])
+    what = f"{strategy} {layout} causal={causal} window={window} blocks={blocks} P={world_size}"
+    refs = (want, qr.grad, kr.grad, vr.grad)
+    for name, got, ref in zip(("out", "dq", "dk", "dv"), (out, ql.grad, kl.grad, vl.grad), refs, strict=True):
+        torch.testing.assert_close(got, ref[:, :, idx], atol=ATOL, rtol=RTOL, msg=lambda m, n=name: f"{what} {n}: {m}")
+
+
+def kind_cases(seq_len: int) -> list[tuple]:
+    """(positions, causal, window, blocks, prebuilt) for every mask kind and some combinations."""
+    packed = packed_positions(seq_len)[None]
+    two_rows = torch.stack([packed[0], packed_positions(seq_len, (9, 4, 23))])
+    one_doc = torch.arange(seq_len)[None]
+    images = [(3, 20), (30, 31), (40, 47)] + ([(seq_len - 9, seq_len - 2)] if seq_len > 56 else [])
+    return [
+        (one_doc, True, None, 8, False),  # video frames: equal blocks, cut across chunk edges
+        (one_doc, True, None, images, True),  # images in a text stream
+        (packed, True, None, images, False),  # ... and packed documents
+        (two_rows, True, 7, 10, True),  # blocks, window and documents of two rows together
+        (packed, False, None, None, False),  # bidirectional documents
+        (two_rows, False, None, None, True),
+    ]
+
+
+def _kinds_worker(rank, world_size):
+    seq_len = 24 * world_size
+    strategies = ["ring", "allgather", "ulysses"] + (["hybrid"] if world_size == 4 else [])
+    for strategy in strategies:
+        mesh = seqpar.make_mesh(ulysses_size=2 if strategy == "hybrid" else 1)
+        for layout in ("zigzag", "contiguous"):
+            for case in kind_cases(seq_len):
+                check_kind(rank, world_size, mesh, strategy, layout, *case)
+    q = torch.randn(1, 2, seq_len // world_size, 8)
+    mesh = seqpar.make_mesh()
+    with pytest.raises(SeqparInputError, match="block-causal blocks need causal=True"):
+        seqpar.attention(q, q, q, mesh=mesh, causal=False, blocks=4)
+    with pytest.raises(SeqparInputError, match="block ranges reach token"):
+        seqpar.attention(q, q, q, mesh=mesh, blocks=[(0, seq_len + 1)])
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_mask_kinds_match_single_device(world_size):
+    run_ranks(world_size, _kinds_worker)
+
+
+def test_block_ranges_are_checked_and_planned_from_corners():
+    with pytest.raises(SeqparInputError, match="sorted and disjoint"):
+        block_causal([(4, 8), (6, 10)])
+    with pytest.raises(SeqparInputError, match="positive integer"):
+        block_causal(0)
+    spec = block_causal([(2, 5), (9, 12)])
+    assert spec.starts(torch.arange(13)).tolist() == [0, 1, 2, 2, 2, 5, 6, 7, 8, 9, 9, 9, 12]
+    # equal blocks of two chunks: a query chunk sees its block-mate chunk after it, nothing further
+    chunks, chunk_len = 8, 16
+    blocks = plan(range(chunks), range(chunks), chunk_len, False, SequenceMask(blocks=block_causal(2 * chunk_len)))
+    assert all(b.mask is None and not b.causal for b in blocks)
+    seen = {(b.q.start // chunk_len, b.kv.start // chunk_len) for b in blocks}
+    assert seen == {(g, c) for g in range(chunks) for c in range(chunks) if c // 2 <= g // 2}
