@@ -7,6 +7,7 @@ query of the other sees.
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -92,3 +93,19 @@ def _report_worker(rank, world_size):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/io")
 def test_masked_bytes_sent_match_needed_kv():
     run_ranks(RANKS, _report_worker)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/io")
+def test_bench_masks_writes_one_record_per_case(tmp_path):
+    from seqpar.bench.masks import main
+
+    out = tmp_path / "masks.json"
+    args = ["--seq", "512", "--repeats", "1", "--strategies", "ring", "allgather", "--layouts", "zigzag", "contiguous"]
+    assert main([*args, "--json", str(out)]) == 0
+    records = json.loads(out.read_text())
+    assert len(records) == 2 * 4 * 2  # strategies x masks x layouts
+    for r in records:
+        assert len(r["bytes_sent_per_rank"]) == len(r["bytes_needed_per_rank"]) == RANKS
+        assert r["step_s"] > 0 and r["rank_time_max_over_mean"] >= 1
+        if r["mask"] != "causal":  # mask-aware: every byte sent is needed, up to message headers
+            assert sum(r["bytes_sent_per_rank"]) < BOUND * sum(r["bytes_needed_per_rank"]), r

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import seqpar
 from seqpar.errors import SeqparInputError
+from seqpar.strategies.kv_needs import kv_needs
 from seqpar.strategies.mask_blocks import block_causal
 from seqpar.strategies.masking import SequenceMask
 from seqpar.strategies.planner import plan
@@ -87,6 +88,7 @@ def kind_cases(seq_len: int) -> list[tuple]:
     images = [(3, 20), (30, 31), (40, 47)] + ([(seq_len - 9, seq_len - 2)] if seq_len > 56 else [])
     return [
         (one_doc, True, None, 8, False),  # video frames: equal blocks, cut across chunk edges
+        (one_doc, True, None, seq_len, True),  # one block: bidirectional, nothing spared (plain ring, tile plan)
         (one_doc, True, None, images, True),  # images in a text stream
         (packed, True, None, images, False),  # ... and packed documents
         (two_rows, True, 7, 10, True),  # blocks, window and documents of two rows together
@@ -129,3 +131,18 @@ def test_block_ranges_are_checked_and_planned_from_corners():
     assert all(b.mask is None and not b.causal for b in blocks)
     seen = {(b.q.start // chunk_len, b.kv.start // chunk_len) for b in blocks}
     assert seen == {(g, c) for g in range(chunks) for c in range(chunks) if c // 2 <= g // 2}
+
+
+def test_kv_needs_names_the_seen_tokens_only():
+    # two contiguous ranks of 8 tokens, window 4: rank 1's first queries see rank 0's last 3 keys; rank 0 sees
+    # nothing of rank 1 (causal)
+    needs = kv_needs(SequenceMask(window=4), ((0,), (1,)), 8, True)
+    assert needs[1][0].tolist() == [5, 6, 7] and needs[0][1].tolist() == []
+    # documents [0, 6), [6, 16): rank 1 sees rank 0's tokens 6, 7; under blocks of 4, rank 0's queries
+    # 4..7 see rank 1's nothing (the block [8, 12) is later), rank 1 sees all of rank 0
+    docs = SequenceMask(torch.tensor([[0] * 6 + [6] * 10]))
+    assert kv_needs(docs, ((0,), (1,)), 8, True)[1][0].tolist() == [6, 7]
+    frames = SequenceMask(blocks=block_causal(4))
+    assert kv_needs(frames, ((0,), (1,)), 8, False)[1][0].tolist() == list(range(8))
+    assert kv_needs(frames, ((0,), (1,)), 8, False)[0][1].tolist() == []
+    assert kv_needs(SequenceMask(blocks=block_causal(16)), ((0,), (1,)), 8, False) is None  # nothing spared

@@ -1,93 +1,162 @@
-"""What packed documents and sliding windows cost: causal attention with and without them, per strategy.
+"""What masks cost and save: causal attention with and without packed documents, windows and blocks, per strategy.
 
-    seqpar bench masks                # 2 ranks, seq 8192, 8/2 heads, 8 documents, window 1024
-    seqpar bench masks --ranks 2 --seq 16384 --docs 16 --window 2048
+    seqpar bench masks                # 4 ranks, seq 8192, 8/2 heads, 16 uneven documents, window S/8, frames
+    seqpar bench masks --ranks 2 --seq 16384 --docs 16 --window 2048 --layouts zigzag contiguous
+    seqpar bench masks --json masks.json
 
 Each strategy runs fwd+bwd on the same spawned gloo ranks (one thread each) for: plain causal, causal with
-packed documents of equal length (tiles across documents are skipped, tiles on a boundary masked), and a
-causal sliding window (tiles beyond the window skipped). Work falls with the visible area, so the ratios
-against plain causal show how much of the skipping turns into time. Results are not checked here; the
-tests check every mask against SDPA.
+packed documents of uneven lengths (tiles across documents are skipped, tiles on a boundary masked), a
+causal sliding window, and block-causal frames (a token sees its own frame and earlier ones). Work falls
+with the visible area; with a mask, ring, allgather and hybrid's ring axis also move only the K/V some
+peer query sees (Note [mask-aware ring]). Per (strategy, mask, layout) it measures the bytes each rank
+writes to its sockets (/proc/self/io) against the bytes the mask makes necessary (``masks_bytes``), the
+step time (slowest rank) and the slowest rank's time over the mean (load balance). ``--json FILE`` writes
+one record per (strategy, mask, layout) with ``bytes_sent_per_rank``, ``bytes_needed_per_rank``,
+``rank_time_max_over_mean`` and ``step_s``. Results are not checked here; the tests check every mask
+against SDPA and the bytes against the need.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 
 import seqpar
+from seqpar.bench.masks_bytes import needed_bytes, visible_fraction
 from seqpar.runtime.spawn import spawn_ranks
 
 
-def _visible_fraction(seq: int, docs: int | None, window: int | None) -> float:
-    i = torch.arange(seq)[:, None]
-    j = torch.arange(seq)[None, :]
-    keep = j <= i
-    if docs:
-        keep &= (i // (seq // docs)) == (j // (seq // docs))
-    if window:
-        keep &= i - j < window
-    return float(keep.float().mean()) * 2  # relative to the causal half
+def _written_bytes() -> int:
+    with open("/proc/self/io") as io:
+        for line in io:
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    raise RuntimeError("no wchar in /proc/self/io")
 
 
-def _worker(rank: int, _world_size: int, args: argparse.Namespace) -> None:
-    mesh = seqpar.make_mesh()
-    local = args.seq // args.ranks
+def _documents(seq: int, docs: int) -> torch.Tensor:
+    """``[S]`` position ids of ``docs`` documents of uneven (seeded random) lengths filling ``seq`` tokens."""
+    cuts = torch.randperm(seq - 1, generator=torch.Generator().manual_seed(docs))[: docs - 1] + 1
+    bounds = [0, *sorted(cuts.tolist()), seq]
+    return torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])])
+
+
+def _cases(args: argparse.Namespace) -> dict[str, tuple]:
+    """Mask name -> (global position ids or None, window, block size)."""
+    return {
+        "causal": (None, None, None),
+        f"{args.docs} documents": (_documents(args.seq, args.docs), None, None),
+        f"window {args.window}": (None, args.window, None),
+        f"frames {args.frame}": (None, None, args.frame),
+    }
+
+
+def _measure(step, repeats: int) -> tuple[int, float]:
+    step()  # warm-up: plans and the K/V table are made once per mask
+    dist.barrier()
+    before = _written_bytes()
+    step()
+    sent = _written_bytes() - before
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return sent, statistics.median(times)
+
+
+def _worker(rank: int, world_size: int, args: argparse.Namespace, results: str) -> None:
+    meshes = {"flat": seqpar.make_mesh(), "two_d": seqpar.make_mesh(ulysses_size=args.ulysses)}
+    cfg = {**vars(args), "head_dim": 64}
+    local = args.seq // world_size
     gen = torch.Generator().manual_seed(rank)
     q = torch.randn(1, args.heads, local, 64, generator=gen, requires_grad=True)
-    k = torch.randn(1, args.kv_heads, local, 64, generator=gen, requires_grad=True)
-    v = torch.randn(1, args.kv_heads, local, 64, generator=gen, requires_grad=True)
+    k, v = (torch.randn(1, args.kv_heads, local, 64, generator=gen, requires_grad=True) for _ in "kv")
     dout = torch.randn(1, args.heads, local, 64, generator=gen)
-    doc_len = args.seq // args.docs
-    packed = seqpar.shard_sequence((torch.arange(args.seq) % doc_len)[None], mesh, dim=1)
-    cases = {
-        "causal": seqpar.sequence_mask(None, mesh),
-        f"{args.docs} documents": seqpar.sequence_mask(packed, mesh),
-        f"window {args.window}": seqpar.sequence_mask(None, mesh, window=args.window),
-    }
-    fractions = [1.0, _visible_fraction(args.seq, args.docs, None), _visible_fraction(args.seq, None, args.window)]
-    rows = []
-    for strategy in args.strategies:
-        base = None
-        for (name, mask), fraction in zip(cases.items(), fractions):
-            times = []
-            for _ in range(args.repeats + 1):
-                dist.barrier()
-                start = time.perf_counter()
-                out = seqpar.attention(q, k, v, mesh=mesh, strategy=strategy, mask=mask)
-                out.backward(dout)
-                times.append(time.perf_counter() - start)
-            seconds = torch.tensor(statistics.median(times[1:]))
-            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-            base = base or float(seconds)
-            rows.append((strategy, name, float(seconds), float(seconds) / base, fraction))
+    records = []
+    for layout in args.layouts:
+        for name, (positions, window, frame) in _cases(args).items():
+            shard = None if positions is None else seqpar.shard_sequence(positions[None], meshes["flat"], layout=layout)
+            mask = seqpar.sequence_mask(shard, meshes["flat"], layout=layout, window=window, blocks=frame)
+            for strategy in args.strategies:
+                mesh = meshes["two_d" if strategy == "hybrid" else "flat"]
+
+                def step(mesh=mesh, strategy=strategy, mask=mask, layout=layout) -> None:
+                    seqpar.attention(q, k, v, mesh=mesh, strategy=strategy, layout=layout, mask=mask).backward(dout)
+
+                sent, seconds = _measure(step, args.repeats)
+                mine = torch.tensor([float(sent), needed_bytes(strategy, cfg, mask, layout, rank), seconds])
+                table = [torch.empty_like(mine) for _ in range(world_size)]
+                dist.all_gather(table, mine)
+                times = [float(t[2]) for t in table]
+                visible = visible_fraction(
+                    positions if positions is not None else torch.arange(args.seq), window, frame
+                )
+                records.append({
+                    "strategy": strategy, "mask": name, "layout": layout, "ranks": world_size, "seq": args.seq,
+                    "bytes_sent_per_rank": [int(t[0]) for t in table],
+                    "bytes_needed_per_rank": [int(t[1]) for t in table],
+                    "rank_time_max_over_mean": max(times) / statistics.mean(times),
+                    "step_s": max(times), "visible_vs_causal": visible,
+                })  # fmt: skip
     if rank == 0:
-        print(f"\n{args.ranks} ranks, seq {args.seq}, heads {args.heads}/{args.kv_heads}, head_dim 64, fp32, fwd+bwd")
-        print("| strategy | mask | step (s) | time vs causal | visible area vs causal |")
-        print("|---|---|---|---|---|")
-        for strategy, name, seconds, ratio, fraction in rows:
-            print(f"| {strategy} | {name} | {seconds:.2f} | {ratio:.2f} | {fraction:.2f} |")
+        with open(results, "w") as f:
+            json.dump(records, f)
+
+
+def _print(records: list[dict], args: argparse.Namespace) -> None:
+    print(f"\n{args.ranks} ranks, seq {args.seq}, heads {args.heads}/{args.kv_heads}, head_dim 64, fp32, fwd+bwd")
+    print(
+        "| strategy | layout | mask | step (s) | vs causal | visible vs causal | sent / needed | rank time max/mean |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    base = {(r["strategy"], r["layout"]): r["step_s"] for r in records if r["mask"] == "causal"}
+    for r in records:
+        ratio = sum(r["bytes_sent_per_rank"]) / sum(r["bytes_needed_per_rank"])  # all ranks: headers cost little
+        vs = r["step_s"] / base.get((r["strategy"], r["layout"]), r["step_s"])
+        print(
+            f"| {r['strategy']} | {r['layout']} | {r['mask']} | {r['step_s']:.2f} | {vs:.2f} | "
+            f"{r['visible_vs_causal']:.2f} | {ratio:.2f} | {r['rank_time_max_over_mean']:.2f} |"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="seqpar bench masks", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--ulysses", type=int, default=2, help="ulysses degree of the hybrid mesh")
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--docs", type=int, default=8, help="equal-length documents packed into the sequence")
-    parser.add_argument("--window", type=int, default=1024)
-    parser.add_argument("--strategies", nargs="+", default=["ring", "ulysses", "allgather"])
+    parser.add_argument("--docs", type=int, default=16, help="uneven documents packed into the sequence")
+    parser.add_argument("--window", type=int, default=None, help="sliding window (default: seq / 8)")
+    parser.add_argument("--frame", type=int, default=None, help="block-causal block size (default: seq / 16)")
+    parser.add_argument("--strategies", nargs="+", default=["ring", "allgather", "hybrid", "ulysses"])
+    parser.add_argument("--layouts", nargs="+", default=["zigzag"], choices=["zigzag", "contiguous"])
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--json", metavar="FILE", help="write one record per (strategy, mask, layout) here")
     args = parser.parse_args(argv)
-    spawn_ranks(_worker, args.ranks, args)
+    args.window = args.window or args.seq // 8
+    args.frame = args.frame or args.seq // 16
+    with tempfile.TemporaryDirectory() as tmp:
+        results = os.path.join(tmp, "results.json")
+        spawn_ranks(_worker, args.ranks, args, results)
+        with open(results) as f:
+            records = json.load(f)
+    _print(records, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
     return 0
 
 
