@@ -87,22 +87,24 @@ class _MaskedRing(torch.autograd.Function):
                 recv = _post_kv(kv_exchange, k, v, needs, rank, size, step + 1)
             source, dest = (rank - step) % size, (rank + step) % size
             index = needs[rank][source]
-            part = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)  # source's dK, dV from here
+            back = torch.zeros(got.shape, dtype=torch.float32, device=k.device)  # [2, B, Hkv, n, D], n may be 0
             if got.shape[3]:
                 kv = zero_block_with(got, index, k, local)  # [2, B, Hkv, S/P, D]
+                part = torch.zeros(kv.shape, dtype=torch.float32, device=k.device)  # source's dK, dV from here
                 blocks = plan(q_ids, chunk_ids[source], chunk, causal, mask, q.device)
                 blocks_backward(kernel, dout, q, kv[0], kv[1], out, lse, blocks, scale, dq, part[0], part[1])
                 del kv
+                back = part.index_select(3, index.to(k.device))  # [2, B, Hkv, n, D] float32
+                del part
             del got
             if returned is not None:
                 dkv_exchange.wait()
                 dkv.index_add_(3, returned[1].to(k.device), returned[0])
-            back = part.index_select(3, index.to(k.device))  # [2, B, Hkv, n, D] float32
             incoming = needs[dest][rank]
             buffer = torch.empty((*back.shape[:3], len(incoming), back.shape[4]), dtype=torch.float32, device=k.device)
             dkv_exchange.start({source: back}, {dest: buffer})
             returned = (buffer, incoming)
-            del part, back
+            del back
         if returned is not None:
             dkv_exchange.wait()
             dkv.index_add_(3, returned[1].to(k.device), returned[0])
