@@ -122,6 +122,20 @@ def test_reference_isolates_packed_documents():
     assert (leaking - alone).abs().max() > 1e-2
 
 
+def test_pipeline_parallel_models_are_refused():
+    """The Trainer door takes no pipeline parallel: a model that transformers loaded with pp_size is refused."""
+    from types import SimpleNamespace
+
+    from seqpar.errors import SeqparInputError
+    from seqpar.hf.config import check_data_parallel_engine
+
+    sizes = SimpleNamespace(pp_size=2, tp_size=None, ep_size=None, fsdp_size=None, dp_replicate_size=None)
+    config = SimpleNamespace(distributed_config=sizes)
+    loaded = SimpleNamespace(is_distributed_loading_by_transformers=True, config=config)
+    with pytest.raises(SeqparInputError, match="for pipeline parallel use seqpar train --pp"):
+        check_data_parallel_engine(SimpleNamespace(args=None, model=loaded), 2)
+
+
 @pytest.mark.parametrize("name", ["sp2", "sp2_padded", "sft_packing", "sft_padding_free"])
 def test_two_ranks_equal_one_process(two_ranks, name):
     found = _compare(two_ranks, name)

@@ -278,6 +278,32 @@ def test_tensor_and_data_parallel_runs_match_the_sequence_parallel_run(tmp_path)
             assert got[step] == pytest.approx(loss, rel=1e-4), (other, step)
 
 
+def test_pipeline_runs_match_one_process_and_resume_across_layouts(tmp_path):
+    """--pp 2 --sp 2 (4 ranks) and --pp 2 with GPipe give one process's losses, gradient norms and evaluation; a
+    checkpoint written at pp 2 x sp 2 resumes at pp 1 x sp 1 with the uninterrupted run's next step."""
+    common = [*TINY, "--layers", "2", "--batch-size", "4", "--steps", "2", "--eval-examples", "2"]
+    one = seqpar_train(*common, "--sp", "1", "--run-dir", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr
+    gpipe = seqpar_train(*common, "--sp", "1", "--pp", "2", "--pp-schedule", "gpipe", "--run-dir", str(tmp_path / "gp"))
+    assert gpipe.returncode == 0, gpipe.stderr
+    assert "mesh: pp 2 (gpipe, 2 micro-batches) x dp 1 x sp 1" in gpipe.stdout
+    split = tmp_path / "split"
+    for extra in (
+        ["--pp", "2", "--sp", "2", "--pp-microbatches", "2", "--stop-at", "1"],
+        ["--sp", "1", "--resume", "auto"],
+    ):
+        done = seqpar_train(*common, *extra, "--run-dir", str(split))
+        assert done.returncode == 0, done.stderr
+    assert "written at pp 2 x dp 1 x sp 2 x tp 1, replicate; resharded to pp 1 x dp 1 x sp 1" in done.stdout
+    for key in ("loss", "grad_norm"):
+        want = losses(tmp_path / "one", key)
+        assert sorted(want) == [1, 2]
+        for run in ("gp", "split"):  # split: step 1 at pp 2 x sp 2, step 2 resumed from its checkpoint at sp 1
+            assert losses(tmp_path / run, key) == pytest.approx(want, rel=1e-5), (run, key)
+    accuracy = [json.loads((tmp_path / run / "eval.json").read_text())["accuracy"]["192"] for run in ("one", "gp")]
+    assert abs(accuracy[0] - accuracy[1]) <= 1 / (2 * 63)  # the stages gathered into every rank's whole model
+
+
 def test_bad_input_fails_clearly(tmp_path):
     short_model = tmp_path / "short.json"
     short_model.write_text(
@@ -307,6 +333,8 @@ def test_bad_input_fails_clearly(tmp_path):
         (["--seq-len", "64"], "too short for the passkey task"),
         (["--config", str(tmp_path / "nope.yaml")], "config file not found"),
         (["--resume", str(tmp_path)], "not a complete seqpar checkpoint"),
+        (["--pp", "2", "--layers", "1"], "needs 2 pipeline stages of at least one decoder layer each"),
+        (["--pp", "2", "--pp-microbatches", "1"], "--pp-microbatches 1 is fewer than --pp 2"),
     ]
     for args, message in cases:
         done = seqpar_train(*args, "--run-dir", str(tmp_path / "bad"))

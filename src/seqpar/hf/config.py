@@ -198,5 +198,6 @@ def check_data_parallel_engine(trainer: object, world_size: int) -> None:
         raise SeqparInputError(
             f"the model was sharded at load time with {sizes} and fsdp_size x dp_replicate_size = {dp}; seqpar.hf "
             f"supports FSDP2 alone over every process: DistributedConfig(fsdp_size={world_size}) (sequence "
-            "parallelism splits the sequence over the same ranks; tensor/pipeline/expert parallelism are not supported)"
+            "parallelism splits the sequence over the same ranks; tensor/pipeline/expert parallelism are not supported"
+            "; for pipeline parallel use seqpar train --pp or seqpar.apply_pipeline_parallel outside the Trainer)"
         )

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 
 from seqpar.errors import SeqparInputError
 from seqpar.strategies.policy import STRATEGIES
+from seqpar.train.pipeline_config import pipeline_problems
 
 __all__ = ["TrainConfig", "build_parser", "config_from_args"]
 
@@ -48,10 +49,18 @@ class TrainConfig:
     ulysses: int = 1
     """Ulysses degree inside sp (hybrid: ulysses x ring); must divide sp."""
     dp: int = 1
-    """Data-parallel degree; the world size must equal dp x sp x tp."""
+    """Data-parallel degree; the world size must equal pp x dp x sp x tp."""
     tp: int = 1
     """Tensor-parallel degree: attention heads and MLP of each block split over tp ranks; the world size is
-    dp x sp x tp."""
+    pp x dp x sp x tp."""
+    pp: int = 1
+    """Pipeline-parallel degree: the decoder layers cut into pp stages balanced by parameters, one per rank of
+    the "pp" axis; the world size is pp x dp x sp x tp (Note [pipeline in seqpar train])."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule with --pp > 1: gpipe, 1f1b or interleaved (interleaved 1F1B, two stages per rank)."""
+    pp_microbatches: int | None = None
+    """Pieces each accumulated batch is cut into in the pipeline: at least --pp, dividing batch-size /
+    grad-accum (interleaved: a multiple of --pp); default --pp."""
     dp_mode: str = "replicate"
     """How parameters live on the dp x sp ranks: replicate (gradients summed by one all-reduce), ddp, or
     fsdp (FSDP2: parameters, gradients and optimizer state sharded); gradients are summed, never averaged."""
@@ -61,7 +70,7 @@ class TrainConfig:
     about two layers' gathered parameters and gradients and the embeddings and output head visit the GPU.
     Needs --dp-mode fsdp; works at any dp x sp, 1 included. On the CPU it only changes the code path."""
     nproc: int | None = None
-    """Ranks to spawn on this machine when not started by torchrun; default dp x sp x tp."""
+    """Ranks to spawn on this machine when not started by torchrun; default pp x dp x sp x tp."""
     timeout_s: int = 600
     """Seconds a collective waits for the other ranks before the run fails, naming the rank and the step or
     phase it was in (a stalled rank, a lost node); it must cover packing --data files on rank 0."""
@@ -133,7 +142,8 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise ``SeqparInputError`` for settings that cannot work, before any rank starts.
 
-        The world size is not known here (torchrun sets it); ``seqpar.train.launch`` checks dp x sp x tp against it.
+        The world size is not known here (torchrun sets it); ``seqpar.train.launch`` checks pp x dp x sp x tp
+        against it.
 
         Raises:
             SeqparInputError: every problem found, one per line.
@@ -141,7 +151,7 @@ class TrainConfig:
         problems = []
         if self.strategy not in STRATEGIES:
             problems.append(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
-        for name in ("sp", "ulysses", "dp", "tp", "seq_len", "batch_size", "grad_accum", "steps", "timeout_s"):
+        for name in ("pp", "sp", "ulysses", "dp", "tp", "seq_len", "batch_size", "grad_accum", "steps", "timeout_s"):
             if getattr(self, name) < 1:
                 problems.append(f"--{name.replace('_', '-')} must be at least 1")
         if self.ulysses >= 1 and self.sp >= 1 and self.sp % self.ulysses:
@@ -157,6 +167,7 @@ class TrainConfig:
                 f"--offload-optimizer needs --dp-mode fsdp (FSDP2 shards and offloads the parameters, gradients "
                 f"and optimizer state), not {self.dp_mode}: add --dp-mode fsdp"
             )
+        problems += pipeline_problems(self)
         if self.tokenizer and not self.data:
             problems.append("the passkey task uses seqpar's byte tokenizer; --tokenizer applies to --data files")
         if self.loss_chunk < 0:

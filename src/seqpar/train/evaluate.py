@@ -17,6 +17,7 @@ from seqpar.data import IGNORE_INDEX
 from seqpar.train.config import TrainConfig
 from seqpar.train.metrics import MetricsWriter
 from seqpar.train.passkey import CHANCE, TASK
+from seqpar.train.pipeline import gather_stages
 from seqpar.train.state import RunState, answer_shift_labels
 
 __all__ = ["evaluate_passkey"]
@@ -42,8 +43,9 @@ def _accuracy_at(run: RunState, length: int) -> tuple[float, int]:
         labels = shard["shift_labels"].to(run.device)
         scored = labels != IGNORE_INDEX
         counts += torch.stack([((logits.argmax(-1) == labels) & scored).sum(), scored.sum()]).double().cpu()
-    # each sequence is split over the sp ranks and seen whole by each tp rank: sum the sp shards, count tp once
-    counts = seqpar.sum_over(counts, dist.group.WORLD) / config.tp
+    # each sequence is split over the sp ranks and seen whole by each tp and pp rank: sum the sp shards, count
+    # tp and pp once
+    counts = seqpar.sum_over(counts, dist.group.WORLD) / (config.tp * config.pp)
     return float(counts[0] / counts[1]), int(counts[1])
 
 
@@ -82,6 +84,7 @@ def evaluate_passkey(run: RunState, writer: MetricsWriter | None) -> None:
         writer: rank 0's metrics writer (None on the other ranks, which only compute).
     """
     config = run.config
+    gather_stages(run)  # under --pp: the unsplit model of every pp rank (Note [pipeline in seqpar train])
     run.model.eval()
     lengths = config.eval_lengths or [config.seq_len, 2 * config.seq_len]
     results = {length: _accuracy_at(run, length) for length in lengths}

@@ -24,6 +24,7 @@ from seqpar.train.data import load_tokenizer
 from seqpar.train.fit import check_memory
 from seqpar.train.model import model_config
 from seqpar.train.passkey import PasskeyTask
+from seqpar.train.pipeline_config import pipeline_model_check
 
 __all__ = ["launch"]
 
@@ -41,13 +42,15 @@ def _prepare_run_dir(config: TrainConfig) -> str:
 def _precheck(config: TrainConfig, world_size: int) -> None:
     """Checks that need the world size or files (tokenizer, model config, checkpoint), before any rank trains.
 
-    The one check of dp x sp x tp against the world size: here both launchers know it (spawned or torchrun).
+    The one check of pp x dp x sp x tp against the world size: here both launchers know it (spawned or torchrun).
     """
-    if config.dp * config.sp * config.tp != world_size:
+    ranks = config.pp * config.dp * config.sp * config.tp
+    if ranks != world_size:
         valid = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        pp = f"--pp {config.pp} x " if config.pp > 1 else ""
         raise SeqparInputError(
-            f"--dp {config.dp} x --sp {config.sp} x --tp {config.tp} = {config.dp * config.sp * config.tp} does not "
-            f"match the {world_size} ranks (valid sp for {world_size} ranks: {valid} with dp x tp = {world_size} / sp)"
+            f"{pp}--dp {config.dp} x --sp {config.sp} x --tp {config.tp} = {ranks} does not match the "
+            f"{world_size} ranks (valid sp for {world_size} ranks: {valid} with pp x dp x tp = {world_size} / sp)"
         )
     tokenizer = load_tokenizer(config.tokenizer_path())
     vocab = getattr(tokenizer, "vocab_size", None) or len(tokenizer)
@@ -58,6 +61,7 @@ def _precheck(config: TrainConfig, world_size: int) -> None:
         raise SeqparInputError(
             f"--tp {config.tp} must divide the heads ({heads}) and KV heads ({kv_heads}) of the model"
         )
+    pipeline_model_check(config, cfg)
     memory = check_memory(config, cfg)  # raises before any rank trains when --max-memory-mb is exceeded
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(memory, flush=True)
@@ -91,7 +95,7 @@ def launch(config: TrainConfig) -> int:
     """
     if _under_torchrun():
         return _launch_torchrun(config)
-    world = config.nproc if config.nproc is not None else config.dp * config.sp * config.tp
+    world = config.nproc if config.nproc is not None else config.pp * config.dp * config.sp * config.tp
     _precheck(config, world)
     run_dir = _prepare_run_dir(config)
     if config.resume == "auto" and latest_checkpoint(os.path.join(run_dir, "checkpoints")) is None:

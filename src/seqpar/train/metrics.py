@@ -121,9 +121,10 @@ def plot_metrics(run_dir: str) -> list[str]:
     save(fig, "tokens_per_s.png")
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ranks = len(records[0]["peak_memory_mb"])
+    ranks = max(len(r["peak_memory_mb"]) for r in records)  # a resume may run on another number of ranks
     for rank in range(ranks):
-        ax.plot(steps, [r["peak_memory_mb"][rank] for r in records], label=f"rank {rank}")
+        points = [(r["step"], r["peak_memory_mb"][rank]) for r in records if rank < len(r["peak_memory_mb"])]
+        ax.plot(*zip(*points), label=f"rank {rank}")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("peak memory (MB)")
     ax.set_title("Peak memory per rank (resident set on CPU, allocator peak on GPU)")

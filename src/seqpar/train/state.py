@@ -24,6 +24,7 @@ from seqpar.train.config import TrainConfig
 from seqpar.train.data import FileRows, load_tokenizer
 from seqpar.train.model import build_model
 from seqpar.train.passkey import PasskeyTask
+from seqpar.train.pipeline import build_pipeline, owned_model_state
 
 __all__ = [
     "RunState",
@@ -107,6 +108,8 @@ class RunState:
     """The dp x sp ranks over which the loss is normalised and gradients are summed (tp ranks share tokens)."""
     autocast: contextlib.AbstractContextManager
     checkpoint_dir: str
+    pipeline: object | None = None
+    """This rank's pipeline stages (``seqpar.PipelineParallel``) with --pp > 1, else None."""
     start: int = 0
     """The optimizer step to continue from (0, or the step of the resumed checkpoint)."""
 
@@ -146,9 +149,11 @@ def banner(config: TrainConfig, model: torch.nn.Module, mesh: seqpar.SequencePar
     kv_heads = (getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads) // config.tp
     choice = seqpar.attention_choice(model)
     ran = f"{choice.strategy} ({config.strategy}), kernel {choice.kernel.name}" if choice else "not run yet"
+    pipe = f"pp {config.pp} ({config.pp_schedule}, {config.pp_microbatches or config.pp} micro-batches) x "
     return (
-        f"mesh: dp {config.dp} x sp {mesh.sp_size} (ring axis {mesh.ring_size} x ulysses axis "
-        f"{mesh.ulysses_size}) x tp {config.tp}; attention: {ran}, {heads} heads / {kv_heads} KV heads per rank"
+        f"mesh: {pipe if config.pp > 1 else ''}dp {config.dp} x sp {mesh.sp_size} (ring axis {mesh.ring_size} x "
+        f"ulysses axis {mesh.ulysses_size}) x tp {config.tp}; attention: {ran}, {heads} heads / {kv_heads} KV heads "
+        "per rank"
     )
 
 
@@ -166,7 +171,9 @@ def set_up_run(config: TrainConfig, run_dir: str) -> RunState:
         SeqparInputError: settings or files that turn out not to work on the ranks (raised on every rank).
     """
     world, rank = dist.get_world_size(), dist.get_rank()
-    mesh = seqpar.make_mesh(sp_size=config.sp, ulysses_size=config.ulysses, dp_size=config.dp, tp_size=config.tp)
+    mesh = seqpar.make_mesh(
+        sp_size=config.sp, ulysses_size=config.ulysses, dp_size=config.dp, tp_size=config.tp, pp_size=config.pp
+    )
     device = _rank_device(mesh)
     tokenizer = load_tokenizer(config.tokenizer_path())
     vocab = getattr(tokenizer, "vocab_size", None) or len(tokenizer)
@@ -176,6 +183,7 @@ def set_up_run(config: TrainConfig, run_dir: str) -> RunState:
     if config.tp > 1:
         seqpar.apply_tensor_parallel(model, mesh)
     seqpar.prepare_model(model, mesh, strategy=config.strategy)
+    pipeline = build_pipeline(config, model, mesh) if config.pp > 1 else None
     # "replicate": every rank holds the parameters, gradients summed by one all-reduce after the backward
     forward = (
         model
@@ -183,7 +191,11 @@ def set_up_run(config: TrainConfig, run_dir: str) -> RunState:
         else seqpar.apply_data_parallel(model, mesh, config.dp_mode, offload_optimizer=config.offload_optimizer)
     )
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay, eps=1e-8
+        pipeline.parameters() if pipeline else model.parameters(),
+        lr=config.lr,
+        betas=(0.9, 0.95),
+        weight_decay=config.weight_decay,
+        eps=1e-8,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(config, s))
     source = TrainSource(config, tokenizer, os.path.join(run_dir, "data"))
@@ -201,29 +213,37 @@ def set_up_run(config: TrainConfig, run_dir: str) -> RunState:
         optimizer=optimizer,
         scheduler=scheduler,
         source=source,
-        loss_group=seqpar.data_parallel_group(mesh) if config.tp > 1 else dist.group.WORLD,
+        loss_group=seqpar.data_parallel_group(mesh) if config.tp > 1 or pipeline else dist.group.WORLD,
         autocast=(
             torch.autocast(device.type, dtype=torch.bfloat16)
             if config.precision == "bf16"
             else contextlib.nullcontext()
         ),
         checkpoint_dir=os.path.join(run_dir, "checkpoints"),
+        pipeline=pipeline,
     )
     run.start = _resume(run)
     return run
 
 
-def checkpoint_state(run: RunState) -> dict:
+def checkpoint_state(run: RunState, *, whole_model: bool = False) -> dict:
     """What a checkpoint holds: model, optimizer and schedule state, in the form distributed checkpointing shards.
 
     Args:
         run: the run whose state to collect.
+        whole_model: every parameter of the model, also those of other ranks' pipeline stages (to load
+            into); by default, under --pp, only this rank's stages' (to save: Note [pipeline in seqpar train]).
 
     Returns:
         ``{"model", "optimizer", "scheduler"}`` state dicts, to save or to load into.
     """
     model_state, optim_state = get_state_dict(run.model, run.optimizer)
-    return {"model": model_state, "optimizer": optim_state, "scheduler": run.scheduler.state_dict()}
+    # under --pp each parameter once, from the rank whose stage holds it (Note [pipeline in seqpar train])
+    return {
+        "model": model_state if whole_model else owned_model_state(run, model_state),
+        "optimizer": optim_state,
+        "scheduler": run.scheduler.state_dict(),
+    }
 
 
 def _resume(run: RunState) -> int:
@@ -234,10 +254,12 @@ def _resume(run: RunState) -> int:
         print(f"no complete checkpoint in {run.checkpoint_dir}; starting from step 0", flush=True)
     if resume is None:
         return 0
-    state = checkpoint_state(run)
+    state = checkpoint_state(run, whole_model=True)
     start = load_checkpoint(resume, state)
     set_state_dict(run.model, run.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     run.scheduler.load_state_dict(state["scheduler"])
+    for group, lr in zip(run.optimizer.param_groups, run.scheduler.get_last_lr()):
+        group["lr"] = lr  # what the schedule set, whichever layout wrote the optimizer's groups
     if run.rank == 0:
         print(f"resumed from {resume} at step {start}{_resharding(run, checkpoint_layout(resume))}", flush=True)
     return start
@@ -245,7 +267,7 @@ def _resume(run: RunState) -> int:
 
 def run_layout(config: TrainConfig) -> dict:
     """The parallel layout a checkpoint records, so that a resume elsewhere can say what it resharded from."""
-    return {"dp": config.dp, "sp": config.sp, "tp": config.tp, "dp_mode": config.dp_mode}
+    return {"pp": config.pp, "dp": config.dp, "sp": config.sp, "tp": config.tp, "dp_mode": config.dp_mode}
 
 
 def _resharding(run: RunState, written: dict) -> str:
@@ -253,9 +275,11 @@ def _resharding(run: RunState, written: dict) -> str:
     config = run.config
 
     def describe(layout: dict) -> str:
-        return f"dp {layout['dp']} x sp {layout['sp']} x tp {layout['tp']}, {layout['dp_mode']}"
+        return (
+            f"pp {layout.get('pp', 1)} x dp {layout['dp']} x sp {layout['sp']} x tp {layout['tp']}, {layout['dp_mode']}"
+        )
 
     now = run_layout(config)
-    if not written or all(written.get(key) == value for key, value in now.items()):
+    if not written or all(written.get(key, 1 if key == "pp" else None) == value for key, value in now.items()):
         return ""
     return f" (written at {describe(written)}; resharded to {describe(now)})"

@@ -13,6 +13,7 @@ import torch
 
 import seqpar
 from seqpar.data import IGNORE_INDEX
+from seqpar.train.pipeline import pipeline_gradients
 from seqpar.train.state import RunState
 
 __all__ = ["StepResult", "optimizer_step"]
@@ -93,11 +94,15 @@ def optimizer_step(run: RunState, step: int) -> StepResult:
     """
     config = run.config
     shards, answers = _micro_batches(run, step)
-    has_answers = answers[0] is not None
+    has_answers = answers[0] is not None and run.pipeline is None  # Note [pipeline in seqpar train]
     total = seqpar.count_valid_tokens([s["shift_labels"] for s in shards], run.loss_group)
     answer_total = (
         seqpar.count_valid_tokens([a for a in answers if a is not None], run.loss_group) if has_answers else 0
     )
+    if run.pipeline is not None:
+        loss_sum = pipeline_gradients(run, shards, total)
+        grad_norm = run.pipeline.clip_grad_norm_(config.grad_clip or float("inf"))
+        return _update(run, StepResult(loss_sum, torch.zeros_like(loss_sum), False, grad_norm, 0.0))
     loss_sum = torch.zeros((), device=run.device)
     answer_sum = torch.zeros((), device=run.device)
     for shard, answer in zip(shards, answers):
@@ -112,8 +117,13 @@ def optimizer_step(run: RunState, step: int) -> StepResult:
     if config.dp_mode == "replicate":
         seqpar.reduce_gradients(run.model.parameters(), run.loss_group)
     grad_norm = seqpar.clip_grad_norm_(run.model.parameters(), config.grad_clip or float("inf"))
-    lr = run.scheduler.get_last_lr()[0]
+    return _update(run, StepResult(loss_sum, answer_sum, has_answers, grad_norm, 0.0))
+
+
+def _update(run: RunState, result: StepResult) -> StepResult:
+    """The optimizer and schedule step after the gradients are summed and clipped; ``result`` with its lr."""
+    result.lr = run.scheduler.get_last_lr()[0]
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_sum=loss_sum, answer_sum=answer_sum, has_answers=has_answers, grad_norm=grad_norm, lr=lr)
+    return result
