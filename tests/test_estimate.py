@@ -229,3 +229,38 @@ def test_optimizer_offload_leaves_working_copies_on_the_device(capsys):
     assert "host memory (offloaded, not in the peak)" in capsys.readouterr().out
     assert cli_main(["estimate", "--seq-len", "4096", "--sp", "2", "--offload-optimizer"]) == 2
     assert "needs dp_mode 'fsdp'" in capsys.readouterr().err
+
+
+def test_pipeline_stage_memory_bubble_and_traffic():
+    """Note [pipeline memory and time]: the busiest rank's layers, micro-batches in flight, bubble, traffic."""
+    from seqpar.errors import SeqparInputError
+    from seqpar.memory.pipeline import bubble_fraction, p2p_bytes, stage_views
+
+    assert bubble_fraction(4, "1f1b", 8) == bubble_fraction(4, "gpipe", 8) == pytest.approx(3 / 11)
+    assert bubble_fraction(4, "interleaved", 8) == pytest.approx(3 / 19)  # two stages per rank
+    assert bubble_fraction(1, "1f1b", 1) == 0
+    # first and last rank: GPipe holds every micro-batch, 1F1B p on the first and 1 on the last
+    assert [(v.in_flight, v.last) for v in stage_views(8, 4, "gpipe", 8)] == [(8, False), (8, True)]
+    assert [v.in_flight for v in stage_views(8, 4, "1f1b", 8)] == [4, 1]
+    assert stage_views(8, 4, "interleaved", 8)[0].in_flight == pytest.approx(4 * (1 + 3 / 8))
+    assert stage_views(10, 4, "1f1b", 8)[0].layers == 3  # the busiest of 10 layers over 4 stages
+    assert p2p_bytes(1024, 256, 2) == 2 * 1024 * 256 * 2  # activation forward, gradient backward
+
+    def estimate(pp: int, schedule: str = "1f1b", m: int | None = None, **options) -> seqpar.MemoryEstimate:
+        return seqpar.estimate_memory(
+            LLAMA, 4096, sp_size=1, pp_size=pp, pp_schedule=schedule, pp_microbatches=m, **options
+        )
+
+    one, two, four = estimate(1), estimate(2), estimate(4)
+    layer = 256 * (2 * 256 + 2 * 128) + 3 * 256 * 768 + 2 * 256
+    assert two.parameters == (2 * layer + 32768 * 256 + 256) * 4  # two layers and one end (fp32)
+    assert one.parameters > two.parameters > four.parameters
+    assert one.optimizer_state > two.optimizer_state > four.optimizer_state
+    # GPipe keeps all 8 micro-batches' layer inputs on the first rank, 1F1B two
+    gpipe = estimate(2, "gpipe", 8, features=("checkpointing",))
+    assert gpipe.peak > estimate(2, "1f1b", 8, features=("checkpointing",)).peak
+    assert gpipe.checkpointed_activations >= 8 * 4096 * 256 * 4 * 2  # [T, H] inputs of 2 layers, 8 times
+    with pytest.raises(SeqparInputError, match="8 pipeline stages need at least as many layers"):
+        estimate(8)
+    with pytest.raises(SeqparInputError, match="pp_microbatches 1 is fewer than pp_size 2"):
+        estimate(2, m=1)

@@ -7,6 +7,7 @@ No process groups: the planner is arithmetic over a model's sizes and a cluster'
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -30,7 +31,7 @@ def test_every_layout_is_valid_and_ranked():
     assert all(b <= a * (1 + 1e-5) for a, b in zip(rates, rates[1:]))  # fastest first (ties to 6 digits)
     for c in result.candidates:
         lay = c.layout
-        assert lay.dp * lay.sp * lay.tp == cluster.gpus
+        assert lay.pp * lay.dp * lay.sp * lay.tp == cluster.gpus
         assert model.num_attention_heads % lay.tp == 0 and model.num_key_value_heads % lay.tp == 0
         assert lay.sp % lay.ulysses == 0 and lay.ulysses * lay.tp <= cluster.gpus_per_node
         per_tp = (model.num_attention_heads // lay.tp, model.num_key_value_heads // lay.tp)
@@ -44,7 +45,8 @@ def test_every_layout_is_valid_and_ranked():
 
 def test_enumeration_is_complete_on_a_small_cluster():
     # 4 devices, 2 per node, 8/4 heads: tp 4 spans nodes; ulysses x tp must stay within 2
-    result = plan(TINY, 4096, Cluster(gpus=4, gpus_per_node=2), dp_modes=("replicate",))
+    # one micro-batch per step: no pipeline-parallel layouts (pp 2 and 4 would need at least as many)
+    result = plan(TINY, 4096, Cluster(gpus=4, gpus_per_node=2), dp_modes=("replicate",), pp_microbatches=1)
     families = {(c.layout.dp, c.layout.sp, c.layout.ulysses, c.layout.tp, c.layout.strategy) for c in result.candidates}
     expected = {
         (4, 1, 1, 1, "local"),
@@ -60,7 +62,7 @@ def test_enumeration_is_complete_on_a_small_cluster():
     }
     assert families == expected
     reasons = {r.family: r.reason for r in result.rejected}
-    assert "spans nodes" in reasons["tp 4"]
+    assert "spans nodes" in reasons["tp 4"] and "more pipeline stages than 1 micro-batches" in reasons["pp 2"]
     assert "spans nodes" in reasons["dp 1 sp 4 tp 1 ulysses replicate"]
     assert "spans nodes" in reasons["dp 1 sp 2 tp 2 ulysses replicate"]
     # 12 feature sets (offload only with checkpointing) for every family
@@ -226,6 +228,35 @@ def test_train_plan_prints_its_own_layout(capsys):
     with pytest.raises(SystemExit):
         cli_main(["train", "--help"])
     assert "--offload-optimizer" in capsys.readouterr().out
+
+
+def test_pipeline_layouts_in_the_plan(capsys):
+    """pp degrees are enumerated (the outermost axis, across nodes allowed); the time model adds the bubble
+    (p - 1) / (m + p - 1) of the busiest stage's micro-batch time and the point-to-point traffic."""
+    cluster = Cluster(gpus=16, gpus_per_node=8)
+    model = load_model_shape("llama-70b")
+    flat = Layout(1, 1, 1, 8, "local", ("checkpointing",), "replicate")
+    piped = Layout(1, 1, 1, 8, "local", ("checkpointing",), "replicate", pp=2, pp_microbatches=8)
+    time = step_time(model, 65536, piped, cluster)
+    stage = step_time(replace(model, num_hidden_layers=40), 65536, flat, cluster)
+    assert piped.world == 16 and time.bubble == pytest.approx((time.matmul + time.attention + time.tensor_parallel) / 8)
+    assert time.matmul == pytest.approx(8 * stage.matmul) and time.pipeline > 0 and flat_bubble(flat, cluster) == 0
+    # Llama-70B at 64K on 2 x 8 GPUs without sharded parameters: only a pipeline makes it fit
+    result = plan("llama-70b", 65536, cluster, dp_modes=("replicate",))
+    assert result.candidates and all(c.layout.pp > 1 for c in result.candidates)
+    best = result.candidates[0].layout
+    assert best.pp * best.dp * best.sp * best.tp == 16 and best.pp_microbatches == 8
+    assert cli_main(["plan", "--model", "llama-70b", "--seq-len", "64K", "--gpus", "16", "--dp-mode", "replicate"]) == 0
+    assert f"| {best.tp} | {best.pp} (m 8, " in capsys.readouterr().out
+    argv = ["train", "--plan", "--pp", "2", "--sp", "2", "--layers", "4", "--seq-len", "1024"]
+    assert cli_main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "these settings: pp 2 (1f1b, 2 micro-batches, bubble 33%) x dp 1 sp 2" in printed
+    assert "| pp (bubble) |" in printed and ", bubble " in printed
+
+
+def flat_bubble(layout: Layout, cluster: Cluster) -> float:
+    return step_time(load_model_shape("llama-8b"), 8192, layout, cluster).bubble
 
 
 def test_large_cluster_plans():

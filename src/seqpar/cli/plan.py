@@ -5,6 +5,7 @@ The model, length, degrees, strategy and memory features come from the ``TrainCo
 
 from __future__ import annotations
 
+from seqpar.memory.pipeline import bubble_fraction
 from seqpar.planning.cluster import Cluster
 from seqpar.planning.memory import DTYPE_BYTES
 from seqpar.planning.models import shape_from_config
@@ -26,7 +27,16 @@ def _layout(config: TrainConfig, heads: int, kv_heads: int) -> Layout:
     strategy = "local" if config.sp == 1 else strategy
     ulysses = config.sp if strategy == "ulysses" else config.ulysses if strategy == "hybrid" else 1
     features = (*memory_features(config), *((OFFLOAD_OPTIMIZER,) if config.offload_optimizer else ()))
-    return Layout(config.dp, config.sp, ulysses, config.tp, strategy, features, config.dp_mode)
+    pieces = config.pp_microbatches or config.pp if config.pp > 1 else 0
+    return Layout(config.dp, config.sp, ulysses, config.tp, strategy, features, config.dp_mode, config.pp, pieces)
+
+
+def _pipeline(layout: Layout) -> str:
+    """ "pp P (1f1b, M micro-batches, bubble B%) " for a pipeline layout, else ""."""
+    if layout.pp == 1:
+        return ""
+    bubble = bubble_fraction(layout.pp, "1f1b", layout.pp_microbatches)
+    return f"pp {layout.pp} (1f1b, {layout.pp_microbatches} micro-batches, bubble {bubble:.0%}) x "
 
 
 def train_plan(config: TrainConfig) -> str:
@@ -45,21 +55,25 @@ def train_plan(config: TrainConfig) -> str:
     shape = shape_from_config(hf_config.to_dict(), config.model or "embedded default model")
     layout = _layout(config, shape.num_attention_heads, shape.num_key_value_heads)
     dtype = "bf16" if config.precision == "bf16" else "fp32"
-    micro_batch = config.batch_size // config.grad_accum
+    micro_batch = config.batch_size // config.grad_accum // (layout.pp_microbatches or 1)  # one pipeline piece
     cluster = Cluster(gpus=layout.world, gpus_per_node=min(layout.world, 8))
     estimate = train_estimate(config, hf_config)
     seq_len = estimate.tokens_per_rank * config.sp // micro_batch  # padded to a multiple of 2 x sp, as trained
     time = step_time(shape, seq_len, layout, cluster, dtype_bytes=DTYPE_BYTES[dtype], micro_batch=micro_batch)
+    pieces = {"pp_microbatches": layout.pp_microbatches} if layout.pp > 1 else {}
     lines = [
-        f"these settings: dp {layout.dp} sp {layout.sp} ulysses {layout.ulysses} tp {layout.tp} {layout.strategy} "
+        f"these settings: {_pipeline(layout)}dp {layout.dp} sp {layout.sp} ulysses {layout.ulysses} tp {layout.tp} "
+        f"{layout.strategy} "
         f"{layout.dp_mode}, features {'+'.join(layout.features) or 'none'}, micro-batch {micro_batch}, {dtype}, "
         f"{seq_len} tokens per sequence" + (f" (padded from {config.seq_len})" if seq_len != config.seq_len else ""),
         estimate.table(),
-        f"predicted step (one micro-batch) on H100-class devices: {time.total:.3g} s "
+        f"predicted step ({'one micro-batch in pipeline pieces' if pieces else 'one micro-batch'}) on H100-class "
+        f"devices: {time.total:.3g} s "
         f"(matmul {time.matmul:.3g}, attention {time.attention:.3g}, all-to-all {time.all_to_all:.3g}, "
-        f"tp {time.tensor_parallel:.3g}, gradients {time.gradients:.3g}, offload {time.offload:.3g})",
+        f"tp {time.tensor_parallel:.3g}, gradients {time.gradients:.3g}, offload {time.offload:.3g}, "
+        f"pipeline send/receive {time.pipeline:.3g}, bubble {time.bubble:.3g})",
         "",
         "ranked layouts for the same model, length and device count (`seqpar plan` describes other clusters):",
-        format_plan(plan(shape, seq_len, cluster, micro_batch=micro_batch, dtype=dtype)),
+        format_plan(plan(shape, seq_len, cluster, micro_batch=micro_batch, dtype=dtype, **pieces)),
     ]
     return "\n".join(lines)

@@ -54,13 +54,17 @@ Note [memory estimate]
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from seqpar.errors import SeqparInputError
 from seqpar.gradients import BUCKET_MB
+from seqpar.memory.activations import activation_bytes, comm_elements
+from seqpar.memory.pipeline import StageView, stage_views
 from seqpar.memory.result import MemoryEstimate
 from seqpar.memory.shapes import ModelDims, model_dims, parameter_counts
-from seqpar.strategies.policy import kv_head_repeats, ulysses_degrees, ulysses_heads_problem
+from seqpar.strategies.policy import ulysses_degrees, ulysses_heads_problem
 
 __all__ = ["FEATURES", "MemoryEstimate", "estimate_memory"]
 
@@ -104,45 +108,6 @@ def _check(seq_len, sizes: dict, micro_batch, features, strategy, optimizer, dp_
         raise SeqparInputError("cannot estimate memory:\n  - " + "\n  - ".join(problems))
 
 
-def _comm_elements(strategy: str, d: ModelDims, sp: int, ulysses: int) -> float:
-    """Attention communication buffers of one layer's forward and backward, elements per local token."""
-    if sp == 1:
-        return 0.0
-    repeats = kv_head_repeats(d.heads, d.kv_heads, ulysses if strategy == "hybrid" else sp) or 1
-    a2a = 2.0 * (d.q_width + 2 * d.kv_width * repeats)
-    ring = 8.0 * d.kv_width
-    if strategy == "ulysses":
-        return a2a
-    if strategy == "ring":
-        return ring
-    if strategy == "allgather":
-        return 4.0 * d.kv_width * sp
-    return a2a + ring  # hybrid: after the all-to-all a ring rank holds as many k, v elements as before it
-
-
-def _activation_bytes(d: ModelDims, tokens: int, b: int, features: tuple[str, ...], mlp_chunk: int) -> dict:
-    """Kept, recomputed and transient activation bytes of the layers (Note [memory estimate])."""
-    h, hq, hkv, i = d.hidden, d.q_width, d.kv_width, d.intermediate
-    tiled = "tiled_mlp" in features
-    norm_copies = 0 if b >= 4 else 8 * h  # 16-bit: each RMSNorm keeps a float32 copy of its input
-    attention = tokens * (b * (4 * h + 3 * hq + 2 * hkv) + norm_copies)
-    saved = attention + (0 if tiled else tokens * b * 4 * i)
-    chunk = min(mlp_chunk, tokens)
-    extra = tokens * b * (h if tiled else i + h) + (5 * chunk * i * b if tiled else 0)
-    kept_per_layer = tokens * h * b + (0 if "checkpointing" in features else saved)
-    kept_layers = d.layers
-    if "offload" in features and "checkpointing" in features:
-        kept_layers = min(2, d.layers)  # the rest waits in host memory
-    return {
-        "kept_per_layer": kept_per_layer,
-        "kept_layers": kept_layers,
-        "kept": kept_per_layer * kept_layers + 3 * tokens * h * b,  # + the final norm's input and outputs
-        "recomputed": saved if "checkpointing" in features else 0,
-        "recomputed_attention": attention if "checkpointing" in features else 0,
-        "extra": extra,
-    }
-
-
 def estimate_memory(
     model_config: object,
     seq_len: int,
@@ -161,6 +126,9 @@ def estimate_memory(
     mlp_chunk: int = 1024,
     keep_gradients: bool = False,
     offload_optimizer: bool = False,
+    pp_size: int = 1,
+    pp_schedule: str = "1f1b",
+    pp_microbatches: int | None = None,
 ) -> MemoryEstimate:
     """Predict one rank's memory during one training step (forward, backward, gradient sum, optimizer).
 
@@ -186,6 +154,10 @@ def estimate_memory(
         offload_optimizer: parameters, gradients and optimizer state in host memory, the update on the CPU
             (``apply_data_parallel(..., offload_optimizer=True)``; needs dp_mode "fsdp"): the device keeps
             working copies of the layers in flight, and ``host`` reports what moved.
+        pp_size: pipeline-parallel degree: the estimate is then the busier of the pipeline's first and last
+            rank (Note [pipeline memory and time]); ``micro_batch`` is one pipeline micro-batch's rows.
+        pp_schedule: "gpipe", "1f1b" or "interleaved" (how many micro-batches a stage holds in flight).
+        pp_microbatches: micro-batches per pipeline step (default ``pp_size``).
 
     Returns:
         The ``MemoryEstimate``: bytes by category, the peak and the moment that sets it.
@@ -193,7 +165,8 @@ def estimate_memory(
     Raises:
         SeqparInputError: an unknown feature, strategy, optimizer or dp_mode, sizes below 1, a seq_len not
             divisible by sp_size, heads that the ulysses degree (or tp) cannot split, a config without sizes,
-            ``offload_optimizer`` without dp_mode "fsdp".
+            ``offload_optimizer`` without dp_mode "fsdp", pipeline settings that cannot work (fewer layers than
+            stages, fewer micro-batches than ``pp_size``, an unknown schedule).
     """
     features = tuple(features)
     sizes = {"sp_size": sp_size, "ulysses_size": ulysses_size, "dp_size": dp_size, "tp_size": tp_size}
@@ -202,18 +175,51 @@ def estimate_memory(
     chosen = _strategy(strategy, d, sp_size, ulysses_size)
     b = torch.empty((), dtype=dtype).element_size()
     tokens = micro_batch * seq_len // sp_size
+    views = stage_views(d.layers, pp_size, pp_schedule, pp_microbatches)
+    settings = dict(chosen=chosen, b=b, tokens=tokens, features=features, sizes=sizes, dp_mode=dp_mode)
+    chunks = dict(loss_chunk=loss_chunk, mlp_chunk=mlp_chunk)
+    options = dict(optimizer=optimizer, keep_gradients=keep_gradients, offload_optimizer=offload_optimizer)
+    found = [_estimate_rank(d, view, pp_size > 1, **settings, **chunks, **options) for view in views]
+    return max(found, key=lambda e: e.peak)
+
+
+def _estimate_rank(
+    d: ModelDims,
+    view: StageView,
+    pipelined: bool,
+    *,
+    chosen: str,
+    b: int,
+    tokens: int,
+    features: tuple[str, ...],
+    sizes: dict,
+    dp_mode: str,
+    loss_chunk: int,
+    mlp_chunk: int,
+    optimizer: str,
+    keep_gradients: bool,
+    offload_optimizer: bool,
+) -> MemoryEstimate:
+    """One rank's estimate (Note [memory estimate]); ``view`` says which layers and ends of a pipeline it holds."""
+    sp_size, ulysses_size, dp_size = sizes["sp_size"], sizes["ulysses_size"], sizes["dp_size"]
+    d = dataclasses.replace(d, layers=view.layers)
     total, layer_params, head_params = parameter_counts(d)
+    if pipelined and not d.tied:  # one end of the model: the embedding (first rank) or norm and head (last)
+        total -= head_params
     shards = dp_size * sp_size if dp_mode == "fsdp" else 1
     params = -(-total * b // shards) + (2 * layer_params * b if shards > 1 else 0)  # fsdp: one layer gathered
     states = _OPTIMIZERS[optimizer] * -(-total * b // shards)
-    act = _activation_bytes(d, tokens, b, features, mlp_chunk)
-    comm = int(_comm_elements(chosen, d, sp_size, ulysses_size) * tokens * b)
+    act = activation_bytes(d, tokens, b, features, mlp_chunk)
+    if act["kept_layers"] == d.layers:  # offloaded checkpoints wait on the host, whichever micro-batch they are
+        act["kept"] = int(act["kept"] * view.in_flight)  # Note [pipeline memory and time]
+    comm = int(comm_elements(chosen, d, sp_size, ulysses_size) * tokens * b)
     chunk = min(loss_chunk, tokens) if "chunked_loss" in features else tokens
     loss = 3 * chunk * d.vocab * 4 + (tokens * d.hidden * b if "chunked_loss" in features else 0)
+    loss = loss if view.last else 0
     head_grad = head_params * b // shards
     all_grads = -(-total * b // shards)
     kept_grads = all_grads if keep_gradients else 0
-    host = (d.layers - act["kept_layers"]) * act["kept_per_layer"]  # checkpointed inputs the offload moved
+    host = (d.layers - act["kept_layers"]) * act["kept_per_layer"] * view.in_flight  # inputs the offload moved
     gathered_head = 0
     if offload_optimizer:  # Note [memory estimate], optimizer offload: only working copies on the device
         units = 0 if d.tied else 2 * head_params  # embedding and head are units of their own unless tied
@@ -260,6 +266,6 @@ def estimate_memory(
         tokens_per_rank=tokens,
         strategy=chosen,
         features=features,
-        host=host,
+        host=int(host),
         offload_optimizer=offload_optimizer,
     )

@@ -93,6 +93,13 @@ def add_plan_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--ulysses-across-nodes", action="store_true", help="allow all-to-all and tp across nodes")
     parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument(
+        "--pp-microbatches",
+        type=int,
+        default=8,
+        help="micro-batches (of --micro-batch sequences) per step of the pipeline-parallel layouts (1F1B); "
+        "pp degrees up to it are tried",
+    )
     parser.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
     parser.add_argument("--dp-mode", nargs="+", default=list(DP_MODES), choices=("fsdp", "replicate", "ddp"))
     parser.add_argument("--top", type=int, default=10, help="rows of the table")
@@ -133,6 +140,7 @@ def run_plan(args: argparse.Namespace) -> int:
             micro_batch=args.micro_batch,
             dtype=args.dtype,
             dp_modes=tuple(args.dp_mode),
+            pp_microbatches=args.pp_microbatches,
         )
     except SeqparInputError as error:
         print(f"seqpar plan: {error}", file=sys.stderr)

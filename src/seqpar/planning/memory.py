@@ -52,4 +52,6 @@ def estimate_layout(
         strategy="ring" if layout.strategy == "local" else layout.strategy,
         dp_mode=layout.dp_mode,
         offload_optimizer=OFFLOAD_OPTIMIZER in layout.features,
+        pp_size=layout.pp,
+        pp_microbatches=layout.pp_microbatches or None,
     )

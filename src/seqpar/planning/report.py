@@ -17,6 +17,14 @@ def _features(c: Candidate) -> str:
     return "+".join(c.layout.features) or "none"
 
 
+def _pipeline(c: Candidate) -> str:
+    """ "1", or the pp degree with the micro-batches and the bubble's share of the step (Note [plan time model])."""
+    lay = c.layout
+    if lay.pp == 1:
+        return "1"
+    return f"{lay.pp} (m {lay.pp_microbatches}, {c.time.bubble / c.time.total:.0%})"
+
+
 def _kind(reason: str) -> str:
     """A rejection reason without its numbers."""
     return "".join(ch for ch in reason.split(":")[0] if not ch.isdigit())
@@ -44,19 +52,20 @@ def format_plan(result: Plan, top: int = 10, rejected: int = 15) -> str:
         f"host {c.host_link_gbps:g} GB/s, host AdamW {c.host_adam_gparams_per_s:g}e9 parameters/s per node",
         f"{result.considered} layouts estimated, {len(result.candidates)} fit",
         "",
-        "| # | dp | sp | ulysses | tp | strategy | dp mode | features | peak/rank (GiB) | step (s) "
+        "| # | dp | sp | ulysses | tp | pp (bubble) | strategy | dp mode | features | peak/rank (GiB) | step (s) "
         "| tokens/s/GPU | MFU |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for i, cand in enumerate(result.top(top), 1):
         lay = cand.layout
         lines.append(
-            f"| {i} | {lay.dp} | {lay.sp} | {lay.ulysses} | {lay.tp} | {lay.strategy} | {lay.dp_mode} | "
+            f"| {i} | {lay.dp} | {lay.sp} | {lay.ulysses} | {lay.tp} | {_pipeline(cand)} | {lay.strategy} | "
+            f"{lay.dp_mode} | "
             f"{_features(cand)} | {cand.peak_bytes / 2**30:.1f} | {cand.time.total:.3g} | "
             f"{cand.tokens_per_s_per_gpu:,.0f} | {cand.mfu:.1%} |"
         )
     if not result.candidates:
-        lines.append("| - | nothing fits | | | | | | | | | | |")
+        lines.append("| - | nothing fits | | | | | | | | | | | |")
     if result.rejected:
         lines += ["", "Rejected:"]
         # one of each kind of reason first, so a short list still shows every kind

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
@@ -86,7 +87,8 @@ class Plan:
         """The ``n`` best layouts, one per (degrees, strategy, dp mode): its fastest feature set that fits."""
         seen, best = set(), []
         for c in self.candidates:
-            key = (c.layout.dp, c.layout.sp, c.layout.ulysses, c.layout.tp, c.layout.strategy, c.layout.dp_mode)
+            lay = c.layout
+            key = (lay.pp, lay.dp, lay.sp, lay.ulysses, lay.tp, lay.strategy, lay.dp_mode)
             if key not in seen:
                 seen.add(key)
                 best.append(c)
@@ -127,7 +129,8 @@ def _strategies(model: ModelShape, sp: int, tp: int, cluster: Cluster):
 
 def _family(layout: Layout) -> str:
     u = f" ulysses {layout.ulysses}" if layout.strategy == "hybrid" else ""
-    return f"dp {layout.dp} sp {layout.sp}{u} tp {layout.tp} {layout.strategy} {layout.dp_mode}"
+    pp = f"pp {layout.pp} " if layout.pp > 1 else ""
+    return f"{pp}dp {layout.dp} sp {layout.sp}{u} tp {layout.tp} {layout.strategy} {layout.dp_mode}"
 
 
 def plan(
@@ -138,6 +141,7 @@ def plan(
     micro_batch: int = 1,
     dtype: str = "bf16",
     dp_modes: tuple[str, ...] = DP_MODES,
+    pp_microbatches: int = 8,
 ) -> Plan:
     """Every valid (dp, sp, ulysses, tp, strategy, features, dp mode) for ``model`` on ``cluster``, ranked.
 
@@ -148,6 +152,8 @@ def plan(
         micro_batch: sequences per data-parallel replica per step.
         dtype: bf16, fp16 or fp32.
         dp_modes: how parameters are held over the dp x sp ranks: any of fsdp, replicate, ddp.
+        pp_microbatches: micro-batches of ``micro_batch`` sequences per step of the pipeline-parallel layouts
+            (1F1B); pp degrees above it are left out.
 
     Returns:
         The plan: fitting layouts fastest first, rejected families with reasons.
@@ -163,27 +169,43 @@ def plan(
     if not dp_modes or any(m not in ("fsdp", "replicate", "ddp") for m in dp_modes):
         raise SeqparInputError(f"dp_modes must be some of fsdp, replicate, ddp, got {dp_modes}")
     result = Plan(shape, seq_len, micro_batch, dtype, cluster)
-    for tp in _divisors(cluster.gpus):
-        problem = _tp_problem(shape, tp, cluster)
-        if problem:
-            result.rejected.append(Rejection(f"tp {tp}", problem))
+    for pp in _divisors(cluster.gpus):
+        if pp > 1 and (pp > shape.num_hidden_layers or pp > pp_microbatches):
+            why = (
+                f"{shape.num_hidden_layers} layers"
+                if pp > shape.num_hidden_layers
+                else f"{pp_microbatches} micro-batches (--pp-microbatches)"
+            )
+            result.rejected.append(Rejection(f"pp {pp}", f"more pipeline stages than {why}"))
             continue
-        for sp in _divisors(cluster.gpus // tp):
-            if seq_len % sp:
-                result.rejected.append(Rejection(f"sp {sp} tp {tp}", f"seq_len {seq_len} does not divide by sp {sp}"))
-                continue
-            for strategy, u, problem in _strategies(shape, sp, tp, cluster):
-                for mode in dp_modes:
-                    layout = Layout(cluster.gpus // (sp * tp), sp, u, tp, strategy, (), mode)
-                    if problem:
-                        result.rejected.append(Rejection(_family(layout), problem))
-                    else:
-                        _try_features(result, layout)
+        _search_pp(result, pp, pp_microbatches if pp > 1 else 0, dp_modes)
     # ties to 6 digits (FSDP's hidden gathers make totals equal up to rounding) go to fewer features
     result.candidates.sort(
         key=lambda c: (-float(f"{c.tokens_per_s_per_gpu:.6g}"), len(c.layout.features), c.peak_bytes)
     )
     return result
+
+
+def _search_pp(result: Plan, pp: int, microbatches: int, dp_modes: tuple[str, ...]) -> None:
+    """Add the layouts with pipeline degree ``pp`` (and the families they reject) to ``result``."""
+    shape, cluster, gpus = result.model, result.cluster, result.cluster.gpus // pp
+    for tp in _divisors(gpus):
+        problem = _tp_problem(shape, tp, cluster)
+        if problem:
+            result.rejected.append(Rejection(f"tp {tp}", problem))
+            continue
+        for sp in _divisors(gpus // tp):
+            if result.seq_len % sp:
+                why = f"seq_len {result.seq_len} does not divide by sp {sp}"
+                result.rejected.append(Rejection(f"sp {sp} tp {tp}", why))
+                continue
+            for strategy, u, problem in _strategies(shape, sp, tp, cluster):
+                for mode in dp_modes:
+                    layout = Layout(gpus // (sp * tp), sp, u, tp, strategy, (), mode, pp, microbatches)
+                    if problem:
+                        result.rejected.append(Rejection(_family(layout), problem))
+                    else:
+                        _try_features(result, layout)
 
 
 def _try_features(result: Plan, family: Layout) -> None:
@@ -192,7 +214,7 @@ def _try_features(result: Plan, family: Layout) -> None:
     for features in FEATURE_SETS:
         if OFFLOAD_OPTIMIZER in features and family.dp_mode != "fsdp":
             continue
-        layout = Layout(family.dp, family.sp, family.ulysses, family.tp, family.strategy, features, family.dp_mode)
+        layout = dataclasses.replace(family, features=features)
         estimate = estimate_layout(
             result.model, result.seq_len, layout, dtype=result.dtype, micro_batch=result.micro_batch
         )
@@ -209,8 +231,9 @@ def _try_features(result: Plan, family: Layout) -> None:
             dtype_bytes=DTYPE_BYTES[result.dtype],
             micro_batch=result.micro_batch,
         )
-        tokens = result.micro_batch * result.seq_len * layout.dp
-        flops = model_flops(result.model, result.seq_len, result.micro_batch) * layout.dp
+        sequences = result.micro_batch * layout.dp * (layout.pp_microbatches or 1)  # a pipeline step: m of them
+        tokens = sequences * result.seq_len
+        flops = model_flops(result.model, result.seq_len, sequences)
         peak_rate = result.cluster.gpu_tflops * 1e12 * layout.world
         result.candidates.append(
             Candidate(layout, estimate, time, tokens / time.total / layout.world, flops / time.total / peak_rate)

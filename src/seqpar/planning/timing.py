@@ -5,10 +5,12 @@ Note [plan time model] below states every assumption; ``step_time`` is the one e
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from seqpar.errors import SeqparInputError
 from seqpar.memory import FEATURES as MEMORY_FEATURES
+from seqpar.memory.pipeline import bubble_fraction, p2p_bytes, stage_views
 from seqpar.planning.cluster import Cluster
 from seqpar.planning.models import ModelShape
 from seqpar.strategies.policy import kv_head_repeats, ulysses_heads_problem
@@ -53,6 +55,12 @@ FEATURES = (*MEMORY_FEATURES, OFFLOAD_OPTIMIZER)
 #   overlap compute like FSDP's gathers (only the excess shows). The AdamW update then runs on the host,
 #   after the backward, exposed: the node's ranks share ``Cluster.host_adam_gparams_per_s``. Without
 #   offload the (on-device, memory-bound) update is left out as before.
+# - Pipeline parallel (pp > 1, 1F1B, Note [pipeline memory and time]): a step runs ``pp_microbatches``
+#   micro-batches of ``micro_batch`` sequences; one micro-batch on the busiest stage (its layers, and the
+#   head, as on the last stage) costs what the items above give for a model of that stage's layers; the
+#   step is m of them plus the bubble, (p - 1) more (a fraction (p - 1) / (m + p - 1) of the step), plus
+#   the point-to-point activations and gradients between stages (not overlapped) over the slowest link (pp
+#   is the outermost axis), plus the stage's gradient reduction over dp x sp once.
 
 
 @dataclass(frozen=True)
@@ -73,11 +81,15 @@ class Layout:
     """Memory features on: a subset of FEATURES ("offload_optimizer" with dp_mode fsdp only)."""
     dp_mode: str = "replicate"
     """replicate, ddp or fsdp."""
+    pp: int = 1
+    """Pipeline-parallel degree (the outermost axis; 1F1B)."""
+    pp_microbatches: int = 0
+    """Micro-batches of a pipeline step (0: pp)."""
 
     @property
     def world(self) -> int:
         """Ranks in all."""
-        return self.dp * self.sp * self.tp
+        return self.pp * self.dp * self.sp * self.tp
 
 
 @dataclass(frozen=True)
@@ -98,6 +110,10 @@ class StepTime:
     """Gradient reduction (and FSDP's weight gathers) not hidden behind compute."""
     offload: float = 0.0
     """Optimizer offload: host <-> device copies not hidden behind compute, and the update on the host."""
+    pipeline: float = 0.0
+    """Point-to-point activations and gradients between pipeline stages."""
+    bubble: float = 0.0
+    """Pipeline fill and drain: the busiest stage idles this long."""
 
     @property
     def total(self) -> float:
@@ -110,6 +126,8 @@ class StepTime:
             + self.tensor_parallel
             + self.gradients
             + self.offload
+            + self.pipeline
+            + self.bubble
         )
 
 
@@ -173,6 +191,8 @@ def step_time(
     """
     if OFFLOAD_OPTIMIZER in layout.features and layout.dp_mode != "fsdp":
         raise SeqparInputError(f"{OFFLOAD_OPTIMIZER} needs dp_mode fsdp, not {layout.dp_mode!r}")
+    if layout.pp > 1:
+        return _pipeline_time(model, seq_len, layout, cluster, dtype_bytes, micro_batch)
     layers, ckpt = model.num_hidden_layers, "checkpointing" in layout.features
     tokens = micro_batch * seq_len / layout.sp  # on this rank
     d, e, u, r = model.dim, dtype_bytes, layout.ulysses, layout.sp // layout.ulysses
@@ -237,3 +257,27 @@ def _gradient_seconds(model: ModelShape, layout: Layout, cluster: Cluster, e: in
     if layout.dp_mode == "ddp":  # overlaps the backward, two thirds of the compute
         return max(0.0, seconds - 2 * compute / 3)
     return seconds
+
+
+def _pipeline_time(
+    model: ModelShape, seq_len: int, layout: Layout, cluster: Cluster, e: int, micro_batch: int
+) -> StepTime:
+    """Seconds of one 1F1B pipeline step (Note [plan time model], pipeline parallel)."""
+    p, m = layout.pp, layout.pp_microbatches or layout.pp
+    busiest = stage_views(model.num_hidden_layers, p, "1f1b", m)[0].layers
+    stage = dataclasses.replace(model, num_hidden_layers=busiest)
+    one = step_time(stage, seq_len, dataclasses.replace(layout, pp=1), cluster, dtype_bytes=e, micro_batch=micro_batch)
+    per_micro_batch = one.total - one.gradients - one.offload
+    sent = p2p_bytes(int(micro_batch * seq_len / layout.sp), model.hidden_size, e)  # each tp rank sends it whole
+    fraction = bubble_fraction(p, "1f1b", m)
+    return StepTime(
+        matmul=one.matmul * m,
+        attention=one.attention * m,
+        all_to_all=one.all_to_all * m,
+        gather=one.gather * m,
+        tensor_parallel=one.tensor_parallel * m,
+        gradients=one.gradients,
+        offload=one.offload,
+        pipeline=m * sent / cluster.link(layout.world),
+        bubble=m * per_micro_batch * fraction / (1 - fraction),
+    )

@@ -45,6 +45,9 @@ def train_estimate(
 ) -> MemoryEstimate:
     """The per-rank estimate of one optimizer step of ``config`` (a micro-batch's activations).
 
+    Under ``--pp`` a micro-batch is one of the pipeline's pieces of an accumulated batch, and the estimate is
+    the busier of the pipeline's end ranks (Note [pipeline memory and time]).
+
     Under ``--precision bf16`` activations are estimated in bfloat16 and parameters too, although autocast
     keeps them in float32: a lower bound there.
 
@@ -71,7 +74,7 @@ def train_estimate(
         dp_size=config.dp,
         tp_size=config.tp,
         dtype=torch.float32 if config.precision == "fp32" else torch.bfloat16,
-        micro_batch=config.batch_size // config.grad_accum,
+        micro_batch=config.batch_size // config.grad_accum // (config.pp_microbatches or config.pp),
         features=memory_features(config) if features is None else features,
         strategy=config.strategy,
         dp_mode=config.dp_mode,
@@ -79,6 +82,9 @@ def train_estimate(
         mlp_chunk=config.tiled_mlp_chunk,
         keep_gradients=keep_gradients,
         offload_optimizer=config.offload_optimizer,
+        pp_size=config.pp,
+        pp_schedule=config.pp_schedule,
+        pp_microbatches=config.pp_microbatches,
     )
 
 
