@@ -15,6 +15,7 @@ BENCHMARKS = (
     "features",
     "plan_check",
     "soak",
+    "pipeline",
 )
 
 __all__ = ["BENCHMARKS"]
