@@ -131,6 +131,9 @@ def test_block_ranges_are_checked_and_planned_from_corners():
     assert all(b.mask is None and not b.causal for b in blocks)
     seen = {(b.q.start // chunk_len, b.kv.start // chunk_len) for b in blocks}
     assert seen == {(g, c) for g in range(chunks) for c in range(chunks) if c // 2 <= g // 2}
+    # frames of half a chunk: tiles are cut to whole frames, so no tile needs a mask
+    frames = plan(range(4), range(4), 256, False, SequenceMask(blocks=block_causal(128)))
+    assert frames and all(b.mask is None for b in frames)
 
 
 def test_kv_needs_names_the_seen_tokens_only():

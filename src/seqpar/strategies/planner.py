@@ -25,7 +25,8 @@ Note [masked tiles]
       positions and document starts, and runs on the chosen kernel if that takes masks, otherwise on the
       preferred kernel that does (``blocks_forward`` and ``blocks_backward`` swap it per tile).
     Block-causal ranges are decided from the corners too (Note [block-causal ranges]); a chunk pair whose
-    corners already say "skipped" is not cut into tiles at all.
+    corners already say "skipped" is not cut into tiles at all. Equal blocks cut the tiles to the block size
+    (at least ``MIN_WINDOW_TILE``), so that blocks aligned with the chunks leave no tile masked.
     Why the corners suffice: causality and the window depend only on the query position minus the key
     position, which over a tile is smallest at (first query, last key) and largest at (last query, first
     key); those two bounds say whether all, none or some of the tile passes. Document starts never decrease
@@ -162,6 +163,8 @@ def _masked_plan(
     tile = min(chunk_len, MASK_TILE)
     if mask.window is not None:  # tiles of half a window: the band's masked edge wastes less compute
         tile = min(tile, max(MIN_WINDOW_TILE, mask.window // 2))
+    if mask.blocks is not None and mask.blocks.size is not None:  # tiles of whole blocks: none of them masked
+        tile = min(tile, max(MIN_WINDOW_TILE, mask.blocks.size))
     blocks = []
     for i, g in enumerate(q_chunks):
         for j, c in enumerate(kv_chunks):
