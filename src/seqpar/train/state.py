@@ -274,12 +274,13 @@ def _resharding(run: RunState, written: dict) -> str:
     """ " (written at ...; resharded to ...)" when the checkpoint's layout differs from this run's, else ""."""
     config = run.config
 
-    def describe(layout: dict) -> str:
-        return (
-            f"pp {layout.get('pp', 1)} x dp {layout['dp']} x sp {layout['sp']} x tp {layout['tp']}, {layout['dp_mode']}"
-        )
-
     now = run_layout(config)
     if not written or all(written.get(key, 1 if key == "pp" else None) == value for key, value in now.items()):
         return ""
+    piped = max(written.get("pp", 1), now["pp"]) > 1  # pp named only when either side has a pipeline
+
+    def describe(layout: dict) -> str:
+        pp = f"pp {layout.get('pp', 1)} x " if piped else ""
+        return f"{pp}dp {layout['dp']} x sp {layout['sp']} x tp {layout['tp']}, {layout['dp_mode']}"
+
     return f" (written at {describe(written)}; resharded to {describe(now)})"
