@@ -264,3 +264,11 @@ def test_pipeline_stage_memory_bubble_and_traffic():
         estimate(8)
     with pytest.raises(SeqparInputError, match="pp_microbatches 1 is fewer than pp_size 2"):
         estimate(2, m=1)
+
+
+def test_estimate_command_with_a_pipeline(capsys):
+    argv = ["estimate", "--seq-len", "4096", "--sp", "1", "--layers", "4", "--pp", "2", "--pp-microbatches", "4"]
+    assert cli_main(argv) == 0
+    assert "pipeline: pp 2 1f1b, 4 micro-batches; 2 of 4 layers per rank" in capsys.readouterr().out
+    assert cli_main(["estimate", "--seq-len", "4096", "--sp", "1", "--layers", "2", "--pp", "4"]) == 2
+    assert "4 pipeline stages need at least as many layers, not 2" in capsys.readouterr().err

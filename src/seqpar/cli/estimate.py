@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from seqpar.memory import FEATURES, estimate_memory
+from seqpar.memory.pipeline import bubble_fraction, stage_views
 from seqpar.planning.memory import DTYPES
 from seqpar.train.config import TrainConfig
 from seqpar.train.data import load_tokenizer
@@ -51,6 +52,9 @@ def add_estimate_parser(sub: argparse._SubParsersAction) -> None:
         help="FSDP2 CPU offload (needs --dp-mode fsdp): parameters, gradients and optimizer state in host "
         "memory, the update on the CPU; the device keeps the layers in flight, the host figure is printed apart",
     )
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (the busier end rank is estimated)")
+    p.add_argument("--pp-schedule", default="1f1b", help="gpipe, 1f1b or interleaved")
+    p.add_argument("--pp-microbatches", type=int, default=None, help="micro-batches per pipeline step (default --pp)")
     p.add_argument("--hidden", type=int, default=TrainConfig.hidden_size, help="default model: hidden size")
     p.add_argument("--layers", type=int, default=TrainConfig.layers, help="default model: layers")
     p.add_argument("--heads", type=int, default=TrainConfig.heads, help="default model: heads")
@@ -75,8 +79,9 @@ def run_estimate(args: argparse.Namespace) -> int:
         seq_len=args.seq_len,
         eval_lengths=[args.seq_len],
     )
+    hf_config = model_config(settings, vocab)
     estimate = estimate_memory(
-        model_config(settings, vocab),
+        hf_config,
         args.seq_len,
         sp_size=args.sp,
         ulysses_size=args.ulysses,
@@ -92,6 +97,18 @@ def run_estimate(args: argparse.Namespace) -> int:
         mlp_chunk=args.mlp_chunk,
         keep_gradients=args.keep_gradients,
         offload_optimizer=args.offload_optimizer,
+        pp_size=args.pp,
+        pp_schedule=args.pp_schedule,
+        pp_microbatches=args.pp_microbatches,
     )
     print(estimate.table())
+    if args.pp > 1:
+        layers = getattr(hf_config, "num_hidden_layers", 0)
+        first, last = stage_views(layers, args.pp, args.pp_schedule, args.pp_microbatches)
+        bubble = bubble_fraction(args.pp, args.pp_schedule, args.pp_microbatches)
+        print(
+            f"pipeline: pp {args.pp} {args.pp_schedule}, {args.pp_microbatches or args.pp} micro-batches; "
+            f"{first.layers} of {layers} layers per rank; micro-batches in flight: first rank {first.in_flight:g}, "
+            f"last rank {last.in_flight:g}; bubble {bubble:.0%} (Note [pipeline memory and time])"
+        )
     return 0
