@@ -26,12 +26,12 @@ from tests.hf_scripts.common import documents, model, save, tokenizer
 
 # name: (example, per-replica batch, dp)
 UPSTREAM = {
-    "trl_packing_dp1": ("trl_packing", 4, 1),
-    "trl_packing_dp2": ("trl_packing", 4, 2),
+    "trl_packing_dp1": ("trl_packing", 2, 1),
+    "trl_packing_dp2": ("trl_packing", 2, 2),
     "flattening_dp1": ("flattening_trainer", 8, 1),
     "flattening_dp2": ("flattening_trainer", 8, 2),
 }
-TRL_DOCUMENTS, TRAINER_DOCUMENTS = 300, 75
+TRL_DOCUMENTS, TRAINER_DOCUMENTS = 150, 75
 
 
 def _filled_in(out: str, batch: int) -> dict:
