@@ -40,9 +40,8 @@ def _torchrun(world: int, *args: str) -> list[str]:
 def out(tmp_path_factory) -> pathlib.Path:
     """One-process references of every case (one interpreter, no seqpar imported)."""
     path = tmp_path_factory.mktemp("hf")
-    _launch([sys.executable, "-m", "tests.hf_scripts.reference", str(path), *REFERENCES])
-    _launch([sys.executable, "-m", "tests.hf_scripts.upstream", str(path), *UPSTREAM])
-    _launch([sys.executable, "-m", "tests.hf_scripts.accelerate_loop", str(path), "1", "2"])
+    upstream = [*UPSTREAM, "accelerate_dp1", "accelerate_dp2"]  # upstream's examples and the accelerate loop
+    _launch([sys.executable, "-m", "tests.hf_scripts.reference", str(path), *REFERENCES, *upstream])
     return path
 
 

@@ -1,6 +1,7 @@
 """One-process Trainer runs (no seqpar imported): the references tests/test_hf.py compares seqpar's runs with.
 
-Run as ``python -m tests.hf_scripts.reference OUT CASE...``; writes OUT/reference/CASE.pt.
+Run as ``python -m tests.hf_scripts.reference OUT CASE...``; writes OUT/reference/CASE.pt (names of
+``tests.hf_scripts.upstream`` run there, in this interpreter).
 """
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ from tests.hf_scripts.common import CASES, build_trainer, results, save
 
 
 def main(out: str, names: list[str]) -> None:
-    for name in names:
+    from tests.hf_scripts import upstream
+
+    others = [n for n in names if n not in CASES]  # upstream's examples and the accelerate loop
+    if others:
+        upstream.main(out, others)
+    for name in (n for n in names if n in CASES):
         case = CASES[name]
         if case.collator == "sft":
             from trl import SFTTrainer as cls

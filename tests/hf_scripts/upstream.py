@@ -11,7 +11,7 @@ sampling order, clipping at 1.0, the linear schedule. The datasets do not fill t
 (the tests check that they do not), so epoch ends are exercised; see Note [epoch ends].
 
 Run as ``python -m tests.hf_scripts.upstream OUT NAME...`` for the references (batch = dp x the per-replica
-batch); ``tests.hf_scripts.parallel`` runs the seqpar side.
+batch; ``accelerate_dpN`` names the accelerate loop's); ``tests.hf_scripts.parallel`` runs the seqpar side.
 """
 
 from __future__ import annotations
@@ -93,6 +93,11 @@ def run(name: str, trainer_class, out: str, reference: bool) -> dict:
 
 def main(out: str, names: list[str]) -> None:
     for name in names:
+        if name.startswith("accelerate_dp"):  # the accelerate loop's reference, in the same interpreter
+            from tests.hf_scripts.accelerate_loop import reference
+
+            reference(out, int(name.removeprefix("accelerate_dp")))
+            continue
         example = UPSTREAM[name][0]
         if example == "trl_packing":
             from trl import SFTTrainer as cls
