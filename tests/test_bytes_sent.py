@@ -13,20 +13,12 @@ import torch
 import torch.distributed as dist
 
 import seqpar
+from seqpar.runtime.memory import written_bytes
 from tests._dist import run_ranks
 
 RANKS, ULYSSES, SEQ, HEADS, HEAD_DIM = 4, 2, 2048, 8, 64
 FLOAT32 = 4  # bytes per element: inputs, outputs and the float32 dK/dV partials alike
 SIGNATURE_INTS = 26  # int64 values in one rank's input signature: 8 options + 6 per tensor for q, k, v
-
-
-def _written_bytes() -> int:
-    """Bytes this process has written so far (sockets included), as the kernel counts them."""
-    with open("/proc/self/io") as io:
-        for line in io:
-            if line.startswith("wchar:"):
-                return int(line.split()[1])
-    raise RuntimeError("no wchar in /proc/self/io")
 
 
 def _analytical_bytes(strategy: str, kv_heads: int) -> float:
@@ -78,9 +70,9 @@ def _bytes_worker(rank, world_size):
         for strategy in ("ring", "ulysses", "hybrid", "allgather"):
             mesh = meshes["two_d" if strategy == "hybrid" else "flat"]
             dist.barrier()
-            before = _written_bytes()
+            before = written_bytes()
             seqpar.attention(q, k, v, mesh=mesh, strategy=strategy).sum().backward()
-            sent = _written_bytes() - before
+            sent = written_bytes() - before
             want = _analytical_bytes(strategy, kv_heads)
             assert abs(sent / want - 1) < 0.01, f"{strategy} kv_heads={kv_heads}: sent {sent} bytes, expected {want}"
 

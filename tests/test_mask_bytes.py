@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 
 import seqpar
+from seqpar.runtime.memory import written_bytes
 from tests._dist import run_ranks, shard_index
-from tests.test_bytes_sent import FLOAT32, SIGNATURE_INTS, _written_bytes
+from tests.test_bytes_sent import FLOAT32, SIGNATURE_INTS
 from tests.test_mask_kinds import kind_mask
 
 RANKS, ULYSSES, SEQ, HEADS, KV_HEADS, HEAD_DIM = 4, 2, 2048, 8, 2, 64
@@ -70,9 +71,9 @@ def _mask_bytes_worker(rank, world_size, results):
             for strategy in ("ring", "allgather", "hybrid"):
                 mesh = meshes["two_d" if strategy == "hybrid" else "flat"]
                 dist.barrier()
-                before = _written_bytes()
+                before = written_bytes()
                 seqpar.attention(q, k, v, mesh=mesh, strategy=strategy, layout=layout, mask=mask).sum().backward()
-                sent = _written_bytes() - before
+                sent = written_bytes() - before
                 want = needed_bytes(strategy, layout, docs, window, rank)
                 ratio = torch.tensor([sent / want])
                 ratios = [torch.zeros(1) for _ in range(world_size)]

@@ -31,15 +31,8 @@ import torch.distributed as dist
 
 import seqpar
 from seqpar.bench.masks_bytes import needed_bytes, visible_fraction
+from seqpar.runtime.memory import written_bytes
 from seqpar.runtime.spawn import spawn_ranks
-
-
-def _written_bytes() -> int:
-    with open("/proc/self/io") as io:
-        for line in io:
-            if line.startswith("wchar:"):
-                return int(line.split()[1])
-    raise RuntimeError("no wchar in /proc/self/io")
 
 
 def _documents(seq: int, docs: int) -> torch.Tensor:
@@ -62,9 +55,9 @@ def _cases(args: argparse.Namespace) -> dict[str, tuple]:
 def _measure(step, repeats: int) -> tuple[int, float]:
     step()  # warm-up: plans and the K/V table are made once per mask
     dist.barrier()
-    before = _written_bytes()
+    before = written_bytes()
     step()
-    sent = _written_bytes() - before
+    sent = written_bytes() - before
     times = []
     for _ in range(repeats):
         dist.barrier()

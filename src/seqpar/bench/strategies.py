@@ -25,17 +25,10 @@ import torch.distributed as dist
 
 import seqpar
 from seqpar.checks import SIGNATURE_LENGTH
+from seqpar.runtime.memory import written_bytes
 from seqpar.runtime.spawn import spawn_ranks
 
 _SIGNATURE_BYTES = SIGNATURE_LENGTH * 8  # the input check's all-gathered int64 signature
-
-
-def _written_bytes() -> int:
-    with open("/proc/self/io") as io:
-        for line in io:
-            if line.startswith("wchar:"):
-                return int(line.split()[1])
-    raise RuntimeError("no wchar in /proc/self/io")
 
 
 def expected_bytes(strategy: str, cfg: dict) -> float:
@@ -83,9 +76,9 @@ def _rank(rank: int, _world_size: int, cfg: dict, results: str) -> None:
 
         step()  # warm-up
         dist.barrier()
-        before = _written_bytes()
+        before = written_bytes()
         step()
-        sent = _written_bytes() - before
+        sent = written_bytes() - before
         times = []
         for _ in range(cfg["repeats"]):
             dist.barrier()

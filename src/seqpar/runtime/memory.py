@@ -1,6 +1,7 @@
 """Peak memory of this process, as the benchmarks and the trainer report it.
 
 On the CPU: the resident set read from Linux's /proc (VmRSS now, VmHWM its peak); on CUDA: the allocator peak.
+Also the bytes this process has written, sockets included, for the benchmarks and tests that count traffic.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import contextlib
 
 import torch
 
-__all__ = ["PeakMemory", "reset_resident_peak", "resident_mb"]
+__all__ = ["PeakMemory", "reset_resident_peak", "resident_mb", "written_bytes"]
 
 
 def resident_mb(field: str = "VmRSS", default: float | None = None) -> float:
@@ -60,3 +61,20 @@ class PeakMemory:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device) / 2**20
         return resident_mb("VmHWM", default=0.0)
+
+
+def written_bytes() -> int:
+    """Bytes this process has written so far (sockets included), as the kernel counts them (``/proc/self/io``).
+
+    Returns:
+        The ``wchar`` counter.
+
+    Raises:
+        RuntimeError: the counter cannot be read (not Linux).
+    """
+    with open("/proc/self/io") as io:
+        for line in io:
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    raise RuntimeError("no wchar in /proc/self/io")
+
