@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import transformers
 
-__all__ = ["SEQ", "VOCAB", "build", "tiny_config", "tokens"]
+__all__ = ["SEQ", "VOCAB", "build", "documents_alone_history", "tiny_config", "tokens"]
 
 SEQ = 48  # divides 2P for P = 1..4
 VOCAB = 96
@@ -50,3 +50,32 @@ def build(kind: str, seed: int = 0):
 
 def tokens(batch: int, seq: int, seed: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def documents_alone_history(model, rows, documents, steps: int, lr: float, max_norm: float) -> torch.Tensor:
+    """One process, every packed document run by itself, SGD with clipping: per-step (loss, gradient norm).
+
+    ``rows(step)`` gives the step's ``[batch, seq]`` token ids; ``documents[b]`` the document lengths of row b.
+    The loss is the token mean over every document of the step, as seqpar normalises it.
+    """
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    history = []
+    for step in range(steps):
+        total, count = 0.0, 0
+        for row, docs in zip(rows(step), documents):
+            start = 0
+            for n in docs:
+                doc = row[None, start : start + n]
+                logits = model(input_ids=doc).logits[:, :-1]
+                total = total + torch.nn.functional.cross_entropy(
+                    logits.flatten(0, 1), doc[:, 1:].flatten(), reduction="sum"
+                )
+                count, start = count + n - 1, start + n
+        loss = total / count
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+        opt.zero_grad()
+        history.append(torch.stack([loss.detach(), norm]))
+    return torch.stack(history)
+

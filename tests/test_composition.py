@@ -21,7 +21,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 import seqpar
 from seqpar.errors import SeqparInputError
 from tests._dist import run_ranks
-from tests._models import SEQ, build, tokens
+from tests._models import SEQ, build, documents_alone_history, tokens
 
 # Packed rows: documents restart their position ids; edges fall inside shards and chunks at 2 and 4 ranks.
 DOCUMENTS = [(13, 21, 14), (30, 18), (48,), (7, 7, 34)]
@@ -39,28 +39,7 @@ def packed_rows(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _reference(model, steps):
     """One process, every document run by itself: per-step (loss, gradient norm), SGD updates."""
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    history = []
-    for step in range(steps):
-        ids, _ = packed_rows(step)
-        total, count = 0.0, 0
-        for row, docs in zip(ids, DOCUMENTS):
-            start = 0
-            for n in docs:
-                doc = row[None, start : start + n]
-                logits = model(input_ids=doc).logits[:, :-1]
-                total = total + torch.nn.functional.cross_entropy(
-                    logits.flatten(0, 1), doc[:, 1:].flatten(), reduction="sum"
-                )
-                count += n - 1
-                start += n
-        loss = total / count
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=float("inf"))
-        opt.step()
-        opt.zero_grad()
-        history.append(torch.stack([loss.detach(), norm]))
-    return torch.stack(history)
+    return documents_alone_history(model, lambda step: packed_rows(step)[0], DOCUMENTS, steps, LR, float("inf"))
 
 
 def _parallel(model, forward, mesh, group, dp_rank, dp_size, accumulation, *, reduce=None, no_sync=None):

@@ -23,7 +23,7 @@ import seqpar
 from seqpar.errors import SeqparInputError
 from seqpar.integrations.pipeline_balance import balanced_split
 from tests._dist import run_ranks
-from tests._models import SEQ, tiny_config, tokens
+from tests._models import SEQ, documents_alone_history, tiny_config, tokens
 
 # 8 packed rows; documents restart their position ids, edges inside shards and micro-batches.
 DOCUMENTS = [(13, 21, 14), (30, 18), (48,), (7, 7, 34), (20, 28), (48,), (5, 43), (24, 24)]
@@ -55,27 +55,7 @@ def packed_rows(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def reference(model: torch.nn.Module) -> torch.Tensor:
     """One process, every document alone, the whole batch per step: per-step (loss, gradient norm)."""
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    history = []
-    for step in range(STEPS):
-        ids, _ = packed_rows(step)
-        total, count = 0.0, 0
-        for row, docs in zip(ids, DOCUMENTS):
-            start = 0
-            for n in docs:
-                doc = row[None, start : start + n]
-                logits = model(input_ids=doc).logits[:, :-1]
-                total = total + torch.nn.functional.cross_entropy(
-                    logits.flatten(0, 1), doc[:, 1:].flatten(), reduction="sum"
-                )
-                count, start = count + n - 1, start + n
-        loss = total / count
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        opt.step()
-        opt.zero_grad()
-        history.append(torch.stack([loss.detach(), norm]))
-    return torch.stack(history)
+    return documents_alone_history(model, lambda step: packed_rows(step)[0], DOCUMENTS, STEPS, LR, MAX_NORM)
 
 
 def train(pipe: seqpar.PipelineParallel, mesh: seqpar.SequenceParallelMesh) -> torch.Tensor:
