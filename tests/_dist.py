@@ -10,6 +10,7 @@ from datetime import timedelta
 
 import torch
 
+import seqpar
 from seqpar.runtime.spawn import spawn_ranks
 
 __all__ = ["run_ranks", "shard_index"]
@@ -24,8 +25,11 @@ def run_ranks(world_size: int, fn: Callable[..., None], *args: object, backend: 
     spawn_ranks(fn, world_size, *args, backend=backend, timeout=timedelta(seconds=120))
 
 
-def shard_index(layout: str, world_size: int, rank: int, seq_len: int) -> torch.Tensor:
+def shard_index(layout, world_size: int, rank: int, seq_len: int) -> torch.Tensor:
     """Global token indices of ``rank``'s shard, written out independently of seqpar.layout."""
+    if isinstance(layout, seqpar.ChunkLayout):  # equal chunks; the rank's chunk ids in order
+        n = seq_len // (world_size * len(layout.chunk_ids[rank]))
+        return torch.cat([torch.arange(c * n, (c + 1) * n) for c in layout.chunk_ids[rank]])
     if layout == "contiguous":
         n = seq_len // world_size
         return torch.arange(rank * n, (rank + 1) * n)

@@ -19,7 +19,8 @@ def _layout_worker(rank, world_size):
         1,
     )
     x = torch.arange(2 * 36 * 5, dtype=torch.float32).reshape(2, 36, 5).requires_grad_()
-    for layout in ("contiguous", "zigzag"):
+    scrambled = seqpar.ChunkLayout(((1, 4), (0, 5), (2, 3)))
+    for layout in ("contiguous", "zigzag", scrambled):
         idx = shard_index(layout, world_size, rank, 36)
         local = seqpar.shard_sequence(x, mesh, dim=1, layout=layout)
         torch.testing.assert_close(local, x[:, idx], atol=0, rtol=0)
@@ -32,10 +33,32 @@ def _layout_worker(rank, world_size):
         (seqpar.gather_sequence(shard, mesh, dim=1, layout=layout) * weights).sum().backward()
         expected = torch.arange(36, dtype=torch.float32)[idx][None, :, None] * sum(range(1, world_size + 1))
         torch.testing.assert_close(shard.grad, expected.expand_as(shard), atol=0, rtol=0)
+    # shard_batch(layout="balanced"): every tensor sharded with the batch's own layout, the same on every rank
+    positions = torch.cat([torch.arange(n) for n in (40, 7, 3, 11, 27)])[None]  # 88 tokens, padded to 90
+    batch = {"input_ids": torch.arange(88)[None] + 1000, "position_ids": positions}
+    shard = seqpar.shard_batch(batch, mesh, layout="balanced")
+    assert isinstance(shard.layout, seqpar.ChunkLayout) and shard.layout.chunk_ids != ((0, 5), (1, 4), (2, 3))
+    padded = torch.cat([batch["input_ids"], torch.zeros(1, 2, dtype=torch.long)], 1)
+    idx = shard_index(shard.layout, world_size, rank, 90)
+    torch.testing.assert_close(shard["input_ids"], padded[:, idx], atol=0, rtol=0)
+    full_positions = torch.cat([positions, torch.arange(2)[None]], 1)
+    torch.testing.assert_close(shard["position_ids"], full_positions[:, idx], atol=0, rtol=0)
+    torch.testing.assert_close(seqpar.gather_sequence(shard["input_ids"], mesh, layout=shard.layout), padded)
     with pytest.raises(SeqparInputError, match="multiple of 6"):
         seqpar.shard_sequence(torch.zeros(1, 35), mesh, dim=1, layout="zigzag")
     with pytest.raises(SeqparInputError, match="unknown layout 'striped'"):
         seqpar.position_ids(36, mesh, "striped")
+    with pytest.raises(SeqparInputError, match="made per batch"):
+        seqpar.shard_sequence(x, mesh, dim=1, layout="balanced")
+    with pytest.raises(SeqparInputError, match="does not fit a group of 3 ranks"):
+        seqpar.shard_sequence(x, mesh, dim=1, layout=seqpar.ChunkLayout(((0, 1), (2, 3))))
+    # a ChunkLayout that differs across ranks is refused on every rank, before attention's collectives
+    q = torch.randn(1, 2, 12, 8)
+    mine = seqpar.ChunkLayout(((0, 1), (2, 3), (4, 5)) if rank else ((1, 4), (0, 5), (2, 3)))
+    with pytest.raises(SeqparInputError, match="inputs differ across ranks"):
+        seqpar.attention(q, q, q, mesh=mesh, layout=mine)
+    with pytest.raises(SeqparInputError, match="made per batch"):
+        seqpar.attention(q, q, q, mesh=mesh, layout="balanced")
 
 
 def test_layouts_on_three_ranks():

@@ -1,6 +1,6 @@
 """Block-causal masks (a block size or token ranges) and bidirectional documents, alone and combined with
-documents and windows: every strategy and layout equals single-device SDPA with the dense mask written out
-here, outputs and gradients, at P = 2, 3, 4.
+documents and windows: every strategy and layout (zigzag, contiguous, the balanced layout of each case) equals
+single-device SDPA with the dense mask written out here, outputs and gradients, at P = 2, 3, 4.
 """
 
 from __future__ import annotations
@@ -102,8 +102,10 @@ def _kinds_worker(rank, world_size):
     strategies = ["ring", "allgather", "ulysses"] + (["hybrid"] if world_size == 4 else [])
     for strategy in strategies:
         mesh = seqpar.make_mesh(ulysses_size=2 if strategy == "hybrid" else 1)
-        for layout in ("zigzag", "contiguous"):
-            for case in kind_cases(seq_len):
+        for case in kind_cases(seq_len):
+            positions, causal, window, blocks, _ = case
+            balanced = seqpar.balanced_layout(positions, world_size, causal=causal, window=window, blocks=blocks)
+            for layout in ("zigzag", "contiguous", balanced):
                 check_kind(rank, world_size, mesh, strategy, layout, *case)
     q = torch.randn(1, 2, seq_len // world_size, 8)
     mesh = seqpar.make_mesh()

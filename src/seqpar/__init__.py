@@ -6,7 +6,8 @@ Why a sharded run differs from one process: ``doctor``.
 """
 
 from seqpar.api import AttentionChoice, attention, choose_attention
-from seqpar.data import IGNORE_INDEX, pack_documents, shard_batch
+from seqpar.balanced import LayoutBalance, balanced_layout, layout_balance
+from seqpar.data import IGNORE_INDEX, BatchShard, pack_documents, shard_batch
 from seqpar.diagnosis import DoctorReport, doctor
 from seqpar.errors import SeqparInputError
 from seqpar.gradients import clip_grad_norm_, reduce_gradients
@@ -16,7 +17,7 @@ from seqpar.integrations.pipeline_parallel import PipelineParallel, apply_pipeli
 from seqpar.integrations.tensor_parallel import apply_tensor_parallel
 from seqpar.integrations.transformers import attention_choice, prepare_model
 from seqpar.kernels import select_kernel
-from seqpar.layout import LAYOUTS, gather_sequence, position_ids, shard_sequence
+from seqpar.layout import LAYOUTS, ChunkLayout, gather_sequence, position_ids, shard_sequence
 from seqpar.loss import count_valid_tokens, cross_entropy, lm_head_cross_entropy, sum_over
 from seqpar.memory import MemoryEstimate, apply_activation_offload, apply_tiled_mlp, estimate_memory
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh, make_mesh
@@ -29,8 +30,11 @@ __all__ = [
     "LAYOUTS",
     "STRATEGIES",
     "AttentionChoice",
+    "BatchShard",
+    "ChunkLayout",
     "Cluster",
     "DoctorReport",
+    "LayoutBalance",
     "MemoryEstimate",
     "PipelineParallel",
     "Plan",
@@ -45,6 +49,7 @@ __all__ = [
     "as_sp_mesh",
     "attention",
     "attention_choice",
+    "balanced_layout",
     "choose_attention",
     "clip_grad_norm_",
     "context_parallel",
@@ -55,6 +60,7 @@ __all__ = [
     "doctor",
     "estimate_memory",
     "gather_sequence",
+    "layout_balance",
     "lm_head_cross_entropy",
     "make_mesh",
     "pack_documents",

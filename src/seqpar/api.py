@@ -15,6 +15,7 @@ import torch
 from seqpar.checks import check_attention_inputs
 from seqpar.errors import SeqparInputError
 from seqpar.kernels import AttentionKernel, select_kernel
+from seqpar.layout import Layout
 from seqpar.mesh import as_sp_mesh
 from seqpar.strategies import STRATEGY_FUNCTIONS
 from seqpar.strategies.masking import SequenceMask, sequence_mask
@@ -75,7 +76,7 @@ def attention(
     mesh: object = None,
     strategy: str = "auto",
     causal: bool = True,
-    layout: str = "zigzag",
+    layout: Layout = "zigzag",
     scale: float | None = None,
     kernel: str | AttentionKernel = "auto",
     check_inputs: bool = True,
@@ -98,7 +99,8 @@ def attention(
         strategy: "ulysses", "ring", "allgather", "hybrid" (the mesh's ulysses axis x its ring axis) or
             "auto" (``resolve_strategy``).
         causal: apply a causal mask over global positions.
-        layout: how the caller sharded the sequence: "contiguous" or "zigzag" (one choice per model).
+        layout: how the caller sharded the sequence: "contiguous", "zigzag", or the ``ChunkLayout`` of this
+            batch (``shard.layout`` of ``shard_batch(layout="balanced")``, Note [balanced layout]).
         scale: softmax scale; defaults to ``1 / sqrt(head_dim)``.
         kernel: local kernel: "auto", a name from ``seqpar.kernels.KERNELS``, or an ``AttentionKernel``.
         check_inputs: check every rank's inputs against every other rank's (one small all-gather per call)

@@ -18,14 +18,28 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
+from seqpar.balanced import balanced_layout
 from seqpar.errors import SeqparInputError
-from seqpar.layout import chunks_per_rank, shard_for_rank
+from seqpar.layout import ChunkLayout, Layout, chunks_per_rank, shard_for_rank
 from seqpar.mesh import as_sp_mesh
 from seqpar.strategies.masking import check_packed_positions
 
-__all__ = ["IGNORE_INDEX", "pack_documents", "shard_batch"]
+__all__ = ["IGNORE_INDEX", "BatchShard", "pack_documents", "shard_batch"]
 
 IGNORE_INDEX = -100
+
+
+class BatchShard(dict):
+    """This rank's shard of a batch: a dict of tensors, and ``layout``, the layout it was sharded with.
+
+    With ``shard_batch(layout="balanced")`` the layout is this batch's own ``ChunkLayout``: give it to every
+    call that takes a layout for this batch (``seqpar.attention``, ``gather_sequence``, the model prepared
+    with ``layout="balanced"`` as ``model(..., seqpar_layout=shard.layout)``).
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], layout: Layout) -> None:
+        super().__init__(tensors)
+        self.layout = layout
 
 
 def _as_2d(name: str, t: object) -> torch.Tensor:
@@ -42,10 +56,10 @@ def shard_batch(
     batch: Mapping[str, object],
     mesh: object = None,
     *,
-    layout: str = "zigzag",
+    layout: Layout = "zigzag",
     pad_token_id: int = 0,
     ignore_index: int = IGNORE_INDEX,
-) -> dict[str, torch.Tensor]:
+) -> BatchShard:
     """This rank's shard of a global batch (Note [labels before sharding]); no communication.
 
     Args:
@@ -55,14 +69,17 @@ def shard_batch(
             optional ``position_ids`` ``[B, S]`` restarting at 0 at each packed document (default: 0..S-1);
             optional ``attention_mask`` ``[B, S]`` with right padding only (0 = padding, ignored by the loss).
         mesh: the sequence-parallel mesh, group, or None.
-        layout: "zigzag" or "contiguous", the layout every attention call will be told.
+        layout: "zigzag", "contiguous", "balanced" (this batch's own layout: every rank equal attention work on
+            its packed documents, Note [balanced layout]) or a ``ChunkLayout``; the layout every attention
+            call of this batch will be told.
         pad_token_id: token used when a row is padded up to a multiple of the layout.
         ignore_index: label value the loss ignores.
 
     Returns:
-        ``{"input_ids", "position_ids", "shift_labels"}``, each ``[B, S'/P]`` (``S'`` = ``S`` padded up to a
-        multiple of the layout). Call the model as ``model(input_ids=..., position_ids=...)`` and the loss
-        as ``seqpar.cross_entropy(logits, shard["shift_labels"], mesh)``.
+        A ``BatchShard``: ``{"input_ids", "position_ids", "shift_labels"}``, each ``[B, S'/P]`` (``S'`` = ``S``
+        padded up to a multiple of the layout, 2P for "balanced"), and ``.layout``, the layout used (a
+        ``ChunkLayout`` for "balanced"). Call the model as ``model(input_ids=..., position_ids=...)`` and
+        the loss as ``seqpar.cross_entropy(logits, shard["shift_labels"], mesh)``.
 
     Raises:
         SeqparInputError: missing ``input_ids``, shapes that differ, labels that look shifted already
@@ -115,17 +132,18 @@ def shard_batch(
         # the last real token has no real successor to predict
         shifted[:, :-1][keep[:, :-1] & ~keep[:, 1:]] = ignore_index
 
-    multiple = sp.sp_size * chunks_per_rank(layout)
+    multiple = sp.sp_size * (2 if layout == "balanced" else chunks_per_rank(layout))
+    if isinstance(layout, ChunkLayout) and layout.world_size != sp.sp_size:
+        raise SeqparInputError(f"the {layout} does not fit the {sp.sp_size} sequence-parallel ranks")
     pad = -s % multiple
     if pad:
         ids = torch.cat([ids, ids.new_full((b, pad), pad_token_id)], dim=1)
         shifted = torch.cat([shifted, shifted.new_full((b, pad), ignore_index)], dim=1)
         positions = torch.cat([positions, torch.arange(pad, device=ids.device).expand(b, pad)], dim=1)
-    return {
-        "input_ids": shard_for_rank(ids, sp.sp_rank, sp.sp_size, 1, layout),
-        "position_ids": shard_for_rank(positions, sp.sp_rank, sp.sp_size, 1, layout),
-        "shift_labels": shard_for_rank(shifted, sp.sp_rank, sp.sp_size, 1, layout),
-    }
+    if layout == "balanced":
+        layout = balanced_layout(positions, sp.sp_size)
+    tensors = {"input_ids": ids, "position_ids": positions, "shift_labels": shifted}
+    return BatchShard({k: shard_for_rank(t, sp.sp_rank, sp.sp_size, 1, layout) for k, t in tensors.items()}, layout)
 
 
 def pack_documents(

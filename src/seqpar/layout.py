@@ -1,4 +1,4 @@
-"""How a global sequence is cut into per-rank shards ("contiguous" or "zigzag") and put back together.
+"""How a global sequence is cut into per-rank shards ("contiguous", "zigzag" or a ``ChunkLayout``) and put back.
 
 Every strategy, the loss and the position ids use these same chunk orders, so they can never disagree.
 
@@ -12,6 +12,7 @@ Note [zigzag layout]
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,8 @@ from seqpar.mesh import as_sp_mesh
 
 __all__ = [
     "LAYOUTS",
+    "ChunkLayout",
+    "Layout",
     "chunks_per_rank",
     "gather_sequence",
     "position_ids",
@@ -33,28 +36,83 @@ __all__ = [
 LAYOUTS = ("contiguous", "zigzag")
 
 
-def chunks_per_rank(layout: str) -> int:
+@dataclass(frozen=True)
+class ChunkLayout:
+    """An explicit layout: the sequence is cut into equal chunks and rank r holds ``chunk_ids[r]``, in that order.
+
+    ``seqpar.balanced_layout`` makes one per batch (Note [balanced layout]); ``shard_batch(layout="balanced")``
+    returns it as ``shard.layout``. Pass the same object to every call that takes a layout for that batch.
+    """
+
+    chunk_ids: tuple[tuple[int, ...], ...]
+    """Global chunk indices of each rank, rank by rank, ascending within a rank (its local order): together a
+    permutation of ``0..n-1``, the same count per rank."""
+    name: str = "balanced"
+    """How the layout was made (for messages)."""
+
+    def __post_init__(self) -> None:
+        ids = tuple(tuple(int(c) for c in per_rank) for per_rank in self.chunk_ids)
+        object.__setattr__(self, "chunk_ids", ids)
+        if not ids or not ids[0]:
+            raise SeqparInputError("a ChunkLayout needs at least one rank with at least one chunk")
+        if len({len(per_rank) for per_rank in ids}) != 1:
+            raise SeqparInputError(f"every rank of a ChunkLayout must hold the same number of chunks, got {ids}")
+        if sorted(c for per_rank in ids for c in per_rank) != list(range(len(ids) * len(ids[0]))):
+            raise SeqparInputError(f"the chunk ids of a ChunkLayout must be a permutation of 0..n-1, got {ids}")
+        if any(list(per_rank) != sorted(per_rank) for per_rank in ids):
+            raise SeqparInputError(f"each rank's chunk ids in a ChunkLayout must be ascending, got {ids}")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the layout is for."""
+        return len(self.chunk_ids)
+
+    @property
+    def chunks_per_rank(self) -> int:
+        """Chunks each rank holds."""
+        return len(self.chunk_ids[0])
+
+    def __str__(self) -> str:
+        return f"{self.name} layout ({self.world_size} ranks x {self.chunks_per_rank} chunks)"
+
+
+Layout = str | ChunkLayout
+"""A layout: "contiguous", "zigzag", or an explicit ``ChunkLayout``."""
+
+
+def chunks_per_rank(layout: Layout) -> int:
     """Number of equal chunks each rank holds under ``layout`` (1 for contiguous, 2 for zigzag).
 
     Raises:
         SeqparInputError: for an unknown layout.
     """
+    if isinstance(layout, ChunkLayout):
+        return layout.chunks_per_rank
     if layout == "contiguous":
         return 1
     if layout == "zigzag":
         return 2
-    raise SeqparInputError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
+    if layout == "balanced":
+        raise SeqparInputError(
+            "layout 'balanced' is made per batch: pass the ChunkLayout that shard_batch returned (shard.layout) "
+            "or that seqpar.balanced_layout made, not the name"
+        )
+    raise SeqparInputError(f"unknown layout {layout!r}; choose one of {LAYOUTS} or pass a ChunkLayout")
 
 
 @functools.lru_cache(maxsize=64)
-def _chunk_ids(layout: str, world_size: int) -> tuple[tuple[int, ...], ...]:
+def _chunk_ids(layout: Layout, world_size: int) -> tuple[tuple[int, ...], ...]:
+    if isinstance(layout, ChunkLayout):
+        if layout.world_size != world_size:
+            raise SeqparInputError(f"the {layout} does not fit a group of {world_size} ranks")
+        return layout.chunk_ids
     k = chunks_per_rank(layout)
     if k == 1:
         return tuple((r,) for r in range(world_size))
     return tuple((r, 2 * world_size - 1 - r) for r in range(world_size))
 
 
-def rank_chunk_ids(layout: str, world_size: int, rank: int | None = None) -> tuple[int, ...]:
+def rank_chunk_ids(layout: Layout, world_size: int, rank: int | None = None) -> tuple[int, ...]:
     """Global chunk indices held by ``rank`` (in local order), or by every rank, rank-major, if ``rank`` is None.
 
     The global sequence has ``world_size * chunks_per_rank(layout)`` chunks of equal length.
@@ -65,7 +123,7 @@ def rank_chunk_ids(layout: str, world_size: int, rank: int | None = None) -> tup
     return ids[rank]
 
 
-def _check_divisible(seq_len: int, layout: str, world_size: int) -> int:
+def _check_divisible(seq_len: int, layout: Layout, world_size: int) -> int:
     n_chunks = world_size * chunks_per_rank(layout)
     if seq_len % n_chunks:
         raise SeqparInputError(
@@ -80,14 +138,14 @@ def _sp_rank_and_size(mesh: object) -> tuple[int, int, dist.ProcessGroup | None]
     return sp.sp_rank, sp.sp_size, sp.sp_group
 
 
-def shard_sequence(x: torch.Tensor, mesh: object, dim: int = 1, layout: str = "zigzag") -> torch.Tensor:
+def shard_sequence(x: torch.Tensor, mesh: object, dim: int = 1, layout: Layout = "zigzag") -> torch.Tensor:
     """This rank's shard of a full sequence tensor (no communication; differentiable).
 
     Args:
         x: the full sequence, identical on every rank of the sequence-parallel group.
         mesh: a ``SequenceParallelMesh`` (``seqpar.make_mesh``), a process group, or a 1-D DeviceMesh.
         dim: the sequence dimension of ``x``.
-        layout: "contiguous" or "zigzag" (Note [zigzag layout]).
+        layout: "contiguous", "zigzag" (Note [zigzag layout]) or a ``ChunkLayout``.
 
     Returns:
         The local shard, ``x.shape[dim] // P`` long along ``dim``, chunks in local order.
@@ -99,7 +157,7 @@ def shard_sequence(x: torch.Tensor, mesh: object, dim: int = 1, layout: str = "z
     return shard_for_rank(x, rank, size, dim, layout)
 
 
-def shard_for_rank(x: torch.Tensor, rank: int, world_size: int, dim: int, layout: str) -> torch.Tensor:
+def shard_for_rank(x: torch.Tensor, rank: int, world_size: int, dim: int, layout: Layout) -> torch.Tensor:
     """The shard of a full sequence tensor that ``rank`` of ``world_size`` holds (no group needed).
 
     Args:
@@ -107,7 +165,7 @@ def shard_for_rank(x: torch.Tensor, rank: int, world_size: int, dim: int, layout
         rank: the sequence-parallel rank whose shard to take.
         world_size: the sequence-parallel degree.
         dim: the sequence dimension of ``x``.
-        layout: "contiguous" or "zigzag" (Note [zigzag layout]).
+        layout: "contiguous", "zigzag" (Note [zigzag layout]) or a ``ChunkLayout``.
 
     Returns:
         ``x.shape[dim] // world_size`` positions along ``dim``, chunks in local order (a view when contiguous).
@@ -120,13 +178,13 @@ def shard_for_rank(x: torch.Tensor, rank: int, world_size: int, dim: int, layout
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
-def natural_order_index(layout: str, world_size: int, device: torch.device | None = None) -> torch.Tensor:
+def natural_order_index(layout: Layout, world_size: int, device: torch.device | None = None) -> torch.Tensor:
     """Index that turns rank-major chunks into global order: ``natural[j] = rank_major[index[j]]``."""
     ids = torch.tensor(rank_chunk_ids(layout, world_size))
     return ids.argsort().to(device)
 
 
-def owner_order_index(layout: str, world_size: int, device: torch.device | None = None) -> torch.Tensor:
+def owner_order_index(layout: Layout, world_size: int, device: torch.device | None = None) -> torch.Tensor:
     """Index that turns globally ordered chunks into rank-major order: ``rank_major[i] = natural[index[i]]``."""
     return torch.tensor(rank_chunk_ids(layout, world_size), device=device)
 
@@ -141,7 +199,7 @@ def reorder_chunks(x: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tens
 
 class _GatherSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, size: int, dim: int, layout: str):
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, size: int, dim: int, layout: Layout):
         ctx.group, ctx.size, ctx.dim, ctx.layout = group, size, dim, layout
         out = all_gather_first_dim(x.movedim(dim, 0), group)  # [S, ...], rank-major chunks
         out = reorder_chunks(out, 0, natural_order_index(layout, size, out.device))
@@ -155,7 +213,7 @@ class _GatherSequence(torch.autograd.Function):
         return reduce_scatter_first_dim(moved, ctx.group).movedim(0, ctx.dim), None, None, None, None
 
 
-def gather_sequence(x_local: torch.Tensor, mesh: object, dim: int = 1, layout: str = "zigzag") -> torch.Tensor:
+def gather_sequence(x_local: torch.Tensor, mesh: object, dim: int = 1, layout: Layout = "zigzag") -> torch.Tensor:
     """Reassemble the full sequence from every rank's shard (the inverse of ``shard_sequence``).
 
     Differentiable: the gradient of a shard is the sum, over ranks, of the gradient each rank's
@@ -186,14 +244,14 @@ def gather_sequence(x_local: torch.Tensor, mesh: object, dim: int = 1, layout: s
 
 
 def position_ids(
-    seq_len: int, mesh: object, layout: str = "zigzag", device: torch.device | str | None = None
+    seq_len: int, mesh: object, layout: Layout = "zigzag", device: torch.device | str | None = None
 ) -> torch.Tensor:
     """Global position ids of this rank's tokens under ``layout`` (for RoPE and for labels).
 
     Args:
         seq_len: the full (global) sequence length.
         mesh: a ``SequenceParallelMesh``, a process group, or a 1-D DeviceMesh.
-        layout: "contiguous" or "zigzag".
+        layout: "contiguous", "zigzag" or a ``ChunkLayout``.
         device: where to put the result.
 
     Returns:

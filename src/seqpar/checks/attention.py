@@ -6,6 +6,7 @@ Each rank's inputs become an ``InputSignature``; every rank checks every rank's 
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -13,7 +14,7 @@ import torch.distributed as dist
 
 from seqpar.checks.agreement import Signature, by_rank, exchange_signatures
 from seqpar.errors import SeqparInputError
-from seqpar.layout import LAYOUTS, chunks_per_rank
+from seqpar.layout import LAYOUTS, ChunkLayout
 from seqpar.strategies.policy import STRATEGIES, ulysses_heads_problem
 
 __all__ = ["DTYPES", "MAX_HEAD_DIM", "SIGNATURE_LENGTH", "InputSignature", "TensorSignature", "check_attention_inputs"]
@@ -60,7 +61,10 @@ class InputSignature(Signature):
     """What one rank passed to ``seqpar.attention``, as the ranks compare it."""
 
     strategy_code: int  # index in STRATEGIES, -1 for an unknown name
-    layout_code: int  # index in LAYOUTS, -1 for an unknown name
+    layout_code: int  # index in LAYOUTS, len(LAYOUTS) for a ChunkLayout, -1 for an unknown name
+    layout_chunks: int  # chunks per rank (0 for an unknown layout)
+    layout_ranks: int  # ranks a ChunkLayout is for (0 for a named layout)
+    layout_hash: int  # CRC-32 of a ChunkLayout's chunk ids (0 for a named layout): ranks must hold the same one
     causal: bool
     scale_ok: bool
     same_device: bool
@@ -78,7 +82,7 @@ class InputSignature(Signature):
         k: torch.Tensor,
         v: torch.Tensor,
         strategy: str,
-        layout: str,
+        layout: str | ChunkLayout,
         causal: bool,
         scale: float | None,
         window: int | None,
@@ -88,7 +92,7 @@ class InputSignature(Signature):
         scale_ok = scale is None or (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0)
         return cls(
             strategy_code=_code(strategy, STRATEGIES),
-            layout_code=_code(layout, LAYOUTS),
+            **_layout_fields(layout),
             causal=bool(causal),
             scale_ok=bool(scale_ok),
             same_device=q.device == k.device == v.device,
@@ -107,8 +111,23 @@ class InputSignature(Signature):
 
     @property
     def layout(self) -> str | None:
-        """The layout name, or None for an unknown one."""
+        """The layout name ("chunks" for a ChunkLayout), or None for an unknown one."""
+        if self.layout_code == len(LAYOUTS):
+            return "chunks"
         return LAYOUTS[self.layout_code] if self.layout_code >= 0 else None
+
+
+def _layout_fields(layout: object) -> dict[str, int]:
+    if isinstance(layout, ChunkLayout):
+        digest = zlib.crc32(repr(layout.chunk_ids).encode())
+        return dict(
+            layout_code=len(LAYOUTS),
+            layout_chunks=layout.chunks_per_rank,
+            layout_ranks=layout.world_size,
+            layout_hash=digest,
+        )
+    code = _code(layout, LAYOUTS)
+    return dict(layout_code=code, layout_chunks=(1, 2)[code] if code >= 0 else 0, layout_ranks=0, layout_hash=0)
 
 
 SIGNATURE_LENGTH = InputSignature.width()  # int64 values each rank contributes to the check
@@ -120,7 +139,12 @@ def _problems(sig: InputSignature, sp_size: int, ulysses_size: int) -> list[str]
     if sig.strategy is None:
         problems.append(f"unknown strategy; choose one of {STRATEGIES}")
     if sig.layout is None:
-        problems.append(f"unknown layout; choose one of {LAYOUTS}")
+        problems.append(
+            f"unknown layout; choose one of {LAYOUTS} or pass a ChunkLayout (layout 'balanced' is made per batch: "
+            "pass shard.layout from seqpar.shard_batch)"
+        )
+    if sig.layout_ranks and sig.layout_ranks != sp_size:
+        problems.append(f"the ChunkLayout is for {sig.layout_ranks} ranks but the group has {sp_size}")
     if not sig.scale_ok:
         problems.append("scale must be a positive finite number or None")
     if sig.window == 0:
@@ -148,11 +172,11 @@ def _problems(sig: InputSignature, sp_size: int, ulysses_size: int) -> list[str]
     heads, kv_heads, local = qs[1], ks[1], qs[2]
     if kv_heads == 0 or heads % kv_heads:
         problems.append(f"key/value heads ({kv_heads}) must divide query heads ({heads})")
-    if sig.layout is not None and local % chunks_per_rank(sig.layout):
+    if sig.layout is not None and local % sig.layout_chunks:
         problems.append(
             f"local sequence length {local} does not divide into the {sig.layout} layout: the global "
             f"sequence ({local} x {sp_size} ranks) must be a multiple of "
-            f"{chunks_per_rank(sig.layout) * sp_size} (2P for zigzag); pad it"
+            f"{sig.layout_chunks * sp_size} (2P for zigzag); pad it"
         )
     if kv_heads and heads % kv_heads == 0:
         checked = []
@@ -171,7 +195,7 @@ def check_attention_inputs(
     *,
     group: dist.ProcessGroup | None,
     strategy: str,
-    layout: str,
+    layout: str | ChunkLayout,
     causal: bool,
     scale: float | None,
     ulysses_size: int = 1,

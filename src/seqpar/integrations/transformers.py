@@ -17,6 +17,7 @@ Note [transformers integration]
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -24,13 +25,17 @@ import torch
 from seqpar.api import AttentionChoice, attention, choose_attention
 from seqpar.checks import Signature, by_rank, exchange_signatures
 from seqpar.errors import SeqparInputError
+from seqpar.layout import LAYOUTS, ChunkLayout, Layout
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
 from seqpar.strategies.masking import SequenceMask, sequence_mask
 from seqpar.strategies.policy import STRATEGIES
 
-__all__ = ["ATTENTION_NAME", "attention_choice", "prepare_model"]
+__all__ = ["ATTENTION_NAME", "LAYOUT_KEYWORD", "attention_choice", "prepare_model"]
 
 ATTENTION_NAME = "seqpar"
+LAYOUT_KEYWORD = "seqpar_layout"
+"""The model-call keyword that carries a batch's own layout (``shard.layout`` of ``shard_batch``); the
+forward pre-hook takes it out before the model sees its arguments."""
 _CONTEXT_KEY = "seqpar_context"
 _HOOK_ATTR = "_seqpar_forward_hook"
 _CHOICE_ATTR = "_seqpar_attention_choices"
@@ -40,7 +45,7 @@ _CHOICE_ATTR = "_seqpar_attention_choices"
 class _Context:
     mesh: SequenceParallelMesh
     strategy: str
-    layout: str
+    layout: Layout
     kernel: str
     mask: SequenceMask
     choices: dict  # layer index -> AttentionChoice of its last call, read by attention_choice()
@@ -114,7 +119,18 @@ _CALL_PROBLEMS = {
     "attention_mask": "seqpar reads documents and padding from position_ids and shift_labels; drop attention_mask "
     "(shard_batch already masks padding out of the loss)",
     "use_cache": "seqpar-prepared models train without a KV cache; pass use_cache=False",
+    "no_layout": f"a model prepared with layout='balanced' needs each batch's layout: call it as "
+    f"model(input_ids=..., position_ids=..., {LAYOUT_KEYWORD}=shard.layout) with the shard from seqpar.shard_batch",
+    "bad_layout": f"{LAYOUT_KEYWORD} must be 'contiguous', 'zigzag' or the ChunkLayout of seqpar.shard_batch "
+    f"(shard.layout) for this many ranks",
 }
+
+
+def _layout_digest(layout: object) -> int:
+    """A number the ranks compare to agree on one call's layout (0 when none was passed)."""
+    if layout is None:
+        return 0
+    return zlib.crc32(repr(layout.chunk_ids if isinstance(layout, ChunkLayout) else layout).encode()) + 1
 
 
 @dataclass(frozen=True)
@@ -126,6 +142,9 @@ class _CallSignature(Signature):
     labels: bool
     attention_mask: bool  # one that masks something out (an all-ones mask is harmless)
     use_cache: bool
+    no_layout: bool
+    bad_layout: bool
+    layout_digest: int  # _layout_digest of the call's layout keyword: every rank must pass the same one
     positions_ndim: int
     positions_dims: tuple[int, int]  # the first two sizes, zero-padded
 
@@ -135,9 +154,12 @@ class _CallSignature(Signature):
         return list(self.positions_dims[: self.positions_ndim])
 
 
-def _agree_on_call(args: tuple, kwargs: dict, sp: SequenceParallelMesh) -> None:
+def _agree_on_call(
+    args: tuple, kwargs: dict, sp: SequenceParallelMesh, prepared: Layout, call_layout: object
+) -> None:
     """Check one model call on every rank at once (Note [agreeing on errors]): all raise, or none does."""
     attention_mask = kwargs.get("attention_mask")
+    fits = isinstance(call_layout, ChunkLayout) and call_layout.world_size == sp.sp_size
     positions = kwargs.get("position_ids")
     shape = list(positions.shape) if positions is not None else []
     signature = _CallSignature(
@@ -146,6 +168,9 @@ def _agree_on_call(args: tuple, kwargs: dict, sp: SequenceParallelMesh) -> None:
         labels=kwargs.get("labels") is not None,
         attention_mask=attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()),
         use_cache=bool(kwargs.get("use_cache")),
+        no_layout=prepared == "balanced" and call_layout is None,
+        bad_layout=call_layout is not None and not (fits or call_layout in LAYOUTS),
+        layout_digest=_layout_digest(call_layout),
         positions_ndim=len(shape),
         positions_dims=tuple([*shape, 0, 0][:2]),
     )
@@ -155,6 +180,8 @@ def _agree_on_call(args: tuple, kwargs: dict, sp: SequenceParallelMesh) -> None:
     if not problems and any((row.positions_ndim, row.positions_dims) != same for row in table):
         shapes = "; ".join(f"rank {r}: {row.positions_shape}" for r, row in enumerate(table))
         problems.append(f"position_ids shapes differ across ranks (every rank holds one equal shard): {shapes}")
+    if not problems and any(row.layout_digest != table[0].layout_digest for row in table):
+        problems.append(f"the ranks passed different {LAYOUT_KEYWORD} values; pass every rank its shard's layout")
     if problems:
         raise SeqparInputError(" | ".join(problems))
 
@@ -177,7 +204,7 @@ def prepare_model(
     mesh: object,
     *,
     strategy: str = "auto",
-    layout: str = "zigzag",
+    layout: Layout = "zigzag",
     kernel: str = "auto",
 ) -> torch.nn.Module:
     """Make a transformers model run sequence-parallel attention (Note [transformers integration]).
@@ -192,7 +219,8 @@ def prepare_model(
             Mistral, Gemma 3, ...).
         mesh: a ``SequenceParallelMesh`` (``seqpar.make_mesh``), the SP ProcessGroup, or None.
         strategy: as in ``seqpar.attention``.
-        layout: the layout ``shard_batch`` used.
+        layout: the layout ``shard_batch`` used: "zigzag", "contiguous", or "balanced" (each batch brings its
+            own: call the model with ``seqpar_layout=shard.layout``; any call may pass it to override).
         kernel: local kernel, as in ``seqpar.attention``.
 
     Returns:
@@ -209,6 +237,8 @@ def prepare_model(
         raise SeqparInputError(f"seqpar cannot serve this model's attention: {reason}")
     if strategy not in STRATEGIES:
         raise SeqparInputError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
+    if not (layout in (*LAYOUTS, "balanced") or isinstance(layout, ChunkLayout)):
+        raise SeqparInputError(f"unknown layout {layout!r}; choose one of {(*LAYOUTS, 'balanced')}")
     sp = as_sp_mesh(mesh)
     AttentionInterface.register(ATTENTION_NAME, _seqpar_attention)
     model.set_attn_implementation(ATTENTION_NAME)
@@ -222,18 +252,21 @@ def prepare_model(
 
     def check_and_inject(module, args, kwargs):
         if _CONTEXT_KEY in kwargs:  # checked by the enclosing model, which passes its context down
+            kwargs.pop(LAYOUT_KEYWORD, None)
             return args, kwargs
-        _agree_on_call(args, kwargs, sp)
+        call_layout = kwargs.pop(LAYOUT_KEYWORD, None)
+        _agree_on_call(args, kwargs, sp, layout, call_layout)
+        batch_layout = call_layout if call_layout is not None else layout
         kwargs["use_cache"] = False
         kwargs.pop("attention_mask", None)
         batch = kwargs["input_ids"].shape[0] if kwargs.get("input_ids") is not None else None
-        mask = sequence_mask(kwargs["position_ids"], sp, layout=layout, batch_size=batch)
+        mask = sequence_mask(kwargs["position_ids"], sp, layout=batch_layout, batch_size=batch)
         if max_positions is not None and mask.max_position >= max_positions:
             raise SeqparInputError(
                 f"position id {mask.max_position} is beyond the model's max_position_embeddings ({max_positions}); "
                 "use shorter sequences or documents"
             )
-        kwargs[_CONTEXT_KEY] = _Context(sp, strategy, layout, kernel, mask, choices)
+        kwargs[_CONTEXT_KEY] = _Context(sp, strategy, batch_layout, kernel, mask, choices)
         return args, kwargs
 
     # The decoder is hooked too, so that it can be called alone (hidden states for a chunked loss).

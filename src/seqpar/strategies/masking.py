@@ -22,7 +22,7 @@ import torch
 
 from seqpar.comm.collectives import all_gather_first_dim, collective_device
 from seqpar.errors import SeqparInputError
-from seqpar.layout import chunks_per_rank, natural_order_index, reorder_chunks
+from seqpar.layout import Layout, chunks_per_rank, natural_order_index, reorder_chunks
 from seqpar.mesh import as_sp_mesh
 from seqpar.strategies.mask_blocks import BlockCausal, block_causal
 
@@ -68,7 +68,7 @@ class SequenceMask:
         return self.starts is None and self.window is None and self.blocks is None
 
 
-def _gather_positions(local: torch.Tensor, mesh: object, layout: str) -> torch.Tensor:
+def _gather_positions(local: torch.Tensor, mesh: object, layout: Layout) -> torch.Tensor:
     """``[B, S]`` global position ids in natural order from every rank's ``[B, S/P]`` shard."""
     sp = as_sp_mesh(mesh)
     if sp.sp_size == 1:
@@ -101,7 +101,7 @@ def sequence_mask(
     position_ids: torch.Tensor | None,
     mesh: object = None,
     *,
-    layout: str = "zigzag",
+    layout: Layout = "zigzag",
     window: int | None = None,
     batch_size: int | None = None,
     blocks: int | Sequence[tuple[int, int]] | None = None,
@@ -115,7 +115,7 @@ def sequence_mask(
         position_ids: this rank's shard of the global position ids, ``[B, S/P]`` or ``[S/P]``, sharded with
             ``layout`` (``seqpar.shard_batch`` makes them); None for one unpacked document per row.
         mesh: the sequence-parallel mesh, group, or None for one process.
-        layout: the layout the ids were sharded with.
+        layout: the layout the ids were sharded with ("contiguous", "zigzag" or the batch's ``ChunkLayout``).
         window: sliding-window size, or None.
         batch_size: expected batch size of the ids (checked when given).
         blocks: block-causal blocks (Note [block-causal ranges]): a block size, or global ``(start, stop)``

@@ -55,7 +55,7 @@ import torch
 
 from seqpar.strategies.masking import SequenceMask
 
-__all__ = ["MASK_TILE", "MIN_WINDOW_TILE", "Block", "plan", "plan_blocks"]
+__all__ = ["MASK_TILE", "MIN_WINDOW_TILE", "Block", "chunk_tiles", "plan", "plan_blocks", "tile_kinds", "tile_size"]
 
 MASK_TILE = 1024
 MIN_WINDOW_TILE = 128
@@ -152,6 +152,69 @@ def plan(
     return mask.plans[key]
 
 
+def tile_size(chunk_len: int, mask: SequenceMask) -> int:
+    """Side of the square tiles a chunk pair is cut into under ``mask`` (Note [masked tiles])."""
+    tile = min(chunk_len, MASK_TILE)
+    if mask.window is not None:  # tiles of half a window: the band's masked edge wastes less compute
+        tile = min(tile, max(MIN_WINDOW_TILE, mask.window // 2))
+    if mask.blocks is not None and mask.blocks.size is not None:  # tiles of whole blocks: none of them masked
+        tile = min(tile, max(MIN_WINDOW_TILE, mask.blocks.size))
+    return tile
+
+
+SKIP, FULL, CAUSAL, MIXED = 0, 1, 2, 3
+"""Tile kinds of ``tile_kinds``: nothing visible, all visible, a plain causal square, masked."""
+
+
+def tile_kinds(
+    q_lo: torch.Tensor, q_hi: torch.Tensor, kv_lo: torch.Tensor, kv_hi: torch.Tensor, causal: bool, mask: SequenceMask
+) -> torch.Tensor:
+    """Kinds of the tiles ``[q_lo, q_hi] x [kv_lo, kv_hi]`` (inclusive global bounds), from their corners.
+
+    Every reason to skip is checked before any reason to mask, so a tile that is both on a window's edge
+    and across documents is skipped, not computed under an all-False mask (Note [masked tiles]).
+
+    Args:
+        q_lo, q_hi: ``[Tq]`` int64 first and last query of each query tile.
+        kv_lo, kv_hi: ``[Tk]`` int64 first and last key of each key tile.
+        causal: the token-level causal rule.
+        mask: the sequence mask.
+
+    Returns:
+        ``[Tq, Tk]`` int64 codes: ``SKIP``, ``FULL``, ``CAUSAL`` or ``MIXED``.
+    """
+    ql, qh, kl, kh = q_lo[:, None], q_hi[:, None], kv_lo[None], kv_hi[None]
+    skip = torch.zeros(ql.shape[0], kl.shape[1], dtype=torch.bool)
+    mixed = torch.zeros_like(skip)
+    if causal:
+        skip |= kl > qh
+    if mask.window is not None:
+        skip |= ql - kh >= mask.window
+        mixed |= qh - kl >= mask.window
+    if mask.starts is not None:
+        starts = mask.starts  # [B, S]; starts never decrease, so disjoint corner ranges share no document
+        q_first, q_last = starts[:, q_lo][:, :, None], starts[:, q_hi][:, :, None]
+        kv_first, kv_last = starts[:, kv_lo][:, None], starts[:, kv_hi][:, None]
+        skip |= ((kv_last < q_first) | (kv_first > q_last)).all(0)
+        one_document = (q_first == q_last) & (kv_first == kv_last) & (q_first == kv_first)
+        mixed |= ~one_document.all(0)
+    if mask.blocks is not None:  # Note [block-causal ranges]
+        skip |= mask.blocks.starts(kl) > mask.blocks.starts(qh)
+        mixed |= mask.blocks.starts(kh) > mask.blocks.starts(ql)
+    square = (ql == kl) & (qh == kh) if causal else torch.zeros_like(skip)
+    if causal:
+        mixed |= (kh > ql) & ~square
+    kinds = torch.where(square, CAUSAL, FULL)
+    kinds = torch.where(mixed, MIXED, kinds)
+    return torch.where(skip, SKIP, kinds)
+
+
+def chunk_tiles(chunk_id: int, chunk_len: int, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """First and last global token of each tile of chunk ``chunk_id`` (the last tile may be shorter)."""
+    lo = torch.arange(0, chunk_len, tile) + chunk_id * chunk_len
+    return lo, torch.clamp(lo + tile, max=(chunk_id + 1) * chunk_len) - 1
+
+
 def _masked_plan(
     q_chunks: Sequence[int],
     kv_chunks: Sequence[int],
@@ -160,11 +223,8 @@ def _masked_plan(
     mask: SequenceMask,
     device: torch.device | None,
 ) -> list[Block]:
-    tile = min(chunk_len, MASK_TILE)
-    if mask.window is not None:  # tiles of half a window: the band's masked edge wastes less compute
-        tile = min(tile, max(MIN_WINDOW_TILE, mask.window // 2))
-    if mask.blocks is not None and mask.blocks.size is not None:  # tiles of whole blocks: none of them masked
-        tile = min(tile, max(MIN_WINDOW_TILE, mask.blocks.size))
+    tile = tile_size(chunk_len, mask)
+    names = {FULL: "full", CAUSAL: "causal", MIXED: "mixed"}
     blocks = []
     for i, g in enumerate(q_chunks):
         for j, c in enumerate(kv_chunks):
@@ -173,52 +233,27 @@ def _masked_plan(
             whole = ((g * chunk_len, (g + 1) * chunk_len), (c * chunk_len, (c + 1) * chunk_len))
             if _classify(*whole, causal, mask) == "skip":  # the skip rules hold for the whole pair at once
                 continue
-            for q0 in range(0, chunk_len, tile):
-                for k0 in range(0, chunk_len, tile):
-                    q_glob = (g * chunk_len + q0, g * chunk_len + min(q0 + tile, chunk_len))
-                    kv_glob = (c * chunk_len + k0, c * chunk_len + min(k0 + tile, chunk_len))
-                    kind = _classify(q_glob, kv_glob, causal, mask)
-                    if kind == "skip":
+            (q_lo, q_hi), (kv_lo, kv_hi) = chunk_tiles(g, chunk_len, tile), chunk_tiles(c, chunk_len, tile)
+            kinds = tile_kinds(q_lo, q_hi, kv_lo, kv_hi, causal, mask).tolist()
+            for a, row in enumerate(kinds):
+                for b, kind in enumerate(row):
+                    if kind == SKIP:
                         continue
+                    q_glob, kv_glob = (int(q_lo[a]), int(q_hi[a]) + 1), (int(kv_lo[b]), int(kv_hi[b]) + 1)
+                    q0, k0 = q_glob[0] - g * chunk_len, kv_glob[0] - c * chunk_len
                     q_loc = slice(i * chunk_len + q0, i * chunk_len + q0 + q_glob[1] - q_glob[0])
                     kv_loc = slice(j * chunk_len + k0, j * chunk_len + k0 + kv_glob[1] - kv_glob[0])
-                    keep = _dense_mask(q_glob, kv_glob, causal, mask, device) if kind == "mixed" else None
-                    blocks.append(Block(q_loc, kv_loc, kind == "causal", keep))
+                    keep = _dense_mask(q_glob, kv_glob, causal, mask, device) if kind == MIXED else None
+                    blocks.append(Block(q_loc, kv_loc, names[kind] == "causal", keep))
     return blocks
 
 
 def _classify(q: tuple[int, int], kv: tuple[int, int], causal: bool, mask: SequenceMask) -> str:
-    """ "skip", "full", "causal" (a plain causal square) or "mixed", from the tile's corners.
-
-    Every reason to skip is checked before any reason to mask, so a tile that is both on a window's edge
-    and across documents is skipped, not computed under an all-False mask.
-    """
-    q_lo, q_hi = q[0], q[1] - 1
-    kv_lo, kv_hi = kv[0], kv[1] - 1
-    docs = None
-    if mask.starts is not None:
-        q_first, q_last = mask.starts[:, q_lo], mask.starts[:, q_hi]
-        kv_first, kv_last = mask.starts[:, kv_lo], mask.starts[:, kv_hi]
-        docs = (q_first, q_last, kv_first, kv_last)
-    if causal and kv_lo > q_hi:
-        return "skip"
-    if mask.window is not None and q_lo - kv_hi >= mask.window:
-        return "skip"
-    if docs is not None and bool(((docs[3] < docs[0]) | (docs[2] > docs[1])).all()):
-        return "skip"  # document starts never decrease: disjoint ranges share no document
-    blocks = mask.blocks
-    if blocks is not None and blocks.start(kv_lo) > blocks.start(q_hi):
-        return "skip"  # Note [block-causal ranges]: every key's block is after every query's
-    square = causal and q == kv
-    if causal and kv_hi > q_lo and not square:
-        return "mixed"
-    if blocks is not None and blocks.start(kv_hi) > blocks.start(q_lo):
-        return "mixed"
-    if mask.window is not None and q_hi - kv_lo >= mask.window:
-        return "mixed"
-    if docs is not None and not bool(((docs[0] == docs[1]) & (docs[2] == docs[3]) & (docs[0] == docs[2])).all()):
-        return "mixed"
-    return "causal" if square else "full"
+    """ "skip", "full", "causal" (a plain causal square) or "mixed" for one half-open tile (``tile_kinds``)."""
+    kind = tile_kinds(
+        torch.tensor([q[0]]), torch.tensor([q[1] - 1]), torch.tensor([kv[0]]), torch.tensor([kv[1] - 1]), causal, mask
+    )
+    return {SKIP: "skip", FULL: "full", CAUSAL: "causal", MIXED: "mixed"}[int(kind[0, 0])]
 
 
 def _dense_mask(

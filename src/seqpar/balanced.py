@@ -1,0 +1,275 @@
+"""The balanced layout: which chunks of a packed row each rank holds, so that every rank does the same attention work.
+
+``balanced_layout`` solves it from the global position ids (no communication); ``shard_batch`` calls it.
+
+Note [balanced layout]
+    The zigzag layout evens out plain causal attention, where a query's work grows with its index. In a
+    packed row it grows with the index inside the query's document instead, and a window or block-causal
+    ranges change it again, so zigzag leaves one rank with the long documents' late tokens and another with
+    short documents. The balanced layout cuts the row into ``n = k P`` equal chunks and gives every rank
+    ``k`` of them (so token counts stay equal), choosing which by each chunk's work under the batch's mask:
+    - visible area: for each query, the keys it may see (its document, causal, window, blocks), summed over
+      the chunk's queries and the batch rows;
+    - planned work: the area of the tiles the block planner will compute for the chunk (Note [masked
+      tiles]: masked tiles cost their whole rectangle, a causal square about half), counted with the same
+      tiles and the same corner rules (``seqpar.strategies.planner.tile_kinds``), so it is what the
+      kernels will be asked to do.
+    The solver minimises the larger of the two relative imbalances (a rank's share over the mean): a
+    longest-first greedy pass (each chunk, by decreasing work, to the least loaded rank that still has
+    room), then pairwise exchanges between the most loaded rank and any other while one lowers the larger
+    of the two ranks' loads. It tries k = 2, 4, 8, 16 in turn (the k that divide the row) and keeps the
+    first within ``tolerance``, else the best: fewer chunks mean fewer, larger kernel calls. Ties are broken
+    by chunk and rank index, so every rank computes the same layout from the same ids. Every rank's chunks
+    are kept in ascending order, so each rank's tiles stay in global order. Position ids and labels are
+    sharded with the same layout (``shard_batch``), the loss is a token sum and needs no order, and
+    ``gather_sequence`` with the layout puts the tokens back in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from seqpar.errors import SeqparInputError
+from seqpar.layout import ChunkLayout
+from seqpar.strategies.mask_blocks import block_causal
+from seqpar.strategies.masking import SequenceMask, check_packed_positions
+from seqpar.strategies.planner import chunk_tiles, tile_kinds, tile_size
+
+__all__ = ["CHUNKS_PER_RANK", "LayoutBalance", "balanced_layout", "layout_balance", "planned_work", "visible_area"]
+
+CHUNKS_PER_RANK = (2, 4, 8, 16)
+"""The chunks per rank the solver tries, fewest first (Note [balanced layout])."""
+
+
+def _mask_of(positions: torch.Tensor, window: int | None, blocks: object) -> SequenceMask:
+    """The ``SequenceMask`` of global ``[B, S]`` position ids, as ``sequence_mask`` would build it."""
+    index = torch.arange(positions.shape[1])
+    packed = bool((positions[:, 1:] == 0).any())
+    spec = None if blocks is None else block_causal(blocks)
+    return SequenceMask((index - positions) if packed else None, window, int(positions.max()), spec)
+
+
+def visible_area(mask: SequenceMask, seq_len: int, causal: bool = True) -> torch.Tensor:
+    """``[S]`` float64: keys each query may see under ``mask``, summed over the batch rows.
+
+    Args:
+        mask: the sequence mask (documents, window, blocks) over ``seq_len`` tokens.
+        seq_len: the global sequence length.
+        causal: the token-level causal rule (ignored under blocks, which carry their own).
+
+    Returns:
+        Per query token, the number of visible keys, summed over rows.
+    """
+    query = torch.arange(seq_len)[None]  # [1, S]
+    lo, hi = torch.zeros_like(query), torch.full_like(query, seq_len - 1)
+    if mask.starts is not None:
+        ends = torch.searchsorted(mask.starts.contiguous(), mask.starts.contiguous(), right=True)  # next document
+        lo, hi = torch.maximum(lo, mask.starts), torch.minimum(hi, ends - 1)
+    if mask.blocks is not None:  # keys of this block and earlier ones: up to the end of the query's block
+        block_start = mask.blocks.starts(query)
+        after = torch.searchsorted(block_start.flatten().contiguous(), block_start.flatten(), right=True)
+        hi = torch.minimum(hi, after[None] - 1)
+    elif causal:
+        hi = torch.minimum(hi, query)
+    if mask.window is not None:
+        lo = torch.maximum(lo, query - mask.window + 1)
+    return (hi - lo + 1).clamp(min=0).double().sum(0)
+
+
+def planned_work(mask: SequenceMask, seq_len: int, chunk_len: int, causal: bool = True) -> torch.Tensor:
+    """``[S / chunk_len]`` float64: the area of the tiles the planner computes for each chunk's queries.
+
+    Args:
+        mask: the sequence mask.
+        seq_len: the global sequence length.
+        chunk_len: tokens per chunk (sets the tiles, as ``plan`` cuts them).
+        causal: the token-level causal rule (ignored under blocks, which carry their own).
+
+    Returns:
+        Per query chunk, the scores of its computed tiles against every key (a causal square counts half).
+    """
+    causal = causal and mask.blocks is None
+    tile = tile_size(chunk_len, mask)
+    bounds = [chunk_tiles(c, chunk_len, tile) for c in range(seq_len // chunk_len)]
+    lo, hi = torch.cat([b[0] for b in bounds]), torch.cat([b[1] for b in bounds])
+    size = (hi - lo + 1).double()
+    weight = torch.tensor([0.0, 1.0, 0.5, 1.0], dtype=torch.float64)  # SKIP, FULL, CAUSAL, MIXED
+    rows = []
+    for start in range(0, len(lo), 256):  # query tiles a slice at a time: [256, T] kinds, not [T, T]
+        part = slice(start, start + 256)
+        kinds = tile_kinds(lo[part], hi[part], lo, hi, causal, mask)
+        rows.append((weight[kinds] * size[None]).sum(1) * size[part])
+    per_tile = torch.cat(rows)
+    return per_tile.view(len(bounds), -1).sum(1)
+
+
+@dataclass(frozen=True)
+class LayoutBalance:
+    """How evenly a layout spreads the work of one batch over the ranks (1.0 = perfectly even)."""
+
+    visible: tuple[float, ...]
+    """Visible attention area of each rank (query-key pairs a rank's queries may see)."""
+    planned: tuple[float, ...]
+    """Area of the tiles each rank's plan computes."""
+
+    @property
+    def visible_max_over_mean(self) -> float:
+        """The largest rank's visible area over the mean."""
+        return max(self.visible) * len(self.visible) / max(sum(self.visible), 1e-300)
+
+    @property
+    def planned_max_over_mean(self) -> float:
+        """The largest rank's planned tile area over the mean."""
+        return max(self.planned) * len(self.planned) / max(sum(self.planned), 1e-300)
+
+
+def _costs(mask: SequenceMask, seq_len: int, n_chunks: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[n]`` visible area and planned work of each of ``n_chunks`` equal chunks."""
+    chunk = seq_len // n_chunks
+    return visible_area(mask, seq_len, causal).view(n_chunks, chunk).sum(1), planned_work(mask, seq_len, chunk, causal)
+
+
+def layout_balance(
+    position_ids: torch.Tensor,
+    layout: ChunkLayout | str,
+    world_size: int,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    blocks: int | Sequence[tuple[int, int]] | None = None,
+) -> LayoutBalance:
+    """The per-rank work of a layout on one batch (to compare layouts; ``seqpar bench masks`` reports it).
+
+    Args:
+        position_ids: global ``[B, S]`` or ``[S]`` position ids (restarting at 0 at each packed document).
+        layout: "contiguous", "zigzag" or a ``ChunkLayout``.
+        world_size: the ranks.
+        causal, window, blocks: the attention's mask, as ``seqpar.attention`` takes them.
+
+    Returns:
+        A ``LayoutBalance``.
+
+    Raises:
+        SeqparInputError: position ids that are not packed ids, or a length the layout does not divide.
+    """
+    from seqpar.layout import rank_chunk_ids
+
+    positions = _global_positions(position_ids)
+    mask = _mask_of(positions, window, blocks)
+    ids = [rank_chunk_ids(layout, world_size, r) for r in range(world_size)]
+    n = sum(len(x) for x in ids)
+    if positions.shape[1] % n:
+        raise SeqparInputError(f"sequence length {positions.shape[1]} does not divide into {n} chunks")
+    visible, planned = _costs(mask, positions.shape[1], n, causal)
+    return LayoutBalance(
+        tuple(float(visible[list(r)].sum()) for r in ids), tuple(float(planned[list(r)].sum()) for r in ids)
+    )
+
+
+def _global_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    if position_ids.is_floating_point() or position_ids.dtype == torch.bool:
+        raise SeqparInputError(f"position_ids must be integers, got {position_ids.dtype}")
+    positions = position_ids.long().cpu()
+    if positions.dim() == 1:
+        positions = positions[None]
+    if positions.dim() != 2:
+        raise SeqparInputError(f"position_ids must be [batch, seq] or [seq], got {tuple(position_ids.shape)}")
+    check_packed_positions(positions)
+    return positions
+
+
+def _solve(costs: torch.Tensor, world_size: int, per_rank: int) -> tuple[list[list[int]], float]:
+    """Assign ``n`` chunks with ``[n, 2]`` costs (each column summing to 1) to ranks, ``per_rank`` each."""
+    n = costs.shape[0]
+    work = costs.tolist()
+    load = [[0.0, 0.0] for _ in range(world_size)]
+    owned: list[list[int]] = [[] for _ in range(world_size)]
+    for c in sorted(range(n), key=lambda c: (-(work[c][0] + work[c][1]), c)):
+        room = [r for r in range(world_size) if len(owned[r]) < per_rank]
+        r = min(room, key=lambda r: (max(load[r]), sum(load[r]), r))
+        owned[r].append(c)
+        load[r] = [load[r][0] + work[c][0], load[r][1] + work[c][1]]
+
+    def worst(x: list[float]) -> float:
+        return max(x) * world_size
+
+    for _ in range(4 * n):  # each exchange lowers the pair's larger load; few are ever needed
+        top = max(range(world_size), key=lambda r: (worst(load[r]), -r))
+        best = None
+        for other in range(world_size):
+            if other == top:
+                continue
+            bound = max(worst(load[top]), worst(load[other]))
+            for a in owned[top]:
+                for b in owned[other]:
+                    d = [work[a][i] - work[b][i] for i in range(2)]
+                    new_top = [load[top][i] - d[i] for i in range(2)]
+                    new_other = [load[other][i] + d[i] for i in range(2)]
+                    after = max(worst(new_top), worst(new_other))
+                    if after < bound - 1e-12 and (best is None or after < best[0]):
+                        best = (after, other, a, b, new_top, new_other)
+        if best is None:
+            break
+        _, other, a, b, new_top, new_other = best
+        owned[top][owned[top].index(a)] = b
+        owned[other][owned[other].index(b)] = a
+        load[top], load[other] = new_top, new_other
+    return [sorted(x) for x in owned], max(worst(x) for x in load)
+
+
+def balanced_layout(
+    position_ids: torch.Tensor,
+    world_size: int,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    blocks: int | Sequence[tuple[int, int]] | None = None,
+    chunks_per_rank: int | None = None,
+    tolerance: float = 0.02,
+) -> ChunkLayout:
+    """A layout that gives every rank equal attention work on this batch (Note [balanced layout]).
+
+    Deterministic and local: every rank computes the same layout from the same global ids.
+
+    Args:
+        position_ids: the *global* position ids ``[B, S]`` or ``[S]`` (restarting at 0 at each packed document).
+        world_size: the sequence-parallel degree P.
+        causal: whether attention is causal (False: bidirectional documents).
+        window: the sliding window the attention uses, or None.
+        blocks: block-causal blocks, as ``seqpar.sequence_mask`` takes them, or None.
+        chunks_per_rank: chunks each rank holds; None tries ``CHUNKS_PER_RANK`` (those dividing S) in turn.
+        tolerance: stop at the first chunk count whose largest rank is within ``1 + tolerance`` of the mean.
+
+    Returns:
+        A ``ChunkLayout`` for ``S`` tokens over ``world_size`` ranks.
+
+    Raises:
+        SeqparInputError: ids that are not packed ids, a world size below 1, or a length that divides into
+            no candidate chunk count (pad it to a multiple of 2P; ``shard_batch`` does).
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise SeqparInputError(f"world_size must be a positive integer, got {world_size!r}")
+    positions = _global_positions(position_ids)
+    seq_len = positions.shape[1]
+    options = CHUNKS_PER_RANK if chunks_per_rank is None else (chunks_per_rank,)
+    options = tuple(k for k in options if k >= 1 and seq_len % (k * world_size) == 0)
+    if not options:
+        wanted = 2 if chunks_per_rank is None else chunks_per_rank
+        raise SeqparInputError(
+            f"sequence length {seq_len} does not divide into {wanted} chunks per rank over {world_size} ranks; "
+            f"pad it to a multiple of {wanted * world_size}"
+        )
+    mask = _mask_of(positions, window, blocks)
+    best: tuple[float, list[list[int]]] | None = None
+    for k in options:
+        visible, planned = _costs(mask, seq_len, k * world_size, causal)
+        costs = torch.stack([visible / visible.sum().clamp(min=1e-300), planned / planned.sum().clamp(min=1e-300)], 1)
+        owned, score = _solve(costs, world_size, k)
+        if best is None or score < best[0] - 1e-12:
+            best = (score, owned)
+        if score <= 1 + tolerance:
+            break
+    return ChunkLayout(tuple(tuple(x) for x in best[1]))
