@@ -135,11 +135,18 @@ def test_pipeline_parallel_models_are_refused():
         check_data_parallel_engine(SimpleNamespace(args=None, model=loaded), 2)
 
 
-@pytest.mark.parametrize("name", ["sp2", "sp2_padded", "sft_packing", "sft_padding_free"])
+@pytest.mark.parametrize("name", ["sp2", "sp2_balanced", "sp2_padded", "sft_packing", "sft_padding_free"])
 def test_two_ranks_equal_one_process(two_ranks, name):
     found = _compare(two_ranks, name)
     assert found["setup"]["wrapper"] == "DistributedDataParallel"
-    want = _load(two_ranks / "reference" / f"{name}.pt")
+    layouts = found["setup"]["layouts"]
+    assert len(layouts) == 2 * STEPS  # every micro-batch was sharded once (gradient accumulation 2)
+    if CASES[name].layout == "balanced":  # each shard carried its own layout, and some are not zigzag's
+        zigzag = ((0, 3), (1, 2))
+        assert all(layout is not None for layout in layouts) and any(layout != zigzag for layout in layouts)
+    else:
+        assert layouts == [None] * len(layouts)
+    want = _load(two_ranks / "reference" / f"{CASES[name].reference or name}.pt")
     # TRL's metrics (Note [SFT metrics over shards]); the packing case evaluates, so its eval metrics too
     expected = {"sft_packing": 5, "sft_padding_free": 3}.get(name, 0)
     assert sum(bool(v) for v in want["metrics"].values()) == expected, want["metrics"]
@@ -228,7 +235,10 @@ def test_bad_input_raises_on_every_rank(two_ranks):
 
 @pytest.mark.parametrize("name", ["sp3_ring", "dp2_sp2", "ulysses2_ring2"])
 def test_more_ranks_equal_one_process(more_ranks, name):
-    assert _compare(more_ranks, name)["setup"]["wrapper"] == "DistributedDataParallel"
+    setup = _compare(more_ranks, name)["setup"]
+    assert setup["wrapper"] == "DistributedDataParallel"
+    # dp2_sp2 trains with layout="balanced": every shard brought its layout to the model
+    assert all((layout is not None) == (CASES[name].layout == "balanced") for layout in setup["layouts"])
 
 
 @pytest.mark.parametrize("name", ["sp2_fsdp2", "dp2_sp2_fsdp2"])

@@ -34,6 +34,7 @@ class Case:
     eval_batch: int = 0  # 0: no evaluation
     reference: str = ""  # compare with another case's reference (same data and settings)
     fsdp: bool = False  # the seqpar run loads its model FSDP2-sharded over every process (DistributedConfig)
+    layout: str = "zigzag"  # SequenceParallelConfig(layout=...) of the seqpar run (the reference has none)
 
     @property
     def dp(self) -> int:
@@ -45,6 +46,8 @@ CASES = {
     "sp2": Case(2, eval_batch=4),
     "sp2_adamw": Case(2, kind="qwen2", optim="adamw_torch"),
     "sp2_padded": Case(2, kind="mistral", strategy="ring", collator="padded"),
+    # packed documents of uneven lengths: each micro-batch's own layout, not zigzag's (the test checks)
+    "sp2_balanced": Case(2, eval_batch=4, layout="balanced", reference="sp2"),
     "sp2_checkpointing": Case(2, extra=(("gradient_checkpointing", True),), reference="sp2"),
     "sp2_bf16": Case(2, extra=(("bf16", True),), reference="sp2"),
     "sft_packing": Case(2, collator="sft", extra=SFT_PACKING, eval_batch=2),
@@ -55,7 +58,8 @@ CASES = {
     "gemma3_sp2": Case(2, kind="gemma3", eval_batch=2),
     "kv1_sp2": Case(2, kind="llama_kv1"),  # one KV head, degree 2: auto picks ulysses with the KV head copied
     "sp3_ring": Case(3, sp_size=3, strategy="ring"),
-    "dp2_sp2": Case(4, batch=1, extra=(("train_sampling_strategy", "random"),), eval_batch=2),
+    # balanced: the replicas' layouts differ; the evaluation's short replica runs a padding batch
+    "dp2_sp2": Case(4, batch=1, extra=(("train_sampling_strategy", "random"),), eval_batch=2, layout="balanced"),
     "ulysses2_ring2": Case(4, sp_size=4, ulysses_size=2, strategy="hybrid"),
     "dp2_sp2_fsdp2": Case(  # and activation checkpointing inside the FSDP2 units
         4,

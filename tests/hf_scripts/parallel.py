@@ -15,12 +15,13 @@ import transformers
 
 import seqpar
 import seqpar.hf
+from seqpar.integrations.transformers import LAYOUT_KEYWORD
 from tests.hf_scripts.common import CASES, build_trainer, model, results, save
 
 
 def _config(case) -> seqpar.hf.SequenceParallelConfig:
     return seqpar.hf.SequenceParallelConfig(
-        sp_size=case.sp_size, ulysses_size=case.ulysses_size, strategy=case.strategy
+        sp_size=case.sp_size, ulysses_size=case.ulysses_size, strategy=case.strategy, layout=case.layout
     )
 
 
@@ -41,6 +42,22 @@ def _sharded_model(case, where: str):
     )
 
 
+def _record_layouts(trainer) -> list:
+    """The chunk ids of the layout each training shard carried to the model (None: a fixed layout), as trained."""
+    seen = []
+    shard_batches = trainer.shard_batches
+
+    def recording(batches):
+        step = shard_batches(batches)
+        for shard in step.shards:
+            layout = shard.get(LAYOUT_KEYWORD)
+            seen.append(layout.chunk_ids if layout is not None else None)
+        return step
+
+    trainer.shard_batches = recording
+    return seen
+
+
 def run_case(out: str, name: str) -> None:
     case = CASES[name]
     where = os.path.join(out, name)
@@ -48,9 +65,11 @@ def run_case(out: str, name: str) -> None:
     trainer = build_trainer(
         name, case, where, _trainer_class(case), reference=False, sequence_parallel=_config(case), **extra
     )
+    layouts = _record_layouts(trainer)
     trainer.train()
     found = results(trainer)
     found["setup"]["strategy"] = seqpar.attention_choice(trainer.model).strategy
+    found["setup"]["layouts"] = layouts
     if dist.get_rank() == 0:
         save(os.path.join(out, f"{name}.pt"), found)
 

@@ -5,7 +5,15 @@
 
 from __future__ import annotations
 
-from seqpar.hf.batches import SequenceShard, StepShards, replica_of, replica_sampler, shard_step, to_shard
+from seqpar.hf.batches import (
+    SequenceShard,
+    StepShards,
+    model_inputs,
+    replica_of,
+    replica_sampler,
+    shard_step,
+    to_shard,
+)
 from seqpar.hf.config import SequenceParallelConfig
 from seqpar.hf.loaders import replica_loader
 from seqpar.hf.trainer import SequenceParallelMixin, SequenceParallelTrainer, build_mesh
@@ -18,6 +26,7 @@ __all__ = [
     "SequenceShard",
     "StepShards",
     "build_mesh",
+    "model_inputs",
     "replica_loader",
     "replica_of",
     "replica_sampler",

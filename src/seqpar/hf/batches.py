@@ -1,7 +1,7 @@
 """Collator output -> this rank's shard, for every micro-batch of an optimizer step, checked on all ranks at once.
 
-Used by the Trainer mixin and by hand-written accelerate loops (``shard_step``); ``replica_sampler`` gives a
-plain DataLoader the rows of this rank's data-parallel replica.
+Used by the Trainer mixin and by hand-written accelerate loops (``shard_step``, ``model_inputs``);
+``replica_sampler`` gives a plain DataLoader the rows of this rank's data-parallel replica.
 
 Note [one exchange per step]
     Before the model runs, every rank turns its micro-batches into shards (``seqpar.shard_batch``: labels
@@ -26,11 +26,14 @@ from torch.utils.data import DistributedSampler
 from seqpar.comm.collectives import collective_device
 from seqpar.data import IGNORE_INDEX, shard_batch
 from seqpar.errors import SeqparInputError
+from seqpar.integrations.transformers import LAYOUT_KEYWORD
+from seqpar.layout import ChunkLayout, Layout
 from seqpar.mesh import SequenceParallelMesh
 
 __all__ = [
     "SequenceShard",
     "StepShards",
+    "model_inputs",
     "padding_batch",
     "replica_of",
     "replica_sampler",
@@ -48,8 +51,26 @@ class SequenceShard(dict):
     """This rank's shard of one micro-batch: ``input_ids``, ``position_ids``, ``shift_labels`` ``[B, S'/P]``.
 
     A dict subclass so that the Trainer's device move (which rebuilds mappings with their own type) keeps
-    it recognisable as already sharded.
+    it recognisable as already sharded. Under ``layout="balanced"`` it also holds the batch's own
+    ``ChunkLayout`` under ``"seqpar_layout"`` (``LAYOUT_KEYWORD``): an entry, not an attribute, because that
+    rebuild keeps entries only (non-tensor ones unchanged). Call the model with ``model_inputs(shard)``.
     """
+
+
+def model_inputs(shard: Mapping[str, object]) -> dict[str, object]:
+    """The keyword arguments of the prepared model's call for one shard.
+
+    Args:
+        shard: a ``SequenceShard`` (from ``shard_step`` / ``to_shard``, moved to the device or not).
+
+    Returns:
+        ``{"input_ids", "position_ids"}``, and ``seqpar_layout`` when the shard carries its batch's own layout
+        (``layout="balanced"``): ``model(**model_inputs(shard))``.
+    """
+    inputs = {"input_ids": shard["input_ids"], "position_ids": shard["position_ids"]}
+    if shard.get(LAYOUT_KEYWORD) is not None:
+        inputs[LAYOUT_KEYWORD] = shard[LAYOUT_KEYWORD]
+    return inputs
 
 
 @dataclass
@@ -113,7 +134,7 @@ def _problem(batch: Mapping[str, object], sp_size: int) -> str | None:
     return None
 
 
-def to_shard(batch: Mapping[str, object], mesh: SequenceParallelMesh, *, layout: str = "zigzag") -> SequenceShard:
+def to_shard(batch: Mapping[str, object], mesh: SequenceParallelMesh, *, layout: Layout = "zigzag") -> SequenceShard:
     """This rank's shard of one collator output (no communication).
 
     Args:
@@ -122,12 +143,14 @@ def to_shard(batch: Mapping[str, object], mesh: SequenceParallelMesh, *, layout:
             at every packed document), ``attention_mask`` (right padding only). Varlen keys
             (``cu_seq_lens_q`` ...) are dropped: the documents are read from ``position_ids``.
         mesh: the sequence-parallel mesh.
-        layout: the layout the prepared model was told.
+        layout: the layout the prepared model was told: "zigzag", "contiguous", "balanced" (solved for this
+            batch, Note [balanced layout]) or a ``ChunkLayout``.
 
     Returns:
         A ``SequenceShard``; rows that do not divide into the layout are padded, and the padding is ignored.
         A batch of zero rows (a replica with no rows left at an epoch's end, Note [epoch ends]) becomes the
-        shard of ``padding_batch``: no valid token.
+        shard of ``padding_batch``: no valid token. A ``ChunkLayout`` (the one solved under "balanced") is
+        kept in the shard under ``"seqpar_layout"`` for the model call (``model_inputs``).
 
     Raises:
         SeqparInputError: unknown keys, packed rows without position ids, left padding, a sequence shorter
@@ -140,7 +163,11 @@ def to_shard(batch: Mapping[str, object], mesh: SequenceParallelMesh, *, layout:
     if problem is not None:
         raise SeqparInputError(problem)
     wanted = {k: batch[k] for k in SEQUENCE_KEYS if batch.get(k) is not None}
-    return SequenceShard(shard_batch(wanted, mesh, layout=layout))
+    sharded = shard_batch(wanted, mesh, layout=layout)
+    shard = SequenceShard(sharded)
+    if isinstance(sharded.layout, ChunkLayout):  # per batch: the model must be told it with this shard
+        shard[LAYOUT_KEYWORD] = sharded.layout
+    return shard
 
 
 def _fingerprint(batch: Mapping[str, object]) -> int:
@@ -181,7 +208,7 @@ def shard_step(
     mesh: SequenceParallelMesh,
     *,
     group: dist.ProcessGroup | None = None,
-    layout: str = "zigzag",
+    layout: Layout = "zigzag",
 ) -> StepShards:
     """Shard the micro-batches of one optimizer step and count its valid tokens over every rank (collective).
 
@@ -193,7 +220,8 @@ def shard_step(
         mesh: the sequence-parallel mesh.
         group: every rank that trains together (dp x sp; the default group under torchrun), or None for a
             single process.
-        layout: the layout the prepared model was told.
+        layout: the layout the prepared model was told ("balanced": each shard carries its own, see
+            ``to_shard``).
 
     Returns:
         The shards and ``num_valid_tokens`` for ``seqpar.cross_entropy``.

@@ -12,12 +12,17 @@ from seqpar.layout import LAYOUTS
 from seqpar.strategies import STRATEGIES
 
 __all__ = [
+    "TRAINER_LAYOUTS",
     "SequenceParallelConfig",
     "check_data_parallel_engine",
     "check_sft_arguments",
     "check_trainer_options",
     "check_training_arguments",
 ]
+
+
+TRAINER_LAYOUTS = (*LAYOUTS, "balanced")
+"""The layouts a ``SequenceParallelConfig`` takes: the fixed ones, and "balanced" (one per batch)."""
 
 
 @dataclass(frozen=True)
@@ -32,7 +37,9 @@ class SequenceParallelConfig:
         sp_size: ranks that share one sequence; None: every rank of the job (no data parallel).
         ulysses_size: how many of them exchange heads by all-to-all (the rest form a ring); divides ``sp_size``.
         strategy: "auto", "ulysses", "ring", "allgather" or "hybrid" (as in ``seqpar.attention``).
-        layout: "zigzag" (balanced causal work) or "contiguous".
+        layout: "zigzag" (even causal work on unpacked rows), "contiguous", or "balanced": each batch's own
+            layout, solved from its packed documents so every rank gets equal attention work (Note [balanced
+            layout]); the shards carry it to the model call.
         kernel: the local attention kernel, as in ``seqpar.attention`` ("auto" picks the fastest available).
     """
 
@@ -51,8 +58,8 @@ class SequenceParallelConfig:
             raise SeqparInputError(f"ulysses_size {self.ulysses_size} must divide sp_size {self.sp_size}")
         if self.strategy not in STRATEGIES:
             raise SeqparInputError(f"unknown strategy {self.strategy!r}; choose one of {STRATEGIES}")
-        if self.layout not in LAYOUTS:
-            raise SeqparInputError(f"unknown layout {self.layout!r}; choose one of {LAYOUTS}")
+        if self.layout not in TRAINER_LAYOUTS:
+            raise SeqparInputError(f"unknown layout {self.layout!r}; choose one of {TRAINER_LAYOUTS}")
 
 
 def check_training_arguments(args: object) -> None:

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from seqpar.comm.collectives import collective_device
 from seqpar.data import IGNORE_INDEX
-from seqpar.hf.batches import padding_batch, replica_of, shard_step
+from seqpar.hf.batches import model_inputs, padding_batch, replica_of, shard_step
+from seqpar.layout import Layout
 from seqpar.loss import cross_entropy, sum_over
 from seqpar.mesh import SequenceParallelMesh
 
@@ -42,7 +43,7 @@ def evaluation_loss(
     *,
     group: dist.ProcessGroup | None,
     batch_size: int,
-    layout: str = "zigzag",
+    layout: Layout = "zigzag",
     autocast: object = None,
     on_batch: object = None,
     statistics: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
@@ -58,7 +59,7 @@ def evaluation_loss(
         mesh: the sequence-parallel mesh.
         group: every rank of the job (None for one process).
         batch_size: the per-replica evaluation batch size ``E``.
-        layout: the layout the prepared model was told.
+        layout: the layout the prepared model was told ("balanced": each batch's own, passed to the model).
         autocast: a context-manager factory for mixed precision (e.g. ``accelerator.autocast``), or None.
         on_batch: called after every real batch (progress callbacks), or None.
         statistics: ``(logits, shift_labels) -> 1-D tensor`` of sums over this rank's shard, added up over the
@@ -79,9 +80,11 @@ def evaluation_loss(
         batch = next(batches, None)
         weight = max(0, min(batch_size, total - (k * dp_size + dp_rank) * batch_size)) if batch is not None else 0
         real = batch if batch is not None else padding_batch(mesh, device)
-        shard = {key: v.to(device) for key, v in shard_step([real], mesh, group=group, layout=layout).shards[0].items()}
+        shard = shard_step([real], mesh, group=group, layout=layout).shards[0]
+        # tensors to the device; the batch's own layout ("balanced") is not a tensor and stays as it is
+        shard = {key: v.to(device) if isinstance(v, torch.Tensor) else v for key, v in shard.items()}
         with torch.no_grad(), autocast() if autocast is not None else torch.autocast(device.type, enabled=False):
-            logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+            logits = model(**model_inputs(shard)).logits
             loss_sum = cross_entropy(logits, shard["shift_labels"], num_valid_tokens=1).double()
             extra = statistics(logits, shard["shift_labels"]) if statistics is not None else torch.zeros(0)
         count = (shard["shift_labels"] != IGNORE_INDEX).sum().double()

@@ -25,7 +25,7 @@ from transformers import DataCollatorWithFlattening, Trainer
 from transformers.trainer_utils import EvalLoopOutput
 
 from seqpar.errors import SeqparInputError
-from seqpar.hf.batches import SequenceShard, StepShards, replica_of, shard_step
+from seqpar.hf.batches import SequenceShard, StepShards, model_inputs, replica_of, shard_step
 from seqpar.hf.config import (
     SequenceParallelConfig,
     check_data_parallel_engine,
@@ -207,7 +207,7 @@ class SequenceParallelMixin:
                 "the model is not wrapped in DDP/FSDP: gradients would not be summed over ranks; train through "
                 "trainer.train() (which wraps it)"
             )
-        outputs = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"])
+        outputs = model(**model_inputs(inputs))  # with the batch's own layout under "balanced"
         total = int(num_items_in_batch) if num_items_in_batch is not None else None
         loss = cross_entropy(outputs.logits, inputs["shift_labels"], num_valid_tokens=total)
         loss = loss * self.accelerator.num_processes  # DDP / FSDP2 average over every process
