@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+import seqpar
 from seqpar.cli import main as cli_main
 from seqpar.errors import SeqparInputError
 
@@ -180,31 +181,27 @@ def test_real_data_files_and_local_model_config(tmp_path):
     PreTrainedTokenizerFast(
         tokenizer_object=words, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]"
     ).save_pretrained(str(model))  # next to config.json: the default tokenizer for --data
-    run = tmp_path / "run"
-    done = seqpar_train(
-        "--data",
-        str(docs),
-        "--text-field",
-        "body",
-        "--model",
-        str(model),
-        "--seq-len",
-        "100",
-        "--batch-size",
-        "2",
-        "--grad-accum",
-        "1",
-        "--steps",
-        "3",
-        "--run-dir",
-        str(run),
-        "--strategy",
-        "ulysses",
-    )
+    run, whole = tmp_path / "run", tmp_path / "whole"
+    files = ["--data", str(docs), "--text-field", "body", "--model", str(model), "--seq-len", "100"]
+    files += ["--batch-size", "2", "--grad-accum", "1", "--steps", "3"]
+    # the packed rows of uneven documents at sp 2 under the balanced layout, and on one rank: the same run
+    done = seqpar_train(*files, "--run-dir", str(run), "--strategy", "ulysses", "--layout", "balanced")
     assert done.returncode == 0, done.stderr
+    assert "; balanced layout (solved per batch)" in done.stdout
     assert sorted(losses(run)) == [1, 2, 3]
     resolved = json.loads((run / "config.json").read_text())
     assert resolved["strategy"] == "ulysses" and resolved["tokenizer_used"] == str(model)
+    assert resolved["layout"] == "balanced"
+    one = seqpar_train(*files, "--run-dir", str(whole), "--sp", "1")
+    assert one.returncode == 0, one.stderr
+    for key, rel in (("loss", 1e-4), ("grad_norm", 1e-5)):
+        assert losses(run, key) == pytest.approx(losses(whole, key), rel=rel), key
+    # the steps' batches (read back as the run read them) are laid out otherwise than zigzag
+    from seqpar.train.data import FileRows, load_tokenizer
+
+    rows = FileRows([str(docs)], load_tokenizer(str(model)), 100, "body", 0, str(run / "data"))
+    chunks = [seqpar.balanced_layout(rows.batch([2 * s, 2 * s + 1])["position_ids"], 2).chunk_ids for s in range(3)]
+    assert any(c != ((0, 3), (1, 2)) for c in chunks), chunks
     # Parquet data; data parallel over 2 ranks, bf16 autocast and activation checkpointing, from a YAML file
     import datasets
 
@@ -338,6 +335,7 @@ def test_bad_input_fails_clearly(tmp_path):
         (["--resume", str(tmp_path)], "not a complete seqpar checkpoint"),
         (["--pp", "2", "--layers", "1"], "needs 2 pipeline stages of at least one decoder layer each"),
         (["--pp", "2", "--pp-microbatches", "1"], "--pp-microbatches 1 is fewer than --pp 2"),
+        (["--layout", "balanced", "--pp", "2"], "--layout balanced cannot be combined with --pp > 1"),
     ]
     # the data problems are found by rank 0 after the ranks start, and one settings error goes through the
     # console script as a user meets it; the other settings are refused before any rank starts, so they run

@@ -15,7 +15,9 @@ from seqpar.errors import SeqparInputError
 from seqpar.strategies.policy import STRATEGIES
 from seqpar.train.pipeline_config import pipeline_problems
 
-__all__ = ["TrainConfig", "build_parser", "config_from_args"]
+__all__ = ["TRAIN_LAYOUTS", "TrainConfig", "build_parser", "config_from_args"]
+
+TRAIN_LAYOUTS = ("zigzag", "contiguous", "balanced")  # --layout; balanced: one per batch (Note [balanced layout])
 
 
 @dataclass
@@ -48,6 +50,9 @@ class TrainConfig:
     """Sequence-parallel degree (ranks that share one sequence)."""
     ulysses: int = 1
     """Ulysses degree inside sp (hybrid: ulysses x ring); must divide sp."""
+    layout: str = "zigzag"
+    """Which tokens of a row each sp rank holds: zigzag (even causal work for one document per row), contiguous,
+    or balanced (each batch's own, equal attention work on packed uneven documents of --data; not with --pp)."""
     dp: int = 1
     """Data-parallel degree; the world size must equal pp x dp x sp x tp."""
     tp: int = 1
@@ -154,6 +159,13 @@ class TrainConfig:
         for name in ("pp", "sp", "ulysses", "dp", "tp", "seq_len", "batch_size", "grad_accum", "steps", "timeout_s"):
             if getattr(self, name) < 1:
                 problems.append(f"--{name.replace('_', '-')} must be at least 1")
+        if self.layout not in TRAIN_LAYOUTS:
+            problems.append(f"--layout must be {', '.join(TRAIN_LAYOUTS)}, not {self.layout!r}")
+        elif self.layout == "balanced" and self.pp > 1:
+            problems.append(
+                "--layout balanced cannot be combined with --pp > 1: the pipeline stages are told one layout when "
+                "they are built, and balanced gives every batch its own; use --layout zigzag (or contiguous) with --pp"
+            )
         if self.ulysses >= 1 and self.sp >= 1 and self.sp % self.ulysses:
             problems.append(f"--ulysses {self.ulysses} must divide --sp {self.sp}")
         if self.batch_size >= 1 and self.grad_accum >= 1 and self.batch_size % self.grad_accum:
@@ -243,7 +255,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             parser.add_argument(flag, nargs="+", type=item, default=None, help=text)
         else:
             kind = int if f.type.startswith("int") else float if f.type.startswith("float") else str
-            parser.add_argument(flag, type=kind, default=None, help=text)
+            choices = {"layout": TRAIN_LAYOUTS}.get(f.name)  # listed in --help; bad ones exit 2 with the choices
+            parser.add_argument(flag, type=kind, default=None, choices=choices, help=text)
     return parser
 
 

@@ -19,6 +19,7 @@ from seqpar.train.metrics import MetricsWriter
 from seqpar.train.passkey import CHANCE, TASK
 from seqpar.train.pipeline import gather_stages
 from seqpar.train.state import RunState, answer_shift_labels
+from seqpar.train.step import shard_inputs
 
 __all__ = ["evaluate_passkey"]
 
@@ -35,11 +36,10 @@ def _accuracy_at(run: RunState, length: int) -> tuple[float, int]:
     for first in range(run.dp_rank * config.eval_examples, last, 4):
         indices = list(range(first, min(first + 4, last)))
         ids, answers = task.batch(length, indices, split="eval")
-        shard = seqpar.shard_batch({"input_ids": ids, "shift_labels": answer_shift_labels(ids, answers)}, mesh)
+        batch = {"input_ids": ids, "shift_labels": answer_shift_labels(ids, answers)}
+        shard = seqpar.shard_batch(batch, mesh, layout=config.layout)
         with run.autocast:
-            logits = run.model(
-                input_ids=shard["input_ids"].to(run.device), position_ids=shard["position_ids"].to(run.device)
-            ).logits
+            logits = run.model(**shard_inputs(run, shard)).logits
         labels = shard["shift_labels"].to(run.device)
         scored = labels != IGNORE_INDEX
         counts += torch.stack([((logits.argmax(-1) == labels) & scored).sum(), scored.sum()]).double().cpu()

@@ -135,7 +135,8 @@ def _rank_device(mesh: seqpar.SequenceParallelMesh) -> torch.device:
 
 
 def banner(config: TrainConfig, model: torch.nn.Module, mesh: seqpar.SequenceParallelMesh) -> str:
-    """The run's layout in one line: the mesh, and the attention strategy and kernel the model's first step ran.
+    """The run's layout in one line: the mesh, the attention strategy and kernel the model's first step ran, and
+    the sequence layout.
 
     Args:
         config: the run's settings.
@@ -153,7 +154,7 @@ def banner(config: TrainConfig, model: torch.nn.Module, mesh: seqpar.SequencePar
     return (
         f"mesh: {pipe if config.pp > 1 else ''}dp {config.dp} x sp {mesh.sp_size} (ring axis {mesh.ring_size} x "
         f"ulysses axis {mesh.ulysses_size}) x tp {config.tp}; attention: {ran}, {heads} heads / {kv_heads} KV heads "
-        "per rank"
+        f"per rank; {config.layout} layout{' (solved per batch)' if config.layout == 'balanced' else ''}"
     )
 
 
@@ -182,7 +183,8 @@ def set_up_run(config: TrainConfig, run_dir: str) -> RunState:
         model = model.to(device)
     if config.tp > 1:
         seqpar.apply_tensor_parallel(model, mesh)
-    seqpar.prepare_model(model, mesh, strategy=config.strategy)
+    # "balanced": each batch's layout comes with its shard (step.py, evaluate.py pass it as seqpar_layout=)
+    seqpar.prepare_model(model, mesh, strategy=config.strategy, layout=config.layout)
     pipeline = build_pipeline(config, model, mesh) if config.pp > 1 else None
     # "replicate": every rank holds the parameters, gradients summed by one all-reduce after the backward
     forward = (

@@ -12,11 +12,12 @@ from dataclasses import dataclass
 import torch
 
 import seqpar
-from seqpar.data import IGNORE_INDEX
+from seqpar.data import IGNORE_INDEX, BatchShard
+from seqpar.integrations.transformers import LAYOUT_KEYWORD
 from seqpar.train.pipeline import pipeline_gradients
 from seqpar.train.state import RunState
 
-__all__ = ["StepResult", "optimizer_step"]
+__all__ = ["StepResult", "optimizer_step", "shard_inputs"]
 
 
 @dataclass
@@ -45,7 +46,7 @@ def _answer_loss(outputs: torch.Tensor, labels: torch.Tensor, total: int, head: 
     return torch.nn.functional.cross_entropy(logits, labels[keep], reduction="sum") / max(total, 1)
 
 
-def _micro_batches(run: RunState, step: int) -> tuple[list[dict], list[torch.Tensor | None]]:
+def _micro_batches(run: RunState, step: int) -> tuple[list[BatchShard], list[torch.Tensor | None]]:
     """This rank's shards of the step's micro-batches, and of their passkey answer labels (None for data files)."""
     config = run.config
     micro = config.batch_size // config.grad_accum
@@ -54,18 +55,37 @@ def _micro_batches(run: RunState, step: int) -> tuple[list[dict], list[torch.Ten
     batches = [
         run.source.batch(list(range(first + m * micro, first + (m + 1) * micro))) for m in range(config.grad_accum)
     ]
-    shards = [seqpar.shard_batch(b, run.mesh) for b, _ in batches]
+    shards = [seqpar.shard_batch(b, run.mesh, layout=config.layout) for b, _ in batches]
+    # the answers follow their batch's tokens: the layout each shard was cut with ("balanced": its own)
     answers = [
-        seqpar.shard_batch({**b, "shift_labels": a}, run.mesh)["shift_labels"] if a is not None else None
-        for b, a in batches
+        seqpar.shard_batch({**b, "shift_labels": a}, run.mesh, layout=shard.layout)["shift_labels"]
+        if a is not None
+        else None
+        for (b, a), shard in zip(batches, shards)
     ]
     return shards, answers
 
 
-def _forward_loss(run: RunState, shard: dict, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+def shard_inputs(run: RunState, shard: BatchShard) -> dict:
+    """The prepared model's keyword arguments for one shard, on the run's device.
+
+    Args:
+        run: the run's state (its device and settings).
+        shard: a ``seqpar.shard_batch`` result.
+
+    Returns:
+        ``input_ids`` and ``position_ids``, and under --layout balanced the batch's own layout as ``seqpar_layout``.
+    """
+    inputs = {"input_ids": shard["input_ids"].to(run.device), "position_ids": shard["position_ids"].to(run.device)}
+    if run.config.layout == "balanced":
+        inputs[LAYOUT_KEYWORD] = shard.layout
+    return inputs
+
+
+def _forward_loss(run: RunState, shard: BatchShard, total: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward one micro-batch shard; returns its loss share and its outputs (logits, or hidden states when chunked)."""
     config = run.config
-    inputs = {"input_ids": shard["input_ids"].to(run.device), "position_ids": shard["position_ids"].to(run.device)}
+    inputs = shard_inputs(run, shard)
     labels = shard["shift_labels"].to(run.device)
     with run.autocast:
         if config.loss_chunk:
