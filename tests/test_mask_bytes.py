@@ -101,12 +101,15 @@ def test_bench_masks_writes_one_record_per_case(tmp_path):
     from seqpar.bench.masks import main
 
     out = tmp_path / "masks.json"
-    args = ["--seq", "512", "--repeats", "1", "--strategies", "ring", "allgather", "--layouts", "zigzag", "contiguous"]
+    args = ["--seq", "512", "--repeats", "1", "--strategies", "ring", "allgather", "--layouts", "zigzag", "balanced"]
     assert main([*args, "--json", str(out)]) == 0
     records = json.loads(out.read_text())
-    assert len(records) == 2 * 4 * 2  # strategies x masks x layouts
+    assert len(records) == 2 * 5 * 2  # strategies x masks x layouts
     for r in records:
-        assert len(r["bytes_sent_per_rank"]) == len(r["bytes_needed_per_rank"]) == RANKS
-        assert r["step_s"] > 0 and r["rank_time_max_over_mean"] >= 1
-        if r["mask"] != "causal":  # mask-aware: every byte sent is needed, up to message headers
+        assert len(r["bytes_sent_per_rank"]) == len(r["bytes_needed_per_rank"]) == len(r["rank_compute_s"]) == RANKS
+        assert r["step_s"] > 0 and r["rank_time_max_over_mean"] >= 1 and min(r["rank_compute_s"]) > 0
+        assert r["visible_max_over_mean"] >= 1
+        # mask-aware: every byte sent is needed, up to message headers (at 512 tokens the log-normal documents,
+        # of 100 tokens and more, hide no peer's K/V from every query of a rank, so the plain ring runs there)
+        if r["mask"] not in ("causal", "log-normal documents"):
             assert sum(r["bytes_sent_per_rank"]) < BOUND * sum(r["bytes_needed_per_rank"]), r

@@ -2,24 +2,29 @@
 
     seqpar bench masks                # 4 ranks, seq 8192, 8/2 heads, 16 uneven documents, window S/8, frames
     seqpar bench masks --ranks 2 --seq 16384 --docs 16 --window 2048 --layouts zigzag contiguous
-    seqpar bench masks --json masks.json
+    seqpar bench masks --layouts zigzag balanced --strategies ring --json masks.json
 
 Each strategy runs fwd+bwd on the same spawned gloo ranks (one thread each) for: plain causal, causal with
-packed documents of uneven lengths (tiles across documents are skipped, tiles on a boundary masked), a
-causal sliding window, and block-causal frames (a token sees its own frame and earlier ones). Work falls
-with the visible area; with a mask, ring, allgather and hybrid's ring axis also move only the K/V some
-peer query sees (Note [mask-aware ring]). Per (strategy, mask, layout) it measures the bytes each rank
-writes to its sockets (/proc/self/io) against the bytes the mask makes necessary (``masks_bytes``), the
-step time (slowest rank) and the slowest rank's time over the mean (load balance). ``--json FILE`` writes
-one record per (strategy, mask, layout) with ``bytes_sent_per_rank``, ``bytes_needed_per_rank``,
-``rank_time_max_over_mean`` and ``step_s``. Results are not checked here; the tests check every mask
-against SDPA and the bytes against the need.
+packed documents of uneven lengths (tiles across documents are skipped, tiles on a boundary masked), the
+same with log-normal document lengths (median S/16, 100 to 64K tokens), a causal sliding window, and
+block-causal frames (a token sees its own frame and earlier ones). Work falls with the visible area; with a
+mask, ring, allgather and hybrid's ring axis also move only the K/V some peer query sees (Note [mask-aware
+ring]). Layout "balanced" is solved per mask (Note [balanced layout]). Per (strategy, mask, layout) it
+measures the bytes each rank writes to its sockets (/proc/self/io) against the bytes the mask makes
+necessary (``masks_bytes``), the step time (slowest rank, wall), and each rank's attention compute time:
+the thread CPU time of its kernel calls (``TimedKernel``), which a rank waiting for a peer does not
+accrue, so ``rank_time_max_over_mean`` (the slowest rank's compute over the mean) measures load balance
+even where ranks share cores. ``--json FILE`` writes one record per (strategy, mask, layout) with
+``bytes_sent_per_rank``, ``bytes_needed_per_rank``, ``rank_compute_s``, ``rank_time_max_over_mean``,
+``visible_max_over_mean`` (the layout's visible-area balance) and ``step_s``. Results are not checked here;
+the tests check every mask against SDPA, the bytes against the need and the solver's balance.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -30,9 +35,12 @@ import torch
 import torch.distributed as dist
 
 import seqpar
+from seqpar.bench.kernel_time import TimedKernel
 from seqpar.bench.masks_bytes import needed_bytes, visible_fraction
 from seqpar.runtime.memory import written_bytes
 from seqpar.runtime.spawn import spawn_ranks
+
+__all__ = ["log_normal_documents", "main"]
 
 
 def _documents(seq: int, docs: int) -> torch.Tensor:
@@ -42,29 +50,61 @@ def _documents(seq: int, docs: int) -> torch.Tensor:
     return torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])])
 
 
+def log_normal_documents(seq: int, seed: int, median: int = 2000, sigma: float = 1.5) -> torch.Tensor:
+    """``[S]`` position ids of documents with log-normal lengths (clipped to 100..64K tokens) filling ``seq``.
+
+    Args:
+        seq: tokens in the row (the last document is cut to fit).
+        seed: the generator seed.
+        median: median document length.
+        sigma: standard deviation of the log length.
+
+    Returns:
+        Position ids restarting at 0 at every document.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    pieces, used = [], 0
+    while used < seq:
+        n = int(min(65536, max(100, math.exp(math.log(median) + sigma * torch.randn(1, generator=gen).item()))))
+        n = min(n, seq - used)
+        pieces.append(torch.arange(n))
+        used += n
+    return torch.cat(pieces)
+
+
 def _cases(args: argparse.Namespace) -> dict[str, tuple]:
     """Mask name -> (global position ids or None, window, block size)."""
     return {
         "causal": (None, None, None),
         f"{args.docs} documents": (_documents(args.seq, args.docs), None, None),
+        "log-normal documents": (log_normal_documents(args.seq, args.seed, args.median), None, None),
         f"window {args.window}": (None, args.window, None),
         f"frames {args.frame}": (None, None, args.frame),
     }
 
 
-def _measure(step, repeats: int) -> tuple[int, float]:
+def _measure(step, repeats: int, kernel: TimedKernel) -> tuple[int, float, float]:
+    """Bytes written in one step, median wall seconds of a step, and mean kernel CPU seconds of a step."""
     step()  # warm-up: plans and the K/V table are made once per mask
     dist.barrier()
     before = written_bytes()
     step()
     sent = written_bytes() - before
     times = []
+    kernel.seconds = 0.0
     for _ in range(repeats):
         dist.barrier()
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    return sent, statistics.median(times)
+    return sent, statistics.median(times), kernel.seconds / repeats
+
+
+def _layout_for(name: str, positions: torch.Tensor | None, window, frame, args) -> seqpar.ChunkLayout | str:
+    if name != "balanced":
+        return name
+    ids = positions if positions is not None else torch.arange(args.seq)
+    return seqpar.balanced_layout(ids, args.ranks, window=window, blocks=frame)
 
 
 def _worker(rank: int, world_size: int, args: argparse.Namespace, results: str) -> None:
@@ -75,31 +115,41 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, results: str) 
     q = torch.randn(1, args.heads, local, 64, generator=gen, requires_grad=True)
     k, v = (torch.randn(1, args.kv_heads, local, 64, generator=gen, requires_grad=True) for _ in "kv")
     dout = torch.randn(1, args.heads, local, 64, generator=gen)
+    kernel = TimedKernel(seqpar.select_kernel(q, k, v))
     records = []
-    for layout in args.layouts:
+    for layout_name in args.layouts:
         for name, (positions, window, frame) in _cases(args).items():
+            if not any(m in name for m in args.masks):
+                continue
+            layout = _layout_for(layout_name, positions, window, frame, args)
             shard = None if positions is None else seqpar.shard_sequence(positions[None], meshes["flat"], layout=layout)
             mask = seqpar.sequence_mask(shard, meshes["flat"], layout=layout, window=window, blocks=frame)
+            ids = positions if positions is not None else torch.arange(args.seq)
+            balance = seqpar.layout_balance(ids, layout, world_size, window=window, blocks=frame)
             for strategy in args.strategies:
                 mesh = meshes["two_d" if strategy == "hybrid" else "flat"]
 
                 def step(mesh=mesh, strategy=strategy, mask=mask, layout=layout) -> None:
-                    seqpar.attention(q, k, v, mesh=mesh, strategy=strategy, layout=layout, mask=mask).backward(dout)
+                    options = dict(mesh=mesh, strategy=strategy, layout=layout, mask=mask, kernel=kernel)
+                    seqpar.attention(q, k, v, **options).backward(dout)
 
-                sent, seconds = _measure(step, args.repeats)
-                mine = torch.tensor([float(sent), needed_bytes(strategy, cfg, mask, layout, rank), seconds])
+                sent, seconds, compute = _measure(step, args.repeats, kernel)
+                need = needed_bytes(strategy, cfg, mask, layout, rank)
+                mine = torch.tensor([float(sent), need, seconds, compute], dtype=torch.float64)
                 table = [torch.empty_like(mine) for _ in range(world_size)]
                 dist.all_gather(table, mine)
-                times = [float(t[2]) for t in table]
-                visible = visible_fraction(
-                    positions if positions is not None else torch.arange(args.seq), window, frame
-                )
+                computes = [float(t[3]) for t in table]
                 records.append({
-                    "strategy": strategy, "mask": name, "layout": layout, "ranks": world_size, "seq": args.seq,
+                    "strategy": strategy, "mask": name, "layout": layout_name, "ranks": world_size, "seq": args.seq,
+                    "chunks_per_rank": len(seqpar.layout.rank_chunk_ids(layout, world_size, 0)),
                     "bytes_sent_per_rank": [int(t[0]) for t in table],
                     "bytes_needed_per_rank": [int(t[1]) for t in table],
-                    "rank_time_max_over_mean": max(times) / statistics.mean(times),
-                    "step_s": max(times), "visible_vs_causal": visible,
+                    "rank_compute_s": computes,
+                    "rank_time_max_over_mean": max(computes) / statistics.mean(computes),
+                    "visible_max_over_mean": balance.visible_max_over_mean,
+                    "planned_max_over_mean": balance.planned_max_over_mean,
+                    "step_s": max(float(t[2]) for t in table),
+                    "visible_vs_causal": visible_fraction(ids, window, frame),
                 })  # fmt: skip
     if rank == 0:
         with open(results, "w") as f:
@@ -109,16 +159,18 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, results: str) 
 def _print(records: list[dict], args: argparse.Namespace) -> None:
     print(f"\n{args.ranks} ranks, seq {args.seq}, heads {args.heads}/{args.kv_heads}, head_dim 64, fp32, fwd+bwd")
     print(
-        "| strategy | layout | mask | step (s) | vs causal | visible vs causal | sent / needed | rank time max/mean |"
+        "| strategy | layout | mask | step (s) | vs causal | visible vs causal | sent / needed "
+        "| rank compute max/mean | visible area max/mean |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     base = {(r["strategy"], r["layout"]): r["step_s"] for r in records if r["mask"] == "causal"}
     for r in records:
         ratio = sum(r["bytes_sent_per_rank"]) / sum(r["bytes_needed_per_rank"])  # all ranks: headers cost little
         vs = r["step_s"] / base.get((r["strategy"], r["layout"]), r["step_s"])
         print(
             f"| {r['strategy']} | {r['layout']} | {r['mask']} | {r['step_s']:.2f} | {vs:.2f} | "
-            f"{r['visible_vs_causal']:.2f} | {ratio:.2f} | {r['rank_time_max_over_mean']:.2f} |"
+            f"{r['visible_vs_causal']:.2f} | {ratio:.2f} | {r['rank_time_max_over_mean']:.3f} | "
+            f"{r['visible_max_over_mean']:.3f} |"
         )
 
 
@@ -135,12 +187,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=None, help="sliding window (default: seq / 8)")
     parser.add_argument("--frame", type=int, default=None, help="block-causal block size (default: seq / 16)")
     parser.add_argument("--strategies", nargs="+", default=["ring", "allgather", "hybrid", "ulysses"])
-    parser.add_argument("--layouts", nargs="+", default=["zigzag"], choices=["zigzag", "contiguous"])
+    parser.add_argument(
+        "--layouts", nargs="+", default=["zigzag", "balanced"], choices=["zigzag", "contiguous", "balanced"]
+    )
+    parser.add_argument(
+        "--masks", nargs="+", default=["causal", "documents", "log-normal", "window", "frames"],
+        help="which masks to run (parts of their names)",
+    )  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="seed of the log-normal document lengths")
+    parser.add_argument("--median", type=int, default=None, help="median log-normal document (default: seq / 16)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", metavar="FILE", help="write one record per (strategy, mask, layout) here")
     args = parser.parse_args(argv)
     args.window = args.window or args.seq // 8
     args.frame = args.frame or args.seq // 16
+    args.median = args.median or max(100, args.seq // 16)
     with tempfile.TemporaryDirectory() as tmp:
         results = os.path.join(tmp, "results.json")
         spawn_ranks(_worker, args.ranks, args, results)
