@@ -22,6 +22,7 @@ LAYERS = {
     "strategies": 5,
     "checks": 6,
     "api": 7,
+    "balanced": 7,
     "data": 8,
     "loss": 8,
     "gradients": 8,

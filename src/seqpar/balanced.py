@@ -147,7 +147,9 @@ def layout_balance(
         position_ids: global ``[B, S]`` or ``[S]`` position ids (restarting at 0 at each packed document).
         layout: "contiguous", "zigzag" or a ``ChunkLayout``.
         world_size: the ranks.
-        causal, window, blocks: the attention's mask, as ``seqpar.attention`` takes them.
+        causal: whether attention is causal.
+        window: the sliding window, or None.
+        blocks: block-causal blocks, as ``seqpar.sequence_mask`` takes them, or None.
 
     Returns:
         A ``LayoutBalance``.
