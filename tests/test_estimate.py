@@ -234,6 +234,7 @@ def test_optimizer_offload_leaves_working_copies_on_the_device(capsys):
 def test_pipeline_stage_memory_bubble_and_traffic():
     """Note [pipeline memory and time]: the busiest rank's layers, micro-batches in flight, bubble, traffic."""
     from seqpar.errors import SeqparInputError
+    from seqpar.memory.estimate import estimate_stage_memory
     from seqpar.memory.pipeline import bubble_fraction, p2p_bytes, stage_views
 
     assert bubble_fraction(4, "1f1b", 8) == bubble_fraction(4, "gpipe", 8) == pytest.approx(3 / 11)
@@ -260,6 +261,16 @@ def test_pipeline_stage_memory_bubble_and_traffic():
     gpipe = estimate(2, "gpipe", 8, features=("checkpointing",))
     assert gpipe.peak > estimate(2, "1f1b", 8, features=("checkpointing",)).peak
     assert gpipe.checkpointed_activations >= 8 * 4096 * 256 * 4 * 2  # [T, H] inputs of 2 layers, 8 times
+    # the last rank holds the logits of its micro-batches in flight (torch's stage keeps its output until the
+    # backward), and the float32 log-softmax of all but the one whose backward starts: 8 under GPipe, 1 in 1F1B
+    first, last = estimate_stage_memory(LLAMA, 4096, sp_size=1, pp_size=2, pp_schedule="gpipe", pp_microbatches=8)
+    logits = 4096 * 32768 * 4
+    assert last.moment == "backward start" and last.logits_loss == 3 * logits + 8 * logits + 7 * logits
+    assert first.logits_loss == 0
+    _, last = estimate_stage_memory(LLAMA, 4096, sp_size=1, pp_size=2, pp_schedule="1f1b", pp_microbatches=8)
+    assert last.logits_loss == 3 * logits + logits
+    # torch's stages keep one receive buffer [T, H] per micro-batch and boundary, from step to step
+    assert last.pipeline_buffers == 8 * 4096 * 256 * 4 and last.between_steps >= last.pipeline_buffers
     with pytest.raises(SeqparInputError, match="8 pipeline stages need at least as many layers"):
         estimate(8)
     with pytest.raises(SeqparInputError, match="pp_microbatches 1 is fewer than pp_size 2"):

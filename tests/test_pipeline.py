@@ -248,19 +248,22 @@ def _pp2_x8_worker(rank, world_size):
         assert_trains_like_reference(pipe, mesh, want, trained, what)
 
 
-# 8 ranks on 2 cores spend about 35 s importing alone (47 s in all, measured); pp x dp (FSDP2) and pp x tp
-# run at 4 ranks above on every machine, the full compositions where 8 ranks have a core each.
+# 8 ranks on 2 cores: starting them and nothing else takes 39 s (a worker that only meets a barrier), this
+# test 54-78 s (measured forced on the shared 2-core machine), more than the suite can spend; pp x dp (FSDP2)
+# and pp x tp run at 4 ranks above on every machine, the full compositions where 8 ranks have a core each.
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 8, reason="8 gloo ranks need 8 CPU cores to run in seconds")
 def test_pp2_sp2_with_dp2_or_tp2_trains_like_one_process():
     run_ranks(8, _pp2_x8_worker)
 
 
 def test_bench_pipeline_prints_each_schedule_beside_the_prediction(capsys):
-    """``seqpar bench pipeline`` at toy size (timings meaningless here): one row per schedule, both sides."""
+    """``seqpar bench pipeline`` at toy size (timings meaningless here): one row per schedule, both sides, a
+    verdict. The memory run (a second spawn) is left to the bench itself; its model is checked in test_estimate."""
     from seqpar.cli import main as cli_main
 
     argv = ["bench", "pipeline", "--seq", "64", "--hidden", "64", "--heads", "4", "--vocab", "256", "--repeats", "1"]
-    assert cli_main(argv) == 0
+    assert cli_main([*argv, "--no-memory"]) == 0
     rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert [r[1].strip() for r in rows[1:]] == ["gpipe", "1f1b", "interleaved"]
-    assert [r[7].strip() for r in rows[1:]] == ["20%", "20%", "11%"]  # (p - 1) / (m + p - 1), / (2 m + p - 1)
+    assert {r[6].strip() for r in rows[1:]} <= {"yes", "NO"}
+    assert [r[8].strip() for r in rows[1:]] == ["20%", "20%", "11%"]  # (p - 1) / (m + p - 1), / (2 m + p - 1)

@@ -1,15 +1,20 @@
 """``seqpar estimate``: the predicted per-rank memory of one training step, as a table (``seqpar.estimate_memory``).
 
 seqpar estimate --model ./llama-config.json --seq-len 65536 --sp 8 --features checkpointing chunked_loss
+seqpar estimate --model llama-70b --seq-len 131072 --sp 2 --tp 2 --dp 2 --dp-mode fsdp --pp 2 --pp-microbatches 8
 """
 
 from __future__ import annotations
 
 import argparse
 
+import transformers
+
 from seqpar.memory import FEATURES, estimate_memory
+from seqpar.memory.estimate import estimate_stage_memory
 from seqpar.memory.pipeline import bubble_fraction, stage_views
 from seqpar.planning.memory import DTYPES
+from seqpar.planning.models import PRESETS
 from seqpar.train.config import TrainConfig
 from seqpar.train.data import load_tokenizer
 from seqpar.train.model import model_config
@@ -29,7 +34,11 @@ def add_estimate_parser(sub: argparse._SubParsersAction) -> None:
         description="Predict one rank's memory during one training step (forward, backward, gradient sum, "
         "optimizer) from a model config, without allocating it.",
     )
-    p.add_argument("--model", default="default", help="config.json or model directory; default: the train demo's")
+    p.add_argument(
+        "--model",
+        default="default",
+        help=f"config.json, model directory or a preset ({', '.join(PRESETS)}); default: the train demo's",
+    )
     p.add_argument("--seq-len", type=int, required=True, help="tokens of one whole sequence")
     p.add_argument("--sp", type=int, required=True, help="sequence-parallel degree")
     p.add_argument("--ulysses", type=int, default=1, help="ulysses degree inside sp (hybrid)")
@@ -79,10 +88,11 @@ def run_estimate(args: argparse.Namespace) -> int:
         seq_len=args.seq_len,
         eval_lengths=[args.seq_len],
     )
-    hf_config = model_config(settings, vocab)
-    estimate = estimate_memory(
-        hf_config,
-        args.seq_len,
+    if args.model.lower() in PRESETS:  # the planner's sizes, nothing downloaded
+        hf_config = transformers.AutoConfig.for_model(**PRESETS[args.model.lower()].as_config())
+    else:
+        hf_config = model_config(settings, vocab)
+    options = dict(
         sp_size=args.sp,
         ulysses_size=args.ulysses,
         dp_size=args.dp,
@@ -101,6 +111,7 @@ def run_estimate(args: argparse.Namespace) -> int:
         pp_schedule=args.pp_schedule,
         pp_microbatches=args.pp_microbatches,
     )
+    estimate = estimate_memory(hf_config, args.seq_len, **options)
     print(estimate.table())
     if args.pp > 1:
         layers = getattr(hf_config, "num_hidden_layers", 0)
@@ -111,4 +122,6 @@ def run_estimate(args: argparse.Namespace) -> int:
             f"{first.layers} of {layers} layers per rank; micro-batches in flight: first rank {first.in_flight:g}, "
             f"last rank {last.in_flight:g}; bubble {bubble:.0%} (Note [pipeline memory and time])"
         )
+        peaks = [e.peak / 2**30 for e in estimate_stage_memory(hf_config, args.seq_len, **options)]
+        print(f"peak per rank: first {peaks[0]:.1f} GiB, last {peaks[1]:.1f} GiB (the table shows the larger)")
     return 0

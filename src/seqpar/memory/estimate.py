@@ -22,7 +22,8 @@ Note [memory estimate]
     Logits: whole logits keep the [T, V] float32 log-softmax, and the loss backward adds the loss's and the
     log-softmax's gradients (3 x T x V x 4 bytes at the start of the backward, before the output head's
     weight gradient exists). Chunked loss: the same for one chunk, plus the [T, H] hidden-state gradient
-    and the output head's weight gradient, accumulated in one buffer from the first piece on.
+    and the output head's weight gradient, accumulated in one buffer from the first piece on. On a
+    pipeline's last rank, whole logits of several micro-batches may be held (Note [pipeline memory and time]).
     Attention is a flash kernel (no [S, S] scores). Its communication buffers live during the attention's
     forward and backward, when the layer's MLP tensors are not alive, so a layer's transient is the larger of
     the MLP moment and the attention moment (its saved tensors plus these buffers). Per layer: ulysses sends
@@ -61,12 +62,12 @@ import torch
 from seqpar.errors import SeqparInputError
 from seqpar.gradients import BUCKET_MB
 from seqpar.memory.activations import activation_bytes, comm_elements
-from seqpar.memory.pipeline import StageView, stage_views
+from seqpar.memory.pipeline import StageView, held_logits_bytes, stage_views
 from seqpar.memory.result import MemoryEstimate
 from seqpar.memory.shapes import ModelDims, model_dims, parameter_counts
 from seqpar.strategies.policy import ulysses_degrees, ulysses_heads_problem
 
-__all__ = ["FEATURES", "MemoryEstimate", "estimate_memory"]
+__all__ = ["FEATURES", "MemoryEstimate", "estimate_memory", "estimate_stage_memory"]
 
 FEATURES = ("checkpointing", "chunked_loss", "tiled_mlp", "offload")
 _OPTIMIZERS = {"adamw": 2, "adam": 2, "sgd": 0}
@@ -168,6 +169,74 @@ def estimate_memory(
             ``offload_optimizer`` without dp_mode "fsdp", pipeline settings that cannot work (fewer layers than
             stages, fewer micro-batches than ``pp_size``, an unknown schedule).
     """
+    return max(
+        estimate_stage_memory(
+            model_config,
+            seq_len,
+            sp_size=sp_size,
+            ulysses_size=ulysses_size,
+            dp_size=dp_size,
+            tp_size=tp_size,
+            dtype=dtype,
+            micro_batch=micro_batch,
+            features=features,
+            strategy=strategy,
+            optimizer=optimizer,
+            dp_mode=dp_mode,
+            loss_chunk=loss_chunk,
+            mlp_chunk=mlp_chunk,
+            keep_gradients=keep_gradients,
+            offload_optimizer=offload_optimizer,
+            pp_size=pp_size,
+            pp_schedule=pp_schedule,
+            pp_microbatches=pp_microbatches,
+        ),
+        key=lambda e: e.peak,
+    )
+
+
+def estimate_stage_memory(model_config: object, seq_len: int, **settings: object) -> list[MemoryEstimate]:
+    """``estimate_memory`` for each end of the pipeline: the first pp rank's estimate, then the last's.
+
+    ``estimate_memory`` returns the larger of the two; ``seqpar bench pipeline`` compares each with the rank
+    it measures.
+
+    Args:
+        model_config: as ``estimate_memory``.
+        seq_len: as ``estimate_memory``.
+        **settings: ``estimate_memory``'s keyword arguments.
+
+    Returns:
+        Two ``MemoryEstimate``s (first rank, last rank), or one when ``pp_size`` is 1.
+
+    Raises:
+        SeqparInputError: as ``estimate_memory``.
+    """
+    return _stage_estimates(model_config, seq_len, **settings)
+
+
+def _stage_estimates(
+    model_config: object,
+    seq_len: int,
+    *,
+    sp_size: int,
+    ulysses_size: int = 1,
+    dp_size: int = 1,
+    tp_size: int = 1,
+    dtype: torch.dtype = torch.float32,
+    micro_batch: int = 1,
+    features: tuple[str, ...] | list[str] = (),
+    strategy: str = "auto",
+    optimizer: str = "adamw",
+    dp_mode: str = "replicate",
+    loss_chunk: int = 1024,
+    mlp_chunk: int = 1024,
+    keep_gradients: bool = False,
+    offload_optimizer: bool = False,
+    pp_size: int = 1,
+    pp_schedule: str = "1f1b",
+    pp_microbatches: int | None = None,
+) -> list[MemoryEstimate]:
     features = tuple(features)
     sizes = {"sp_size": sp_size, "ulysses_size": ulysses_size, "dp_size": dp_size, "tp_size": tp_size}
     _check(seq_len, sizes, micro_batch, features, strategy, optimizer, dp_mode, offload_optimizer)
@@ -179,8 +248,7 @@ def estimate_memory(
     settings = dict(chosen=chosen, b=b, tokens=tokens, features=features, sizes=sizes, dp_mode=dp_mode)
     chunks = dict(loss_chunk=loss_chunk, mlp_chunk=mlp_chunk)
     options = dict(optimizer=optimizer, keep_gradients=keep_gradients, offload_optimizer=offload_optimizer)
-    found = [_estimate_rank(d, view, pp_size > 1, **settings, **chunks, **options) for view in views]
-    return max(found, key=lambda e: e.peak)
+    return [_estimate_rank(d, view, pp_size > 1, **settings, **chunks, **options) for view in views]
 
 
 def _estimate_rank(
@@ -216,6 +284,12 @@ def _estimate_rank(
     chunk = min(loss_chunk, tokens) if "chunked_loss" in features else tokens
     loss = 3 * chunk * d.vocab * 4 + (tokens * d.hidden * b if "chunked_loss" in features else 0)
     loss = loss if view.last else 0
+    # Note [pipeline memory and time]: torch's receive buffers, one per micro-batch and stage boundary, kept
+    recv = view.recv_buffers * tokens * d.hidden * b if pipelined else 0
+    act["kept"] += view.sends_held * tokens * d.hidden * b  # interleaved: sends held until the step ends
+    held_logits = 0  # Note [pipeline memory and time]: torch's last stage keeps outputs until their backward
+    if pipelined and "chunked_loss" not in features:
+        held_logits = held_logits_bytes(view, tokens, d.vocab, b)
     head_grad = head_params * b // shards
     all_grads = -(-total * b // shards)
     kept_grads = all_grads if keep_gradients else 0
@@ -230,7 +304,7 @@ def _estimate_rank(
         head_grad = head_params * b if d.tied else 0  # a root's gradients wait for the end of the backward
     # chunked: the output head's gradient accumulates in its own buffer from the first piece's backward on
     early = (head_grad or gathered_head) if "chunked_loss" in features else 0
-    moments = {"backward start": (kept_grads + early, act["kept"], 0, loss, 0, 0)}
+    moments = {"backward start": (kept_grads + early, act["kept"], 0, loss + held_logits, 0, 0)}
     worst = (0, 0)
     for done in range(d.layers):  # the backward of the (done+1)-th layer from the top
         in_flight = 2 * layer_params * b if offload_optimizer else (done + 1) * layer_params * b // shards
@@ -242,7 +316,7 @@ def _estimate_rank(
         transient, comm = act["recomputed"] + act["extra"], 0
     else:
         transient = act["recomputed_attention"]
-    moments["layer backward"] = (worst[1], worst[0] - worst[1], transient, 0, comm, 0)
+    moments["layer backward"] = (worst[1], worst[0] - worst[1], transient, held_logits, comm, 0)
     if dp_mode == "replicate" and dp_size * sp_size > 1:
         bucket = min(all_grads, int(BUCKET_MB * _MB))
         moments["gradient all-reduce"] = (all_grads, 0, 0, 0, bucket, 0)
@@ -260,12 +334,13 @@ def _estimate_rank(
         layer_transient=trans,
         logits_loss=logits,
         communication=comm_at,
-        peak=on_device[moment] + states + sum(moments[moment]),
+        peak=on_device[moment] + states + sum(moments[moment]) + recv,
         moment=moment,
-        between_steps=0 if offload_optimizer else params + states + kept_grads,
+        between_steps=(0 if offload_optimizer else params + states + kept_grads) + recv,
         tokens_per_rank=tokens,
         strategy=chosen,
         features=features,
         host=int(host),
         offload_optimizer=offload_optimizer,
+        pipeline_buffers=recv,
     )

@@ -14,11 +14,35 @@ Note [pipeline memory and time]
       first rank, interleaved (torch's ScheduleInterleaved1F1B): (v - 1) p + 2 (p - 1) warm-up chunk
         forwards of L / (p v) layers before its first backward, one more in the steady state:
         min(m v, (v - 1) p + 2 p - 1) / v, that is p (1 + (p - 1) / (p v)) micro-batches for m >= p.
-      last rank: GPipe m; 1F1B 1; interleaved min(m v, (v - 1) p + 1) / v. The logits and loss of one
-        micro-batch exist there only.
+      last rank: GPipe m; 1F1B 1; interleaved min(m v, (v - 1) p + 1) / v.
+    Logits on the last rank: torch's last stage computes a micro-batch's loss in its forward and keeps the
+    stage's output until that micro-batch's backward has run, so each of the last stage's micro-batches in
+    flight (n: GPipe m, 1F1B 1, interleaved 1: its last stage's forward and backward of a micro-batch run back
+    to back) holds its logits [T, V] in the model's dtype and the loss's float32 log-softmax; at the start of
+    one micro-batch's backward that one adds the loss's gradients (Note [memory estimate]), and while its
+    layers run backward the n logits and the n - 1 other log-softmaxes are still held. Measured with
+    ``seqpar bench pipeline`` (4 x 256 Llama, vocabulary 4096, seq 1024, m 4): the last rank under GPipe held
+    108 MiB above its layers' activations where 112 MiB of logits were due (a model with one logits
+    micro-batch predicted 0), 1F1B 14 MiB where 16 were due. With the chunked loss the last stage returns
+    hidden states and no micro-batch's whole logits exist; that case is not measured.
     The estimate takes the larger peak of the first rank (most activations, no logits) and the last rank
     (the head, the logits). Bubble (idle fraction of the step): (p - 1) / (m + p - 1) for GPipe and 1F1B,
     (p - 1) / (v m + p - 1) for interleaved (the fill and drain run in chunks of 1 / v of a stage).
+    Receive buffers: torch's ``PipelineStage`` allocates, once, one receive buffer per micro-batch for each
+    activation a stage receives and for each gradient it receives for its output, and keeps them from step
+    to step: a first or last rank's v stages have v boundaries on one side and v - 1 on the other, m (2 v - 1)
+    buffers of [micro_batch, S / sp, H] in the model's dtype (a middle rank of pp > 2 keeps 2 v m; middle
+    ranks are not estimated). They belong to ``between_steps``. Counted from the stage objects by ``seqpar
+    bench pipeline`` at m 8: 8 MiB on each rank under 1F1B and 24 MiB under interleaved, as predicted; for a
+    70B model at 128K tokens, sp 2 and m 8 they are 8 GiB per rank. A non-first stage's first layer takes
+    its input in such a buffer, which the activations in flight count once more (one [T, H] of a stage's
+    layers' many).
+    Sends held: torch's runtime for several stages per rank (ScheduleInterleaved1F1B) waits for its sends only
+    when the step ends, so every activation and gradient a rank sent stays alive until then: m (2 v - 1)
+    [micro_batch, S / sp, H] tensors by the end. The estimate adds them whole to the activations of both
+    activation moments, an upper bound: the peak comes in the steady state, when most but not all have been
+    sent (measured at m 8: 15-17 MiB above the activations in flight where 24 are counted; GPipe and 1F1B
+    wait for their sends as they go and showed nothing of the kind).
     Point-to-point traffic: each stage boundary carries one activation [micro_batch, S / sp, H] in the
     model's dtype forward and its gradient backward per micro-batch; a rank sends (and receives) v of them
     each way per micro-batch (one at the pipeline's ends), 2 v m T H b bytes per pipeline step.
@@ -30,7 +54,15 @@ from dataclasses import dataclass
 
 from seqpar.errors import SeqparInputError
 
-__all__ = ["PP_SCHEDULES", "StageView", "bubble_fraction", "check_pipeline", "p2p_bytes", "stage_views"]
+__all__ = [
+    "PP_SCHEDULES",
+    "StageView",
+    "bubble_fraction",
+    "check_pipeline",
+    "held_logits_bytes",
+    "p2p_bytes",
+    "stage_views",
+]
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -45,6 +77,12 @@ class StageView:
     """Micro-batches of this rank's layers whose activations are held at once."""
     last: bool
     """This rank computes the logits and the loss (and holds the output head)."""
+    logits_in_flight: int = 1
+    """Micro-batches of the last stage whose logits are held at once (on the last rank)."""
+    recv_buffers: int = 0
+    """Receive buffers of one micro-batch's activation or gradient that torch's stages on this rank keep."""
+    sends_held: int = 0
+    """Sent activations and gradients of one micro-batch each that the schedule holds until the step ends."""
 
 
 def _per_rank(schedule: str) -> int:
@@ -104,7 +142,13 @@ def stage_views(layers: int, pp_size: int, schedule: str, microbatches: int | No
         first, last = float(min(m, p)), 1.0
     else:
         first, last = min(m * v, (v - 1) * p + 2 * p - 1) / v, min(m * v, (v - 1) * p + 1) / v
-    return [StageView(busiest, first, False), StageView(busiest, last, True)]
+    logits = m if schedule == "gpipe" else 1
+    buffers = m * (2 * v - 1)  # per micro-batch: v boundaries one way, v - 1 the other (an end has none)
+    sends = buffers if schedule == "interleaved" else 0  # as many sends as receives, held to the step's end
+    return [
+        StageView(busiest, first, False, 1, buffers, sends),
+        StageView(busiest, last, True, logits, buffers, sends),
+    ]
 
 
 def bubble_fraction(pp_size: int, schedule: str, microbatches: int | None) -> float:
@@ -135,3 +179,22 @@ def p2p_bytes(tokens: int, hidden: int, dtype_bytes: int, schedule: str = "1f1b"
         2 v x tokens x hidden x dtype_bytes (one activation forward, its gradient backward, per stage).
     """
     return 2 * _per_rank(schedule) * tokens * hidden * dtype_bytes
+
+
+def held_logits_bytes(view: StageView, tokens: int, vocab: int, dtype_bytes: int) -> int:
+    """Logits a pipeline's last rank holds while a micro-batch's layers run backward (whole-logits loss).
+
+    Args:
+        view: the rank (``stage_views``); 0 unless it is the last.
+        tokens: tokens of one micro-batch on this rank.
+        vocab: the vocabulary size.
+        dtype_bytes: bytes per element of the logits (the model's dtype).
+
+    Returns:
+        n x tokens x vocab x dtype_bytes for the n micro-batches' logits in flight, plus the float32
+        log-softmax of the n - 1 whose backward has not started (Note [pipeline memory and time]).
+    """
+    if not view.last:
+        return 0
+    n = view.logits_in_flight
+    return n * tokens * vocab * dtype_bytes + (n - 1) * tokens * vocab * 4

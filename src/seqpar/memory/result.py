@@ -26,12 +26,14 @@ class MemoryEstimate:
     (0 on the device with ``offload_optimizer``: see ``host``)."""
     checkpointed_activations: int
     """Activations every layer keeps for the backward: whole layers without checkpointing, each layer's input
-    with it (0 on the device when offloaded)."""
+    with it (0 on the device when offloaded); under pipeline parallel, for the micro-batches in flight, and
+    with the interleaved schedule also the sends it holds until the step ends (Note [pipeline memory and time])."""
     layer_transient: int
     """The largest transient of one layer: its recomputed activations (checkpointing) and the gradients of
     its backward, MLP chunks included, attention kernel buffers."""
     logits_loss: int
-    """Logits, log-softmax and their gradients: whole [T, V] or one chunk of them."""
+    """Logits, log-softmax and their gradients: whole [T, V] or one chunk of them; on a pipeline's last rank
+    also the logits and log-softmaxes its schedule holds for other micro-batches."""
     communication: int
     """Attention communication buffers of the chosen strategy, or the gradient all-reduce's bucket when that
     moment is the peak."""
@@ -53,6 +55,10 @@ class MemoryEstimate:
     optimizer state under ``offload_optimizer``, and the checkpointed layer inputs the "offload" feature moves."""
     offload_optimizer: bool = False
     """Parameters, gradients and optimizer state live in host memory; the update runs on the CPU."""
+    pipeline_buffers: int = 0
+    """Pipeline parallel: the receive buffers torch's stages keep from step to step, one [micro_batch, S/sp, H]
+    activation (or its gradient) per micro-batch and stage boundary (Note [pipeline memory and time]); part
+    of ``peak`` and ``between_steps``."""
 
     @property
     def step_peak(self) -> int:
@@ -69,6 +75,7 @@ class MemoryEstimate:
             ("layer transient", self.layer_transient),
             ("logits / loss", self.logits_loss),
             ("communication", self.communication),
+            *([("pipeline receive buffers", self.pipeline_buffers)] if self.pipeline_buffers else []),
             (f"peak ({self.moment})", self.peak),
             ("step growth (peak - what lives between steps)", self.step_peak),
         ]
