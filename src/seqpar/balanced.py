@@ -11,9 +11,9 @@ Note [balanced layout]
     - visible area: for each query, the keys it may see (its document, causal, window, blocks), summed over
       the chunk's queries and the batch rows;
     - planned work: the area of the tiles the block planner will compute for the chunk (Note [masked
-      tiles]: masked tiles cost their whole rectangle, a causal square about half), counted with the same
-      tiles and the same corner rules (``seqpar.strategies.planner.tile_kinds``), so it is what the
-      kernels will be asked to do.
+      tiles]), counted with the same tiles and the same corner rules (``seqpar.strategies.planner.
+      tile_kinds``), so it is what the kernels will be asked to do, each kind weighted by what a kernel
+      spends per score on it (``TILE_COSTS``: masked tiles more than plain ones).
     The solver minimises the larger of the two relative imbalances (a rank's share over the mean): a
     longest-first greedy pass (each chunk, by decreasing work, to the least loaded rank that still has
     room), then pairwise exchanges between the most loaded rank and any other while one lowers the larger
@@ -38,10 +38,24 @@ from seqpar.strategies.mask_blocks import block_causal
 from seqpar.strategies.masking import SequenceMask, check_packed_positions
 from seqpar.strategies.planner import chunk_tiles, tile_kinds, tile_size
 
-__all__ = ["CHUNKS_PER_RANK", "LayoutBalance", "balanced_layout", "layout_balance", "planned_work", "visible_area"]
+__all__ = [
+    "CHUNKS_PER_RANK",
+    "TILE_COSTS",
+    "LayoutBalance",
+    "balanced_layout",
+    "layout_balance",
+    "planned_work",
+    "visible_area",
+]
 
 CHUNKS_PER_RANK = (2, 4, 8, 16)
 """The chunks per rank the solver tries, fewest first (Note [balanced layout])."""
+TILE_COSTS = (1.0, 1.0, 1.3)
+"""Kernel time per score of a plain tile, a causal square and a masked tile, relative to a plain tile.
+Measured for seqpar's CPU kernel (fwd + bwd, one thread, 128-token tiles of packed documents): a causal square
+costs its whole area (the kernel skips little of it at this size), a masked tile 1.25-1.3x a plain one (its
+boolean mask is read and applied). A kernel that skips the upper half of a causal square (FlashAttention on
+a GPU) has about (1.0, 0.5, ...): pass its costs as ``tile_costs``."""
 
 
 def _mask_of(positions: torch.Tensor, window: int | None, blocks: object) -> SequenceMask:
@@ -80,7 +94,7 @@ def visible_area(mask: SequenceMask, seq_len: int, causal: bool = True) -> torch
 
 
 def planned_work(mask: SequenceMask, seq_len: int, chunk_len: int, causal: bool = True) -> torch.Tensor:
-    """``[S / chunk_len]`` float64: the area of the tiles the planner computes for each chunk's queries.
+    """``[S / chunk_len, 3]`` float64: the area of the plain, causal and masked tiles of each chunk's queries.
 
     Args:
         mask: the sequence mask.
@@ -89,21 +103,22 @@ def planned_work(mask: SequenceMask, seq_len: int, chunk_len: int, causal: bool 
         causal: the token-level causal rule (ignored under blocks, which carry their own).
 
     Returns:
-        Per query chunk, the scores of its computed tiles against every key (a causal square counts half).
+        Per query chunk, the scores of its computed tiles against every key, by kind: plain rectangles,
+        causal squares, masked tiles (each tile's whole rectangle).
     """
     causal = causal and mask.blocks is None
     tile = tile_size(chunk_len, mask)
     bounds = [chunk_tiles(c, chunk_len, tile) for c in range(seq_len // chunk_len)]
     lo, hi = torch.cat([b[0] for b in bounds]), torch.cat([b[1] for b in bounds])
     size = (hi - lo + 1).double()
-    weight = torch.tensor([0.0, 1.0, 0.5, 1.0], dtype=torch.float64)  # SKIP, FULL, CAUSAL, MIXED
+    weight = torch.eye(4, dtype=torch.float64)[:, 1:]  # SKIP, FULL, CAUSAL, MIXED -> plain, causal, masked columns
     rows = []
     for start in range(0, len(lo), 256):  # query tiles a slice at a time: [256, T] kinds, not [T, T]
         part = slice(start, start + 256)
         kinds = tile_kinds(lo[part], hi[part], lo, hi, causal, mask)
-        rows.append((weight[kinds] * size[None]).sum(1) * size[part])
-    per_tile = torch.cat(rows)
-    return per_tile.view(len(bounds), -1).sum(1)
+        rows.append((weight[kinds] * size[None, :, None]).sum(1) * size[part, None])
+    per_tile = torch.cat(rows)  # [T, 3]
+    return per_tile.view(len(bounds), -1, 3).sum(1)
 
 
 @dataclass(frozen=True)
@@ -126,10 +141,15 @@ class LayoutBalance:
         return max(self.planned) * len(self.planned) / max(sum(self.planned), 1e-300)
 
 
-def _costs(mask: SequenceMask, seq_len: int, n_chunks: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[n]`` visible area and planned work of each of ``n_chunks`` equal chunks."""
+
+def _costs(
+    mask: SequenceMask, seq_len: int, n_chunks: int, causal: bool, tile_costs: Sequence[float]
+) -> torch.Tensor:
+    """``[n, 2]``: visible area and planned work (tile areas weighted by ``tile_costs``) of each chunk."""
     chunk = seq_len // n_chunks
-    return visible_area(mask, seq_len, causal).view(n_chunks, chunk).sum(1), planned_work(mask, seq_len, chunk, causal)
+    planned = planned_work(mask, seq_len, chunk, causal) @ torch.tensor(tile_costs, dtype=torch.float64)
+    visible = visible_area(mask, seq_len, causal).view(n_chunks, chunk).sum(1)
+    return torch.stack([visible, planned], 1)
 
 
 def layout_balance(
@@ -140,6 +160,7 @@ def layout_balance(
     causal: bool = True,
     window: int | None = None,
     blocks: int | Sequence[tuple[int, int]] | None = None,
+    tile_costs: Sequence[float] = TILE_COSTS,
 ) -> LayoutBalance:
     """The per-rank work of a layout on one batch (to compare layouts; ``seqpar bench masks`` reports it).
 
@@ -150,6 +171,7 @@ def layout_balance(
         causal: whether attention is causal.
         window: the sliding window, or None.
         blocks: block-causal blocks, as ``seqpar.sequence_mask`` takes them, or None.
+        tile_costs: cost per score of a plain tile, a causal square and a masked tile (``TILE_COSTS``).
 
     Returns:
         A ``LayoutBalance``.
@@ -165,10 +187,9 @@ def layout_balance(
     n = sum(len(x) for x in ids)
     if positions.shape[1] % n:
         raise SeqparInputError(f"sequence length {positions.shape[1]} does not divide into {n} chunks")
-    visible, planned = _costs(mask, positions.shape[1], n, causal)
-    return LayoutBalance(
-        tuple(float(visible[list(r)].sum()) for r in ids), tuple(float(planned[list(r)].sum()) for r in ids)
-    )
+    costs = _costs(mask, positions.shape[1], n, causal, tile_costs)
+    per_rank = [costs[list(r)].sum(0).tolist() for r in ids]
+    return LayoutBalance(tuple(c[0] for c in per_rank), tuple(c[1] for c in per_rank))
 
 
 def _global_positions(position_ids: torch.Tensor) -> torch.Tensor:
@@ -184,7 +205,10 @@ def _global_positions(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _solve(costs: torch.Tensor, world_size: int, per_rank: int) -> tuple[list[list[int]], float]:
-    """Assign ``n`` chunks with ``[n, 2]`` costs (each column summing to 1) to ranks, ``per_rank`` each."""
+    """Assign ``n`` chunks with ``[n, 2]`` costs (each column summing to 1) to ranks, ``per_rank`` each.
+
+    Returns the assignment and the largest rank's share of either column over the mean.
+    """
     n = costs.shape[0]
     work = costs.tolist()
     load = [[0.0, 0.0] for _ in range(world_size)]
@@ -207,9 +231,8 @@ def _solve(costs: torch.Tensor, world_size: int, per_rank: int) -> tuple[list[li
             bound = max(worst(load[top]), worst(load[other]))
             for a in owned[top]:
                 for b in owned[other]:
-                    d = [work[a][i] - work[b][i] for i in range(2)]
-                    new_top = [load[top][i] - d[i] for i in range(2)]
-                    new_other = [load[other][i] + d[i] for i in range(2)]
+                    new_top = [x - y + z for x, y, z in zip(load[top], work[a], work[b])]
+                    new_other = [x + y - z for x, y, z in zip(load[other], work[a], work[b])]
                     after = max(worst(new_top), worst(new_other))
                     if after < bound - 1e-12 and (best is None or after < best[0]):
                         best = (after, other, a, b, new_top, new_other)
@@ -231,6 +254,7 @@ def balanced_layout(
     blocks: int | Sequence[tuple[int, int]] | None = None,
     chunks_per_rank: int | None = None,
     tolerance: float = 0.02,
+    tile_costs: Sequence[float] = TILE_COSTS,
 ) -> ChunkLayout:
     """A layout that gives every rank equal attention work on this batch (Note [balanced layout]).
 
@@ -244,6 +268,7 @@ def balanced_layout(
         blocks: block-causal blocks, as ``seqpar.sequence_mask`` takes them, or None.
         chunks_per_rank: chunks each rank holds; None tries ``CHUNKS_PER_RANK`` (those dividing S) in turn.
         tolerance: stop at the first chunk count whose largest rank is within ``1 + tolerance`` of the mean.
+        tile_costs: cost per score of a plain tile, a causal square and a masked tile (``TILE_COSTS``).
 
     Returns:
         A ``ChunkLayout`` for ``S`` tokens over ``world_size`` ranks.
@@ -267,9 +292,8 @@ def balanced_layout(
     mask = _mask_of(positions, window, blocks)
     best: tuple[float, list[list[int]]] | None = None
     for k in options:
-        visible, planned = _costs(mask, seq_len, k * world_size, causal)
-        costs = torch.stack([visible / visible.sum().clamp(min=1e-300), planned / planned.sum().clamp(min=1e-300)], 1)
-        owned, score = _solve(costs, world_size, k)
+        costs = _costs(mask, seq_len, k * world_size, causal, tile_costs)
+        owned, score = _solve(costs / costs.sum(0).clamp(min=1e-300), world_size, k)
         if best is None or score < best[0] - 1e-12:
             best = (score, owned)
         if score <= 1 + tolerance:
