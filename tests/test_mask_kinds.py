@@ -80,6 +80,11 @@ def check_kind(rank, world_size, mesh, strategy, layout, positions, causal, wind
         torch.testing.assert_close(got, ref[:, :, idx], atol=ATOL, rtol=RTOL, msg=lambda m, n=name: f"{what} {n}: {m}")
 
 
+def one_doc(seq_len: int) -> torch.Tensor:
+    """``[1, S]`` position ids of one unpacked document."""
+    return torch.arange(seq_len)[None]
+
+
 def kind_cases(seq_len: int) -> list[tuple]:
     """(positions, causal, window, blocks, prebuilt) for every mask kind and some combinations."""
     packed = packed_positions(seq_len)[None]
@@ -107,6 +112,10 @@ def _kinds_worker(rank, world_size):
             balanced = seqpar.balanced_layout(positions, world_size, causal=causal, window=window, blocks=blocks)
             for layout in ("zigzag", "contiguous", balanced):
                 check_kind(rank, world_size, mesh, strategy, layout, *case)
+        # causal documents and a window alone (zigzag and contiguous run them in test_masking.py)
+        for positions, window in ((packed_positions(seq_len, (5, 31, 2, 17))[None], None), (one_doc(seq_len), 9)):
+            balanced = seqpar.balanced_layout(positions, world_size, window=window)
+            check_kind(rank, world_size, mesh, strategy, balanced, positions, True, window, None, False)
     q = torch.randn(1, 2, seq_len // world_size, 8)
     mesh = seqpar.make_mesh()
     with pytest.raises(SeqparInputError, match="block-causal blocks need causal=True"):
