@@ -38,15 +38,8 @@ from seqpar.strategies.mask_blocks import block_causal
 from seqpar.strategies.masking import SequenceMask, check_packed_positions
 from seqpar.strategies.planner import chunk_tiles, tile_kinds, tile_size
 
-__all__ = [
-    "CHUNKS_PER_RANK",
-    "TILE_COSTS",
-    "LayoutBalance",
-    "balanced_layout",
-    "layout_balance",
-    "planned_work",
-    "visible_area",
-]
+__all__ = ["CHUNKS_PER_RANK", "TILE_COSTS", "LayoutBalance", "balanced_layout", "layout_balance"]
+__all__ += ["planned_work", "visible_area"]
 
 CHUNKS_PER_RANK = (2, 4, 8, 16)
 """The chunks per rank the solver tries, fewest first (Note [balanced layout])."""

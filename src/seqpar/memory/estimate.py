@@ -55,23 +55,18 @@ Note [memory estimate]
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from seqpar.errors import SeqparInputError
-from seqpar.gradients import BUCKET_MB
-from seqpar.memory.activations import activation_bytes, comm_elements
-from seqpar.memory.pipeline import StageView, held_logits_bytes, stage_views
+from seqpar.memory.pipeline import stage_views
+from seqpar.memory.rank import OPTIMIZER_STATES, estimate_rank
 from seqpar.memory.result import MemoryEstimate
-from seqpar.memory.shapes import ModelDims, model_dims, parameter_counts
+from seqpar.memory.shapes import ModelDims, model_dims
 from seqpar.strategies.policy import ulysses_degrees, ulysses_heads_problem
 
 __all__ = ["FEATURES", "MemoryEstimate", "estimate_memory", "estimate_stage_memory"]
 
 FEATURES = ("checkpointing", "chunked_loss", "tiled_mlp", "offload")
-_OPTIMIZERS = {"adamw": 2, "adam": 2, "sgd": 0}
-_MB = 2**20
 
 
 def _strategy(strategy: str, d: ModelDims, sp: int, ulysses: int) -> str:
@@ -99,8 +94,8 @@ def _check(seq_len, sizes: dict, micro_batch, features, strategy, optimizer, dp_
         problems.append(f"ulysses_size {sizes['ulysses_size']} must divide sp_size {sizes['sp_size']}")
     if strategy not in ("ulysses", "ring", "allgather", "hybrid", "auto"):
         problems.append(f"unknown strategy {strategy!r}")
-    if optimizer not in _OPTIMIZERS:
-        problems.append(f"unknown optimizer {optimizer!r}; choose from {', '.join(_OPTIMIZERS)}")
+    if optimizer not in OPTIMIZER_STATES:
+        problems.append(f"unknown optimizer {optimizer!r}; choose from {', '.join(OPTIMIZER_STATES)}")
     if dp_mode not in ("replicate", "ddp", "fsdp"):
         problems.append(f"dp_mode must be replicate, ddp or fsdp, not {dp_mode!r}")
     elif offload_optimizer and dp_mode != "fsdp":
@@ -248,99 +243,4 @@ def _stage_estimates(
     settings = dict(chosen=chosen, b=b, tokens=tokens, features=features, sizes=sizes, dp_mode=dp_mode)
     chunks = dict(loss_chunk=loss_chunk, mlp_chunk=mlp_chunk)
     options = dict(optimizer=optimizer, keep_gradients=keep_gradients, offload_optimizer=offload_optimizer)
-    return [_estimate_rank(d, view, pp_size > 1, **settings, **chunks, **options) for view in views]
-
-
-def _estimate_rank(
-    d: ModelDims,
-    view: StageView,
-    pipelined: bool,
-    *,
-    chosen: str,
-    b: int,
-    tokens: int,
-    features: tuple[str, ...],
-    sizes: dict,
-    dp_mode: str,
-    loss_chunk: int,
-    mlp_chunk: int,
-    optimizer: str,
-    keep_gradients: bool,
-    offload_optimizer: bool,
-) -> MemoryEstimate:
-    """One rank's estimate (Note [memory estimate]); ``view`` says which layers and ends of a pipeline it holds."""
-    sp_size, ulysses_size, dp_size = sizes["sp_size"], sizes["ulysses_size"], sizes["dp_size"]
-    d = dataclasses.replace(d, layers=view.layers)
-    total, layer_params, head_params = parameter_counts(d)
-    if pipelined and not d.tied:  # one end of the model: the embedding (first rank) or norm and head (last)
-        total -= head_params
-    shards = dp_size * sp_size if dp_mode == "fsdp" else 1
-    params = -(-total * b // shards) + (2 * layer_params * b if shards > 1 else 0)  # fsdp: one layer gathered
-    states = _OPTIMIZERS[optimizer] * -(-total * b // shards)
-    act = activation_bytes(d, tokens, b, features, mlp_chunk)
-    if act["kept_layers"] == d.layers:  # offloaded checkpoints wait on the host, whichever micro-batch they are
-        act["kept"] = int(act["kept"] * view.in_flight)  # Note [pipeline memory and time]
-    comm = int(comm_elements(chosen, d, sp_size, ulysses_size) * tokens * b)
-    chunk = min(loss_chunk, tokens) if "chunked_loss" in features else tokens
-    loss = 3 * chunk * d.vocab * 4 + (tokens * d.hidden * b if "chunked_loss" in features else 0)
-    loss = loss if view.last else 0
-    # Note [pipeline memory and time]: torch's receive buffers, one per micro-batch and stage boundary, kept
-    recv = view.recv_buffers * tokens * d.hidden * b if pipelined else 0
-    act["kept"] += view.sends_held * tokens * d.hidden * b  # interleaved: sends held until the step ends
-    held_logits = 0  # Note [pipeline memory and time]: torch's last stage keeps outputs until their backward
-    if pipelined and "chunked_loss" not in features:
-        held_logits = held_logits_bytes(view, tokens, d.vocab, b)
-    head_grad = head_params * b // shards
-    all_grads = -(-total * b // shards)
-    kept_grads = all_grads if keep_gradients else 0
-    host = (d.layers - act["kept_layers"]) * act["kept_per_layer"] * view.in_flight  # inputs the offload moved
-    gathered_head = 0
-    if offload_optimizer:  # Note [memory estimate], optimizer offload: only working copies on the device
-        units = 0 if d.tied else 2 * head_params  # embedding and head are units of their own unless tied
-        params = (total - units - d.layers * layer_params + 2 * layer_params) * b  # the root, two blocks
-        gathered_head = units // 2 * b  # from the head's forward through its backward
-        host += (2 + _OPTIMIZERS[optimizer]) * 4 * -(-total // shards)  # fp32 master, gradients, states
-        states = all_grads = kept_grads = 0
-        head_grad = head_params * b if d.tied else 0  # a root's gradients wait for the end of the backward
-    # chunked: the output head's gradient accumulates in its own buffer from the first piece's backward on
-    early = (head_grad or gathered_head) if "chunked_loss" in features else 0
-    moments = {"backward start": (kept_grads + early, act["kept"], 0, loss + held_logits, 0, 0)}
-    worst = (0, 0)
-    for done in range(d.layers):  # the backward of the (done+1)-th layer from the top
-        in_flight = 2 * layer_params * b if offload_optimizer else (done + 1) * layer_params * b // shards
-        grads = kept_grads or head_grad + in_flight
-        kept = act["kept"] - done * act["kept_per_layer"] * (act["kept_layers"] == d.layers)
-        worst = max(worst, (grads + kept, grads))
-    # the attention's buffers live while its backward runs, after the MLP's tensors of the layer are freed
-    if act["recomputed"] + act["extra"] >= act["recomputed_attention"] + comm:
-        transient, comm = act["recomputed"] + act["extra"], 0
-    else:
-        transient = act["recomputed_attention"]
-    moments["layer backward"] = (worst[1], worst[0] - worst[1], transient, held_logits, comm, 0)
-    if dp_mode == "replicate" and dp_size * sp_size > 1:
-        bucket = min(all_grads, int(BUCKET_MB * _MB))
-        moments["gradient all-reduce"] = (all_grads, 0, 0, 0, bucket, 0)
-    largest = max(head_params, layer_params // 3) * b // shards  # AdamW updates tensor by tensor on the CPU
-    if not offload_optimizer:  # offloaded, the update runs on the host
-        moments["optimizer"] = (all_grads, 0, 0, 0, 0, 2 * largest if states else 0)
-    on_device = {m: params + (gathered_head if m == "backward start" else 0) for m in moments}
-    moment = max(moments, key=lambda m: on_device[m] + sum(moments[m]))
-    g, kept, trans, logits, comm_at, opt_tmp = moments[moment]
-    return MemoryEstimate(
-        parameters=on_device[moment],
-        gradients=g,
-        optimizer_state=states + opt_tmp,
-        checkpointed_activations=kept,
-        layer_transient=trans,
-        logits_loss=logits,
-        communication=comm_at,
-        peak=on_device[moment] + states + sum(moments[moment]) + recv,
-        moment=moment,
-        between_steps=(0 if offload_optimizer else params + states + kept_grads) + recv,
-        tokens_per_rank=tokens,
-        strategy=chosen,
-        features=features,
-        host=int(host),
-        offload_optimizer=offload_optimizer,
-        pipeline_buffers=recv,
-    )
+    return [estimate_rank(d, view, pp_size > 1, **settings, **chunks, **options) for view in views]
