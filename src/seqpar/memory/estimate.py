@@ -55,6 +55,8 @@ Note [memory estimate]
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from seqpar.errors import SeqparInputError
@@ -164,30 +166,8 @@ def estimate_memory(
             ``offload_optimizer`` without dp_mode "fsdp", pipeline settings that cannot work (fewer layers than
             stages, fewer micro-batches than ``pp_size``, an unknown schedule).
     """
-    return max(
-        estimate_stage_memory(
-            model_config,
-            seq_len,
-            sp_size=sp_size,
-            ulysses_size=ulysses_size,
-            dp_size=dp_size,
-            tp_size=tp_size,
-            dtype=dtype,
-            micro_batch=micro_batch,
-            features=features,
-            strategy=strategy,
-            optimizer=optimizer,
-            dp_mode=dp_mode,
-            loss_chunk=loss_chunk,
-            mlp_chunk=mlp_chunk,
-            keep_gradients=keep_gradients,
-            offload_optimizer=offload_optimizer,
-            pp_size=pp_size,
-            pp_schedule=pp_schedule,
-            pp_microbatches=pp_microbatches,
-        ),
-        key=lambda e: e.peak,
-    )
+    settings = {k: v for k, v in locals().items() if k not in ("model_config", "seq_len")}
+    return max(_stage_estimates(model_config, seq_len, settings), key=lambda e: e.peak)
 
 
 def estimate_stage_memory(model_config: object, seq_len: int, **settings: object) -> list[MemoryEstimate]:
@@ -207,31 +187,20 @@ def estimate_stage_memory(model_config: object, seq_len: int, **settings: object
     Raises:
         SeqparInputError: as ``estimate_memory``.
     """
-    return _stage_estimates(model_config, seq_len, **settings)
+    bound = inspect.signature(estimate_memory).bind(model_config, seq_len, **settings)  # names checked
+    bound.apply_defaults()
+    given = {k: v for k, v in bound.arguments.items() if k not in ("model_config", "seq_len")}
+    return _stage_estimates(model_config, seq_len, given)
 
 
-def _stage_estimates(
-    model_config: object,
-    seq_len: int,
-    *,
-    sp_size: int,
-    ulysses_size: int = 1,
-    dp_size: int = 1,
-    tp_size: int = 1,
-    dtype: torch.dtype = torch.float32,
-    micro_batch: int = 1,
-    features: tuple[str, ...] | list[str] = (),
-    strategy: str = "auto",
-    optimizer: str = "adamw",
-    dp_mode: str = "replicate",
-    loss_chunk: int = 1024,
-    mlp_chunk: int = 1024,
-    keep_gradients: bool = False,
-    offload_optimizer: bool = False,
-    pp_size: int = 1,
-    pp_schedule: str = "1f1b",
-    pp_microbatches: int | None = None,
-) -> list[MemoryEstimate]:
+def _stage_estimates(model_config: object, seq_len: int, settings: dict) -> list[MemoryEstimate]:
+    """The estimates of ``estimate_memory``'s keyword ``settings`` (all of them given), one per pipeline end."""
+    sp_size, ulysses_size, dp_size, tp_size = (settings[k] for k in ("sp_size", "ulysses_size", "dp_size", "tp_size"))
+    micro_batch, strategy, optimizer = settings["micro_batch"], settings["strategy"], settings["optimizer"]
+    dp_mode, offload_optimizer = settings["dp_mode"], settings["offload_optimizer"]
+    pp_size, pp_schedule, pp_microbatches = settings["pp_size"], settings["pp_schedule"], settings["pp_microbatches"]
+    loss_chunk, mlp_chunk, keep_gradients = settings["loss_chunk"], settings["mlp_chunk"], settings["keep_gradients"]
+    dtype, features = settings["dtype"], settings["features"]
     features = tuple(features)
     sizes = {"sp_size": sp_size, "ulysses_size": ulysses_size, "dp_size": dp_size, "tp_size": tp_size}
     _check(seq_len, sizes, micro_batch, features, strategy, optimizer, dp_mode, offload_optimizer)
