@@ -66,6 +66,6 @@ def _long_ring_worker(rank, world_size):
         check_case(rank, world_size, seqpar.make_mesh(ulysses_size=2), "hybrid", "zigzag", True, 1, 4, 2, 16, 8192)
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [3, 4])  # 2 ranks: the same code, fewer hops
 def test_ring_backward_in_pieces_matches_single_device(world_size):
     run_ranks(world_size, _long_ring_worker)

@@ -128,11 +128,10 @@ def test_preemption_then_resume_here_and_on_other_layouts(tmp_path):
 
     # resumed in place, the same layout: every step equals the run never stopped
     resumed = start("--steps", "8", "--run-dir", str(cut), "--resume", "auto")
-    # elastic: the sp 2 checkpoint of step 4 continued on 1 rank, on 4 ranks, and on dp 2 x sp 2 with FSDP2
-    # sharding (half the batch per replica: the same global batch)
+    # elastic: the sp 2 checkpoint of step 4 continued on 4 ranks, and on dp 2 x sp 2 with FSDP2 sharding (half
+    # the batch per replica: the same global batch); on 1 rank below, from the FSDP2 shards
     step4 = str(ref / "checkpoints" / "step_0000004")
     layouts = {
-        "sp1": ["--sp", "1"],
         "sp4": ["--sp", "4"],
         "dp2sp2fsdp": ["--sp", "2", "--dp", "2", "--batch-size", "1", "--grad-accum", "1", "--dp-mode", "fsdp"],
     }
@@ -144,6 +143,7 @@ def test_preemption_then_resume_here_and_on_other_layouts(tmp_path):
     assert code == 0, err
     assert f"resumed from {cut}/checkpoints/step_{done:07d} at step {done}" in out
     assert_same_losses(losses(cut), curve, range(1, 9), 1e-6, "resumed in place")
+    assert_same_losses(losses(cut, "answer_loss"), losses(ref, "answer_loss"), range(1, 9), 1e-6, "answers")
     for name, process in others.items():
         assert_resumed(process, tmp_path / name, "dp 1 x sp 2 x tp 1, replicate; resharded to", ref, range(5, 9))
     # and back: the FSDP2 shards that dp 2 x sp 2 wrote at step 6, continued replicated on one rank

@@ -66,8 +66,8 @@ def _plain_accuracy(checkpoint, step: int) -> tuple[float, float]:
     return float(right.double().mean()), float(off.double().mean())
 
 
-def test_run_directory_resume_and_sp_degrees_agree(tmp_path):
-    full, part, single = tmp_path / "full", tmp_path / "part", tmp_path / "single"
+def test_run_directory_evaluation_and_sp_degrees_agree(tmp_path):
+    full, single = tmp_path / "full", tmp_path / "single"
     done = seqpar_train(*TINY, "--steps", "6", "--run-dir", str(full))
     assert done.returncode == 0, done.stderr
     assert f"run directory: {full}" in done.stdout
@@ -93,20 +93,7 @@ def test_run_directory_resume_and_sp_degrees_agree(tmp_path):
     reported = json.loads((early / "eval.json").read_text())["accuracy"]["192"]
     assert abs(reported - plain) <= 1 / (4 * 63)  # at most one near-tie flipped by float rounding
 
-    # stopped after 3 steps, then resumed: steps 4-6 repeat the uninterrupted run exactly
-    first = seqpar_train(*TINY, "--steps", "6", "--stop-at", "3", "--run-dir", str(part))
-    assert first.returncode == 0, first.stderr
-    assert sorted(losses(part)) == [1, 2, 3]
-    second = seqpar_train(*TINY, "--steps", "6", "--run-dir", str(part), "--resume", "auto")
-    assert second.returncode == 0, second.stderr
-    assert "resumed from" in second.stdout
-    resumed = losses(part)
-    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
-    for step in range(1, 7):
-        assert resumed[step] == pytest.approx(curve[step], rel=1e-6, abs=1e-7), step
-
-    for step in range(1, 7):
-        assert losses(part, "answer_loss")[step] == pytest.approx(answer_curve[step], rel=1e-6, abs=1e-7), step
+    # stopped and resumed in place, the run repeats this one exactly: tests/test_resilience.py (by a signal)
 
     # one rank on the whole sequence gives the same curves and evaluation as two ranks sharing it (fp32)
     one = seqpar_train(*TINY, "--steps", "6", "--sp", "1", "--run-dir", str(single))
