@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import seqpar
-from seqpar.balanced import _mask_of, planned_work, visible_area
+from seqpar.balanced import planned_work, visible_area
 from seqpar.errors import SeqparInputError
 from seqpar.strategies.planner import CAUSAL, FULL, SKIP, chunk_tiles, tile_kinds, tile_size
 from tests._cases import packed_positions
@@ -41,7 +41,7 @@ MASKS = [  # (positions [B, S] of 96 tokens, causal, window, blocks)
 @pytest.mark.parametrize("case", range(len(MASKS)))
 def test_tiles_and_visible_area_follow_the_dense_mask(case):
     positions, causal, window, blocks = MASKS[case]
-    mask = _mask_of(positions, window, blocks)
+    mask = seqpar.sequence_mask(positions, None, layout="contiguous", window=window, blocks=blocks)
     dense = kind_mask(positions, causal, window, blocks)[:, 0]  # [B, S, S]
     torch.testing.assert_close(visible_area(mask, 96, causal), dense.sum(2).sum(0).double(), atol=0, rtol=0)
     token_causal = causal and blocks is None

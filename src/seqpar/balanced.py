@@ -34,8 +34,7 @@ import torch
 
 from seqpar.errors import SeqparInputError
 from seqpar.layout import ChunkLayout
-from seqpar.strategies.mask_blocks import block_causal
-from seqpar.strategies.masking import SequenceMask, check_packed_positions
+from seqpar.strategies.masking import SequenceMask, sequence_mask
 from seqpar.strategies.planner import chunk_tiles, tile_kinds, tile_size
 
 __all__ = ["CHUNKS_PER_RANK", "TILE_COSTS", "LayoutBalance", "balanced_layout", "layout_balance"]
@@ -51,12 +50,11 @@ boolean mask is read and applied). A kernel that skips the upper half of a causa
 a GPU) has about (1.0, 0.5, ...): pass its costs as ``tile_costs``."""
 
 
-def _mask_of(positions: torch.Tensor, window: int | None, blocks: object) -> SequenceMask:
-    """The ``SequenceMask`` of global ``[B, S]`` position ids, as ``sequence_mask`` would build it."""
-    index = torch.arange(positions.shape[1])
-    packed = bool((positions[:, 1:] == 0).any())
-    spec = None if blocks is None else block_causal(blocks)
-    return SequenceMask((index - positions) if packed else None, window, int(positions.max()), spec)
+def _global_mask(
+    position_ids: torch.Tensor, window: int | None, blocks: int | Sequence[tuple[int, int]] | None
+) -> tuple[SequenceMask, int]:
+    """The mask of *global* position ids (``sequence_mask`` on one process, which checks them) and their length."""
+    return sequence_mask(position_ids, None, layout="contiguous", window=window, blocks=blocks), position_ids.shape[-1]
 
 
 def visible_area(mask: SequenceMask, seq_len: int, causal: bool = True) -> torch.Tensor:
@@ -174,27 +172,14 @@ def layout_balance(
     """
     from seqpar.layout import rank_chunk_ids
 
-    positions = _global_positions(position_ids)
-    mask = _mask_of(positions, window, blocks)
+    mask, seq_len = _global_mask(position_ids, window, blocks)
     ids = [rank_chunk_ids(layout, world_size, r) for r in range(world_size)]
     n = sum(len(x) for x in ids)
-    if positions.shape[1] % n:
-        raise SeqparInputError(f"sequence length {positions.shape[1]} does not divide into {n} chunks")
-    costs = _costs(mask, positions.shape[1], n, causal, tile_costs)
+    if seq_len % n:
+        raise SeqparInputError(f"sequence length {seq_len} does not divide into {n} chunks")
+    costs = _costs(mask, seq_len, n, causal, tile_costs)
     per_rank = [costs[list(r)].sum(0).tolist() for r in ids]
     return LayoutBalance(tuple(c[0] for c in per_rank), tuple(c[1] for c in per_rank))
-
-
-def _global_positions(position_ids: torch.Tensor) -> torch.Tensor:
-    if position_ids.is_floating_point() or position_ids.dtype == torch.bool:
-        raise SeqparInputError(f"position_ids must be integers, got {position_ids.dtype}")
-    positions = position_ids.long().cpu()
-    if positions.dim() == 1:
-        positions = positions[None]
-    if positions.dim() != 2:
-        raise SeqparInputError(f"position_ids must be [batch, seq] or [seq], got {tuple(position_ids.shape)}")
-    check_packed_positions(positions)
-    return positions
 
 
 def _solve(costs: torch.Tensor, world_size: int, per_rank: int) -> tuple[list[list[int]], float]:
@@ -272,8 +257,7 @@ def balanced_layout(
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise SeqparInputError(f"world_size must be a positive integer, got {world_size!r}")
-    positions = _global_positions(position_ids)
-    seq_len = positions.shape[1]
+    mask, seq_len = _global_mask(position_ids, window, blocks)
     options = CHUNKS_PER_RANK if chunks_per_rank is None else (chunks_per_rank,)
     options = tuple(k for k in options if k >= 1 and seq_len % (k * world_size) == 0)
     if not options:
@@ -282,7 +266,6 @@ def balanced_layout(
             f"sequence length {seq_len} does not divide into {wanted} chunks per rank over {world_size} ranks; "
             f"pad it to a multiple of {wanted * world_size}"
         )
-    mask = _mask_of(positions, window, blocks)
     best: tuple[float, list[list[int]]] | None = None
     for k in options:
         costs = _costs(mask, seq_len, k * world_size, causal, tile_costs)

@@ -12,6 +12,7 @@ Note [zigzag layout]
 from __future__ import annotations
 
 import functools
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +72,11 @@ class ChunkLayout:
     def chunks_per_rank(self) -> int:
         """Chunks each rank holds."""
         return len(self.chunk_ids[0])
+
+    @property
+    def digest(self) -> int:
+        """A CRC-32 of the chunk ids, for ranks to check that they hold the same layout."""
+        return zlib.crc32(repr(self.chunk_ids).encode())
 
     def __str__(self) -> str:
         return f"{self.name} layout ({self.world_size} ranks x {self.chunks_per_rank} chunks)"

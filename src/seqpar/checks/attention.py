@@ -6,7 +6,6 @@ Each rank's inputs become an ``InputSignature``; every rank checks every rank's 
 from __future__ import annotations
 
 import math
-import zlib
 from dataclasses import dataclass
 
 import torch
@@ -119,12 +118,11 @@ class InputSignature(Signature):
 
 def _layout_fields(layout: object) -> dict[str, int]:
     if isinstance(layout, ChunkLayout):
-        digest = zlib.crc32(repr(layout.chunk_ids).encode())
         return dict(
             layout_code=len(LAYOUTS),
             layout_chunks=layout.chunks_per_rank,
             layout_ranks=layout.world_size,
-            layout_hash=digest,
+            layout_hash=layout.digest,
         )
     code = _code(layout, LAYOUTS)
     return dict(layout_code=code, layout_chunks=(1, 2)[code] if code >= 0 else 0, layout_ranks=0, layout_hash=0)

@@ -130,7 +130,7 @@ def _layout_digest(layout: object) -> int:
     """A number the ranks compare to agree on one call's layout (0 when none was passed)."""
     if layout is None:
         return 0
-    return zlib.crc32(repr(layout.chunk_ids if isinstance(layout, ChunkLayout) else layout).encode()) + 1
+    return (layout.digest if isinstance(layout, ChunkLayout) else zlib.crc32(repr(layout).encode())) + 1
 
 
 @dataclass(frozen=True)
