@@ -10,12 +10,11 @@ from seqpar.hf.batches import (
     StepShards,
     model_inputs,
     replica_of,
-    replica_sampler,
     shard_step,
     to_shard,
 )
 from seqpar.hf.config import SequenceParallelConfig
-from seqpar.hf.loaders import replica_loader
+from seqpar.hf.loaders import replica_loader, replica_sampler
 from seqpar.hf.trainer import SequenceParallelMixin, SequenceParallelTrainer, build_mesh
 
 __all__ = [

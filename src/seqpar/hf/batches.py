@@ -1,7 +1,6 @@
 """Collator output -> this rank's shard, for every micro-batch of an optimizer step, checked on all ranks at once.
 
-Used by the Trainer mixin and by hand-written accelerate loops (``shard_step``, ``model_inputs``);
-``replica_sampler`` gives a plain DataLoader the rows of this rank's data-parallel replica.
+Used by the Trainer mixin, ``seqpar.hf.Accelerator`` and hand-written loops (``shard_step``, ``model_inputs``).
 
 Note [one exchange per step]
     Before the model runs, every rank turns its micro-batches into shards (``seqpar.shard_batch``: labels
@@ -21,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DistributedSampler
 
 from seqpar.comm.collectives import collective_device
 from seqpar.data import IGNORE_INDEX, shard_batch
@@ -36,7 +34,6 @@ __all__ = [
     "model_inputs",
     "padding_batch",
     "replica_of",
-    "replica_sampler",
     "shard_step",
     "to_shard",
 ]
@@ -104,8 +101,8 @@ def padding_batch(mesh: SequenceParallelMesh, device: torch.device | str = "cpu"
     return {"input_ids": ids, "labels": torch.full_like(ids, IGNORE_INDEX)}
 
 
-def _problem(batch: Mapping[str, object], sp_size: int) -> str | None:
-    """What is wrong with one collator output, or None."""
+def _problem(batch: Mapping[str, object], sp_size: int, seq_length: int | None = None) -> str | None:
+    """What is wrong with one collator output, or None (``seq_length``: the width every batch must have)."""
     if not isinstance(batch, Mapping) or "input_ids" not in batch:
         return "each batch must be a mapping with 'input_ids' (inputs_embeds and other inputs are not supported)"
     ids = batch["input_ids"]
@@ -126,6 +123,12 @@ def _problem(batch: Mapping[str, object], sp_size: int) -> str | None:
     mask = batch.get("attention_mask")
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
         return f"attention_mask must be a [batch, seq] padding mask, got {getattr(mask, 'shape', type(mask))}"
+    if seq_length is not None and ids.shape[1] != seq_length:
+        return (
+            f"a batch {ids.shape[1]} tokens wide, but the width is fixed at {seq_length} (sp_seq_length with "
+            "sp_seq_length_is_variable=False): pad every batch to it (padding='max_length' / pad_to_multiple_of) or "
+            "set sp_seq_length_is_variable=True"
+        )
     if ids.shape[1] < sp_size:
         return (
             f"a sequence of {ids.shape[1]} tokens cannot be split over sp_size={sp_size} ranks (some would hold "
@@ -134,7 +137,13 @@ def _problem(batch: Mapping[str, object], sp_size: int) -> str | None:
     return None
 
 
-def to_shard(batch: Mapping[str, object], mesh: SequenceParallelMesh, *, layout: Layout = "zigzag") -> SequenceShard:
+def to_shard(
+    batch: Mapping[str, object],
+    mesh: SequenceParallelMesh,
+    *,
+    layout: Layout = "zigzag",
+    seq_length: int | None = None,
+) -> SequenceShard:
     """This rank's shard of one collator output (no communication).
 
     Args:
@@ -145,6 +154,7 @@ def to_shard(batch: Mapping[str, object], mesh: SequenceParallelMesh, *, layout:
         mesh: the sequence-parallel mesh.
         layout: the layout the prepared model was told: "zigzag", "contiguous", "balanced" (solved for this
             batch, Note [balanced layout]) or a ``ChunkLayout``.
+        seq_length: the width every batch must have, or None for any (a padding batch is exempt).
 
     Returns:
         A ``SequenceShard``; rows that do not divide into the layout are padded, and the padding is ignored.
@@ -154,12 +164,12 @@ def to_shard(batch: Mapping[str, object], mesh: SequenceParallelMesh, *, layout:
 
     Raises:
         SeqparInputError: unknown keys, packed rows without position ids, left padding, a sequence shorter
-            than ``sp_size``, labels that look shifted already.
+            than ``sp_size``, labels that look shifted already, a width other than ``seq_length``.
     """
     ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
     if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[0] == 0:
-        batch = padding_batch(mesh, ids.device)
-    problem = _problem(batch, mesh.sp_size)
+        batch, seq_length = padding_batch(mesh, ids.device), None
+    problem = _problem(batch, mesh.sp_size, seq_length)
     if problem is not None:
         raise SeqparInputError(problem)
     wanted = {k: batch[k] for k in SEQUENCE_KEYS if batch.get(k) is not None}
@@ -209,6 +219,7 @@ def shard_step(
     *,
     group: dist.ProcessGroup | None = None,
     layout: Layout = "zigzag",
+    seq_length: int | None = None,
 ) -> StepShards:
     """Shard the micro-batches of one optimizer step and count its valid tokens over every rank (collective).
 
@@ -222,6 +233,7 @@ def shard_step(
             single process.
         layout: the layout the prepared model was told ("balanced": each shard carries its own, see
             ``to_shard``).
+        seq_length: the width every batch must have, or None for any.
 
     Returns:
         The shards and ``num_valid_tokens`` for ``seqpar.cross_entropy``.
@@ -232,7 +244,7 @@ def shard_step(
     """
     shards, message = [], None
     try:
-        shards = [to_shard(b, mesh, layout=layout) for b in batches]
+        shards = [to_shard(b, mesh, layout=layout, seq_length=seq_length) for b in batches]
     except SeqparInputError as error:
         message = str(error)
     count = sum(int((s["shift_labels"] != IGNORE_INDEX).sum()) for s in shards)
@@ -249,33 +261,6 @@ def shard_step(
                 "must get the same rows (shard the dataset by data-parallel replica, e.g. with replica_sampler)"
             )
     return StepShards(shards, sum(row[1] for row in table))
-
-
-def replica_sampler(
-    dataset: Sequence, mesh: SequenceParallelMesh, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False
-) -> DistributedSampler:
-    """A sampler giving every rank the rows of its data-parallel replica (the same rows within an SP group).
-
-    Like ``DistributedSampler`` it repeats rows to give every replica as many when ``drop_last=False`` and
-    the dataset does not divide by dp; ``seqpar.hf.replica_loader`` never repeats a row (Note [epoch ends]).
-
-    For hand-written loops: pass it to a plain ``DataLoader`` (do not ``accelerator.prepare`` that loader:
-    accelerate would shard it by process instead). Call ``set_epoch`` on it every epoch when shuffling.
-
-    Args:
-        dataset: a map-style dataset.
-        mesh: the mesh from ``seqpar.make_mesh`` (its "dp" axis numbers the replicas).
-        shuffle: as in ``torch.utils.data.DistributedSampler``.
-        seed: as in ``DistributedSampler``.
-        drop_last: as in ``DistributedSampler``.
-
-    Returns:
-        A ``DistributedSampler`` over the data-parallel replicas.
-    """
-    dp_size, dp_rank = replica_of(mesh)
-    return DistributedSampler(
-        dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=seed, drop_last=drop_last
-    )
 
 
 def replica_of(mesh: SequenceParallelMesh) -> tuple[int, int]:

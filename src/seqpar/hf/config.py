@@ -12,6 +12,7 @@ from seqpar.layout import LAYOUTS
 from seqpar.strategies import STRATEGIES
 
 __all__ = [
+    "FSDP2_INSTEAD",
     "TRAINER_LAYOUTS",
     "SequenceParallelConfig",
     "check_data_parallel_engine",
@@ -20,6 +21,14 @@ __all__ = [
     "check_training_arguments",
 ]
 
+
+FSDP2_INSTEAD = (
+    "for sharded data parallel change the accelerate YAML's one line `distributed_type: DEEPSPEED` to "
+    "`distributed_type: FSDP` (with `fsdp_config: {fsdp_version: 2}`), or drop `deepspeed=` from TrainingArguments "
+    "and load the model with from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=world)); the "
+    "parallelism_config section stays as it is"
+)
+"""What replaces DeepSpeed ZeRO under seqpar: the one-line YAML change to FSDP2."""
 
 TRAINER_LAYOUTS = (*LAYOUTS, "balanced")
 """The layouts a ``SequenceParallelConfig`` takes: the fixed ones, and "balanced" (one per batch)."""
@@ -41,6 +50,8 @@ class SequenceParallelConfig:
             layout, solved from its packed documents so every rank gets equal attention work (Note [balanced
             layout]); the shards carry it to the model call.
         kernel: the local attention kernel, as in ``seqpar.attention`` ("auto" picks the fastest available).
+        seq_length: the width every batch must have (checked on every rank), or None for any width; accelerate's
+            ``sp_seq_length`` with ``sp_seq_length_is_variable=False``.
     """
 
     sp_size: int | None = None
@@ -48,6 +59,7 @@ class SequenceParallelConfig:
     strategy: str = "auto"
     layout: str = "zigzag"
     kernel: str = "auto"
+    seq_length: int | None = None
 
     def __post_init__(self) -> None:
         if self.sp_size is not None and (not isinstance(self.sp_size, int) or self.sp_size < 1):
@@ -60,6 +72,8 @@ class SequenceParallelConfig:
             raise SeqparInputError(f"unknown strategy {self.strategy!r}; choose one of {STRATEGIES}")
         if self.layout not in TRAINER_LAYOUTS:
             raise SeqparInputError(f"unknown layout {self.layout!r}; choose one of {TRAINER_LAYOUTS}")
+        if self.seq_length is not None and (not isinstance(self.seq_length, int) or self.seq_length < 1):
+            raise SeqparInputError(f"seq_length must be a positive integer or None, got {self.seq_length!r}")
 
 
 def check_training_arguments(args: object) -> None:
@@ -69,7 +83,7 @@ def check_training_arguments(args: object) -> None:
         args: the ``TrainingArguments`` (or ``SFTConfig``) given to the Trainer, or None (defaults).
 
     Raises:
-        SeqparInputError: DeepSpeed, accelerate's own sequence/context parallelism, FSDP version 1, label
+        SeqparInputError: DeepSpeed, FSDP version 1, label
             smoothing, per-device token averaging, NEFTune, the batch-rebalance sampler.
     """
     if args is None:
@@ -78,13 +92,7 @@ def check_training_arguments(args: object) -> None:
     if getattr(args, "deepspeed", None):
         problems.append(
             f"DeepSpeed (deepspeed={args.deepspeed!r}) is not a data-parallel engine seqpar supports: its ZeRO "
-            "optimizer reduces gradients itself; use DDP (the default under torchrun) or FSDP2 (a model loaded with "
-            "distributed_config=DistributedConfig(fsdp_size=world), or fsdp=... on GPU)"
-        )
-    if getattr(args, "parallelism_config", None) is not None:
-        problems.append(
-            "parallelism_config (accelerate's own sequence/context parallelism) cannot be combined with seqpar: "
-            "seqpar splits the sequence itself; leave parallelism_config unset"
+            f"optimizer reduces gradients itself; DDP is the default under torchrun; {FSDP2_INSTEAD}"
         )
     if getattr(args, "fsdp", None) and int((getattr(args, "fsdp_config", None) or {}).get("version", 2)) != 2:
         problems.append("FSDP version 1 is not supported with seqpar; use FSDP2 (fsdp_config={'version': 2})")

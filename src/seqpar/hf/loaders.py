@@ -31,16 +31,17 @@ Note [epoch ends]
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from accelerate.data_loader import BatchSamplerShard
-from torch.utils.data import BatchSampler, DataLoader, Sampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler
 
 from seqpar.errors import SeqparInputError
 from seqpar.hf.batches import replica_of
+from seqpar.mesh import SequenceParallelMesh
 
-__all__ = ["ReplicaBatchSampler", "replica_loader", "shard_by_replica"]
+__all__ = ["ReplicaBatchSampler", "replica_loader", "replica_sampler", "shard_by_replica"]
 
 
 class ReplicaBatchSampler(BatchSamplerShard):
@@ -188,3 +189,30 @@ def replica_loader(
     batches = BatchSampler(_EpochOrder(len(dataset), shuffle, seed), batch_size, drop_last)
     sampler = ReplicaBatchSampler(batches, num_processes=dp_size, process_index=dp_rank)
     return _ReplicaLoader(dataset, batch_sampler=sampler, collate_fn=_EmptyAwareCollator(collate_fn), **loader_options)
+
+
+def replica_sampler(
+    dataset: Sequence, mesh: SequenceParallelMesh, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False
+) -> DistributedSampler:
+    """A sampler giving every rank the rows of its data-parallel replica (the same rows within an SP group).
+
+    Like ``DistributedSampler`` it repeats rows to give every replica as many when ``drop_last=False`` and
+    the dataset does not divide by dp; ``seqpar.hf.replica_loader`` never repeats a row (Note [epoch ends]).
+
+    For hand-written loops: pass it to a plain ``DataLoader`` (do not ``accelerator.prepare`` that loader:
+    accelerate would shard it by process instead). Call ``set_epoch`` on it every epoch when shuffling.
+
+    Args:
+        dataset: a map-style dataset.
+        mesh: the mesh from ``seqpar.make_mesh`` (its "dp" axis numbers the replicas).
+        shuffle: as in ``torch.utils.data.DistributedSampler``.
+        seed: as in ``DistributedSampler``.
+        drop_last: as in ``DistributedSampler``.
+
+    Returns:
+        A ``DistributedSampler`` over the data-parallel replicas.
+    """
+    dp_size, dp_rank = replica_of(mesh)
+    return DistributedSampler(
+        dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+    )

@@ -18,6 +18,8 @@ Note [exact loss under the Trainer]
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
@@ -27,6 +29,7 @@ from transformers.trainer_utils import EvalLoopOutput
 from seqpar.errors import SeqparInputError
 from seqpar.hf.batches import SequenceShard, StepShards, model_inputs, replica_of, shard_step
 from seqpar.hf.config import (
+    FSDP2_INSTEAD,
     SequenceParallelConfig,
     check_data_parallel_engine,
     check_trainer_options,
@@ -34,11 +37,14 @@ from seqpar.hf.config import (
 )
 from seqpar.hf.evaluation import evaluation_loss
 from seqpar.hf.loaders import shard_by_replica
+from seqpar.hf.parallelism import hidden_parallelism_environment, parallelism_from_environment, plan_parallelism
 from seqpar.integrations.transformers import prepare_model
 from seqpar.loss import cross_entropy
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh, make_mesh
 
 __all__ = ["SequenceParallelMixin", "SequenceParallelTrainer", "build_mesh"]
+
+_log = logging.getLogger("seqpar")
 
 
 def build_mesh(config: SequenceParallelConfig) -> SequenceParallelMesh:
@@ -91,15 +97,31 @@ class SequenceParallelMixin:
     loss_is_scaled_for_ga = True
 
     def __init__(self, *args, sequence_parallel: SequenceParallelConfig | None = None, **kwargs) -> None:
-        check_training_arguments(kwargs.get("args", args[1] if len(args) > 1 else None))
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        check_training_arguments(training_args)
+        # accelerate's degrees, from the arguments or from what `accelerate launch` exported for a YAML's
+        # parallelism_config section (Note [accelerate's ParallelismConfig])
+        parallelism_config = getattr(training_args, "parallelism_config", None) or parallelism_from_environment()
         super().__init__(*args, **kwargs)
-        config = sequence_parallel if sequence_parallel is not None else SequenceParallelConfig()
+        self.parallelism_plan = plan_parallelism(sequence_parallel, parallelism_config, self.accelerator.num_processes)
+        config = self.parallelism_plan.sequence_parallel
         if getattr(self, "is_deepspeed_enabled", False):
-            raise SeqparInputError("DeepSpeed (set in the accelerate config) is refused by seqpar; use DDP or FSDP2")
+            raise SeqparInputError(
+                "DeepSpeed (distributed_type: DEEPSPEED in the accelerate config) is not a data-parallel engine seqpar "
+                f"supports; {FSDP2_INSTEAD}"
+            )
         fsdp_plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
         if fsdp_plugin is not None and getattr(fsdp_plugin, "fsdp_version", 1) != 2:
             raise SeqparInputError("FSDP version 1 (from the accelerate config) is not supported; use fsdp_version 2")
         check_data_parallel_engine(self, self.accelerator.num_processes)
+        sharded = self.is_fsdp_enabled or getattr(self.model, "is_distributed_loading_by_transformers", False)
+        if self.parallelism_plan.dp_shard_size > 1 and not sharded:
+            _log.warning(
+                "parallelism_config.dp_shard_size=%d: FSDP2 is not enabled for this launch (accelerate applies its "
+                "FSDP plugin on GPUs with distributed_type: FSDP), replicas keep whole parameters under DDP: the "
+                "same numbers, more memory",
+                self.parallelism_plan.dp_shard_size,
+            )
         check_trainer_options(self)
         collator = self.data_collator
         if isinstance(collator, DataCollatorWithFlattening) and (
@@ -115,6 +137,17 @@ class SequenceParallelMixin:
         self.sp_mesh = build_mesh(config)
         self.dp_size, self.dp_rank = replica_of(self.sp_mesh)
         prepare_model(self.model, self.sp_mesh, strategy=config.strategy, layout=config.layout, kernel=config.kernel)
+
+    def _build_accelerator_args(self, **kwargs) -> dict:
+        """The Trainer's Accelerator arguments, ``parallelism_config`` left out (seqpar has planned with it)."""
+        accelerator_args = super()._build_accelerator_args(**kwargs)
+        accelerator_args.pop("parallelism_config", None)
+        return accelerator_args
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """The Trainer's Accelerator, built without the parallelism config it would read from the environment."""
+        with hidden_parallelism_environment():
+            super().create_accelerator_and_postprocess()
 
     # ---- data: rows per data-parallel replica (Note [loaders by replica]) ----
 
@@ -168,7 +201,10 @@ class SequenceParallelMixin:
         Raises:
             SeqparInputError: on every rank, when any rank's batch is bad.
         """
-        return shard_step(batches, self.sp_mesh, group=self._world_group(), layout=self.sequence_parallel.layout)
+        config = self.sequence_parallel
+        return shard_step(
+            batches, self.sp_mesh, group=self._world_group(), layout=config.layout, seq_length=config.seq_length
+        )
 
     # ---- loss (Note [exact loss under the Trainer]) ----
 
