@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 
-from tests.hf_scripts.common import CASES, STEPS, documents, model
+from tests.hf_scripts.common import CASES, STEPS, YAML_RUNS, documents, model
 from tests.hf_scripts.upstream import UPSTREAM
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -23,6 +23,7 @@ BIN = pathlib.Path(sys.executable).parent
 LOSS_RTOL, GRAD_NORM_RTOL, PARAM_RTOL = 1e-5, 1e-4, 1e-4
 ADAMW_PARAM_RTOL = 1e-3  # Adam divides by sqrt(v): near-zero gradients turn rounding into visible updates
 REFERENCES = [n for n, c in CASES.items() if not c.reference]
+LAUNCHED_BY_TORCHRUN = [n for n in CASES if n not in YAML_RUNS]
 
 
 def _launch(command: list[str], timeout: int = 600) -> None:
@@ -51,7 +52,7 @@ def _load(path: pathlib.Path) -> dict:
 
 @pytest.fixture(scope="module")
 def two_ranks(out) -> pathlib.Path:
-    names = [n for n, c in CASES.items() if c.world == 2]
+    names = [n for n in LAUNCHED_BY_TORCHRUN if CASES[n].world == 2]
     _launch(
         _torchrun(
             2,
@@ -72,10 +73,20 @@ def two_ranks(out) -> pathlib.Path:
 @pytest.fixture(scope="module")
 def more_ranks(out) -> pathlib.Path:
     for world in (3, 4):
-        names = [n for n, c in CASES.items() if c.world == world]
+        names = [n for n in LAUNCHED_BY_TORCHRUN if CASES[n].world == world]
         if world == 4:  # dp 2 x sp 2
             names += [*(n for n, (_, _, dp) in UPSTREAM.items() if dp == 2), "accelerate_dp2"]
         _launch(_torchrun(world, "-m", "tests.hf_scripts.parallel", str(out), *names))
+    return out
+
+
+@pytest.fixture(scope="module")
+def yaml_runs(out) -> pathlib.Path:
+    """TRL's accelerate YAMLs (tests/accelerate_configs) launching a script that names no parallel settings."""
+    for name, config in YAML_RUNS.items():
+        yaml = str(ROOT / "tests" / "accelerate_configs" / config)
+        launcher = [str(BIN / "accelerate"), "launch", "--config_file", yaml, "--main_process_port", "0"]
+        _launch([*launcher, "-m", "tests.hf_scripts.parallel", str(out), name])
     return out
 
 
@@ -219,11 +230,15 @@ def test_bad_input_raises_on_every_rank(two_ranks):
         "left padding on one rank": "rank 1: attention_mask has padding before real tokens",
         "sp larger than the sequence": "a sequence of 1 tokens cannot be split over sp_size=2",
         "world not divisible by sp": "world size 2 is not divisible by sp_size 3",
-        "deepspeed": "DeepSpeed (deepspeed='ds_config.json')",
+        "deepspeed": "`distributed_type: DEEPSPEED` to `distributed_type: FSDP`",
         "label smoothing": "label_smoothing_factor=0.1",
         "sft liger": "use_liger_kernel",
         "sft dft loss": "loss_type='dft'",
         "unknown strategy": "unknown strategy 'zigzag'",
+        "parallelism sizes": "= 4 processes, but the job has 2",
+        "parallelism disagrees": "SequenceParallelConfig(sp_size=2, ulysses_size=1) and parallelism_config",
+        "parallelism tp": "tp_size=2: tensor parallel is not part of the Hugging Face doors",
+        "parallelism fixed width": "ranks 0, 1: a batch 26 tokens wide, but the width is fixed at 64",
         "loader by process": "loaded different batches",
         "fsdp plugin on the cpu": "DistributedConfig(fsdp_size=2)",
         "model seqpar cannot serve": "cannot serve this model's attention: its config sets attn_logit_softcapping",
@@ -261,6 +276,30 @@ def test_fsdp2_equals_one_process(request, name):
 def test_models_equal_one_process(request, name, strategy):
     root = request.getfixturevalue("two_ranks" if CASES[name].world == 2 else "more_ranks")
     assert _compare(root, name)["setup"]["strategy"] == strategy
+
+
+@pytest.mark.parametrize(
+    "name,strategy,ulysses",
+    [
+        ("pc_sp2", "ulysses", 2),  # ParallelismConfig(sp_backend="deepspeed", sp_size=2, sp_handler=...)
+        ("pc_cp2_alltoall", "ring", 1),  # cp_comm_strategy="alltoall": key/value shards rotate around the ranks
+        ("pc_dp2_sp2", "ulysses", 2),  # dp_replicate_size=2 x sp_size=2
+        ("pc_dp2_cp2", "allgather", 1),  # dp_shard_size=2 x cp_size=2, accelerate's default all-gather; evaluation
+    ],
+)
+def test_accelerate_parallelism_config_equals_one_process(request, name, strategy, ulysses):
+    """accelerate's ParallelismConfig in TrainingArguments, as its guides write it, trains as one process does."""
+    root = request.getfixturevalue("two_ranks" if CASES[name].world == 2 else "more_ranks")
+    setup = _compare(root, name)["setup"]
+    assert (setup["strategy"], setup["sp_size"], setup["ulysses_size"]) == (strategy, 2, ulysses)
+    assert setup["accelerate_parallelism"] is None  # accelerate ran plain DDP; seqpar split the sequence
+
+
+@pytest.mark.parametrize("name,strategy,ulysses", [("yaml_cp2", "allgather", 1), ("yaml_dp2_sp2", "ulysses", 2)])
+def test_accelerate_yaml_equals_one_process(yaml_runs, name, strategy, ulysses):
+    """TRL's context-parallel and ALST YAMLs under accelerate launch: the degrees come from the environment."""
+    setup = _compare(yaml_runs, name)["setup"]
+    assert (setup["strategy"], setup["sp_size"], setup["ulysses_size"]) == (strategy, 2, ulysses)
 
 
 EXAMPLES = [

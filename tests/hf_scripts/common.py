@@ -13,7 +13,17 @@ import transformers
 
 from tests._models import VOCAB, tiny_config
 
-__all__ = ["CASES", "Case", "documents", "padded_collator", "results", "tokenizer", "training_args"]
+__all__ = [
+    "CASES",
+    "YAML_RUNS",
+    "Case",
+    "documents",
+    "padded_collator",
+    "parallelism_config",
+    "results",
+    "tokenizer",
+    "training_args",
+]
 
 STEPS = 6
 
@@ -35,12 +45,14 @@ class Case:
     reference: str = ""  # compare with another case's reference (same data and settings)
     fsdp: bool = False  # the seqpar run loads its model FSDP2-sharded over every process (DistributedConfig)
     layout: str = "zigzag"  # SequenceParallelConfig(layout=...) of the seqpar run (the reference has none)
+    parallelism: str = ""  # the seqpar run takes parallelism_config(name) in TrainingArguments, no sequence_parallel=
 
     @property
     def dp(self) -> int:
         return self.world // self.sp_size
 
 
+RANDOM_ORDER = (("train_sampling_strategy", "random"),)
 SFT_PACKING = (("packing", True), ("max_length", 40), ("activation_checkpointing", False))
 CASES = {
     "sp2": Case(2, eval_batch=4),
@@ -70,7 +82,34 @@ CASES = {
         reference="dp2_sp2",
     ),
     "kv1_ulysses2_ring2": Case(4, kind="llama_kv1", sp_size=4, ulysses_size=2),  # auto: hybrid, KV head copied
+    # accelerate's ParallelismConfig as its guides build it, in TrainingArguments(parallelism_config=...)
+    "pc_sp2": Case(2, parallelism="sp2", reference="sp2"),
+    "pc_cp2_alltoall": Case(2, parallelism="cp2_alltoall", reference="sp2"),
+    "pc_dp2_sp2": Case(4, batch=1, extra=RANDOM_ORDER, parallelism="dp2_sp2", reference="dp2_sp2"),
+    "pc_dp2_cp2": Case(4, batch=1, extra=RANDOM_ORDER, eval_batch=2, parallelism="dp2_cp2", reference="dp2_sp2"),
+    # no settings in the script: accelerate launch --config_file tests/accelerate_configs/<yaml> exports them
+    "yaml_cp2": Case(2, parallelism="environment", reference="sp2"),
+    "yaml_dp2_sp2": Case(4, batch=1, extra=RANDOM_ORDER, parallelism="environment", reference="dp2_sp2"),
 }
+YAML_RUNS = {"yaml_cp2": "trl_context_parallel_2gpu.yaml", "yaml_dp2_sp2": "trl_alst_ulysses_4gpu.yaml"}
+
+
+def parallelism_config(name: str):
+    """accelerate's ``ParallelismConfig`` of a case, written as accelerate's guides write it."""
+    from accelerate import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig, TorchContextParallelConfig
+
+    ulysses = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa")
+    return {
+        "sp2": lambda: ParallelismConfig(sp_backend="deepspeed", sp_size=2, dp_shard_size=1, sp_handler=ulysses),
+        "cp2_alltoall": lambda: ParallelismConfig(
+            cp_size=2, cp_handler=TorchContextParallelConfig(cp_comm_strategy="alltoall")
+        ),
+        "dp2_sp2": lambda: ParallelismConfig(
+            dp_replicate_size=2, dp_shard_size=1, sp_size=2, sp_backend="deepspeed", sp_handler=ulysses
+        ),
+        "dp2_cp2": lambda: ParallelismConfig(dp_shard_size=2, cp_size=2),  # allgather, accelerate's default
+    }[name]()
 
 
 def documents(count: int, seed: int, low: int = 5, high: int = 21) -> list[dict[str, list[int]]]:

@@ -16,7 +16,7 @@ import transformers
 import seqpar
 import seqpar.hf
 from seqpar.integrations.transformers import LAYOUT_KEYWORD
-from tests.hf_scripts.common import CASES, build_trainer, model, results, save
+from tests.hf_scripts.common import CASES, build_trainer, model, parallelism_config, results, save
 
 
 def _config(case) -> seqpar.hf.SequenceParallelConfig:
@@ -62,14 +62,21 @@ def run_case(out: str, name: str) -> None:
     case = CASES[name]
     where = os.path.join(out, name)
     extra = {"model": _sharded_model(case, os.path.join(where, "initial"))} if case.fsdp else {}
-    trainer = build_trainer(
-        name, case, where, _trainer_class(case), reference=False, sequence_parallel=_config(case), **extra
-    )
+    if case.parallelism == "environment":  # from the YAML accelerate launch was given
+        pass
+    elif case.parallelism:  # accelerate's config in the TrainingArguments, no sequence_parallel=
+        extra["args"] = {"parallelism_config": parallelism_config(case.parallelism)}
+    else:
+        extra["sequence_parallel"] = _config(case)
+    trainer = build_trainer(name, case, where, _trainer_class(case), reference=False, **extra)
     layouts = _record_layouts(trainer)
     trainer.train()
     found = results(trainer)
     found["setup"]["strategy"] = seqpar.attention_choice(trainer.model).strategy
     found["setup"]["layouts"] = layouts
+    found["setup"]["sp_size"] = trainer.sp_mesh.sp_size
+    found["setup"]["ulysses_size"] = trainer.sp_mesh.ulysses_size
+    found["setup"]["accelerate_parallelism"] = trainer.accelerator.parallelism_config
     if dist.get_rank() == 0:
         save(os.path.join(out, f"{name}.pt"), found)
 

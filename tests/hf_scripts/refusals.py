@@ -40,6 +40,20 @@ def _soft_capped():
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
 
 
+def _accelerate(**sizes):
+    from accelerate import ParallelismConfig
+
+    return ParallelismConfig(**sizes)
+
+
+def _fixed_width(world: int):
+    """Ulysses over every rank with batches 64 tokens wide, as accelerate's sp_seq_length_is_variable=False says."""
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+    fixed = DeepSpeedSequenceParallelConfig(sp_seq_length=64, sp_seq_length_is_variable=False)
+    return _accelerate(sp_backend="deepspeed", sp_size=world, sp_handler=fixed)
+
+
 def _expect_refusal(what: str, make) -> str:
     try:
         make()
@@ -67,6 +81,11 @@ def refusals(out: str) -> None:
             mutate=mutate,
             **extra,
         )
+
+    def accelerate_trainer(parallelism_config):  # the settings in TrainingArguments only, no sequence_parallel=
+        where = os.path.join(out, "x")
+        args = {"parallelism_config": parallelism_config}
+        return build_trainer("x", case, where, seqpar.hf.SequenceParallelTrainer, reference=False, args=args)
 
     def train_on(batch_fn):
         t = trainer(collator=batch_fn)
@@ -102,6 +121,10 @@ def refusals(out: str) -> None:
         "sft liger": lambda: trainer(cls=seqpar.hf.SequenceParallelSFTTrainer, args={"use_liger_kernel": True}),
         "sft dft loss": lambda: trainer(cls=seqpar.hf.SequenceParallelSFTTrainer, args={"loss_type": "dft"}),
         "unknown strategy": lambda: seqpar.hf.SequenceParallelConfig(strategy="zigzag"),
+        "parallelism sizes": lambda: accelerate_trainer(_accelerate(sp_size=world, dp_shard_size=2)),
+        "parallelism disagrees": lambda: trainer(args={"parallelism_config": _accelerate(sp_size=world)}),
+        "parallelism tp": lambda: accelerate_trainer(_accelerate(tp_size=world)),
+        "parallelism fixed width": lambda: accelerate_trainer(_fixed_width(world)).train(),
         "loader by process": lambda: trainer(cls=_ByProcess).train(),
         # accelerate keeps DDP on the CPU whatever fsdp says: refused rather than silently replicated
         "fsdp plugin on the cpu": lambda: trainer(args={"fsdp": True, "fsdp_config": {"version": 2}}),
