@@ -15,7 +15,6 @@ from tests._models import VOCAB, tiny_config
 
 __all__ = [
     "CASES",
-    "YAML_RUNS",
     "Case",
     "documents",
     "padded_collator",
@@ -87,11 +86,7 @@ CASES = {
     "pc_cp2_alltoall": Case(2, parallelism="cp2_alltoall", reference="sp2"),
     "pc_dp2_sp2": Case(4, batch=1, extra=RANDOM_ORDER, parallelism="dp2_sp2", reference="dp2_sp2"),
     "pc_dp2_cp2": Case(4, batch=1, extra=RANDOM_ORDER, eval_batch=2, parallelism="dp2_cp2", reference="dp2_sp2"),
-    # no settings in the script: accelerate launch --config_file tests/accelerate_configs/<yaml> exports them
-    "yaml_cp2": Case(2, parallelism="environment", reference="sp2"),
-    "yaml_dp2_sp2": Case(4, batch=1, extra=RANDOM_ORDER, parallelism="environment", reference="dp2_sp2"),
 }
-YAML_RUNS = {"yaml_cp2": "trl_context_parallel_2gpu.yaml", "yaml_dp2_sp2": "trl_alst_ulysses_4gpu.yaml"}
 
 
 def parallelism_config(name: str):

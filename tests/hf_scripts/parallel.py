@@ -62,9 +62,7 @@ def run_case(out: str, name: str) -> None:
     case = CASES[name]
     where = os.path.join(out, name)
     extra = {"model": _sharded_model(case, os.path.join(where, "initial"))} if case.fsdp else {}
-    if case.parallelism == "environment":  # from the YAML accelerate launch was given
-        pass
-    elif case.parallelism:  # accelerate's config in the TrainingArguments, no sequence_parallel=
+    if case.parallelism:  # accelerate's config in the TrainingArguments, no sequence_parallel=
         extra["args"] = {"parallelism_config": parallelism_config(case.parallelism)}
     else:
         extra["sequence_parallel"] = _config(case)
@@ -140,11 +138,11 @@ def upstream(out: str, name: str) -> None:
     """A documented upstream example with seqpar's trainer in place of upstream's (tests.hf_scripts.upstream)."""
     import functools
 
-    from tests.hf_scripts.upstream import UPSTREAM, run
+    from tests.hf_scripts.upstream import UPSTREAM, YAML_LAUNCHED, run
 
     example, _, dp = UPSTREAM[name]
-    cls = seqpar.hf.SequenceParallelSFTTrainer if example == "trl_packing" else seqpar.hf.SequenceParallelTrainer
-    if dp > 1:  # the one argument a dp x sp job adds: how many ranks share a sequence
+    cls = seqpar.hf.SequenceParallelSFTTrainer if example.startswith("trl_") else seqpar.hf.SequenceParallelTrainer
+    if dp > 1 and name not in YAML_LAUNCHED:  # the one argument a dp x sp job adds: how many ranks share a sequence
         cls = functools.partial(
             cls, sequence_parallel=seqpar.hf.SequenceParallelConfig(sp_size=dist.get_world_size() // dp)
         )
@@ -163,7 +161,7 @@ def main(out: str, names: list[str]) -> None:
     for name in names:
         if name in special:
             special[name](out)
-        elif name.startswith(("trl_packing", "flattening")):
+        elif name.startswith(("trl_", "flattening")):
             upstream(out, name)
         elif name.startswith("accelerate_dp"):
             from tests.hf_scripts.accelerate_loop import run

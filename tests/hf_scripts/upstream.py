@@ -30,7 +30,13 @@ UPSTREAM = {
     "trl_packing_dp2": ("trl_packing", 2, 2),
     "flattening_dp1": ("flattening_trainer", 8, 1),
     "flattening_dp2": ("flattening_trainer", 8, 2),
+    # TRL's distributed-training page: its SFTConfig snippets, launched with its accelerate YAMLs
+    "trl_cp_yaml": ("trl_context_parallel", 1, 1),
+    "trl_alst_yaml": ("trl_ulysses", 1, 2),
 }
+# the seqpar side of these runs under `accelerate launch --config_file tests/accelerate_configs/<yaml>`
+YAML_LAUNCHED = {"trl_cp_yaml": "trl_context_parallel_2gpu.yaml", "trl_alst_yaml": "trl_alst_ulysses_4gpu.yaml"}
+CP_DOCUMENTS = 40
 TRL_DOCUMENTS, TRAINER_DOCUMENTS = 150, 75
 
 
@@ -62,6 +68,49 @@ def trl_packing(SFTTrainer, out: str, batch: int) -> dict:
     return results(trainer, ("entropy", "mean_token_accuracy", "num_tokens"))
 
 
+def trl_context_parallel(SFTTrainer, out: str, batch: int) -> dict:
+    """TRL's context-parallel training configuration (``use_liger_kernel=True`` left out: Liger is not installed)."""
+    from trl import SFTConfig
+
+    dataset = datasets.Dataset.from_list(documents(CP_DOCUMENTS, 9, low=5, high=60))
+    filled_in = _filled_in(out, batch)
+    filled_in.pop("per_device_train_batch_size")
+    training_args = SFTConfig(
+        # required
+        pad_to_multiple_of=4,  # ensures divisibility by cp_size * 2
+        # to get the most out of CP
+        max_length=64,  # long sequence length (16384 in TRL's page)
+        packing=True,  # use packing to reduce padding
+        gradient_checkpointing=False,  # The activation_checkpointing in FSDP config and ... can't both be True
+        per_device_train_batch_size=batch,  # 1 in TRL's page: one row per replica
+        **filled_in,
+    )
+    trainer = SFTTrainer(model=model("llama"), args=training_args, train_dataset=dataset, processing_class=tokenizer())
+    trainer.train()
+    return results(trainer, ("entropy", "mean_token_accuracy", "num_tokens"))
+
+
+def trl_ulysses(SFTTrainer, out: str, batch: int) -> dict:
+    """TRL's ALST/Ulysses training configuration (its ``attn_implementation=`` is no SFTConfig field in TRL 1.16)."""
+    from trl import SFTConfig
+
+    dataset = datasets.Dataset.from_list(documents(CP_DOCUMENTS, 9, low=5, high=60))
+    filled_in = _filled_in(out, batch)
+    filled_in.pop("per_device_train_batch_size")
+    training_args = SFTConfig(
+        # required
+        pad_to_multiple_of=2,  # Must equal sp_size
+        # to get the most out of SP
+        max_length=64,  # 4096 in TRL's page
+        packing=True,
+        per_device_train_batch_size=batch,  # 1 in TRL's page: one row per replica
+        **filled_in,
+    )
+    trainer = SFTTrainer(model=model("llama"), args=training_args, train_dataset=dataset, processing_class=tokenizer())
+    trainer.train()
+    return results(trainer, ("entropy", "mean_token_accuracy", "num_tokens"))
+
+
 def flattening_trainer(Trainer, out: str, batch: int) -> dict:
     """transformers' padding-free packing: ``Trainer(..., data_collator=DataCollatorWithFlattening())``."""
     from transformers import DataCollatorWithFlattening, TrainingArguments
@@ -83,7 +132,9 @@ def results(trainer, metrics: tuple[str, ...] = ()) -> dict:
     keys = ("loss", "grad_norm", *metrics)
     log = [(h["step"], h["epoch"], *(h[k] for k in keys)) for h in trainer.state.log_history if "loss" in h]
     params = {n: p.detach().float().cpu().clone() for n, p in trainer.model.named_parameters()}
-    return {"keys": keys, "log": log, "params": params, "rows": len(trainer.train_dataset)}
+    mesh, settings = getattr(trainer, "sp_mesh", None), getattr(trainer, "sequence_parallel", None)
+    sequence = (mesh.sp_size, mesh.ulysses_size, settings.strategy) if mesh is not None else None
+    return {"keys": keys, "log": log, "params": params, "rows": len(trainer.train_dataset), "sequence": sequence}
 
 
 def run(name: str, trainer_class, out: str, reference: bool) -> dict:
@@ -99,7 +150,7 @@ def main(out: str, names: list[str]) -> None:
             reference(out, int(name.removeprefix("accelerate_dp")))
             continue
         example = UPSTREAM[name][0]
-        if example == "trl_packing":
+        if example.startswith("trl_"):
             from trl import SFTTrainer as cls
         else:
             cls = transformers.Trainer
