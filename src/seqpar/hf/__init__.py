@@ -1,6 +1,7 @@
 """Hugging Face ``Trainer``, TRL ``SFTTrainer`` and accelerate loops with the sequence split over ranks.
 
-``SequenceParallelTrainer`` / ``SequenceParallelSFTTrainer`` take ``sequence_parallel=SequenceParallelConfig(...)``.
+``SequenceParallelTrainer`` / ``SequenceParallelSFTTrainer`` take ``sequence_parallel=SequenceParallelConfig(...)`` or
+accelerate's ``ParallelismConfig`` (``TrainingArguments(parallelism_config=...)`` or an accelerate YAML).
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from seqpar.hf.batches import (
 )
 from seqpar.hf.config import SequenceParallelConfig
 from seqpar.hf.loaders import replica_loader, replica_sampler
+from seqpar.hf.parallelism import ParallelismPlan, plan_parallelism
 from seqpar.hf.trainer import SequenceParallelMixin, SequenceParallelTrainer, build_mesh
 
 __all__ = [
+    "ParallelismPlan",
     "SequenceParallelConfig",
     "SequenceParallelMixin",
     "SequenceParallelSFTTrainer",
@@ -26,6 +29,7 @@ __all__ = [
     "StepShards",
     "build_mesh",
     "model_inputs",
+    "plan_parallelism",
     "replica_loader",
     "replica_of",
     "replica_sampler",
