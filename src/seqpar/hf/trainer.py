@@ -18,6 +18,8 @@ Note [exact loss under the Trainer]
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
@@ -29,12 +31,15 @@ from seqpar.hf.batches import SequenceShard, StepShards, model_inputs, replica_o
 from seqpar.hf.config import (
     SequenceParallelConfig,
     check_data_parallel_engine,
+    check_neftune,
     check_trainer_options,
     check_training_arguments,
 )
 from seqpar.hf.evaluation import evaluation_loss
 from seqpar.hf.loaders import shard_by_replica
-from seqpar.integrations.transformers import prepare_model
+from seqpar.hf.metrics import BatchPredictions, computed_metrics, in_dataset_order, metric_arrays
+from seqpar.hf.neftune import WIDTH, noisy_embeddings
+from seqpar.integrations.transformers import LAYOUT_KEYWORD, prepare_model
 from seqpar.loss import cross_entropy
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh, make_mesh
 
@@ -114,6 +119,8 @@ class SequenceParallelMixin:
         self.model_accepts_loss_kwargs = True
         self.sp_mesh = build_mesh(config)
         self.dp_size, self.dp_rank = replica_of(self.sp_mesh)
+        # Note [NEFTune over shards]: seqpar adds the noise itself (compute_loss), not transformers' hook
+        self.sp_neftune_alpha, self.neftune_noise_alpha = check_neftune(self.neftune_noise_alpha, self.dp_size), None
         prepare_model(self.model, self.sp_mesh, strategy=config.strategy, layout=config.layout, kernel=config.kernel)
 
     # ---- data: rows per data-parallel replica (Note [loaders by replica]) ----
@@ -168,7 +175,10 @@ class SequenceParallelMixin:
         Raises:
             SeqparInputError: on every rank, when any rank's batch is bad.
         """
-        return shard_step(batches, self.sp_mesh, group=self._world_group(), layout=self.sequence_parallel.layout)
+        step = shard_step(batches, self.sp_mesh, group=self._world_group(), layout=self.sequence_parallel.layout)
+        for shard, batch in zip(step.shards, batches):
+            shard[WIDTH] = int(batch["input_ids"].shape[1])  # the NEFTune noise's width (Note [NEFTune over shards])
+        return step
 
     # ---- loss (Note [exact loss under the Trainer]) ----
 
@@ -207,11 +217,23 @@ class SequenceParallelMixin:
                 "the model is not wrapped in DDP/FSDP: gradients would not be summed over ranks; train through "
                 "trainer.train() (which wraps it)"
             )
-        outputs = model(**model_inputs(inputs))  # with the batch's own layout under "balanced"
+        with self.embedding_noise(model, inputs):
+            outputs = model(**model_inputs(inputs))  # with the batch's own layout under "balanced"
         total = int(num_items_in_batch) if num_items_in_batch is not None else None
-        loss = cross_entropy(outputs.logits, inputs["shift_labels"], num_valid_tokens=total)
+        smoothing = self.label_smoother.epsilon if self.label_smoother is not None else 0.0
+        loss = cross_entropy(  # Note [label smoothing per token]
+            outputs.logits, inputs["shift_labels"], num_valid_tokens=total, label_smoothing=smoothing
+        )
         loss = loss * self.accelerator.num_processes  # DDP / FSDP2 average over every process
         return (loss, outputs) if return_outputs else loss
+
+    def embedding_noise(self, model, shard: SequenceShard) -> contextlib.AbstractContextManager:
+        """NEFTune's noise for one training forward on ``shard`` (Note [NEFTune over shards]); else no-op."""
+        if not self.sp_neftune_alpha or not model.training:
+            return contextlib.nullcontext()
+        embeddings = self.accelerator.unwrap_model(model).get_input_embeddings()
+        layout = shard.get(LAYOUT_KEYWORD) or self.sequence_parallel.layout
+        return noisy_embeddings(embeddings, self.sp_neftune_alpha, shard.get(WIDTH), self.sp_mesh, layout)
 
     # ---- evaluation (Note [evaluation loss]) ----
 
@@ -224,9 +246,14 @@ class SequenceParallelMixin:
     def evaluation_loop(
         self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
     ) -> EvalLoopOutput:
-        """The evaluation loss of one process, computed on sharded sequences; no predictions are gathered."""
+        """The evaluation loss of one process, computed on sharded sequences; with ``compute_metrics``, its
+        metrics on the whole-sequence predictions of every replica (Note [metrics over shards])."""
         self.callback_handler.eval_dataloader = dataloader
         collected: list[torch.Tensor] = []
+        skip = self.args.prediction_loss_only if prediction_loss_only is None else prediction_loss_only
+        wanted = self.compute_metrics is not None and not skip
+        layout = self.sequence_parallel.layout
+        predictions = BatchPredictions(self.sp_mesh, layout, self.preprocess_logits_for_metrics) if wanted else None
 
         def on_batch() -> None:
             self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
@@ -237,16 +264,23 @@ class SequenceParallelMixin:
             self.sp_mesh,
             group=self._world_group(),
             batch_size=self.args.eval_batch_size,
-            layout=self.sequence_parallel.layout,
+            layout=layout,
             autocast=self.accelerator.autocast,
             on_batch=on_batch,
             statistics=self.eval_statistics,
             collected=collected,
+            label_smoothing=self.label_smoother.epsilon if self.label_smoother is not None else 0.0,
+            on_logits=predictions,
         )
         if self.eval_statistics is not None:
             self.record_eval_statistics(collected)
-        metrics = {f"{metric_key_prefix}_loss": loss}
-        return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics, num_samples=count)
+        metrics, preds, label_ids = {}, None, None
+        if predictions is not None:
+            batches = in_dataset_order(predictions.batches, self.sp_mesh, self._world_group(), self.dp_size)
+            preds, label_ids = metric_arrays(batches, self.args.eval_do_concat_batches)
+            metrics = computed_metrics(self.compute_metrics, preds, label_ids, metric_key_prefix)
+        metrics[f"{metric_key_prefix}_loss"] = loss
+        return EvalLoopOutput(predictions=preds, label_ids=label_ids, metrics=metrics, num_samples=count)
 
 
 class SequenceParallelTrainer(SequenceParallelMixin, Trainer):
