@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 
-from tests.hf_scripts.common import CASES, STEPS, documents, model
+from tests.hf_scripts.common import CASES, METRICS, STEPS, documents, model
 from tests.hf_scripts.upstream import UPSTREAM, YAML_LAUNCHED
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -172,6 +172,34 @@ def test_adamw(two_ranks):
     _compare(two_ranks, "sp2_adamw", param_rtol=ADAMW_PARAM_RTOL)
 
 
+def _loss_change(root: pathlib.Path, name: str, other: str) -> float:
+    """The largest relative difference of the per-step logged losses of two one-process references."""
+    got, ref = (torch.tensor([row[1] for row in _load(root / "reference" / f"{n}.pt")["log"]]) for n in (name, other))
+    return float(((got - ref) / ref).abs().max())
+
+
+@pytest.mark.parametrize("name", ["sp2_label_smoothing", "sp2_neftune"])
+def test_label_smoothing_and_neftune_equal_one_process(two_ranks, name):
+    """Note [label smoothing per token], Note [NEFTune over shards]: loss, grad_norm, (smoothed) evaluation loss
+    and parameters equal one process's; the option changes the one-process losses by far more than the tolerance
+    (measured: smoothing 0.1 by 6.9e-4, NEFTune alpha 5 by 4.8e-3), so a run that ignored it would fail."""
+    _compare(two_ranks, name)
+    assert _loss_change(two_ranks, name, "sp2") > 10 * LOSS_RTOL
+
+
+@pytest.mark.parametrize("name", ["sp2_metrics", "dp2_sp2_metrics"])
+def test_compute_metrics_equal_one_process(request, name):
+    """Note [metrics over shards]: compute_metrics on argmax predictions (preprocess_logits_for_metrics) and labels
+    gets one process's arrays: the same accuracy, shapes, order and -100 padding across batches."""
+    root = request.getfixturevalue("two_ranks" if CASES[name].world == 2 else "more_ranks")
+    found = _compare(root, name)
+    want = _load(root / "reference" / f"{name}.pt")
+    for metric in METRICS:
+        rows = want["metrics"][f"eval_{metric}"]
+        assert len(rows) == STEPS // 3 and found["metrics"][f"eval_{metric}"] == rows, metric
+    assert all(v > 0 for _, v in want["metrics"]["eval_padded_preds"])  # batches of different widths were padded
+
+
 def test_gradient_checkpointing_and_bf16(two_ranks):
     """gradient_checkpointing=True is exact; bf16 autocast stays within one bf16 rounding (2^-8) of fp32."""
     assert _compare(two_ranks, "sp2_checkpointing")["setup"]["checkpointing"]
@@ -231,7 +259,9 @@ def test_bad_input_raises_on_every_rank(two_ranks):
         "sp larger than the sequence": "a sequence of 1 tokens cannot be split over sp_size=2",
         "world not divisible by sp": "world size 2 is not divisible by sp_size 3",
         "deepspeed": "`distributed_type: DEEPSPEED` to `distributed_type: FSDP`",
-        "label smoothing": "label_smoothing_factor=0.1",
+        "neftune over replicas": "neftune_noise_alpha=5.0 with 2 data-parallel replicas",
+        "per-batch metrics": "batch_eval_metrics: seqpar gathers",
+        "sft neftune with label smoothing": "two training forwards per micro-batch",
         "sft liger": "use_liger_kernel",
         "sft dft loss": "loss_type='dft'",
         "unknown strategy": "unknown strategy 'zigzag'",

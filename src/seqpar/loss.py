@@ -9,6 +9,14 @@ Note [global token normalisation]
     micro-batches). Summing these over ranks and micro-batches gives the mean token loss of the step, and
     summing the parameter gradients over ranks (``reduce_gradients``) gives its exact gradient, with no
     factor of the SP degree or the accumulation count. A rank with no valid token contributes 0.
+
+Note [label smoothing per token]
+    With ``label_smoothing=eps`` a token's loss is ``(1 - eps) x (-log p[label]) + eps x mean over the
+    vocabulary of (-log p[v])`` (``F.cross_entropy``'s ``label_smoothing``), which is what transformers'
+    ``LabelSmoother`` computes per token: it divides the summed NLL by ``num_items_in_batch`` and the
+    summed ``-log p`` over the vocabulary by ``num_items_in_batch x V``. The Trainer passes the step's
+    valid tokens over every process as ``num_items_in_batch`` (not a per-micro-batch mean), so the same
+    global normaliser as the plain loss makes the smoothed loss, its gradient and its logged value exact.
 """
 
 from __future__ import annotations
@@ -75,6 +83,7 @@ def cross_entropy(
     *,
     num_valid_tokens: int | None = None,
     ignore_index: int = IGNORE_INDEX,
+    label_smoothing: float = 0.0,
 ) -> torch.Tensor:
     """This rank's share of the mean token cross-entropy of the global batch (Note [global token normalisation]).
 
@@ -86,6 +95,7 @@ def cross_entropy(
         num_valid_tokens: the global count of valid tokens of the whole optimizer step; default: counted
             over ``group`` for this micro-batch (one small all-reduce).
         ignore_index: label value that is not a token to predict.
+        label_smoothing: epsilon of Note [label smoothing per token]; 0: plain cross-entropy.
 
     Returns:
         A scalar; its sum over the group's ranks (and the step's micro-batches) is the mean token loss.
@@ -98,7 +108,11 @@ def cross_entropy(
     if num_valid_tokens is None:
         num_valid_tokens = count_valid_tokens(shift_labels, group, ignore_index)
     total = F.cross_entropy(
-        logits.flatten(0, -2).float(), shift_labels.flatten(), ignore_index=ignore_index, reduction="sum"
+        logits.flatten(0, -2).float(),
+        shift_labels.flatten(),
+        ignore_index=ignore_index,
+        reduction="sum",
+        label_smoothing=label_smoothing,
     )
     return total / max(num_valid_tokens, 1)
 

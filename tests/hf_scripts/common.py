@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import numpy as np
 import torch
 import transformers
 
@@ -15,6 +16,7 @@ from tests._models import VOCAB, tiny_config
 
 __all__ = [
     "CASES",
+    "METRICS",
     "Case",
     "documents",
     "padded_collator",
@@ -45,6 +47,7 @@ class Case:
     fsdp: bool = False  # the seqpar run loads its model FSDP2-sharded over every process (DistributedConfig)
     layout: str = "zigzag"  # SequenceParallelConfig(layout=...) of the seqpar run (the reference has none)
     parallelism: str = ""  # the seqpar run takes parallelism_config(name) in TrainingArguments, no sequence_parallel=
+    metrics: bool = False  # evaluate with compute_metrics=token_metrics, preprocess_logits_for_metrics=argmax
 
     @property
     def dp(self) -> int:
@@ -81,12 +84,21 @@ CASES = {
         reference="dp2_sp2",
     ),
     "kv1_ulysses2_ring2": Case(4, kind="llama_kv1", sp_size=4, ulysses_size=2),  # auto: hybrid, KV head copied
+    # the Trainer's LabelSmoother, normalised over the step's tokens; the evaluation loss is smoothed too
+    "sp2_label_smoothing": Case(2, extra=(("label_smoothing_factor", 0.1),), eval_batch=4),
+    # right-padded batches of different widths (3 rows, the last batch 1): the -100 padding across batches
+    "sp2_metrics": Case(2, kind="mistral", strategy="ring", collator="padded", eval_batch=3, metrics=True),
+    # replicas' batches interleaved back into the dataset's order; each batch gathered with its own layout
+    "dp2_sp2_metrics": Case(4, batch=1, eval_batch=3, metrics=True, layout="balanced"),
+    # every rank draws one process's [B, S, H] noise (S: the packed row, not a multiple of the layout)
+    "sp2_neftune": Case(2, extra=(("neftune_noise_alpha", 5.0),)),
     # accelerate's ParallelismConfig as its guides build it, in TrainingArguments(parallelism_config=...)
     "pc_sp2": Case(2, parallelism="sp2", reference="sp2"),
     "pc_cp2_alltoall": Case(2, parallelism="cp2_alltoall", reference="sp2"),
     "pc_dp2_sp2": Case(4, batch=1, extra=RANDOM_ORDER, parallelism="dp2_sp2", reference="dp2_sp2"),
     "pc_dp2_cp2": Case(4, batch=1, extra=RANDOM_ORDER, eval_batch=2, parallelism="dp2_cp2", reference="dp2_sp2"),
 }
+METRICS = ("accuracy", "rows", "width", "label_checksum", "pred_checksum", "padded_preds")
 
 
 def parallelism_config(name: str):
@@ -123,6 +135,27 @@ def padded_collator(features: list[dict]) -> dict[str, torch.Tensor]:
         ids[i, : len(f["input_ids"])] = torch.tensor(f["input_ids"])
         mask[i, : len(f["input_ids"])] = 1
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def argmax_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``preprocess_logits_for_metrics``: the predicted token of every position."""
+    return logits.argmax(-1)
+
+
+def token_metrics(prediction) -> dict[str, float]:
+    """``compute_metrics``: next-token accuracy, and checksums of the arrays' shapes, order and -100 padding."""
+    preds, labels = prediction.predictions, prediction.label_ids  # [rows, widest], padded with -100
+    weights = np.arange(labels.size).reshape(labels.shape) % 9973 + 1  # position-dependent: order matters
+    mask = labels[:, 1:] != -100  # the label each position predicts
+    hits = preds[:, :-1][mask] == labels[:, 1:][mask]
+    return {
+        "accuracy": float(hits.mean()),
+        "rows": labels.shape[0],
+        "width": labels.shape[1],
+        "label_checksum": float((labels * weights).sum()),
+        "pred_checksum": float((np.where(mask, preds[:, :-1], 0) * weights[:, 1:]).sum()),
+        "padded_preds": int((preds == -100).sum()),
+    }
 
 
 def tokenizer():
@@ -188,6 +221,8 @@ def build_trainer(name: str, case: Case, out: str, trainer_cls, reference: bool,
     common = dict(model=net, args=args, train_dataset=train, **kwargs)
     if case.eval_batch:
         common["eval_dataset"] = held_out
+    if case.metrics:
+        common.update(compute_metrics=token_metrics, preprocess_logits_for_metrics=argmax_logits)
     if case.collator == "sft":
         from datasets import Dataset
 
@@ -209,7 +244,14 @@ def results(trainer) -> dict:
     evals = [(h["step"], h["eval_loss"]) for h in trainer.state.log_history if "eval_loss" in h]
     metrics = {
         key: [(h["step"], h[key]) for h in trainer.state.log_history if key in h]
-        for key in ("entropy", "mean_token_accuracy", "num_tokens", "eval_entropy", "eval_mean_token_accuracy")
+        for key in (
+            "entropy",
+            "mean_token_accuracy",
+            "num_tokens",
+            "eval_entropy",
+            "eval_mean_token_accuracy",
+            *(f"eval_{m}" for m in METRICS),
+        )
     }
     params = {}
     for n, p in trainer.model.named_parameters():

@@ -54,6 +54,11 @@ def _fixed_width(world: int):
     return _accelerate(sp_backend="deepspeed", sp_size=world, sp_handler=fixed)
 
 
+def _per_batch_metrics(prediction, compute_result: bool = False) -> dict:
+    """A ``compute_metrics`` for ``batch_eval_metrics=True`` (the Trainer checks for ``compute_result``)."""
+    return {}
+
+
 def _expect_refusal(what: str, make) -> str:
     try:
         make()
@@ -66,10 +71,10 @@ def refusals(out: str) -> None:
     """Bad settings and batches raise SeqparInputError on every rank (each rank records its messages)."""
     case, world = CASES["sp2"], dist.get_world_size()
 
-    def trainer(collator=None, sp=None, args=None, cls=seqpar.hf.SequenceParallelTrainer, mutate=None):
+    def trainer(collator=None, sp=None, args=None, cls=seqpar.hf.SequenceParallelTrainer, mutate=None, **extra):
         config = sp or seqpar.hf.SequenceParallelConfig(sp_size=world)
         c = CASES["sft_packing"] if cls is seqpar.hf.SequenceParallelSFTTrainer else case
-        extra = {} if collator is None else {"data_collator": collator}
+        extra.update({} if collator is None else {"data_collator": collator})
         return build_trainer(
             "x",
             c,
@@ -117,7 +122,14 @@ def refusals(out: str) -> None:
         "world not divisible by sp": lambda: trainer(sp=seqpar.hf.SequenceParallelConfig(sp_size=world + 1)),
         # TrainingArguments itself needs the deepspeed package to accept the setting; set it afterwards
         "deepspeed": lambda: trainer(mutate=lambda a: setattr(a, "deepspeed", "ds_config.json")),
-        "label smoothing": lambda: trainer(args={"label_smoothing_factor": 0.1}),
+        # Note [NEFTune over shards]: one process's noise spans every replica's rows
+        "neftune over replicas": lambda: trainer(
+            sp=seqpar.hf.SequenceParallelConfig(sp_size=1), args={"neftune_noise_alpha": 5.0}
+        ),
+        "per-batch metrics": lambda: trainer(args={"batch_eval_metrics": True}, compute_metrics=_per_batch_metrics),
+        "sft neftune with label smoothing": lambda: trainer(
+            cls=seqpar.hf.SequenceParallelSFTTrainer, args={"neftune_noise_alpha": 5.0, "label_smoothing_factor": 0.1}
+        ),
         "sft liger": lambda: trainer(cls=seqpar.hf.SequenceParallelSFTTrainer, args={"use_liger_kernel": True}),
         "sft dft loss": lambda: trainer(cls=seqpar.hf.SequenceParallelSFTTrainer, args={"loss_type": "dft"}),
         "unknown strategy": lambda: seqpar.hf.SequenceParallelConfig(strategy="zigzag"),

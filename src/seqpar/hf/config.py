@@ -16,6 +16,7 @@ __all__ = [
     "TRAINER_LAYOUTS",
     "SequenceParallelConfig",
     "check_data_parallel_engine",
+    "check_neftune",
     "check_sft_arguments",
     "check_trainer_options",
     "check_training_arguments",
@@ -83,8 +84,7 @@ def check_training_arguments(args: object) -> None:
         args: the ``TrainingArguments`` (or ``SFTConfig``) given to the Trainer, or None (defaults).
 
     Raises:
-        SeqparInputError: DeepSpeed, FSDP version 1, label
-            smoothing, per-device token averaging, NEFTune, the batch-rebalance sampler.
+        SeqparInputError: DeepSpeed, FSDP version 1, per-device token averaging, the batch-rebalance sampler.
     """
     if args is None:
         return
@@ -96,20 +96,10 @@ def check_training_arguments(args: object) -> None:
         )
     if getattr(args, "fsdp", None) and int((getattr(args, "fsdp_config", None) or {}).get("version", 2)) != 2:
         problems.append("FSDP version 1 is not supported with seqpar; use FSDP2 (fsdp_config={'version': 2})")
-    if getattr(args, "label_smoothing_factor", 0.0):
-        problems.append(
-            f"label_smoothing_factor={args.label_smoothing_factor}: seqpar's exact loss is plain token "
-            "cross-entropy; label smoothing is not implemented (set it to 0)"
-        )
     if getattr(args, "average_tokens_across_devices", True) is False:
         problems.append(
             "average_tokens_across_devices=False asks for a per-device token mean; seqpar always normalises by "
             "the valid tokens of the whole optimizer step over every rank (the one-process loss): set it to True"
-        )
-    if getattr(args, "neftune_noise_alpha", None):
-        problems.append(
-            "neftune_noise_alpha: NEFTune scales its noise by 1/sqrt(sequence length x hidden size), and under "
-            "sequence parallelism each rank sees only its shard's length, so the noise would be too large"
         )
     if getattr(args, "train_sampling_strategy", None) == "batch_rebalance":
         problems.append(
@@ -124,8 +114,8 @@ def check_trainer_options(trainer: object) -> None:
     """Refuse Trainer features that need whole-sequence logits or another loss.
 
     Args:
-        trainer: the constructed Trainer (reads ``compute_loss_func``, ``compute_metrics``,
-            ``preprocess_logits_for_metrics``, ``model_init`` and the model's config).
+        trainer: the constructed Trainer (reads ``compute_loss_func``, ``compute_metrics`` with ``args``'
+            ``batch_eval_metrics`` and ``include_for_metrics``, ``model_init`` and the model's config).
 
     Raises:
         SeqparInputError: naming each feature and why.
@@ -136,9 +126,17 @@ def check_trainer_options(trainer: object) -> None:
             "compute_loss_func would receive one rank's shard of the logits; seqpar computes the exact token "
             "cross-entropy itself (override compute_loss in a subclass to change it)"
         )
-    for name in ("compute_metrics", "preprocess_logits_for_metrics"):
-        if getattr(trainer, name, None) is not None:
-            problems.append(f"{name} needs whole-sequence logits; under seqpar evaluation reports the loss only")
+    args = getattr(trainer, "args", None)
+    if getattr(trainer, "compute_metrics", None) is not None and getattr(args, "batch_eval_metrics", False):
+        problems.append(
+            "batch_eval_metrics: seqpar gathers every replica's predictions once, after the last batch (Note "
+            "[metrics over shards]); per-batch metrics are not implemented: leave batch_eval_metrics=False"
+        )
+    if getattr(trainer, "compute_metrics", None) is not None and getattr(args, "include_for_metrics", None):
+        problems.append(
+            f"include_for_metrics={args.include_for_metrics}: compute_metrics receives predictions and labels "
+            "under seqpar; inputs and per-example losses are not gathered (leave include_for_metrics empty)"
+        )
     if getattr(trainer, "model_init", None) is not None:
         problems.append("model_init builds new models that seqpar has not prepared; pass model= instead")
     config = getattr(getattr(trainer, "model", None), "config", None)
@@ -149,6 +147,29 @@ def check_trainer_options(trainer: object) -> None:
         raise SeqparInputError("seqpar.hf cannot honour these Trainer options: " + " | ".join(problems))
 
 
+def check_neftune(alpha: float | None, dp_size: int) -> float | None:
+    """NEFTune's alpha, if seqpar can add exactly one process's noise (Note [NEFTune over shards]).
+
+    Args:
+        alpha: ``TrainingArguments.neftune_noise_alpha``.
+        dp_size: the number of data-parallel replicas.
+
+    Returns:
+        ``alpha`` (None or 0: no NEFTune).
+
+    Raises:
+        SeqparInputError: NEFTune with more than one data-parallel replica.
+    """
+    if alpha and dp_size > 1:
+        raise SeqparInputError(
+            f"seqpar.hf cannot honour neftune_noise_alpha={alpha} with {dp_size} data-parallel replicas: one process "
+            "draws one noise tensor over the whole batch of every replica, of its width (the widest row, or the whole "
+            "packed row) and scaled by 1/sqrt(width x hidden size), which no replica knows, so no replica can add its "
+            "part of it; NEFTune is exact with sequence parallelism alone (sp_size = world size)"
+        )
+    return alpha
+
+
 def check_sft_arguments(args: object) -> None:
     """Refuse ``SFTConfig`` options that seqpar cannot honour, with the reason for each.
 
@@ -157,7 +178,8 @@ def check_sft_arguments(args: object) -> None:
 
     Raises:
         SeqparInputError: ``use_liger_kernel`` (a fused loss on unsharded labels), ``loss_type`` other than
-            "nll" (seqpar's loss is token cross-entropy), ``activation_offloading`` (not tried with seqpar).
+            "nll" (seqpar's loss is token cross-entropy), ``activation_offloading`` (not tried with seqpar),
+            NEFTune with label smoothing (two noisy forwards per micro-batch in TRL).
     """
     problems = []
     if getattr(args, "use_liger_kernel", False):
@@ -172,6 +194,11 @@ def check_sft_arguments(args: object) -> None:
         )
     if getattr(args, "activation_offloading", False):
         problems.append("activation_offloading has not been verified with seqpar's attention; leave it off")
+    if getattr(args, "neftune_noise_alpha", None) and getattr(args, "label_smoothing_factor", 0.0):
+        problems.append(
+            "neftune_noise_alpha with label_smoothing_factor: SFTTrainer then runs two training forwards per "
+            "micro-batch, each drawing NEFTune noise, and seqpar one: the noise would not be one process's"
+        )
     if problems:
         raise SeqparInputError("seqpar.hf cannot honour these SFTConfig options: " + " | ".join(problems))
 

@@ -13,7 +13,7 @@ Note [evaluation loss]
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,8 @@ def evaluation_loss(
     on_batch: object = None,
     statistics: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     collected: list[torch.Tensor] | None = None,
+    label_smoothing: float = 0.0,
+    on_logits: Callable[[torch.Tensor, Mapping, Mapping], None] | None = None,
 ) -> tuple[float, int]:
     """The one-process Trainer's evaluation loss over a replica-sharded dataloader (Note [evaluation loss]).
 
@@ -65,6 +67,10 @@ def evaluation_loss(
         statistics: ``(logits, shift_labels) -> 1-D tensor`` of sums over this rank's shard, added up over the
             sequence-parallel group for every batch (in the loss's collective), or None.
         collected: receives, for each of this replica's real batches in order, its group sums of ``statistics``.
+        label_smoothing: the loss's label smoothing (Note [label smoothing per token]), as the Trainer's.
+        on_logits: called for each of this replica's real batches, in order, with this rank's logits shard, the
+            shard and the collator's batch, on every rank of the sequence-parallel group (it may gather over
+            it: Note [metrics over shards]), or None.
 
     Returns:
         ``(eval_loss, number of examples)``; the loss is NaN when no batch had a valid token.
@@ -85,7 +91,8 @@ def evaluation_loss(
         shard = {key: v.to(device) if isinstance(v, torch.Tensor) else v for key, v in shard.items()}
         with torch.no_grad(), autocast() if autocast is not None else torch.autocast(device.type, enabled=False):
             logits = model(**model_inputs(shard)).logits
-            loss_sum = cross_entropy(logits, shard["shift_labels"], num_valid_tokens=1).double()
+            labels = shard["shift_labels"]
+            loss_sum = cross_entropy(logits, labels, num_valid_tokens=1, label_smoothing=label_smoothing).double()
             extra = statistics(logits, shard["shift_labels"]) if statistics is not None else torch.zeros(0)
         count = (shard["shift_labels"] != IGNORE_INDEX).sum().double()
         sums_of_group = sum_over(torch.cat([torch.stack([loss_sum, count]), extra.double().to(loss_sum.device)]), mesh)
@@ -94,6 +101,8 @@ def evaluation_loss(
             collected.append(sums_of_group[2:].cpu())
         if weight and group_count:
             sums += torch.tensor([weight * group_sum / group_count, weight], dtype=torch.float64)
+        if batch is not None and on_logits is not None:
+            on_logits(logits, shard, batch)
         if batch is not None and on_batch is not None:
             on_batch()
     # every rank of an SP group holds the same sums: the ratio over the whole job is unchanged by that

@@ -18,13 +18,13 @@ Note [exact loss under the Trainer]
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from transformers import DataCollatorWithFlattening, Trainer
-from transformers.trainer_utils import EvalLoopOutput
 
 from seqpar.errors import SeqparInputError
 from seqpar.hf.batches import SequenceShard, StepShards, model_inputs, replica_of, shard_step
@@ -32,13 +32,15 @@ from seqpar.hf.config import (
     FSDP2_INSTEAD,
     SequenceParallelConfig,
     check_data_parallel_engine,
+    check_neftune,
     check_trainer_options,
     check_training_arguments,
 )
-from seqpar.hf.evaluation import evaluation_loss
 from seqpar.hf.loaders import shard_by_replica
+from seqpar.hf.neftune import WIDTH, noisy_embeddings
 from seqpar.hf.parallelism import hidden_parallelism_environment, parallelism_from_environment, plan_parallelism
-from seqpar.integrations.transformers import prepare_model
+from seqpar.hf.trainer_evaluation import EvaluationMixin
+from seqpar.integrations.transformers import LAYOUT_KEYWORD, prepare_model
 from seqpar.loss import cross_entropy
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh, make_mesh
 
@@ -77,7 +79,7 @@ def build_mesh(config: SequenceParallelConfig) -> SequenceParallelMesh:
     return make_mesh(sp_size=sp_size, ulysses_size=config.ulysses_size)
 
 
-class SequenceParallelMixin:
+class SequenceParallelMixin(EvaluationMixin):
     """Adds sequence parallelism to a ``transformers.Trainer`` subclass: put it first among the bases.
 
     The constructor takes the Trainer's arguments plus ``sequence_parallel=SequenceParallelConfig(...)``.
@@ -136,6 +138,8 @@ class SequenceParallelMixin:
         self.model_accepts_loss_kwargs = True
         self.sp_mesh = build_mesh(config)
         self.dp_size, self.dp_rank = replica_of(self.sp_mesh)
+        # Note [NEFTune over shards]: seqpar adds the noise itself (compute_loss), not transformers' hook
+        self.sp_neftune_alpha, self.neftune_noise_alpha = check_neftune(self.neftune_noise_alpha, self.dp_size), None
         prepare_model(self.model, self.sp_mesh, strategy=config.strategy, layout=config.layout, kernel=config.kernel)
 
     def _build_accelerator_args(self, **kwargs) -> dict:
@@ -158,18 +162,6 @@ class SequenceParallelMixin:
         """The Trainer's training dataloader, yielding this rank's data-parallel replica's batches."""
         loader = super().get_train_dataloader()
         return shard_by_replica(loader, self.dp_size, self.dp_rank, world_size=self.accelerator.num_processes)
-
-    def get_eval_dataloader(self, eval_dataset=None):
-        """The evaluation dataloader for this replica, without batches repeated to even out the replicas."""
-        loader = super().get_eval_dataloader(eval_dataset)
-        world = self.accelerator.num_processes
-        return shard_by_replica(loader, self.dp_size, self.dp_rank, world_size=world, even_batches=False)
-
-    def get_test_dataloader(self, test_dataset):
-        """The prediction dataloader for this replica (``predict`` reports the loss only)."""
-        loader = super().get_test_dataloader(test_dataset)
-        world = self.accelerator.num_processes
-        return shard_by_replica(loader, self.dp_size, self.dp_rank, world_size=world, even_batches=False)
 
     def get_total_train_batch_size(self, args) -> int:
         """Sequences per optimizer step: per-replica batch x accumulation steps x data-parallel replicas."""
@@ -202,9 +194,12 @@ class SequenceParallelMixin:
             SeqparInputError: on every rank, when any rank's batch is bad.
         """
         config = self.sequence_parallel
-        return shard_step(
+        step = shard_step(
             batches, self.sp_mesh, group=self._world_group(), layout=config.layout, seq_length=config.seq_length
         )
+        for shard, batch in zip(step.shards, batches):
+            shard[WIDTH] = int(batch["input_ids"].shape[1])  # the NEFTune noise's width (Note [NEFTune over shards])
+        return step
 
     # ---- loss (Note [exact loss under the Trainer]) ----
 
@@ -243,47 +238,23 @@ class SequenceParallelMixin:
                 "the model is not wrapped in DDP/FSDP: gradients would not be summed over ranks; train through "
                 "trainer.train() (which wraps it)"
             )
-        outputs = model(**model_inputs(inputs))  # with the batch's own layout under "balanced"
+        with self.embedding_noise(model, inputs):
+            outputs = model(**model_inputs(inputs))  # with the batch's own layout under "balanced"
         total = int(num_items_in_batch) if num_items_in_batch is not None else None
-        loss = cross_entropy(outputs.logits, inputs["shift_labels"], num_valid_tokens=total)
+        smoothing = self.label_smoother.epsilon if self.label_smoother is not None else 0.0
+        loss = cross_entropy(  # Note [label smoothing per token]
+            outputs.logits, inputs["shift_labels"], num_valid_tokens=total, label_smoothing=smoothing
+        )
         loss = loss * self.accelerator.num_processes  # DDP / FSDP2 average over every process
         return (loss, outputs) if return_outputs else loss
 
-    # ---- evaluation (Note [evaluation loss]) ----
-
-    # (logits, shift_labels) -> sums over this rank's shard that evaluation adds up per batch; None: none
-    eval_statistics = None
-
-    def record_eval_statistics(self, per_batch: list[torch.Tensor]) -> None:
-        """Receives ``eval_statistics``' sequence-group sums of each of this replica's evaluation batches."""
-
-    def evaluation_loop(
-        self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
-    ) -> EvalLoopOutput:
-        """The evaluation loss of one process, computed on sharded sequences; no predictions are gathered."""
-        self.callback_handler.eval_dataloader = dataloader
-        collected: list[torch.Tensor] = []
-
-        def on_batch() -> None:
-            self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
-
-        loss, count = evaluation_loss(
-            self.model,
-            dataloader,
-            self.sp_mesh,
-            group=self._world_group(),
-            batch_size=self.args.eval_batch_size,
-            layout=self.sequence_parallel.layout,
-            autocast=self.accelerator.autocast,
-            on_batch=on_batch,
-            statistics=self.eval_statistics,
-            collected=collected,
-        )
-        if self.eval_statistics is not None:
-            self.record_eval_statistics(collected)
-        metrics = {f"{metric_key_prefix}_loss": loss}
-        return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics, num_samples=count)
-
+    def embedding_noise(self, model, shard: SequenceShard) -> contextlib.AbstractContextManager:
+        """NEFTune's noise for one training forward on ``shard`` (Note [NEFTune over shards]); else no-op."""
+        if not self.sp_neftune_alpha or not model.training:
+            return contextlib.nullcontext()
+        embeddings = self.accelerator.unwrap_model(model).get_input_embeddings()
+        layout = shard.get(LAYOUT_KEYWORD) or self.sequence_parallel.layout
+        return noisy_embeddings(embeddings, self.sp_neftune_alpha, shard.get(WIDTH), self.sp_mesh, layout)
 
 class SequenceParallelTrainer(SequenceParallelMixin, Trainer):
     """``transformers.Trainer`` with sequence parallelism; the same constructor plus ``sequence_parallel=``.
