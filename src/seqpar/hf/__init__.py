@@ -1,6 +1,6 @@
 """Hugging Face ``Trainer``, TRL ``SFTTrainer`` and accelerate loops with the sequence split over ranks.
 
-``SequenceParallelTrainer`` / ``SequenceParallelSFTTrainer`` take ``sequence_parallel=SequenceParallelConfig(...)``.
+``SequenceParallelTrainer`` / ``SequenceParallelSFTTrainer`` take ``sequence_parallel=``; ``Accelerator`` accelerate's.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from seqpar.hf.loaders import replica_loader, replica_sampler
 from seqpar.hf.trainer import SequenceParallelMixin, SequenceParallelTrainer, build_mesh
 
 __all__ = [
+    "Accelerator",
     "SequenceParallelConfig",
     "SequenceParallelMixin",
     "SequenceParallelSFTTrainer",
@@ -35,6 +36,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
+    if name == "Accelerator":  # accelerate's Accelerator module is loaded only when asked for
+        from seqpar.hf.accelerator import Accelerator
+
+        return Accelerator
     # trl is optional and slow to import: load the SFT trainer only when it is asked for
     if name == "SequenceParallelSFTTrainer":
         from seqpar.hf.sft import SequenceParallelSFTTrainer
