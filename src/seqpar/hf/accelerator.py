@@ -31,7 +31,6 @@ Note [seqpar.hf.Accelerator]
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
@@ -57,8 +56,6 @@ from seqpar.integrations.transformers import prepare_model
 from seqpar.mesh import SequenceParallelMesh, make_mesh
 
 __all__ = ["Accelerator"]
-
-logger = logging.getLogger(__name__)
 
 
 class _ShardingCollator:
@@ -119,9 +116,7 @@ class Accelerator(_AccelerateAccelerator):
         """The DeviceMesh with accelerate's dimension names (``["sp"]``, ``["cp"]``, ``["dp_cp"]``, ``["dp"]``)."""
         return self._device_mesh if self.parallelism_plan is not None else super().torch_device_mesh
 
-    @property
-    def _cp_size(self) -> int:
-        return self._seqpar_config.cp_size if self.parallelism_plan is not None else 1
+    _cp_size = property(lambda self: self._seqpar_config.cp_size if self.parallelism_plan is not None else 1)
 
     def prepare(self, *args: object, device_placement: list[bool] | None = None) -> object:
         """accelerate's ``prepare``; models and DataLoaders are readied for sp/cp first (Note above).
@@ -146,8 +141,7 @@ class Accelerator(_AccelerateAccelerator):
         prepare_model(model, mesh, strategy=sequence.strategy, layout=sequence.layout, kernel=sequence.kernel)
         self._shard_losses.append((model, ShardLoss(model, sharded=sharded, layout=sequence.layout)))
 
-    def _prepare_cp(self, *args: object) -> tuple:
-        # accelerate's hook for torch's context parallel; seqpar's is maybe_context_parallel below
+    def _prepare_cp(self, *args: object) -> tuple:  # accelerate's torch context parallel: seqpar's is below
         return args
 
     def prepare_data_loader(
