@@ -15,6 +15,7 @@ import pytest
 import torch
 import transformers
 
+from tests.hf_scripts.accelerate_references import GUIDES
 from tests.hf_scripts.common import CASES, METRICS, STEPS, documents, model
 from tests.hf_scripts.upstream import UPSTREAM, YAML_LAUNCHED
 
@@ -41,7 +42,7 @@ def _torchrun(world: int, *args: str) -> list[str]:
 def out(tmp_path_factory) -> pathlib.Path:
     """One-process references of every case (one interpreter, no seqpar imported)."""
     path = tmp_path_factory.mktemp("hf")
-    upstream = [*UPSTREAM, "accelerate_dp1", "accelerate_dp2"]  # upstream's examples and the accelerate loop
+    upstream = [*UPSTREAM, "accelerate_dp1", "accelerate_dp2", *GUIDES]  # upstream's examples, accelerate loops
     _launch([sys.executable, "-m", "tests.hf_scripts.reference", str(path), *REFERENCES, *upstream])
     return path
 
@@ -65,6 +66,7 @@ def two_ranks(out) -> pathlib.Path:
             "accelerate_dp1",
             "control_unscaled",
             *(n for n, (_, _, dp) in BY_TORCHRUN.items() if dp == 1),
+            *(n for n, (world, _, _) in GUIDES.items() if world == 2),
         )
     )
     return out
@@ -76,6 +78,7 @@ def more_ranks(out) -> pathlib.Path:
         names = [n for n, c in CASES.items() if c.world == world]
         if world == 4:  # dp 2 x sp 2
             names += [*(n for n, (_, _, dp) in BY_TORCHRUN.items() if dp == 2), "accelerate_dp2"]
+            names += [n for n, (w, _, _) in GUIDES.items() if w == 4]
         _launch(_torchrun(world, "-m", "tests.hf_scripts.parallel", str(out), *names))
     return out
 
@@ -229,6 +232,49 @@ def test_accelerate_loop_recipe(request, dp):
     torch.testing.assert_close(torch.tensor(found["metrics"]), torch.tensor(want["metrics"]), rtol=LOSS_RTOL, atol=0)
     for n, ref in want["params"].items():
         torch.testing.assert_close(found["params"][n], ref, rtol=0, atol=PARAM_RTOL * float(ref.abs().max()))
+
+
+def _compare_guide(root: pathlib.Path, name: str) -> dict:
+    found, want = _load(root / f"{name}.pt"), _load(root / "reference" / f"{name}.pt")
+    for key, rtol in (("loss", LOSS_RTOL), ("norm", GRAD_NORM_RTOL)):
+        got, ref = (torch.tensor(run[key], dtype=torch.float64) for run in (found, want))
+        torch.testing.assert_close(got, ref, rtol=rtol, atol=0, msg=lambda m, k=key: f"{k}: {m}")
+    for n, ref in want["params"].items():
+        torch.testing.assert_close(found["params"][n], ref, rtol=0, atol=PARAM_RTOL * float(ref.abs().max()))
+    return found
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_accelerate_sequence_parallel_guide(request, dp):
+    """accelerate's sequence-parallelism guide loop as written (``from seqpar.hf import Accelerator``; model,
+    optimizer, dl, rank, move_to_device filled in), ParallelismConfig(sp_size=2, dp_replicate_size=dp) as the guide
+    builds it, 2 epochs of 11 rows without drop_last, packed documents: every step's logged loss and the
+    gradient norm, the final SGD parameters, and a held-out loss summed with gather_for_metrics (every token once).
+
+    dp 1 equals one process training the same batches. dp 2 equals what the guide's loop means without SP on 2
+    processes: DDP's average of the 2 replicas' token means each step (replica j: batch j of every 2; the last
+    round one full batch and one short one), here one process averaging the two means. One batch packs a masked
+    prompt, so one SP rank's shard has no valid token (the guide skips it; its loss is 0, not NaN). At dp 2 on
+    gloo torch's differentiable all_gather cannot run its backward on the SP group {2, 3}; the run serves that one
+    call with an equivalent (tests/hf_scripts/accelerate_guides.py)."""
+    root = request.getfixturevalue("two_ranks" if dp == 1 else "more_ranks")
+    found = _compare_guide(root, f"guide_sp_dp{dp}")
+    want = _load(root / "reference" / f"guide_sp_dp{dp}.pt")
+    assert found["batches"] == {1: 6, 2: 3}[dp] and len(found["loss"]) == 2 * found["batches"]
+    assert found["empty_shards"] == 2  # the masked batch, once per epoch
+    assert found["held_out"][1] == want["held_out"][1]  # counted once, not once per SP rank
+    torch.testing.assert_close(found["held_out"][0], want["held_out"][0], rtol=LOSS_RTOL, atol=0)
+
+
+@pytest.mark.parametrize("comm", ["allgather", "alltoall"])
+def test_accelerate_context_parallel_guide(two_ranks, comm):
+    """ParallelismConfig(cp_size=2, cp_handler=TorchContextParallelConfig(cp_comm_strategy=comm)) as accelerate's
+    context-parallelism guide builds it, with ``seqpar.hf.Accelerator``. "allgather": nd_parallel.py's step as
+    written (labels and shift_labels one tensor, some labels masked so the shards differ in valid tokens), the
+    dp_cp-averaged loss and the gradients equal one process's token mean (Note [loss under seqpar.hf.Accelerator]).
+    "alltoall" (seqpar's ring): packed documents with restarting position ids and right padding with an
+    attention_mask, under accelerator.accumulate (2 micro-batches a step), equal one process's."""
+    _compare_guide(two_ranks, f"guide_cp_{comm}")
 
 
 def test_a_loss_that_forgets_the_data_parallel_average_fails(two_ranks):

@@ -163,6 +163,10 @@ def main(out: str, names: list[str]) -> None:
             special[name](out)
         elif name.startswith(("trl_", "flattening")):
             upstream(out, name)
+        elif name.startswith("guide_"):  # accelerate's SP/CP guides with seqpar.hf.Accelerator
+            from tests.hf_scripts.accelerate_guides import run as run_guide
+
+            run_guide(out, name)
         elif name.startswith("accelerate_dp"):
             from tests.hf_scripts.accelerate_loop import run
 

@@ -144,6 +144,11 @@ def run(name: str, trainer_class, out: str, reference: bool) -> dict:
 
 def main(out: str, names: list[str]) -> None:
     for name in names:
+        if name.startswith("guide_"):  # accelerate's SP/CP guides, one process
+            from tests.hf_scripts.accelerate_references import reference as guide_reference
+
+            guide_reference(out, name)
+            continue
         if name.startswith("accelerate_dp"):  # the accelerate loop's reference, in the same interpreter
             from tests.hf_scripts.accelerate_loop import reference
 

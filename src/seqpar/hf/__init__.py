@@ -1,7 +1,8 @@
 """Hugging Face ``Trainer``, TRL ``SFTTrainer`` and accelerate loops with the sequence split over ranks.
 
 ``SequenceParallelTrainer`` / ``SequenceParallelSFTTrainer`` take ``sequence_parallel=SequenceParallelConfig(...)`` or
-accelerate's ``ParallelismConfig`` (``TrainingArguments(parallelism_config=...)`` or an accelerate YAML).
+accelerate's ``ParallelismConfig`` (``TrainingArguments(parallelism_config=...)`` or an accelerate YAML);
+``Accelerator`` is accelerate's, with the sequence split as its ``parallelism_config`` says.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from seqpar.hf.parallelism import ParallelismPlan, plan_parallelism
 from seqpar.hf.trainer import SequenceParallelMixin, SequenceParallelTrainer, build_mesh
 
 __all__ = [
+    "Accelerator",
     "ParallelismPlan",
     "SequenceParallelConfig",
     "SequenceParallelMixin",
@@ -39,6 +41,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
+    if name == "Accelerator":  # accelerate's Accelerator module is loaded only when asked for
+        from seqpar.hf.accelerator import Accelerator
+
+        return Accelerator
     # trl is optional and slow to import: load the SFT trainer only when it is asked for
     if name == "SequenceParallelSFTTrainer":
         from seqpar.hf.sft import SequenceParallelSFTTrainer

@@ -37,12 +37,15 @@ import dataclasses
 import os
 from collections.abc import Iterator
 
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
 from seqpar.errors import SeqparInputError
 from seqpar.hf.config import SequenceParallelConfig
 
 __all__ = [
     "ENVIRONMENT_SWITCH",
     "ParallelismPlan",
+    "accelerate_device_mesh",
     "hidden_parallelism_environment",
     "parallelism_from_environment",
     "plan_parallelism",
@@ -203,3 +206,25 @@ def plan_parallelism(
             sequence_parallel = dataclasses.replace(sequence_parallel, seq_length=derived.seq_length)
         derived = sequence_parallel
     return ParallelismPlan(derived, replicate, shard, parallelism_config)
+
+
+def accelerate_device_mesh(config: object, device_type: str) -> DeviceMesh:
+    """A DeviceMesh with accelerate's dimension names for ``config`` (``ParallelismConfig.build_device_mesh``).
+
+    Args:
+        config: accelerate's ``ParallelismConfig`` (with sp or cp above 1).
+        device_type: "cpu" or "cuda".
+
+    Returns:
+        The mesh over ``dp_replicate``, ``dp_shard``, ``cp``, ``sp`` (those above 1), with accelerate's flattened
+        ``dp``, ``dp_shard_cp`` and ``dp_cp``.
+    """
+    sizes = {n: getattr(config, f"{n}_size") for n in ("dp_replicate", "dp_shard", "cp", "sp")}
+    names = tuple(n for n, s in sizes.items() if s > 1)
+    mesh = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
+    # DeviceMesh._flatten is how accelerate itself makes these joint axes
+    joint = {"dp": config.dp_dim_names, "dp_shard_cp": config.dp_shard_cp_dim_names, "dp_cp": config.dp_cp_dim_names}
+    for flat, dims in joint.items():
+        if dims:
+            mesh[tuple(dims)]._flatten(flat)
+    return mesh
