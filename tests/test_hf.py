@@ -5,6 +5,7 @@ Per step loss (rel 1e-5) and grad_norm (rel 1e-4), evaluation loss and final par
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -16,7 +17,7 @@ import torch
 import transformers
 
 from tests.hf_scripts.accelerate_references import GUIDES
-from tests.hf_scripts.common import CASES, METRICS, STEPS, documents, model
+from tests.hf_scripts.common import CASES, DEEPSPEED_CASES, METRICS, STEPS, documents, model
 from tests.hf_scripts.upstream import UPSTREAM, YAML_LAUNCHED
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -25,6 +26,7 @@ LOSS_RTOL, GRAD_NORM_RTOL, PARAM_RTOL = 1e-5, 1e-4, 1e-4
 ADAMW_PARAM_RTOL = 1e-3  # Adam divides by sqrt(v): near-zero gradients turn rounding into visible updates
 REFERENCES = [n for n, c in CASES.items() if not c.reference]
 BY_TORCHRUN = {n: v for n, v in UPSTREAM.items() if n not in YAML_LAUNCHED}
+DEEPSPEED = importlib.util.find_spec("deepspeed") is not None  # the optional extra seqpar[deepspeed]
 
 
 def _launch(command: list[str], timeout: int = 600) -> None:
@@ -53,7 +55,7 @@ def _load(path: pathlib.Path) -> dict:
 
 @pytest.fixture(scope="module")
 def two_ranks(out) -> pathlib.Path:
-    names = [n for n, c in CASES.items() if c.world == 2]
+    names = [n for n, c in CASES.items() if c.world == 2 and n not in DEEPSPEED_CASES]
     _launch(
         _torchrun(
             2,
@@ -67,6 +69,7 @@ def two_ranks(out) -> pathlib.Path:
             "control_unscaled",
             *(n for n, (_, _, dp) in BY_TORCHRUN.items() if dp == 1),
             *(n for n, (world, _, _) in GUIDES.items() if world == 2),
+            *(DEEPSPEED_CASES if DEEPSPEED else []),  # last: DeepSpeed's settings stay in the process
         )
     )
     return out
@@ -304,7 +307,6 @@ def test_bad_input_raises_on_every_rank(two_ranks):
         "left padding on one rank": "rank 1: attention_mask has padding before real tokens",
         "sp larger than the sequence": "a sequence of 1 tokens cannot be split over sp_size=2",
         "world not divisible by sp": "world size 2 is not divisible by sp_size 3",
-        "deepspeed": "`distributed_type: DEEPSPEED` to `distributed_type: FSDP`",
         "neftune over replicas": "neftune_noise_alpha=5.0 with 2 data-parallel replicas",
         "per-batch metrics": "batch_eval_metrics: seqpar gathers",
         "sft neftune with label smoothing": "two training forwards per micro-batch",
@@ -319,6 +321,8 @@ def test_bad_input_raises_on_every_rank(two_ranks):
         "fsdp plugin on the cpu": "DistributedConfig(fsdp_size=2)",
         "model seqpar cannot serve": "cannot serve this model's attention: its config sets attn_logit_softcapping",
     }
+    if DEEPSPEED:
+        expected["deepspeed sequence parallel"] = "sequence_parallel_size=2: seqpar splits the sequence itself"
     assert got.keys() == expected.keys()
     for what, text in expected.items():
         assert text in got[what], f"{what}: {got[what]}"
@@ -371,6 +375,14 @@ def test_accelerate_parallelism_config_equals_one_process(request, name, strateg
     assert setup["accelerate_parallelism"] is None  # accelerate ran plain DDP; seqpar split the sequence
 
 
+@pytest.mark.skipif(not DEEPSPEED, reason="DeepSpeed is the optional extra seqpar[deepspeed]")
+@pytest.mark.parametrize("name", DEEPSPEED_CASES)
+def test_deepspeed_zero_equals_one_process(two_ranks, name):
+    """ZeRO 1, 2 and 3 as the Trainer's data-parallel engine at sp 2 (Ulysses on 2 CPU ranks over gloo): per-step
+    loss and grad_norm, ZeRO-3's evaluation loss and the final parameters equal one process's."""
+    assert _compare(two_ranks, name)["setup"]["deepspeed"] == int(name[-1])  # the engine's ZeRO stage
+
+
 EXAMPLES = [
     ("hf_trainer.py", "torchrun"),
     ("sft_trainer.py", "accelerate"),
@@ -420,6 +432,8 @@ def test_upstream_examples_equal_one_process(request, name):
     # TRL's YAMLs set the degrees: context parallel 2 (accelerate's all-gather), Ulysses 2 x 2 replicas
     expected = {"trl_cp_yaml": (2, 1, "allgather"), "trl_alst_yaml": (2, 2, "ulysses")}
     assert found["sequence"] == expected.get(name, (2, 1, "auto"))
+    # TRL's ALST YAML runs DeepSpeed ZeRO-3 (Note [DeepSpeed under the Trainer]); the others DDP
+    assert found["engine"] == ("DeepSpeedEngine ZeRO-3" if name == "trl_alst_yaml" else "DistributedDataParallel")
     assert want["log"][-1][1] >= 2 and [row[:2] for row in found["log"]] == [row[:2] for row in want["log"]]
     tolerances = {"loss": LOSS_RTOL, "grad_norm": GRAD_NORM_RTOL, "num_tokens": 0.0}
     if name == "trl_alst_yaml":  # num_tokens counts the pad_to_multiple_of padding, added per replica's row at dp 2

@@ -5,6 +5,7 @@ Imports no seqpar module, so that the one-process reference runs without it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -16,6 +17,7 @@ from tests._models import VOCAB, tiny_config
 
 __all__ = [
     "CASES",
+    "DEEPSPEED_CASES",
     "METRICS",
     "Case",
     "documents",
@@ -24,6 +26,7 @@ __all__ = [
     "results",
     "tokenizer",
     "training_args",
+    "zero",
 ]
 
 STEPS = 6
@@ -55,6 +58,23 @@ class Case:
 
 
 RANDOM_ORDER = (("train_sampling_strategy", "random"),)
+
+
+def zero(stage: int) -> tuple:
+    """TrainingArguments(deepspeed=...) with DeepSpeed's ZeRO ``stage``, "auto" sizes filled in by transformers.
+
+    The torch SGD optimizer is not one DeepSpeed has tested with ZeRO: ``zero_allow_untested_optimizer``.
+    """
+    config = {
+        "zero_optimization": {"stage": stage},
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+        "zero_allow_untested_optimizer": True,
+    }
+    return (("deepspeed", config),)
+
 SFT_PACKING = (("packing", True), ("max_length", 40), ("activation_checkpointing", False))
 CASES = {
     "sp2": Case(2, eval_batch=4),
@@ -97,8 +117,15 @@ CASES = {
     "pc_cp2_alltoall": Case(2, parallelism="cp2_alltoall", reference="sp2"),
     "pc_dp2_sp2": Case(4, batch=1, extra=RANDOM_ORDER, parallelism="dp2_sp2", reference="dp2_sp2"),
     "pc_dp2_cp2": Case(4, batch=1, extra=RANDOM_ORDER, eval_batch=2, parallelism="dp2_cp2", reference="dp2_sp2"),
+    # DeepSpeed as the data-parallel engine (Note [DeepSpeed under the Trainer]); ZeRO-3 also evaluates
+    "sp2_zero1": Case(2, extra=zero(1), reference="sp2"),
+    "sp2_zero2": Case(2, extra=zero(2), reference="sp2"),
+    "sp2_zero3": Case(2, extra=zero(3), eval_batch=4, reference="sp2"),
 }
 METRICS = ("accuracy", "rows", "width", "label_checksum", "pred_checksum", "padded_preds")
+
+
+DEEPSPEED_CASES = [n for n, c in CASES.items() if any(k == "deepspeed" for k, _ in c.extra)]
 
 
 def parallelism_config(name: str):
@@ -213,11 +240,13 @@ def training_args(case: Case, out: str, reference: bool, **overrides):
 def build_trainer(name: str, case: Case, out: str, trainer_cls, reference: bool, **kwargs):
     """The Trainer (class given) for ``case`` with its model, data and collator."""
     train, held_out = documents(96, 1), documents(10, 2)
+    # before the arguments: under a ZeRO-3 DeepSpeed config transformers would build it partitioned (zero.Init),
+    # initialised from another random stream than the one-process reference's
+    net = kwargs.pop("model", None) or model(case.kind)
     args = training_args(case, out, reference, **kwargs.pop("args", {}))
     mutate = kwargs.pop("mutate", None)
     if mutate is not None:
         mutate(args)
-    net = kwargs.pop("model", None) or model(case.kind)
     common = dict(model=net, args=args, train_dataset=train, **kwargs)
     if case.eval_batch:
         common["eval_dataset"] = held_out
@@ -254,9 +283,15 @@ def results(trainer) -> dict:
         )
     }
     params = {}
-    for n, p in trainer.model.named_parameters():
-        p = p.full_tensor() if hasattr(p, "full_tensor") else p
-        params[n] = p.detach().float().cpu().clone()
+    gathered = contextlib.nullcontext()
+    if getattr(trainer, "is_deepspeed_enabled", False):  # ZeRO-3 holds each rank's partition only
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(list(trainer.model.parameters()))
+    with gathered:
+        for n, p in trainer.model.named_parameters():
+            p = p.full_tensor() if hasattr(p, "full_tensor") else p
+            params[n] = p.detach().float().cpu().clone()
     wrapped = trainer.model_wrapped
     setup = {
         "wrapper": type(wrapped).__name__,

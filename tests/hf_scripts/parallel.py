@@ -70,6 +70,12 @@ def run_case(out: str, name: str) -> None:
     layouts = _record_layouts(trainer)
     trainer.train()
     found = results(trainer)
+    engine = trainer.model_wrapped
+    found["setup"]["deepspeed"] = engine.zero_optimization_stage() if trainer.is_deepspeed_enabled else None
+    if trainer.is_deepspeed_enabled:  # the next cases build their models without ZeRO-3's partitioning
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
     found["setup"]["strategy"] = seqpar.attention_choice(trainer.model).strategy
     found["setup"]["layouts"] = layouts
     found["setup"]["sp_size"] = trainer.sp_mesh.sp_size
@@ -153,6 +159,10 @@ def upstream(out: str, name: str) -> None:
 
 def main(out: str, names: list[str]) -> None:
     torch.set_num_threads(1)
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":  # a DeepSpeed YAML: DeepSpeed's own group
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")  # accelerate leaves it to the script on the CPU
     if not dist.is_initialized():  # accelerate adopts this group
         dist.init_process_group("gloo")
     from tests.hf_scripts.refusals import refusals

@@ -5,6 +5,7 @@ Called from tests.hf_scripts.parallel; every rank records the messages it got.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
@@ -14,7 +15,7 @@ import transformers
 import seqpar.hf
 from seqpar.errors import SeqparInputError
 from tests._models import VOCAB
-from tests.hf_scripts.common import CASES, build_trainer, save
+from tests.hf_scripts.common import CASES, build_trainer, save, zero
 
 
 class _ByProcess(seqpar.hf.SequenceParallelTrainer):
@@ -57,6 +58,13 @@ def _fixed_width(world: int):
 def _per_batch_metrics(prediction, compute_result: bool = False) -> dict:
     """A ``compute_metrics`` for ``batch_eval_metrics=True`` (the Trainer checks for ``compute_result``)."""
     return {}
+
+
+def _deepspeed_ulysses() -> dict:
+    """A ZeRO-2 config that also asks DeepSpeed for its own sequence parallel over 2 ranks."""
+    config = dict(zero(2)[0][1])
+    config["sequence_parallel_size"] = 2
+    return config
 
 
 def _expect_refusal(what: str, make) -> str:
@@ -120,8 +128,6 @@ def refusals(out: str) -> None:
         "left padding on one rank": lambda: train_on(left_padded),
         "sp larger than the sequence": lambda: train_on(short),
         "world not divisible by sp": lambda: trainer(sp=seqpar.hf.SequenceParallelConfig(sp_size=world + 1)),
-        # TrainingArguments itself needs the deepspeed package to accept the setting; set it afterwards
-        "deepspeed": lambda: trainer(mutate=lambda a: setattr(a, "deepspeed", "ds_config.json")),
         # Note [NEFTune over shards]: one process's noise spans every replica's rows
         "neftune over replicas": lambda: trainer(
             sp=seqpar.hf.SequenceParallelConfig(sp_size=1), args={"neftune_noise_alpha": 5.0}
@@ -150,6 +156,8 @@ def refusals(out: str) -> None:
             model=_soft_capped(),
         ),
     }
+    if importlib.util.find_spec("deepspeed") is not None:  # last: DeepSpeed's settings stay in the process
+        checks["deepspeed sequence parallel"] = lambda: trainer(args={"deepspeed": _deepspeed_ulysses()})
     messages = {what: _expect_refusal(what, make) for what, make in checks.items()}
     gathered = [None] * world
     dist.all_gather_object(gathered, messages)

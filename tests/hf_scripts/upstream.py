@@ -16,6 +16,7 @@ batch; ``accelerate_dpN`` names the accelerate loop's); ``tests.hf_scripts.paral
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -106,9 +107,24 @@ def trl_ulysses(SFTTrainer, out: str, batch: int) -> dict:
         per_device_train_batch_size=batch,  # 1 in TRL's page: one row per replica
         **filled_in,
     )
-    trainer = SFTTrainer(model=model("llama"), args=training_args, train_dataset=dataset, processing_class=tokenizer())
+    # TRL's page loads a pretrained model (--model_name_or_path); so does this, from the one-process run's copy:
+    # under the YAML's ZeRO-3 (zero3_init_flag) transformers loads it partitioned, with the same weights
+    trainer = SFTTrainer(
+        model=transformers.AutoModelForCausalLM.from_pretrained(_saved_model(out), attn_implementation="sdpa"),
+        args=training_args,
+        train_dataset=dataset,
+        processing_class=tokenizer(),
+    )
     trainer.train()
     return results(trainer, ("entropy", "mean_token_accuracy", "num_tokens"))
+
+
+def _saved_model(out: str) -> str:
+    """A directory holding ``model("llama")``, written by the first (the one-process) run."""
+    where = f"{out}_initial"
+    if not os.path.isdir(where):
+        model("llama").save_pretrained(where)
+    return where
 
 
 def flattening_trainer(Trainer, out: str, batch: int) -> dict:
@@ -131,10 +147,21 @@ def results(trainer, metrics: tuple[str, ...] = ()) -> dict:
     """Per-step loss, grad_norm and ``metrics``, the epoch of each step, the training rows, final parameters."""
     keys = ("loss", "grad_norm", *metrics)
     log = [(h["step"], h["epoch"], *(h[k] for k in keys)) for h in trainer.state.log_history if "loss" in h]
-    params = {n: p.detach().float().cpu().clone() for n, p in trainer.model.named_parameters()}
+    gathered = contextlib.nullcontext()
+    if getattr(trainer, "is_deepspeed_enabled", False):  # ZeRO-3 holds each rank's partition only
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(list(trainer.model.parameters()))
+    with gathered:
+        params = {n: p.detach().float().cpu().clone() for n, p in trainer.model.named_parameters()}
     mesh, settings = getattr(trainer, "sp_mesh", None), getattr(trainer, "sequence_parallel", None)
     sequence = (mesh.sp_size, mesh.ulysses_size, settings.strategy) if mesh is not None else None
-    return {"keys": keys, "log": log, "params": params, "rows": len(trainer.train_dataset), "sequence": sequence}
+    engine = type(trainer.model_wrapped).__name__  # DDP, or DeepSpeed's engine under a DeepSpeed YAML
+    if hasattr(trainer.model_wrapped, "zero_optimization_stage"):
+        engine += f" ZeRO-{trainer.model_wrapped.zero_optimization_stage()}"
+    return {"keys": keys, "log": log, "params": params, "rows": len(trainer.train_dataset), "sequence": sequence} | {
+        "engine": engine
+    }
 
 
 def run(name: str, trainer_class, out: str, reference: bool) -> dict:

@@ -42,8 +42,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from seqpar.errors import SeqparInputError
 from seqpar.hf.accelerate_loss import ShardLoss
-from seqpar.hf.batches import SequenceShard, replica_of, to_shard
-from seqpar.hf.loaders import shard_by_replica
+from seqpar.hf.batches import replica_of
+from seqpar.hf.loaders import ShardingCollator, shard_by_replica
 from seqpar.hf.parallelism import (
     ParallelismPlan,
     accelerate_device_mesh,
@@ -56,18 +56,6 @@ from seqpar.integrations.transformers import prepare_model
 from seqpar.mesh import SequenceParallelMesh, make_mesh
 
 __all__ = ["Accelerator"]
-
-
-class _ShardingCollator:
-    """The loader's collate function followed by ``to_shard``: each batch becomes this rank's shard."""
-
-    def __init__(self, collate: object, mesh: SequenceParallelMesh, layout: str, seq_length: int | None) -> None:
-        self.collate, self.mesh, self.layout, self.seq_length = collate, mesh, layout, seq_length
-
-    def __call__(self, features: list) -> SequenceShard:
-        shard = to_shard(self.collate(features), self.mesh, layout=self.layout, seq_length=self.seq_length)
-        shard["labels"] = shard["shift_labels"]  # so that model(**batch) computes outputs.loss (already shifted)
-        return shard
 
 
 class Accelerator(_AccelerateAccelerator):
@@ -185,7 +173,7 @@ class Accelerator(_AccelerateAccelerator):
         if self._cp_size == 1:
             sequence = self.parallelism_plan.sequence_parallel
             base = getattr(loader, "base_dataloader", loader)
-            base.collate_fn = _ShardingCollator(base.collate_fn, self.seqpar_mesh, sequence.layout, sequence.seq_length)
+            base.collate_fn = ShardingCollator(base.collate_fn, self.seqpar_mesh, sequence.layout, sequence.seq_length)
         self._dataloaders.append(loader)
         return loader
 

@@ -12,24 +12,16 @@ from seqpar.layout import LAYOUTS
 from seqpar.strategies import STRATEGIES
 
 __all__ = [
-    "FSDP2_INSTEAD",
     "TRAINER_LAYOUTS",
     "SequenceParallelConfig",
     "check_data_parallel_engine",
+    "check_deepspeed",
     "check_neftune",
     "check_sft_arguments",
     "check_trainer_options",
     "check_training_arguments",
 ]
 
-
-FSDP2_INSTEAD = (
-    "for sharded data parallel change the accelerate YAML's one line `distributed_type: DEEPSPEED` to "
-    "`distributed_type: FSDP` (with `fsdp_config: {fsdp_version: 2}`), or drop `deepspeed=` from TrainingArguments "
-    "and load the model with from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=world)); the "
-    "parallelism_config section stays as it is"
-)
-"""What replaces DeepSpeed ZeRO under seqpar: the one-line YAML change to FSDP2."""
 
 TRAINER_LAYOUTS = (*LAYOUTS, "balanced")
 """The layouts a ``SequenceParallelConfig`` takes: the fixed ones, and "balanced" (one per batch)."""
@@ -84,16 +76,11 @@ def check_training_arguments(args: object) -> None:
         args: the ``TrainingArguments`` (or ``SFTConfig``) given to the Trainer, or None (defaults).
 
     Raises:
-        SeqparInputError: DeepSpeed, FSDP version 1, per-device token averaging, the batch-rebalance sampler.
+        SeqparInputError: FSDP version 1, per-device token averaging, the batch-rebalance sampler.
     """
     if args is None:
         return
     problems = []
-    if getattr(args, "deepspeed", None):
-        problems.append(
-            f"DeepSpeed (deepspeed={args.deepspeed!r}) is not a data-parallel engine seqpar supports: its ZeRO "
-            f"optimizer reduces gradients itself; DDP is the default under torchrun; {FSDP2_INSTEAD}"
-        )
     if getattr(args, "fsdp", None) and int((getattr(args, "fsdp_config", None) or {}).get("version", 2)) != 2:
         problems.append("FSDP version 1 is not supported with seqpar; use FSDP2 (fsdp_config={'version': 2})")
     if getattr(args, "average_tokens_across_devices", True) is False:
@@ -243,3 +230,37 @@ def check_data_parallel_engine(trainer: object, world_size: int) -> None:
             "parallelism splits the sequence over the same ranks; tensor/pipeline/expert parallelism are not supported"
             "; for pipeline parallel use seqpar train --pp or seqpar.apply_pipeline_parallel outside the Trainer)"
         )
+
+
+def check_deepspeed(trainer: object) -> None:
+    """Refuse DeepSpeed settings under which its gradient average would not run over every process.
+
+    Note [DeepSpeed under the Trainer]: ZeRO stages 1-3 average gradients over DeepSpeed's data-parallel group,
+    which is every process unless DeepSpeed's own sequence or tensor parallel carve groups out of it; the
+    Trainer passes the loss to ``engine.backward`` unscaled for accumulation (``loss_is_scaled_for_ga``). So
+    the loss of Note [exact loss under the Trainer] (the step's token sum over N, times the W processes)
+    gives the exact step gradient under ZeRO as under DDP. DeepSpeed's ``train_batch_size`` ("auto":
+    micro-batch x accumulation x every process) counts each row once per sequence-parallel rank: it names
+    sp x the rows of a step; only DeepSpeed's own sample counters read it.
+
+    Args:
+        trainer: the constructed Trainer (reads ``is_deepspeed_enabled`` and accelerate's DeepSpeed plugin).
+
+    Raises:
+        SeqparInputError: DeepSpeed's ``sequence_parallel_size`` or AutoTP ``tensor_parallel.autotp_size`` > 1.
+    """
+    if not getattr(trainer, "is_deepspeed_enabled", False):
+        return
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    config = getattr(plugin, "deepspeed_config", None) or {}
+    problems = []
+    if int(config.get("sequence_parallel_size", 1) or 1) > 1:
+        problems.append(
+            f"sequence_parallel_size={config['sequence_parallel_size']}: seqpar splits the sequence itself (its "
+            "degree comes from sequence_parallel= or parallelism_config); leave DeepSpeed's at 1"
+        )
+    tensor_parallel = config.get("tensor_parallel") or {}
+    if int(tensor_parallel.get("autotp_size", 1) or 1) > 1:
+        problems.append("tensor_parallel.autotp_size > 1: DeepSpeed's tensor parallel is not combined with seqpar")
+    if problems:
+        raise SeqparInputError("seqpar.hf cannot honour this DeepSpeed config: " + " | ".join(problems))

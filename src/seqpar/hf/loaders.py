@@ -34,14 +34,15 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 from accelerate.data_loader import BatchSamplerShard
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler
 
 from seqpar.errors import SeqparInputError
-from seqpar.hf.batches import replica_of
+from seqpar.hf.batches import SequenceShard, replica_of, shard_step, to_shard
 from seqpar.mesh import SequenceParallelMesh
 
-__all__ = ["ReplicaBatchSampler", "replica_loader", "replica_sampler", "shard_by_replica"]
+__all__ = ["ReplicaBatchSampler", "ShardingCollator", "replica_loader", "replica_sampler", "shard_by_replica"]
 
 
 class ReplicaBatchSampler(BatchSamplerShard):
@@ -216,3 +217,25 @@ def replica_sampler(
     return DistributedSampler(
         dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=seed, drop_last=drop_last
     )
+
+
+class ShardingCollator:
+    """The loader's collate function followed by sharding: each batch becomes this rank's shard.
+
+    In the main process (``num_workers=0``) every rank shards through ``shard_step`` over the whole job, so one
+    rank's bad batch raises on every rank and a group whose ranks loaded different rows is caught (Note [one
+    exchange per step]); every replica has as many batches (Note [epoch ends]), so the ranks call it in step.
+    A worker process cannot take part in collectives and checks its own batch only.
+    """
+
+    def __init__(self, collate: object, mesh: SequenceParallelMesh, layout: str, seq_length: int | None) -> None:
+        self.collate, self.mesh, self.layout, self.seq_length = collate, mesh, layout, seq_length
+
+    def __call__(self, features: list) -> SequenceShard:
+        batch, options = self.collate(features), {"layout": self.layout, "seq_length": self.seq_length}
+        if torch.utils.data.get_worker_info() is None and dist.is_initialized():
+            shard = shard_step([batch], self.mesh, group=dist.group.WORLD, **options).shards[0]
+        else:
+            shard = to_shard(batch, self.mesh, **options)
+        shard["labels"] = shard["shift_labels"]  # so that model(**batch) computes outputs.loss (already shifted)
+        return shard

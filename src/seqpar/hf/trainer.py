@@ -3,17 +3,17 @@
 Launch with ``torchrun`` or ``accelerate launch``; the world is dp x sp and the Trainer's DDP/FSDP2 wrap it.
 
 Note [exact loss under the Trainer]
-    The Trainer wraps the model in DDP over *every* process (or the model arrives FSDP2-sharded over
-    every process: Note [FSDP2 under the Trainer]), and that wrapper averages gradients over all dp x sp
-    of them. Each rank's loss is ``(sum of its token losses) / N x W``: N is the
-    number of valid tokens of the whole optimizer step (every replica, every micro-batch: Note [one
-    exchange per step]) and W the number of processes the wrapper averages over. The wrapper's average of
-    W-scaled gradients is their sum, which is the exact gradient of the step's token-mean loss (Note
-    [summed gradients]); under gradient accumulation each micro-batch adds its exact share, with or
-    without ``no_sync``. The loss is already normalised for the whole step, so the Trainer must not
-    divide it by the accumulation steps again (``loss_is_scaled_for_ga = True``). The Trainer logs the
-    mean over processes of the summed micro-batch losses, i.e. their sum over processes / W: the step's
-    token-mean loss, as one process computes it.
+    The Trainer wraps the model in DDP over *every* process (or the model arrives FSDP2-sharded over every
+    process: Note [FSDP2 under the Trainer]; or DeepSpeed's ZeRO engine holds it: Note [DeepSpeed under the
+    Trainer]), and that wrapper averages gradients over all dp x sp of them. Each rank's loss is ``(sum of its
+    token losses) / N x W``: N is the number of valid tokens of the whole optimizer step (every replica, every
+    micro-batch: Note [one exchange per step]) and W the number of processes the wrapper averages over. The
+    wrapper's average of W-scaled gradients is their sum, which is the exact gradient of the step's token-mean
+    loss (Note [summed gradients]); under gradient accumulation each micro-batch adds its exact share, with or
+    without ``no_sync``. The loss is already normalised for the whole step, so the Trainer must not divide it
+    by the accumulation steps again (``loss_is_scaled_for_ga = True``). The Trainer logs the mean over
+    processes of the summed micro-batch losses, i.e. their sum over processes / W: the step's token-mean loss,
+    as one process computes it.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from transformers import DataCollatorWithFlattening, Trainer
 from seqpar.errors import SeqparInputError
 from seqpar.hf.batches import SequenceShard, StepShards, model_inputs, replica_of, shard_step
 from seqpar.hf.config import (
-    FSDP2_INSTEAD,
     SequenceParallelConfig,
     check_data_parallel_engine,
+    check_deepspeed,
     check_neftune,
     check_trainer_options,
     check_training_arguments,
@@ -107,11 +107,7 @@ class SequenceParallelMixin(EvaluationMixin):
         super().__init__(*args, **kwargs)
         self.parallelism_plan = plan_parallelism(sequence_parallel, parallelism_config, self.accelerator.num_processes)
         config = self.parallelism_plan.sequence_parallel
-        if getattr(self, "is_deepspeed_enabled", False):
-            raise SeqparInputError(
-                "DeepSpeed (distributed_type: DEEPSPEED in the accelerate config) is not a data-parallel engine seqpar "
-                f"supports; {FSDP2_INSTEAD}"
-            )
+        check_deepspeed(self)  # ZeRO 1-3 average over every process, as DDP does (Note [DeepSpeed under the Trainer])
         fsdp_plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
         if fsdp_plugin is not None and getattr(fsdp_plugin, "fsdp_version", 1) != 2:
             raise SeqparInputError("FSDP version 1 (from the accelerate config) is not supported; use fsdp_version 2")
