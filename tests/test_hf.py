@@ -69,7 +69,8 @@ def two_ranks(out) -> pathlib.Path:
             "control_unscaled",
             *(n for n, (_, _, dp) in BY_TORCHRUN.items() if dp == 1),
             *(n for n, (world, _, _) in GUIDES.items() if world == 2),
-            *(DEEPSPEED_CASES if DEEPSPEED else []),  # last: DeepSpeed's settings stay in the process
+            # last: DeepSpeed's settings stay in the process once a DeepSpeed Trainer was built
+            *([*DEEPSPEED_CASES, "deepspeed_refusal"] if DEEPSPEED else []),
         )
     )
     return out
@@ -321,8 +322,6 @@ def test_bad_input_raises_on_every_rank(two_ranks):
         "fsdp plugin on the cpu": "DistributedConfig(fsdp_size=2)",
         "model seqpar cannot serve": "cannot serve this model's attention: its config sets attn_logit_softcapping",
     }
-    if DEEPSPEED:
-        expected["deepspeed sequence parallel"] = "sequence_parallel_size=2: seqpar splits the sequence itself"
     assert got.keys() == expected.keys()
     for what, text in expected.items():
         assert text in got[what], f"{what}: {got[what]}"
@@ -381,6 +380,13 @@ def test_deepspeed_zero_equals_one_process(two_ranks, name):
     """ZeRO 1, 2 and 3 as the Trainer's data-parallel engine at sp 2 (Ulysses on 2 CPU ranks over gloo): per-step
     loss and grad_norm, ZeRO-3's evaluation loss and the final parameters equal one process's."""
     assert _compare(two_ranks, name)["setup"]["deepspeed"] == int(name[-1])  # the engine's ZeRO stage
+
+
+@pytest.mark.skipif(not DEEPSPEED, reason="DeepSpeed is the optional extra seqpar[deepspeed]")
+def test_deepspeed_sequence_parallel_is_refused(two_ranks):
+    """DeepSpeed's own sequence_parallel_size would split what seqpar splits: refused on every rank."""
+    per_rank = _load(two_ranks / "deepspeed_refusal.pt")
+    assert per_rank[0] == per_rank[1] and "sequence_parallel_size=2: seqpar splits the sequence itself" in per_rank[0]
 
 
 EXAMPLES = [

@@ -165,9 +165,14 @@ def main(out: str, names: list[str]) -> None:
         deepspeed.init_distributed(dist_backend="gloo")  # accelerate leaves it to the script on the CPU
     if not dist.is_initialized():  # accelerate adopts this group
         dist.init_process_group("gloo")
-    from tests.hf_scripts.refusals import refusals
+    from tests.hf_scripts.refusals import deepspeed_refusal, refusals
 
-    special = {"resume": resume, "refusals": refusals, "control_unscaled": control_unscaled}
+    special = {
+        "resume": resume,
+        "refusals": refusals,
+        "control_unscaled": control_unscaled,
+        "deepspeed_refusal": deepspeed_refusal,
+    }
     for name in names:
         if name in special:
             special[name](out)

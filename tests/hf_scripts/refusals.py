@@ -5,7 +5,6 @@ Called from tests.hf_scripts.parallel; every rank records the messages it got.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import torch
@@ -156,10 +155,26 @@ def refusals(out: str) -> None:
             model=_soft_capped(),
         ),
     }
-    if importlib.util.find_spec("deepspeed") is not None:  # last: DeepSpeed's settings stay in the process
-        checks["deepspeed sequence parallel"] = lambda: trainer(args={"deepspeed": _deepspeed_ulysses()})
     messages = {what: _expect_refusal(what, make) for what, make in checks.items()}
     gathered = [None] * world
     dist.all_gather_object(gathered, messages)
     if dist.get_rank() == 0:
         save(os.path.join(out, "refusals.pt"), gathered)
+
+
+def deepspeed_refusal(out: str) -> None:
+    """DeepSpeed's own sequence parallel is refused on every rank (after every other run: DeepSpeed's settings
+    stay in the process once a DeepSpeed Trainer was built)."""
+    case, where = CASES["sp2"], os.path.join(out, "x")
+    config = seqpar.hf.SequenceParallelConfig(sp_size=dist.get_world_size())
+
+    def make():
+        args = {"deepspeed": _deepspeed_ulysses()}
+        cls = seqpar.hf.SequenceParallelTrainer
+        return build_trainer("x", case, where, cls, False, sequence_parallel=config, args=args)
+
+    message = _expect_refusal("deepspeed sequence parallel", make)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, message)
+    if dist.get_rank() == 0:
+        save(os.path.join(out, "deepspeed_refusal.pt"), gathered)
