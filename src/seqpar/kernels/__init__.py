@@ -92,7 +92,7 @@ def _softcap_kernel(kernel: str | AttentionKernel, softcap: float) -> AttentionK
     elif kernel in ("auto", ReferenceKernel.name):
         chosen = ReferenceKernel(softcap=softcap)
     else:
-        name = kernel.name if isinstance(kernel, AttentionKernel) else repr(kernel)
+        name = kernel.name if isinstance(kernel, AttentionKernel) else str(kernel)
         raise SeqparInputError(
             f"attention kernel {name} has no logit soft-capping (softcap={softcap}); use kernel 'auto' or "
             "'reference' (PyTorch's fused attention ops take no score modification)"
