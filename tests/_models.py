@@ -36,6 +36,17 @@ def tiny_config(kind: str):
     if kind == "gemma3":  # sliding and full layers alternate, query_pre_attn_scalar scaling, logit soft-cap
         layers = ["sliding_attention", "full_attention"]
         return transformers.Gemma3TextConfig(**common, head_dim=12, sliding_window=5, layer_types=layers)
+    if kind == "gemma2":  # 4 layers, sliding and full alternating, attention logits soft-capped at 1
+        four = {**common, "num_hidden_layers": 4, "initializer_range": 0.2}  # scores of a few units: the cap bends
+        return transformers.Gemma2Config(
+            **four, head_dim=12, sliding_window=5, query_pre_attn_scalar=12, attn_logit_softcapping=1.0
+        )
+    if kind == "gpt_oss":  # 4 layers, sliding and full alternating, a learned sink per head, 4 experts
+        four = {**common, "num_hidden_layers": 4, "initializer_range": 0.2}
+        yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32, "rope_theta": 1e4}
+        return transformers.GptOssConfig(
+            **four, head_dim=12, sliding_window=5, num_local_experts=4, num_experts_per_tok=2, rope_parameters=yarn
+        )
     if kind == "phi3":  # fused qkv projection
         return transformers.Phi3Config(**common, pad_token_id=0)
     if kind == "olmo2":
@@ -78,4 +89,3 @@ def documents_alone_history(model, rows, documents, steps: int, lr: float, max_n
         opt.zero_grad()
         history.append(torch.stack([loss.detach(), norm]))
     return torch.stack(history)
-

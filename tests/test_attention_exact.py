@@ -1,6 +1,7 @@
 """Every strategy's outputs and gradients equal single-device SDPA on the full sequence (gloo ranks, CPU).
 
-World sizes 1-4; causal and not; both layouts; batch 1 and 2; MHA and GQA; head_dim 64 and 80.
+World sizes 1-4; causal and not; both layouts; batch 1 and 2; MHA and GQA; head_dim 64 and 80; attention sinks
+and logit soft-capping (tests._sink_cases) in the same spawns.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pytest
 import seqpar
 from tests._cases import check_case, check_mask_case, packed_positions
 from tests._dist import run_ranks
+from tests._sink_cases import sink_softcap_cases
 
 
 def head_configs(world_size: int, strategy: str) -> list[tuple[int, int]]:
@@ -40,6 +42,7 @@ def _exact_worker(rank, world_size):
         ):
             check_case(rank, world_size, mesh, strategy, layout, causal, batch, heads, kv_heads, head_dim, seq_len)
     _auto_cases(rank, world_size, mesh)
+    sink_softcap_cases(rank, world_size)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])

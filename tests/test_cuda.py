@@ -207,3 +207,26 @@ def test_strategies_on_nccl():
     count = torch.cuda.device_count()
     world_size = 4 if count >= 4 else 2 if count >= 2 else 1  # 8 heads divide every one of these
     run_ranks(world_size, _strategies_worker, backend="nccl")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_sinks_and_softcap(dtype):
+    """Sinks on the fused kernels' final (out, lse), soft-capping on the reference kernel (the fused ops take no
+    score modification), forward and backward on one GPU, against the float64 eager reference."""
+    from tests._sink_cases import eager_attention
+
+    q, k, v, dout = random_case(29, 2, 8, 2, 256, 64)
+    z = torch.randn(8, device="cuda", dtype=torch.float64) + 2
+    for softcap in (None, 1.5):
+        choice = seqpar.choose_attention(q.to(dtype), k.to(dtype), v.to(dtype), softcap=softcap)
+        assert (choice.kernel.name == "reference") == (softcap is not None), choice
+        ins = [t.clone().requires_grad_() for t in (q, k, v, z)]
+        keep = torch.ones(256, 256, dtype=torch.bool, device="cuda").tril()
+        eager_attention(*ins[:3], keep, ins[3], softcap, 64**-0.5).backward(dout)
+        got = [t.to(dtype).requires_grad_() for t in (q, k, v)] + [z.float().requires_grad_()]
+        out = seqpar.attention(*got[:3], causal=True, sinks=got[3], softcap=softcap)
+        out.backward(dout.to(dtype))
+        exact = [eager_attention(q, k, v, keep, z, softcap, 64**-0.5)] + [t.grad for t in ins]
+        for name, g, e in zip(("out", "dq", "dk", "dv", "dsinks"), [out, *(t.grad for t in got)], exact, strict=True):
+            err = rel_err(g.detach(), e.detach())
+            assert err <= CAP[dtype], f"{dtype} softcap={softcap} {name}: error {err:.2e}"

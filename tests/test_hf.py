@@ -320,7 +320,7 @@ def test_bad_input_raises_on_every_rank(two_ranks):
         "parallelism fixed width": "ranks 0, 1: a batch 26 tokens wide, but the width is fixed at 64",
         "loader by process": "loaded different batches",
         "fsdp plugin on the cpu": "DistributedConfig(fsdp_size=2)",
-        "model seqpar cannot serve": "cannot serve this model's attention: its config sets attn_logit_softcapping",
+        "model seqpar cannot serve": "cannot serve this model's attention: its attention_dropout is 0.1",
     }
     assert got.keys() == expected.keys()
     for what, text in expected.items():

@@ -80,3 +80,47 @@ def test_selection_is_visible_and_overridable():
         select_kernel(q, q, q, "nope")
     with pytest.raises(SeqparInputError, match="torch_cpu_flash: it supports"):
         select_kernel(q.double(), q.double(), q.double(), TorchCPUFlashKernel())
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_reference_kernel_soft_caps_logits(causal):
+    """Scores capped to c * tanh(s / c) before the softmax (Gemma 2), forward and backward, against float64."""
+    torch.manual_seed(2)
+    q, k, v, dout = (torch.randn(1, 4, 24, 16, dtype=torch.float64) for _ in range(4))
+    k = k[:, :2]
+    v = v[:, :2]
+    q = 3 * q  # scores of several units: the cap bends them
+    mask = torch.ones(24, 24, dtype=torch.bool).tril() if causal else None
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    g = 2
+    s = (qr @ kr.repeat_interleave(g, 1).transpose(-1, -2)) * 0.25
+    s = 2.0 * torch.tanh(s / 2.0)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    want = s.softmax(-1) @ vr.repeat_interleave(g, 1)
+    want.backward(dout)
+    kernel = select_kernel(q.float(), k.float(), v.float(), softcap=2.0)
+    assert isinstance(kernel, ReferenceKernel) and kernel.softcap == 2.0
+    kernel.block_size = 7  # several key blocks
+    out, lse = kernel.forward(q.float(), k.float(), v.float(), causal=causal, scale=0.25)
+    torch.testing.assert_close(out.double(), want.detach(), atol=2e-6, rtol=1e-5)
+    grads = kernel.backward(dout.float(), q.float(), k.float(), v.float(), out, lse, causal=causal, scale=0.25)
+    for got, ref in zip(grads, (qr.grad, kr.grad, vr.grad), strict=True):
+        torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-4)
+    # the fused ops take no score modification: asking for one with a cap is refused, naming what works
+    with pytest.raises(SeqparInputError, match="torch_cpu_flash has no logit soft-capping"):
+        select_kernel(q.float(), k.float(), v.float(), "torch_cpu_flash", softcap=2.0)
+
+
+def test_sinks_merge_last_without_nan():
+    """A sink is one more (out 0, lse z) term; rows that saw no key keep out 0, and -inf sinks change nothing."""
+    from seqpar.kernels.sinks import add_sinks, sink_grad
+
+    out = torch.randn(1, 2, 3, 4)
+    lse = torch.tensor([[[0.5, float("-inf"), 1.0], [2.0, float("-inf"), 0.0]]])
+    for z in (torch.tensor([0.3, -1.0]), torch.tensor([float("-inf"), float("-inf")])):
+        got, new = add_sinks(out.masked_fill(torch.isinf(lse)[..., None], 0), lse, z)
+        assert torch.isfinite(got).all() and (got[:, :, 1] == 0).all()
+        want = torch.logaddexp(lse, z.view(1, -1, 1))
+        torch.testing.assert_close(new, want)
+        assert torch.isfinite(sink_grad(torch.randn_like(out), got, new, z)).all()

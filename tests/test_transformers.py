@@ -182,7 +182,7 @@ def _bad_input(rank, world_size, mesh):
         if rank == 0:
             bad[0, 1] = 5  # one rank's ids are broken: every rank raises
         model(input_ids=shard["input_ids"], position_ids=bad)
-    softcapped = transformers.Gemma2Config(
+    with_dropout = transformers.Gemma2Config(
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
@@ -190,9 +190,10 @@ def _bad_input(rank, world_size, mesh):
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=16,
+        attention_dropout=0.1,  # soft-capped logits are served; attention dropout is not
     )
-    with pytest.raises(SeqparInputError, match="attn_logit_softcapping"):
-        seqpar.prepare_model(transformers.AutoModelForCausalLM.from_config(softcapped), mesh)
+    with pytest.raises(SeqparInputError, match=r"its attention_dropout is 0\.1"):
+        seqpar.prepare_model(transformers.AutoModelForCausalLM.from_config(with_dropout), mesh)
     _balanced_calls(rank, world_size, mesh, ids)
     # the group still works after every error
     out = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
@@ -237,6 +238,39 @@ def _more_models(rank, world_size, mesh):
         torch.testing.assert_close(
             got, want[:, idx], atol=ATOL, rtol=RTOL, msg=lambda m, w=(kind, strategy): f"{w}: {m}"
         )
+
+
+def _sinks_and_softcap(rank, world_size, mesh):
+    """gpt-oss (a learned sink per head) and Gemma 2 (soft-capped logits), 4 layers with sliding and full layers
+    alternating: logits, loss and every parameter's summed gradient (the sinks' too) equal the one-process model's."""
+    idx = shard_index("zigzag", world_size, rank, SEQ)
+    ids = tokens(2, SEQ, 6)
+    for kind in ("gpt_oss", "gemma2"):
+        ref = build(kind)
+        want = ref(input_ids=ids, labels=ids)
+        want.loss.backward()
+        sinks = [p.grad for n, p in ref.named_parameters() if n.endswith("sinks")]
+        assert len(sinks) == (4 if kind == "gpt_oss" else 0) and all(g.abs().max() > 1e-4 for g in sinks), kind
+        for strategy in ("ring", "allgather") + (("ulysses",) if world_size == 2 else ()):
+            model = seqpar.prepare_model(copy.deepcopy(ref), mesh, strategy=strategy)
+            model.zero_grad()
+            shard = seqpar.shard_batch({"input_ids": ids}, mesh)
+            logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+            loss = seqpar.cross_entropy(logits, shard["shift_labels"], mesh)
+            loss.backward()
+            seqpar.reduce_gradients(model.parameters(), mesh)
+            what = f"{kind} {strategy} P={world_size}"
+            assert seqpar.attention_choice(model).kernel.name == (
+                "reference" if kind == "gemma2" else "torch_cpu_flash"
+            )
+            torch.testing.assert_close(
+                logits, want.logits[:, idx], atol=ATOL, rtol=RTOL, msg=lambda m, w=what: f"{w}: {m}"
+            )
+            torch.testing.assert_close(seqpar.sum_over(loss.detach(), mesh), want.loss, atol=ATOL, rtol=RTOL)
+            for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+                torch.testing.assert_close(
+                    p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=lambda m, n=name, w=what: f"{w} {n}: {m}"
+                )
 
 
 def _worker(rank, world_size):

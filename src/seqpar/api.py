@@ -44,6 +44,7 @@ def choose_attention(
     mesh: object = None,
     strategy: str = "auto",
     kernel: str | AttentionKernel = "auto",
+    softcap: float | None = None,
 ) -> AttentionChoice:
     """The strategy and kernel ``seqpar.attention`` uses for these (already checked) inputs.
 
@@ -54,6 +55,7 @@ def choose_attention(
         mesh: as in ``seqpar.attention``.
         strategy: a strategy name or "auto".
         kernel: "auto", a kernel name or an ``AttentionKernel``.
+        softcap: logit soft-capping, as in ``seqpar.attention`` (it decides the kernel).
 
     Returns:
         The choice; passing its fields back to ``seqpar.attention`` runs exactly that.
@@ -62,7 +64,7 @@ def choose_attention(
         SeqparInputError: a kernel that cannot run these inputs.
     """
     sp = as_sp_mesh(mesh)
-    chosen_kernel = select_kernel(q, k, v, kernel)
+    chosen_kernel = select_kernel(q, k, v, kernel, softcap=softcap)
     # one rank holds the whole sequence: whatever strategy was asked for, nothing needs to travel
     chosen = resolve_strategy(strategy, q.shape[1], k.shape[1], sp) if sp.sp_size > 1 else "local"
     return AttentionChoice(chosen, chosen_kernel)
@@ -84,6 +86,8 @@ def attention(
     position_ids: torch.Tensor | None = None,
     mask: SequenceMask | None = None,
     blocks: int | Sequence[tuple[int, int]] | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention of this rank's query shard against the whole (sharded) sequence.
 
@@ -114,6 +118,11 @@ def attention(
         blocks: block-causal attention (Note [block-causal ranges]): a block size (video frames) or global
             ``(start, stop)`` token ranges (images in a text stream); a token sees all of its own block and
             of earlier blocks. Needs ``causal=True``; with a prebuilt mask, pass it to ``sequence_mask``.
+        sinks: ``[heads]`` learned attention-sink logits (gpt-oss): each joins every query's softmax
+            denominator of its head with value 0 (Note [attention sinks]); gets a gradient, summed over this
+            rank's queries (sum it over the SP ranks like any replicated parameter's).
+        softcap: logit soft-capping (Gemma 2): scores become ``softcap * tanh(score / softcap)`` before the
+            softmax (Note [logit soft-capping]); it runs the reference kernel, on every device.
 
     Returns:
         ``[batch, heads, local_seq, head_dim]``: this rank's shard of the output, in ``q.dtype``.
@@ -135,6 +144,8 @@ def attention(
         exchange=check_inputs,
         window=window if window is not None else (mask.window if mask is not None else None),
         documents=2 if mask is not None else (1 if position_ids is not None else 0),
+        sinks=sinks,
+        softcap=softcap,
     )
     if mask is None:
         mask = sequence_mask(position_ids, sp, layout=layout, window=window, batch_size=q.shape[0], blocks=blocks)
@@ -150,11 +161,11 @@ def attention(
         )
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    choice = choose_attention(q, k, v, mesh=sp, strategy=strategy, kernel=kernel)
+    choice = choose_attention(q, k, v, mesh=sp, strategy=strategy, kernel=kernel, softcap=softcap)
     _log.debug("seqpar.attention: strategy=%s kernel=%s sp=%d", choice.strategy, choice.kernel.name, sp.sp_size)
     causal = causal and mask.blocks is None  # the blocks replace the causal rule (Note [block-causal ranges])
     return STRATEGY_FUNCTIONS[choice.strategy](
-        q, k, v, mesh=sp, layout=layout, causal=causal, scale=scale, kernel=choice.kernel, mask=mask
+        q, k, v, mesh=sp, layout=layout, causal=causal, scale=scale, kernel=choice.kernel, mask=mask, sinks=sinks
     )
 
 

@@ -24,8 +24,8 @@ class _ByProcess(seqpar.hf.SequenceParallelTrainer):
         return transformers.Trainer.get_train_dataloader(self)
 
 
-def _soft_capped():
-    """A tiny Gemma 2 (attention logits soft-capped, which seqpar's attention does not implement)."""
+def _attention_dropout():
+    """A tiny Gemma 2 with attention dropout, which seqpar's attention does not implement."""
     config = transformers.Gemma2Config(
         vocab_size=VOCAB,
         hidden_size=48,
@@ -34,7 +34,7 @@ def _soft_capped():
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=12,
-        attn_logit_softcapping=50.0,
+        attention_dropout=0.1,
     )
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
@@ -152,7 +152,7 @@ def refusals(out: str) -> None:
             seqpar.hf.SequenceParallelTrainer,
             reference=False,
             sequence_parallel=seqpar.hf.SequenceParallelConfig(sp_size=world),
-            model=_soft_capped(),
+            model=_attention_dropout(),
         ),
     }
     messages = {what: _expect_refusal(what, make) for what, make in checks.items()}

@@ -70,6 +70,8 @@ class InputSignature(Signature):
     device_code: int  # index in _DEVICE_TYPES, -1 for another device type
     window: int  # -1: none, 0: invalid, else the window
     documents: int  # index in _DOCUMENTS: none, position ids, a prebuilt mask
+    sink_heads: int  # -1: no sinks, -2: not a 1-D floating tensor on q's device, else their count
+    softcap: int  # -1: none, 0: invalid, 1: a positive finite number
     q: TensorSignature
     k: TensorSignature
     v: TensorSignature
@@ -86,6 +88,8 @@ class InputSignature(Signature):
         scale: float | None,
         window: int | None,
         documents: int,
+        sinks: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> InputSignature:
         """The signature of one call's tensors and options (as ``check_attention_inputs`` takes them)."""
         scale_ok = scale is None or (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0)
@@ -98,6 +102,8 @@ class InputSignature(Signature):
             device_code=_code(q.device.type, _DEVICE_TYPES),
             window=-1 if window is None else (window if isinstance(window, int) and window > 0 else 0),
             documents=documents,
+            sink_heads=_sink_heads(sinks, q),
+            softcap=-1 if softcap is None else int(_positive_finite(softcap)),
             q=TensorSignature.of(q),
             k=TensorSignature.of(k),
             v=TensorSignature.of(v),
@@ -114,6 +120,17 @@ class InputSignature(Signature):
         if self.layout_code == len(LAYOUTS):
             return "chunks"
         return LAYOUTS[self.layout_code] if self.layout_code >= 0 else None
+
+
+def _positive_finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def _sink_heads(sinks: torch.Tensor | None, q: torch.Tensor) -> int:
+    if sinks is None:
+        return -1
+    ok = isinstance(sinks, torch.Tensor) and sinks.dim() == 1 and sinks.is_floating_point()
+    return sinks.shape[0] if ok and sinks.device == q.device else -2
 
 
 def _layout_fields(layout: object) -> dict[str, int]:
@@ -147,6 +164,12 @@ def _problems(sig: InputSignature, sp_size: int, ulysses_size: int) -> list[str]
         problems.append("scale must be a positive finite number or None")
     if sig.window == 0:
         problems.append("window must be a positive integer (tokens a query sees, itself included) or None")
+    if sig.softcap == 0:
+        problems.append("softcap must be a positive finite number or None")
+    if sig.sink_heads == -2:
+        problems.append("sinks must be a 1-D floating tensor [heads] on q's device")
+    if sig.sink_heads >= 0 and sig.q.ndim == 4 and sig.sink_heads != sig.q.dims[1]:
+        problems.append(f"sinks hold {sig.sink_heads} logits but q has {sig.q.dims[1]} heads (one per query head)")
     if sig.window > 0 and not sig.causal:
         problems.append("a sliding window needs causal=True")
     if not sig.same_device:
@@ -200,6 +223,8 @@ def check_attention_inputs(
     exchange: bool = True,
     window: int | None = None,
     documents: int = 0,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Raise the same ``SeqparInputError`` on every rank if any rank's inputs are bad (Note [agreeing on errors]).
 
@@ -212,12 +237,14 @@ def check_attention_inputs(
         documents: 0 without packed documents, 1 with position ids, 2 with a prebuilt mask (ranks must agree,
             since position ids cost every rank an all-gather).
         exchange: all-gather the signatures so that every rank sees every rank's inputs.
+        sinks: the ``[heads]`` sink logits, or None.
+        softcap: the logit soft-cap, or None.
 
     Raises:
         SeqparInputError: naming each problem and, when ranks differ, which rank had what.
     """
     size = 1 if group is None else dist.get_world_size(group)
-    sig = InputSignature.of(q, k, v, strategy, layout, causal, scale, window, documents)
+    sig = InputSignature.of(q, k, v, strategy, layout, causal, scale, window, documents, sinks, softcap)
     if size == 1 or not exchange:
         problems = _problems(sig, size, ulysses_size)
     else:
@@ -237,5 +264,5 @@ def _describe(sig: InputSignature) -> str:
     window = "none" if sig.window < 0 else sig.window
     return (
         f"strategy={sig.strategy} layout={sig.layout} causal={sig.causal} window={window} "
-        f"documents={_DOCUMENTS[sig.documents]} {shapes}"
+        f"documents={_DOCUMENTS[sig.documents]} sinks={sig.sink_heads >= 0} softcap={sig.softcap >= 0} {shapes}"
     )

@@ -61,10 +61,9 @@ def _seqpar_attention(module, query, key, value, attention_mask, scaling=None, d
         )
     if dropout:
         raise SeqparInputError(f"seqpar attention does not implement attention dropout ({dropout}); set it to 0")
-    if kwargs.get("softcap") is not None:
-        raise SeqparInputError("seqpar attention does not implement attention logit soft-capping")
-    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        raise SeqparInputError("seqpar attention does not implement attention sinks")
+    if kwargs.get("sinks") is not None:  # transformers' name for learned sinks is s_aux; this one is unknown
+        raise SeqparInputError("seqpar attention does not know the keyword sinks= (learned sinks come as s_aux=)")
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")  # Gemma 2's cap, gpt-oss's sink logits
     # Under autocast, RoPE promotes q and k back to float32 while v stays in the autocast dtype: attend in
     # the autocast dtype, as the fused SDPA paths do.
     device_type = query.device.type
@@ -82,10 +81,12 @@ def _seqpar_attention(module, query, key, value, attention_mask, scaling=None, d
         kernel=ctx.kernel,
         window=kwargs.get("sliding_window"),
         mask=ctx.mask,
+        sinks=sinks,
+        softcap=softcap,
     )
     # what attention ran, decided by the same function on the same (now checked) inputs
     ctx.choices[getattr(module, "layer_idx", 0)] = choose_attention(
-        query, key, value, mesh=ctx.mesh, strategy=ctx.strategy, kernel=ctx.kernel
+        query, key, value, mesh=ctx.mesh, strategy=ctx.strategy, kernel=ctx.kernel, softcap=softcap
     )
     return out.transpose(1, 2).contiguous(), None
 
@@ -101,9 +102,6 @@ def _unsupported_reason(model: torch.nn.Module) -> str | None:
         )
     if getattr(config, "is_encoder_decoder", False):
         return "encoder-decoder models (cross-attention) are not supported"
-    for name in ("attn_logit_softcapping",):
-        if getattr(config, name, None) is not None:
-            return f"its config sets {name}, which seqpar attention does not implement"
     if getattr(config, "attention_dropout", 0.0):
         return f"its attention_dropout is {config.attention_dropout}; seqpar attention has no dropout (set it to 0)"
     return None
@@ -154,9 +152,7 @@ class _CallSignature(Signature):
         return list(self.positions_dims[: self.positions_ndim])
 
 
-def _agree_on_call(
-    args: tuple, kwargs: dict, sp: SequenceParallelMesh, prepared: Layout, call_layout: object
-) -> None:
+def _agree_on_call(args: tuple, kwargs: dict, sp: SequenceParallelMesh, prepared: Layout, call_layout: object) -> None:
     """Check one model call on every rank at once (Note [agreeing on errors]): all raise, or none does."""
     attention_mask = kwargs.get("attention_mask")
     fits = isinstance(call_layout, ChunkLayout) and call_layout.world_size == sp.sp_size
@@ -216,7 +212,7 @@ def prepare_model(
 
     Args:
         model: a transformers model whose attention goes through ``AttentionInterface`` (Llama, Qwen2/3,
-            Mistral, Gemma 3, ...).
+            Mistral, Gemma 2/3 (soft-capped logits), gpt-oss (attention sinks), ...).
         mesh: a ``SequenceParallelMesh`` (``seqpar.make_mesh``), the SP ProcessGroup, or None.
         strategy: as in ``seqpar.attention``.
         layout: the layout ``shard_batch`` used: "zigzag", "contiguous", or "balanced" (each batch brings its

@@ -44,6 +44,7 @@ def select_kernel(
     v: torch.Tensor,
     kernel: str | AttentionKernel = "auto",
     mask: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> AttentionKernel:
     """The kernel that will run these inputs.
 
@@ -53,13 +54,18 @@ def select_kernel(
         v: a representative value.
         kernel: "auto", a kernel name from ``KERNELS``, or an ``AttentionKernel`` instance.
         mask: the boolean mask the kernel must accept, if any.
+        softcap: logit soft-capping (Note [logit soft-capping]): only the reference kernel caps scores, so
+            "auto" and "reference" give ``ReferenceKernel(softcap=softcap)``.
 
     Returns:
         The chosen kernel; ``kernel.name`` says which.
 
     Raises:
-        SeqparInputError: an unknown name, or a named kernel that cannot run these inputs (with the reason).
+        SeqparInputError: an unknown name, a named kernel that cannot run these inputs (with the reason), or
+            a kernel other than the reference one with ``softcap``.
     """
+    if softcap is not None:
+        return _softcap_kernel(kernel, softcap)
     if isinstance(kernel, AttentionKernel):
         candidates: tuple[AttentionKernel, ...] = (kernel,)
     elif kernel == "auto":
@@ -77,3 +83,19 @@ def select_kernel(
             return candidate
         reasons.append(f"{candidate.name}: {reason}")
     raise SeqparInputError("no attention kernel can run these inputs (" + "; ".join(reasons) + ")")
+
+
+def _softcap_kernel(kernel: str | AttentionKernel, softcap: float) -> AttentionKernel:
+    """The kernel of soft-capped attention: the reference kernel with the cap (Note [logit soft-capping])."""
+    if isinstance(kernel, ReferenceKernel):
+        chosen = ReferenceKernel(kernel.block_size, softcap)
+    elif kernel in ("auto", ReferenceKernel.name):
+        chosen = ReferenceKernel(softcap=softcap)
+    else:
+        name = kernel.name if isinstance(kernel, AttentionKernel) else str(kernel)
+        raise SeqparInputError(
+            f"attention kernel {name} has no logit soft-capping (softcap={softcap}); use kernel 'auto' or "
+            "'reference' (PyTorch's fused attention ops take no score modification)"
+        )
+    _log.debug("seqpar attention kernel: %r", chosen)
+    return chosen

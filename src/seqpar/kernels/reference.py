@@ -1,6 +1,14 @@
-"""Blockwise attention in plain PyTorch: any device, any boolean mask, fp32 arithmetic inside.
+"""Blockwise attention in plain PyTorch: any device, any boolean mask, logit soft-capping, fp32 inside.
 
-It is the portable fallback and the yardstick the fused kernels are tested against.
+It is the portable fallback, the kernel of soft-capped models, and the yardstick of the fused kernels.
+
+Note [logit soft-capping]
+    Gemma 2 caps every score before the softmax: s = c * tanh(r / c) with r = scale * q.k (masking after).
+    The cap is elementwise and inside the softmax, so the log-sum-exp merge of Note [LSE merge] is unchanged:
+    a block's (out, lse) are those of the capped scores. Backward: dr = ds * (1 - tanh(r / c)^2), with ds the
+    ordinary softmax backward of the capped scores (p (dO.v - rowsum(dO * O))). PyTorch's fused attention
+    ops take no score modification, so the soft-capped path runs this kernel on every device (on CUDA too:
+    fp32 matmuls over key blocks of ``block_size`` columns); ``select_kernel`` picks it for ``softcap``.
 """
 
 from __future__ import annotations
@@ -33,6 +41,17 @@ def _block_mask(
     return keep
 
 
+def _scores(
+    qg: torch.Tensor, kb: torch.Tensor, scale: float, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scores ``[B, Hkv, G, Sq, kb]`` of one key block, soft-capped (Note [logit soft-capping]), and the tanh."""
+    s = torch.matmul(qg, kb.transpose(-1, -2)).mul_(scale)
+    if softcap is None:
+        return s, None
+    t = torch.tanh(s / softcap)
+    return t * softcap, t
+
+
 def _mask_heads(mask: torch.Tensor | None, kv_heads: int, heads: int) -> torch.Tensor | None:
     """Put a [.., H or 1, Sq, Sk] mask into the grouped [.., Hkv, G, Sq, Sk] head layout."""
     if mask is None or mask.dim() < 3:
@@ -45,13 +64,21 @@ def _mask_heads(mask: torch.Tensor | None, kv_heads: int, heads: int) -> torch.T
 
 
 class ReferenceKernel(AttentionKernel):
-    """Pure-PyTorch attention over key blocks of ``block_size`` columns (memory O(Sq * block_size))."""
+    """Pure-PyTorch attention over key blocks of ``block_size`` columns (memory O(Sq * block_size)).
+
+    With ``softcap`` every score is capped to ``softcap * tanh(score / softcap)`` (Note [logit soft-capping]).
+    """
 
     name = "reference"
     takes_masks = True
 
-    def __init__(self, block_size: int = 1024) -> None:
+    def __init__(self, block_size: int = 1024, softcap: float | None = None) -> None:
         self.block_size = block_size
+        self.softcap = softcap
+
+    def __repr__(self) -> str:
+        cap = "" if self.softcap is None else f" softcap={self.softcap}"
+        return f"<seqpar kernel {self.name}{cap}>"
 
     def unsupported_reason(self, q, k, v, mask):
         return None
@@ -70,7 +97,7 @@ class ReferenceKernel(AttentionKernel):
         for cols in self._blocks(k.shape[2]):
             kb = k[:, :, None, cols].float()  # [B, Hkv, 1, kb, D]
             vb = v[:, :, None, cols].float()
-            s = torch.matmul(qg, kb.transpose(-1, -2)).mul_(scale)  # [B, Hkv, G, Sq, kb]
+            s, _ = _scores(qg, kb, scale, self.softcap)  # [B, Hkv, G, Sq, kb]
             keep = _block_mask(causal, mask, sq, cols, q.device)
             if keep is not None:
                 s = s.masked_fill(~keep, float("-inf"))
@@ -94,13 +121,15 @@ class ReferenceKernel(AttentionKernel):
         for cols in self._blocks(k.shape[2]):
             kb = k[:, :, None, cols].float()
             vb = v[:, :, None, cols].float()
-            s = torch.matmul(qg, kb.transpose(-1, -2)).mul_(scale)
+            s, t = _scores(qg, kb, scale, self.softcap)
             keep = _block_mask(causal, mask, sq, cols, q.device)
             if keep is not None:
                 s = s.masked_fill(~keep, float("-inf"))
             p = torch.exp(s - lse_g)  # [B, Hkv, G, Sq, kb]
             dv[:, :, cols] = torch.matmul(p.transpose(-1, -2), dog).sum(2)
             ds = p * (torch.matmul(dog, vb.transpose(-1, -2)) - delta)
+            if t is not None:
+                ds = ds * (1 - t * t)  # through the cap (Note [logit soft-capping])
             dq += torch.matmul(ds, kb) * scale
             dk[:, :, cols] = (torch.matmul(ds.transpose(-1, -2), qg) * scale).sum(2)
         return dq.reshape(b, h, sq, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

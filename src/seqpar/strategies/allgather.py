@@ -17,6 +17,7 @@ import torch.distributed as dist
 from seqpar.comm import all_gather_first_dim, reduce_scatter_first_dim
 from seqpar.kernels import AttentionKernel
 from seqpar.kernels.merge import new_accumulator
+from seqpar.kernels.sinks import add_sinks, sink_grad
 from seqpar.layout import chunks_per_rank, natural_order_index, owner_order_index, rank_chunk_ids
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.strategies.blocks import blocks_backward, blocks_forward
@@ -57,7 +58,7 @@ def _scatter_dkv(dkv: torch.Tensor, group, layout: str) -> torch.Tensor:
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, layout, causal, scale, kernel, mask):
+    def forward(ctx, q, k, v, sinks, group, layout, causal, scale, kernel, mask):
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         chunk = q.shape[2] // chunks_per_rank(layout)
         kv = _gather_kv(k, v, group, layout)
@@ -65,14 +66,16 @@ class _AllGatherAttention(torch.autograd.Function):
         out, lse = new_accumulator(q)
         blocks_forward(kernel, q, kv[0], kv[1], blocks, scale, out, lse)
         del kv  # Note [allgather memory]
+        if sinks is not None:  # Note [attention sinks]
+            out, lse = add_sinks(out, lse, sinks)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.args = (group, layout, causal, scale, kernel, blocks)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         group, layout, _, scale, kernel, blocks = ctx.args
         kv = _gather_kv(k, v, group, layout)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -80,7 +83,8 @@ class _AllGatherAttention(torch.autograd.Function):
         blocks_backward(kernel, dout.contiguous(), q, kv[0], kv[1], out, lse, blocks, scale, dq, dkv[0], dkv[1])
         del kv
         dk, dv = _scatter_dkv(dkv, group, layout)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+        dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None, None, None
 
 
 def allgather_attention(
@@ -94,6 +98,7 @@ def allgather_attention(
     scale: float,
     kernel: AttentionKernel,
     mask: SequenceMask | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """All-gather attention over the mesh's SP group (Note [allgather memory]); inputs already validated.
 
@@ -103,6 +108,7 @@ def allgather_attention(
         layout, causal, scale: as in ``seqpar.attention``.
         kernel: the local kernel.
         mask: packed documents and sliding window (Note [masked tiles]), or None.
+        sinks: ``[H]`` sink logits (Note [attention sinks]), or None.
 
     Returns:
         ``[B, H, S/P, D]`` local output.
@@ -111,5 +117,5 @@ def allgather_attention(
     needs = kv_needs(mask, chunk_ids, q.shape[2] // len(chunk_ids[0]), causal) if mesh.sp_size > 1 else None
     if needs is not None:  # the mask spares some K/V: gather only what is seen (Note [mask-aware allgather])
         options = dict(group=mesh.sp_group, chunk_ids=chunk_ids, causal=causal, scale=scale, kernel=kernel)
-        return masked_allgather_attention(q, k, v, mask=mask, needs=needs, **options)
-    return _AllGatherAttention.apply(q, k, v, mesh.sp_group, layout, causal, scale, kernel, mask)
+        return masked_allgather_attention(q, k, v, mask=mask, needs=needs, sinks=sinks, **options)
+    return _AllGatherAttention.apply(q, k, v, sinks, mesh.sp_group, layout, causal, scale, kernel, mask)

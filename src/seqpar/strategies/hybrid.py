@@ -19,6 +19,7 @@ import torch.distributed as dist
 from seqpar.comm import head_to_seq_shards, seq_to_head_shards
 from seqpar.errors import SeqparInputError
 from seqpar.kernels import AttentionKernel
+from seqpar.kernels.sinks import head_slice
 from seqpar.layout import rank_chunk_ids
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.strategies.masking import SequenceMask
@@ -39,6 +40,7 @@ def hybrid_attention(
     scale: float,
     kernel: AttentionKernel,
     mask: SequenceMask | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Ulysses x ring attention (Note [hybrid layout]); inputs already validated.
 
@@ -50,6 +52,7 @@ def hybrid_attention(
         layout, causal, scale: as in ``seqpar.attention``.
         kernel: the local kernel.
         mask: packed documents and sliding window (Note [masked tiles]), or None.
+        sinks: ``[H]`` sink logits (Note [attention sinks]); the ring runs those of this rank's H/U heads.
 
     Returns:
         ``[B, H, S/P, D]`` local output.
@@ -74,16 +77,13 @@ def hybrid_attention(
         return list(sp_ids[j * u_size * per_sp : (j + 1) * u_size * per_sp])
 
     ring_ids = tuple(tuple(sorted(members(j))) for j in range(ring_size))
+    options = dict(group=ring_group, chunk_ids=ring_ids, causal=causal, scale=scale, kernel=kernel, mask=mask)
     if u_size == 1:
-        return ring_attention_on_chunks(
-            q, k, v, group=ring_group, chunk_ids=ring_ids, causal=causal, scale=scale, kernel=kernel, mask=mask
-        )
+        return ring_attention_on_chunks(q, k, v, sinks=sinks, **options)
     mine = torch.tensor(members(ring_rank))
     to_natural = mine.argsort().to(q.device)
     to_owner = to_natural.argsort()
     k, v = repeat_kv_heads(q, k, v, u_size)
     qh, kh, vh = (seq_to_head_shards(t, ulysses_group, to_natural, to_owner) for t in (q, k, v))  # [B, H/U, S/R, D]
-    out = ring_attention_on_chunks(
-        qh, kh, vh, group=ring_group, chunk_ids=ring_ids, causal=causal, scale=scale, kernel=kernel, mask=mask
-    )
+    out = ring_attention_on_chunks(qh, kh, vh, sinks=head_slice(sinks, u_rank, u_size), **options)
     return head_to_seq_shards(out, ulysses_group, to_natural, to_owner)

@@ -10,6 +10,7 @@ import torch
 
 from seqpar.kernels import AttentionKernel
 from seqpar.kernels.merge import new_accumulator
+from seqpar.kernels.sinks import add_sinks, sink_grad
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.strategies.blocks import blocks_backward, blocks_forward, is_whole
 from seqpar.strategies.masking import SequenceMask
@@ -39,7 +40,13 @@ def local_plan(seq: int, causal: bool, mask: SequenceMask | None, device: torch.
 
 
 def local_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[Block], scale: float, kernel: AttentionKernel
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    blocks: list[Block],
+    scale: float,
+    kernel: AttentionKernel,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of ``blocks`` over the whole local sequence.
 
@@ -48,14 +55,19 @@ def local_forward(
         blocks: the plan (``local_plan``).
         scale: softmax scale.
         kernel: the local kernel.
+        sinks: ``[H]`` sink logits of these heads (Note [attention sinks]), or None.
 
     Returns:
-        out ``[B, H, S, D]`` in ``q``'s dtype and lse ``[B, H, S]`` (float32 when the plan has several blocks).
+        out ``[B, H, S, D]`` in ``q``'s dtype and lse ``[B, H, S]`` (float32 when the plan has several blocks
+        or sinks), both final (sinks included).
     """
     if is_whole(blocks, q, k):  # one kernel call: its own (out, lse) are the result
-        return kernel.forward(q, k, v, causal=blocks[0].causal, scale=scale)
-    out, lse = new_accumulator(q)  # [B, H, S, D], [B, H, S] float32
-    blocks_forward(kernel, q, k, v, blocks, scale, out, lse)
+        out, lse = kernel.forward(q, k, v, causal=blocks[0].causal, scale=scale)
+    else:
+        out, lse = new_accumulator(q)  # [B, H, S, D], [B, H, S] float32
+        blocks_forward(kernel, q, k, v, blocks, scale, out, lse)
+    if sinks is not None:
+        out, lse = add_sinks(out, lse, sinks)
     return out.to(q.dtype), lse
 
 
@@ -92,17 +104,19 @@ def local_backward(
 
 class _LocalAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, blocks, scale, kernel):
-        out, lse = local_forward(q, k, v, blocks, scale, kernel)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, sinks, blocks, scale, kernel):
+        out, lse = local_forward(q, k, v, blocks, scale, kernel, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.args = (blocks, scale, kernel)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        grads = local_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return *grads, None, None, None
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dout = dout.contiguous()
+        grads = local_backward(dout, q, k, v, out, lse, *ctx.args)
+        dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
+        return *grads, dsinks, None, None, None
 
 
 def whole_sequence_attention(
@@ -114,6 +128,7 @@ def whole_sequence_attention(
     scale: float,
     kernel: AttentionKernel,
     mask: SequenceMask | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` ``[B, H, S, D]`` against ``k``, ``v`` ``[B, Hkv, S, D]`` on this rank alone.
 
@@ -125,11 +140,13 @@ def whole_sequence_attention(
         causal, scale: as in ``seqpar.attention``.
         kernel: the local kernel.
         mask: packed documents and sliding window (Note [masked tiles]), or None.
+        sinks: ``[H]`` sink logits (Note [attention sinks]), or None.
 
     Returns:
         ``[B, H, S, D]`` in ``q``'s dtype.
     """
-    return _LocalAttention.apply(q, k, v, local_plan(q.shape[2], causal, mask, q.device), scale, kernel)
+    blocks = local_plan(q.shape[2], causal, mask, q.device)
+    return _LocalAttention.apply(q, k, v, sinks, blocks, scale, kernel)
 
 
 def local_attention(
@@ -143,6 +160,7 @@ def local_attention(
     scale: float,
     kernel: AttentionKernel,
     mask: SequenceMask | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The strategy for a sequence-parallel size of 1: this rank holds the whole sequence.
 
@@ -154,9 +172,10 @@ def local_attention(
         layout, causal, scale: as in ``seqpar.attention``.
         kernel: the local kernel.
         mask: packed documents and sliding window (Note [masked tiles]), or None.
+        sinks: ``[H]`` sink logits (Note [attention sinks]), or None.
 
     Returns:
         ``[B, H, S, D]`` output.
     """
     del mesh, layout  # one rank: no group to talk to, and every layout is the natural order
-    return whole_sequence_attention(q, k, v, causal=causal, scale=scale, kernel=kernel, mask=mask)
+    return whole_sequence_attention(q, k, v, causal=causal, scale=scale, kernel=kernel, mask=mask, sinks=sinks)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from seqpar.comm import SparseExchange
 from seqpar.kernels.merge import new_accumulator
+from seqpar.kernels.sinks import add_sinks, sink_grad
 from seqpar.strategies.blocks import blocks_backward, blocks_forward
 from seqpar.strategies.kv_needs import KVNeeds, global_tokens, take_tokens
 from seqpar.strategies.planner import plan
@@ -48,7 +49,7 @@ def _whole_kv(k, v, recvs, needs: KVNeeds, chunk_ids, chunk: int, rank: int) -> 
 
 class _MaskedAllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, chunk_ids, causal, scale, kernel, mask, needs):
+    def forward(ctx, q, k, v, sinks, group, chunk_ids, causal, scale, kernel, mask, needs):
         rank = dist.get_rank(group)
         chunk = q.shape[2] // len(chunk_ids[rank])
         exchange = SparseExchange(group, _KV_TAG)
@@ -64,14 +65,16 @@ class _MaskedAllGather(torch.autograd.Function):
         blocks = _only(plan(chunk_ids[rank], sorted(kv_chunks), chunk, causal, mask, q.device), others, chunk)
         blocks_forward(kernel, q, kv[0], kv[1], blocks, scale, out, lse)
         del kv  # Note [allgather memory]
+        if sinks is not None:  # Note [attention sinks]
+            out, lse = add_sinks(out, lse, sinks)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.args = (group, chunk_ids, scale, kernel, needs, own, blocks)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         group, chunk_ids, scale, kernel, needs, own, blocks = ctx.args
         rank = dist.get_rank(group)
         chunk = q.shape[2] // len(chunk_ids[rank])
@@ -99,7 +102,9 @@ class _MaskedAllGather(torch.autograd.Function):
         exchange.wait()
         for p, got in incoming.items():
             dkv.index_add_(3, needs[p][rank].to(k.device), got)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None
+        dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
+        grads = dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks
+        return *grads, None, None, None, None, None, None, None
 
 
 def _only(blocks, chunks, chunk: int):
@@ -108,7 +113,9 @@ def _only(blocks, chunks, chunk: int):
     return [b for b in blocks if b.kv.start // chunk in keep]
 
 
-def masked_allgather_attention(q, k, v, *, group, chunk_ids, causal, scale, kernel, mask, needs) -> torch.Tensor:
+def masked_allgather_attention(
+    q, k, v, *, group, chunk_ids, causal, scale, kernel, mask, needs, sinks=None
+) -> torch.Tensor:
     """All-gather attention moving only needed K/V tokens (Note [mask-aware allgather]).
 
     Args:
@@ -119,8 +126,9 @@ def masked_allgather_attention(q, k, v, *, group, chunk_ids, causal, scale, kern
         kernel: the local kernel.
         mask: the sequence mask the plans and ``needs`` come from.
         needs: ``kv_needs(mask, chunk_ids, ...)`` (Note [mask-aware ring]).
+        sinks: ``[H]`` sink logits (Note [attention sinks]), or None.
 
     Returns:
         ``[B, H, S/P, D]`` local output.
     """
-    return _MaskedAllGather.apply(q, k, v, group, chunk_ids, causal, scale, kernel, mask, needs)
+    return _MaskedAllGather.apply(q, k, v, sinks, group, chunk_ids, causal, scale, kernel, mask, needs)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from seqpar.comm import SparseExchange
 from seqpar.kernels.merge import new_accumulator
+from seqpar.kernels.sinks import add_sinks, sink_grad
 from seqpar.strategies.blocks import blocks_backward, blocks_forward
 from seqpar.strategies.kv_needs import KVNeeds, take_tokens, zero_block_with
 from seqpar.strategies.planner import plan
@@ -41,7 +42,7 @@ def _post_kv(exchange: SparseExchange, k, v, needs: KVNeeds, rank: int, size: in
 
 class _MaskedRing(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, chunk_ids, causal, scale, kernel, mask, needs):
+    def forward(ctx, q, k, v, sinks, group, chunk_ids, causal, scale, kernel, mask, needs):
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         q_ids, local = chunk_ids[rank], k.shape[2]
         chunk = q.shape[2] // len(q_ids)
@@ -60,14 +61,16 @@ class _MaskedRing(torch.autograd.Function):
                 blocks = plan(q_ids, chunk_ids[source], chunk, causal, mask, q.device)
                 blocks_forward(kernel, q, kv[0], kv[1], blocks, scale, out, lse)
             del got
+        if sinks is not None:  # Note [attention sinks]
+            out, lse = add_sinks(out, lse, sinks)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.args = (group, chunk_ids, causal, scale, kernel, mask, needs)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         group, chunk_ids, causal, scale, kernel, mask, needs = ctx.args
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         q_ids, local = chunk_ids[rank], k.shape[2]
@@ -108,10 +111,14 @@ class _MaskedRing(torch.autograd.Function):
         if returned is not None:
             dkv_exchange.wait()
             dkv.index_add_(3, returned[1].to(k.device), returned[0])
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None
+        dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
+        grads = dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks
+        return *grads, None, None, None, None, None, None, None
 
 
-def masked_ring_attention(q, k, v, *, group, chunk_ids, causal, scale, kernel, mask, needs: KVNeeds) -> torch.Tensor:
+def masked_ring_attention(
+    q, k, v, *, group, chunk_ids, causal, scale, kernel, mask, needs: KVNeeds, sinks=None
+) -> torch.Tensor:
     """Ring attention moving only needed K/V tokens (Note [mask-aware ring schedule]).
 
     Args:
@@ -122,8 +129,9 @@ def masked_ring_attention(q, k, v, *, group, chunk_ids, causal, scale, kernel, m
         kernel: the local kernel.
         mask: the sequence mask the plans and ``needs`` come from.
         needs: ``kv_needs(mask, chunk_ids, ...)`` (Note [mask-aware ring]).
+        sinks: ``[H]`` sink logits (Note [attention sinks]), or None.
 
     Returns:
         ``[B, H, S_local, D]`` local output.
     """
-    return _MaskedRing.apply(q, k, v, group, chunk_ids, causal, scale, kernel, mask, needs)
+    return _MaskedRing.apply(q, k, v, sinks, group, chunk_ids, causal, scale, kernel, mask, needs)

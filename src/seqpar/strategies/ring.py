@@ -38,6 +38,7 @@ import torch.distributed as dist
 from seqpar.comm import RingExchange
 from seqpar.kernels import AttentionKernel
 from seqpar.kernels.merge import new_accumulator
+from seqpar.kernels.sinks import add_sinks, sink_grad
 from seqpar.layout import rank_chunk_ids
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.strategies.blocks import blocks_backward, blocks_forward, is_whole
@@ -54,7 +55,7 @@ _KV_TAG, _DKV_TAG = 0, 2
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, chunk_ids, causal, scale, kernel, mask):
+    def forward(ctx, q, k, v, sinks, group, chunk_ids, causal, scale, kernel, mask):
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         q_ids = chunk_ids[rank]
         chunk = q.shape[2] // len(q_ids)
@@ -75,14 +76,16 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < size:
                 kv = ring.wait()
         del kv, ring  # frees the receive buffers before the caller's next layer
+        if sinks is not None:  # one more term once every block is merged (Note [attention sinks])
+            out, lse = add_sinks(out, lse, sinks)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.args = (group, scale, kernel, chunk, chunk_ids, causal, mask)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         group, scale, kernel, chunk, chunk_ids, causal, mask = ctx.args
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         dout = dout.contiguous()
@@ -119,7 +122,8 @@ class _RingAttention(torch.autograd.Function):
             put_piece(dk, chunks, split, j, dkv[0])
             put_piece(dv, chunks, split, j, dkv[1])
             del dkv, kv, kv_ring, dkv_ring
-        return dq.to(q.dtype), dk, dv, None, None, None, None, None, None
+        dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
+        return dq.to(q.dtype), dk, dv, dsinks, None, None, None, None, None, None
 
 
 def ring_attention(
@@ -133,6 +137,7 @@ def ring_attention(
     scale: float,
     kernel: AttentionKernel,
     mask: SequenceMask | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Ring attention around the mesh's SP group (Note [ring schedule]); inputs already validated.
 
@@ -142,6 +147,7 @@ def ring_attention(
         layout, causal, scale: as in ``seqpar.attention``.
         kernel: the local kernel.
         mask: packed documents and sliding window (Note [masked tiles]), or None.
+        sinks: ``[H]`` sink logits (Note [attention sinks]), or None.
 
     Returns:
         ``[B, H, S/P, D]`` local output.
@@ -149,7 +155,16 @@ def ring_attention(
     size = mesh.sp_size
     chunk_ids = tuple(rank_chunk_ids(layout, size, r) for r in range(size))
     return ring_attention_on_chunks(
-        q, k, v, group=mesh.sp_group, chunk_ids=chunk_ids, causal=causal, scale=scale, kernel=kernel, mask=mask
+        q,
+        k,
+        v,
+        group=mesh.sp_group,
+        chunk_ids=chunk_ids,
+        causal=causal,
+        scale=scale,
+        kernel=kernel,
+        mask=mask,
+        sinks=sinks,
     )
 
 
@@ -164,6 +179,7 @@ def ring_attention_on_chunks(
     scale: float,
     kernel: AttentionKernel,
     mask: SequenceMask | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Ring attention where ring rank ``r`` holds the global chunks ``chunk_ids[r]`` (in local order).
 
@@ -177,6 +193,7 @@ def ring_attention_on_chunks(
         causal, scale: as in ``seqpar.attention``.
         kernel: the local kernel.
         mask: packed documents and sliding window (Note [masked tiles]), or None.
+        sinks: ``[H]`` sink logits of these heads (Note [attention sinks]), or None.
 
     Returns:
         ``[B, H, S_local, D]`` local output.
@@ -186,5 +203,5 @@ def ring_attention_on_chunks(
     needs = kv_needs(mask, chunk_ids, chunk, causal) if size > 1 else None
     if needs is not None:  # the mask spares some K/V: move only what is seen (Note [mask-aware ring])
         options = dict(group=group, chunk_ids=chunk_ids, causal=causal, scale=scale, kernel=kernel, mask=mask)
-        return masked_ring_attention(q, k, v, needs=needs, **options)
-    return _RingAttention.apply(q, k, v, group, chunk_ids, causal, scale, kernel, mask)
+        return masked_ring_attention(q, k, v, needs=needs, sinks=sinks, **options)
+    return _RingAttention.apply(q, k, v, sinks, group, chunk_ids, causal, scale, kernel, mask)

@@ -30,6 +30,7 @@ import torch
 
 from seqpar.comm import head_group_to_seq, head_to_seq_shards, seq_to_head_group, seq_to_head_shards
 from seqpar.kernels import AttentionKernel
+from seqpar.kernels.sinks import head_slice, sink_grad
 from seqpar.layout import natural_order_index, owner_order_index
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.strategies.local import local_backward, local_forward, local_plan, whole_sequence_attention
@@ -77,6 +78,7 @@ def ulysses_attention(
     scale: float,
     kernel: AttentionKernel,
     mask: SequenceMask | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Ulysses attention over the mesh's SP group (Note [ulysses heads]); inputs already validated.
 
@@ -86,20 +88,22 @@ def ulysses_attention(
         layout, causal, scale: as in ``seqpar.attention``.
         kernel: the local kernel.
         mask: packed documents and sliding window (Note [masked tiles]), or None.
+        sinks: ``[H]`` sink logits (Note [attention sinks]); this rank applies those of its H/P heads.
 
     Returns:
         ``[B, H, S/P, D]`` local output.
     """
     group, size = mesh.sp_group, mesh.sp_size
+    sinks = head_slice(sinks, mesh.sp_rank, size)  # [H/P]: the heads this rank attends
     k, v = repeat_kv_heads(q, k, v, size)
     to_natural = natural_order_index(layout, size, q.device)
     to_owner = owner_order_index(layout, size, q.device)
     groups = k.shape[1] // size  # one KV head per rank in each group (Note [ulysses memory])
     if groups > 1:
         blocks = local_plan(q.shape[2] * size, causal, mask, q.device)
-        return _GroupedUlysses.apply(q, k, v, group, to_natural, to_owner, groups, blocks, scale, kernel)
+        return _GroupedUlysses.apply(q, k, v, sinks, group, to_natural, to_owner, groups, blocks, scale, kernel)
     qh, kh, vh = (seq_to_head_shards(t, group, to_natural, to_owner) for t in (q, k, v))  # [B, H/P, S, D]
-    out = whole_sequence_attention(qh, kh, vh, causal=causal, scale=scale, kernel=kernel, mask=mask)
+    out = whole_sequence_attention(qh, kh, vh, causal=causal, scale=scale, kernel=kernel, mask=mask, sinks=sinks)
     return head_to_seq_shards(out, group, to_natural, to_owner)
 
 
@@ -107,32 +111,37 @@ class _GroupedUlysses(torch.autograd.Function):
     """Ulysses attention a head group at a time, re-exchanging q, k, v and out in the backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, to_natural, to_owner, groups: int, blocks: list[Block], scale, kernel):
+    def forward(ctx, q, k, v, sinks, group, to_natural, to_owner, groups: int, blocks: list[Block], scale, kernel):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [B, H, S/P, D], filled a group at a time
         lses = []
         for part in range(groups):
             qh, kh, vh = (seq_to_head_group(t, group, to_natural, part, groups) for t in (q, k, v))
-            out_h, lse = local_forward(qh, kh, vh, blocks, scale, kernel)  # [B, H/(P*G), S, D], [B, H/(P*G), S]
+            part_sinks = head_slice(sinks, part, groups)  # group `part` holds slice `part` of this rank's heads
+            out_h, lse = local_forward(qh, kh, vh, blocks, scale, kernel, part_sinks)  # [B, H/(P*G), S, D], [.., S]
             del qh, kh, vh
             head_group_to_seq(out_h, group, to_owner, out, part, groups)
             del out_h
             lses.append(lse)
-        ctx.save_for_backward(q, k, v, out, *lses)
+        ctx.save_for_backward(q, k, v, out, sinks, *lses)
         ctx.args = (group, to_natural, to_owner, groups, blocks, scale, kernel)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, *lses = ctx.saved_tensors
+        q, k, v, out, sinks, *lses = ctx.saved_tensors
         group, to_natural, to_owner, groups, blocks, scale, kernel = ctx.args
         grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
+        dsinks = None if sinks is None else torch.empty_like(sinks)
         dout = dout.contiguous()
         for part in range(groups):
             qh, kh, vh, out_h, dout_h = (
                 seq_to_head_group(t, group, to_natural, part, groups) for t in (q, k, v, out, dout)
             )
             grads_h = list(local_backward(dout_h, qh, kh, vh, out_h, lses[part], blocks, scale, kernel))
+            if sinks is not None:
+                part_grad = sink_grad(dout_h, out_h, lses[part], head_slice(sinks, part, groups))
+                head_slice(dsinks, part, groups).copy_(part_grad)
             del qh, kh, vh, out_h, dout_h
             for into in grads:  # pop: each head-sharded gradient is freed once it is home
                 head_group_to_seq(grads_h.pop(0), group, to_owner, into, part, groups)
-        return *grads, None, None, None, None, None, None, None
+        return *grads, dsinks, None, None, None, None, None, None, None
