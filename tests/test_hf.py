@@ -18,14 +18,14 @@ import transformers
 
 from tests.hf_scripts.accelerate_references import GUIDES
 from tests.hf_scripts.common import CASES, DEEPSPEED_CASES, METRICS, STEPS, documents, model
-from tests.hf_scripts.upstream import UPSTREAM, YAML_LAUNCHED
+from tests.hf_scripts.upstream import DEEPSPEED_EXAMPLES, UPSTREAM, YAML_LAUNCHED
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BIN = pathlib.Path(sys.executable).parent
 LOSS_RTOL, GRAD_NORM_RTOL, PARAM_RTOL = 1e-5, 1e-4, 1e-4
 ADAMW_PARAM_RTOL = 1e-3  # Adam divides by sqrt(v): near-zero gradients turn rounding into visible updates
 REFERENCES = [n for n, c in CASES.items() if not c.reference]
-BY_TORCHRUN = {n: v for n, v in UPSTREAM.items() if n not in YAML_LAUNCHED}
+BY_TORCHRUN = {n: v for n, v in UPSTREAM.items() if n not in YAML_LAUNCHED and n not in DEEPSPEED_EXAMPLES}
 DEEPSPEED = importlib.util.find_spec("deepspeed") is not None  # the optional extra seqpar[deepspeed]
 
 
@@ -70,7 +70,7 @@ def two_ranks(out) -> pathlib.Path:
             *(n for n, (_, _, dp) in BY_TORCHRUN.items() if dp == 1),
             *(n for n, (world, _, _) in GUIDES.items() if world == 2),
             # last: DeepSpeed's settings stay in the process once a DeepSpeed Trainer was built
-            *([*DEEPSPEED_CASES, "deepspeed_refusal"] if DEEPSPEED else []),
+            *([*DEEPSPEED_CASES, "alst_trainer_dp1", "deepspeed_refusal"] if DEEPSPEED else []),
         )
     )
     return out
@@ -82,6 +82,7 @@ def more_ranks(out) -> pathlib.Path:
         names = [n for n, c in CASES.items() if c.world == world]
         if world == 4:  # dp 2 x sp 2
             names += [*(n for n, (_, _, dp) in BY_TORCHRUN.items() if dp == 2), "accelerate_dp2"]
+            names += ["alst_trainer_dp2"] if DEEPSPEED else []  # last: DeepSpeed's settings stay in the process
             names += [n for n, (w, _, _) in GUIDES.items() if w == 4]
         _launch(_torchrun(world, "-m", "tests.hf_scripts.parallel", str(out), *names))
     return out
@@ -424,6 +425,8 @@ def test_upstream_examples_equal_one_process(request, name):
     """TRL's packing quick start and the Trainer's DataCollatorWithFlattening example, as documented but for the
     import, over several epochs without drop_last: every step's loss and grad_norm (and TRL's entropy, token
     accuracy and token count), and the final SGD parameters, equal one process's at dp 1 and dp 2."""
+    if name in DEEPSPEED_EXAMPLES and not DEEPSPEED:
+        pytest.skip("DeepSpeed is the optional extra seqpar[deepspeed]")
     example, batch, dp = UPSTREAM[name]
     fixture = "yaml_runs" if name in YAML_LAUNCHED else "two_ranks" if dp == 1 else "more_ranks"
     root = request.getfixturevalue(fixture)
@@ -434,12 +437,15 @@ def test_upstream_examples_equal_one_process(request, name):
     if batch > 1:
         assert last > 0 and rows % batch, f"{name}: {rows} rows fill every batch"
     if dp == 2:
-        assert last > 0 and (last <= batch) == example.startswith("trl_"), f"{name}: {last} rows in the last round"
+        no_row = example.startswith(("trl_", "alst_"))  # one replica has no row left in the last round
+        assert last > 0 and (last <= batch) == no_row, f"{name}: {last} rows in the last round"
     # TRL's YAMLs set the degrees: context parallel 2 (accelerate's all-gather), Ulysses 2 x 2 replicas
     expected = {"trl_cp_yaml": (2, 1, "allgather"), "trl_alst_yaml": (2, 2, "ulysses")}
+    expected |= dict.fromkeys(DEEPSPEED_EXAMPLES, (2, 2, "ulysses"))
     assert found["sequence"] == expected.get(name, (2, 1, "auto"))
     # TRL's ALST YAML runs DeepSpeed ZeRO-3 (Note [DeepSpeed under the Trainer]); the others DDP
-    assert found["engine"] == ("DeepSpeedEngine ZeRO-3" if name == "trl_alst_yaml" else "DistributedDataParallel")
+    engines = {"trl_alst_yaml": "DeepSpeedEngine ZeRO-3"} | dict.fromkeys(DEEPSPEED_EXAMPLES, "DeepSpeedEngine ZeRO-2")
+    assert found["engine"] == engines.get(name, "DistributedDataParallel")
     assert want["log"][-1][1] >= 2 and [row[:2] for row in found["log"]] == [row[:2] for row in want["log"]]
     tolerances = {"loss": LOSS_RTOL, "grad_norm": GRAD_NORM_RTOL, "num_tokens": 0.0}
     if name == "trl_alst_yaml":  # num_tokens counts the pad_to_multiple_of padding, added per replica's row at dp 2

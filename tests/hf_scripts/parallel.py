@@ -144,11 +144,11 @@ def upstream(out: str, name: str) -> None:
     """A documented upstream example with seqpar's trainer in place of upstream's (tests.hf_scripts.upstream)."""
     import functools
 
-    from tests.hf_scripts.upstream import UPSTREAM, YAML_LAUNCHED, run
+    from tests.hf_scripts.upstream import SELF_CONFIGURED, UPSTREAM, run
 
     example, _, dp = UPSTREAM[name]
     cls = seqpar.hf.SequenceParallelSFTTrainer if example.startswith("trl_") else seqpar.hf.SequenceParallelTrainer
-    if dp > 1 and name not in YAML_LAUNCHED:  # the one argument a dp x sp job adds: how many ranks share a sequence
+    if dp > 1 and name not in SELF_CONFIGURED:  # the one argument a dp x sp job adds: how many ranks share a sequence
         cls = functools.partial(
             cls, sequence_parallel=seqpar.hf.SequenceParallelConfig(sp_size=dist.get_world_size() // dp)
         )
@@ -176,7 +176,7 @@ def main(out: str, names: list[str]) -> None:
     for name in names:
         if name in special:
             special[name](out)
-        elif name.startswith(("trl_", "flattening")):
+        elif name.startswith(("trl_", "flattening", "alst_")):
             upstream(out, name)
         elif name.startswith("guide_"):  # accelerate's SP/CP guides with seqpar.hf.Accelerator
             from tests.hf_scripts.accelerate_guides import run as run_guide

@@ -17,6 +17,7 @@ batch; ``accelerate_dpN`` names the accelerate loop's); ``tests.hf_scripts.paral
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 
@@ -34,10 +35,17 @@ UPSTREAM = {
     # TRL's distributed-training page: its SFTConfig snippets, launched with its accelerate YAMLs
     "trl_cp_yaml": ("trl_context_parallel", 1, 1),
     "trl_alst_yaml": ("trl_ulysses", 1, 2),
+    # transformers' Ulysses page: TrainingArguments(deepspeed=..., parallelism_config=...), sp 2, dp 1 and 2
+    "alst_trainer_dp1": ("alst_trainer", 1, 1),
+    "alst_trainer_dp2": ("alst_trainer", 1, 2),
 }
 # the seqpar side of these runs under `accelerate launch --config_file tests/accelerate_configs/<yaml>`
 YAML_LAUNCHED = {"trl_cp_yaml": "trl_context_parallel_2gpu.yaml", "trl_alst_yaml": "trl_alst_ulysses_4gpu.yaml"}
-CP_DOCUMENTS = 40
+CP_DOCUMENTS, ALST_DOCUMENTS = 40, 25
+# examples whose own settings say how the ranks split the work (no sequence_parallel= added at dp > 1)
+SELF_CONFIGURED = {*YAML_LAUNCHED, "alst_trainer_dp1", "alst_trainer_dp2"}
+# examples that run DeepSpeed under torchrun: last in their launch (its settings stay in the process)
+DEEPSPEED_EXAMPLES = ("alst_trainer_dp1", "alst_trainer_dp2")
 TRL_DOCUMENTS, TRAINER_DOCUMENTS = 150, 75
 
 
@@ -119,6 +127,54 @@ def trl_ulysses(SFTTrainer, out: str, batch: int) -> dict:
     return results(trainer, ("entropy", "mean_token_accuracy", "num_tokens"))
 
 
+def alst_trainer(Trainer, out: str, batch: int, dp: int = 1, reference: bool = False) -> dict:
+    """transformers' Ulysses page: ``TrainingArguments(deepspeed=..., parallelism_config=ParallelismConfig(...))``
+    with ``DataCollatorForLanguageModeling(mlm=False, pad_to_multiple_of=sp_size)``; sp_size 4 -> 2 for 2-4 CPU
+    ranks, ``dp_replicate_size`` as its data-parallel example. The one-process run leaves out what distributes."""
+    from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
+    from transformers import DataCollatorForLanguageModeling, TrainingArguments
+
+    sp_size = 2
+    parallelism_config = ParallelismConfig(
+        sp_backend="deepspeed",
+        sp_size=sp_size,
+        dp_replicate_size=dp,
+        sp_handler=DeepSpeedSequenceParallelConfig(
+            sp_seq_length_is_variable=True,
+            sp_attn_implementation="flash_attention_2",
+        ),
+    )
+    deepspeed_config = _zero2_file(out)
+    training_args = TrainingArguments(
+        deepspeed=None if reference else deepspeed_config,
+        parallelism_config=None if reference else parallelism_config,
+        gradient_accumulation_steps=1,
+        **_filled_in(out, batch),  # --per_device_train_batch_size 1 (dp x 1 in one process)
+    )
+    data_collator = DataCollatorForLanguageModeling(tokenizer=tokenizer(), mlm=False, pad_to_multiple_of=sp_size)
+    dataset = datasets.Dataset.from_list(documents(ALST_DOCUMENTS, 11, low=5, high=40))
+    trainer = Trainer(model=model("llama"), args=training_args, train_dataset=dataset, data_collator=data_collator)
+    trainer.train()
+    return results(trainer)
+
+
+def _zero2_file(out: str) -> str:
+    """``path/to/deepspeed_config.json``: ZeRO-2 with transformers' "auto" sizes (SGD needs DeepSpeed's leave)."""
+    path = f"{out}_ds_config.json"
+    config = {
+        "zero_optimization": {"stage": 2},
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+        "zero_allow_untested_optimizer": True,
+    }
+    if not os.path.exists(path):
+        with open(path, "w") as f:
+            json.dump(config, f)
+    return path
+
+
 def _saved_model(out: str) -> str:
     """A directory holding ``model("llama")``, written by the first (the one-process) run."""
     where = f"{out}_initial"
@@ -166,7 +222,8 @@ def results(trainer, metrics: tuple[str, ...] = ()) -> dict:
 
 def run(name: str, trainer_class, out: str, reference: bool) -> dict:
     example, batch, dp = UPSTREAM[name]
-    return globals()[example](trainer_class, os.path.join(out, name), batch * dp if reference else batch)
+    options = {"dp": dp, "reference": reference} if example == "alst_trainer" else {}
+    return globals()[example](trainer_class, os.path.join(out, name), batch * dp if reference else batch, **options)
 
 
 def main(out: str, names: list[str]) -> None:
