@@ -22,7 +22,7 @@ from tests.hf_scripts.upstream import DEEPSPEED_EXAMPLES, UPSTREAM, YAML_LAUNCHE
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BIN = pathlib.Path(sys.executable).parent
-LOSS_RTOL, GRAD_NORM_RTOL, PARAM_RTOL = 1e-5, 1e-4, 1e-4
+LOSS_RTOL, GRAD_NORM_RTOL, PARAM_RTOL = 1e-5, 1e-5, 1e-4  # measured: loss <= 2.2e-7, grad_norm <= 1.2e-6
 ADAMW_PARAM_RTOL = 1e-3  # Adam divides by sqrt(v): near-zero gradients turn rounding into visible updates
 REFERENCES = [n for n, c in CASES.items() if not c.reference]
 BY_TORCHRUN = {n: v for n, v in UPSTREAM.items() if n not in YAML_LAUNCHED and n not in DEEPSPEED_EXAMPLES}
