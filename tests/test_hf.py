@@ -82,8 +82,8 @@ def more_ranks(out) -> pathlib.Path:
         names = [n for n, c in CASES.items() if c.world == world]
         if world == 4:  # dp 2 x sp 2
             names += [*(n for n, (_, _, dp) in BY_TORCHRUN.items() if dp == 2), "accelerate_dp2"]
-            names += ["alst_trainer_dp2"] if DEEPSPEED else []  # last: DeepSpeed's settings stay in the process
             names += [n for n, (w, _, _) in GUIDES.items() if w == 4]
+            names += ["alst_trainer_dp2"] if DEEPSPEED else []  # last: DeepSpeed's settings stay in the process
         _launch(_torchrun(world, "-m", "tests.hf_scripts.parallel", str(out), *names))
     return out
 
