@@ -14,6 +14,7 @@ Note [exact loss under the Trainer]
     divide it by the accumulation steps again (``loss_is_scaled_for_ga = True``). The Trainer logs the
     mean over processes of the summed micro-batch losses, i.e. their sum over processes / W: the step's
     token-mean loss, as one process computes it.
+
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from seqpar.hf.config import (
 from seqpar.hf.evaluation import evaluation_loss
 from seqpar.hf.loaders import shard_by_replica
 from seqpar.hf.parallelism import hidden_parallelism_environment, parallelism_from_environment, plan_parallelism
+from seqpar.integrations.moe import model_router_loss
 from seqpar.integrations.transformers import prepare_model
 from seqpar.loss import cross_entropy
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh, make_mesh
@@ -93,8 +95,7 @@ class SequenceParallelMixin:
             ``check_training_arguments``, ``check_trainer_options``, ``shard_step``).
     """
 
-    # compute_loss normalises over the whole optimizer step (Note [exact loss under the Trainer])
-    loss_is_scaled_for_ga = True
+    loss_is_scaled_for_ga = True  # compute_loss normalises over the whole step (Note [exact loss under the Trainer])
 
     def __init__(self, *args, sequence_parallel: SequenceParallelConfig | None = None, **kwargs) -> None:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
@@ -224,12 +225,11 @@ class SequenceParallelMixin:
         return step.shards[0], step.num_valid_tokens if num_items_in_batch is None else num_items_in_batch
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
-        """This rank's share of the step's token-mean loss, scaled for the data-parallel wrapper's average.
+        """This rank's share of the step's loss (Note [router loss under the Trainer]), scaled for DDP's average.
 
         Args:
             model: the (wrapped) prepared model.
-            inputs: a ``SequenceShard`` from ``get_batch_samples``, or a whole collator batch (then sharded
-                here, and normalised by its own valid tokens over every rank: collective).
+            inputs: a ``SequenceShard`` from ``get_batch_samples``, or a whole collator batch (sharded here).
             return_outputs: also return the model outputs (this rank's logits shard).
             num_items_in_batch: valid tokens of the whole step over every rank.
 
@@ -246,6 +246,7 @@ class SequenceParallelMixin:
         outputs = model(**model_inputs(inputs))  # with the batch's own layout under "balanced"
         total = int(num_items_in_batch) if num_items_in_batch is not None else None
         loss = cross_entropy(outputs.logits, inputs["shift_labels"], num_valid_tokens=total)
+        loss = loss + model_router_loss(self.model, outputs, inputs.get("token_mask"), self._world_group())
         loss = loss * self.accelerator.num_processes  # DDP / FSDP2 average over every process
         return (loss, outputs) if return_outputs else loss
 
