@@ -47,6 +47,12 @@ def tiny_config(kind: str):
         return transformers.GptOssConfig(
             **four, head_dim=12, sliding_window=5, num_local_experts=4, num_experts_per_tok=2, rope_parameters=yarn
         )
+    if kind in ("mixtral", "qwen3_moe"):  # 4 layers, 4 experts, top-2, router logits out (loss weight 0.1)
+        four = {**common, "num_hidden_layers": 4, "initializer_range": 0.2}
+        moe = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1)
+        if kind == "mixtral":
+            return transformers.MixtralConfig(**four, num_local_experts=4, **moe)
+        return transformers.Qwen3MoeConfig(**four, head_dim=12, num_experts=4, moe_intermediate_size=32, **moe)
     if kind == "phi3":  # fused qkv projection
         return transformers.Phi3Config(**common, pad_token_id=0)
     if kind == "olmo2":

@@ -34,6 +34,9 @@ def test_right_padding_and_layout_padding():
     assert shard["input_ids"].shape == (1, 8)  # padded to a multiple of 2 chunks
     assert shard["shift_labels"].tolist() == [[2, 3, 4, 5, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]]
     assert shard["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5, 6, 0]]  # layout padding is its own document
+    # the tokens a router loss counts: the batch's own (the last real one included), not either padding
+    assert shard["token_mask"].tolist() == [[1, 1, 1, 1, 1, 0, 0, 0]]
+    assert seqpar.shard_batch({"input_ids": ids}, None)["token_mask"].tolist() == [[1] * 7 + [0]]
     with pytest.raises(SeqparInputError, match="only right padding"):
         seqpar.shard_batch({"input_ids": ids, "attention_mask": mask.flip(1)}, None)
     with pytest.raises(SeqparInputError, match="labels look shifted already"):

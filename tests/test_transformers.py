@@ -19,6 +19,7 @@ import seqpar
 from seqpar.errors import SeqparInputError
 from tests._dist import run_ranks, shard_index
 from tests._models import SEQ, VOCAB, build, tokens
+from tests._router_cases import check_router_loss
 
 ATOL, RTOL = 2e-5, 1e-4
 
@@ -277,6 +278,9 @@ def _worker(rank, world_size):
     mesh = seqpar.make_mesh()
     _logits_and_loss(rank, world_size, mesh)
     _packing(rank, world_size, mesh)
+    if world_size in (2, 3):
+        check_router_loss(rank, world_size, mesh)
+        _sinks_and_softcap(rank, world_size, mesh)
     if world_size == 2:
         _more_models(rank, world_size, mesh)
         _training(rank, world_size, mesh)

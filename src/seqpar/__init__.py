@@ -1,7 +1,7 @@
 """seqpar: sequence parallelism for long-context transformer training (Ulysses, ring, all-gather attention).
 
 Attention: ``make_mesh``, ``shard_sequence``, ``attention``.
-Models: ``prepare_model``, ``shard_batch``, ``cross_entropy``; plain PyTorch SDPA code: ``context_parallel``.
+Models: ``prepare_model``, ``shard_batch``, ``cross_entropy``, ``router_aux_loss``; SDPA code: ``context_parallel``.
 Why a sharded run differs from one process: ``doctor``.
 """
 
@@ -13,6 +13,7 @@ from seqpar.errors import SeqparInputError
 from seqpar.gradients import clip_grad_norm_, reduce_gradients
 from seqpar.integrations.context_parallel import context_parallel, context_parallel_unshard
 from seqpar.integrations.data_parallel import apply_data_parallel, data_parallel_group
+from seqpar.integrations.moe import router_aux_loss
 from seqpar.integrations.pipeline_parallel import PipelineParallel, apply_pipeline_parallel
 from seqpar.integrations.tensor_parallel import apply_tensor_parallel
 from seqpar.integrations.transformers import attention_choice, prepare_model
@@ -69,6 +70,7 @@ __all__ = [
     "prepare_model",
     "reduce_gradients",
     "resolve_strategy",
+    "router_aux_loss",
     "select_kernel",
     "sequence_mask",
     "shard_batch",

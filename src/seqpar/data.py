@@ -76,10 +76,12 @@ def shard_batch(
         ignore_index: label value the loss ignores.
 
     Returns:
-        A ``BatchShard``: ``{"input_ids", "position_ids", "shift_labels"}``, each ``[B, S'/P]`` (``S'`` = ``S``
-        padded up to a multiple of the layout, 2P for "balanced"), and ``.layout``, the layout used (a
-        ``ChunkLayout`` for "balanced"). Call the model as ``model(input_ids=..., position_ids=...)`` and
-        the loss as ``seqpar.cross_entropy(logits, shard["shift_labels"], mesh)``.
+        A ``BatchShard``: ``{"input_ids", "position_ids", "shift_labels", "token_mask"}``, each ``[B, S'/P]``
+        (``S'`` = ``S`` padded up to a multiple of the layout, 2P for "balanced"; ``token_mask`` is 1 on the
+        batch's tokens, 0 on its padding and the layout's), and ``.layout``, the layout used (a ``ChunkLayout``
+        for "balanced"). Call the model as ``model(input_ids=..., position_ids=...)`` and the loss as
+        ``seqpar.cross_entropy(logits, shard["shift_labels"], mesh)`` (plus ``seqpar.router_aux_loss`` for
+        a mixture-of-experts model's router loss).
 
     Raises:
         SeqparInputError: missing ``input_ids``, shapes that differ, labels that look shifted already
@@ -124,6 +126,7 @@ def shard_batch(
         shifted[:, :-1] = labels[:, 1:]
         shifted[doc_end] = ignore_index
 
+    keep = torch.ones_like(ids, dtype=torch.bool)  # the batch's own tokens (a router loss counts them)
     if "attention_mask" in shape_of:
         keep = shape_of["attention_mask"] != 0
         if (keep[:, 1:] & ~keep[:, :-1]).any():
@@ -140,9 +143,10 @@ def shard_batch(
         ids = torch.cat([ids, ids.new_full((b, pad), pad_token_id)], dim=1)
         shifted = torch.cat([shifted, shifted.new_full((b, pad), ignore_index)], dim=1)
         positions = torch.cat([positions, torch.arange(pad, device=ids.device).expand(b, pad)], dim=1)
+        keep = torch.cat([keep, keep.new_zeros((b, pad))], dim=1)
     if layout == "balanced":
         layout = balanced_layout(positions, sp.sp_size)
-    tensors = {"input_ids": ids, "position_ids": positions, "shift_labels": shifted}
+    tensors = {"input_ids": ids, "position_ids": positions, "shift_labels": shifted, "token_mask": keep.long()}
     return BatchShard({k: shard_for_rank(t, sp.sp_rank, sp.sp_size, 1, layout) for k, t in tensors.items()}, layout)
 
 

@@ -91,9 +91,12 @@ CASES = {
     "sp2_fsdp2": Case(2, eval_batch=4, fsdp=True, reference="sp2"),
     "gemma3_sp2": Case(2, kind="gemma3", eval_batch=2),
     "kv1_sp2": Case(2, kind="llama_kv1"),  # one KV head, degree 2: auto picks ulysses with the KV head copied
+    # router loss (output_router_logits, weight 0.1): right-padded rows (attention_mask) and seqpar's layout padding
+    "mixtral_sp2": Case(2, kind="mixtral", collator="padded"),
     "sp3_ring": Case(3, sp_size=3, strategy="ring"),
     # balanced: the replicas' layouts differ; the evaluation's short replica runs a padding batch
     "dp2_sp2": Case(4, batch=1, extra=(("train_sampling_strategy", "random"),), eval_batch=2, layout="balanced"),
+    "mixtral_dp2_sp2": Case(4, kind="mixtral", batch=1, extra=RANDOM_ORDER),  # packed rows; one micro-batch: dp rows
     "ulysses2_ring2": Case(4, sp_size=4, ulysses_size=2, strategy="hybrid"),
     "dp2_sp2_fsdp2": Case(  # and activation checkpointing inside the FSDP2 units
         4,

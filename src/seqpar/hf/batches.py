@@ -84,7 +84,7 @@ class StepShards:
 
 
 def padding_batch(mesh: SequenceParallelMesh, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """A one-row batch of two chunks per rank whose labels are all ignored: a forward and backward with no effect.
+    """A one-row batch of two chunks per rank, all padding: a forward and backward with no effect.
 
     A replica with no rows left in a micro-batch (Note [epoch ends]) or an evaluation batch fewer than the
     others runs it, so that every rank makes the same collectives.
@@ -94,11 +94,12 @@ def padding_batch(mesh: SequenceParallelMesh, device: torch.device | str = "cpu"
         device: where the tensors live.
 
     Returns:
-        ``{"input_ids", "labels"}`` of shape ``[1, 2 x sp_size]``.
+        ``{"input_ids", "labels", "attention_mask"}`` of shape ``[1, 2 x sp_size]``: no label and no token
+        counts (nor does it count in a router loss).
     """
     n = 2 * mesh.sp_size
     ids = torch.zeros(1, n, dtype=torch.long, device=device)
-    return {"input_ids": ids, "labels": torch.full_like(ids, IGNORE_INDEX)}
+    return {"input_ids": ids, "labels": torch.full_like(ids, IGNORE_INDEX), "attention_mask": torch.zeros_like(ids)}
 
 
 def _problem(batch: Mapping[str, object], sp_size: int, seq_length: int | None = None) -> str | None:

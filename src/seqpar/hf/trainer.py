@@ -40,6 +40,7 @@ from seqpar.hf.loaders import shard_by_replica
 from seqpar.hf.neftune import WIDTH, noisy_embeddings
 from seqpar.hf.parallelism import hidden_parallelism_environment, parallelism_from_environment, plan_parallelism
 from seqpar.hf.trainer_evaluation import EvaluationMixin
+from seqpar.integrations.moe import model_router_loss
 from seqpar.integrations.transformers import LAYOUT_KEYWORD, prepare_model
 from seqpar.loss import cross_entropy
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh, make_mesh
@@ -95,8 +96,7 @@ class SequenceParallelMixin(EvaluationMixin):
             ``check_training_arguments``, ``check_trainer_options``, ``shard_step``).
     """
 
-    # compute_loss normalises over the whole optimizer step (Note [exact loss under the Trainer])
-    loss_is_scaled_for_ga = True
+    loss_is_scaled_for_ga = True  # compute_loss normalises over the whole step (Note [exact loss under the Trainer])
 
     def __init__(self, *args, sequence_parallel: SequenceParallelConfig | None = None, **kwargs) -> None:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
@@ -215,12 +215,11 @@ class SequenceParallelMixin(EvaluationMixin):
         return step.shards[0], step.num_valid_tokens if num_items_in_batch is None else num_items_in_batch
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
-        """This rank's share of the step's token-mean loss, scaled for the data-parallel wrapper's average.
+        """This rank's share of the step's loss (Note [router loss under the Trainer]), scaled for DDP's average.
 
         Args:
             model: the (wrapped) prepared model.
-            inputs: a ``SequenceShard`` from ``get_batch_samples``, or a whole collator batch (then sharded
-                here, and normalised by its own valid tokens over every rank: collective).
+            inputs: a ``SequenceShard`` from ``get_batch_samples``, or a whole collator batch (sharded here).
             return_outputs: also return the model outputs (this rank's logits shard).
             num_items_in_batch: valid tokens of the whole step over every rank.
 
@@ -241,6 +240,7 @@ class SequenceParallelMixin(EvaluationMixin):
         loss = cross_entropy(  # Note [label smoothing per token]
             outputs.logits, inputs["shift_labels"], num_valid_tokens=total, label_smoothing=smoothing
         )
+        loss = loss + model_router_loss(self.model, outputs, inputs.get("token_mask"), self._world_group())
         loss = loss * self.accelerator.num_processes  # DDP / FSDP2 average over every process
         return (loss, outputs) if return_outputs else loss
 
