@@ -386,7 +386,7 @@ def test_router_loss_equals_one_process(request, name):
         ("pc_sp2", "ulysses", 2),  # ParallelismConfig(sp_backend="deepspeed", sp_size=2, sp_handler=...)
         ("pc_cp2_alltoall", "ring", 1),  # cp_comm_strategy="alltoall": key/value shards rotate around the ranks
         ("pc_dp2_sp2", "ulysses", 2),  # dp_replicate_size=2 x sp_size=2
-        ("pc_dp2_cp2", "allgather", 1),  # dp_shard_size=2 x cp_size=2, accelerate's default all-gather; evaluation
+        ("pc_dp2_cp2", "ring", 1),  # dp_shard_size=2 x cp_size=2, alltoall; with evaluation
     ],
 )
 def test_accelerate_parallelism_config_equals_one_process(request, name, strategy, ulysses):

@@ -145,7 +145,9 @@ def parallelism_config(name: str):
         "dp2_sp2": lambda: ParallelismConfig(
             dp_replicate_size=2, dp_shard_size=1, sp_size=2, sp_backend="deepspeed", sp_handler=ulysses
         ),
-        "dp2_cp2": lambda: ParallelismConfig(dp_shard_size=2, cp_size=2),  # allgather, accelerate's default
+        "dp2_cp2": lambda: ParallelismConfig(
+            dp_shard_size=2, cp_size=2, cp_handler=TorchContextParallelConfig(cp_comm_strategy="alltoall")
+        ),
     }[name]()
 
 

@@ -41,7 +41,7 @@ UPSTREAM = {
 }
 # the seqpar side of these runs under `accelerate launch --config_file tests/accelerate_configs/<yaml>`
 YAML_LAUNCHED = {"trl_cp_yaml": "trl_context_parallel_2gpu.yaml", "trl_alst_yaml": "trl_alst_ulysses_4gpu.yaml"}
-CP_DOCUMENTS, ALST_DOCUMENTS = 40, 25
+CP_DOCUMENTS, ALST_DOCUMENTS = 20, 13
 # examples whose own settings say how the ranks split the work (no sequence_parallel= added at dp > 1)
 SELF_CONFIGURED = {*YAML_LAUNCHED, "alst_trainer_dp1", "alst_trainer_dp2"}
 # examples that run DeepSpeed under torchrun: last in their launch (its settings stay in the process)
