@@ -77,13 +77,18 @@ def trl_packing(SFTTrainer, out: str, batch: int) -> dict:
     return results(trainer, ("entropy", "mean_token_accuracy", "num_tokens"))
 
 
+def _trl_page_inputs(out: str, batch: int) -> tuple:
+    """The documents and the filled-in settings of TRL's distributed-training snippets (which set the batch)."""
+    filled_in = _filled_in(out, batch)
+    filled_in.pop("per_device_train_batch_size")
+    return datasets.Dataset.from_list(documents(CP_DOCUMENTS, 9, low=5, high=60)), filled_in
+
+
 def trl_context_parallel(SFTTrainer, out: str, batch: int) -> dict:
     """TRL's context-parallel training configuration (``use_liger_kernel=True`` left out: Liger is not installed)."""
     from trl import SFTConfig
 
-    dataset = datasets.Dataset.from_list(documents(CP_DOCUMENTS, 9, low=5, high=60))
-    filled_in = _filled_in(out, batch)
-    filled_in.pop("per_device_train_batch_size")
+    dataset, filled_in = _trl_page_inputs(out, batch)
     training_args = SFTConfig(
         # required
         pad_to_multiple_of=4,  # ensures divisibility by cp_size * 2
@@ -103,9 +108,7 @@ def trl_ulysses(SFTTrainer, out: str, batch: int) -> dict:
     """TRL's ALST/Ulysses training configuration (its ``attn_implementation=`` is no SFTConfig field in TRL 1.16)."""
     from trl import SFTConfig
 
-    dataset = datasets.Dataset.from_list(documents(CP_DOCUMENTS, 9, low=5, high=60))
-    filled_in = _filled_in(out, batch)
-    filled_in.pop("per_device_train_batch_size")
+    dataset, filled_in = _trl_page_inputs(out, batch)
     training_args = SFTConfig(
         # required
         pad_to_multiple_of=2,  # Must equal sp_size
