@@ -129,9 +129,8 @@ def router_aux_loss(
         prob_sums = prob_sums + (probs.float() * weight[:, None]).sum(dim=0)
     # [E + 1]: every rank's assignment counts and counted tokens (no gradient: top-k is piecewise constant)
     totals = sum_over(torch.cat([counts, weight.sum()[None]]), group)
-    rows = totals[-1] * len(layers)  # L x T
-    if float(rows) == 0:
-        return prob_sums.sum() * 0.0
+    # L x T; with no counted token every count and probability sum is 0 and so is the share (no host sync)
+    rows = (totals[-1] * len(layers)).clamp(min=1.0)
     return num_experts * (totals[:num_experts] / rows * prob_sums / rows).sum()
 
 
