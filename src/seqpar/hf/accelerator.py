@@ -40,6 +40,7 @@ from accelerate.data_loader import prepare_data_loader
 from accelerate.utils import DistributedType, recursively_apply
 from torch.distributed.device_mesh import DeviceMesh
 
+from seqpar.comm import all_gather_first_dim
 from seqpar.errors import SeqparInputError
 from seqpar.hf.accelerate_loss import ShardLoss
 from seqpar.hf.batches import replica_of
@@ -275,12 +276,8 @@ def _gather_rows(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch
     tensor = tensor[None] if tensor.dim() == 0 else tensor
     if group is None:
         return tensor
-    size = torch.tensor([tensor.shape[0]], device=tensor.device)
-    sizes = [torch.empty_like(size) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, size, group=group)
-    longest = max(int(s) for s in sizes)
-    padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+    sizes = all_gather_first_dim(torch.tensor([tensor.shape[0]], device=tensor.device), group).tolist()
+    padded = tensor.new_zeros((max(sizes), *tensor.shape[1:]))  # equal first dims for one all-gather
     padded[: tensor.shape[0]] = tensor
-    parts = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(parts, padded.contiguous(), group=group)
-    return torch.cat([p[: int(s)] for p, s in zip(parts, sizes)])
+    parts = all_gather_first_dim(padded, group).split(max(sizes))
+    return torch.cat([part[:n] for part, n in zip(parts, sizes)])
