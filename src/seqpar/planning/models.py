@@ -10,19 +10,24 @@ import os
 from dataclasses import dataclass
 
 from seqpar.errors import SeqparInputError
-from seqpar.memory.shapes import model_dims, parameter_counts
+from seqpar.memory.shapes import ModelDims, active_parameters, model_dims, parameter_counts
 
 __all__ = ["PRESETS", "ModelShape", "load_model_shape"]
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Sizes of a decoder-only transformer with gated (SwiGLU) MLPs, as in a Hugging Face config."""
+    """Sizes of a decoder-only transformer with gated (SwiGLU) MLPs or experts, as in a Hugging Face config.
+
+    Mixture-of-experts models: weights, gradients and optimizer states count the stored experts, FLOPs and
+    activations the ones a token runs through (Note [mixture-of-experts sizes] in ``seqpar.memory.shapes``).
+    """
 
     hidden_size: int
     """Width of the residual stream."""
     intermediate_size: int
-    """Width of the MLP's gate and up projections."""
+    """Width of the dense MLP's gate and up projections (of one expert in configs that have no
+    ``moe_intermediate_size``, such as Mixtral's)."""
     num_hidden_layers: int
     """Decoder layers."""
     num_attention_heads: int
@@ -39,6 +44,16 @@ class ModelShape:
     """The Hugging Face model type the sizes came from."""
     source: str = ""
     """Where the sizes came from (a file, or a preset's published config)."""
+    num_experts: int = 0
+    """Experts stored per mixture-of-experts layer; 0 for a dense model."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to."""
+    moe_intermediate_size: int = 0
+    """Width of one expert's gate and up projections."""
+    shared_expert_intermediate_size: int = 0
+    """Width of the shared expert every token also runs through (Qwen2-MoE); 0 for none."""
+    moe_layers: int = 0
+    """How many layers are mixture-of-experts layers (the first ``num_hidden_layers - moe_layers`` are dense)."""
 
     @property
     def dim(self) -> int:
@@ -46,16 +61,30 @@ class ModelShape:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
     @property
+    def dims(self) -> ModelDims:
+        """The sizes as the memory estimate reads them (one tensor-parallel rank of one)."""
+        return model_dims(self.as_config(), 1)
+
+    @property
     def layer_params(self) -> int:
-        """Weights of one decoder layer that take part in matmuls (projections and MLP; norms left out)."""
-        h, d = self.hidden_size, self.dim
-        attention = h * d * (2 * self.num_attention_heads + 2 * self.num_key_value_heads)
-        return attention + 3 * h * self.intermediate_size
+        """Weights a token runs through in one decoder layer, averaged over the layers (norms left out)."""
+        d = self.dims
+        return (active_parameters(d) - d.hidden * (d.vocab + 1 + 2 * d.layers)) // d.layers
+
+    @property
+    def mlp_width(self) -> int:
+        """Width of the MLP activations of one token: the routed experts' (and shared expert's) or the dense one."""
+        return self.dims.intermediate
 
     @property
     def num_params(self) -> int:
-        """All weights: layers, embedding, head (once when tied) and the RMSNorm scales."""
-        return parameter_counts(model_dims(self.as_config(), 1))[0]
+        """All stored weights: layers (every expert), embedding, head (once when tied) and the RMSNorm scales."""
+        return parameter_counts(self.dims)[0]
+
+    @property
+    def active_params(self) -> int:
+        """Weights one token runs through: ``num_params`` less the experts it is not routed to and the embedding."""
+        return active_parameters(self.dims)
 
     def as_config(self) -> dict:
         """The sizes as a Hugging Face config dictionary."""
@@ -69,6 +98,18 @@ class ModelShape:
             "vocab_size": self.vocab_size,
             "head_dim": self.dim,
             "tie_word_embeddings": self.tie_word_embeddings,
+            **self._moe_config(),
+        }
+
+    def _moe_config(self) -> dict:
+        if not self.num_experts:
+            return {}
+        return {
+            "num_local_experts": self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
+            "mlp_only_layers": list(range(self.num_hidden_layers - self.moe_layers)),
         }
 
 
@@ -115,7 +156,7 @@ def shape_from_config(config: dict, source: str = "") -> ModelShape:
         raise SeqparInputError(f"model config {source}: {error}") from None
     return ModelShape(
         hidden_size=d.hidden,
-        intermediate_size=d.intermediate,
+        intermediate_size=d.dense_intermediate,
         num_hidden_layers=d.layers,
         num_attention_heads=d.heads,
         num_key_value_heads=d.kv_heads,
@@ -124,6 +165,11 @@ def shape_from_config(config: dict, source: str = "") -> ModelShape:
         tie_word_embeddings=d.tied,
         model_type=str(config.get("text_config", config).get("model_type", "llama")),
         source=source,
+        num_experts=d.experts,
+        num_experts_per_tok=d.experts_per_token,
+        moe_intermediate_size=d.expert_intermediate,
+        shared_expert_intermediate_size=d.shared_intermediate,
+        moe_layers=d.moe_layers,
     )
 
 

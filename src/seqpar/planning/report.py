@@ -44,7 +44,7 @@ def format_plan(result: Plan, top: int = 10, rejected: int = 15) -> str:
     m, c = result.model, result.cluster
     lines = [
         f"{m.num_hidden_layers} layers x {m.hidden_size} hidden, {m.num_attention_heads}/{m.num_key_value_heads} "
-        f"heads, vocab {m.vocab_size} ({m.num_params / 1e9:.2f}B parameters); seq {result.seq_len:,} x "
+        f"heads, vocab {m.vocab_size} ({_parameters(m)}); seq {result.seq_len:,} x "
         f"micro-batch {result.micro_batch}, {result.dtype}",
         f"{c.gpus} devices ({c.gpus_per_node} per node), {c.gpu_memory_gb:g} GiB x {c.memory_headroom:g} usable, "
         f"{c.gpu_tflops:g} TFLOP/s (matmul x {c.matmul_efficiency:g}, attention x {c.attention_efficiency:g}), "
@@ -127,3 +127,11 @@ def write_json(result: Plan, path: str, top: int = 10) -> None:
     with open(path, "w") as f:
         json.dump(plan_to_dict(result, top), f, indent=2)
         f.write("\n")
+
+
+def _parameters(m) -> str:
+    """Stored parameters, and the active ones for a mixture-of-experts model."""
+    stored = f"{m.num_params / 1e9:.2f}B parameters"
+    if not m.num_experts:
+        return stored
+    return f"{stored}, {m.active_params / 1e9:.2f}B active: {m.num_experts_per_tok} of {m.num_experts} experts"

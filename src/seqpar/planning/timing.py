@@ -153,7 +153,7 @@ def model_flops(model: ModelShape, seq_len: int, micro_batch: int = 1) -> float:
 
 
 def _matmul_seconds(model: ModelShape, tokens: float, layout: Layout, cluster: Cluster) -> float:
-    h, inter = model.hidden_size, model.intermediate_size
+    h, inter = model.hidden_size, model.mlp_width
     layer_passes = 3 + ("checkpointing" in layout.features)
     mlp_extra = model.num_hidden_layers * 3 * h * inter / layout.tp if "tiled_mlp" in layout.features else 0
     layers = model.num_hidden_layers * model.layer_params / layout.tp * layer_passes + mlp_extra
