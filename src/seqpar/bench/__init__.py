@@ -3,6 +3,12 @@
 They measure, in one run, ratios against a single process or between strategies; they never assert speed.
 """
 
+from __future__ import annotations
+
+import datetime
+import shlex
+import sys
+
 BENCHMARKS = (
     "attention",
     "strategies",
@@ -18,4 +24,19 @@ BENCHMARKS = (
     "pipeline",
 )
 
-__all__ = ["BENCHMARKS"]
+
+def provenance(name: str, argv: list[str] | None) -> dict[str, str]:
+    """The fields every saved record carries, so a table built from it can name how and when it was measured.
+
+    Args:
+        name: The benchmark's name, as in ``seqpar bench NAME``.
+        argv: The options the benchmark was given (``None``: the process's own, as ``main`` reads them).
+
+    Returns:
+        ``command``: the ``seqpar bench`` line that reproduces the run; ``measured``: today's ISO date.
+    """
+    options = sys.argv[1:] if argv is None else argv
+    return {"command": shlex.join(["seqpar", "bench", name, *options]), "measured": datetime.date.today().isoformat()}
+
+
+__all__ = ["BENCHMARKS", "provenance"]

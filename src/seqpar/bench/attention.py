@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import seqpar
+from seqpar.bench import provenance
 from seqpar.runtime.measure import time_and_memory, write_slowest
 from seqpar.runtime.memory import reset_resident_peak, resident_mb
 
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump([{**r, **provenance("attention", argv)} for r in rows], f, indent=2)
     return 0
 
 

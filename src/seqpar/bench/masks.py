@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 import seqpar
+from seqpar.bench import provenance
 from seqpar.bench.kernel_time import TimedKernel
 from seqpar.bench.masks_bytes import needed_bytes, visible_fraction
 from seqpar.runtime.memory import written_bytes
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     _print(records, args)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
+            json.dump([{**r, **provenance("masks", argv)} for r in records], f, indent=1)
     return 0
 
 

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 import seqpar
+from seqpar.bench import provenance
 from seqpar.bench.llama_step import train_step
 from seqpar.bench.maxlen_report import LADDER, plot, table
 from seqpar.runtime.measure import MEMORY_RUN_ENV, write_slowest
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for rung in ladder:
             for sp in args.sp:
-                records.append(_search(cfg, sp, rung, tmp))
+                records.append({**_search(cfg, sp, rung, tmp), **provenance("maxlen", argv)})
                 if args.json:  # after every point, so an interrupted run keeps what it found
                     with open(args.json, "w") as f:
                         json.dump(records, f, indent=1)

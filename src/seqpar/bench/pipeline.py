@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 import seqpar
+from seqpar.bench import provenance
 from seqpar.bench.pipeline_memory import bench_pipeline, bench_shard, memory_rows, memory_worker
 from seqpar.memory.pipeline import bubble_fraction, p2p_bytes
 from seqpar.runtime.measure import MEMORY_RUN_ENV
@@ -202,5 +203,6 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(memory_lines))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"settings": cfg, "time": timed, "memory": memory_records}, f, indent=1)
+            record = {"settings": cfg, "time": timed, "memory": memory_records, **provenance("pipeline", argv)}
+            json.dump(record, f, indent=1)
     return 0

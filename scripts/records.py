@@ -1,0 +1,283 @@
+"""Tables of the documentation built from the benchmark records (benchmarks/*.json), so no page copies a number.
+
+As an mkdocs hook (mkdocs.yml `hooks:`) it turns `<!-- records: NAME -->` in a page into NAME's table and fails
+the build when README.md's generated block is stale; `python scripts/records.py [--check]` rewrites (checks) it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import re
+import shlex
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RECORDS = ROOT / "benchmarks"
+README = ROOT / "README.md"
+PLACEHOLDER = re.compile(r"<!-- records: ([a-z_]+) -->")
+BEGIN = "<!-- begin records: headline (generated from benchmarks/*.json by scripts/records.py; do not edit) -->"
+END = "<!-- end records: headline -->"
+PROVENANCE = ("command", "measured")
+PLAIN_RING = ("causal", "ring", "zigzag")
+
+
+class RecordError(Exception):
+    """A table's record is missing, unreadable or lacks a field, or the README's generated block is stale."""
+
+
+def load(name: str, records_dir: pathlib.Path = RECORDS) -> list[dict]:
+    """The rows of ``benchmarks/NAME.json``, each checked for the command and date that produced it.
+
+    Args:
+        name: The record's file name without ``.json``.
+        records_dir: Where the records live (the repository's ``benchmarks/`` unless a test points elsewhere).
+
+    Returns:
+        The record's rows, in the order the benchmark wrote them.
+
+    Raises:
+        RecordError: The file is missing, is not a non-empty JSON list, or a row lacks ``command``/``measured``.
+    """
+    path = pathlib.Path(records_dir) / f"{name}.json"
+    if not path.is_file():
+        raise RecordError(f"benchmarks/{name}.json is missing ({path}): a documentation table is generated from it")
+    try:
+        rows = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise RecordError(f"benchmarks/{name}.json is not valid JSON: {e}") from e
+    if not isinstance(rows, list) or not rows:
+        raise RecordError(f"benchmarks/{name}.json should hold a non-empty list of records")
+    for i, row in enumerate(rows):
+        missing = [k for k in PROVENANCE if k not in row]
+        if missing:
+            raise RecordError(f"benchmarks/{name}.json record {i} lacks {missing}: say how and when it was measured")
+    return rows
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _with_runs(name: str, records: list[dict], header: list[str], cells: list[list[str]]) -> str:
+    """The table, then where it comes from; with several runs in one record a column names each row's run."""
+    runs = list(dict.fromkeys((r["command"], r["measured"]) for r in records))
+    if len(runs) > 1:
+        header = [*header, "run"]
+        cells = [[*c, str(runs.index((r["command"], r["measured"])) + 1)] for c, r in zip(cells, records)]
+    said = "; ".join(
+        f"{f'run {i + 1}: ' if len(runs) > 1 else ''}`{cmd}`, measured {date}" for i, (cmd, date) in enumerate(runs)
+    )
+    return f"{_table(header, cells)}\n\nGenerated from `benchmarks/{name}.json`: {said}."
+
+
+def _sent_over_needed(r: dict) -> float:
+    return sum(r["bytes_sent_per_rank"]) / sum(r["bytes_needed_per_rank"])
+
+
+def masks_table(records: list[dict]) -> str:
+    """The ``seqpar bench masks`` table: step, visible area and bytes against plain causal, balance per rank."""
+    causal = {(r["strategy"], r["layout"]): r["step_s"] for r in records if r["mask"] == "causal"}
+    cells = []
+    for r in records:
+        base = causal.get((r["strategy"], r["layout"]))
+        cells.append(
+            [
+                r["strategy"],
+                r["layout"],
+                r["mask"],
+                f"{r['step_s']:.2f}",
+                f"{r['step_s'] / base:.2f}" if base else "-",
+                f"{r['visible_vs_causal']:.2f}",
+                f"{_sent_over_needed(r):.2f}",
+                f"{r['rank_time_max_over_mean']:.3f}",
+                f"{r['visible_max_over_mean']:.3f}",
+            ]
+        )
+    header = ["strategy", "layout", "mask", "step (s)", "vs causal", "visible vs causal", "sent / needed"]
+    header += ["rank compute max/mean", "visible area max/mean"]
+    return _with_runs("masks_cpu", records, header, cells)
+
+
+def maxlen_table(records: list[dict]) -> str:
+    """The ``seqpar bench maxlen`` table: longest sequence per rung and sp, its ratios, measured and estimated peak."""
+    rungs = list(dict.fromkeys(r["features"] for r in records))  # the bench writes them in ladder order
+    low_sp = min(r["sp"] for r in records)
+    first = {r["features"]: r["max_seq"] for r in records if r["sp"] == low_sp}
+    by_key = {(r["features"], r["sp"]): r["max_seq"] for r in records}
+    cells = []
+    for r in records:
+        rung = rungs.index(r["features"])
+        below = by_key.get((rungs[rung - 1], r["sp"])) if rung else None
+        cells.append(
+            [
+                r["features"],
+                r["sp"],
+                f"{r['max_seq']}" + ("" if r["bracketed"] else " (not bracketed)"),
+                f"{r['max_seq'] / first[r['features']]:.2f}x" if first.get(r["features"]) else "-",
+                f"{r['max_seq'] / below:.2f}x" if below else "-",
+                r["peak_mb"],
+                r["estimate_mb"],
+                f"{r['estimate_mb'] / r['peak_mb']:.2f}" if r["peak_mb"] else "-",
+            ]
+        )
+    header = ["features", "sp", "max seq", f"vs sp {low_sp}", "vs rung below", "measured peak (MB)", "estimate (MB)"]
+    return _with_runs("maxlen_cpu", records, [*header, "est / measured"], cells)
+
+
+def _span(values: list[float], fmt: str = "{:.2f}") -> str:
+    lo, hi = fmt.format(min(values)), fmt.format(max(values))
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def _run(name: str, records: list[dict]) -> list[str]:
+    """The command and date cells of a headline row drawn from one record file."""
+    runs = list(dict.fromkeys((r["command"], r["measured"]) for r in records))
+    command = f"`{runs[0][0]}`" if len(runs) == 1 else f"{len(runs)} runs in `benchmarks/{name}.json`"
+    return [command, " / ".join(dict.fromkeys(date for _, date in runs))]
+
+
+def _maxlen_row(maxlen: list[dict]) -> list[str]:
+    rungs = list(dict.fromkeys(r["features"] for r in maxlen))
+    top = sorted((r for r in maxlen if r["features"] == rungs[-1]), key=lambda r: r["sp"])
+    options = shlex.split(maxlen[-1]["command"])
+    budget = f"{options[options.index('--budget-mb') + 1]} MB" if "--budget-mb" in options else "the default"
+    lengths = " / ".join(f"{r['max_seq']:,}" for r in top)
+    degrees = " / ".join(str(r["sp"]) for r in top)
+    what = f"longest sequence in a {budget} step budget, {' + '.join(rungs[1:]) or 'no memory features'} (CPU)"
+    return [what, f"{lengths} tokens at sp {degrees}", *_run("maxlen_cpu", maxlen)]
+
+
+def _masks_rows(masks: list[dict]) -> list[list[str]]:
+    ranks = masks[0]["ranks"]
+    masked = [r for r in masks if r["mask"] != "causal"]
+    plain = [_sent_over_needed(r) for r in masks if (r["mask"], r["strategy"], r["layout"]) == PLAIN_RING]
+    kinds = ", ".join(dict.fromkeys(r["mask"] for r in masked))
+    sent = f"{_span([_sent_over_needed(r) for r in masked])}x"
+    sent += f" (plain causal ring: {plain[0]:.2f}x)" if plain else ""
+    # Ulysses' ranks attend over the whole sequence for their heads, so no layout unbalances them: left out.
+    lognormal = [r for r in masks if r["mask"] == "log-normal documents" and r["strategy"] != "ulysses"]
+    if not lognormal or {r["layout"] for r in lognormal} < {"balanced", "zigzag"}:
+        raise RecordError("benchmarks/masks_cpu.json lacks 'log-normal documents' records in both layouts")
+    balance = {
+        layout: _span([r["rank_time_max_over_mean"] for r in lognormal if r["layout"] == layout])
+        for layout in ("balanced", "zigzag")
+    }
+    strategies = ", ".join(dict.fromkeys(r["strategy"] for r in lognormal))
+    return [
+        [f"bytes sent per rank vs what the mask makes necessary ({kinds}; P = {ranks})", sent],
+        [
+            f"slowest rank's attention compute / mean, packed documents of log-normal lengths, P = {ranks} "
+            f"({strategies})",
+            f"balanced layout {balance['balanced']} (zigzag {balance['zigzag']})",
+        ],
+    ]
+
+
+def headline_table(records_dir: pathlib.Path = RECORDS) -> str:
+    """The README's headline rows that have a record, each with the command and date that measured it.
+
+    Args:
+        records_dir: Where the records live.
+
+    Returns:
+        A Markdown table: the longest sequence in a budget, and what masks cost in bytes and in balance.
+
+    Raises:
+        RecordError: A record it needs is missing or lacks the rows it reads.
+    """
+    maxlen, masks = load("maxlen_cpu", records_dir), load("masks_cpu", records_dir)
+    rows = [_maxlen_row(maxlen)] + [[*row, *_run("masks_cpu", masks)] for row in _masks_rows(masks)]
+    return _table(["what", "result", "command", "measured"], rows)
+
+
+TABLES = {
+    "masks": lambda d: masks_table(load("masks_cpu", d)),
+    "maxlen": lambda d: maxlen_table(load("maxlen_cpu", d)),
+    "headline": headline_table,
+}
+
+
+def expand(markdown: str, records_dir: pathlib.Path = RECORDS, where: str = "page") -> str:
+    """Replace each ``<!-- records: NAME -->`` in ``markdown`` with NAME's table, built from the records now.
+
+    Args:
+        markdown: A page's text.
+        records_dir: Where the records live.
+        where: The page's name, for the error message.
+
+    Returns:
+        The page with every placeholder expanded.
+
+    Raises:
+        RecordError: An unknown table name, or a record it needs is missing or incomplete.
+    """
+
+    def one(match: re.Match) -> str:
+        name = match.group(1)
+        if name not in TABLES:
+            raise RecordError(f"{where}: no records table '{name}' (known: {', '.join(TABLES)})")
+        return TABLES[name](records_dir)
+
+    return PLACEHOLDER.sub(one, markdown)
+
+
+def update_readme(text: str, records_dir: pathlib.Path = RECORDS) -> str:
+    """README.md's text with the block between its headline markers rebuilt from the records.
+
+    Raises:
+        RecordError: The markers are missing, or a record is.
+    """
+    start, stop = text.find(BEGIN), text.find(END)
+    if start < 0 or stop < start:
+        raise RecordError(f"README.md lacks the generated block's markers:\n{BEGIN}\n...\n{END}")
+    return text[: start + len(BEGIN)] + "\n" + headline_table(records_dir) + "\n" + text[stop:]
+
+
+def check_readme(readme: pathlib.Path = README, records_dir: pathlib.Path = RECORDS) -> None:
+    """Raise ``RecordError`` when README.md's generated block differs from what the records give now."""
+    text = pathlib.Path(readme).read_text()
+    if update_readme(text, records_dir) != text:
+        raise RecordError(f"{readme.name}'s headline block is stale: run `python scripts/records.py` and commit it")
+
+
+def on_pre_build(config, **kwargs) -> None:
+    """mkdocs hook: fail the build when README.md's generated block no longer matches the records."""
+    from mkdocs.exceptions import PluginError
+
+    try:
+        check_readme(README, RECORDS)  # the module's paths as they are now, so a test can point them elsewhere
+    except RecordError as e:
+        raise PluginError(str(e)) from e
+
+
+def on_page_markdown(markdown: str, page, config, files, **kwargs) -> str:
+    """mkdocs hook: expand the page's record placeholders; a missing record fails the build, naming the file."""
+    from mkdocs.exceptions import PluginError
+
+    try:
+        return expand(markdown, RECORDS, where=page.file.src_path)
+    except RecordError as e:
+        raise PluginError(str(e)) from e
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Rewrite (or --check) README.md's headline block from the records.")
+    parser.add_argument("--check", action="store_true", help="only check; exit 1 when the block is stale")
+    args = parser.parse_args(argv)
+    try:
+        if args.check:
+            check_readme()
+        else:
+            README.write_text(update_readme(README.read_text()))
+    except RecordError as e:
+        print(e, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
