@@ -154,19 +154,9 @@ def test_pipeline_parallel_models_are_refused():
         check_data_parallel_engine(SimpleNamespace(args=None, model=loaded), 2)
 
 
-def test_sft_router_loss_is_refused():
-    """TRL's SFTTrainer weights the router loss its own way (divided by the accumulation steps): refused, not wrong."""
-    from types import SimpleNamespace
-
-    from seqpar.errors import SeqparInputError
-    from seqpar.hf.config import check_trainer_options
-
-    with pytest.raises(SeqparInputError, match=r"SFTConfig\(router_aux_loss_coef=0\.0\)"):
-        check_trainer_options(SimpleNamespace(aux_loss_enabled=True))
-    check_trainer_options(SimpleNamespace(aux_loss_enabled=False))
-
-
-@pytest.mark.parametrize("name", ["sp2", "sp2_balanced", "sp2_padded", "sft_packing", "sft_padding_free"])
+@pytest.mark.parametrize(
+    "name", ["sp2", "sp2_balanced", "sp2_padded", "sft_packing", "sft_padding_free", "sft_gpt_oss"]
+)
 def test_two_ranks_equal_one_process(two_ranks, name):
     found = _compare(two_ranks, name)
     assert found["setup"]["wrapper"] == "DistributedDataParallel"
@@ -179,7 +169,7 @@ def test_two_ranks_equal_one_process(two_ranks, name):
         assert layouts == [None] * len(layouts)
     want = _load(two_ranks / "reference" / f"{CASES[name].reference or name}.pt")
     # TRL's metrics (Note [SFT metrics over shards]); the packing case evaluates, so its eval metrics too
-    expected = {"sft_packing": 5, "sft_padding_free": 3}.get(name, 0)
+    expected = {"sft_packing": 5, "sft_padding_free": 3, "sft_gpt_oss": 7}.get(name, 0)  # gpt-oss: TRL's aux_loss
     assert sum(bool(v) for v in want["metrics"].values()) == expected, want["metrics"]
     assert found["metrics"].keys() == want["metrics"].keys()
     for key, rows in want["metrics"].items():
@@ -373,9 +363,9 @@ def test_models_equal_one_process(request, name, strategy):
 @pytest.mark.parametrize("name", ["mixtral_sp2", "mixtral_dp2_sp2"])
 def test_router_loss_equals_one_process(request, name):
     """Mixtral (4 layers, 4 experts, top-2) with output_router_logits: the load-balancing loss over every process's
-    tokens (padding left out at sp 2, packed rows of both replicas at dp 2 x sp 2) makes the logged loss, grad_norm
-    and final parameters one process's (measured: loss 8e-8, grad_norm 7e-7, parameters 2e-7; per-rank or per-group
-    statistics, or padding counted, miss by 7e-3 to 8e-2)."""
+    tokens (padding left out at sp 2, packed rows of both replicas at dp 2 x sp 2) makes the logged loss, grad_norm,
+    evaluation loss (router loss included, sp 2) and final parameters one process's (measured: loss 8e-8,
+    grad_norm 7e-7, parameters 2e-7; per-rank or per-group statistics, or padding counted, miss by 7e-3 to 8e-2)."""
     root = request.getfixturevalue("two_ranks" if CASES[name].world == 2 else "more_ranks")
     assert _compare(root, name)["setup"]["wrapper"] == "DistributedDataParallel"
 

@@ -18,7 +18,7 @@ from torch.distributed.tensor import Replicate, distribute_tensor
 import seqpar
 from seqpar.errors import SeqparInputError
 from tests._dist import run_ranks, shard_index
-from tests._models import SEQ, VOCAB, build, tokens
+from tests._models import SEQ, VOCAB, build, tiny_config, tokens
 from tests._router_cases import check_router_loss
 
 ATOL, RTOL = 2e-5, 1e-4
@@ -195,6 +195,10 @@ def _bad_input(rank, world_size, mesh):
     )
     with pytest.raises(SeqparInputError, match=r"its attention_dropout is 0\.1"):
         seqpar.prepare_model(transformers.AutoModelForCausalLM.from_config(with_dropout), mesh)
+    jitter = tiny_config("mixtral")
+    jitter.router_jitter_noise = 0.1  # noise each rank would draw for its own shard only
+    with pytest.raises(SeqparInputError, match=r"its router_jitter_noise is 0\.1"):
+        seqpar.prepare_model(transformers.AutoModelForCausalLM.from_config(jitter), mesh)
     _balanced_calls(rank, world_size, mesh, ids)
     # the group still works after every error
     out = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits

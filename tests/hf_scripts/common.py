@@ -75,7 +75,9 @@ def zero(stage: int) -> tuple:
     }
     return (("deepspeed", config),)
 
+
 SFT_PACKING = (("packing", True), ("max_length", 40), ("activation_checkpointing", False))
+SFT_MOE = (("max_length", 40), ("activation_checkpointing", False), ("router_aux_loss_coef", 0.1))
 CASES = {
     "sp2": Case(2, eval_batch=4),
     "sp2_adamw": Case(2, kind="qwen2", optim="adamw_torch"),
@@ -92,7 +94,11 @@ CASES = {
     "gemma3_sp2": Case(2, kind="gemma3", eval_batch=2),
     "kv1_sp2": Case(2, kind="llama_kv1"),  # one KV head, degree 2: auto picks ulysses with the KV head copied
     # router loss (output_router_logits, weight 0.1): right-padded rows (attention_mask) and seqpar's layout padding
-    "mixtral_sp2": Case(2, kind="mixtral", collator="padded"),
+    "mixtral_sp2": Case(2, kind="mixtral", collator="padded", eval_batch=2),  # eval_loss adds the router loss
+    # TRL's router loss (divided by the accumulation steps; aux_loss logged), learned sinks, sliding layers; right
+    # padding, not packing: transformers' gpt-oss builds its masks without the position ids, so its packed rows
+    # would attend across documents where seqpar keeps them apart
+    "sft_gpt_oss": Case(2, kind="gpt_oss", collator="sft", extra=SFT_MOE, eval_batch=2),
     "sp3_ring": Case(3, sp_size=3, strategy="ring"),
     # balanced: the replicas' layouts differ; the evaluation's short replica runs a padding batch
     "dp2_sp2": Case(4, batch=1, extra=(("train_sampling_strategy", "random"),), eval_batch=2, layout="balanced"),
@@ -207,6 +213,8 @@ def model(kind: str, attn: str = "sdpa"):
     config = tiny_config(kind.removesuffix("_kv1"))
     if kind.endswith("_kv1"):
         config.num_key_value_heads = 1
+    if kind == "gpt_oss":  # transformers' gpt-oss has no SDPA path (its sinks): eager is its reference
+        attn = "eager"
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
 
 
@@ -284,6 +292,8 @@ def results(trainer) -> dict:
             "num_tokens",
             "eval_entropy",
             "eval_mean_token_accuracy",
+            "aux_loss",
+            "eval_aux_loss",
             *(f"eval_{m}" for m in METRICS),
         )
     }

@@ -102,7 +102,7 @@ def check_trainer_options(trainer: object) -> None:
 
     Args:
         trainer: the constructed Trainer (reads ``compute_loss_func``, ``compute_metrics`` with ``args``'
-            ``batch_eval_metrics`` and ``include_for_metrics``, ``model_init`` and TRL's ``aux_loss_enabled``). A
+            ``batch_eval_metrics`` and ``include_for_metrics`` and ``model_init``). A
             model with ``output_router_logits`` is served: its router loss is exact (Note [router loss under the
             Trainer]).
 
@@ -128,12 +128,6 @@ def check_trainer_options(trainer: object) -> None:
         )
     if getattr(trainer, "model_init", None) is not None:
         problems.append("model_init builds new models that seqpar has not prepared; pass model= instead")
-    if getattr(trainer, "aux_loss_enabled", False):  # TRL's SFTTrainer weights the router loss its own way
-        problems.append(
-            "SFTTrainer's router loss (router_aux_loss_coef, divided by the accumulation steps) is not implemented "
-            "under seqpar: set SFTConfig(router_aux_loss_coef=0.0), or train with SequenceParallelTrainer (the "
-            "Trainer's exact router loss)"
-        )
     if problems:
         raise SeqparInputError("seqpar.hf cannot honour these Trainer options: " + " | ".join(problems))
 

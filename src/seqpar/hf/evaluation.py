@@ -8,7 +8,10 @@ Note [evaluation loss]
     group: a batch's loss is the sum of the group's token losses over the group's valid-token count, its
     weight ``min(E, N - j * E)`` examples. Replicas may get one batch fewer than others; they run a
     forward on a tiny padding batch instead (weight 0), so that every rank makes the same collectives,
-    which FSDP's parameter all-gathers and the per-batch input agreement need.
+    which FSDP's parameter all-gathers and the per-batch input agreement need. A mixture-of-experts model
+    with ``output_router_logits`` adds ``router_aux_loss_coef x`` each batch's load-balancing loss to the
+    batch's loss, as its own forward does given labels: the loss of the batch's tokens over the group
+    (Note [exact router loss]).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch.distributed as dist
 from seqpar.comm.collectives import collective_device
 from seqpar.data import IGNORE_INDEX
 from seqpar.hf.batches import model_inputs, padding_batch, replica_of, shard_step
+from seqpar.integrations.moe import model_router_loss, router_loss_settings
 from seqpar.layout import Layout
 from seqpar.loss import cross_entropy, sum_over
 from seqpar.mesh import SequenceParallelMesh
@@ -50,6 +54,8 @@ def evaluation_loss(
     collected: list[torch.Tensor] | None = None,
     label_smoothing: float = 0.0,
     on_logits: Callable[[torch.Tensor, Mapping, Mapping], None] | None = None,
+    router_losses: list[float] | None = None,
+    router_weight: float | None = None,
 ) -> tuple[float, int]:
     """The one-process Trainer's evaluation loss over a replica-sharded dataloader (Note [evaluation loss]).
 
@@ -71,6 +77,10 @@ def evaluation_loss(
         on_logits: called for each of this replica's real batches, in order, with this rank's logits shard, the
             shard and the collator's batch, on every rank of the sequence-parallel group (it may gather over
             it: Note [metrics over shards]), or None.
+        router_losses: receives, for each of this replica's real batches in order, its load-balancing loss
+            (unweighted; 0.0 for a model without router logits).
+        router_weight: the weight of the router loss in each batch's loss, if not the model's own
+            ``router_aux_loss_coef`` (TRL's SFTTrainer: its coefficient over the accumulation steps).
 
     Returns:
         ``(eval_loss, number of examples)``; the loss is NaN when no batch had a valid token.
@@ -81,6 +91,9 @@ def evaluation_loss(
     steps = _max_over(len(dataloader), group)
     batches = iter(dataloader)
     sums = torch.zeros(2, dtype=torch.float64)  # sum of weight x batch loss, sum of weights
+    settings = router_loss_settings(model)
+    if router_weight is None:
+        router_weight = settings.coefficient if settings is not None else 0.0
     model.eval()
     for k in range(steps):
         batch = next(batches, None)
@@ -90,17 +103,23 @@ def evaluation_loss(
         # tensors to the device; the batch's own layout ("balanced") is not a tensor and stays as it is
         shard = {key: v.to(device) if isinstance(v, torch.Tensor) else v for key, v in shard.items()}
         with torch.no_grad(), autocast() if autocast is not None else torch.autocast(device.type, enabled=False):
-            logits = model(**model_inputs(shard)).logits
-            labels = shard["shift_labels"]
+            outputs = model(**model_inputs(shard))
+            logits, labels = outputs.logits, shard["shift_labels"]
             loss_sum = cross_entropy(logits, labels, num_valid_tokens=1, label_smoothing=label_smoothing).double()
+            router = model_router_loss(model, outputs, shard.get("token_mask"), mesh, coefficient=1.0)
+            router = torch.as_tensor(router).double()
             extra = statistics(logits, shard["shift_labels"]) if statistics is not None else torch.zeros(0)
         count = (shard["shift_labels"] != IGNORE_INDEX).sum().double()
-        sums_of_group = sum_over(torch.cat([torch.stack([loss_sum, count]), extra.double().to(loss_sum.device)]), mesh)
-        group_sum, group_count = sums_of_group[:2].tolist()
+        own = torch.stack([loss_sum, count, router.to(loss_sum.device)])
+        sums_of_group = sum_over(torch.cat([own, extra.double().to(loss_sum.device)]), mesh)
+        group_sum, group_count, group_router = sums_of_group[:3].tolist()
         if batch is not None and collected is not None:
-            collected.append(sums_of_group[2:].cpu())
+            collected.append(sums_of_group[3:].cpu())
+        if batch is not None and router_losses is not None:
+            router_losses.append(group_router)
         if weight and group_count:
-            sums += torch.tensor([weight * group_sum / group_count, weight], dtype=torch.float64)
+            batch_loss = group_sum / group_count + router_weight * group_router
+            sums += torch.tensor([weight * batch_loss, weight], dtype=torch.float64)
         if batch is not None and on_logits is not None:
             on_logits(logits, shard, batch)
         if batch is not None and on_batch is not None:

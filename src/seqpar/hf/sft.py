@@ -82,6 +82,7 @@ class SequenceParallelSFTTrainer(SequenceParallelMixin, SFTTrainer):
     def __init__(self, *args, **kwargs) -> None:
         check_sft_arguments(kwargs.get("args", args[1] if len(args) > 1 else None))
         super().__init__(*args, **kwargs)
+        self._aux_share: torch.Tensor | None = None  # the last micro-batch's router loss share, unweighted
 
     def shard_batches(self, batches: list) -> StepShards:
         """As the mixin's, with each shard also carrying its raw batch's token count (TRL's ``num_tokens``)."""
@@ -90,21 +91,34 @@ class SequenceParallelSFTTrainer(SequenceParallelMixin, SFTTrainer):
             shard[INPUT_TOKENS] = _input_tokens(batch)
         return step
 
+    def router_loss(self, outputs, shard, num_items_in_batch=None, coefficient=None) -> torch.Tensor | float:
+        """The mixin's share weighted with TRL's ``router_aux_loss_coef`` and divided by the accumulation steps,
+        as TRL's SFTTrainer weighs its router loss (Note [router loss under the Trainer]); the unweighted share
+        is kept for TRL's ``aux_loss`` metric."""
+        share = super().router_loss(outputs, shard, num_items_in_batch, self.router_aux_loss_coef)
+        self._aux_share = share.detach() / self.router_aux_loss_coef if torch.is_tensor(share) else None
+        steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
+        return share / steps
+
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
         """The mixin's exact loss, and TRL's per-micro-batch metrics over every rank (collective)."""
         shard, num_items_in_batch = self.as_shard(inputs, num_items_in_batch)
         loss, outputs = super().compute_loss(model, shard, return_outputs=True, num_items_in_batch=num_items_in_batch)
         mode = "train" if self.model.training else "eval"
-        sums = torch.zeros(4, dtype=torch.float64, device=outputs.logits.device)
+        sums = torch.zeros(5, dtype=torch.float64, device=outputs.logits.device)
         sums[:3] = token_statistics(outputs.logits, shard["shift_labels"])
         sums[3] = shard.get(INPUT_TOKENS, 0)
+        aux = self._aux_share
+        sums[4] = aux if aux is not None else 0.0
         group = self._world_group()
         if group is not None:
             sums = sums.to(collective_device(group))
             dist.all_reduce(sums, group=group)
-        count, entropy, correct, tokens = sums.tolist()
+        count, entropy, correct, tokens, aux_loss = sums.tolist()
         self._metrics[mode]["entropy"].append(entropy / count if count > 0 else 0.0)
         self._metrics[mode]["mean_token_accuracy"].append(correct / count if count > 0 else 0.0)
+        if aux is not None:  # TRL's aux_loss: the micro-batch's load-balancing loss, one process's
+            self._metrics[mode]["aux_loss"].append(aux_loss)
         if mode == "train":
             self._total_train_tokens += round(tokens / self.sp_mesh.sp_size)
         self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
@@ -127,3 +141,19 @@ class SequenceParallelSFTTrainer(SequenceParallelMixin, SFTTrainer):
         self._metrics["eval"]["entropy"].append(entropy / batches if batches else 0.0)
         self._metrics["eval"]["mean_token_accuracy"].append(accuracy / batches if batches else 0.0)
         self._metrics["eval"]["num_tokens"] = [self._total_train_tokens]
+
+    def eval_router_weight(self) -> float:
+        """TRL's coefficient, whole: its evaluation calls ``compute_loss`` without ``num_items_in_batch``."""
+        return self.router_aux_loss_coef
+
+    def record_eval_router_losses(self, per_batch: list[float]) -> None:
+        """TRL's eval ``aux_loss``: the mean over every evaluation batch of each batch's load-balancing loss."""
+        if not self.aux_loss_enabled:
+            return
+        sums = torch.tensor([sum(per_batch), len(per_batch)], dtype=torch.float64)
+        group = self._world_group()
+        if group is not None:  # each replica's batches are held by its sp_size ranks alike
+            sums = sums.to(collective_device(group))
+            dist.all_reduce(sums, group=group)
+        aux, batches = (sums / self.sp_mesh.sp_size).tolist()
+        self._metrics["eval"]["aux_loss"].append(aux / batches if batches else 0.0)

@@ -240,9 +240,18 @@ class SequenceParallelMixin(EvaluationMixin):
         loss = cross_entropy(  # Note [label smoothing per token]
             outputs.logits, inputs["shift_labels"], num_valid_tokens=total, label_smoothing=smoothing
         )
-        loss = loss + model_router_loss(self.model, outputs, inputs.get("token_mask"), self._world_group())
+        loss = loss + self.router_loss(outputs, inputs, num_items_in_batch)
         loss = loss * self.accelerator.num_processes  # DDP / FSDP2 average over every process
         return (loss, outputs) if return_outputs else loss
+
+    def router_loss(
+        self, outputs, shard: SequenceShard, num_items_in_batch=None, coefficient: float | None = None
+    ) -> torch.Tensor | float:
+        """This rank's weighted share of the micro-batch's router loss over every process (collective when the
+        model outputs router logits; Note [router loss under the Trainer]); 0.0 without router logits. The
+        weight is the model's ``router_aux_loss_coef`` unless ``coefficient`` is given."""
+        group = self._world_group()
+        return model_router_loss(self.model, outputs, shard.get("token_mask"), group, coefficient)
 
     def embedding_noise(self, model, shard: SequenceShard) -> contextlib.AbstractContextManager:
         """NEFTune's noise for one training forward on ``shard`` (Note [NEFTune over shards]); else no-op."""

@@ -38,6 +38,13 @@ class EvaluationMixin:
     def record_eval_statistics(self, per_batch: list[torch.Tensor]) -> None:
         """Receives ``eval_statistics``' sequence-group sums of each of this replica's evaluation batches."""
 
+    def eval_router_weight(self) -> float | None:
+        """The weight of each batch's router loss in its evaluation loss; None: the model's own coefficient."""
+        return None
+
+    def record_eval_router_losses(self, per_batch: list[float]) -> None:
+        """Receives the router loss of each of this replica's evaluation batches (unweighted; 0.0: no router)."""
+
     def evaluation_loop(
         self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
     ) -> EvalLoopOutput:
@@ -45,6 +52,7 @@ class EvaluationMixin:
         metrics on the whole-sequence predictions of every replica (Note [metrics over shards])."""
         self.callback_handler.eval_dataloader = dataloader
         collected: list[torch.Tensor] = []
+        router_losses: list[float] = []
         skip = self.args.prediction_loss_only if prediction_loss_only is None else prediction_loss_only
         wanted = self.compute_metrics is not None and not skip
         layout = self.sequence_parallel.layout
@@ -66,9 +74,12 @@ class EvaluationMixin:
             collected=collected,
             label_smoothing=self.label_smoother.epsilon if self.label_smoother is not None else 0.0,
             on_logits=predictions,
+            router_losses=router_losses,
+            router_weight=self.eval_router_weight(),
         )
         if self.eval_statistics is not None:
             self.record_eval_statistics(collected)
+        self.record_eval_router_losses(router_losses)
         metrics, preds, label_ids = {}, None, None
         if predictions is not None:
             batches = in_dataset_order(predictions.batches, self.sp_mesh, self._world_group(), self.dp_size)

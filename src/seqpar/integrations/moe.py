@@ -23,7 +23,10 @@ Note [router loss under the Trainer]
     token-mean cross-entropy plus the coefficient times the *sum* of its micro-batches' router losses.
     ``SequenceParallelMixin.compute_loss`` adds each rank's exact share over every process (Note [exact
     router loss]) to its cross-entropy share before the x W scaling: the wrapper's average sums both, and
-    the logged loss is one process's. Evaluation reports the token-mean cross-entropy only (Note [evaluation loss]).
+    the logged loss is one process's. TRL's SFTTrainer divides each micro-batch's router loss by the
+    accumulation steps instead (its loss is the steps' mean): ``SequenceParallelSFTTrainer`` does the same
+    and logs TRL's ``aux_loss`` (the whole micro-batch's, summed over the ranks). Evaluation adds each
+    batch's router loss to the batch's loss, as the model's forward does given labels (Note [evaluation loss]).
 """
 
 from __future__ import annotations
@@ -135,7 +138,11 @@ def router_aux_loss(
 
 
 def model_router_loss(
-    model: torch.nn.Module, outputs: object, token_mask: torch.Tensor | None = None, group: object = None
+    model: torch.nn.Module,
+    outputs: object,
+    token_mask: torch.Tensor | None = None,
+    group: object = None,
+    coefficient: float | None = None,
 ) -> torch.Tensor | float:
     """What one rank adds to its loss for a model's router: ``router_aux_loss_coef x`` its ``router_aux_loss`` share.
 
@@ -146,6 +153,8 @@ def model_router_loss(
         outputs: its forward's output (``router_logits`` read when ``config.output_router_logits`` is on).
         token_mask: as in ``router_aux_loss`` (``shard["token_mask"]``).
         group: as in ``router_aux_loss``.
+        coefficient: the weight, if not the model's own ``router_aux_loss_coef`` (TRL's SFTTrainer weighs
+            with ``SFTConfig.router_aux_loss_coef``).
 
     Returns:
         The weighted share, or 0.0 for a model without router logits (nothing to add).
@@ -158,4 +167,4 @@ def model_router_loss(
     if settings is None or logits is None:
         return 0.0
     share = router_aux_loss(logits, settings.num_experts, settings.top_k, token_mask, group)
-    return settings.coefficient * share
+    return (settings.coefficient if coefficient is None else coefficient) * share

@@ -104,6 +104,12 @@ def _unsupported_reason(model: torch.nn.Module) -> str | None:
         return "encoder-decoder models (cross-attention) are not supported"
     if getattr(config, "attention_dropout", 0.0):
         return f"its attention_dropout is {config.attention_dropout}; seqpar attention has no dropout (set it to 0)"
+    text = getattr(config, "text_config", None) or config
+    if getattr(text, "router_jitter_noise", 0.0):
+        return (
+            f"its router_jitter_noise is {text.router_jitter_noise}: each rank would draw the noise of its own shard, "
+            "not one process's draw over the sequence (set it to 0)"
+        )
     return None
 
 
