@@ -40,7 +40,7 @@ Note [memory estimate]
     gradients so far), the gradient all-reduce, and the optimizer update.
     Only the extra I above is calibrated; nothing is fitted to the points of docs/guides/memory.md.
     Optimizer offload (``offload_optimizer``, FSDP2's CPU offload, Note [optimizer offload] in
-    integrations/data_parallel.py): the sharded parameters, their gradients and the optimizer state live in
+    data_parallel/wrappers.py): the sharded parameters, their gradients and the optimizer state live in
     host memory (counted there as fp32 master parameters, fp32 gradients and fp32 states, 4 bytes each,
     divided over dp x sp, whatever ``dtype`` is) and the update runs on the CPU, so the "optimizer" moment
     leaves the device. On the device stay ``dtype`` working copies (units as Note [FSDP2 units]): two
