@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 import seqpar
 from seqpar.errors import SeqparInputError
-from seqpar.integrations.pipeline_balance import balanced_split
+from seqpar.pipeline_parallel.balance import balanced_split
 from tests._dist import run_ranks
 from tests._models import SEQ, documents_alone_history, tiny_config, tokens
 

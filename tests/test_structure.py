@@ -6,6 +6,7 @@ No process groups here: these checks read the source files only.
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
 
 import pytest
@@ -26,9 +27,12 @@ LAYERS = {
     "data": 8,
     "loss": 8,
     "gradients": 8,
+    "data_parallel": 9,
+    "tensor_parallel": 9,
     "integrations": 9,
     "hf": 9,
     "memory": 9,
+    "pipeline_parallel": 10,
     "planning": 10,
     "diagnosis": 10,
     "runtime": 10,
@@ -147,3 +151,11 @@ def test_functions_and_files_stay_small():
                 lines = body[-1].end_lineno - body[0].lineno + 1
                 too_long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}: {lines} lines")
     assert not too_long, "\n".join(too_long)
+
+
+@pytest.mark.parametrize("face", ["seqpar", "seqpar.hf"])
+def test_every_public_name_resolves(face):
+    module = importlib.import_module(face)
+    missing = [name for name in module.__all__ if getattr(module, name, None) is None]
+    assert not missing, f"{face}.__all__ names that do not resolve: {missing}"
+    assert len(set(module.__all__)) == len(module.__all__), f"{face}.__all__ repeats a name"

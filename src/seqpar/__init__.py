@@ -8,23 +8,23 @@ Why a sharded run differs from one process: ``doctor``.
 from seqpar.api import AttentionChoice, attention, choose_attention
 from seqpar.balanced import LayoutBalance, balanced_layout, layout_balance
 from seqpar.data import IGNORE_INDEX, BatchShard, pack_documents, shard_batch
+from seqpar.data_parallel import apply_data_parallel, data_parallel_group
 from seqpar.diagnosis import DoctorReport, doctor
 from seqpar.errors import SeqparInputError
 from seqpar.gradients import clip_grad_norm_, reduce_gradients
 from seqpar.integrations.context_parallel import context_parallel, context_parallel_unshard
-from seqpar.integrations.data_parallel import apply_data_parallel, data_parallel_group
 from seqpar.integrations.moe import router_aux_loss
-from seqpar.integrations.pipeline_parallel import PipelineParallel, apply_pipeline_parallel
-from seqpar.integrations.tensor_parallel import apply_tensor_parallel
 from seqpar.integrations.transformers import attention_choice, prepare_model
 from seqpar.kernels import select_kernel
 from seqpar.layout import LAYOUTS, ChunkLayout, gather_sequence, position_ids, shard_sequence
 from seqpar.loss import count_valid_tokens, cross_entropy, lm_head_cross_entropy, sum_over
 from seqpar.memory import MemoryEstimate, apply_activation_offload, apply_tiled_mlp, estimate_memory
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh, make_mesh
+from seqpar.pipeline_parallel import PipelineParallel, apply_pipeline_parallel
 from seqpar.planning import Cluster, Plan, plan
 from seqpar.strategies.masking import SequenceMask, sequence_mask
 from seqpar.strategies.policy import STRATEGIES, resolve_strategy
+from seqpar.tensor_parallel import apply_tensor_parallel
 
 __all__ = [
     "IGNORE_INDEX",

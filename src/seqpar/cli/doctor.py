@@ -16,10 +16,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from seqpar.cli.arguments import (
+    add_default_model_arguments,
+    add_degree_arguments,
+    add_dtype_argument,
+    add_model_argument,
+    model_settings,
+)
 from seqpar.data import pack_documents
 from seqpar.diagnosis import doctor
 from seqpar.layout import LAYOUTS
 from seqpar.mesh import make_mesh
+from seqpar.planning.memory import DTYPES
 from seqpar.runtime.spawn import spawn_ranks
 from seqpar.strategies.policy import STRATEGIES
 from seqpar.train.config import TrainConfig
@@ -27,8 +35,6 @@ from seqpar.train.data import FileRows, load_tokenizer
 from seqpar.train.model import build_model, model_config
 
 __all__ = ["add_doctor_parser", "run_doctor"]
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def add_doctor_parser(sub: argparse._SubParsersAction) -> None:
@@ -46,12 +52,11 @@ def add_doctor_parser(sub: argparse._SubParsersAction) -> None:
         "without position ids, shifted labels, attention outside seqpar, token mixing outside attention, dropout, "
         "left padding) and a verdict. Exit code 0 when everything agrees and no pitfall is found, else 1.",
     )
-    p.add_argument("--model", default="default", help="config.json or model directory; default: the train demo's")
-    p.add_argument("--sp", type=int, default=2, help="sequence-parallel ranks (spawned on CPU unless under torchrun)")
-    p.add_argument("--ulysses", type=int, default=1, help="ulysses degree inside sp (hybrid)")
+    add_model_argument(p, presets=False)
+    add_degree_arguments(p, sp_default=2, sp_help="sequence-parallel ranks (spawned on CPU unless under torchrun)")
     p.add_argument("--strategy", choices=STRATEGIES, default="auto", help="attention strategy")
     p.add_argument("--layout", choices=LAYOUTS, default="zigzag", help="sequence layout")
-    p.add_argument("--dtype", choices=tuple(_DTYPES), default="fp32", help="parameters and activations")
+    add_dtype_argument(p)
     p.add_argument("--seq-len", type=int, default=256, help="tokens per row")
     p.add_argument("--batch-size", type=int, default=2, help="rows in the batch")
     p.add_argument(
@@ -61,23 +66,12 @@ def add_doctor_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", default=None, help="tokenizer directory for --data (default as seqpar train)")
     p.add_argument("--tolerance", type=float, default=None, help="relative tolerance (default: by dtype)")
     p.add_argument("--seed", type=int, default=0, help="weights and generated batch")
-    p.add_argument("--hidden", type=int, default=TrainConfig.hidden_size, help="default model: hidden size")
-    p.add_argument("--layers", type=int, default=TrainConfig.layers, help="default model: layers")
-    p.add_argument("--heads", type=int, default=TrainConfig.heads, help="default model: heads")
+    add_default_model_arguments(p)
 
 
 def _settings(args: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(
-        model=None if args.model == "default" else args.model,
-        data=list(args.data),
-        text_field=args.text_field,
-        tokenizer=args.tokenizer,
-        hidden_size=args.hidden,
-        layers=args.layers,
-        heads=args.heads,
-        seq_len=args.seq_len,
-        eval_lengths=[args.seq_len],
-        seed=args.seed,
+    return model_settings(
+        args, data=list(args.data), text_field=args.text_field, tokenizer=args.tokenizer, seed=args.seed
     )
 
 
@@ -102,7 +96,7 @@ def _doctor_rank(rank: int, world_size: int, args: argparse.Namespace, workdir: 
     """One rank: model and batch built as ``seqpar train`` builds them, the doctor; rank 0 prints the report."""
     settings = _settings(args)
     tokenizer, vocab = _tokenizer(settings)
-    model = build_model(settings, vocab).to(_DTYPES[args.dtype])
+    model = build_model(settings, vocab).to(DTYPES[args.dtype])
     if dist.get_backend() == "nccl":
         model = model.cuda()
     mesh = make_mesh(args.sp, ulysses_size=args.ulysses)

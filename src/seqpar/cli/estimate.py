@@ -10,12 +10,18 @@ import argparse
 
 import transformers
 
+from seqpar.cli.arguments import (
+    add_default_model_arguments,
+    add_degree_arguments,
+    add_dtype_argument,
+    add_model_argument,
+    model_settings,
+)
 from seqpar.memory import FEATURES, estimate_memory
 from seqpar.memory.estimate import estimate_stage_memory
 from seqpar.memory.pipeline import bubble_fraction, stage_views
 from seqpar.planning.memory import DTYPES
 from seqpar.planning.models import PRESETS
-from seqpar.train.config import TrainConfig
 from seqpar.train.data import load_tokenizer
 from seqpar.train.model import model_config
 
@@ -34,17 +40,12 @@ def add_estimate_parser(sub: argparse._SubParsersAction) -> None:
         description="Predict one rank's memory during one training step (forward, backward, gradient sum, "
         "optimizer) from a model config, without allocating it.",
     )
-    p.add_argument(
-        "--model",
-        default="default",
-        help=f"config.json, model directory or a preset ({', '.join(PRESETS)}); default: the train demo's",
-    )
+    add_model_argument(p, presets=True)
     p.add_argument("--seq-len", type=int, required=True, help="tokens of one whole sequence")
-    p.add_argument("--sp", type=int, required=True, help="sequence-parallel degree")
-    p.add_argument("--ulysses", type=int, default=1, help="ulysses degree inside sp (hybrid)")
+    add_degree_arguments(p, sp_default=None, sp_help="sequence-parallel degree")
     p.add_argument("--dp", type=int, default=1, help="data-parallel degree")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="parameters and activations")
+    add_dtype_argument(p)
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
     p.add_argument("--features", nargs="*", default=[], help=f"any of: {', '.join(FEATURES)}")
     p.add_argument("--strategy", default="auto", help="attention strategy")
@@ -64,9 +65,7 @@ def add_estimate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (the busier end rank is estimated)")
     p.add_argument("--pp-schedule", default="1f1b", help="gpipe, 1f1b or interleaved")
     p.add_argument("--pp-microbatches", type=int, default=None, help="micro-batches per pipeline step (default --pp)")
-    p.add_argument("--hidden", type=int, default=TrainConfig.hidden_size, help="default model: hidden size")
-    p.add_argument("--layers", type=int, default=TrainConfig.layers, help="default model: layers")
-    p.add_argument("--heads", type=int, default=TrainConfig.heads, help="default model: heads")
+    add_default_model_arguments(p)
     p.add_argument("--vocab", type=int, default=None, help="default model: vocabulary (default: byte tokenizer)")
 
 
@@ -80,14 +79,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     if vocab is None:
         tokenizer = load_tokenizer(None)
         vocab = getattr(tokenizer, "vocab_size", None) or len(tokenizer)
-    settings = TrainConfig(
-        model=None if args.model == "default" else args.model,
-        hidden_size=args.hidden,
-        layers=args.layers,
-        heads=args.heads,
-        seq_len=args.seq_len,
-        eval_lengths=[args.seq_len],
-    )
+    settings = model_settings(args)
     if args.model.lower() in PRESETS:  # the planner's sizes, nothing downloaded
         hf_config = transformers.AutoConfig.for_model(**PRESETS[args.model.lower()].as_config())
     else:

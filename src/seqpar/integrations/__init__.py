@@ -1,7 +1,8 @@
-"""Integrations with other libraries through their documented extension points."""
+"""Adapters to other libraries through their documented extension points: transformers' attention interface,
+torch's experimental ``context_parallel`` (with its SDPA mode and autograd glue), transformers' MoE router loss.
+"""
 
 from seqpar.integrations.moe import router_aux_loss
-from seqpar.integrations.pipeline_parallel import PipelineParallel, apply_pipeline_parallel
 from seqpar.integrations.transformers import prepare_model
 
-__all__ = ["PipelineParallel", "apply_pipeline_parallel", "prepare_model", "router_aux_loss"]
+__all__ = ["prepare_model", "router_aux_loss"]

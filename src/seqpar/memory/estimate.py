@@ -40,7 +40,7 @@ Note [memory estimate]
     gradients so far), the gradient all-reduce, and the optimizer update.
     Only the extra I above is calibrated; nothing is fitted to the points of docs/guides/memory.md.
     Optimizer offload (``offload_optimizer``, FSDP2's CPU offload, Note [optimizer offload] in
-    integrations/data_parallel.py): the sharded parameters, their gradients and the optimizer state live in
+    data_parallel/wrappers.py): the sharded parameters, their gradients and the optimizer state live in
     host memory (counted there as fp32 master parameters, fp32 gradients and fp32 states, 4 bytes each,
     divided over dp x sp, whatever ``dtype`` is) and the update runs on the CPU, so the "optimizer" moment
     leaves the device. On the device stay ``dtype`` working copies (units as Note [FSDP2 units]): two
@@ -56,6 +56,7 @@ Note [memory estimate]
 from __future__ import annotations
 
 import inspect
+from types import SimpleNamespace
 
 import torch
 
@@ -69,6 +70,8 @@ from seqpar.strategies.policy import ulysses_degrees, ulysses_heads_problem
 __all__ = ["FEATURES", "MemoryEstimate", "estimate_memory", "estimate_stage_memory"]
 
 FEATURES = ("checkpointing", "chunked_loss", "tiled_mlp", "offload")
+_RANK_SETTINGS = ("dp_mode", "loss_chunk", "mlp_chunk", "optimizer", "keep_gradients", "offload_optimizer")
+"""``estimate_memory``'s settings that ``estimate_rank`` takes as they are."""
 
 
 def _strategy(strategy: str, d: ModelDims, sp: int, ulysses: int) -> str:
@@ -85,23 +88,24 @@ def _strategy(strategy: str, d: ModelDims, sp: int, ulysses: int) -> str:
     return strategy
 
 
-def _check(seq_len, sizes: dict, micro_batch, features, strategy, optimizer, dp_mode, offload_optimizer) -> None:
+def _check(seq_len: int, s: SimpleNamespace, sizes: dict, features: tuple[str, ...]) -> None:
+    """Raise one ``SeqparInputError`` listing every setting of ``s`` (``estimate_memory``'s) that cannot work."""
     problems = [f"{name} must be a positive integer, not {value!r}" for name, value in sizes.items() if value < 1]
     problems += [f"unknown feature {f!r}; choose from {', '.join(FEATURES)}" for f in features if f not in FEATURES]
-    if micro_batch < 1 or seq_len < 1:
+    if s.micro_batch < 1 or seq_len < 1:
         problems.append("seq_len and micro_batch must be at least 1")
-    elif not problems and seq_len % sizes["sp_size"]:
-        problems.append(f"seq_len {seq_len} must be divisible by sp_size {sizes['sp_size']}")
-    if sizes["sp_size"] >= 1 and sizes["ulysses_size"] >= 1 and sizes["sp_size"] % sizes["ulysses_size"]:
-        problems.append(f"ulysses_size {sizes['ulysses_size']} must divide sp_size {sizes['sp_size']}")
-    if strategy not in ("ulysses", "ring", "allgather", "hybrid", "auto"):
-        problems.append(f"unknown strategy {strategy!r}")
-    if optimizer not in OPTIMIZER_STATES:
-        problems.append(f"unknown optimizer {optimizer!r}; choose from {', '.join(OPTIMIZER_STATES)}")
-    if dp_mode not in ("replicate", "ddp", "fsdp"):
-        problems.append(f"dp_mode must be replicate, ddp or fsdp, not {dp_mode!r}")
-    elif offload_optimizer and dp_mode != "fsdp":
-        problems.append(f"offload_optimizer needs dp_mode 'fsdp' (FSDP2's CPU offload), not {dp_mode!r}")
+    elif not problems and seq_len % s.sp_size:
+        problems.append(f"seq_len {seq_len} must be divisible by sp_size {s.sp_size}")
+    if s.sp_size >= 1 and s.ulysses_size >= 1 and s.sp_size % s.ulysses_size:
+        problems.append(f"ulysses_size {s.ulysses_size} must divide sp_size {s.sp_size}")
+    if s.strategy not in ("ulysses", "ring", "allgather", "hybrid", "auto"):
+        problems.append(f"unknown strategy {s.strategy!r}")
+    if s.optimizer not in OPTIMIZER_STATES:
+        problems.append(f"unknown optimizer {s.optimizer!r}; choose from {', '.join(OPTIMIZER_STATES)}")
+    if s.dp_mode not in ("replicate", "ddp", "fsdp"):
+        problems.append(f"dp_mode must be replicate, ddp or fsdp, not {s.dp_mode!r}")
+    elif s.offload_optimizer and s.dp_mode != "fsdp":
+        problems.append(f"offload_optimizer needs dp_mode 'fsdp' (FSDP2's CPU offload), not {s.dp_mode!r}")
     if problems:
         raise SeqparInputError("cannot estimate memory:\n  - " + "\n  - ".join(problems))
 
@@ -195,21 +199,18 @@ def estimate_stage_memory(model_config: object, seq_len: int, **settings: object
 
 def _stage_estimates(model_config: object, seq_len: int, settings: dict) -> list[MemoryEstimate]:
     """The estimates of ``estimate_memory``'s keyword ``settings`` (all of them given), one per pipeline end."""
-    sp_size, ulysses_size, dp_size, tp_size = (settings[k] for k in ("sp_size", "ulysses_size", "dp_size", "tp_size"))
-    micro_batch, strategy, optimizer = settings["micro_batch"], settings["strategy"], settings["optimizer"]
-    dp_mode, offload_optimizer = settings["dp_mode"], settings["offload_optimizer"]
-    pp_size, pp_schedule, pp_microbatches = settings["pp_size"], settings["pp_schedule"], settings["pp_microbatches"]
-    loss_chunk, mlp_chunk, keep_gradients = settings["loss_chunk"], settings["mlp_chunk"], settings["keep_gradients"]
-    dtype, features = settings["dtype"], settings["features"]
-    features = tuple(features)
-    sizes = {"sp_size": sp_size, "ulysses_size": ulysses_size, "dp_size": dp_size, "tp_size": tp_size}
-    _check(seq_len, sizes, micro_batch, features, strategy, optimizer, dp_mode, offload_optimizer)
-    d = model_dims(model_config, tp_size)
-    chosen = _strategy(strategy, d, sp_size, ulysses_size)
-    b = torch.empty((), dtype=dtype).element_size()
-    tokens = micro_batch * seq_len // sp_size
-    views = stage_views(d.layers, pp_size, pp_schedule, pp_microbatches)
-    settings = dict(chosen=chosen, b=b, tokens=tokens, features=features, sizes=sizes, dp_mode=dp_mode)
-    chunks = dict(loss_chunk=loss_chunk, mlp_chunk=mlp_chunk)
-    options = dict(optimizer=optimizer, keep_gradients=keep_gradients, offload_optimizer=offload_optimizer)
-    return [estimate_rank(d, view, pp_size > 1, **settings, **chunks, **options) for view in views]
+    s = SimpleNamespace(**settings)
+    features = tuple(s.features)
+    sizes = {k: settings[k] for k in ("sp_size", "ulysses_size", "dp_size", "tp_size")}
+    _check(seq_len, s, sizes, features)
+    d = model_dims(model_config, s.tp_size)
+    rank = dict(
+        chosen=_strategy(s.strategy, d, s.sp_size, s.ulysses_size),
+        b=torch.empty((), dtype=s.dtype).element_size(),
+        tokens=s.micro_batch * seq_len // s.sp_size,
+        features=features,
+        sizes=sizes,
+        **{k: settings[k] for k in _RANK_SETTINGS},
+    )
+    views = stage_views(d.layers, s.pp_size, s.pp_schedule, s.pp_microbatches)
+    return [estimate_rank(d, view, s.pp_size > 1, **rank) for view in views]

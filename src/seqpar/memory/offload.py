@@ -25,8 +25,8 @@ import weakref
 import torch
 from torch import nn
 
+from seqpar.data_parallel import decoder_blocks
 from seqpar.errors import SeqparInputError
-from seqpar.integrations.data_parallel import decoder_blocks
 
 __all__ = ["CheckpointOffload", "apply_activation_offload", "offload_layer_inputs"]
 

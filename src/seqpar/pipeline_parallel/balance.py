@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from seqpar.integrations.pipeline_stages import ModelParts
+from seqpar.pipeline_parallel.stages import ModelParts
 
 __all__ = ["balanced_split", "part_sizes"]
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from seqpar.data_parallel import decoder_blocks
 from seqpar.errors import SeqparInputError
-from seqpar.integrations.data_parallel import decoder_blocks
 from seqpar.mesh import SequenceParallelMesh
 
 __all__ = ["apply_tensor_parallel"]

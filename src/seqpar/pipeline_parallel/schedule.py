@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from seqpar.integrations.pipeline_stages import DecoderStage
+from seqpar.pipeline_parallel.stages import DecoderStage
 
 __all__ = ["build_schedule"]
 

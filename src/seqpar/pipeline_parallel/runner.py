@@ -26,23 +26,23 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 from torch import nn
 
+from seqpar.data_parallel import data_parallel_group
 from seqpar.errors import SeqparInputError
 from seqpar.gradients import SUMMED_BY_WRAPPER, reduce_gradients
-from seqpar.integrations.data_parallel import data_parallel_group
-from seqpar.integrations.pipeline_balance import balanced_split, part_sizes
-from seqpar.integrations.pipeline_checks import SCHEDULES, SHARD_KEYS, SetupSignature, agree_on_setup, agree_on_step
-from seqpar.integrations.pipeline_gradients import end_group, pipeline_grad_norm_, sum_tied_gradient
-from seqpar.integrations.pipeline_schedule import build_schedule
-from seqpar.integrations.pipeline_stages import (
+from seqpar.integrations.transformers import ATTENTION_NAME
+from seqpar.loss import count_valid_tokens, cross_entropy, lm_head_cross_entropy, sum_over
+from seqpar.mesh import SequenceParallelMesh, flattened_group
+from seqpar.pipeline_parallel.balance import balanced_split, part_sizes
+from seqpar.pipeline_parallel.checks import SCHEDULES, SHARD_KEYS, SetupSignature, agree_on_setup, agree_on_step
+from seqpar.pipeline_parallel.gradients import end_group, pipeline_grad_norm_, sum_tied_gradient
+from seqpar.pipeline_parallel.schedule import build_schedule
+from seqpar.pipeline_parallel.stages import (
     DecoderStage,
     ModelParts,
     find_parts,
     original_names,
     split_model,
 )
-from seqpar.integrations.transformers import ATTENTION_NAME
-from seqpar.loss import count_valid_tokens, cross_entropy, lm_head_cross_entropy, sum_over
-from seqpar.mesh import SequenceParallelMesh, flattened_group
 
 __all__ = ["SCHEDULES", "PipelineParallel", "apply_pipeline_parallel"]
 
