@@ -47,8 +47,9 @@ GRPO_CASES = {
     "grpo_sp3_ring": GrpoCase(
         3, 3, "dr_grpo", strategy="ring", extra=(("num_iterations", 2), ("importance_sampling_level", "sequence"))
     ),
-    # dapo: the generation batch's tokens over every replica; completions replayed (several replicas)
-    "grpo_dp2_sp2": GrpoCase(4, 2, "dapo"),
+    # dapo: the generation batch's tokens over every replica; completions replayed (several replicas). One
+    # micro-batch per step, so that per-micro-batch metrics cover the same rows as the one process's
+    "grpo_dp2_sp2": GrpoCase(4, 2, "dapo", extra=(("gradient_accumulation_steps", 1), ("num_iterations", 2))),
 }
 COMPARED = (
     "reward",
@@ -187,7 +188,13 @@ def parallel(out: str, name: str) -> None:
     if case.replay:
         extra["rollout_func"] = replay(torch.load(os.path.join(out, "reference", f"{name}.pt"))["calls"])
     trainer, recorder = build(
-        case, out, os.path.join(out, name), seqpar.hf.SequenceParallelGRPOTrainer, False, sequence_parallel=config, **extra
+        case,
+        out,
+        os.path.join(out, name),
+        seqpar.hf.SequenceParallelGRPOTrainer,
+        False,
+        sequence_parallel=config,
+        **extra,
     )
     trainer.train()
     found = results(trainer, recorder)

@@ -18,7 +18,13 @@ def main(out: str, names: list[str]) -> None:
     from tests.hf_scripts import grpo, upstream
 
     grpo.reference(out, [n for n in names if n in grpo.GRPO_CASES])
-    others = [n for n in names if n not in CASES and n not in grpo.GRPO_CASES]  # upstream's examples and the accelerate loop
+    if "grpo_loss_types" in names:
+        from tests.hf_scripts import grpo_losses
+
+        grpo_losses.reference(out)
+    others = [
+        n for n in names if n not in CASES and not n.startswith("grpo_")
+    ]  # upstream's examples and the accelerate loop
     if others:
         upstream.main(out, others)
     for name in (n for n in names if n in CASES):
