@@ -90,7 +90,7 @@ def prompts() -> list[str]:
     return [" ".join(f"t{int(t)}" for t in torch.randint(2, 90, (n,), generator=g)) for n in lengths]
 
 
-def grpo_args(case: GrpoCase, out: str, reference: bool):
+def grpo_args(case: GrpoCase, out: str, reference: bool, **overrides):
     from trl import GRPOConfig
 
     fields = dict(
@@ -115,7 +115,7 @@ def grpo_args(case: GrpoCase, out: str, reference: bool):
         seed=0,
         bf16=False,
     )
-    fields.update(dict(case.extra))
+    fields.update(dict(case.extra), **overrides)
     return GRPOConfig(**fields)
 
 
@@ -127,7 +127,7 @@ def initial_model(out: str) -> str:
     return where
 
 
-def build(case: GrpoCase, out: str, where: str, cls, reference: bool, **kwargs):
+def build(case: GrpoCase, out: str, where: str, cls, reference: bool, args: dict | None = None, **kwargs):
     from datasets import Dataset
 
     net = transformers.AutoModelForCausalLM.from_pretrained(initial_model(out), attn_implementation="sdpa")
@@ -135,7 +135,7 @@ def build(case: GrpoCase, out: str, where: str, cls, reference: bool, **kwargs):
     trainer = cls(
         model=net,
         reward_funcs=recorder,
-        args=grpo_args(case, where, reference),
+        args=grpo_args(case, where, reference, **(args or {})),
         train_dataset=Dataset.from_dict({"prompt": prompts()}),
         processing_class=tokenizer(),
         **kwargs,
