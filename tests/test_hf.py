@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -510,6 +511,16 @@ def test_examples_train(tmp_path, script, launcher):
     assert record["sp"] == 2 and record["steps"] == 4  # both processes share each sequence
     losses = [record["first_loss"], record["last_loss"], record.get("eval_loss", 1.0)]
     assert all(0 < v < 10 for v in losses), record  # finite, and near ln(256) or below
+
+
+def test_grpo_example_trains(tmp_path):
+    """examples/grpo_trainer.py under torchrun on 2 CPU ranks (both share each sequence), 2 steps."""
+    _launch(
+        [*_torchrun(2, str(ROOT / "examples" / "grpo_trainer.py")), "--max-steps", "2", "--output-dir", str(tmp_path)]
+    )
+    record = json.loads((tmp_path / "result.json").read_text())
+    assert record["sp"] == 2 and record["dp"] == 1 and record["steps"] == 2
+    assert all(math.isfinite(record[k]) for k in ("first_reward", "last_reward", "last_loss")), record
 
 
 @pytest.mark.parametrize("name", list(UPSTREAM))
