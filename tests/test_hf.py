@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -18,6 +19,7 @@ import transformers
 
 from tests.hf_scripts.accelerate_references import GUIDES
 from tests.hf_scripts.common import CASES, DEEPSPEED_CASES, METRICS, STEPS, documents, model
+from tests.hf_scripts.grpo import COMPARED, GRPO_CASES, GRPO_STEPS
 from tests.hf_scripts.upstream import DEEPSPEED_EXAMPLES, UPSTREAM, YAML_LAUNCHED
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -45,7 +47,8 @@ def out(tmp_path_factory) -> pathlib.Path:
     """One-process references of every case (one interpreter, no seqpar imported)."""
     path = tmp_path_factory.mktemp("hf")
     upstream = [*UPSTREAM, "accelerate_dp1", "accelerate_dp2", *GUIDES]  # upstream's examples, accelerate loops
-    _launch([sys.executable, "-m", "tests.hf_scripts.reference", str(path), *REFERENCES, *upstream])
+    grpo = [*GRPO_CASES, "grpo_loss_types"]  # TRL's own GRPOTrainer
+    _launch([sys.executable, "-m", "tests.hf_scripts.reference", str(path), *REFERENCES, *upstream, *grpo])
     return path
 
 
@@ -69,6 +72,8 @@ def two_ranks(out) -> pathlib.Path:
             "control_unscaled",
             *(n for n, (_, _, dp) in BY_TORCHRUN.items() if dp == 1),
             *(n for n, (world, _, _) in GUIDES.items() if world == 2),
+            *(n for n, c in GRPO_CASES.items() if c.world == 2),
+            "grpo_loss_types",
             # last: DeepSpeed's settings stay in the process once a DeepSpeed Trainer was built
             *([*DEEPSPEED_CASES, "alst_trainer_dp1", "deepspeed_refusal"] if DEEPSPEED else []),
         )
@@ -80,6 +85,7 @@ def two_ranks(out) -> pathlib.Path:
 def more_ranks(out) -> pathlib.Path:
     for world in (3, 4):
         names = [n for n, c in CASES.items() if c.world == world]
+        names += [n for n, c in GRPO_CASES.items() if c.world == world]
         if world == 4:  # dp 2 x sp 2
             names += [*(n for n, (_, _, dp) in BY_TORCHRUN.items() if dp == 2), "accelerate_dp2"]
             names += [n for n, (w, _, _) in GUIDES.items() if w == 4]
@@ -324,6 +330,9 @@ def test_bad_input_raises_on_every_rank(two_ranks):
         "loader by process": "loaded different batches",
         "fsdp plugin on the cpu": "DistributedConfig(fsdp_size=2)",
         "model seqpar cannot serve": "cannot serve this model's attention: its attention_dropout is 0.1",
+        "grpo vllm": "use_vllm=True (vllm_mode='colocate') is not supported under sequence parallelism",
+        "grpo vllm server": "or pass rollout_func= to call your own vLLM server",
+        "grpo generation batch": "= 3 is not divisible by num_generations (2)",
     }
     assert got.keys() == expected.keys()
     for what, text in expected.items():
@@ -402,6 +411,68 @@ def test_deepspeed_sequence_parallel_is_refused(two_ranks):
     assert per_rank[0] == per_rank[1] and "sequence_parallel_size=2: seqpar splits the sequence itself" in per_rank[0]
 
 
+GRPO_METRIC_RTOL, GRPO_METRIC_ATOL = 1e-5, 1e-7  # atol: metrics that are 0 (kl at the first step, clip ratios)
+
+
+@pytest.mark.parametrize("name", list(GRPO_CASES))
+def test_grpo_equals_one_process(request, name):
+    """SequenceParallelGRPOTrainer against TRL's GRPOTrainer on one process with every replica's rows, 3 steps.
+
+    At one replica (sp 2, sp 3 on a ring) the group samples for itself and must draw exactly the reference's
+    completions (same prompts, same random stream). With two replicas (dp 2 x sp 2) each replica samples with
+    its own seed, as TRL's processes do, which one process cannot reproduce: that run replays the reference's
+    completions through TRL's documented generation hook ``rollout_func`` (``tests.hf_scripts.grpo.replay``).
+    Per step: loss (rel 1e-5 of the run's largest loss: GRPO's loss on fresh completions is 0 up to rounding),
+    grad_norm (rel 1e-5) and the logged metrics (rel 1e-5); final parameters (rel 1e-4 of each tensor's max).
+    """
+    case = GRPO_CASES[name]
+    root = request.getfixturevalue("two_ranks" if case.world == 2 else "more_ranks")
+    found, want = _load(root / f"{name}.pt"), _load(root / "reference" / f"{name}.pt")
+    assert (found["sp_size"], found["dp_size"]) == (case.sp_size, case.dp)
+    assert case.strategy == "auto" or found["strategy"] == case.strategy
+    groups = [found["calls_per_rank"][r - r % case.sp_size] for r in range(case.world)]
+    assert found["calls_per_rank"] == groups, "the ranks of a group scored different completions"
+    if not case.replay:
+        assert found["calls"] == want["calls"], "the group sampled other completions than one process"
+    assert [h["step"] for h in found["log"]] == [h["step"] for h in want["log"]] == list(range(1, GRPO_STEPS + 1))
+    scale = max(abs(h["loss"]) for h in want["log"])
+    for key, rtol, atol in (("loss", 0, LOSS_RTOL * scale), ("grad_norm", GRAD_NORM_RTOL, 0)):
+        got, ref = (torch.tensor([h[key] for h in run["log"]], dtype=torch.float64) for run in (found, want))
+        torch.testing.assert_close(got, ref, rtol=rtol, atol=atol, msg=lambda m, k=key: f"{k}: {m}")
+    for key in COMPARED:
+        got, ref = ([h.get(key) for h in run["log"]] for run in (found, want))
+        assert [v is None for v in got] == [v is None for v in ref], f"{key} logged at other steps"
+        got, ref = (torch.tensor([v for v in x if v is not None], dtype=torch.float64) for x in (got, ref))
+        torch.testing.assert_close(
+            got, ref, rtol=GRPO_METRIC_RTOL, atol=GRPO_METRIC_ATOL, msg=lambda m, k=key: f"{k}: {m}"
+        )
+    assert any(h["clip_ratio/region_mean"] > 0 for h in want["log"]), "no step clipped: the clip branch is untested"
+    for n, ref in want["params"].items():
+        scale = float(ref.abs().max())
+        torch.testing.assert_close(
+            found["params"][n], ref, rtol=0, atol=PARAM_RTOL * scale, msg=lambda m, n=n: f"{n}: {m}"
+        )
+
+
+def test_grpo_loss_types_equal_one_process(two_ranks):
+    """Every GRPO loss_type (and the sequence-level ratio, delta, the off-policy and entropy masks) on one
+    micro-batch with off-policy ratios: loss (rel 1e-5, abs 1e-8 for losses that cancel), gradient (rel 1e-5
+    in norm) and the loss metrics (rel 1e-5) of sp 2 equal TRL's one process on the same inputs."""
+    found = _load(two_ranks / "grpo_loss_types.pt")["variants"]
+    want = _load(two_ranks / "reference" / "grpo_loss_types.pt")["variants"]
+    assert found.keys() == want.keys()
+    for name, ref in want.items():
+        got = found[name]
+        torch.testing.assert_close(got["loss"], ref["loss"], rtol=1e-5, atol=1e-8, msg=lambda m, n=name: f"{n}: {m}")
+        error = float((got["grad"] - ref["grad"]).norm() / ref["grad"].norm())
+        assert error <= GRAD_NORM_RTOL, f"{name}: gradient off by {error:.2e} (relative, in norm)"
+        assert got["metrics"].keys() == ref["metrics"].keys(), name
+        for key, value in ref["metrics"].items():
+            torch.testing.assert_close(got["metrics"][key], value, rtol=GRPO_METRIC_RTOL, atol=GRPO_METRIC_ATOL)
+    assert len({round(v["loss"], 9) for v in want.values()}) == len(want), "two variants computed the same loss"
+    assert max(v["metrics"].get("clip_ratio/region_mean", 0.0) for v in want.values()) > 0
+
+
 EXAMPLES = [
     ("hf_trainer.py", "torchrun"),
     ("sft_trainer.py", "accelerate"),
@@ -430,6 +501,16 @@ def test_examples_train(tmp_path, script, launcher):
     assert record["sp"] == 2 and record["steps"] == 4  # both processes share each sequence
     losses = [record["first_loss"], record["last_loss"], record.get("eval_loss", 1.0)]
     assert all(0 < v < 10 for v in losses), record  # finite, and near ln(256) or below
+
+
+def test_grpo_example_trains(tmp_path):
+    """examples/grpo_trainer.py under torchrun on 2 CPU ranks (both share each sequence), 2 steps."""
+    _launch(
+        [*_torchrun(2, str(ROOT / "examples" / "grpo_trainer.py")), "--max-steps", "2", "--output-dir", str(tmp_path)]
+    )
+    record = json.loads((tmp_path / "result.json").read_text())
+    assert record["sp"] == 2 and record["dp"] == 1 and record["steps"] == 2
+    assert all(math.isfinite(record[k]) for k in ("first_reward", "last_reward", "last_loss")), record
 
 
 @pytest.mark.parametrize("name", list(UPSTREAM))

@@ -176,6 +176,14 @@ def main(out: str, names: list[str]) -> None:
     for name in names:
         if name in special:
             special[name](out)
+        elif name == "grpo_loss_types":
+            from tests.hf_scripts.grpo_losses import parallel as run_losses
+
+            run_losses(out)
+        elif name.startswith("grpo_"):
+            from tests.hf_scripts.grpo import parallel as run_grpo
+
+            run_grpo(out, name)
         elif name.startswith(("trl_", "flattening", "alst_")):
             upstream(out, name)
         elif name.startswith("guide_"):  # accelerate's SP/CP guides with seqpar.hf.Accelerator

@@ -15,9 +15,16 @@ from tests.hf_scripts.common import CASES, build_trainer, results, save
 
 
 def main(out: str, names: list[str]) -> None:
-    from tests.hf_scripts import upstream
+    from tests.hf_scripts import grpo, upstream
 
-    others = [n for n in names if n not in CASES]  # upstream's examples and the accelerate loop
+    grpo.reference(out, [n for n in names if n in grpo.GRPO_CASES])
+    if "grpo_loss_types" in names:
+        from tests.hf_scripts import grpo_losses
+
+        grpo_losses.reference(out)
+    others = [
+        n for n in names if n not in CASES and not n.startswith("grpo_")
+    ]  # upstream's examples and the accelerate loop
     if others:
         upstream.main(out, others)
     for name in (n for n in names if n in CASES):

@@ -74,6 +74,26 @@ def _expect_refusal(what: str, make) -> str:
     raise AssertionError(f"{what}: no SeqparInputError")
 
 
+def _grpo_checks(out: str, world: int) -> dict:
+    """SequenceParallelGRPOTrainer's refusals: vLLM generation, generation batches that split a prompt's group."""
+    from tests.hf_scripts.grpo import GRPO_CASES, build
+
+    case, cls = GRPO_CASES["grpo_sp2"], seqpar.hf.SequenceParallelGRPOTrainer
+    sp = seqpar.hf.SequenceParallelConfig(sp_size=world)
+
+    def grpo(**args):
+        return build(case, out, os.path.join(out, "x"), cls, False, args=args, sequence_parallel=sp)
+
+    return {
+        "grpo vllm": lambda: grpo(use_vllm=True, vllm_mode="colocate"),
+        "grpo vllm server": lambda: grpo(use_vllm=True, vllm_mode="server"),
+        # 3 completions per replica and step: TRL's check passed with 2 processes x 3, one replica's 3 does not
+        "grpo generation batch": lambda: grpo(
+            per_device_train_batch_size=3, gradient_accumulation_steps=1, num_generations=2
+        ),
+    }
+
+
 def refusals(out: str) -> None:
     """Bad settings and batches raise SeqparInputError on every rank (each rank records its messages)."""
     case, world = CASES["sp2"], dist.get_world_size()
@@ -155,6 +175,7 @@ def refusals(out: str) -> None:
             model=_attention_dropout(),
         ),
     }
+    checks.update(_grpo_checks(out, world))
     messages = {what: _expect_refusal(what, make) for what, make in checks.items()}
     gathered = [None] * world
     dist.all_gather_object(gathered, messages)

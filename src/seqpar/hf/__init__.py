@@ -3,6 +3,7 @@
 ``SequenceParallelTrainer`` / ``SequenceParallelSFTTrainer`` take ``sequence_parallel=SequenceParallelConfig(...)`` or
 accelerate's ``ParallelismConfig`` (``TrainingArguments(parallelism_config=...)`` or an accelerate YAML);
 ``Accelerator`` is accelerate's, with the sequence split as its ``parallelism_config`` says.
+``SequenceParallelGRPOTrainer`` is TRL's GRPO trainer with ``sequence_parallel=``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ __all__ = [
     "Accelerator",
     "ParallelismPlan",
     "SequenceParallelConfig",
+    "SequenceParallelGRPOTrainer",
     "SequenceParallelMixin",
     "SequenceParallelSFTTrainer",
     "SequenceParallelTrainer",
@@ -50,4 +52,8 @@ def __getattr__(name: str) -> object:
         from seqpar.hf.sft import SequenceParallelSFTTrainer
 
         return SequenceParallelSFTTrainer
+    if name == "SequenceParallelGRPOTrainer":
+        from seqpar.hf.grpo import SequenceParallelGRPOTrainer
+
+        return SequenceParallelGRPOTrainer
     raise AttributeError(f"module 'seqpar.hf' has no attribute {name!r}")

@@ -30,7 +30,14 @@ from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
 from seqpar.strategies.masking import SequenceMask, sequence_mask
 from seqpar.strategies.policy import STRATEGIES
 
-__all__ = ["ATTENTION_NAME", "LAYOUT_KEYWORD", "attention_choice", "prepare_model"]
+__all__ = [
+    "ATTENTION_NAME",
+    "LAYOUT_KEYWORD",
+    "ORIGINAL_ATTENTION_ATTR",
+    "UNSHARDED_ATTR",
+    "attention_choice",
+    "prepare_model",
+]
 
 ATTENTION_NAME = "seqpar"
 LAYOUT_KEYWORD = "seqpar_layout"
@@ -39,6 +46,8 @@ forward pre-hook takes it out before the model sees its arguments."""
 _CONTEXT_KEY = "seqpar_context"
 _HOOK_ATTR = "_seqpar_forward_hook"
 _CHOICE_ATTR = "_seqpar_attention_choices"
+ORIGINAL_ATTENTION_ATTR = "_seqpar_original_attention"  # the implementation the model had before prepare_model
+UNSHARDED_ATTR = "_seqpar_unsharded"  # True while the model runs its own attention on whole sequences
 
 
 @dataclass(frozen=True)
@@ -242,6 +251,8 @@ def prepare_model(
     if not (layout in (*LAYOUTS, "balanced") or isinstance(layout, ChunkLayout)):
         raise SeqparInputError(f"unknown layout {layout!r}; choose one of {(*LAYOUTS, 'balanced')}")
     sp = as_sp_mesh(mesh)
+    if model.config._attn_implementation != ATTENTION_NAME:  # kept for seqpar.integrations.unsharded
+        setattr(model, ORIGINAL_ATTENTION_ATTR, model.config._attn_implementation)
     AttentionInterface.register(ATTENTION_NAME, _seqpar_attention)
     model.set_attn_implementation(ATTENTION_NAME)
     if model.config._attn_implementation != ATTENTION_NAME:
@@ -253,6 +264,8 @@ def prepare_model(
     setattr(model, _CHOICE_ATTR, choices)
 
     def check_and_inject(module, args, kwargs):
+        if getattr(model, UNSHARDED_ATTR, False):  # whole sequences, the model's own attention (generation)
+            return args, kwargs
         if _CONTEXT_KEY in kwargs:  # checked by the enclosing model, which passes its context down
             kwargs.pop(LAYOUT_KEYWORD, None)
             return args, kwargs
