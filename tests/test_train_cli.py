@@ -141,11 +141,11 @@ def test_real_data_files_and_local_model_config(tmp_path):
     docs = tmp_path / "docs.jsonl"
     with open(docs, "w") as f:
         for i in range(40):
-            f.write(json.dumps({"body": f"Document {i}. " + "Long context matters. " * (3 + i % 7)}) + "\n")
+            f.write(json.dumps({"body": f"Document {i}. " + "Long context matters. " * (1 + i % 11)}) + "\n")
     model = tmp_path / "model"
     model.mkdir()
-    config = {
-        "model_type": "qwen2",
+    config = {  # a mixture of experts whose router loss is part of the loss (output_router_logits)
+        "model_type": "qwen3_moe",
         "vocab_size": 260,
         "hidden_size": 32,
         "intermediate_size": 64,
@@ -153,6 +153,11 @@ def test_real_data_files_and_local_model_config(tmp_path):
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "max_position_embeddings": 512,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "output_router_logits": True,
+        "router_aux_loss_coef": 0.1,
     }
     (model / "config.json").write_text(json.dumps(config))
     # a tokenizer directory as transformers saves one (a word-level tokenizer trained here, nothing downloaded)
@@ -171,7 +176,8 @@ def test_real_data_files_and_local_model_config(tmp_path):
     run, whole = tmp_path / "run", tmp_path / "whole"
     files = ["--data", str(docs), "--text-field", "body", "--model", str(model), "--seq-len", "100"]
     files += ["--batch-size", "2", "--grad-accum", "1", "--steps", "3"]
-    # the packed rows of uneven documents at sp 2 under the balanced layout, and on one rank: the same run
+    # the packed rows of uneven documents at sp 2 under the balanced layout, and on one rank: the same run (the
+    # logged loss includes 0.1 x the router's load-balancing loss, counted over both ranks' tokens)
     done = seqpar_train(*files, "--run-dir", str(run), "--strategy", "ulysses", "--layout", "balanced")
     assert done.returncode == 0, done.stderr
     assert "; balanced layout (solved per batch)" in done.stdout

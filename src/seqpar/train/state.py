@@ -19,6 +19,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import seqpar
 from seqpar.data import IGNORE_INDEX
+from seqpar.errors import SeqparInputError
+from seqpar.integrations.moe import router_loss_settings
 from seqpar.train.checkpoint import checkpoint_layout, latest_checkpoint, load_checkpoint
 from seqpar.train.config import TrainConfig
 from seqpar.train.data import FileRows, load_tokenizer
@@ -185,6 +187,11 @@ def set_up_run(config: TrainConfig, run_dir: str) -> RunState:
         seqpar.apply_tensor_parallel(model, mesh)
     # "balanced": each batch's layout comes with its shard (step.py, evaluate.py pass it as seqpar_layout=)
     seqpar.prepare_model(model, mesh, strategy=config.strategy, layout=config.layout)
+    if config.pp > 1 and router_loss_settings(model) is not None:  # the same model, so every rank raises
+        raise SeqparInputError(
+            "--pp with a mixture-of-experts router loss (output_router_logits) is not implemented: the pipeline's "
+            "stages return hidden states only; set output_router_logits false in the config, or train without --pp"
+        )
     pipeline = build_pipeline(config, model, mesh) if config.pp > 1 else None
     # "replicate": every rank holds the parameters, gradients summed by one all-reduce after the backward
     forward = (

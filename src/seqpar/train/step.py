@@ -13,6 +13,7 @@ import torch
 
 import seqpar
 from seqpar.data import IGNORE_INDEX, BatchShard
+from seqpar.integrations.moe import model_router_loss
 from seqpar.integrations.transformers import LAYOUT_KEYWORD
 from seqpar.train.pipeline import pipeline_gradients
 from seqpar.train.state import RunState
@@ -83,20 +84,26 @@ def shard_inputs(run: RunState, shard: BatchShard) -> dict:
 
 
 def _forward_loss(run: RunState, shard: BatchShard, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward one micro-batch shard; returns its loss share and its outputs (logits, or hidden states when chunked)."""
+    """Forward one micro-batch shard; returns its loss share and its outputs (logits, or hidden states when chunked).
+
+    A mixture-of-experts model with ``output_router_logits`` adds its router loss share over the loss group, as
+    its own forward adds ``router_aux_loss_coef x`` the micro-batch's load-balancing loss (Note [exact router loss]).
+    """
     config = run.config
     inputs = shard_inputs(run, shard)
     labels = shard["shift_labels"].to(run.device)
+    token_mask = shard["token_mask"].to(run.device)
     with run.autocast:
         if config.loss_chunk:
             # the output projection runs inside the loss, a chunk of tokens at a time
-            hidden = run.model.get_decoder()(**inputs).last_hidden_state
+            out = run.model.get_decoder()(**inputs)
             loss = seqpar.lm_head_cross_entropy(
-                hidden, run.head, labels, chunk_size=config.loss_chunk, num_valid_tokens=total
+                out.last_hidden_state, run.head, labels, chunk_size=config.loss_chunk, num_valid_tokens=total
             )
-            return loss, hidden
-        logits = run.forward(**inputs).logits
-        return seqpar.cross_entropy(logits, labels, num_valid_tokens=total), logits
+            return loss + model_router_loss(run.model, out, token_mask, run.loss_group), out.last_hidden_state
+        out = run.forward(**inputs)
+        loss = seqpar.cross_entropy(out.logits, labels, num_valid_tokens=total)
+        return loss + model_router_loss(run.model, out, token_mask, run.loss_group), out.logits
 
 
 def optimizer_step(run: RunState, step: int) -> StepResult:
