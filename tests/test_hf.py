@@ -360,6 +360,7 @@ def test_fsdp2_equals_one_process(request, name):
     "name,strategy",
     [
         ("gemma3_sp2", "ulysses"),  # sliding-window and full layers alternating, packed documents
+        ("gemma2_sp2", "ring"),  # attention logits soft-capped (seqpar's reference kernel), final logits too
         ("kv1_sp2", "ulysses"),  # 1 KV head over 2 ranks: the KV head is copied
         ("kv1_ulysses2_ring2", "hybrid"),
     ],

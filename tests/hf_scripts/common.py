@@ -92,6 +92,7 @@ CASES = {
     ),
     "sp2_fsdp2": Case(2, eval_batch=4, fsdp=True, reference="sp2"),
     "gemma3_sp2": Case(2, kind="gemma3", eval_batch=2),
+    "gemma2_sp2": Case(2, kind="gemma2", strategy="ring"),  # attention logits soft-capped at 1 (and final logits)
     "kv1_sp2": Case(2, kind="llama_kv1"),  # one KV head, degree 2: auto picks ulysses with the KV head copied
     # router loss (output_router_logits, weight 0.1): right-padded rows (attention_mask) and seqpar's layout padding
     "mixtral_sp2": Case(2, kind="mixtral", collator="padded", eval_batch=2),  # eval_loss adds the router loss
@@ -213,7 +214,7 @@ def model(kind: str, attn: str = "sdpa"):
     config = tiny_config(kind.removesuffix("_kv1"))
     if kind.endswith("_kv1"):
         config.num_key_value_heads = 1
-    if kind == "gpt_oss":  # transformers' gpt-oss has no SDPA path (its sinks): eager is its reference
+    if kind in ("gpt_oss", "gemma2"):  # no SDPA path in transformers (sinks, soft-capping): eager is the reference
         attn = "eager"
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
 
