@@ -182,6 +182,10 @@ def main(out: str, names: list[str]) -> None:
             from tests.hf_scripts.accelerate_guides import run as run_guide
 
             run_guide(out, name)
+        elif name.startswith("dpo_"):  # TRL's DPOTrainer (tests.hf_scripts.dpo)
+            from tests.hf_scripts.dpo import parallel as run_dpo
+
+            run_dpo(out, name)
         elif name.startswith("accelerate_dp"):
             from tests.hf_scripts.accelerate_loop import run
 

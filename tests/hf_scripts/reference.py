@@ -17,7 +17,11 @@ from tests.hf_scripts.common import CASES, build_trainer, results, save
 def main(out: str, names: list[str]) -> None:
     from tests.hf_scripts import upstream
 
-    others = [n for n in names if n not in CASES]  # upstream's examples and the accelerate loop
+    from tests.hf_scripts import dpo
+
+    for name in (n for n in names if n in dpo.DPO_CASES):  # TRL's DPOTrainer
+        dpo.reference(out, name)
+    others = [n for n in names if n not in CASES and n not in dpo.DPO_CASES]  # upstream's examples, accelerate loops
     if others:
         upstream.main(out, others)
     for name in (n for n in names if n in CASES):

@@ -1,7 +1,8 @@
-"""Hugging Face ``Trainer``, TRL ``SFTTrainer`` and accelerate loops with the sequence split over ranks.
+"""Hugging Face ``Trainer``, TRL ``SFTTrainer`` / ``DPOTrainer`` and accelerate loops, the sequence split over ranks.
 
-``SequenceParallelTrainer`` / ``SequenceParallelSFTTrainer`` take ``sequence_parallel=SequenceParallelConfig(...)`` or
-accelerate's ``ParallelismConfig`` (``TrainingArguments(parallelism_config=...)`` or an accelerate YAML);
+``SequenceParallelTrainer`` / ``SequenceParallelSFTTrainer`` / ``SequenceParallelDPOTrainer`` take
+``sequence_parallel=SequenceParallelConfig(...)`` or accelerate's ``ParallelismConfig``
+(``TrainingArguments(parallelism_config=...)`` or an accelerate YAML);
 ``Accelerator`` is accelerate's, with the sequence split as its ``parallelism_config`` says.
 """
 
@@ -24,6 +25,7 @@ __all__ = [
     "Accelerator",
     "ParallelismPlan",
     "SequenceParallelConfig",
+    "SequenceParallelDPOTrainer",
     "SequenceParallelMixin",
     "SequenceParallelSFTTrainer",
     "SequenceParallelTrainer",
@@ -50,4 +52,8 @@ def __getattr__(name: str) -> object:
         from seqpar.hf.sft import SequenceParallelSFTTrainer
 
         return SequenceParallelSFTTrainer
+    if name == "SequenceParallelDPOTrainer":
+        from seqpar.hf.dpo import SequenceParallelDPOTrainer
+
+        return SequenceParallelDPOTrainer
     raise AttributeError(f"module 'seqpar.hf' has no attribute {name!r}")
