@@ -54,10 +54,11 @@ class DPOCase:
         return self.world // self.sp_size
 
 
-# several loss types at once (weighted sum), with the length-desensitised sums and WPO's weights
+# several loss types at once (weighted sum), with the length-desensitised sums and WPO's weights (TRL 1.16
+# weights in place, which its "sft" and "hinge" terms cannot take in backward; the sp 3 case has those)
 MIXED = (
-    ("loss_type", ["ipo", "hinge", "sft", "sigmoid_norm", "robust"]),
-    ("loss_weights", [1.0, 0.5, 0.3, 0.7, 0.2]),
+    ("loss_type", ["ipo", "sigmoid_norm", "robust"]),
+    ("loss_weights", [1.0, 0.7, 0.2]),
     ("ld_alpha", 0.5),
     ("use_weighting", True),
     ("label_smoothing", 0.1),
@@ -66,7 +67,7 @@ DPO_CASES = {
     "dpo_sp2": DPOCase(2, evaluate=True),  # sigmoid, a reference model
     "dpo_mixed_sp2": DPOCase(2, extra=MIXED),
     "dpo_peft_sp2": DPOCase(2, peft=True, ref_model=False),
-    "dpo_sp3_ring": DPOCase(3, sp_size=3, strategy="ring", extra=(("loss_type", ["hinge", "bco_pair"]),)),
+    "dpo_sp3_ring": DPOCase(3, sp_size=3, strategy="ring", extra=(("loss_type", ["hinge", "bco_pair", "sft"]),)),
     # precomputed reference log-probs (the policy before training), random order, checkpointing, evaluation
     "dpo_dp2_sp2": DPOCase(
         4,
