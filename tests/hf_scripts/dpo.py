@@ -13,12 +13,13 @@ import os
 import torch
 import transformers
 
-from tests._models import VOCAB
+from tests._models import VOCAB, tiny_config
 from tests.hf_scripts.common import model, save
 
-__all__ = ["DPO_CASES", "DPO_METRICS", "build", "parallel", "reference"]
+__all__ = ["BETA", "DPO_CASES", "DPO_METRICS", "build", "parallel", "reference", "refusals"]
 
 STEPS = 3
+BETA = 0.5
 PAIRS = 24  # 3 steps of dp 2 x 2 pairs x 2 micro-batches
 PEFT = importlib.util.find_spec("peft") is not None
 DPO_METRICS = (
@@ -132,7 +133,7 @@ def build(name: str, out: str, trainer_cls, reference: bool, **kwargs):
         seed=0,
         bf16=False,
         gradient_checkpointing=False,
-        beta=0.5,
+        beta=BETA,
     )
     if case.evaluate:
         fields.update(eval_strategy="steps", eval_steps=2)
@@ -150,7 +151,7 @@ def build(name: str, out: str, trainer_cls, reference: bool, **kwargs):
         from peft import LoraConfig
 
         options["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-    return trainer_cls(**options, **kwargs)
+    return trainer_cls(**{**options, **kwargs})
 
 
 def results(trainer) -> dict:
@@ -184,9 +185,56 @@ def parallel(out: str, name: str) -> None:
 
     case = DPO_CASES[name]
     config = seqpar.hf.SequenceParallelConfig(sp_size=case.sp_size, strategy=case.strategy)
-    trainer = build(name, os.path.join(out, name), seqpar.hf.SequenceParallelDPOTrainer, False, sequence_parallel=config)
+    cls = seqpar.hf.SequenceParallelDPOTrainer
+    trainer = build(name, os.path.join(out, name), cls, False, sequence_parallel=config)
     trainer.train()
     found = results(trainer)
     found["strategy"] = seqpar.attention_choice(trainer.model).strategy
     if dist.get_rank() == 0:
         save(os.path.join(out, f"{name}.pt"), found)
+
+
+def refusals(out: str) -> None:
+    """Settings and batches the DPO trainer refuses: SeqparInputError on every rank (each records its messages)."""
+    import torch.distributed as dist
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    import seqpar.hf
+    from seqpar.errors import SeqparInputError
+
+    world, where = dist.get_world_size(), os.path.join(out, "dpo_x")
+    cls = seqpar.hf.SequenceParallelDPOTrainer
+
+    def trainer(sp: int = world, **kwargs):
+        config = seqpar.hf.SequenceParallelConfig(sp_size=sp)
+        return build("dpo_sp2", where, cls, False, sequence_parallel=config, **kwargs)
+
+    def left_padded_on_one_rank(examples):
+        batch = DataCollatorForPreference(pad_token_id=0)(examples)
+        if dist.get_rank() == world - 1:  # one rank only: the others must raise too
+            batch["attention_mask"][:, 0] = 0
+        return batch
+
+    def mixtral():
+        torch.manual_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(tiny_config("mixtral"))
+
+    vision = pairs(4, 3).add_column("images", [[]] * 4)
+    checks = {
+        "compute_metrics": lambda: trainer(compute_metrics=lambda prediction: {}),
+        "uneven replicas": lambda: trainer(sp=1, train_dataset=pairs(PAIRS - 1, 1)),
+        "left padding on one rank": lambda: trainer(data_collator=left_padded_on_one_rank).train(),
+        "router loss": lambda: trainer(model=mixtral(), ref_model=mixtral()),
+        "vision dataset": lambda: trainer(train_dataset=vision),
+    }
+    messages = {}
+    for what, make in checks.items():
+        try:
+            make()
+            messages[what] = "no SeqparInputError"
+        except SeqparInputError as error:
+            messages[what] = str(error)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, messages)
+    if dist.get_rank() == 0:
+        save(os.path.join(out, "dpo_refusals.pt"), gathered)

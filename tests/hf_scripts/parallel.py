@@ -183,9 +183,9 @@ def main(out: str, names: list[str]) -> None:
 
             run_guide(out, name)
         elif name.startswith("dpo_"):  # TRL's DPOTrainer (tests.hf_scripts.dpo)
-            from tests.hf_scripts.dpo import parallel as run_dpo
+            from tests.hf_scripts import dpo
 
-            run_dpo(out, name)
+            dpo.refusals(out) if name == "dpo_refusals" else dpo.parallel(out, name)
         elif name.startswith("accelerate_dp"):
             from tests.hf_scripts.accelerate_loop import run
 

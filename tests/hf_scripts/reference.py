@@ -15,9 +15,7 @@ from tests.hf_scripts.common import CASES, build_trainer, results, save
 
 
 def main(out: str, names: list[str]) -> None:
-    from tests.hf_scripts import upstream
-
-    from tests.hf_scripts import dpo
+    from tests.hf_scripts import dpo, upstream
 
     for name in (n for n in names if n in dpo.DPO_CASES):  # TRL's DPOTrainer
         dpo.reference(out, name)
