@@ -480,6 +480,7 @@ def test_dpo_refusals_on_every_rank(two_ranks):
 EXAMPLES = [
     ("hf_trainer.py", "torchrun"),
     ("sft_trainer.py", "accelerate"),
+    ("dpo_trainer.py", "torchrun"),
     ("accelerate_loop.py", "accelerate"),
 ]
 
