@@ -29,6 +29,7 @@ REFERENCES = [n for n, c in CASES.items() if not c.reference]
 BY_TORCHRUN = {n: v for n, v in UPSTREAM.items() if n not in YAML_LAUNCHED and n not in DEEPSPEED_EXAMPLES}
 DEEPSPEED = importlib.util.find_spec("deepspeed") is not None  # the optional extra seqpar[deepspeed]
 DPO_RUNS = [n for n, c in DPO_CASES.items() if PEFT or not c.peft]  # the PEFT case needs peft installed
+DPO_REFERENCES = [n for n in DPO_RUNS if not DPO_CASES[n].reference]
 
 
 def _launch(command: list[str], timeout: int = 600) -> None:
@@ -47,7 +48,7 @@ def out(tmp_path_factory) -> pathlib.Path:
     """One-process references of every case (one interpreter, no seqpar imported)."""
     path = tmp_path_factory.mktemp("hf")
     upstream = [*UPSTREAM, "accelerate_dp1", "accelerate_dp2", *GUIDES]  # upstream's examples, accelerate loops
-    _launch([sys.executable, "-m", "tests.hf_scripts.reference", str(path), *REFERENCES, *upstream, *DPO_RUNS])
+    _launch([sys.executable, "-m", "tests.hf_scripts.reference", str(path), *REFERENCES, *upstream, *DPO_REFERENCES])
     return path
 
 
@@ -436,14 +437,15 @@ def test_dpo_equals_one_process(request, name):
     3 steps of 2 micro-batches: per-step loss and grad_norm, TRL's metrics (rewards/*, logps/*, logits/*, entropy,
     mean_token_accuracy, num_tokens), evaluation loss and metrics, and the final parameters. The cases cover sigmoid,
     ipo / sigmoid_norm / robust with ld_alpha and WPO weights, hinge / bco_pair / sft over a ring of 3, a LoRA
-    adapter whose reference is its base model, and precomputed reference log-probabilities at dp 2 x sp 2 with
-    activation checkpointing (measured: loss <= 2.0e-6, grad_norm <= 1.1e-6, parameters <= 1.7e-6)."""
+    adapter whose reference is its base model, accelerate's ParallelismConfig(sp_size=2) in the DPOConfig, and
+    precomputed reference log-probabilities at dp 2 x sp 2 with activation checkpointing (measured: loss <= 2.0e-6,
+    grad_norm <= 1.1e-6, parameters <= 1.7e-6)."""
     case = DPO_CASES[name]
     if case.peft and not PEFT:
         pytest.skip("peft is not installed")
     root = request.getfixturevalue("two_ranks" if case.world == 2 else "more_ranks")
-    found, want = _load(root / f"{name}.pt"), _load(root / "reference" / f"{name}.pt")
-    assert found["strategy"] == ("ring" if case.strategy == "ring" else "ulysses")
+    found, want = _load(root / f"{name}.pt"), _load(root / "reference" / f"{case.reference or name}.pt")
+    assert (found["strategy"], found["sp_size"]) == ("ring" if case.strategy == "ring" else "ulysses", case.sp_size)
     assert [s for s, _, _ in found["log"]] == [s for s, _, _ in want["log"]] == [1, 2, 3]
     for i, (what, rtol) in enumerate((("loss", LOSS_RTOL), ("grad_norm", GRAD_NORM_RTOL)), start=1):
         got, ref = (torch.tensor([row[i] for row in run["log"]], dtype=torch.float64) for run in (found, want))

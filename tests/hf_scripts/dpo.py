@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from tests._models import VOCAB, tiny_config
-from tests.hf_scripts.common import model, save
+from tests.hf_scripts.common import model, parallelism_config, save
 
 __all__ = ["BETA", "DPO_CASES", "DPO_METRICS", "build", "parallel", "reference", "refusals"]
 
@@ -49,6 +49,8 @@ class DPOCase:
     evaluate: bool = False
     peft: bool = False  # train a LoRA adapter; the reference is the base model (no ref_model)
     ref_model: bool = True  # pass a second model as the reference (else: precomputed or PEFT)
+    reference: str = ""  # compare with another case's one-process run (same data and settings)
+    parallelism: str = ""  # the seqpar run takes common.parallelism_config(name), no sequence_parallel=
 
     @property
     def dp(self) -> int:
@@ -67,6 +69,8 @@ MIXED = (
 DPO_CASES = {
     "dpo_sp2": DPOCase(2, evaluate=True),  # sigmoid, a reference model
     "dpo_mixed_sp2": DPOCase(2, extra=MIXED),
+    # accelerate's ParallelismConfig(sp_size=2, sp_backend="deepspeed", ...) in DPOConfig, as its guides write it
+    "dpo_pc_sp2": DPOCase(2, evaluate=True, reference="dpo_sp2", parallelism="sp2"),
     "dpo_peft_sp2": DPOCase(2, peft=True, ref_model=False),
     "dpo_sp3_ring": DPOCase(3, sp_size=3, strategy="ring", extra=(("loss_type", ["hinge", "bco_pair", "sft"]),)),
     # precomputed reference log-probs (the policy before training), random order, checkpointing, evaluation
@@ -108,7 +112,7 @@ def pairs(count: int, seed: int):
     )
 
 
-def build(name: str, out: str, trainer_cls, reference: bool, **kwargs):
+def build(name: str, out: str, trainer_cls, reference: bool, args: dict | None = None, **kwargs):
     """The DPO trainer (class given) for case ``name``: a tiny Llama, its reference copy, the pairs."""
     from trl import DPOConfig
 
@@ -137,7 +141,7 @@ def build(name: str, out: str, trainer_cls, reference: bool, **kwargs):
     )
     if case.evaluate:
         fields.update(eval_strategy="steps", eval_steps=2)
-    fields.update(dict(case.extra))
+    fields.update(dict(case.extra), **(args or {}))
     options = dict(
         model=model("llama"),
         args=DPOConfig(**fields),
@@ -184,12 +188,15 @@ def parallel(out: str, name: str) -> None:
     import seqpar.hf
 
     case = DPO_CASES[name]
-    config = seqpar.hf.SequenceParallelConfig(sp_size=case.sp_size, strategy=case.strategy)
-    cls = seqpar.hf.SequenceParallelDPOTrainer
-    trainer = build(name, os.path.join(out, name), cls, False, sequence_parallel=config)
+    if case.parallelism:
+        options = {"args": {"parallelism_config": parallelism_config(case.parallelism)}}
+    else:
+        options = {"sequence_parallel": seqpar.hf.SequenceParallelConfig(sp_size=case.sp_size, strategy=case.strategy)}
+    trainer = build(name, os.path.join(out, name), seqpar.hf.SequenceParallelDPOTrainer, False, **options)
     trainer.train()
     found = results(trainer)
     found["strategy"] = seqpar.attention_choice(trainer.model).strategy
+    found["sp_size"] = trainer.sp_mesh.sp_size
     if dist.get_rank() == 0:
         save(os.path.join(out, f"{name}.pt"), found)
 
