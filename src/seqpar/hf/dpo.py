@@ -82,7 +82,7 @@ def check_dpo_arguments(args: object, model: object, compute_metrics: object, tr
 
 
 def _check_even_replicas(dataset: object, batch: int, dp: int, drop_last: bool, what: str) -> None:
-    if dp == 1 or dataset is None or drop_last:
+    if dp == 1 or drop_last or not hasattr(dataset, "__len__") or isinstance(dataset, dict):
         return
     rows = len(dataset)
     if rows % (batch * dp):
@@ -182,14 +182,20 @@ class SequenceParallelDPOTrainer(SequenceParallelMixin, DPOTrainer):
     def _gather_replicas(self, data):
         """Every replica's copy of ``data`` once, in replica order (the evaluation losses; collective)."""
         gathered = self.accelerator.gather(data)
-        if self.sp_mesh.sp_size == 1 or not isinstance(gathered, torch.Tensor) or gathered.dim() == 0:
+        mesh = self.sp_mesh.device_mesh
+        if self.sp_mesh.sp_size == 1 or mesh is None or not isinstance(gathered, torch.Tensor) or gathered.dim() == 0:
             return gathered
         per_rank = gathered.reshape(self.accelerator.num_processes, -1, *gathered.shape[1:])
-        leaders = [self._group_leader(r) for r in range(self.accelerator.num_processes)]
-        return per_rank[[r for r in range(len(leaders)) if leaders[r] == r]].flatten(0, 1)
+        leaders = mesh.mesh.reshape(self.dp_size, -1)[:, 0].tolist()  # the first rank of each replica's group
+        return per_rank[leaders].flatten(0, 1)
 
-    def _group_leader(self, rank: int) -> int:
-        return rank - rank % self.sp_mesh.sp_size  # make_mesh puts the sp ranks of a replica next to each other
+    def get_eval_dataloader(self, eval_dataset=None):
+        """The evaluation dataloader of this replica; refuses a dataset that would leave the replicas uneven."""
+        dataset = self.eval_dataset[eval_dataset] if isinstance(eval_dataset, str) else eval_dataset
+        dataset = self.eval_dataset if dataset is None else dataset
+        batch, drop_last = self.args.per_device_eval_batch_size, self.args.dataloader_drop_last
+        _check_even_replicas(dataset, batch, self.dp_size, drop_last, "evaluation")
+        return super().get_eval_dataloader(eval_dataset)
 
     def evaluation_loop(self, *args, **kwargs):
         """The Trainer's evaluation loop: DPO's loss per batch, its losses gathered once per replica."""
@@ -210,7 +216,8 @@ class SequenceParallelDPOTrainer(SequenceParallelMixin, DPOTrainer):
         loader = replica_loader(dataset, self.sp_mesh, batch_size=batch_size, collate_fn=collate, shuffle=False)
         rows = torch.zeros(2, len(dataset), dtype=torch.float64)
         leader = self.sp_mesh.sp_rank == 0
-        for k, batch in enumerate(loader):
+        for k, batch in enumerate(loader):  # every replica has as many batches (Note [epoch ends])
+            self.check_batch(batch)  # bad rows raise on every rank, before the group's collectives
             if batch["input_ids"].shape[0] == 0:  # no rows left for this replica (its whole group skips alike)
                 continue
             batch = self._prepare_inputs(batch)
