@@ -19,6 +19,7 @@ import transformers
 
 from tests.hf_scripts.accelerate_references import GUIDES
 from tests.hf_scripts.common import CASES, DEEPSPEED_CASES, METRICS, STEPS, documents, model
+from tests.hf_scripts.dpo import BETA, DPO_CASES, DPO_METRICS, PEFT
 from tests.hf_scripts.grpo import COMPARED, GRPO_CASES, GRPO_STEPS
 from tests.hf_scripts.upstream import DEEPSPEED_EXAMPLES, UPSTREAM, YAML_LAUNCHED
 
@@ -29,6 +30,8 @@ ADAMW_PARAM_RTOL = 1e-3  # Adam divides by sqrt(v): near-zero gradients turn rou
 REFERENCES = [n for n, c in CASES.items() if not c.reference]
 BY_TORCHRUN = {n: v for n, v in UPSTREAM.items() if n not in YAML_LAUNCHED and n not in DEEPSPEED_EXAMPLES}
 DEEPSPEED = importlib.util.find_spec("deepspeed") is not None  # the optional extra seqpar[deepspeed]
+DPO_RUNS = [n for n, c in DPO_CASES.items() if PEFT or not c.peft]  # the PEFT case needs peft installed
+DPO_REFERENCES = [n for n in DPO_RUNS if not DPO_CASES[n].reference]
 
 
 def _launch(command: list[str], timeout: int = 600) -> None:
@@ -48,7 +51,8 @@ def out(tmp_path_factory) -> pathlib.Path:
     path = tmp_path_factory.mktemp("hf")
     upstream = [*UPSTREAM, "accelerate_dp1", "accelerate_dp2", *GUIDES]  # upstream's examples, accelerate loops
     grpo = [*GRPO_CASES, "grpo_loss_types"]  # TRL's own GRPOTrainer
-    _launch([sys.executable, "-m", "tests.hf_scripts.reference", str(path), *REFERENCES, *upstream, *grpo])
+    references = [*REFERENCES, *upstream, *grpo, *DPO_REFERENCES]
+    _launch([sys.executable, "-m", "tests.hf_scripts.reference", str(path), *references])
     return path
 
 
@@ -74,6 +78,8 @@ def two_ranks(out) -> pathlib.Path:
             *(n for n, (world, _, _) in GUIDES.items() if world == 2),
             *(n for n, c in GRPO_CASES.items() if c.world == 2),
             "grpo_loss_types",
+            *(n for n in DPO_RUNS if DPO_CASES[n].world == 2),
+            "dpo_refusals",
             # last: DeepSpeed's settings stay in the process once a DeepSpeed Trainer was built
             *([*DEEPSPEED_CASES, "alst_trainer_dp1", "deepspeed_refusal"] if DEEPSPEED else []),
         )
@@ -86,6 +92,7 @@ def more_ranks(out) -> pathlib.Path:
     for world in (3, 4):
         names = [n for n, c in CASES.items() if c.world == world]
         names += [n for n, c in GRPO_CASES.items() if c.world == world]
+        names += [n for n in DPO_RUNS if DPO_CASES[n].world == world]
         if world == 4:  # dp 2 x sp 2
             names += [*(n for n, (_, _, dp) in BY_TORCHRUN.items() if dp == 2), "accelerate_dp2"]
             names += [n for n, (w, _, _) in GUIDES.items() if w == 4]
@@ -474,9 +481,71 @@ def test_grpo_loss_types_equal_one_process(two_ranks):
     assert max(v["metrics"].get("clip_ratio/region_mean", 0.0) for v in want.values()) > 0
 
 
+def _dpo_tolerances(key: str, want: dict, beta: float) -> tuple[float, float]:
+    """(rtol, atol) for one of TRL's DPO metrics. rewards/* are beta x differences of completion log-probabilities
+    of some tens, near zero at the start: their error is the log-probabilities' rounding (measured <= 2.4e-6 with
+    log-probabilities near 57), so atol is 1e-6 of beta x the largest log-probability. logits/* are vocabulary
+    means of logits near zero: atol 1e-7 (measured <= 5e-9). The token count is exact."""
+    if key.endswith("num_tokens"):
+        return 0.0, 0.0
+    if "rewards/" in key and "accuracies" not in key:
+        largest = max(abs(v) for k, rows in want.items() if "logps/" in k for _, v in rows)
+        return LOSS_RTOL, 1e-6 * beta * largest
+    return LOSS_RTOL, 1e-7 if "logits/" in key else 0.0
+
+
+@pytest.mark.parametrize("name", list(DPO_CASES))
+def test_dpo_equals_one_process(request, name):
+    """Note [DPO over shards]: TRL's DPOTrainer in one process on dp x the pairs against SequenceParallelDPOTrainer,
+    3 steps of 2 micro-batches: per-step loss and grad_norm, TRL's metrics (rewards/*, logps/*, logits/*, entropy,
+    mean_token_accuracy, num_tokens), evaluation loss and metrics, and the final parameters. The cases cover sigmoid,
+    ipo / sigmoid_norm / robust with ld_alpha and WPO weights, hinge / bco_pair / sft over a ring of 3, a LoRA
+    adapter whose reference is its base model, accelerate's ParallelismConfig(sp_size=2) in the DPOConfig, and
+    precomputed reference log-probabilities at dp 2 x sp 2 with activation checkpointing (measured: loss <= 2.0e-6,
+    grad_norm <= 1.1e-6, parameters <= 1.7e-6)."""
+    case = DPO_CASES[name]
+    if case.peft and not PEFT:
+        pytest.skip("peft is not installed")
+    root = request.getfixturevalue("two_ranks" if case.world == 2 else "more_ranks")
+    found, want = _load(root / f"{name}.pt"), _load(root / "reference" / f"{case.reference or name}.pt")
+    assert (found["strategy"], found["sp_size"]) == ("ring" if case.strategy == "ring" else "ulysses", case.sp_size)
+    assert [s for s, _, _ in found["log"]] == [s for s, _, _ in want["log"]] == [1, 2, 3]
+    for i, (what, rtol) in enumerate((("loss", LOSS_RTOL), ("grad_norm", GRAD_NORM_RTOL)), start=1):
+        got, ref = (torch.tensor([row[i] for row in run["log"]], dtype=torch.float64) for run in (found, want))
+        torch.testing.assert_close(got, ref, rtol=rtol, atol=0, msg=lambda m, w=what: f"{w}: {m}")
+    rows = want["metrics"] | want["eval"]
+    assert all(rows[k] for k in DPO_METRICS) and bool(rows["eval_loss"]) == case.evaluate
+    for key, ref_rows in rows.items():
+        got_rows = (found["metrics"] | found["eval"])[key]
+        assert [s for s, _ in got_rows] == [s for s, _ in ref_rows], key
+        got, ref = (torch.tensor([v for _, v in r], dtype=torch.float64) for r in (got_rows, ref_rows))
+        rtol, atol = _dpo_tolerances(key, rows, BETA)
+        torch.testing.assert_close(got, ref, rtol=rtol, atol=atol, msg=lambda m, k=key: f"{k}: {m}")
+    assert found["params"].keys() == want["params"].keys()
+    for n, ref in want["params"].items():
+        torch.testing.assert_close(found["params"][n], ref, rtol=0, atol=PARAM_RTOL * float(ref.abs().max()))
+
+
+def test_dpo_refusals_on_every_rank(two_ranks):
+    """DPO settings and batches seqpar cannot serve raise SeqparInputError on every rank, each with its reason."""
+    per_rank = _load(two_ranks / "dpo_refusals.pt")
+    assert per_rank[0] == per_rank[1], "the ranks raised different messages"
+    expected = {
+        "compute_metrics": "compute_metrics: DPOTrainer builds whole-sequence logits",
+        "uneven replicas": "23 pairs, not a multiple of 2 data-parallel replicas x 2 pairs",
+        "left padding on one rank": "rank 1: attention_mask has padding before real tokens",
+        "router loss": "DPOConfig(router_aux_loss_coef=0.0)",
+        "vision dataset": "vision datasets (images)",
+    }
+    assert per_rank[0].keys() == expected.keys()
+    for what, text in expected.items():
+        assert text in per_rank[0][what], f"{what}: {per_rank[0][what]}"
+
+
 EXAMPLES = [
     ("hf_trainer.py", "torchrun"),
     ("sft_trainer.py", "accelerate"),
+    ("dpo_trainer.py", "torchrun"),
     ("accelerate_loop.py", "accelerate"),
 ]
 

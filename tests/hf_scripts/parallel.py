@@ -190,6 +190,10 @@ def main(out: str, names: list[str]) -> None:
             from tests.hf_scripts.accelerate_guides import run as run_guide
 
             run_guide(out, name)
+        elif name.startswith("dpo_"):  # TRL's DPOTrainer (tests.hf_scripts.dpo)
+            from tests.hf_scripts import dpo
+
+            dpo.refusals(out) if name == "dpo_refusals" else dpo.parallel(out, name)
         elif name.startswith("accelerate_dp"):
             from tests.hf_scripts.accelerate_loop import run
 

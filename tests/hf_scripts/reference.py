@@ -15,16 +15,17 @@ from tests.hf_scripts.common import CASES, build_trainer, results, save
 
 
 def main(out: str, names: list[str]) -> None:
-    from tests.hf_scripts import grpo, upstream
+    from tests.hf_scripts import dpo, grpo, upstream
 
     grpo.reference(out, [n for n in names if n in grpo.GRPO_CASES])
     if "grpo_loss_types" in names:
         from tests.hf_scripts import grpo_losses
 
         grpo_losses.reference(out)
-    others = [
-        n for n in names if n not in CASES and not n.startswith("grpo_")
-    ]  # upstream's examples and the accelerate loop
+    for name in (n for n in names if n in dpo.DPO_CASES):  # TRL's DPOTrainer
+        dpo.reference(out, name)
+    # upstream's examples and the accelerate loops
+    others = [n for n in names if n not in CASES and n not in dpo.DPO_CASES and not n.startswith("grpo_")]
     if others:
         upstream.main(out, others)
     for name in (n for n in names if n in CASES):

@@ -1,7 +1,8 @@
-"""Hugging Face ``Trainer``, TRL ``SFTTrainer`` and accelerate loops with the sequence split over ranks.
+"""Hugging Face ``Trainer``, TRL ``SFTTrainer`` / ``DPOTrainer`` and accelerate loops, the sequence split over ranks.
 
-``SequenceParallelTrainer`` / ``SequenceParallelSFTTrainer`` take ``sequence_parallel=SequenceParallelConfig(...)`` or
-accelerate's ``ParallelismConfig`` (``TrainingArguments(parallelism_config=...)`` or an accelerate YAML);
+``SequenceParallelTrainer`` / ``SequenceParallelSFTTrainer`` / ``SequenceParallelDPOTrainer`` take
+``sequence_parallel=SequenceParallelConfig(...)`` or accelerate's ``ParallelismConfig``
+(``TrainingArguments(parallelism_config=...)`` or an accelerate YAML);
 ``Accelerator`` is accelerate's, with the sequence split as its ``parallelism_config`` says.
 ``SequenceParallelGRPOTrainer`` is TRL's GRPO trainer with ``sequence_parallel=``.
 """
@@ -25,6 +26,7 @@ __all__ = [
     "Accelerator",
     "ParallelismPlan",
     "SequenceParallelConfig",
+    "SequenceParallelDPOTrainer",
     "SequenceParallelGRPOTrainer",
     "SequenceParallelMixin",
     "SequenceParallelSFTTrainer",
@@ -56,4 +58,8 @@ def __getattr__(name: str) -> object:
         from seqpar.hf.grpo import SequenceParallelGRPOTrainer
 
         return SequenceParallelGRPOTrainer
+    if name == "SequenceParallelDPOTrainer":
+        from seqpar.hf.dpo import SequenceParallelDPOTrainer
+
+        return SequenceParallelDPOTrainer
     raise AttributeError(f"module 'seqpar.hf' has no attribute {name!r}")
