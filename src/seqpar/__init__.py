@@ -22,6 +22,7 @@ from seqpar.layout import LAYOUTS, ChunkLayout, gather_sequence, position_ids, s
 from seqpar.loss import count_valid_tokens, cross_entropy, lm_head_cross_entropy, sum_over
 from seqpar.memory import MemoryEstimate, apply_activation_offload, apply_tiled_mlp, estimate_memory
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh, make_mesh
+from seqpar.placement import Placement, placed_layout
 from seqpar.planning import Cluster, Plan, plan
 from seqpar.strategies.masking import SequenceMask, sequence_mask
 from seqpar.strategies.policy import STRATEGIES, resolve_strategy
@@ -38,6 +39,7 @@ __all__ = [
     "LayoutBalance",
     "MemoryEstimate",
     "PipelineParallel",
+    "Placement",
     "Plan",
     "SeqparInputError",
     "SequenceMask",
@@ -65,6 +67,7 @@ __all__ = [
     "lm_head_cross_entropy",
     "make_mesh",
     "pack_documents",
+    "placed_layout",
     "plan",
     "position_ids",
     "prepare_model",
