@@ -101,7 +101,8 @@ def test_bench_masks_writes_one_record_per_case(tmp_path):
     from seqpar.bench.masks import main
 
     out = tmp_path / "masks.json"
-    args = ["--seq", "512", "--repeats", "1", "--strategies", "ring", "allgather", "--layouts", "zigzag", "balanced"]
+    args = ["--seq", "512", "--repeats", "1", "--strategies", "ring", "allgather", "--layouts", "zigzag", "placed"]
+    args += ["--masks", "causal", "16 documents", "short", "window", "frames"]
     assert main([*args, "--json", str(out)]) == 0
     records = json.loads(out.read_text())
     assert len(records) == 2 * 5 * 2  # strategies x masks x layouts
