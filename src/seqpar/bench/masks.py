@@ -10,9 +10,10 @@ same with log-normal document lengths (median S/16, 100 to 64K tokens: an SFT-li
 completions of similar length after one prompt each), log-normal documents all shorter than S/(2P), a causal
 sliding window, and block-causal frames (a token sees its own frame and earlier ones). Work falls with the
 visible area; with a mask, ring, allgather and hybrid's ring axis also move only the K/V some peer query
-sees (Note [mask-aware ring]). Layouts "balanced" and "placed" are solved per mask (Notes [balanced layout], [placed layout]; the
-placed row is reordered and padded: ``tokens_per_rank`` counts each rank's real tokens, ``tokens_max_over_mean``
-its local length, padding included, over S/P, ``layout_solve_s`` the solver's seconds). Per (strategy, mask, layout) it
+sees (Note [mask-aware ring]). Layouts "balanced" and "placed" are solved per mask (Notes [balanced layout],
+[placed layout]; the placed row is reordered and padded: ``tokens_per_rank`` counts each rank's real tokens,
+``tokens_max_over_mean`` its local length, padding included, over S/P, ``layout_solve_s`` the solver's
+seconds). Per (strategy, mask, layout) it
 measures the bytes each rank writes to its sockets (/proc/self/io) against the bytes the mask makes
 necessary (``masks_bytes``), the step time (slowest rank, wall), and each rank's attention compute time:
 the thread CPU time of its kernel calls (``TimedKernel``), which a rank waiting for a peer does not
@@ -233,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--frame", type=int, default=None, help="block-causal block size (default: seq / 16)")
     parser.add_argument("--strategies", nargs="+", default=["ring", "allgather", "hybrid", "ulysses"])
     parser.add_argument(
-        "--layouts", nargs="+", default=["zigzag", "balanced", "placed"],
+        "--layouts",
+        nargs="+",
+        default=["zigzag", "balanced", "placed"],
         choices=["zigzag", "contiguous", "balanced", "placed"],
     )
     parser.add_argument(
