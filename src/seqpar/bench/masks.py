@@ -220,6 +220,20 @@ def _print(records: list[dict], args: argparse.Namespace) -> None:
         )
 
 
+def _time_solver(args: argparse.Namespace) -> int:
+    """Print the placed solver's median and slowest seconds over 5 log-normal rows (median 2K tokens), one thread."""
+    torch.set_num_threads(1)
+    times = []
+    for seed in range(5):
+        ids = log_normal_documents(args.seq, seed, 2000)
+        start = time.perf_counter()
+        seqpar.placed_layout(ids, args.ranks)
+        times.append(time.perf_counter() - start)
+    print(f"placed_layout, {args.seq} tokens, {args.ranks} ranks, one thread: median {statistics.median(times):.4f} s, "
+          f"slowest {max(times):.4f} s")  # fmt: skip
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="seqpar bench masks", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -247,7 +261,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--median", type=int, default=None, help="median log-normal document (default: seq / 16)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", metavar="FILE", help="write one record per (strategy, mask, layout) here")
+    parser.add_argument(
+        "--solve-only", action="store_true",
+        help="only time the placed layout's solver (one thread, SFT-like rows of --seq tokens over --ranks)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.solve_only:
+        return _time_solver(args)
     args.window = args.window or args.seq // 8
     args.frame = args.frame or args.seq // 16
     args.median = args.median or max(100, args.seq // 16)

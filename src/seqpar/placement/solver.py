@@ -121,8 +121,9 @@ def _split_long(
 
 
 def _build(position_row: torch.Tensor, tok_work: torch.Tensor, p: int, c: int, k: int, flat_window: int | None,
-           causal: bool) -> tuple[torch.Tensor, tuple[tuple[int, ...], ...]]:  # fmt: skip
-    """One candidate for ``k`` chunks per rank: the order ``[S']`` (-1 padding) and every rank's chunk ids."""
+           causal: bool) -> tuple[torch.Tensor, tuple[tuple[int, ...], ...], bool]:  # fmt: skip
+    """One candidate for ``k`` chunks per rank: the order ``[S']`` (-1 padding), every rank's chunk ids, and
+    whether a short document had to be cut."""
     docs = _documents(position_row)
     work = [float(tok_work[s : s + n].sum()) for s, n in docs]
     mean, share = sum(work) / p, k * c
@@ -149,7 +150,7 @@ def _build(position_row: torch.Tensor, tok_work: torch.Tensor, p: int, c: int, k
         n = (cap - (len(owner) * c - zone if r == first else 0)) // c
         ids[r] += range(at, at + n)
         at += n
-    return torch.cat(order), tuple(tuple(x) for x in ids)
+    return torch.cat(order), tuple(tuple(x) for x in ids), any(j >= 0 and offset > 0 for j, offset, _ in pieces)
 
 
 def _placed_positions(row: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
@@ -239,8 +240,11 @@ def placed_layout(
     options = [k_min] + ([k_min + 1] if (k_min + 1) * c * world_size <= TOKEN_SLACK * seq_len else [])
     best = None
     for k in options:
-        order, ids = _build(positions[0], tok_work, world_size, c, k, window, causal)
+        order, ids, cut = _build(positions[0], tok_work, world_size, c, k, window, causal)
         placed = _placed_positions(positions[0], order)
+        if len(options) == 1 or not cut:
+            best = (0.0, order, placed, ids)  # nothing to trade: every document whole where the tokens allow
+            break
         score = _score(placed, order, tok_work, ids, c, causal, key_cost)
         if best is None or score < best[0]:
             best = (score, order, placed, ids)
