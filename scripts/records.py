@@ -102,6 +102,25 @@ def masks_table(records: list[dict]) -> str:
     return _with_runs("masks_cpu", records, header, cells)
 
 
+def masks_bytes_table(records: list[dict]) -> str:
+    """Bytes each rank needs under ring per masked row and layout (mean, largest), and the placed layout's balance."""
+    ring = [r for r in records if r["strategy"] == "ring" and r["mask"] != "causal"]
+    layouts = list(dict.fromkeys(r["layout"] for r in ring))
+    by = {(r["mask"], r["layout"]): r for r in ring}
+    cells = []
+    for mask in dict.fromkeys(r["mask"] for r in ring):
+        row = [mask]
+        for layout in layouts:
+            r = by.get((mask, layout))
+            needed = r["bytes_needed_per_rank"] if r else None
+            row.append(f"{sum(needed) / len(needed) / 1e6:.2f} ({max(needed) / 1e6:.2f})" if needed else "-")
+        placed = by.get((mask, "placed"), {})
+        row += [f"{placed[k]:.3f}" if k in placed else "-" for k in ("planned_max_over_mean", "tokens_max_over_mean")]
+        cells.append(row)
+    header = ["mask", *layouts, "placed planned work max/mean", "placed tokens max/mean"]
+    return _with_runs("masks_cpu", ring, header, cells)
+
+
 def maxlen_table(records: list[dict]) -> str:
     """The ``seqpar bench maxlen`` table: longest sequence per rung and sp, its ratios, measured and estimated peak."""
     rungs = list(dict.fromkeys(r["features"] for r in records))  # the bench writes them in ladder order
@@ -196,6 +215,7 @@ def headline_table(records_dir: pathlib.Path = RECORDS) -> str:
 
 TABLES = {
     "masks": lambda d: masks_table(load("masks_cpu", d)),
+    "masks_bytes": lambda d: masks_bytes_table(load("masks_cpu", d)),
     "maxlen": lambda d: maxlen_table(load("maxlen_cpu", d)),
     "headline": headline_table,
 }

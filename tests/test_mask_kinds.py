@@ -1,6 +1,6 @@
 """Block-causal masks (a block size or token ranges) and bidirectional documents, alone and combined with
-documents and windows: every strategy and layout (zigzag, contiguous, the balanced layout of each case) equals
-single-device SDPA with the dense mask written out here, outputs and gradients, at P = 2, 3, 4.
+documents and windows: every strategy and layout (zigzag, contiguous, the balanced and placed layouts of each
+case) equals single-device SDPA with the dense mask written out here, outputs and gradients, at P = 2, 3, 4.
 """
 
 from __future__ import annotations
@@ -112,10 +112,18 @@ def _kinds_worker(rank, world_size):
             balanced = seqpar.balanced_layout(positions, world_size, causal=causal, window=window, blocks=blocks)
             for layout in ("zigzag", "contiguous", balanced):
                 check_kind(rank, world_size, mesh, strategy, layout, *case)
-        # causal documents and a window alone (zigzag and contiguous run them in test_masking.py)
-        for positions, window in ((packed_positions(seq_len, (5, 31, 2, 17))[None], None), (one_doc(seq_len), 9)):
+            if positions.shape[0] == 1 and blocks is None:  # the placed row (Note [placed layout])
+                placed = seqpar.placed_layout(positions, world_size, causal=causal, window=window)
+                check_kind(rank, world_size, mesh, strategy, placed.layout, placed.position_ids, *case[1:])
+        # causal documents, with and without a window, and a window alone (zigzag and contiguous run them in
+        # test_masking.py); the placed layout reorders the documents and pads the row
+        alone = [(packed_positions(seq_len, (5, 31, 2, 17))[None], None), (one_doc(seq_len), 9)]
+        for positions, window in alone:
             balanced = seqpar.balanced_layout(positions, world_size, window=window)
             check_kind(rank, world_size, mesh, strategy, balanced, positions, True, window, None, False)
+        for positions, window in [*alone, (packed_positions(seq_len, (3, 11, 2, 30))[None], 6)]:
+            placed = seqpar.placed_layout(positions, world_size, window=window)
+            check_kind(rank, world_size, mesh, strategy, placed.layout, placed.position_ids, True, window, None, False)
     q = torch.randn(1, 2, seq_len // world_size, 8)
     mesh = seqpar.make_mesh()
     with pytest.raises(SeqparInputError, match="block-causal blocks need causal=True"):

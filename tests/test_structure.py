@@ -24,6 +24,7 @@ LAYERS = {
     "checks": 6,
     "api": 7,
     "balanced": 7,
+    "placement": 7,
     "data": 8,
     "loss": 8,
     "gradients": 8,

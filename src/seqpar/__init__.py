@@ -21,6 +21,7 @@ from seqpar.loss import count_valid_tokens, cross_entropy, lm_head_cross_entropy
 from seqpar.memory import MemoryEstimate, apply_activation_offload, apply_tiled_mlp, estimate_memory
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh, make_mesh
 from seqpar.pipeline_parallel import PipelineParallel, apply_pipeline_parallel
+from seqpar.placement import Placement, placed_layout
 from seqpar.planning import Cluster, Plan, plan
 from seqpar.strategies.masking import SequenceMask, sequence_mask
 from seqpar.strategies.policy import STRATEGIES, resolve_strategy
@@ -38,6 +39,7 @@ __all__ = [
     "LayoutBalance",
     "MemoryEstimate",
     "PipelineParallel",
+    "Placement",
     "Plan",
     "SeqparInputError",
     "SequenceMask",
@@ -65,6 +67,7 @@ __all__ = [
     "lm_head_cross_entropy",
     "make_mesh",
     "pack_documents",
+    "placed_layout",
     "plan",
     "position_ids",
     "prepare_model",

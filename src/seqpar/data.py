@@ -22,6 +22,7 @@ from seqpar.balanced import balanced_layout
 from seqpar.errors import SeqparInputError
 from seqpar.layout import ChunkLayout, Layout, chunks_per_rank, shard_for_rank
 from seqpar.mesh import as_sp_mesh
+from seqpar.placement import Placement, placed_layout
 from seqpar.strategies.masking import check_packed_positions
 
 __all__ = ["IGNORE_INDEX", "BatchShard", "pack_documents", "shard_batch"]
@@ -37,9 +38,11 @@ class BatchShard(dict):
     with ``layout="balanced"`` as ``model(..., seqpar_layout=shard.layout)``).
     """
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], layout: Layout) -> None:
+    def __init__(self, tensors: Mapping[str, torch.Tensor], layout: Layout, placement: Placement | None = None) -> None:
         super().__init__(tensors)
         self.layout = layout
+        self.placement = placement
+        """Under ``layout="placed"``: the placed row's order (``placement.restore`` puts a gathered row back)."""
 
 
 def _as_2d(name: str, t: object) -> torch.Tensor:
@@ -70,8 +73,9 @@ def shard_batch(
             optional ``attention_mask`` ``[B, S]`` with right padding only (0 = padding, ignored by the loss).
         mesh: the sequence-parallel mesh, group, or None.
         layout: "zigzag", "contiguous", "balanced" (this batch's own layout: every rank equal attention work on
-            its packed documents, Note [balanced layout]) or a ``ChunkLayout``; the layout every attention
-            call of this batch will be told.
+            its packed documents, Note [balanced layout]), "placed" (whole short documents on one rank, long
+            ones over few ranks, the row reordered and padded: Note [placed layout]) or a ``ChunkLayout``; the
+            layout every attention call of this batch will be told.
         pad_token_id: token used when a row is padded up to a multiple of the layout.
         ignore_index: label value the loss ignores.
 
@@ -79,7 +83,8 @@ def shard_batch(
         A ``BatchShard``: ``{"input_ids", "position_ids", "shift_labels", "token_mask"}``, each ``[B, S'/P]``
         (``S'`` = ``S`` padded up to a multiple of the layout, 2P for "balanced"; ``token_mask`` is 1 on the
         batch's tokens, 0 on its padding and the layout's), and ``.layout``, the layout used (a ``ChunkLayout``
-        for "balanced"). Call the model as ``model(input_ids=..., position_ids=...)`` and the loss as
+        for "balanced" and "placed"; under "placed" the tensors are those of the placed row, whose order is
+        ``.placement``). Call the model as ``model(input_ids=..., position_ids=...)`` and the loss as
         ``seqpar.cross_entropy(logits, shard["shift_labels"], mesh)`` (plus ``seqpar.router_aux_loss`` for
         a mixture-of-experts model's router loss).
 
@@ -135,6 +140,8 @@ def shard_batch(
         # the last real token has no real successor to predict
         shifted[:, :-1][keep[:, :-1] & ~keep[:, 1:]] = ignore_index
 
+    if layout == "placed":  # Note [placed layout]: the row is reordered (and padded) before it is sharded
+        return _placed_shard(ids, shifted, positions, keep, sp, pad_token_id, ignore_index)
     multiple = sp.sp_size * (2 if layout == "balanced" else chunks_per_rank(layout))
     if isinstance(layout, ChunkLayout) and layout.world_size != sp.sp_size:
         raise SeqparInputError(f"the {layout} does not fit the {sp.sp_size} sequence-parallel ranks")
@@ -148,6 +155,20 @@ def shard_batch(
         layout = balanced_layout(positions, sp.sp_size)
     tensors = {"input_ids": ids, "position_ids": positions, "shift_labels": shifted, "token_mask": keep.long()}
     return BatchShard({k: shard_for_rank(t, sp.sp_rank, sp.sp_size, 1, layout) for k, t in tensors.items()}, layout)
+
+
+def _placed_shard(ids, shifted, positions, keep, sp, pad_token_id: int, ignore_index: int) -> BatchShard:
+    """``shard_batch`` under the placed layout: place the row, lay every tensor out in its order, shard it."""
+    placement = placed_layout(positions, sp.sp_size)
+    tensors = {
+        "input_ids": placement.place(ids, pad_token_id),
+        "position_ids": placement.position_ids.to(ids.device),
+        "shift_labels": placement.place(shifted, ignore_index),
+        "token_mask": placement.place(keep.long(), 0),
+    }
+    layout = placement.layout
+    shards = {k: shard_for_rank(t, sp.sp_rank, sp.sp_size, 1, layout) for k, t in tensors.items()}
+    return BatchShard(shards, layout, placement)
 
 
 def pack_documents(

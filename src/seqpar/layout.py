@@ -24,6 +24,7 @@ from seqpar.mesh import as_sp_mesh
 
 __all__ = [
     "LAYOUTS",
+    "PER_BATCH_LAYOUTS",
     "ChunkLayout",
     "Layout",
     "chunks_per_rank",
@@ -35,6 +36,8 @@ __all__ = [
 ]
 
 LAYOUTS = ("contiguous", "zigzag")
+PER_BATCH_LAYOUTS = ("balanced", "placed")
+"""Layouts solved per batch (Note [balanced layout], Note [placed layout]): their names stand for a ``ChunkLayout``."""
 
 
 @dataclass(frozen=True)
@@ -98,10 +101,10 @@ def chunks_per_rank(layout: Layout) -> int:
         return 1
     if layout == "zigzag":
         return 2
-    if layout == "balanced":
+    if layout in PER_BATCH_LAYOUTS:
         raise SeqparInputError(
-            "layout 'balanced' is made per batch: pass the ChunkLayout that shard_batch returned (shard.layout) "
-            "or that seqpar.balanced_layout made, not the name"
+            f"layout {layout!r} is made per batch: pass the ChunkLayout that shard_batch returned (shard.layout) "
+            f"or that seqpar.{layout}_layout made, not the name"
         )
     raise SeqparInputError(f"unknown layout {layout!r}; choose one of {LAYOUTS} or pass a ChunkLayout")
 

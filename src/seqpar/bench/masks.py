@@ -6,10 +6,14 @@
 
 Each strategy runs fwd+bwd on the same spawned gloo ranks (one thread each) for: plain causal, causal with
 packed documents of uneven lengths (tiles across documents are skipped, tiles on a boundary masked), the
-same with log-normal document lengths (median S/16, 100 to 64K tokens), a causal sliding window, and
-block-causal frames (a token sees its own frame and earlier ones). Work falls with the visible area; with a
-mask, ring, allgather and hybrid's ring axis also move only the K/V some peer query sees (Note [mask-aware
-ring]). Layout "balanced" is solved per mask (Note [balanced layout]). Per (strategy, mask, layout) it
+same with log-normal document lengths (median S/16, 100 to 64K tokens: an SFT-like mix), RL-like groups (8
+completions of similar length after one prompt each), log-normal documents all shorter than S/(2P), a causal
+sliding window, and block-causal frames (a token sees its own frame and earlier ones). Work falls with the
+visible area; with a mask, ring, allgather and hybrid's ring axis also move only the K/V some peer query
+sees (Note [mask-aware ring]). Layouts "balanced" and "placed" are solved per mask (Notes [balanced layout],
+[placed layout]; the placed row is reordered and padded: ``tokens_per_rank`` counts each rank's real tokens,
+``tokens_max_over_mean`` its local length, padding included, over S/P, ``layout_solve_s`` the solver's
+seconds). Per (strategy, mask, layout) it
 measures the bytes each rank writes to its sockets (/proc/self/io) against the bytes the mask makes
 necessary (``masks_bytes``), the step time (slowest rank, wall), and each rank's attention compute time:
 the thread CPU time of its kernel calls (``TimedKernel``), which a rank waiting for a peer does not
@@ -73,12 +77,41 @@ def log_normal_documents(seq: int, seed: int, median: int = 2000, sigma: float =
     return torch.cat(pieces)
 
 
+def rl_groups(seq: int, seed: int, group: int = 8) -> torch.Tensor:
+    """``[S]`` position ids of RL-like rows: groups of ``group`` completions of one prompt, each prompt + completion.
+
+    Prompts are 100-600 tokens; a group's completions share a log-normal length (median S/32) within 20%.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    pieces, used = [], 0
+    while used < seq:
+        prompt = int(torch.randint(100, 600, (1,), generator=gen))
+        typical = math.exp(math.log(seq / 32) + 0.5 * torch.randn(1, generator=gen).item())
+        for _ in range(group):
+            n = min(int(prompt + typical * (0.8 + 0.4 * torch.rand(1, generator=gen).item())), seq - used)
+            if n > 0:
+                pieces.append(torch.arange(n))
+                used += n
+    return torch.cat(pieces)
+
+
+def _short_documents(seq: int, ranks: int, seed: int) -> torch.Tensor:
+    """``[S]`` position ids of log-normal documents (median S/32) all shorter than S/(2P)."""
+    ids = log_normal_documents(seq, seed, max(100, seq // 32))
+    starts = [*(ids == 0).nonzero().flatten().tolist(), seq]
+    cap = seq // (2 * ranks) - 1
+    lengths = [n for a, b in zip(starts, starts[1:]) for n in [cap] * ((b - a) // cap) + [(b - a) % cap] if n]
+    return torch.cat([torch.arange(n) for n in lengths])
+
+
 def _cases(args: argparse.Namespace) -> dict[str, tuple]:
     """Mask name -> (global position ids or None, window, block size)."""
     return {
         "causal": (None, None, None),
         f"{args.docs} documents": (_documents(args.seq, args.docs), None, None),
         "log-normal documents": (log_normal_documents(args.seq, args.seed, args.median), None, None),
+        "RL groups": (rl_groups(args.seq, args.seed), None, None),
+        "short documents": (_short_documents(args.seq, args.ranks, args.seed), None, None),
         f"window {args.window}": (None, args.window, None),
         f"frames {args.frame}": (None, None, args.frame),
     }
@@ -102,36 +135,44 @@ def _measure(step, repeats: int, kernel: TimedKernel) -> tuple[int, float, float
     return sent, statistics.median(times), statistics.median(computes)
 
 
-def _layout_for(name: str, positions: torch.Tensor | None, window, frame, args) -> seqpar.ChunkLayout | str:
-    if name != "balanced":
-        return name
+def _layout_for(name: str, positions: torch.Tensor | None, window, frame, args) -> tuple:
+    """(layout, global position ids of the row it cuts, real tokens per rank, solve seconds)."""
     ids = positions if positions is not None else torch.arange(args.seq)
-    return seqpar.balanced_layout(ids, args.ranks, window=window, blocks=frame)
+    start = time.perf_counter()
+    if name == "balanced":
+        layout = seqpar.balanced_layout(ids, args.ranks, window=window, blocks=frame)
+    elif name == "placed":  # the row reordered and padded (Note [placed layout])
+        placement = seqpar.placed_layout(ids, args.ranks, window=window, blocks=frame)
+        seconds = time.perf_counter() - start
+        return placement.layout, placement.position_ids[0], placement.tokens_per_rank(), seconds
+    else:
+        layout = name
+    return layout, ids, (args.seq // args.ranks,) * args.ranks, time.perf_counter() - start
 
 
 def _worker(rank: int, world_size: int, args: argparse.Namespace, results: str) -> None:
     meshes = {"flat": seqpar.make_mesh(), "two_d": seqpar.make_mesh(ulysses_size=args.ulysses)}
-    cfg = {**vars(args), "head_dim": 64}
-    local = args.seq // world_size
-    gen = torch.Generator().manual_seed(rank)
-    q = torch.randn(1, args.heads, local, 64, generator=gen, requires_grad=True)
-    k, v = (torch.randn(1, args.kv_heads, local, 64, generator=gen, requires_grad=True) for _ in "kv")
-    dout = torch.randn(1, args.heads, local, 64, generator=gen)
-    kernel = TimedKernel(seqpar.select_kernel(q, k, v))
-    records = []
+    probe = torch.zeros(1, args.heads, 8, 64), torch.zeros(1, args.kv_heads, 8, 64)
+    kernel, records = TimedKernel(seqpar.select_kernel(probe[0], probe[1], probe[1])), []
     for layout_name in args.layouts:
         for name, (positions, window, frame) in _cases(args).items():
             if not any(m in name for m in args.masks):
                 continue
-            layout = _layout_for(layout_name, positions, window, frame, args)
-            shard = None if positions is None else seqpar.shard_sequence(positions[None], meshes["flat"], layout=layout)
+            layout, ids, tokens, solve_s = _layout_for(layout_name, positions, window, frame, args)
+            cfg = {**vars(args), "head_dim": 64, "seq": len(ids)}
+            local = len(ids) // world_size
+            gen = torch.Generator().manual_seed(rank)
+            q = torch.randn(1, args.heads, local, 64, generator=gen, requires_grad=True)
+            k, v = (torch.randn(1, args.kv_heads, local, 64, generator=gen, requires_grad=True) for _ in "kv")
+            dout = torch.randn(1, args.heads, local, 64, generator=gen)
+            packed = positions is not None or layout_name == "placed"
+            shard = seqpar.shard_sequence(ids[None], meshes["flat"], layout=layout) if packed else None
             mask = seqpar.sequence_mask(shard, meshes["flat"], layout=layout, window=window, blocks=frame)
-            ids = positions if positions is not None else torch.arange(args.seq)
             balance = seqpar.layout_balance(ids, layout, world_size, window=window, blocks=frame)
             for strategy in args.strategies:
                 mesh = meshes["two_d" if strategy == "hybrid" else "flat"]
 
-                def step(mesh=mesh, strategy=strategy, mask=mask, layout=layout) -> None:
+                def step(mesh=mesh, strategy=strategy, mask=mask, layout=layout, q=q, k=k, v=v, dout=dout) -> None:
                     options = dict(mesh=mesh, strategy=strategy, layout=layout, mask=mask, kernel=kernel)
                     seqpar.attention(q, k, v, **options).backward(dout)
 
@@ -151,7 +192,11 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, results: str) 
                     "visible_max_over_mean": balance.visible_max_over_mean,
                     "planned_max_over_mean": balance.planned_max_over_mean,
                     "step_s": max(float(t[2]) for t in table),
-                    "visible_vs_causal": visible_fraction(ids, window, frame),
+                    "visible_vs_causal": visible_fraction(
+                        positions if positions is not None else torch.arange(args.seq), window, frame
+                    ),
+                    "tokens_per_rank": list(tokens), "local_tokens": local,
+                    "tokens_max_over_mean": local * world_size / args.seq, "layout_solve_s": solve_s,
                 })  # fmt: skip
     if rank == 0:
         with open(results, "w") as f:
@@ -176,6 +221,20 @@ def _print(records: list[dict], args: argparse.Namespace) -> None:
         )
 
 
+def _time_solver(args: argparse.Namespace) -> int:
+    """Print the placed solver's median and slowest seconds over 5 log-normal rows (median 2K tokens), one thread."""
+    torch.set_num_threads(1)
+    times = []
+    for seed in range(5):
+        ids = log_normal_documents(args.seq, seed, 2000)
+        start = time.perf_counter()
+        seqpar.placed_layout(ids, args.ranks)
+        times.append(time.perf_counter() - start)
+    print(f"placed_layout, {args.seq} tokens, {args.ranks} ranks, one thread: median {statistics.median(times):.4f} s, "
+          f"slowest {max(times):.4f} s")  # fmt: skip
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="seqpar bench masks", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -190,17 +249,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--frame", type=int, default=None, help="block-causal block size (default: seq / 16)")
     parser.add_argument("--strategies", nargs="+", default=["ring", "allgather", "hybrid", "ulysses"])
     parser.add_argument(
-        "--layouts", nargs="+", default=["zigzag", "balanced"], choices=["zigzag", "contiguous", "balanced"]
+        "--layouts",
+        nargs="+",
+        default=["zigzag", "balanced", "placed"],
+        choices=["zigzag", "contiguous", "balanced", "placed"],
     )
     parser.add_argument(
-        "--masks", nargs="+", default=["causal", "documents", "log-normal", "window", "frames"],
+        "--masks", nargs="+", default=["causal", "documents", "log-normal", "RL", "window", "frames"],
         help="which masks to run (parts of their names)",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="seed of the log-normal document lengths")
     parser.add_argument("--median", type=int, default=None, help="median log-normal document (default: seq / 16)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", metavar="FILE", help="write one record per (strategy, mask, layout) here")
+    parser.add_argument(
+        "--solve-only", action="store_true",
+        help="only time the placed layout's solver (one thread, SFT-like rows of --seq tokens over --ranks)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.solve_only:
+        return _time_solver(args)
     args.window = args.window or args.seq // 8
     args.frame = args.frame or args.seq // 16
     args.median = args.median or max(100, args.seq // 16)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from seqpar.errors import SeqparInputError
-from seqpar.layout import LAYOUTS
+from seqpar.layout import LAYOUTS, PER_BATCH_LAYOUTS
 from seqpar.strategies import STRATEGIES
 
 __all__ = [
@@ -23,8 +23,8 @@ __all__ = [
 ]
 
 
-TRAINER_LAYOUTS = (*LAYOUTS, "balanced")
-"""The layouts a ``SequenceParallelConfig`` takes: the fixed ones, and "balanced" (one per batch)."""
+TRAINER_LAYOUTS = (*LAYOUTS, *PER_BATCH_LAYOUTS)
+"""The layouts a ``SequenceParallelConfig`` takes: the fixed ones, "balanced" and "placed" (one per batch)."""
 
 
 @dataclass(frozen=True)

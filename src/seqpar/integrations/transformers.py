@@ -25,7 +25,7 @@ import torch
 from seqpar.api import AttentionChoice, attention, choose_attention
 from seqpar.checks import Signature, by_rank, exchange_signatures
 from seqpar.errors import SeqparInputError
-from seqpar.layout import LAYOUTS, ChunkLayout, Layout
+from seqpar.layout import LAYOUTS, PER_BATCH_LAYOUTS, ChunkLayout, Layout
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
 from seqpar.strategies.masking import SequenceMask, sequence_mask
 from seqpar.strategies.policy import STRATEGIES
@@ -179,7 +179,7 @@ def _agree_on_call(args: tuple, kwargs: dict, sp: SequenceParallelMesh, prepared
         labels=kwargs.get("labels") is not None,
         attention_mask=attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()),
         use_cache=bool(kwargs.get("use_cache")),
-        no_layout=prepared == "balanced" and call_layout is None,
+        no_layout=prepared in PER_BATCH_LAYOUTS and call_layout is None,
         bad_layout=call_layout is not None and not (fits or call_layout in LAYOUTS),
         layout_digest=_layout_digest(call_layout),
         positions_ndim=len(shape),
@@ -248,8 +248,8 @@ def prepare_model(
         raise SeqparInputError(f"seqpar cannot serve this model's attention: {reason}")
     if strategy not in STRATEGIES:
         raise SeqparInputError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
-    if not (layout in (*LAYOUTS, "balanced") or isinstance(layout, ChunkLayout)):
-        raise SeqparInputError(f"unknown layout {layout!r}; choose one of {(*LAYOUTS, 'balanced')}")
+    if not (layout in (*LAYOUTS, *PER_BATCH_LAYOUTS) or isinstance(layout, ChunkLayout)):
+        raise SeqparInputError(f"unknown layout {layout!r}; choose one of {(*LAYOUTS, *PER_BATCH_LAYOUTS)}")
     sp = as_sp_mesh(mesh)
     if model.config._attn_implementation != ATTENTION_NAME:  # kept for seqpar.integrations.unsharded
         setattr(model, ORIGINAL_ATTENTION_ATTR, model.config._attn_implementation)

@@ -156,7 +156,7 @@ def banner(config: TrainConfig, model: torch.nn.Module, mesh: seqpar.SequencePar
     return (
         f"mesh: {pipe if config.pp > 1 else ''}dp {config.dp} x sp {mesh.sp_size} (ring axis {mesh.ring_size} x "
         f"ulysses axis {mesh.ulysses_size}) x tp {config.tp}; attention: {ran}, {heads} heads / {kv_heads} KV heads "
-        f"per rank; {config.layout} layout{' (solved per batch)' if config.layout == 'balanced' else ''}"
+        f"per rank; {config.layout} layout{' (solved per batch)' if config.layout in ('balanced', 'placed') else ''}"
     )
 
 

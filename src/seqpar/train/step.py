@@ -78,7 +78,7 @@ def shard_inputs(run: RunState, shard: BatchShard) -> dict:
         ``input_ids`` and ``position_ids``, and under --layout balanced the batch's own layout as ``seqpar_layout``.
     """
     inputs = {"input_ids": shard["input_ids"].to(run.device), "position_ids": shard["position_ids"].to(run.device)}
-    if run.config.layout == "balanced":
+    if run.config.layout in ("balanced", "placed"):
         inputs[LAYOUT_KEYWORD] = shard.layout
     return inputs
 

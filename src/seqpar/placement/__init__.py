@@ -1,0 +1,47 @@
+"""The placed layout: whole short documents on one rank, long ones split over few ranks, work and traffic even.
+
+``placed_layout`` solves it from the global position ids (no communication); ``shard_batch(layout="placed")``
+calls it and reorders the row. The solver is in ``seqpar.placement.solver``.
+
+Note [placed layout]
+    Under packed documents a query sees only its own document, so where a document sits in the row does
+    not change any output: only that it stays one contiguous run with its own position ids (Note
+    [documents from position ids]). The balanced layout (Note [balanced layout]) evens the work by
+    cutting the row into many small chunks and scattering them, which cuts most documents and makes their
+    keys travel. The placed layout instead *reorders* the row per batch and then cuts it into equal chunks
+    (a ``ChunkLayout`` over the reordered row, so every strategy, planner and ``kv_needs`` table runs on
+    it unchanged):
+    - a document is *long* when it holds more tokens than a rank's share ``L`` or more attention work
+      than ``1.05`` of a rank's mean work; long documents go first, each over the fewest ranks ``m`` that
+      its tokens and its work allow (the least loaded ones): in ``2m`` equal runs of chunks, runs ``i``
+      and ``2m-1-i`` on one rank (the zigzag of one document, so a causal document's work is even), or
+      in ``m`` runs when its work per token is flat (a window much shorter than it, or bidirectional);
+    - every rank then gets one contiguous *home* run of chunks, filled with whole short documents: by
+      decreasing work while its work stays within the mean, then by decreasing length while they fit.
+      A gap left at the end of a rank's home run is filled with padding while the padding budget lasts,
+      else with the head of one more document, whose rest opens the next rank's home run (the only cut,
+      and it moves that head's keys only);
+    - inside a home run documents keep their order in the row.
+    Tokens: the reordered row holds ``S' = P k c`` tokens (chunk length ``c``, about a 32nd of ``S/P``, so
+    that tiles stay large; ``k`` chunks per rank), every rank holds exactly ``k c``, and padding takes
+    the rest: ``k`` is the fewest chunks that hold the row, or one more when that stays within 1.05 of
+    ``S/P`` (the solver keeps the one with the better step estimate), so each rank's tokens, padding
+    included, are within 1.05 of the mean ``S/P``. Padding is its own document (position ids from 0,
+    labels ignored, ``token_mask`` 0), so no real token sees it.
+    Step estimate: per rank, the planner's tile costs of its chunks (``planned_work`` weighted by
+    ``TILE_COSTS``, as the balanced layout counts them) plus ``key_cost`` per key/value token it must
+    receive (the ``kv_needs`` table of the placed row); the largest rank's estimate decides.
+    A batch whose documents all fit whole and whose padding suffices has no document on two ranks:
+    ``kv_needs`` is then empty between ranks and ring and all-gather move no K/V at all.
+    Not reordered: rows with block-causal ranges (blocks are global token ranges), batches whose rows hold
+    different documents (one order must serve every row of the layout), and rows whose first document
+    started in an earlier row. There the placed layout is the balanced layout of the row as it is.
+    ``shard_batch`` returns the order (``shard.placement.order``: the source index of each placed token,
+    -1 for padding); ``Placement.restore`` puts a gathered placed row back in the batch's order.
+"""
+
+from __future__ import annotations
+
+from seqpar.placement.solver import KEY_COST, Placement, placed_layout
+
+__all__ = ["KEY_COST", "Placement", "placed_layout"]

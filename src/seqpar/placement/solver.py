@@ -1,0 +1,253 @@
+"""The solver of Note [placed layout]: which rank holds each document, in what order the row is laid out.
+
+Deterministic and local (no communication): every rank computes the same placement from the same global ids.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from seqpar.balanced import TILE_COSTS, balanced_layout, visible_area
+from seqpar.errors import SeqparInputError
+from seqpar.layout import ChunkLayout
+from seqpar.placement.home import fill_homes
+from seqpar.strategies.masking import sequence_mask
+
+__all__ = ["KEY_COST", "TOKEN_SLACK", "Placement", "placed_layout"]
+
+KEY_COST = 32.0
+"""Step estimate of receiving one key/value token, in attention scores (Note [placed layout])."""
+TOKEN_SLACK = 1.05
+"""The most tokens a rank holds (padding included) over the mean ``S/P``."""
+WORK_SLACK = 1.05
+"""A document with more work than this times a rank's mean work is split."""
+
+
+@dataclass(frozen=True, eq=False)
+class Placement:
+    """A placed row: the order of its tokens and the ``ChunkLayout`` that cuts it (Note [placed layout])."""
+
+    order: torch.Tensor
+    """``[B, S']`` int64: the index in the batch's row of each placed token, -1 for padding."""
+    position_ids: torch.Tensor
+    """``[B, S']`` position ids of the placed row (padding restarts at 0)."""
+    layout: ChunkLayout
+    """The layout of the placed row (name "placed")."""
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens of the placed row, padding included."""
+        return self.order.shape[1]
+
+    def place(self, x: torch.Tensor, fill: int | float = 0) -> torch.Tensor:
+        """``x`` ``[B, S, ...]`` laid out as the placed row ``[B, S', ...]``, ``fill`` at padding."""
+        index = self.order.clamp(min=0).to(x.device)
+        index = index.view(*index.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:])
+        out = x.gather(1, index)
+        pad = (self.order < 0).to(x.device).view(*self.order.shape, *([1] * (x.dim() - 2)))
+        return out.masked_fill(pad, fill)
+
+    def restore(self, x: torch.Tensor, seq_len: int, fill: int | float = 0) -> torch.Tensor:
+        """The inverse of ``place``: ``x`` ``[B, S', ...]`` (a gathered placed row) back to ``[B, seq_len, ...]``."""
+        out = x.new_full((x.shape[0], seq_len, *x.shape[2:]), fill)
+        for b in range(x.shape[0]):
+            keep = self.order[b] >= 0
+            out[b, self.order[b][keep].to(x.device)] = x[b, keep.to(x.device)]
+        return out
+
+    def tokens_per_rank(self) -> tuple[int, ...]:
+        """Real (not padding) tokens each rank holds, summed over rows."""
+        chunk = self.seq_len // (self.layout.world_size * self.layout.chunks_per_rank)
+        real = (self.order >= 0).sum(0).view(-1, chunk).sum(1)
+        return tuple(int(real[list(ids)].sum()) for ids in self.layout.chunk_ids)
+
+
+def chunk_length(seq_len: int, world_size: int) -> int:
+    """Chunk length of Note [placed layout]: a power of two near a 32nd of a rank's share (an 8th when short)."""
+    share = max(1, seq_len // world_size)
+    n = max(1, share // 32 if share >= 512 else share // 8)
+    return 1 << (n.bit_length() - 1)
+
+
+def _documents(row: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, length) of each document of one row of position ids, in order."""
+    starts = torch.arange(row.shape[0]) - row
+    cut = [0, *((starts[1:] != starts[:-1]).nonzero().flatten() + 1).tolist(), row.shape[0]]
+    return [(a, b - a) for a, b in zip(cut, cut[1:])]
+
+
+def _split_long(
+    docs: list[tuple[int, int]], long: list[int], work: list[float], tok_work: torch.Tensor, c: int, k: int, p: int,
+    flat: list[bool], mean: float,
+) -> tuple[list[int], list[int], list[float]]:  # fmt: skip
+    """Owners of the long zone's chunks (long documents laid end to end), and each rank's chunks and work there."""
+    lengths = [docs[d][1] for d in long]
+    edges = [0, *torch.tensor(lengths).cumsum(0).tolist()] if long else [0]
+    n_chunks = math.ceil(edges[-1] / c)
+    owner = [-1] * n_chunks
+    zone_work = torch.cat([tok_work[docs[d][0] : docs[d][0] + docs[d][1]] for d in long]) if long else tok_work[:0]
+    zone_work = torch.nn.functional.pad(zone_work, (0, n_chunks * c - edges[-1])).view(n_chunks, c).sum(1).tolist()
+    count, load = [0] * p, [0.0] * p
+    for i in sorted(range(len(long)), key=lambda i: (-work[long[i]], i)):
+        first, stop = math.ceil(edges[i] / c), math.ceil(edges[i + 1] / c)  # chunks whose first token is its own
+        chunks = list(range(first, stop))
+        if not chunks:
+            continue
+        m = max(1, math.ceil(lengths[i] / (k * c)), math.ceil(work[long[i]] / (mean * WORK_SLACK)))
+        while True:
+            parts = m if flat[i] else 2 * m
+            sizes = [len(chunks) // parts + (j < len(chunks) % parts) for j in range(parts)]
+            need = max(sizes) * (1 if flat[i] else 2)
+            ranks = sorted((r for r in range(p) if k - count[r] >= need), key=lambda r: (load[r], r))[:m]
+            if len(ranks) == m or m >= p:
+                break
+            m += 1
+        if len(ranks) < m:  # no m ranks with room: each chunk to the least loaded rank with room
+            for ch in chunks:
+                r = min((r for r in range(p) if count[r] < k), key=lambda r: (load[r], r))
+                owner[ch], count[r], load[r] = r, count[r] + 1, load[r] + zone_work[ch]
+            continue
+        at = 0
+        for j, size in enumerate(sizes):
+            r = ranks[j if flat[i] else min(j, parts - 1 - j)]
+            for ch in chunks[at : at + size]:
+                owner[ch], count[r], load[r] = r, count[r] + 1, load[r] + zone_work[ch]
+            at += size
+    return owner, count, load
+
+
+def _build(position_row: torch.Tensor, tok_work: torch.Tensor, p: int, c: int, k: int, flat_window: int | None,
+           causal: bool) -> tuple[torch.Tensor, tuple[tuple[int, ...], ...], bool]:  # fmt: skip
+    """One candidate for ``k`` chunks per rank: the order ``[S']`` (-1 padding), every rank's chunk ids, and
+    whether a short document had to be cut."""
+    docs = _documents(position_row)
+    work = [float(tok_work[s : s + n].sum()) for s, n in docs]
+    mean, share = sum(work) / p, k * c
+    long = [d for d, (_, n) in enumerate(docs) if n > share or work[d] > mean * WORK_SLACK]
+    flat = [not causal or (flat_window is not None and docs[d][1] > 2 * flat_window) for d in long]
+    owner, count, load = _split_long(docs, long, work, tok_work, c, k, p, flat, mean)
+    zone = sum(docs[d][1] for d in long)
+    first = owner[-1] if owner else 0  # the long zone's last (partial) chunk opens this rank's home run
+    homes = [first, *sorted((r for r in range(p) if r != first), key=lambda r: (load[r], r))]
+    caps = [(k - count[r]) * c for r in homes]
+    caps[0] += len(owner) * c - zone
+    short = [d for d in range(len(docs)) if d not in set(long)]
+    pieces = fill_homes([docs[d][1] for d in short], [work[d] for d in short], caps, [load[r] for r in homes],
+                        mean, p * share - position_row.shape[0])  # fmt: skip
+    order = [torch.arange(docs[d][0], docs[d][0] + docs[d][1]) for d in long]
+    for j, offset, n in pieces:  # (short document or -1 for padding, first token, tokens)
+        start = docs[short[j]][0] + offset if j >= 0 else -1
+        order.append(torch.arange(start, start + n) if j >= 0 else torch.full((n,), -1))
+    ids: list[list[int]] = [[] for _ in range(p)]
+    for ch, r in enumerate(owner):
+        ids[r].append(ch)
+    at = len(owner)
+    for r, cap in zip(homes, caps):
+        n = (cap - (len(owner) * c - zone if r == first else 0)) // c
+        ids[r] += range(at, at + n)
+        at += n
+    return torch.cat(order), tuple(tuple(x) for x in ids), any(j >= 0 and offset > 0 for j, offset, _ in pieces)
+
+
+def _placed_positions(row: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Position ids of the placed row: the row's own, and 0, 1, ... along each run of padding."""
+    pad = order < 0
+    out = row[order.clamp(min=0)].clone()
+    run_start = torch.arange(len(order)) * (~pad | torch.cat([torch.tensor([True]), ~pad[:-1]]))
+    out[pad] = (torch.arange(len(order)) - run_start.cummax(0).values)[pad]
+    return out
+
+
+def _score(positions: torch.Tensor, order: torch.Tensor, tok_work: torch.Tensor, ids, c: int, causal: bool,
+           key_cost: float) -> float:  # fmt: skip
+    """The largest rank's step estimate: its tokens' visible keys plus ``key_cost`` per key token it receives.
+
+    A rank receives, of each document it holds part of, the keys before its last query there (all of the
+    document when bidirectional) that it does not hold: one pass over the row, no table.
+    """
+    p, seq = len(ids), positions.shape[0]
+    owner = torch.empty(seq // c, dtype=torch.long)
+    for r, own in enumerate(ids):
+        owner[list(own)] = r
+    owner = owner.repeat_interleave(c)
+    work = torch.where(order >= 0, tok_work[order.clamp(min=0)], 0.0)
+    per_rank = torch.zeros(p, dtype=torch.float64).index_add_(0, owner, work)
+    doc = (positions == 0).long().cumsum(0) - 1
+    start = torch.arange(seq) - positions  # first token of each token's document
+    key = doc * p + owner
+    size = int(doc[-1]) * p + p
+    last = torch.full((size,), -1, dtype=torch.long).scatter_reduce(0, key, torch.arange(seq), "amax")
+    first = torch.zeros(size, dtype=torch.long).scatter_reduce(0, key, start, "amax")
+    held = torch.zeros(size, dtype=torch.long).index_add_(0, key, torch.ones(seq, dtype=torch.long))
+    if causal:
+        seen = last - first + 1
+    else:
+        doc_len = torch.zeros(int(doc[-1]) + 1, dtype=torch.long).index_add_(0, doc, torch.ones(seq, dtype=torch.long))
+        seen = doc_len.repeat_interleave(p)
+    recv = torch.where(held > 0, seen - held, 0).view(-1, p).sum(0).double()
+    return float((per_rank + key_cost * recv).max())
+
+
+def placed_layout(
+    position_ids: torch.Tensor,
+    world_size: int,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    blocks: int | Sequence[tuple[int, int]] | None = None,
+    chunk_len: int | None = None,
+    key_cost: float = KEY_COST,
+    tile_costs: Sequence[float] = TILE_COSTS,
+) -> Placement:
+    """Place a packed row's documents on ranks (Note [placed layout]).
+
+    Args:
+        position_ids: the *global* position ids ``[B, S]`` or ``[S]`` (restarting at 0 at each packed document).
+        world_size: the sequence-parallel degree P.
+        causal: whether attention is causal (False: bidirectional documents).
+        window: the sliding window the attention uses, or None.
+        blocks: block-causal blocks (the row is then not reordered), or None.
+        chunk_len: tokens per chunk; None picks about a 32nd of ``S/P``.
+        key_cost: step estimate of one received key/value token, in attention scores.
+        tile_costs: cost per score of a plain tile, a causal square and a masked tile (``TILE_COSTS``).
+
+    Returns:
+        A ``Placement``: the order of the placed row, its position ids and its ``ChunkLayout``.
+
+    Raises:
+        SeqparInputError: ids that are not packed ids, or a world size below 1.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise SeqparInputError(f"world_size must be a positive integer, got {world_size!r}")
+    positions = position_ids[None] if position_ids.dim() == 1 else position_ids
+    mask = sequence_mask(positions, None, layout="contiguous", window=window, blocks=blocks)  # checks the ids
+    seq_len = positions.shape[-1]
+    positions = positions.cpu().long()
+    same_rows = bool((positions == positions[:1]).all())
+    if blocks is not None or not same_rows or int(positions[0, 0]) != 0:  # not reordered (Note [placed layout])
+        pad = -seq_len % (2 * world_size)
+        padded = torch.cat([positions, torch.arange(pad).expand(positions.shape[0], pad)], 1)
+        solved = balanced_layout(padded, world_size, causal=causal, window=window, blocks=blocks)
+        order = torch.cat([torch.arange(seq_len), torch.full((pad,), -1)]).expand(positions.shape[0], -1)
+        return Placement(order, padded, ChunkLayout(solved.chunk_ids, name="placed"))
+    c = chunk_len or chunk_length(seq_len, world_size)
+    tok_work = visible_area(mask, seq_len, causal)[:seq_len] / positions.shape[0]
+    k_min = math.ceil(seq_len / (world_size * c))
+    options = [k_min] + ([k_min + 1] if (k_min + 1) * c * world_size <= TOKEN_SLACK * seq_len else [])
+    best = None
+    for k in options:
+        order, ids, cut = _build(positions[0], tok_work, world_size, c, k, window, causal)
+        placed = _placed_positions(positions[0], order)
+        if len(options) == 1 or not cut:
+            best = (0.0, order, placed, ids)  # nothing to trade: every document whole where the tokens allow
+            break
+        score = _score(placed, order, tok_work, ids, c, causal, key_cost)
+        if best is None or score < best[0]:
+            best = (score, order, placed, ids)
+    _, order, placed, ids = best
+    rows = positions.shape[0]
+    return Placement(order.expand(rows, -1), placed.expand(rows, -1), ChunkLayout(ids, name="placed"))

@@ -1,0 +1,115 @@
+"""The placed layout's solver in one process: the placed row is the batch's row reordered (every document whole
+and in order, padding its own document), so dense masks agree; tokens per rank, short documents on one rank,
+no K/V between ranks when every document is short, long documents over few ranks, determinism, ``shard_batch``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import seqpar
+from seqpar.errors import SeqparInputError
+from seqpar.placement.solver import TOKEN_SLACK
+from seqpar.strategies.kv_needs import kv_needs
+from seqpar.strategies.masking import SequenceMask, check_packed_positions
+from tests._cases import packed_positions
+from tests.test_balanced import log_normal_documents
+from tests.test_mask_kinds import kind_mask
+
+
+def _documents(lengths) -> torch.Tensor:
+    return torch.cat([torch.arange(n) for n in lengths])
+
+
+def _owner(placement: seqpar.Placement) -> torch.Tensor:
+    """``[S']`` rank of each placed token, written out from the chunk ids."""
+    chunk = placement.seq_len // (placement.layout.world_size * placement.layout.chunks_per_rank)
+    owner = torch.empty(placement.seq_len, dtype=torch.long)
+    for r, ids in enumerate(placement.layout.chunk_ids):
+        for c in ids:
+            owner[c * chunk : (c + 1) * chunk] = r
+    return owner
+
+
+def _ranks_of_documents(placement: seqpar.Placement, positions: torch.Tensor) -> list[set[int]]:
+    """For each document of the batch's row, the ranks that hold some of its tokens."""
+    doc = (positions == 0).long().cumsum(0) - 1
+    owner, order = _owner(placement), placement.order[0]
+    held = [set() for _ in range(int(doc[-1]) + 1)]
+    for i in (order >= 0).nonzero().flatten().tolist():
+        held[int(doc[order[i]])].add(int(owner[i]))
+    return held
+
+
+CASES = [  # (row of position ids, world size, window, causal)
+    (log_normal_documents(4096, 1), 4, None, True),
+    (log_normal_documents(3000, 2), 3, 512, True),
+    (_documents([300, 900, 41, 500, 700, 96, 1559]), 4, None, False),
+    (packed_positions(96), 3, None, True),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_placed_row_is_the_row_reordered(case):
+    positions, p, window, causal = CASES[case]
+    placement = seqpar.placed_layout(positions, p, window=window, causal=causal)
+    assert placement.layout == seqpar.placed_layout(positions.clone(), p, window=window, causal=causal).layout
+    assert torch.equal(placement.order, seqpar.placed_layout(positions, p, window=window, causal=causal).order)
+    order = placement.order[0]
+    real = order >= 0
+    assert sorted(order[real].tolist()) == list(range(len(positions)))  # every token once
+    check_packed_positions(placement.position_ids)  # documents whole and in order, padding its own document
+    assert torch.equal(placement.position_ids[0][real], positions[order[real]])
+    # the placed row's mask over its real tokens is the row's mask, reordered: outputs cannot change
+    dense, placed = (
+        kind_mask(positions[None], causal, window, None)[0, 0],
+        kind_mask(placement.position_ids, causal, window, None)[0, 0],
+    )
+    assert torch.equal(placed[real][:, real], dense[order[real]][:, order[real]])
+    assert not placed[real][:, ~real].any()  # no real token sees padding
+    # tokens: every rank holds S'/P, padding included, within TOKEN_SLACK of the mean
+    assert placement.seq_len % p == 0 and placement.seq_len <= TOKEN_SLACK * len(positions) + p
+    assert sum(placement.tokens_per_rank()) == len(positions)
+    balance = seqpar.layout_balance(placement.position_ids, placement.layout, p, window=window, causal=causal)
+    zigzag = seqpar.layout_balance(positions, "zigzag", p, window=window, causal=causal)
+    assert balance.planned_max_over_mean <= max(1.25, zigzag.planned_max_over_mean), (balance, zigzag)
+
+
+def test_short_documents_stay_whole_and_move_nothing():
+    p, seq = 4, 8192
+    gen = torch.Generator().manual_seed(3)
+    lengths, used = [], 0
+    while used < seq:  # every document shorter than S / (2P)
+        n = min(int(torch.randint(40, seq // (2 * p), (1,), generator=gen)), seq - used)
+        lengths.append(n)
+        used += n
+    positions = _documents(lengths)
+    placement = seqpar.placed_layout(positions, p)
+    assert all(len(ranks) == 1 for ranks in _ranks_of_documents(placement, positions))
+    chunk = placement.seq_len // (p * placement.layout.chunks_per_rank)
+    mask = SequenceMask(torch.arange(placement.seq_len)[None] - placement.position_ids)
+    needs = kv_needs(mask, placement.layout.chunk_ids, chunk, True)
+    assert needs is not None and all(len(needs[r][s]) == 0 for r in range(p) for s in range(p) if r != s)
+    # a long document goes over as few ranks as its tokens and work allow; the short ones stay whole
+    positions = _documents([5000, *lengths[:20]])
+    placement = seqpar.placed_layout(positions, p, window=256)  # flat work: its tokens decide
+    held = _ranks_of_documents(placement, positions)
+    assert len(held[0]) == -(-5000 * p // placement.seq_len) and sum(len(r) > 1 for r in held[1:]) <= p - 1, held
+
+
+def test_shard_batch_places_the_row():
+    p = 3
+    positions = log_normal_documents(3000, 4)
+    batch = {"input_ids": torch.arange(3000)[None] + 7, "position_ids": positions[None]}
+    shard = seqpar.shard_batch(batch, None, layout="placed")  # one process: P = 1, the row in order, padded
+    real = shard["token_mask"][0].bool()
+    assert shard.layout.name == "placed" and torch.equal(shard["input_ids"][0][real], torch.arange(3000) + 7)
+    assert torch.equal(shard.placement.restore(shard["input_ids"], 3000), batch["input_ids"])
+    placement = seqpar.placed_layout(positions, p)
+    ids = placement.place(batch["input_ids"], -1)
+    assert torch.equal(placement.restore(ids, 3000, -5), batch["input_ids"])
+    with pytest.raises(SeqparInputError, match="made per batch"):
+        seqpar.layout.chunks_per_rank("placed")
+    with pytest.raises(SeqparInputError, match="positive integer"):
+        seqpar.placed_layout(positions, 0)
