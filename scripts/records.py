@@ -147,6 +147,31 @@ def maxlen_table(records: list[dict]) -> str:
     return _with_runs("maxlen_cpu", records, [*header, "est / measured"], cells)
 
 
+def rl_memory_table(records: list[dict]) -> str:
+    """The ``seqpar bench rl_memory`` table: a DPO / GRPO step's peak growth per rank, its share of sp 1's, estimate."""
+    low_sp = min(r["sp"] for r in records)
+    runs = list(dict.fromkeys(r["command"] for r in records))
+    base = {(r["command"], r["trainer"], r["completion"]): r["peak_mb"] for r in records if r["sp"] == low_sp}
+    ordered = sorted(records, key=lambda r: (runs.index(r["command"]), r["trainer"], r["completion"], r["sp"]))
+    cells = []
+    for r in ordered:
+        first = base.get((r["command"], r["trainer"], r["completion"]))
+        cells.append(
+            [
+                r["trainer"].upper(),
+                f"{r['completion']:,}",
+                r["sp"],
+                f"{r['tokens_per_rank']:,}",
+                r["peak_mb"],
+                f"{r['peak_mb'] / first:.2f}" if first else "-",
+                r["estimate_mb"],
+                f"{r['estimate_mb'] / r['peak_mb']:.2f}",
+            ]
+        )
+    header = ["trainer", "completion tokens", "sp", "tokens per rank", "measured peak (MB)", f"vs sp {low_sp}"]
+    return _with_runs("rl_memory_cpu", ordered, [*header, "estimate (MB)", "est / measured"], cells)
+
+
 def _span(values: list[float], fmt: str = "{:.2f}") -> str:
     lo, hi = fmt.format(min(values)), fmt.format(max(values))
     return lo if lo == hi else f"{lo}-{hi}"
@@ -217,6 +242,7 @@ TABLES = {
     "masks": lambda d: masks_table(load("masks_cpu", d)),
     "masks_bytes": lambda d: masks_bytes_table(load("masks_cpu", d)),
     "maxlen": lambda d: maxlen_table(load("maxlen_cpu", d)),
+    "rl_memory": lambda d: rl_memory_table(load("rl_memory_cpu", d)),
     "headline": headline_table,
 }
 

@@ -56,6 +56,29 @@ def test_tables_render_every_record_with_its_command_and_date():
     assert all(line.endswith(f" | {masks[0]['measured']} |") for line in headline.splitlines()[2:])
 
 
+def _rl_line(table: str, r: dict) -> str:
+    """The rl_memory table's line of record ``r``: its trainer, length and sp, then its measured peak."""
+    cells = (r["trainer"].upper(), f"{r['completion']:,}", str(r["sp"]), f"{r['tokens_per_rank']:,}", str(r["peak_mb"]))
+    return _row(table, *cells)
+
+
+def test_rl_memory_table_renders_every_step_with_its_share_of_sp_1(tmp_path):
+    rows = records.load("rl_memory_cpu")
+    page = records.expand("<!-- records: rl_memory -->")
+    for r in rows:
+        assert f"| {r['estimate_mb']} | {r['estimate_mb'] / r['peak_mb']:.2f} |" in _rl_line(page, r)
+    assert f"Generated from `benchmarks/rl_memory_cpu.json`: run 1: `{rows[0]['command']}`" in page
+    target = _copy_records(tmp_path)  # a changed measurement changes its share of sp 1's
+    i = next(i for i, r in enumerate(rows) if r["sp"] == 2)
+    key = (rows[i]["command"], rows[i]["trainer"], rows[i]["completion"], 1)
+    base = next(r for r in rows if (r["command"], r["trainer"], r["completion"], r["sp"]) == key)
+    _edit(target / "rl_memory_cpu.json", lambda rs: rs[i].update(peak_mb=base["peak_mb"] / 4))
+    changed = records.expand("<!-- records: rl_memory -->", target)
+    assert f"| {base['peak_mb'] / 4} | 0.25 |" in _rl_line(changed, {**rows[i], "peak_mb": base["peak_mb"] / 4})
+    guide = (ROOT / "docs" / "guides" / "preference-and-rl.md").read_text()
+    assert "<!-- records: rl_memory -->" in guide
+
+
 def test_a_changed_record_changes_the_tables(tmp_path):
     target = _copy_records(tmp_path)
 

@@ -22,6 +22,7 @@ BENCHMARKS = (
     "plan_check",
     "soak",
     "pipeline",
+    "rl_memory",
 )
 
 
