@@ -542,45 +542,39 @@ def test_dpo_refusals_on_every_rank(two_ranks):
         assert text in per_rank[0][what], f"{what}: {per_rank[0][what]}"
 
 
-EXAMPLES = [
-    ("hf_trainer.py", "torchrun"),
-    ("sft_trainer.py", "accelerate"),
-    ("dpo_trainer.py", "torchrun"),
-    ("accelerate_loop.py", "accelerate"),
-]
+# examples/ run by torchrun in one launch (tests.hf_scripts.examples); sft_trainer.py by accelerate's launcher
+TORCHRUN_EXAMPLES = ["hf_trainer.py", "accelerate_loop.py", "dpo_trainer.py", "grpo_trainer.py"]
+EXAMPLE_STEPS = 2
 
 
-@pytest.mark.parametrize("script,launcher", EXAMPLES)
-def test_examples_train(tmp_path, script, launcher):
-    path = str(ROOT / "examples" / script)
-    if launcher == "torchrun":
-        command = _torchrun(2, path)
-    else:
-        command = [
-            str(BIN / "accelerate"),
-            "launch",
-            "--multi_gpu",
-            "--num_processes",
-            "2",
-            "--main_process_port",
-            "0",
-            path,
-        ]
-    _launch([*command, "--max-steps", "4", "--output-dir", str(tmp_path)])
-    record = json.loads((tmp_path / "result.json").read_text())
-    assert record["sp"] == 2 and record["steps"] == 4  # both processes share each sequence
+@pytest.fixture(scope="module")
+def examples_run(tmp_path_factory) -> pathlib.Path:
+    out = tmp_path_factory.mktemp("examples")
+    _launch(_torchrun(2, "-m", "tests.hf_scripts.examples", str(out), str(EXAMPLE_STEPS), *TORCHRUN_EXAMPLES))
+    return out
+
+
+def _check_example(record: dict) -> None:
+    assert record["sp"] == 2 and record["steps"] == EXAMPLE_STEPS  # both processes share each sequence
+    if "first_reward" in record:  # GRPO: rewards of the sampled completions, and the loss
+        assert all(math.isfinite(record[k]) for k in ("first_reward", "last_reward", "last_loss")), record
+        return
     losses = [record["first_loss"], record["last_loss"], record.get("eval_loss", 1.0)]
-    assert all(0 < v < 10 for v in losses), record  # finite, and near ln(256) or below
+    assert all(0 < v < 10 for v in losses), record  # finite, and near ln(256) or below (DPO: near ln 2)
 
 
-def test_grpo_example_trains(tmp_path):
-    """examples/grpo_trainer.py under torchrun on 2 CPU ranks (both share each sequence), 2 steps."""
-    _launch(
-        [*_torchrun(2, str(ROOT / "examples" / "grpo_trainer.py")), "--max-steps", "2", "--output-dir", str(tmp_path)]
-    )
-    record = json.loads((tmp_path / "result.json").read_text())
-    assert record["sp"] == 2 and record["dp"] == 1 and record["steps"] == 2
-    assert all(math.isfinite(record[k]) for k in ("first_reward", "last_reward", "last_loss")), record
+@pytest.mark.parametrize("script", TORCHRUN_EXAMPLES)
+def test_examples_train(examples_run, script):
+    """Each example, as its docstring runs it under torchrun on 2 CPU ranks, trains and writes its result."""
+    _check_example(json.loads((examples_run / pathlib.Path(script).stem / "result.json").read_text()))
+
+
+def test_example_under_accelerate_launch(tmp_path):
+    """examples/sft_trainer.py under ``accelerate launch --multi_gpu --num_processes 2`` (CPU)."""
+    path = str(ROOT / "examples" / "sft_trainer.py")
+    command = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", "0"]
+    _launch([*command, path, "--max-steps", str(EXAMPLE_STEPS), "--output-dir", str(tmp_path)])
+    _check_example(json.loads((tmp_path / "result.json").read_text()))
 
 
 @pytest.mark.parametrize("name", list(UPSTREAM))
