@@ -168,7 +168,7 @@ def test_pipeline_parallel_models_are_refused():
 
 
 @pytest.mark.parametrize(
-    "name", ["sp2", "sp2_balanced", "sp2_padded", "sft_packing", "sft_padding_free", "sft_gpt_oss"]
+    "name", ["sp2", "sp2_balanced", "sp2_placed", "sp2_padded", "sft_packing", "sft_padding_free", "sft_gpt_oss"]
 )
 def test_two_ranks_equal_one_process(two_ranks, name):
     found = _compare(two_ranks, name)
@@ -178,6 +178,8 @@ def test_two_ranks_equal_one_process(two_ranks, name):
     if CASES[name].layout == "balanced":  # each shard carried its own layout, and some are not zigzag's
         zigzag = ((0, 3), (1, 2))
         assert all(layout is not None for layout in layouts) and any(layout != zigzag for layout in layouts)
+    elif CASES[name].layout == "placed":  # each shard carried its placed row's layout: equal chunks per rank
+        assert all(layout is not None and len({len(ids) for ids in layout}) == 1 for layout in layouts), layouts
     else:
         assert layouts == [None] * len(layouts)
     want = _load(two_ranks / "reference" / f"{CASES[name].reference or name}.pt")

@@ -84,6 +84,7 @@ CASES = {
     "sp2_padded": Case(2, kind="mistral", strategy="ring", collator="padded"),
     # packed documents of uneven lengths: each micro-batch's own layout, not zigzag's (the test checks)
     "sp2_balanced": Case(2, eval_batch=4, layout="balanced", reference="sp2"),
+    "sp2_placed": Case(2, eval_batch=4, layout="placed", reference="sp2"),  # rows reordered and padded per batch
     "sp2_checkpointing": Case(2, extra=(("gradient_checkpointing", True),), reference="sp2"),
     "sp2_bf16": Case(2, extra=(("bf16", True),), reference="sp2"),
     "sft_packing": Case(2, collator="sft", extra=SFT_PACKING, eval_batch=2),

@@ -17,7 +17,9 @@ Note [placed layout]
       and ``2m-1-i`` on one rank (the zigzag of one document, so a causal document's work is even), or
       in ``m`` runs when its work per token is flat (a window much shorter than it, or bidirectional);
     - every rank then gets one contiguous *home* run of chunks, filled with whole short documents: by
-      decreasing work while its work stays within the mean, then by decreasing length while they fit.
+      decreasing work while its work stays within the mean, then by decreasing length while they fit;
+      then whole documents are moved or exchanged between the most loaded run and another while that
+      lowers the larger of their loads and both runs still hold them.
       A gap left at the end of a rank's home run is filled with padding while the padding budget lasts,
       else with the head of one more document, whose rest opens the next rank's home run (the only cut,
       and it moves that head's keys only);
@@ -25,12 +27,26 @@ Note [placed layout]
     Tokens: the reordered row holds ``S' = P k c`` tokens (chunk length ``c``, about a 32nd of ``S/P``, so
     that tiles stay large; ``k`` chunks per rank), every rank holds exactly ``k c``, and padding takes
     the rest: ``k`` is the fewest chunks that hold the row, or one more when that stays within 1.05 of
-    ``S/P`` (the solver keeps the one with the better step estimate), so each rank's tokens, padding
+    ``S/P`` (see the refining pass below), so each rank's tokens, padding
     included, are within 1.05 of the mean ``S/P``. Padding is its own document (position ids from 0,
-    labels ignored, ``token_mask`` 0), so no real token sees it.
-    Step estimate: per rank, the planner's tile costs of its chunks (``planned_work`` weighted by
-    ``TILE_COSTS``, as the balanced layout counts them) plus ``key_cost`` per key/value token it must
-    receive (the ``kv_needs`` table of the placed row); the largest rank's estimate decides.
+    labels ignored, ``token_mask`` 0; it restarts at every chunk, so it costs one tile per chunk), so no
+    real token sees it.
+    Refining pass (``seqpar.placement.refine``): the row's order is then fixed and only which rank holds
+    each chunk changes, so each chunk's planned work is computed once, exactly as the planner tiles it
+    (``planned_work`` weighted by ``TILE_COSTS``, all chunks in one ``tile_kinds`` call). A rank's score is
+    its planned work (at least ``BALANCE_SLACK`` = 1.05 of the mean), ``OVER`` = 1000 per unit of work
+    above that, and ``key_cost`` per token of K/V traffic (keys it sends count twice, forward and
+    backward; keys it receives once, their gradients go home; per document, each rank needs one interval
+    of keys: its document's start, or its first query minus the window, to its last query). While it
+    lowers the largest score, the pass exchanges a chunk of the top rank with another rank's chunk: the 8
+    exchanges that look best by loads and a guess of the traffic each move adds are scored exactly, and
+    the best is taken when the top rank falls and no rank rises to it. Evening the work comes first
+    (that is the balance target), then traffic: a cut is made only where the work needs it, and a batch
+    already within 1.05 is left as it is. The candidates with ``k`` and ``k + 1`` chunks per rank: the
+    second (more padding) is taken only when the first cuts a short document and it does not.
+    Bytes: a document holding most of the row's work must be spread over every rank to even the work,
+    and its keys then travel whatever the placement (the SFT-like row of ``seqpar bench masks``: one
+    5,165-token document holds about 90% of the work); the placed layout spares the rest.
     A batch whose documents all fit whole and whose padding suffices has no document on two ranks:
     ``kv_needs`` is then empty between ranks and ring and all-gather move no K/V at all.
     Not reordered: rows with block-causal ranges (blocks are global token ranges), batches whose rows hold

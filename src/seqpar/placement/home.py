@@ -69,4 +69,37 @@ def _assign(lengths: list[int], work: list[float], caps: list[int], loads: list[
         if fits:
             h = min(fits, key=lambda h: (load[h] / max(mean, 1e-300) + used[h] / max(caps[h], 1), h))
             home[j], used[h], load[h] = h, used[h] + lengths[j], load[h] + work[j]
+    _even(home, lengths, work, caps, used, load)
     return home
+
+
+def _even(home: list[int], lengths: list[int], work: list[float], caps: list[int], used: list[int],
+          load: list[float]) -> None:  # fmt: skip
+    """Move or exchange whole documents between the most loaded home run and another while that lowers the
+    larger of their loads and both still hold their documents (in place; no document is cut)."""
+    for _ in range(4 * len(lengths)):
+        top = max(range(len(caps)), key=lambda h: (load[h], -h))
+        mine = [j for j, h in enumerate(home) if h == top]
+        best = None
+        for j, h in enumerate(home):  # a document of the top run exchanged with one of another run
+            if h < 0 or h == top:
+                continue
+            for i in mine:
+                if used[top] - lengths[i] + lengths[j] > caps[top] or used[h] - lengths[j] + lengths[i] > caps[h]:
+                    continue
+                after = max(load[top] - work[i] + work[j], load[h] + work[i] - work[j])
+                if after < load[top] * (1 - 1e-9) and (best is None or after < best[0]):
+                    best = (after, i, j, h)
+        for i in mine:  # a document of the top run moved alone to a run with room
+            for h in range(len(caps)):
+                if h != top and used[h] + lengths[i] <= caps[h]:
+                    after = max(load[top] - work[i], load[h] + work[i])
+                    if after < load[top] * (1 - 1e-9) and (best is None or after < best[0]):
+                        best = (after, i, -1, h)
+        if best is None:
+            return
+        _, i, j, h = best
+        for x, src, dst in ((i, top, h), (j, h, top)):
+            if x >= 0:
+                home[x], used[src], used[dst] = dst, used[src] - lengths[x], used[dst] + lengths[x]
+                load[src], load[dst] = load[src] - work[x], load[dst] + work[x]

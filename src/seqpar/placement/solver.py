@@ -15,14 +15,19 @@ from seqpar.balanced import TILE_COSTS, balanced_layout, visible_area
 from seqpar.errors import SeqparInputError
 from seqpar.layout import ChunkLayout
 from seqpar.placement.home import fill_homes
+from seqpar.placement.refine import Refiner
 from seqpar.strategies.masking import sequence_mask
 
 __all__ = ["KEY_COST", "TOKEN_SLACK", "Placement", "placed_layout"]
 
 KEY_COST = 32.0
-"""Step estimate of receiving one key/value token, in attention scores (Note [placed layout])."""
+"""The refining pass's score of one token of K/V traffic, in attention scores (Note [placed layout])."""
 TOKEN_SLACK = 1.05
 """The most tokens a rank holds (padding included) over the mean ``S/P``."""
+BALANCE_SLACK = 1.05
+"""The refining pass evens planned work to within this of the mean, then spends nothing more on it."""
+REFINE_ROUNDS = 200
+"""The most chunk exchanges of the refining pass (Note [placed layout])."""
 WORK_SLACK = 1.05
 """A document with more work than this times a rank's mean work is split."""
 
@@ -121,9 +126,9 @@ def _split_long(
 
 
 def _build(position_row: torch.Tensor, tok_work: torch.Tensor, p: int, c: int, k: int, flat_window: int | None,
-           causal: bool) -> tuple[torch.Tensor, tuple[tuple[int, ...], ...], bool]:  # fmt: skip
-    """One candidate for ``k`` chunks per rank: the order ``[S']`` (-1 padding), every rank's chunk ids, and
-    whether a short document had to be cut."""
+           causal: bool) -> tuple[torch.Tensor, torch.Tensor, tuple[tuple[int, ...], ...], bool]:  # fmt: skip
+    """One candidate for ``k`` chunks per rank: the order ``[S']`` (-1 padding), its position ids (padding
+    restarts at every chunk), every rank's chunk ids, and whether a short document had to be cut."""
     docs = _documents(position_row)
     work = [float(tok_work[s : s + n].sum()) for s, n in docs]
     mean, share = sum(work) / p, k * c
@@ -139,9 +144,17 @@ def _build(position_row: torch.Tensor, tok_work: torch.Tensor, p: int, c: int, k
     pieces = fill_homes([docs[d][1] for d in short], [work[d] for d in short], caps, [load[r] for r in homes],
                         mean, p * share - position_row.shape[0])  # fmt: skip
     order = [torch.arange(docs[d][0], docs[d][0] + docs[d][1]) for d in long]
+    places = [torch.arange(docs[d][1]) for d in long]
+    at = zone
     for j, offset, n in pieces:  # (short document or -1 for padding, first token, tokens)
-        start = docs[short[j]][0] + offset if j >= 0 else -1
-        order.append(torch.arange(start, start + n) if j >= 0 else torch.full((n,), -1))
+        if j >= 0:
+            order.append(torch.arange(docs[short[j]][0] + offset, docs[short[j]][0] + offset + n))
+            places.append(torch.arange(offset, offset + n))
+        else:  # padding: its own documents, one per chunk it touches
+            index = torch.arange(at, at + n)
+            order.append(torch.full((n,), -1))
+            places.append(index - torch.clamp(index // c * c, min=at))
+        at += n
     ids: list[list[int]] = [[] for _ in range(p)]
     for ch, r in enumerate(owner):
         ids[r].append(ch)
@@ -150,46 +163,8 @@ def _build(position_row: torch.Tensor, tok_work: torch.Tensor, p: int, c: int, k
         n = (cap - (len(owner) * c - zone if r == first else 0)) // c
         ids[r] += range(at, at + n)
         at += n
-    return torch.cat(order), tuple(tuple(x) for x in ids), any(j >= 0 and offset > 0 for j, offset, _ in pieces)
-
-
-def _placed_positions(row: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """Position ids of the placed row: the row's own, and 0, 1, ... along each run of padding."""
-    pad = order < 0
-    out = row[order.clamp(min=0)].clone()
-    run_start = torch.arange(len(order)) * (~pad | torch.cat([torch.tensor([True]), ~pad[:-1]]))
-    out[pad] = (torch.arange(len(order)) - run_start.cummax(0).values)[pad]
-    return out
-
-
-def _score(positions: torch.Tensor, order: torch.Tensor, tok_work: torch.Tensor, ids, c: int, causal: bool,
-           key_cost: float) -> float:  # fmt: skip
-    """The largest rank's step estimate: its tokens' visible keys plus ``key_cost`` per key token it receives.
-
-    A rank receives, of each document it holds part of, the keys before its last query there (all of the
-    document when bidirectional) that it does not hold: one pass over the row, no table.
-    """
-    p, seq = len(ids), positions.shape[0]
-    owner = torch.empty(seq // c, dtype=torch.long)
-    for r, own in enumerate(ids):
-        owner[list(own)] = r
-    owner = owner.repeat_interleave(c)
-    work = torch.where(order >= 0, tok_work[order.clamp(min=0)], 0.0)
-    per_rank = torch.zeros(p, dtype=torch.float64).index_add_(0, owner, work)
-    doc = (positions == 0).long().cumsum(0) - 1
-    start = torch.arange(seq) - positions  # first token of each token's document
-    key = doc * p + owner
-    size = int(doc[-1]) * p + p
-    last = torch.full((size,), -1, dtype=torch.long).scatter_reduce(0, key, torch.arange(seq), "amax")
-    first = torch.zeros(size, dtype=torch.long).scatter_reduce(0, key, start, "amax")
-    held = torch.zeros(size, dtype=torch.long).index_add_(0, key, torch.ones(seq, dtype=torch.long))
-    if causal:
-        seen = last - first + 1
-    else:
-        doc_len = torch.zeros(int(doc[-1]) + 1, dtype=torch.long).index_add_(0, doc, torch.ones(seq, dtype=torch.long))
-        seen = doc_len.repeat_interleave(p)
-    recv = torch.where(held > 0, seen - held, 0).view(-1, p).sum(0).double()
-    return float((per_rank + key_cost * recv).max())
+    cut = any(j >= 0 and offset > 0 for j, offset, _ in pieces)
+    return torch.cat(order), torch.cat(places), tuple(tuple(x) for x in ids), cut
 
 
 def placed_layout(
@@ -212,7 +187,7 @@ def placed_layout(
         window: the sliding window the attention uses, or None.
         blocks: block-causal blocks (the row is then not reordered), or None.
         chunk_len: tokens per chunk; None picks about a 32nd of ``S/P``.
-        key_cost: step estimate of one received key/value token, in attention scores.
+        key_cost: the refining pass's score of one token of K/V traffic, in attention scores.
         tile_costs: cost per score of a plain tile, a causal square and a masked tile (``TILE_COSTS``).
 
     Returns:
@@ -235,19 +210,22 @@ def placed_layout(
         order = torch.cat([torch.arange(seq_len), torch.full((pad,), -1)]).expand(positions.shape[0], -1)
         return Placement(order, padded, ChunkLayout(solved.chunk_ids, name="placed"))
     c = chunk_len or chunk_length(seq_len, world_size)
-    tok_work = visible_area(mask, seq_len, causal)[:seq_len] / positions.shape[0]
+    if causal:  # the visible keys of each query: its position, up to the window
+        tok_work = (positions[0] + 1).clamp(max=window or seq_len).double()
+    else:
+        tok_work = visible_area(mask, seq_len, causal)[:seq_len] / positions.shape[0]
     k_min = math.ceil(seq_len / (world_size * c))
     options = [k_min] + ([k_min + 1] if (k_min + 1) * c * world_size <= TOKEN_SLACK * seq_len else [])
-    best = None
-    for k in options:
-        order, ids, cut = _build(positions[0], tok_work, world_size, c, k, window, causal)
-        placed = _placed_positions(positions[0], order)
-        if len(options) == 1 or not cut:
-            best = (0.0, order, placed, ids)  # nothing to trade: every document whole where the tokens allow
-            break
-        score = _score(placed, order, tok_work, ids, c, causal, key_cost)
-        if best is None or score < best[0]:
-            best = (score, order, placed, ids)
-    _, order, placed, ids = best
+    built = _build(positions[0], tok_work, world_size, c, k_min, window, causal)
+    if built[3] and len(options) > 1:  # a short document cut: one more chunk per rank (more padding) may spare it
+        more = _build(positions[0], tok_work, world_size, c, k_min + 1, window, causal)
+        built = built if more[3] else more
+    order, placed, ids, _ = built
+    owner = [0] * (len(order) // c)
+    for r, own in enumerate(ids):
+        for g in own:
+            owner[g] = r
+    owner = Refiner(placed, c, owner, causal, window, key_cost, tile_costs, BALANCE_SLACK).run(REFINE_ROUNDS)
+    ids = tuple(tuple(g for g, r in enumerate(owner) if r == rank) for rank in range(world_size))
     rows = positions.shape[0]
     return Placement(order.expand(rows, -1), placed.expand(rows, -1), ChunkLayout(ids, name="placed"))
