@@ -163,13 +163,16 @@ def headline_table(records_dir: pathlib.Path = RECORDS) -> str:
         records_dir: Where the records live.
 
     Returns:
-        A Markdown table: the longest sequence in a budget, and what masks cost in bytes and in balance.
+        A Markdown table: the longest sequence in a budget, what masks cost in bytes and in balance, attention
+            and a Llama step against one process, the strategies' bytes against their volume, the Trainer's step.
 
     Raises:
         RecordError: A record it needs is missing or lacks the rows it reads.
     """
     maxlen, masks = load("maxlen_cpu", records_dir), load("masks_cpu", records_dir)
     rows = [_maxlen_row(maxlen)] + [[*row, *tables.run_cells("masks_cpu", masks)] for row in _masks_rows(masks)]
+    measured = ("attention_cpu", "llama_step_cpu", "strategies_cpu", "hf_trainer_cpu")
+    rows += tables.measured_rows(*(load(name, records_dir) for name in measured))
     return tables.table(["what", "result", "command", "measured"], rows)
 
 
