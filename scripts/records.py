@@ -7,24 +7,33 @@ the build when README.md's generated block is stale; `python scripts/records.py 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import pathlib
 import re
 import shlex
 import sys
 
+
+def _sibling(name: str):
+    """scripts/NAME.py, loaded by path as mkdocs loads this hook (so neither needs scripts/ on sys.path)."""
+    spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+tables = _sibling("record_tables")
+RecordError = tables.RecordError
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RECORDS = ROOT / "benchmarks"
 README = ROOT / "README.md"
-PLACEHOLDER = re.compile(r"<!-- records: ([a-z_]+) -->")
+PLACEHOLDER = re.compile(r"(^[ \t]*)?<!-- records: ([a-z_]+) -->", re.MULTILINE)
 BEGIN = "<!-- begin records: headline (generated from benchmarks/*.json by scripts/records.py; do not edit) -->"
 END = "<!-- end records: headline -->"
 PROVENANCE = ("command", "measured")
 PLAIN_RING = ("causal", "ring", "zigzag")
-
-
-class RecordError(Exception):
-    """A table's record is missing, unreadable or lacks a field, or the README's generated block is stale."""
 
 
 def load(name: str, records_dir: pathlib.Path = RECORDS) -> list[dict]:
@@ -56,24 +65,6 @@ def load(name: str, records_dir: pathlib.Path = RECORDS) -> list[dict]:
     return rows
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def _with_runs(name: str, records: list[dict], header: list[str], cells: list[list[str]]) -> str:
-    """The table, then where it comes from; with several runs in one record a column names each row's run."""
-    runs = list(dict.fromkeys((r["command"], r["measured"]) for r in records))
-    if len(runs) > 1:
-        header = [*header, "run"]
-        cells = [[*c, str(runs.index((r["command"], r["measured"])) + 1)] for c, r in zip(cells, records)]
-    said = "; ".join(
-        f"{f'run {i + 1}: ' if len(runs) > 1 else ''}`{cmd}`, measured {date}" for i, (cmd, date) in enumerate(runs)
-    )
-    return f"{_table(header, cells)}\n\nGenerated from `benchmarks/{name}.json`: {said}."
-
-
 def _sent_over_needed(r: dict) -> float:
     return sum(r["bytes_sent_per_rank"]) / sum(r["bytes_needed_per_rank"])
 
@@ -99,26 +90,7 @@ def masks_table(records: list[dict]) -> str:
         )
     header = ["strategy", "layout", "mask", "step (s)", "vs causal", "visible vs causal", "sent / needed"]
     header += ["rank compute max/mean", "visible area max/mean"]
-    return _with_runs("masks_cpu", records, header, cells)
-
-
-def masks_bytes_table(records: list[dict]) -> str:
-    """Bytes each rank needs under ring per masked row and layout (mean, largest), and the placed layout's balance."""
-    ring = [r for r in records if r["strategy"] == "ring" and r["mask"] != "causal"]
-    layouts = list(dict.fromkeys(r["layout"] for r in ring))
-    by = {(r["mask"], r["layout"]): r for r in ring}
-    cells = []
-    for mask in dict.fromkeys(r["mask"] for r in ring):
-        row = [mask]
-        for layout in layouts:
-            r = by.get((mask, layout))
-            needed = r["bytes_needed_per_rank"] if r else None
-            row.append(f"{sum(needed) / len(needed) / 1e6:.2f} ({max(needed) / 1e6:.2f})" if needed else "-")
-        placed = by.get((mask, "placed"), {})
-        row += [f"{placed[k]:.3f}" if k in placed else "-" for k in ("planned_max_over_mean", "tokens_max_over_mean")]
-        cells.append(row)
-    header = ["mask", *layouts, "placed planned work max/mean", "placed tokens max/mean"]
-    return _with_runs("masks_cpu", ring, header, cells)
+    return tables.with_runs("masks_cpu", records, header, cells)
 
 
 def maxlen_table(records: list[dict]) -> str:
@@ -144,7 +116,26 @@ def maxlen_table(records: list[dict]) -> str:
             ]
         )
     header = ["features", "sp", "max seq", f"vs sp {low_sp}", "vs rung below", "measured peak (MB)", "estimate (MB)"]
-    return _with_runs("maxlen_cpu", records, [*header, "est / measured"], cells)
+    return tables.with_runs("maxlen_cpu", records, [*header, "est / measured"], cells)
+
+
+def masks_bytes_table(records: list[dict]) -> str:
+    """Bytes each rank needs under ring per masked row and layout (mean, largest), and the placed layout's balance."""
+    ring = [r for r in records if r["strategy"] == "ring" and r["mask"] != "causal"]
+    layouts = list(dict.fromkeys(r["layout"] for r in ring))
+    by = {(r["mask"], r["layout"]): r for r in ring}
+    cells = []
+    for mask in dict.fromkeys(r["mask"] for r in ring):
+        row = [mask]
+        for layout in layouts:
+            r = by.get((mask, layout))
+            needed = r["bytes_needed_per_rank"] if r else None
+            row.append(f"{sum(needed) / len(needed) / 1e6:.2f} ({max(needed) / 1e6:.2f})" if needed else "-")
+        placed = by.get((mask, "placed"), {})
+        row += [f"{placed[k]:.3f}" if k in placed else "-" for k in ("planned_max_over_mean", "tokens_max_over_mean")]
+        cells.append(row)
+    header = ["mask", *layouts, "placed planned work max/mean", "placed tokens max/mean"]
+    return tables.with_runs("masks_cpu", ring, header, cells)
 
 
 def rl_memory_table(records: list[dict]) -> str:
@@ -169,19 +160,7 @@ def rl_memory_table(records: list[dict]) -> str:
             ]
         )
     header = ["trainer", "completion tokens", "sp", "tokens per rank", "measured peak (MB)", f"vs sp {low_sp}"]
-    return _with_runs("rl_memory_cpu", ordered, [*header, "estimate (MB)", "est / measured"], cells)
-
-
-def _span(values: list[float], fmt: str = "{:.2f}") -> str:
-    lo, hi = fmt.format(min(values)), fmt.format(max(values))
-    return lo if lo == hi else f"{lo}-{hi}"
-
-
-def _run(name: str, records: list[dict]) -> list[str]:
-    """The command and date cells of a headline row drawn from one record file."""
-    runs = list(dict.fromkeys((r["command"], r["measured"]) for r in records))
-    command = f"`{runs[0][0]}`" if len(runs) == 1 else f"{len(runs)} runs in `benchmarks/{name}.json`"
-    return [command, " / ".join(dict.fromkeys(date for _, date in runs))]
+    return tables.with_runs("rl_memory_cpu", ordered, [*header, "estimate (MB)", "est / measured"], cells)
 
 
 def _maxlen_row(maxlen: list[dict]) -> list[str]:
@@ -192,7 +171,7 @@ def _maxlen_row(maxlen: list[dict]) -> list[str]:
     lengths = " / ".join(f"{r['max_seq']:,}" for r in top)
     degrees = " / ".join(str(r["sp"]) for r in top)
     what = f"longest sequence in a {budget} step budget, {' + '.join(rungs[1:]) or 'no memory features'} (CPU)"
-    return [what, f"{lengths} tokens at sp {degrees}", *_run("maxlen_cpu", maxlen)]
+    return [what, f"{lengths} tokens at sp {degrees}", *tables.run_cells("maxlen_cpu", maxlen)]
 
 
 def _masks_rows(masks: list[dict]) -> list[list[str]]:
@@ -200,14 +179,14 @@ def _masks_rows(masks: list[dict]) -> list[list[str]]:
     masked = [r for r in masks if r["mask"] != "causal"]
     plain = [_sent_over_needed(r) for r in masks if (r["mask"], r["strategy"], r["layout"]) == PLAIN_RING]
     kinds = ", ".join(dict.fromkeys(r["mask"] for r in masked))
-    sent = f"{_span([_sent_over_needed(r) for r in masked])}x"
+    sent = f"{tables.span([_sent_over_needed(r) for r in masked])}x"
     sent += f" (plain causal ring: {plain[0]:.2f}x)" if plain else ""
     # Ulysses' ranks attend over the whole sequence for their heads, so no layout unbalances them: left out.
     lognormal = [r for r in masks if r["mask"] == "log-normal documents" and r["strategy"] != "ulysses"]
     if not lognormal or {r["layout"] for r in lognormal} < {"balanced", "zigzag"}:
         raise RecordError("benchmarks/masks_cpu.json lacks 'log-normal documents' records in both layouts")
     balance = {
-        layout: _span([r["rank_time_max_over_mean"] for r in lognormal if r["layout"] == layout])
+        layout: tables.span([r["rank_time_max_over_mean"] for r in lognormal if r["layout"] == layout])
         for layout in ("balanced", "zigzag")
     }
     strategies = ", ".join(dict.fromkeys(r["strategy"] for r in lognormal))
@@ -228,27 +207,41 @@ def headline_table(records_dir: pathlib.Path = RECORDS) -> str:
         records_dir: Where the records live.
 
     Returns:
-        A Markdown table: the longest sequence in a budget, and what masks cost in bytes and in balance.
+        A Markdown table: the longest sequence in a budget, what masks cost in bytes and in balance, attention
+            and a Llama step against one process, the strategies' bytes against their volume, the Trainer's step.
 
     Raises:
         RecordError: A record it needs is missing or lacks the rows it reads.
     """
     maxlen, masks = load("maxlen_cpu", records_dir), load("masks_cpu", records_dir)
-    rows = [_maxlen_row(maxlen)] + [[*row, *_run("masks_cpu", masks)] for row in _masks_rows(masks)]
-    return _table(["what", "result", "command", "measured"], rows)
+    rows = [_maxlen_row(maxlen)] + [[*row, *tables.run_cells("masks_cpu", masks)] for row in _masks_rows(masks)]
+    measured = ("attention_cpu", "llama_step_cpu", "strategies_cpu", "hf_trainer_cpu")
+    rows += tables.measured_rows(*(load(name, records_dir) for name in measured))
+    return tables.table(["what", "result", "command", "measured"], rows)
 
 
 TABLES = {
     "masks": lambda d: masks_table(load("masks_cpu", d)),
     "masks_bytes": lambda d: masks_bytes_table(load("masks_cpu", d)),
-    "maxlen": lambda d: maxlen_table(load("maxlen_cpu", d)),
     "rl_memory": lambda d: rl_memory_table(load("rl_memory_cpu", d)),
+    "maxlen": lambda d: maxlen_table(load("maxlen_cpu", d)),
     "headline": headline_table,
+    "attention": lambda d: tables.attention_table(load("attention_cpu", d)),
+    "strategies": lambda d: tables.strategies_table(load("strategies_cpu", d)),
+    "llama_step": lambda d: tables.llama_step_table(load("llama_step_cpu", d)),
+    "features": lambda d: tables.features_table(load("features_cpu", d)),
+    "hf_trainer": lambda d: tables.hf_trainer_table(load("hf_trainer_cpu", d)),
+    "context_parallel_overhead": lambda d: tables.context_parallel_overhead_table(load("context_parallel_cpu", d)),
+    "context_parallel_memory": lambda d: tables.context_parallel_memory_table(load("context_parallel_cpu", d)),
+    "pipeline_time": lambda d: tables.pipeline_time_table(load("pipeline_cpu", d)),
+    "pipeline_memory": lambda d: tables.pipeline_memory_table(load("pipeline_cpu", d)),
 }
 
 
 def expand(markdown: str, records_dir: pathlib.Path = RECORDS, where: str = "page") -> str:
     """Replace each ``<!-- records: NAME -->`` in ``markdown`` with NAME's table, built from the records now.
+
+    A placeholder alone on its line (after spaces, as in a list item) gives a table indented as that line is.
 
     Args:
         markdown: A page's text.
@@ -263,10 +256,10 @@ def expand(markdown: str, records_dir: pathlib.Path = RECORDS, where: str = "pag
     """
 
     def one(match: re.Match) -> str:
-        name = match.group(1)
+        indent, name = match.group(1) or "", match.group(2)
         if name not in TABLES:
             raise RecordError(f"{where}: no records table '{name}' (known: {', '.join(TABLES)})")
-        return TABLES[name](records_dir)
+        return indent + TABLES[name](records_dir).replace("\n", "\n" + indent)  # a placeholder in a list item
 
     return PLACEHOLDER.sub(one, markdown)
 

@@ -53,9 +53,7 @@ def test_tables_render_every_record_with_its_command_and_date():
         assert f"Generated from `benchmarks/{name}.json`: {said}" in page
     headline = records.headline_table()
     assert headline.count("| `seqpar bench masks") == 2 and headline.count("| `seqpar bench maxlen") == 1
-    for line in headline.splitlines()[2:]:  # each headline row carries its own record's date
-        rows = masks if "| `seqpar bench masks" in line else maxlen
-        assert line.endswith(f" | {rows[0]['measured']} |"), line
+    assert all(line.endswith(f" | {masks[0]['measured']} |") for line in headline.splitlines() if "bench masks" in line)
 
 
 def _rl_line(table: str, r: dict) -> str:
@@ -147,3 +145,80 @@ def test_the_docs_use_the_hook_and_the_placeholders():
     assert "scripts/records.py" in (ROOT / "mkdocs.yml").read_text()
     benchmarks = (ROOT / "docs" / "benchmarks.md").read_text()
     assert "<!-- records: masks -->" in benchmarks and "<!-- records: maxlen -->" in benchmarks
+    pages = {
+        "benchmarks.md": ("attention", "strategies", "llama_step"),
+        "guides/memory.md": ("features",),
+        "guides/hf.md": ("hf_trainer",),
+        "guides/context-parallel.md": ("context_parallel_overhead", "context_parallel_memory"),
+        "guides/pipeline.md": ("pipeline_time", "pipeline_memory"),
+    }
+    for page, names in pages.items():
+        text = (ROOT / "docs" / page).read_text()
+        assert all(f"<!-- records: {n} -->" in text for n in names), page
+    # In a list item the table keeps the item's indentation, or Markdown would end the item before it.
+    item = records.expand("- speed:\n\n  <!-- records: hf_trainer -->\n")
+    assert all(line.startswith("  ") for line in item.splitlines()[2:] if line), item
+
+
+# The measured tables: for each record, a cell text each of its rows must show (formatted as the table does).
+MEASURED = {
+    "attention": (
+        "attention_cpu",
+        lambda r: (
+            f"| {r['seq']} | {r['strategy']} | {r['ranks']} | {r['single_s']:.2f} | {r['parallel_s']:.2f} | "
+            f"{r['speedup']:.2f}x |"
+        ),
+    ),
+    "strategies": (
+        "strategies_cpu",
+        lambda r: f"| {r['sent_bytes_per_rank'] / 2**20:.2f} MiB | {r['analytical_bytes'] / 2**20:.2f} MiB |",
+    ),
+    "llama_step": ("llama_step_cpu", lambda r: f"| {r['sp']} | {r['step_s']:.2f} | {r['seq'] / r['step_s']:.0f} |"),
+    "features": (
+        "features_cpu",
+        lambda r: f"| {r['tokens_per_s']:.0f} | {r['vs_first_wall']:.3f}x | {r['vs_first_cpu']:.3f}x |",
+    ),
+    "hf_trainer": ("hf_trainer_cpu", lambda r: f"| {r['step_s']:.2f} | {r['growth_mb']:.0f} |"),
+    "context_parallel_overhead": ("context_parallel_cpu", lambda r: f"| {r['step_s']:.4f} | {r['vs_direct']:.3f} |"),
+    "context_parallel_memory": ("context_parallel_cpu", lambda r: f"| {r['tokens']} | {r['single_s']:.3f} |"),
+}
+
+
+def _pipeline_cells(run: dict) -> list[str]:
+    cells = [f"| {t['schedule']} | {t['microbatches']} | {t['step_s'] * 1e3:.0f} |" for t in run["time"]]
+    return cells + [f"| {m['measured']['peak_mb']:.0f} / {m['estimated']['peak_mb']:.0f} (" for m in run["memory"]]
+
+
+def test_measured_tables_render_every_record_with_its_command():
+    for placeholder, (name, cell) in MEASURED.items():
+        page = records.expand(f"<!-- records: {placeholder} -->")
+        rows = records.load(name)
+        part = [r for r in rows if "part" not in r or (r["part"] == "memory") == placeholder.endswith("memory")]
+        assert part and all(cell(r) in page for r in part), placeholder
+        assert f"Generated from `benchmarks/{name}.json`" in page and f"`{rows[0]['command']}`" in page
+    page = records.expand("<!-- records: pipeline_time -->\n<!-- records: pipeline_memory -->")
+    for run in records.load("pipeline_cpu"):
+        assert all(c in page for c in _pipeline_cells(run)) and f"`{run['command']}`" in page
+    headline = records.headline_table()
+    for name in ("attention", "llama_step", "strategies", "hf_trainer"):
+        assert f"| `seqpar bench {name}" in headline or f"runs in `benchmarks/{name}_cpu.json` |" in headline
+
+
+def test_a_changed_measurement_changes_its_table(tmp_path):
+    target = _copy_records(tmp_path)
+    _edit(target / "attention_cpu.json", lambda rows: rows[0].update(speedup=9.99, memory_ratio=0.11))
+    _edit(
+        target / "strategies_cpu.json", lambda rows: rows[0].update(sent_bytes_per_rank=2 * rows[0]["analytical_bytes"])
+    )
+    _edit(target / "llama_step_cpu.json", lambda rows: rows[-1].update(growth_mb=rows[0]["growth_mb"] * 0.3))
+    _edit(target / "features_cpu.json", lambda rows: rows[-1].update(vs_first_cpu=0.123))
+    _edit(target / "hf_trainer_cpu.json", lambda rows: rows[0].update(vs_own_step_pairs=[1.5, 1.7, 1.9]))
+    _edit(target / "context_parallel_cpu.json", lambda rows: rows[2].update(vs_direct=4.321))
+    _edit(target / "pipeline_cpu.json", lambda runs: runs[0]["time"][0].update(time_within_25pct=False))
+    names = [*MEASURED, "pipeline_time"]
+    page = records.expand("\n".join(f"<!-- records: {n} -->" for n in names), target)
+    assert "| 9.99x |" in page and "| 2.0000 |" in page and "| 0.30 |" in page and "| 0.123x |" in page
+    assert "| 4.321 |" in page and "median 1.700x over 3 interleaved pairs (1.500 to 1.900 per pair)" in page
+    assert " | NO | " in page
+    headline = records.headline_table(target)
+    assert "| 0.11-" in headline and "within 100.00%" in headline and "| 1.700x |" in headline

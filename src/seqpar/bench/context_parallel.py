@@ -2,6 +2,7 @@
 
     seqpar bench context_parallel          # 2 ranks: attention at 8192 tokens; a video block at 2048, 4096 tokens
     seqpar bench context_parallel --ranks 2 --seq 4096 --tokens 1024 2048 --repeats 3 --strategy ring
+    seqpar bench context_parallel --json context_parallel.json   # also save both tables' rows, with provenance
 
 (a) Overhead. On the same ranks, with the same shapes (causal, fp32, fwd+bwd), three ways timed in turn
 within each repeat: ``seqpar.attention`` on local shards (direct); ``F.scaled_dot_product_attention``
@@ -36,6 +37,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import seqpar
+from seqpar.bench import provenance
 from seqpar.runtime.measure import time_and_memory, write_slowest
 from seqpar.runtime.memory import reset_resident_peak, resident_mb
 from seqpar.runtime.spawn import spawn_ranks
@@ -62,7 +64,7 @@ def _timed(variants: dict, leaves: list[torch.Tensor], repeats: int) -> list[flo
     return medians.tolist()
 
 
-def _overhead(rank: int, world: int, args: argparse.Namespace) -> None:
+def _overhead(rank: int, world: int, args: argparse.Namespace, out_path: str) -> None:
     """(a): attention direct / mode on shards / full snippet, then a video block direct / drop-in."""
     mesh = init_device_mesh("cpu", (world,))
     shape = (1, args.heads, args.seq, args.head_dim)
@@ -106,8 +108,16 @@ def _overhead(rank: int, world: int, args: argparse.Namespace) -> None:
         print("|---|---|---|")
         for name, seconds in zip(attention, rows):
             print(f"| causal attention: {name} | {seconds:.4f} | {seconds / rows[0]:.3f} |")
-        for name, seconds in zip(("seqpar.attention in the block", "block under context_parallel"), blocks):
+        block_ways = ("seqpar.attention in the block", "block under context_parallel")
+        for name, seconds in zip(block_ways, blocks):
             print(f"| video block (non-causal): {name} | {seconds:.4f} | {seconds / blocks[0]:.3f} |")
+        records = [
+            {"part": part, "way": name, "step_s": seconds, "vs_direct": seconds / times[0]}
+            for part, names, times in (("causal attention", attention, rows), ("video block", block_ways, blocks))
+            for name, seconds in zip(names, times)
+        ]
+        with open(out_path, "w") as f:
+            json.dump(records, f)
 
 
 class _VideoBlock(nn.Module):
@@ -169,8 +179,8 @@ def _video_ranks(_rank: int, world: int, cfg: dict, path: str) -> None:
     write_slowest(path, seconds, growth)
 
 
-def _memory_table(args: argparse.Namespace) -> None:
-    """(b): one process against the ranks, for each token count."""
+def _memory_table(args: argparse.Namespace) -> list[dict]:
+    """(b): one process against the ranks, for each token count; returns one record per count."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.json")
@@ -187,12 +197,18 @@ def _memory_table(args: argparse.Namespace) -> None:
     print(f"\n(b) video block, dim {args.dim}, heads {args.heads}, fp32, non-causal, fwd+bwd, {args.strategy}")
     print(f"| tokens | 1 process (s) | {args.ranks} ranks (s) | 1 process peak growth (MB) | per-rank (MB) | ratio |")
     print("|---|---|---|---|---|---|")
+    records = []
     for tokens, single, ranks in rows:
         ratio = ranks["growth_mb"] / single["growth_mb"] if single["growth_mb"] > 0 else float("nan")
         print(
             f"| {tokens} | {single['seconds']:.3f} | {ranks['seconds']:.3f} | {single['growth_mb']:.0f} | "
             f"{ranks['growth_mb']:.0f} | {ratio:.2f} |"
         )
+        records.append(
+            {"part": "memory", "tokens": tokens, "single_s": single["seconds"], "ranks_s": ranks["seconds"]}
+            | {"single_growth_mb": single["growth_mb"], "rank_growth_mb": ranks["growth_mb"]}
+        )
+    return records
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,11 +226,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dim", type=int, default=256, help="(b) the video block's width")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps (median)")
     parser.add_argument("--skip", choices=("overhead", "memory"), help="leave one part out")
+    parser.add_argument("--json", metavar="FILE", help="write one record per row of both tables here")
     args = parser.parse_args(argv)
+    records = []
     if args.skip != "overhead":
-        spawn_ranks(_overhead, args.ranks, args)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "overhead.json")
+            spawn_ranks(_overhead, args.ranks, args, path)
+            with open(path) as f:
+                records += json.load(f)
     if args.skip != "memory":
-        _memory_table(args)
+        records += _memory_table(args)
+    if args.json:
+        settings = {k: v for k, v in vars(args).items() if k not in ("json", "skip")}
+        with open(args.json, "w") as f:
+            json.dump([{**settings, **r, **provenance("context_parallel", argv)} for r in records], f, indent=1)
     return 0
 
 

@@ -6,6 +6,7 @@ alike:
     seqpar bench features                                  # seq 4096, sp 1, every rung the CPU has
     seqpar bench features --seq 8192 --sp 2 --repeats 4 --loss-chunk 32
     seqpar bench features --ladder checkpointing tiled_mlp  # only these rungs (features still cumulative)
+    seqpar bench features --json features.json             # also save one record per rung, with provenance
 
 Rungs and the step are those of ``seqpar bench maxlen`` (``feature_model``, ``feature_step``): none;
 checkpointing; + chunked_loss; + tiled_mlp; + offload (GPU). The first step's losses of all rungs must agree
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 import seqpar
+from seqpar.bench import provenance
 from seqpar.bench.maxlen import LADDER, add_model_arguments, feature_model, feature_step, rung_features
 from seqpar.runtime.spawn import spawn_ranks
 
@@ -74,22 +76,42 @@ def _worker(_rank: int, _world_size: int, cfg: dict, out_path: str) -> None:
             json.dump({"times": times, "cpu": cpu, "first_loss": first}, f)
 
 
-def _table(result: dict, ladder: list[str], seq: int) -> str:
+def _ratio(series: dict, rung: str, against: str) -> float:
+    """Throughput of ``rung`` relative to ``against``: the median over repeats of their per-repeat ratio."""
+    return statistics.median(a / b for a, b in zip(series[against], series[rung]))
+
+
+def _records(result: dict, ladder: list[str], seq: int) -> list[dict]:
+    """One record per rung: its median step, tokens/s, and throughput against the first rung and the rung below."""
+    times, cpu, first = result["times"], result["cpu"], ladder[0]
+    records = []
+    for i, rung in enumerate(ladder):
+        median = statistics.median(times[rung])
+        records.append(
+            {
+                "features": rung,
+                "step_s": median,
+                "tokens_per_s": seq / median,
+                "vs_first_wall": _ratio(times, rung, first),
+                "vs_first_cpu": _ratio(cpu, rung, first),
+                "vs_below_wall": _ratio(times, rung, ladder[i - 1]) if i else None,
+                "times_s": times[rung],
+                "cpu_s": cpu[rung],
+            }
+        )
+    return records
+
+
+def _table(records: list[dict]) -> str:
     lines = [
         "| features | step (s) | tokens/s | vs none (wall) | vs none (CPU time) | vs rung below (wall) |",
         "|---|---|---|---|---|---|",
     ]
-    times, cpu, first = result["times"], result["cpu"], ladder[0]
-
-    def ratio(series: dict, rung: str, against: str) -> float:  # throughput of rung relative to against
-        return statistics.median(a / b for a, b in zip(series[against], series[rung]))
-
-    for i, rung in enumerate(ladder):
-        median = statistics.median(times[rung])
-        below = f"{ratio(times, rung, ladder[i - 1]):.3f}x" if i else "-"
+    for i, r in enumerate(records):
+        below = f"{r['vs_below_wall']:.3f}x" if i else "-"
         lines.append(
-            f"| {rung if i == 0 else '+ ' + rung} | {median:.2f} | {seq / median:.0f} | "
-            f"{ratio(times, rung, first):.3f}x | {ratio(cpu, rung, first):.3f}x | {below} |"
+            f"| {r['features'] if i == 0 else '+ ' + r['features']} | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} | "
+            f"{r['vs_first_wall']:.3f}x | {r['vs_first_cpu']:.3f}x | {below} |"
         )
     return "\n".join(lines)
 
@@ -103,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ladder", nargs="+", choices=LADDER, default=None, help="rungs (default: all there are)")
     add_model_arguments(parser)
     parser.add_argument("--repeats", type=int, default=3, help="timed steps of each rung")
+    parser.add_argument("--json", metavar="FILE", help="write one record per rung here")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ladder = args.ladder or [r for r in LADDER if r != "offload" or device == "cuda"]
@@ -117,7 +140,12 @@ def main(argv: list[str] | None = None) -> int:
         f"sp {args.sp}, fp32, strategy {args.strategy}, loss chunk {args.loss_chunk}, MLP chunk {args.mlp_chunk}, "
         f"1 thread/rank ({device}); {args.repeats} steps per rung, taking turns; medians"
     )
-    print(_table(result, ladder, args.seq))
+    records = _records(result, ladder, args.seq)
+    print(_table(records))
+    if args.json:
+        settings = {k: v for k, v in cfg.items() if k not in ("ladder", "model", "json")}
+        with open(args.json, "w") as f:
+            json.dump([{**settings, **r, **provenance("features", argv)} for r in records], f, indent=1)
     return 0
 
 

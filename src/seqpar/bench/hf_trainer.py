@@ -2,6 +2,7 @@
 
     seqpar bench hf_trainer --steps 8                 # Llama 4x256, one packed row of 8192 tokens, sp 2, ring
     seqpar bench hf_trainer --seq 2048 --steps 3      # small, quick
+    seqpar bench hf_trainer --json hf_trainer.json    # also save the rows and the pairs' ratios, with provenance
 
 Time: one torchrun job at sp 2 trains ``SequenceParallelTrainer`` and, at every Trainer step end, runs one
 step of seqpar's own loop on its own copy of the model (``prepare_model`` + ``shard_batch`` +
@@ -33,6 +34,7 @@ import transformers
 
 import seqpar
 import seqpar.hf
+from seqpar.bench import provenance
 from seqpar.bench.llama_step import llama_config
 from seqpar.runtime.measure import MEMORY_RUN_ENV, write_slowest
 from seqpar.runtime.memory import reset_resident_peak, resident_mb
@@ -174,14 +176,14 @@ def _launch(mode: str, cfg: dict, out: str, memory: bool) -> dict:
         "seqpar.bench.hf_trainer",
         "--worker",
         mode,
-        "--json",
+        "--out",
         out,
         "--cfg",
         json.dumps(cfg),
     ]
     if ranks > 1:
         worker = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
-        worker += ["-m", "seqpar.bench.hf_trainer", "--worker", mode, "--json", out, "--cfg", json.dumps(cfg)]
+        worker += ["-m", "seqpar.bench.hf_trainer", "--worker", mode, "--out", out, "--cfg", json.dumps(cfg)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(MEMORY_RUN_ENV if memory else {})}
     done = subprocess.run(worker, env=env, capture_output=True, text=True)
     if done.returncode:
@@ -204,12 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
     parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
-    parser.add_argument("--json", help=argparse.SUPPRESS)
+    parser.add_argument("--json", metavar="FILE", help="write one record per run here")
+    parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--cfg", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         torch.set_num_threads(1)
-        _trainer_worker(json.loads(args.cfg), args.json, args.worker)
+        _trainer_worker(json.loads(args.cfg), args.out, args.worker)
         return 0
     keys = ("seq", "doc", "sp", "strategy", "hidden", "layers", "heads", "vocab", "steps")
     cfg = {k: getattr(args, k) for k in keys}
@@ -218,10 +221,15 @@ def main(argv: list[str] | None = None) -> int:
         one = _launch("trainer_one", cfg, os.path.join(tmp, "one.json"), memory=False)
         two_steps = {**cfg, "steps": 1}  # memory: the growth of the second step
         memory = {m: _launch(m, two_steps, os.path.join(tmp, f"{m}.json"), memory=True) for m in MODES[1:]}
-    return _report(cfg, pair, one, memory)
+    records = _report(cfg, pair, one, memory)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{**cfg, **r, **provenance("hf_trainer", argv)} for r in records], f, indent=1)
+    return 0
 
 
-def _report(cfg: dict, pair: dict, one: dict, memory: dict) -> int:
+def _report(cfg: dict, pair: dict, one: dict, memory: dict) -> list[dict]:
+    """Print the table after checking the first losses; return one record per run (the Trainer's with the pairs)."""
     base = one["first_loss"]
     for what, loss in (("Trainer at sp", pair["first_loss"]), ("own step", pair["own_first_loss"])):
         if abs(loss - base) > 1e-4 * abs(base):
@@ -242,10 +250,13 @@ def _report(cfg: dict, pair: dict, one: dict, memory: dict) -> int:
         ("seqpar's own step", statistics.median(pair["own_s"]), memory["loop_sp"]),
         ("Trainer, 1 process", one["seconds"], memory["trainer_one"]),
     )
-    for name, seconds, mem in rows:
+    records = []
+    for (name, seconds, mem), ranks in zip(rows, (cfg["sp"], cfg["sp"], 1)):
         growth = mem["growth_mb"]
         print(f"| {name} | {seconds:.2f} | {growth:.0f} | {growth / memory['trainer_one']['growth_mb']:.2f} |")
-    return 0
+        records.append({"run": name, "ranks": ranks, "step_s": seconds, "growth_mb": growth})
+    records[0]["vs_own_step_pairs"] = ratios
+    return records
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ Fixed total sequence; every degree runs in fresh processes (one thread per rank)
     seqpar bench llama_step                       # seq 8192, sp 1 2 4, ring
     seqpar bench llama_step --seq 4096 --sp 1 2 --strategy ulysses --repeats 3
     seqpar bench llama_step --vocab 32768 --sp 2 --loss-chunk 1024   # logits in pieces
+    seqpar bench llama_step --json llama_step.json                   # also save the rows, with provenance
 
 Each step is forward + backward + AdamW on ``seqpar.shard_batch`` shards with ``seqpar.cross_entropy``.
 Before timing, the sharded loss of the first step is checked against the sp=1 loss. Memory = growth of the
@@ -16,6 +17,7 @@ With more ranks than cores, compare the ratios, not the times.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -28,6 +30,7 @@ import torch.distributed as dist
 import transformers
 
 import seqpar
+from seqpar.bench import provenance
 from seqpar.runtime.measure import time_and_memory, write_slowest
 from seqpar.runtime.memory import reset_resident_peak, resident_mb
 
@@ -128,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--loss-chunk", type=int, default=0, help="lm_head_cross_entropy pieces (0: whole logits)")
+    parser.add_argument("--json", metavar="FILE", help="write one record per sp degree here")
     args = parser.parse_args(argv)
     keys = ("seq", "strategy", "hidden", "layers", "heads", "vocab", "repeats", "loss_chunk")
     cfg = {k: getattr(args, k) for k in keys}
@@ -156,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['sp']} | {r['seconds']:.2f} | {tps:.0f} | {tps / (args.seq / base['seconds']):.2f}x | "
             f"{r['growth_mb']:.0f} | {r['growth_mb'] / base['growth_mb']:.2f} |"
         )
+    if args.json:
+        with open(args.json, "w") as f:
+            records = [{"sp": r["sp"], **cfg, "step_s": r["seconds"], "growth_mb": r["growth_mb"]} for r in rows]
+            json.dump([{**r, **provenance("llama_step", argv)} for r in records], f, indent=1)
     return 0
 
 

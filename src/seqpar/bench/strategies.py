@@ -2,6 +2,7 @@
 
     seqpar bench strategies                    # 4 ranks, causal fwd+bwd, seq 8192, 8/2 heads, fp32
     seqpar bench strategies --ranks 4 --ulysses 2 --seq 16384 --kv-heads 8
+    seqpar bench strategies --kv-heads 8 --json strategies.json   # also save the rows, with provenance
 
 All strategies run in one set of spawned gloo ranks (one thread each), so their times are comparable with
 each other; with more ranks than cores the absolute times are not meaningful, only the ratios. Bytes sent
@@ -13,6 +14,7 @@ are the only difference.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -24,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import seqpar
+from seqpar.bench import provenance
 from seqpar.checks import SIGNATURE_LENGTH
 from seqpar.runtime.memory import written_bytes
 from seqpar.runtime.spawn import spawn_ranks
@@ -109,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--strategies", nargs="+", default=["ring", "ulysses", "hybrid", "allgather"])
+    parser.add_argument("--json", metavar="FILE", help="write one record per strategy here")
     args = parser.parse_args(argv)
     cfg = {**vars(args), "kv_heads": args.kv_heads, "head_dim": args.head_dim}
     with tempfile.TemporaryDirectory() as tmp:
@@ -130,6 +134,16 @@ def main(argv: list[str] | None = None) -> int:
             f"| {strategy} | {seconds:.2f} | {vs_ring} | {sent / 2**20:.2f} MiB | {expected / 2**20:.2f} MiB | "
             f"{sent / expected:.4f} |"
         )
+    if args.json:
+        keys = ("ranks", "ulysses", "seq", "heads", "kv_heads", "head_dim", "repeats")
+        records = [
+            {"strategy": strategy, **{k: cfg[k] for k in keys}, "step_s": float(seconds)}
+            | {"sent_bytes_per_rank": float(sent), "analytical_bytes": float(expected)}
+            | provenance("strategies", argv)
+            for strategy, seconds, sent, expected in rows
+        ]
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
     return 0
 
 
