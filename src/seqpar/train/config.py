@@ -12,13 +12,12 @@ import os
 from dataclasses import dataclass, field, fields
 
 from seqpar.errors import SeqparInputError
-from seqpar.layout import PER_BATCH_LAYOUTS
 from seqpar.strategies.policy import STRATEGIES
 from seqpar.train.pipeline_config import pipeline_problems
 
 __all__ = ["TRAIN_LAYOUTS", "TrainConfig", "build_parser", "config_from_args"]
 
-TRAIN_LAYOUTS = ("zigzag", "contiguous", *PER_BATCH_LAYOUTS)  # the last three: one per batch (Note [placed layout])
+TRAIN_LAYOUTS = ("zigzag", "contiguous", "balanced", "placed", "auto")  # the last three: per batch (seqpar.layout)
 
 
 @dataclass
@@ -162,7 +161,7 @@ class TrainConfig:
                 problems.append(f"--{name.replace('_', '-')} must be at least 1")
         if self.layout not in TRAIN_LAYOUTS:
             problems.append(f"--layout must be {', '.join(TRAIN_LAYOUTS)}, not {self.layout!r}")
-        elif self.layout in PER_BATCH_LAYOUTS and self.pp > 1:
+        elif self.layout not in ("zigzag", "contiguous") and self.pp > 1:  # one layout per batch
             problems.append(
                 f"--layout {self.layout} cannot be combined with --pp > 1: the pipeline stages are told one layout "
                 f"when they are built, and {self.layout} gives every batch its own; use --layout zigzag with --pp"
