@@ -44,6 +44,15 @@ def _layout_worker(rank, world_size):
     full_positions = torch.cat([positions, torch.arange(2)[None]], 1)
     torch.testing.assert_close(shard["position_ids"], full_positions[:, idx], atol=0, rtol=0)
     torch.testing.assert_close(seqpar.gather_sequence(shard["input_ids"], mesh, layout=shard.layout), padded)
+    # shard_batch(layout="auto"): the packed row is placed (every rank resolves the same), a plain row balanced
+    auto, placed = (seqpar.shard_batch(batch, mesh, layout=name) for name in ("auto", "placed"))
+    assert auto.layout == placed.layout and auto.layout.name == "placed"
+    assert all(torch.equal(auto[key], placed[key]) for key in placed)
+    whole = seqpar.gather_sequence(auto["input_ids"], mesh, layout=auto.layout)
+    torch.testing.assert_close(auto.placement.restore(whole, 88), batch["input_ids"], atol=0, rtol=0)
+    plain = seqpar.shard_batch({"input_ids": batch["input_ids"]}, mesh, layout="auto")
+    assert plain.layout.name == "balanced" and plain.layout.chunk_ids == ((0, 5), (1, 4), (2, 3))  # zigzag's
+    torch.testing.assert_close(plain["input_ids"], padded[:, shard_index(plain.layout, world_size, rank, 90)])
     with pytest.raises(SeqparInputError, match="multiple of 6"):
         seqpar.shard_sequence(torch.zeros(1, 35), mesh, dim=1, layout="zigzag")
     with pytest.raises(SeqparInputError, match="unknown layout 'striped'"):

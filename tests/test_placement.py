@@ -119,3 +119,41 @@ def test_shard_batch_places_the_row():
         seqpar.layout.chunks_per_rank("placed")
     with pytest.raises(SeqparInputError, match="positive integer"):
         seqpar.placed_layout(positions, 0)
+
+
+def test_auto_layout_resolves_from_the_position_ids():
+    """layout="auto": placed on packed rows, balanced on a plain causal row and with blocks; the same every call."""
+    packed = _documents([40, 7, 3, 11, 27])
+    plain = torch.arange(88)
+    assert seqpar.placement.resolve_auto_layout(packed) == "placed"
+    assert seqpar.placement.resolve_auto_layout(torch.stack([plain, packed])) == "placed"  # one packed row suffices
+    assert seqpar.placement.resolve_auto_layout(plain[None].expand(2, -1)) == "balanced"
+    assert seqpar.placement.resolve_auto_layout(packed, blocks=[(0, 40), (40, 88)]) == "balanced"
+    assert seqpar.placement.resolve_auto_layout(torch.arange(5, 93)) == "balanced"  # a continued document
+    with pytest.raises(SeqparInputError, match="integers"):
+        seqpar.placement.resolve_auto_layout(packed.double())
+    with pytest.raises(SeqparInputError, match=r"\[S\] or \[B, S\]"):
+        seqpar.placement.resolve_auto_layout(packed[None, None])
+    with pytest.raises(SeqparInputError, match=r"seqpar\.balanced_layout or seqpar\.placed_layout"):
+        seqpar.layout.chunks_per_rank("auto")
+    # shard_batch (one process): the shard's layout is the resolved one's ChunkLayout, the same on every call
+    batch = {"input_ids": torch.arange(88)[None] + 7, "position_ids": packed[None]}
+    shards = [seqpar.shard_batch(batch, None, layout="auto") for _ in range(2)]
+    placed = seqpar.shard_batch(batch, None, layout="placed")
+    assert shards[0].layout == shards[1].layout == placed.layout and shards[0].layout.name == "placed"
+    assert torch.equal(shards[0].placement.order, placed.placement.order)
+    for key in placed:
+        assert torch.equal(shards[0][key], placed[key]), key
+    unpacked = seqpar.shard_batch({"input_ids": batch["input_ids"]}, None, layout="auto")
+    balanced = seqpar.shard_batch({"input_ids": batch["input_ids"]}, None, layout="balanced")
+    assert unpacked.layout == balanced.layout and unpacked.layout.name == "balanced" and unpacked.placement is None
+    for key in balanced:
+        assert torch.equal(unpacked[key], balanced[key]), key
+    # on a plain causal row over 3 ranks the balanced layout it resolves to is zigzag's
+    zigzag = tuple(seqpar.layout.rank_chunk_ids("zigzag", 3, r) for r in range(3))
+    assert seqpar.balanced_layout(torch.arange(96), 3).chunk_ids == zigzag
+    # the doors that take a per-batch layout by name take "auto" too
+    from seqpar.hf.config import SequenceParallelConfig
+    from seqpar.train.config import TRAIN_LAYOUTS
+
+    assert SequenceParallelConfig(layout="auto").layout == "auto" and "auto" in TRAIN_LAYOUTS

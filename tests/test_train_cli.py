@@ -327,6 +327,7 @@ def test_bad_input_fails_clearly(tmp_path):
         (["--pp", "2", "--layers", "1"], "needs 2 pipeline stages of at least one decoder layer each"),
         (["--pp", "2", "--pp-microbatches", "1"], "--pp-microbatches 1 is fewer than --pp 2"),
         (["--layout", "balanced", "--pp", "2"], "--layout balanced cannot be combined with --pp > 1"),
+        (["--layout", "auto", "--pp", "2"], "--layout auto cannot be combined with --pp > 1"),
         (["--offload-activations"], "add --activation-checkpointing"),
     ]
     # the data problems are found by rank 0 after the ranks start, and one settings error goes through the

@@ -22,7 +22,7 @@ from seqpar.balanced import balanced_layout
 from seqpar.errors import SeqparInputError
 from seqpar.layout import ChunkLayout, Layout, chunks_per_rank, shard_for_rank
 from seqpar.mesh import as_sp_mesh
-from seqpar.placement import Placement, placed_layout
+from seqpar.placement import Placement, placed_layout, resolve_auto_layout
 from seqpar.strategies.masking import check_packed_positions
 
 __all__ = ["IGNORE_INDEX", "BatchShard", "pack_documents", "shard_batch"]
@@ -33,9 +33,9 @@ IGNORE_INDEX = -100
 class BatchShard(dict):
     """This rank's shard of a batch: a dict of tensors, and ``layout``, the layout it was sharded with.
 
-    With ``shard_batch(layout="balanced")`` the layout is this batch's own ``ChunkLayout``: give it to every
-    call that takes a layout for this batch (``seqpar.attention``, ``gather_sequence``, the model prepared
-    with ``layout="balanced"`` as ``model(..., seqpar_layout=shard.layout)``).
+    With ``shard_batch(layout="balanced")`` (or "placed", "auto") the layout is this batch's own ``ChunkLayout``:
+    give it to every call that takes a layout for this batch (``seqpar.attention``, ``gather_sequence``, the model
+    prepared with ``layout="balanced"`` as ``model(..., seqpar_layout=shard.layout)``).
     """
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], layout: Layout, placement: Placement | None = None) -> None:
@@ -74,8 +74,9 @@ def shard_batch(
         mesh: the sequence-parallel mesh, group, or None.
         layout: "zigzag", "contiguous", "balanced" (this batch's own layout: every rank equal attention work on
             its packed documents, Note [balanced layout]), "placed" (whole short documents on one rank, long
-            ones over few ranks, the row reordered and padded: Note [placed layout]) or a ``ChunkLayout``; the
-            layout every attention call of this batch will be told.
+            ones over few ranks, the row reordered and padded: Note [placed layout]), "auto" ("placed" when the
+            rows are packed documents, else "balanced", chosen from the global position ids: Note [placed
+            layout]) or a ``ChunkLayout``; the layout every attention call of this batch will be told.
         pad_token_id: token used when a row is padded up to a multiple of the layout.
         ignore_index: label value the loss ignores.
 
@@ -83,10 +84,11 @@ def shard_batch(
         A ``BatchShard``: ``{"input_ids", "position_ids", "shift_labels", "token_mask"}``, each ``[B, S'/P]``
         (``S'`` = ``S`` padded up to a multiple of the layout, 2P for "balanced"; ``token_mask`` is 1 on the
         batch's tokens, 0 on its padding and the layout's), and ``.layout``, the layout used (a ``ChunkLayout``
-        for "balanced" and "placed"; under "placed" the tensors are those of the placed row, whose order is
-        ``.placement``). Call the model as ``model(input_ids=..., position_ids=...)`` and the loss as
-        ``seqpar.cross_entropy(logits, shard["shift_labels"], mesh)`` (plus ``seqpar.router_aux_loss`` for
-        a mixture-of-experts model's router loss).
+        for "balanced", "placed" and "auto", whose ``name`` says which it is; under "placed", and "auto" resolved
+        to it, the tensors are those of the placed row, whose order is ``.placement``). Call the model as
+        ``model(input_ids=..., position_ids=...)`` and the loss as ``seqpar.cross_entropy(logits,
+        shard["shift_labels"], mesh)`` (plus ``seqpar.router_aux_loss`` for a mixture-of-experts model's router
+        loss).
 
     Raises:
         SeqparInputError: missing ``input_ids``, shapes that differ, labels that look shifted already
@@ -140,6 +142,8 @@ def shard_batch(
         # the last real token has no real successor to predict
         shifted[:, :-1][keep[:, :-1] & ~keep[:, 1:]] = ignore_index
 
+    if layout == "auto":  # from the batch's own ids, before any padding
+        layout = resolve_auto_layout(positions)
     if layout == "placed":  # Note [placed layout]: the row is reordered (and padded) before it is sharded
         return _placed_shard(ids, shifted, positions, keep, sp, pad_token_id, ignore_index)
     multiple = sp.sp_size * (2 if layout == "balanced" else chunks_per_rank(layout))

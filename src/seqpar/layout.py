@@ -36,8 +36,9 @@ __all__ = [
 ]
 
 LAYOUTS = ("contiguous", "zigzag")
-PER_BATCH_LAYOUTS = ("balanced", "placed")
-"""Layouts solved per batch (Note [balanced layout], Note [placed layout]): their names stand for a ``ChunkLayout``."""
+PER_BATCH_LAYOUTS = ("balanced", "placed", "auto")
+"""Layouts solved per batch (Note [balanced layout], Note [placed layout]): their names stand for a ``ChunkLayout``;
+"auto" is "placed" on packed rows and "balanced" otherwise, chosen per batch (Note [placed layout])."""
 
 
 @dataclass(frozen=True)
@@ -102,9 +103,10 @@ def chunks_per_rank(layout: Layout) -> int:
     if layout == "zigzag":
         return 2
     if layout in PER_BATCH_LAYOUTS:
+        made_by = "seqpar.balanced_layout or seqpar.placed_layout" if layout == "auto" else f"seqpar.{layout}_layout"
         raise SeqparInputError(
             f"layout {layout!r} is made per batch: pass the ChunkLayout that shard_batch returned (shard.layout) "
-            f"or that seqpar.{layout}_layout made, not the name"
+            f"or that {made_by} made, not the name"
         )
     raise SeqparInputError(f"unknown layout {layout!r}; choose one of {LAYOUTS} or pass a ChunkLayout")
 

@@ -155,8 +155,8 @@ def _problems(sig: InputSignature, sp_size: int, ulysses_size: int) -> list[str]
         problems.append(f"unknown strategy; choose one of {STRATEGIES}")
     if sig.layout is None:
         problems.append(
-            f"unknown layout; choose one of {LAYOUTS} or pass a ChunkLayout (layouts 'balanced' and 'placed' are "
-            "made per batch: pass shard.layout from seqpar.shard_batch)"
+            f"unknown layout; choose one of {LAYOUTS} or pass a ChunkLayout (layouts 'balanced', 'placed' and "
+            "'auto' are made per batch: pass shard.layout from seqpar.shard_batch)"
         )
     if sig.layout_ranks and sig.layout_ranks != sp_size:
         problems.append(f"the ChunkLayout is for {sig.layout_ranks} ranks but the group has {sp_size}")

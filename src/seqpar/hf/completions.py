@@ -89,7 +89,8 @@ def completion_shard(
         SeqparInputError: an empty prompt, a completion mask that is not a prefix of the row.
     """
     ids, labels, column = _rows(prompt_ids, prompt_mask, completion_ids, completion_mask, pad_id)
-    multiple = mesh.sp_size * (2 if layout == "balanced" else chunks_per_rank(layout))
+    # "auto" is "balanced" here: prompt + completion rows hold one document each (Note [placed layout])
+    multiple = mesh.sp_size * (2 if layout in ("balanced", "auto") else chunks_per_rank(layout))
     pad = -ids.shape[1] % multiple
     if pad:  # padded here, not by shard_batch, so that the column is padded alike
         ids = torch.cat([ids, ids.new_full((ids.shape[0], pad), pad_id)], dim=1)

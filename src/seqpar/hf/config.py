@@ -24,7 +24,7 @@ __all__ = [
 
 
 TRAINER_LAYOUTS = (*LAYOUTS, *PER_BATCH_LAYOUTS)
-"""The layouts a ``SequenceParallelConfig`` takes: the fixed ones, "balanced" and "placed" (one per batch)."""
+"""The layouts a ``SequenceParallelConfig`` takes: the fixed ones, "balanced", "placed" and "auto" (one per batch)."""
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,8 @@ class SequenceParallelConfig:
         strategy: "auto", "ulysses", "ring", "allgather" or "hybrid" (as in ``seqpar.attention``).
         layout: "zigzag" (even causal work on unpacked rows), "contiguous", or "balanced": each batch's own
             layout, solved from its packed documents so every rank gets equal attention work (Note [balanced
-            layout]); the shards carry it to the model call.
+            layout]); "placed" (the row reordered so short documents stay whole, Note [placed layout]); or "auto"
+            ("placed" on packed rows, else "balanced", per batch); the shards carry it to the model call.
         kernel: the local attention kernel, as in ``seqpar.attention`` ("auto" picks the fastest available).
         seq_length: the width every batch must have (checked on every rank), or None for any width; accelerate's
             ``sp_seq_length`` with ``sp_seq_length_is_variable=False``.

@@ -230,8 +230,9 @@ def prepare_model(
             Mistral, Gemma 2/3 (soft-capped logits), gpt-oss (attention sinks), ...).
         mesh: a ``SequenceParallelMesh`` (``seqpar.make_mesh``), the SP ProcessGroup, or None.
         strategy: as in ``seqpar.attention``.
-        layout: the layout ``shard_batch`` used: "zigzag", "contiguous", or "balanced" (each batch brings its
-            own: call the model with ``seqpar_layout=shard.layout``; any call may pass it to override).
+        layout: the layout ``shard_batch`` used: "zigzag", "contiguous", or "balanced", "placed" or "auto" (each
+            batch brings its own: call the model with ``seqpar_layout=shard.layout``; any call may pass it to
+            override).
         kernel: local kernel, as in ``seqpar.attention``.
 
     Returns:

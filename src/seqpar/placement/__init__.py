@@ -54,10 +54,17 @@ Note [placed layout]
     started in an earlier row. There the placed layout is the balanced layout of the row as it is.
     ``shard_batch`` returns the order (``shard.placement.order``: the source index of each placed token,
     -1 for padding); ``Placement.restore`` puts a gathered placed row back in the batch's order.
+    ``layout="auto"`` (``resolve_auto_layout``) picks per batch, from the global position ids only (so
+    every rank picks the same, with no communication): the placed layout when the rows are packed
+    documents (the position ids restart inside a row) and no block-causal ranges are given, else the
+    balanced layout (on plain causal rows it evens the work as zigzag does; with blocks the row is not
+    reordered anyway). ``shard.layout`` is then the ``ChunkLayout`` the chosen one made, its ``name``
+    ("placed" or "balanced") says which, and the model call and the gather take it unchanged.
 """
 
 from __future__ import annotations
 
+from seqpar.placement.auto import resolve_auto_layout
 from seqpar.placement.solver import KEY_COST, Placement, placed_layout
 
-__all__ = ["KEY_COST", "Placement", "placed_layout"]
+__all__ = ["KEY_COST", "Placement", "placed_layout", "resolve_auto_layout"]

@@ -17,7 +17,7 @@ from seqpar.train.pipeline_config import pipeline_problems
 
 __all__ = ["TRAIN_LAYOUTS", "TrainConfig", "build_parser", "config_from_args"]
 
-TRAIN_LAYOUTS = ("zigzag", "contiguous", "balanced", "placed")  # the last two: one per batch (Note [placed layout])
+TRAIN_LAYOUTS = ("zigzag", "contiguous", "balanced", "placed", "auto")  # the last three: per batch (seqpar.layout)
 
 
 @dataclass
@@ -52,7 +52,7 @@ class TrainConfig:
     """Ulysses degree inside sp (hybrid: ulysses x ring); must divide sp."""
     layout: str = "zigzag"
     """Which tokens of a row each sp rank holds: zigzag (even causal work for one document per row), contiguous,
-    balanced or placed (each batch's own, Notes [balanced layout], [placed layout]; not with --pp)."""
+    balanced, placed or auto (each batch's own, Notes [balanced layout], [placed layout]; not with --pp)."""
     dp: int = 1
     """Data-parallel degree; the world size must equal pp x dp x sp x tp."""
     tp: int = 1
@@ -161,7 +161,7 @@ class TrainConfig:
                 problems.append(f"--{name.replace('_', '-')} must be at least 1")
         if self.layout not in TRAIN_LAYOUTS:
             problems.append(f"--layout must be {', '.join(TRAIN_LAYOUTS)}, not {self.layout!r}")
-        elif self.layout in ("balanced", "placed") and self.pp > 1:
+        elif self.layout not in ("zigzag", "contiguous") and self.pp > 1:  # one layout per batch
             problems.append(
                 f"--layout {self.layout} cannot be combined with --pp > 1: the pipeline stages are told one layout "
                 f"when they are built, and {self.layout} gives every batch its own; use --layout zigzag with --pp"

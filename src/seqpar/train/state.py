@@ -21,6 +21,7 @@ import seqpar
 from seqpar.data import IGNORE_INDEX
 from seqpar.errors import SeqparInputError
 from seqpar.integrations.moe import router_loss_settings
+from seqpar.layout import PER_BATCH_LAYOUTS
 from seqpar.train.checkpoint import checkpoint_layout, latest_checkpoint, load_checkpoint
 from seqpar.train.config import TrainConfig
 from seqpar.train.data import FileRows, load_tokenizer
@@ -156,7 +157,7 @@ def banner(config: TrainConfig, model: torch.nn.Module, mesh: seqpar.SequencePar
     return (
         f"mesh: {pipe if config.pp > 1 else ''}dp {config.dp} x sp {mesh.sp_size} (ring axis {mesh.ring_size} x "
         f"ulysses axis {mesh.ulysses_size}) x tp {config.tp}; attention: {ran}, {heads} heads / {kv_heads} KV heads "
-        f"per rank; {config.layout} layout{' (solved per batch)' if config.layout in ('balanced', 'placed') else ''}"
+        f"per rank; {config.layout} layout{' (solved per batch)' if config.layout in PER_BATCH_LAYOUTS else ''}"
     )
 
 

@@ -15,6 +15,7 @@ import seqpar
 from seqpar.data import IGNORE_INDEX, BatchShard
 from seqpar.integrations.moe import model_router_loss
 from seqpar.integrations.transformers import LAYOUT_KEYWORD
+from seqpar.layout import PER_BATCH_LAYOUTS
 from seqpar.train.pipeline import pipeline_gradients
 from seqpar.train.state import RunState
 
@@ -78,7 +79,7 @@ def shard_inputs(run: RunState, shard: BatchShard) -> dict:
         ``input_ids`` and ``position_ids``, and under --layout balanced the batch's own layout as ``seqpar_layout``.
     """
     inputs = {"input_ids": shard["input_ids"].to(run.device), "position_ids": shard["position_ids"].to(run.device)}
-    if run.config.layout in ("balanced", "placed"):
+    if run.config.layout in PER_BATCH_LAYOUTS:
         inputs[LAYOUT_KEYWORD] = shard.layout
     return inputs
 
