@@ -95,9 +95,15 @@ def check_grpo_trainer(trainer: object) -> None:
         trainer: the constructed trainer.
 
     Raises:
-        SeqparInputError: a mixture-of-experts router loss; a multimodal processor.
+        SeqparInputError: a mixture-of-experts router loss; a multimodal processor; the placed layout.
     """
     problems = []
+    layout = getattr(getattr(trainer, "sequence_parallel", None), "layout", None)
+    if layout == "placed":  # the same on every rank: one config
+        problems.append(
+            "layout='placed' reorders packed documents, and each prompt + completion row is one document: use "
+            "'balanced', 'auto' (balanced for such rows) or 'zigzag'"
+        )
     if getattr(trainer, "aux_loss_enabled", False):
         problems.append("the router load-balancing loss (router_aux_loss_coef) is not implemented: set it to 0.0")
     if getattr(trainer, "_is_vlm", False):
