@@ -342,6 +342,7 @@ def test_bad_input_raises_on_every_rank(two_ranks):
         "grpo vllm": "use_vllm=True (vllm_mode='colocate') is not supported under sequence parallelism",
         "grpo vllm server": "or pass rollout_func= to call your own vLLM server",
         "grpo generation batch": "= 3 is not divisible by num_generations (2)",
+        "grpo placed layout": "layout='placed' reorders packed documents",
     }
     assert got.keys() == expected.keys()
     for what, text in expected.items():

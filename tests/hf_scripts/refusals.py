@@ -81,8 +81,8 @@ def _grpo_checks(out: str, world: int) -> dict:
     case, cls = GRPO_CASES["grpo_sp2"], seqpar.hf.SequenceParallelGRPOTrainer
     sp = seqpar.hf.SequenceParallelConfig(sp_size=world)
 
-    def grpo(**args):
-        return build(case, out, os.path.join(out, "x"), cls, False, args=args, sequence_parallel=sp)
+    def grpo(sequence_parallel=sp, **args):
+        return build(case, out, os.path.join(out, "x"), cls, False, args=args, sequence_parallel=sequence_parallel)
 
     return {
         "grpo vllm": lambda: grpo(use_vllm=True, vllm_mode="colocate"),
@@ -91,6 +91,7 @@ def _grpo_checks(out: str, world: int) -> dict:
         "grpo generation batch": lambda: grpo(
             per_device_train_batch_size=3, gradient_accumulation_steps=1, num_generations=2
         ),
+        "grpo placed layout": lambda: grpo(seqpar.hf.SequenceParallelConfig(sp_size=world, layout="placed")),
     }
 
 
