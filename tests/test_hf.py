@@ -221,7 +221,7 @@ def test_compute_metrics_equal_one_process(request, name):
     want = _load(root / "reference" / f"{name}.pt")
     for metric in METRICS:
         rows = want["metrics"][f"eval_{metric}"]
-        assert len(rows) == STEPS // 3 and found["metrics"][f"eval_{metric}"] == rows, metric
+        assert rows and len(rows) == len(want["eval"]) and found["metrics"][f"eval_{metric}"] == rows, metric
     assert all(v > 0 for _, v in want["metrics"]["eval_padded_preds"])  # batches of different widths were padded
 
 
