@@ -19,6 +19,7 @@ __all__ = [
     "CASES",
     "DEEPSPEED_CASES",
     "METRICS",
+    "RUN_FIELDS",
     "Case",
     "documents",
     "padded_collator",
@@ -220,28 +221,36 @@ def model(kind: str, attn: str = "sdpa"):
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
 
 
+# The settings every compared run shares (Trainer, SFT, DPO, GRPO; one process or torchrun): fp32, SGD at a
+# constant rate (a gradient off by any factor moves the parameters by that factor), a log line per step.
+RUN_FIELDS = dict(
+    use_cpu=True,
+    report_to="none",
+    disable_tqdm=True,
+    save_strategy="no",
+    logging_steps=1,
+    lr_scheduler_type="constant",
+    optim="sgd",
+    seed=0,
+    bf16=False,
+)
+
+
 def training_args(case: Case, out: str, reference: bool, **overrides):
     """TrainingArguments (or SFTConfig) for ``case``; the reference's batch is the whole step's rows."""
     batch = case.batch * (case.dp if reference else 1)
-    fields = dict(
-        output_dir=out,
-        use_cpu=True,
-        report_to="none",
-        disable_tqdm=True,
-        save_strategy="no",
-        logging_steps=1,
-        max_steps=STEPS,
-        per_device_train_batch_size=batch,
-        per_device_eval_batch_size=case.eval_batch or 1,
-        gradient_accumulation_steps=2,
-        learning_rate=0.5 if case.optim == "sgd" else 3e-3,
-        lr_scheduler_type="constant",
-        optim=case.optim,
-        max_grad_norm=0.5,  # below the gradient norms here: clipping is active
-        train_sampling_strategy="sequential",
-        seed=0,
-        bf16=False,
-    )
+    fields = {
+        **RUN_FIELDS,
+        "output_dir": out,
+        "max_steps": STEPS,
+        "per_device_train_batch_size": batch,
+        "per_device_eval_batch_size": case.eval_batch or 1,
+        "gradient_accumulation_steps": 2,
+        "learning_rate": 0.5 if case.optim == "sgd" else 3e-3,
+        "optim": case.optim,
+        "max_grad_norm": 0.5,  # below the gradient norms here: clipping is active
+        "train_sampling_strategy": "sequential",
+    }
     if case.eval_batch:
         fields.update(eval_strategy="steps", eval_steps=3)
     fields.update(dict(case.extra), **overrides)

@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from tests._models import VOCAB, tiny_config
-from tests.hf_scripts.common import model, parallelism_config, save
+from tests.hf_scripts.common import RUN_FIELDS, model, parallelism_config, save
 
 __all__ = ["BETA", "DPO_CASES", "DPO_METRICS", "build", "parallel", "reference", "refusals"]
 
@@ -119,23 +119,15 @@ def build(name: str, out: str, trainer_cls, reference: bool, args: dict | None =
     case = DPO_CASES[name]
     batch = case.batch * (case.dp if reference else 1)
     fields = dict(
+        **RUN_FIELDS,
         output_dir=out,
-        use_cpu=True,
-        report_to="none",
-        disable_tqdm=True,
-        save_strategy="no",
-        logging_steps=1,
         max_steps=STEPS,
         per_device_train_batch_size=batch,
         per_device_eval_batch_size=batch,
         gradient_accumulation_steps=2,
         learning_rate=0.5,
-        lr_scheduler_type="constant",
-        optim="sgd",
         max_grad_norm=0.5,
         train_sampling_strategy="sequential",
-        seed=0,
-        bf16=False,
         gradient_checkpointing=False,
         beta=BETA,
     )

@@ -15,7 +15,7 @@ import os
 import torch
 import transformers
 
-from tests.hf_scripts.common import model, save, tokenizer
+from tests.hf_scripts.common import RUN_FIELDS, model, save, tokenizer
 
 GRPO_STEPS = 3
 PROMPTS = 24
@@ -94,26 +94,18 @@ def grpo_args(case: GrpoCase, out: str, reference: bool, **overrides):
     from trl import GRPOConfig
 
     fields = dict(
+        **RUN_FIELDS,
         output_dir=out,
-        use_cpu=True,
-        report_to="none",
-        disable_tqdm=True,
-        save_strategy="no",
-        logging_steps=1,
         max_steps=GRPO_STEPS,
         per_device_train_batch_size=4 * (case.dp if reference else 1),
         gradient_accumulation_steps=2,
         num_generations=2,
         max_completion_length=12,
         learning_rate=0.5,
-        optim="sgd",
-        lr_scheduler_type="constant",
         max_grad_norm=1.0,
         beta=0.05,
         epsilon=0.1,
         loss_type=case.loss_type,
-        seed=0,
-        bf16=False,
     )
     fields.update(dict(case.extra), **overrides)
     return GRPOConfig(**fields)
