@@ -93,7 +93,7 @@ def _forward_loss(run: RunState, shard: BatchShard, total: int) -> tuple[torch.T
     config = run.config
     inputs = shard_inputs(run, shard)
     labels = shard["shift_labels"].to(run.device)
-    token_mask = shard["token_mask"].to(run.device)
+    token_mask = shard["token_mask"]  # read (and moved to the logits' device) only for a model with a router
     with run.autocast:
         if config.loss_chunk:
             # the output projection runs inside the loss, a chunk of tokens at a time
