@@ -1,7 +1,8 @@
 """Hugging Face models (tiny Llama, Qwen2, Mistral with a sliding window, and more, from configs) under seqpar.
 
 Sharded logits and loss equal the unsharded model's; 5 AdamW steps (with gradient accumulation and clipping)
-equal one process; packed documents stay apart; bad input raises on every rank.
+equal one process (and SGD steps on placed rows: tests/_placed_cases.py); packed documents stay apart; bad input
+raises on every rank.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import seqpar
 from seqpar.errors import SeqparInputError
 from tests._dist import run_ranks, shard_index
 from tests._models import SEQ, VOCAB, build, tiny_config, tokens
+from tests._placed_cases import check_placed_training
 from tests._router_cases import check_router_loss
 
 ATOL, RTOL = 2e-5, 1e-4
@@ -285,6 +287,7 @@ def _worker(rank, world_size):
     if world_size in (2, 3):
         check_router_loss(rank, world_size, mesh)
         _sinks_and_softcap(rank, world_size, mesh)
+        check_placed_training(rank, world_size, mesh)  # the own loop under the placed layout
     if world_size == 2:
         _more_models(rank, world_size, mesh)
         _training(rank, world_size, mesh)
