@@ -69,6 +69,12 @@ def _sent_over_needed(r: dict) -> float:
     return sum(r["bytes_sent_per_rank"]) / sum(r["bytes_needed_per_rank"])
 
 
+def _layout_cell(r: dict) -> str:
+    """A record's layout, with what it resolved to when that differs ("auto (placed)")."""
+    resolved = r.get("resolved_layout", r["layout"])  # records written before "auto" have none
+    return r["layout"] if resolved == r["layout"] else f"{r['layout']} ({resolved})"
+
+
 def masks_table(records: list[dict]) -> str:
     """The ``seqpar bench masks`` table: step, visible area and bytes against plain causal, balance per rank."""
     causal = {(r["strategy"], r["layout"]): r["step_s"] for r in records if r["mask"] == "causal"}
@@ -78,7 +84,7 @@ def masks_table(records: list[dict]) -> str:
         cells.append(
             [
                 r["strategy"],
-                r["layout"],
+                _layout_cell(r),
                 r["mask"],
                 f"{r['step_s']:.2f}",
                 f"{r['step_s'] / base:.2f}" if base else "-",
@@ -130,7 +136,8 @@ def masks_bytes_table(records: list[dict]) -> str:
         for layout in layouts:
             r = by.get((mask, layout))
             needed = r["bytes_needed_per_rank"] if r else None
-            row.append(f"{sum(needed) / len(needed) / 1e6:.2f} ({max(needed) / 1e6:.2f})" if needed else "-")
+            cell = f"{sum(needed) / len(needed) / 1e6:.2f} ({max(needed) / 1e6:.2f})" if needed else "-"
+            row.append(cell + (f", {_layout_cell(r)}" if r and _layout_cell(r) != layout else ""))
         placed = by.get((mask, "placed"), {})
         row += [f"{placed[k]:.3f}" if k in placed else "-" for k in ("planned_max_over_mean", "tokens_max_over_mean")]
         cells.append(row)

@@ -85,10 +85,15 @@ def test_a_changed_record_changes_the_tables(tmp_path):
     def longer(rows):
         rows[-1].update(max_seq=40960, command="seqpar bench maxlen --budget-mb 150", measured="2030-01-02")
 
+    picked = {"log-normal documents": "placed", "causal": "balanced"}
+
     def slower(rows):
         for r in rows:
             if (r["strategy"], r["layout"], r["mask"]) == ("ring", "zigzag", "log-normal documents"):
                 r["rank_time_max_over_mean"] = 1.9
+        # a run with --layouts auto: each record says what its mask resolved to
+        auto = [r for r in rows if r["strategy"] == "ring" and r["layout"] == picked.get(r["mask"])]
+        rows += [{**r, "layout": "auto", "resolved_layout": picked[r["mask"]]} for r in auto]
 
     _edit(target / "maxlen_cpu.json", longer)
     _edit(target / "masks_cpu.json", slower)
@@ -97,6 +102,10 @@ def test_a_changed_record_changes_the_tables(tmp_path):
     _edit(target / "masks_cpu.json", lambda rows: [r.update(bytes_needed_per_rank=[1e6, 1e6, 1e6, 3e6]) for r in rows])
     after = records.expand("<!-- records: masks_bytes -->", target)
     assert "| 1.50 (3.00) |" in after and after != before
+    assert "| 1.50 (3.00), auto (placed) |" in _row(after, "log-normal documents")
+    for mask, layout in picked.items():  # the auto row: its layout's numbers, under "auto (placed)"
+        step = _row(page, "ring", layout, mask).split(" | ")[3]
+        assert _row(page, "ring", f"auto ({layout})", mask).split(" | ")[3] == step, mask
     assert "| 1.900 |" in _row(page, "ring", "zigzag", "log-normal documents")
     assert "| 40960 | 4.92x |" in _row(page, "tiled_mlp", "4")
     assert "run 2: `seqpar bench maxlen --budget-mb 150`, measured 2030-01-02" in page  # two runs now

@@ -97,16 +97,28 @@ def test_masked_bytes_sent_match_needed_kv():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/io")
-def test_bench_masks_writes_one_record_per_case(tmp_path):
+def test_bench_masks_writes_one_record_per_case(tmp_path, capsys):
     from seqpar.bench.masks import main
 
     out = tmp_path / "masks.json"
-    args = ["--seq", "512", "--repeats", "1", "--strategies", "ring", "allgather", "--layouts", "zigzag", "placed"]
+    # "auto": the placed layout on the packed rows (16 documents, short ones), the balanced one on the others
+    args = ["--seq", "512", "--repeats", "1", "--strategies", "ring", "allgather", "--layouts", "zigzag", "auto"]
     args += ["--masks", "causal", "16 documents", "short", "window", "frames"]
     assert main([*args, "--json", str(out)]) == 0
     records = json.loads(out.read_text())
     assert len(records) == 2 * 5 * 2  # strategies x masks x layouts
-    for r in records:
+    packed = ("16 documents", "short documents")
+    resolved = {(r["layout"], r["mask"]): r["resolved_layout"] for r in records}
+    assert resolved == {
+        **{("zigzag", m): "zigzag" for m in {r["mask"] for r in records}},
+        **{("auto", m): "placed" if m in packed else "balanced" for m in {r["mask"] for r in records}},
+    }
+    table = capsys.readouterr().out
+    for r in records:  # the printed table says what "auto" resolved to
+        shown = "zigzag" if r["layout"] == "zigzag" else f"auto ({r['resolved_layout']})"
+        assert f"| {r['strategy']} | {shown} | {r['mask']} |" in table, (shown, r["mask"])
+        if r["resolved_layout"] == "placed":  # reordered and padded: real tokens per rank, not the layout's share
+            assert sum(r["tokens_per_rank"]) == 512 and r["local_tokens"] * RANKS >= 512, r
         assert len(r["bytes_sent_per_rank"]) == len(r["bytes_needed_per_rank"]) == len(r["rank_compute_s"]) == RANKS
         assert r["step_s"] > 0 and r["rank_time_max_over_mean"] >= 1 and min(r["rank_compute_s"]) > 0
         assert r["visible_max_over_mean"] >= 1

@@ -13,7 +13,8 @@ visible area; with a mask, ring, allgather and hybrid's ring axis also move only
 sees (Note [mask-aware ring]). Layouts "balanced" and "placed" are solved per mask (Notes [balanced layout],
 [placed layout]; the placed row is reordered and padded: ``tokens_per_rank`` counts each rank's real tokens,
 ``tokens_max_over_mean`` its local length, padding included, over S/P, ``layout_solve_s`` the solver's
-seconds). Per (strategy, mask, layout) it
+seconds); "auto" is either, per mask, as ``shard_batch(layout="auto")`` picks (``resolved_layout`` says which;
+the table writes "auto (placed)"). Per (strategy, mask, layout) it
 measures the bytes each rank writes to its sockets (/proc/self/io) against the bytes the mask makes
 necessary (``masks_bytes``), the step time (slowest rank, wall), and each rank's attention compute time:
 the thread CPU time of its kernel calls (``TimedKernel``), which a rank waiting for a peer does not
@@ -42,6 +43,7 @@ import seqpar
 from seqpar.bench import provenance
 from seqpar.bench.kernel_time import TimedKernel
 from seqpar.bench.masks_bytes import needed_bytes, visible_fraction
+from seqpar.placement import resolve_auto_layout
 from seqpar.runtime.memory import written_bytes
 from seqpar.runtime.spawn import spawn_ranks
 
@@ -136,18 +138,21 @@ def _measure(step, repeats: int, kernel: TimedKernel) -> tuple[int, float, float
 
 
 def _layout_for(name: str, positions: torch.Tensor | None, window, frame, args) -> tuple:
-    """(layout, global position ids of the row it cuts, real tokens per rank, solve seconds)."""
+    """(layout, the layout it resolved to, global position ids of the row it cuts, real tokens per rank, solve
+    seconds); "auto" resolves as ``shard_batch(layout="auto")`` does: placed on packed rows, else balanced."""
     ids = positions if positions is not None else torch.arange(args.seq)
     start = time.perf_counter()
+    if name == "auto":
+        name = resolve_auto_layout(ids, blocks=frame)
     if name == "balanced":
         layout = seqpar.balanced_layout(ids, args.ranks, window=window, blocks=frame)
     elif name == "placed":  # the row reordered and padded (Note [placed layout])
         placement = seqpar.placed_layout(ids, args.ranks, window=window, blocks=frame)
         seconds = time.perf_counter() - start
-        return placement.layout, placement.position_ids[0], placement.tokens_per_rank(), seconds
+        return placement.layout, name, placement.position_ids[0], placement.tokens_per_rank(), seconds
     else:
         layout = name
-    return layout, ids, (args.seq // args.ranks,) * args.ranks, time.perf_counter() - start
+    return layout, name, ids, (args.seq // args.ranks,) * args.ranks, time.perf_counter() - start
 
 
 def _worker(rank: int, world_size: int, args: argparse.Namespace, results: str) -> None:
@@ -158,14 +163,14 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, results: str) 
         for name, (positions, window, frame) in _cases(args).items():
             if not any(m in name for m in args.masks):
                 continue
-            layout, ids, tokens, solve_s = _layout_for(layout_name, positions, window, frame, args)
+            layout, resolved, ids, tokens, solve_s = _layout_for(layout_name, positions, window, frame, args)
             cfg = {**vars(args), "head_dim": 64, "seq": len(ids)}
             local = len(ids) // world_size
             gen = torch.Generator().manual_seed(rank)
             q = torch.randn(1, args.heads, local, 64, generator=gen, requires_grad=True)
             k, v = (torch.randn(1, args.kv_heads, local, 64, generator=gen, requires_grad=True) for _ in "kv")
             dout = torch.randn(1, args.heads, local, 64, generator=gen)
-            packed = positions is not None or layout_name == "placed"
+            packed = positions is not None or resolved == "placed"
             shard = seqpar.shard_sequence(ids[None], meshes["flat"], layout=layout) if packed else None
             mask = seqpar.sequence_mask(shard, meshes["flat"], layout=layout, window=window, blocks=frame)
             balance = seqpar.layout_balance(ids, layout, world_size, window=window, blocks=frame)
@@ -183,7 +188,8 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, results: str) 
                 dist.all_gather(table, mine)
                 computes = [float(t[3]) for t in table]
                 records.append({
-                    "strategy": strategy, "mask": name, "layout": layout_name, "ranks": world_size, "seq": args.seq,
+                    "strategy": strategy, "mask": name, "layout": layout_name, "resolved_layout": resolved,
+                    "ranks": world_size, "seq": args.seq,
                     "chunks_per_rank": len(seqpar.layout.rank_chunk_ids(layout, world_size, 0)),
                     "bytes_sent_per_rank": [int(t[0]) for t in table],
                     "bytes_needed_per_rank": [int(t[1]) for t in table],
@@ -214,8 +220,9 @@ def _print(records: list[dict], args: argparse.Namespace) -> None:
     for r in records:
         ratio = sum(r["bytes_sent_per_rank"]) / sum(r["bytes_needed_per_rank"])  # all ranks: headers cost little
         vs = r["step_s"] / base.get((r["strategy"], r["layout"]), r["step_s"])
+        layout = r["layout"] if r["resolved_layout"] == r["layout"] else f"{r['layout']} ({r['resolved_layout']})"
         print(
-            f"| {r['strategy']} | {r['layout']} | {r['mask']} | {r['step_s']:.2f} | {vs:.2f} | "
+            f"| {r['strategy']} | {layout} | {r['mask']} | {r['step_s']:.2f} | {vs:.2f} | "
             f"{r['visible_vs_causal']:.2f} | {ratio:.2f} | {r['rank_time_max_over_mean']:.3f} | "
             f"{r['visible_max_over_mean']:.3f} |"
         )
@@ -252,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         "--layouts",
         nargs="+",
         default=["zigzag", "balanced", "placed"],
-        choices=["zigzag", "contiguous", "balanced", "placed"],
+        choices=["zigzag", "contiguous", "balanced", "placed", "auto"],
+        help="auto: per mask, as shard_batch(layout='auto') resolves it (placed on packed rows, else balanced)",
     )
     parser.add_argument(
         "--masks", nargs="+", default=["causal", "documents", "log-normal", "RL", "window", "frames"],
