@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import json
 import os
 import subprocess
@@ -137,6 +138,26 @@ def test_passkey_examples_are_deterministic_and_answered_from_another_rank():
         task.example(BLOCK, 0)
 
 
+def test_passkey_answers_follow_the_placed_row():
+    """Under --layout placed the answer labels are laid out with their batch's placed (padded) row, also at a
+    length where the placed row is padded otherwise than the layout's own multiple would pad it."""
+    from types import SimpleNamespace
+
+    from seqpar.train.config import TrainConfig
+    from seqpar.train.state import TrainSource
+    from seqpar.train.step import _micro_batches
+    from seqpar.train.tokenizer import ByteTokenizer
+
+    config = TrainConfig(seq_len=260, batch_size=2, grad_accum=1, layout="placed", sp=1)  # placed: 288 tokens
+    run = SimpleNamespace(config=config, dp_rank=0, mesh=None, source=TrainSource(config, ByteTokenizer(), ""))
+    (shard,), (answers,) = _micro_batches(run, 0)
+    assert shard.layout.name == "placed" and answers.shape == shard["shift_labels"].shape == (2, 288)
+    scored = answers != -100
+    want = run.source.batch([0, 1])[1]  # the batch's answer labels, in the row's order
+    assert int(scored.sum()) == int((want != -100).sum()) > 0
+    assert torch.equal(answers[scored], shard["shift_labels"][scored])  # the next token, where it is scored
+
+
 def test_real_data_files_and_local_model_config(tmp_path):
     docs = tmp_path / "docs.jsonl"
     with open(docs, "w") as f:
@@ -175,26 +196,34 @@ def test_real_data_files_and_local_model_config(tmp_path):
     ).save_pretrained(str(model))  # next to config.json: the default tokenizer for --data
     run, whole = tmp_path / "run", tmp_path / "whole"
     files = ["--data", str(docs), "--text-field", "body", "--model", str(model), "--seq-len", "100"]
-    files += ["--batch-size", "2", "--grad-accum", "1", "--steps", "3"]
-    # the packed rows of uneven documents at sp 2 under the balanced layout, and on one rank: the same run (the
-    # logged loss includes 0.1 x the router's load-balancing loss, counted over both ranks' tokens)
-    done = seqpar_train(*files, "--run-dir", str(run), "--strategy", "ulysses", "--layout", "balanced")
-    assert done.returncode == 0, done.stderr
-    assert "; balanced layout (solved per batch)" in done.stdout
-    assert sorted(losses(run)) == [1, 2, 3]
-    resolved = json.loads((run / "config.json").read_text())
-    assert resolved["strategy"] == "ulysses" and resolved["tokenizer_used"] == str(model)
-    assert resolved["layout"] == "balanced"
+    files += ["--batch-size", "2", "--grad-accum", "2", "--steps", "3"]  # micro-batches of one packed row
+    # the packed rows of uneven documents at sp 2 under the balanced layout, under "auto" (the placed layout on
+    # these rows: reordered and padded), and on one rank: the same run (the logged loss includes 0.1 x the
+    # router's load-balancing loss, counted over both ranks' tokens)
+    auto = tmp_path / "auto"
+    for where, strategy, layout in ((run, "ulysses", "balanced"), (auto, "ring", "auto")):
+        done = seqpar_train(*files, "--run-dir", str(where), "--strategy", strategy, "--layout", layout)
+        assert done.returncode == 0, done.stderr
+        assert f"; {layout} layout (solved per batch)" in done.stdout
+        resolved = json.loads((where / "config.json").read_text())
+        assert resolved["strategy"] == strategy and resolved["tokenizer_used"] == str(model)
+        assert resolved["layout"] == layout
+        # each step's record: the layout rank 0 cut each micro-batch with ("auto" placed every packed row)
+        layouts = losses(where, "layouts")
+        assert layouts == {s: 2 * ["balanced" if layout == "balanced" else "placed"] for s in (1, 2, 3)}, layouts
     one = seqpar_train(*files, "--run-dir", str(whole), "--sp", "1")
     assert one.returncode == 0, one.stderr
-    for key, rel in (("loss", 1e-4), ("grad_norm", 1e-5)):
-        assert losses(run, key) == pytest.approx(losses(whole, key), rel=rel), key
-    # the steps' batches (read back as the run read them) are laid out otherwise than zigzag
+    for where, (key, rel) in itertools.product((run, auto), (("loss", 1e-4), ("grad_norm", 1e-5))):
+        assert losses(where, key) == pytest.approx(losses(whole, key), rel=rel), (where.name, key)
+    # the steps' batches (read back as the run read them) are laid out otherwise than zigzag, and placed in
+    # another order than the row's, padded
     from seqpar.train.data import FileRows, load_tokenizer
 
     rows = FileRows([str(docs)], load_tokenizer(str(model)), 100, "body", 0, str(run / "data"))
-    chunks = [seqpar.balanced_layout(rows.batch([2 * s, 2 * s + 1])["position_ids"], 2).chunk_ids for s in range(3)]
-    assert any(c != ((0, 3), (1, 2)) for c in chunks), chunks
+    positions = [rows.batch([i])["position_ids"] for i in range(6)]
+    assert any(seqpar.balanced_layout(p, 2).chunk_ids != ((0, 3), (1, 2)) for p in positions)
+    placed = [seqpar.placed_layout(p, 2).order[0] for p in positions]
+    assert all(o.shape[0] > 100 and not torch.equal(o[o >= 0], torch.arange(100)) for o in placed), placed
     # Parquet data; data parallel over 2 ranks, bf16 autocast and activation checkpointing, from a YAML file
     import datasets
 

@@ -110,6 +110,8 @@ def _step_record(
     }
     if result.has_answers:
         record["answer_loss"] = float(sums[1])
+    if result.layouts:  # rank 0's micro-batches: what --layout balanced, placed or auto cut each with
+        record["layouts"] = list(result.layouts)
     return record, stopping
 
 

@@ -29,12 +29,13 @@ class MetricsWriter:
         self.tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=resume_step or None)
 
     def write(self, record: dict) -> None:
-        """Log ``record`` (must hold "step"); lists become one TensorBoard scalar per element."""
+        """Log ``record`` (must hold "step"); lists of numbers become one TensorBoard scalar per element, text
+        (a string or a list of them, e.g. the micro-batches' layouts) goes to metrics.jsonl only."""
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         step = record["step"]
         for key, value in record.items():
-            if key == "step" or isinstance(value, str):
+            if key == "step" or isinstance(value, str) or (isinstance(value, list) and str in map(type, value)):
                 continue
             if isinstance(value, list):
                 for i, v in enumerate(value):

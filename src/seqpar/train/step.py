@@ -36,6 +36,9 @@ class StepResult:
     """Global gradient norm before clipping."""
     lr: float
     """The learning rate this step used."""
+    layouts: tuple[str, ...] = ()
+    """Under a per-batch layout: the layout each of this rank's micro-batches was cut with ("placed" where
+    "auto" placed it, Note [placed layout]); empty under a fixed one."""
 
 
 @torch.no_grad()
@@ -58,9 +61,12 @@ def _micro_batches(run: RunState, step: int) -> tuple[list[BatchShard], list[tor
         run.source.batch(list(range(first + m * micro, first + (m + 1) * micro))) for m in range(config.grad_accum)
     ]
     shards = [seqpar.shard_batch(b, run.mesh, layout=config.layout) for b, _ in batches]
-    # the answers follow their batch's tokens: the layout each shard was cut with ("balanced": its own)
+    # the answers follow their batch's tokens: the layout each shard was cut with ("balanced": its own); a placed
+    # shard's layout cuts the reordered row, so its answers are placed again (the same solve: the same ids)
     answers = [
-        seqpar.shard_batch({**b, "shift_labels": a}, run.mesh, layout=shard.layout)["shift_labels"]
+        seqpar.shard_batch(
+            {**b, "shift_labels": a}, run.mesh, layout="placed" if shard.placement is not None else shard.layout
+        )["shift_labels"]
         if a is not None
         else None
         for (b, a), shard in zip(batches, shards)
@@ -145,7 +151,8 @@ def optimizer_step(run: RunState, step: int) -> StepResult:
     if config.dp_mode == "replicate":
         seqpar.reduce_gradients(run.model.parameters(), run.loss_group)
     grad_norm = seqpar.clip_grad_norm_(run.model.parameters(), config.grad_clip or float("inf"))
-    return _update(run, StepResult(loss_sum, answer_sum, has_answers, grad_norm, 0.0))
+    layouts = tuple(s.layout.name for s in shards) if config.layout in PER_BATCH_LAYOUTS else ()
+    return _update(run, StepResult(loss_sum, answer_sum, has_answers, grad_norm, 0.0, layouts))
 
 
 def _update(run: RunState, result: StepResult) -> StepResult:
