@@ -12,14 +12,22 @@ Note [placed layout]
     (a ``ChunkLayout`` over the reordered row, so every strategy, planner and ``kv_needs`` table runs on
     it unchanged):
     - a document is *long* when it holds more tokens than a rank's share ``L`` or more attention work
-      than ``1.05`` of a rank's mean work; long documents go first, each over the fewest ranks ``m`` that
-      its tokens and its work allow (the least loaded ones): in ``2m`` equal runs of chunks, runs ``i``
-      and ``2m-1-i`` on one rank (the zigzag of one document, so a causal document's work is even), or
-      in ``m`` runs when its work per token is flat (a window much shorter than it, or bidirectional);
-    - every rank then gets one contiguous *home* run of chunks, filled with whole short documents: by
-      decreasing work while its work stays within the mean, then by decreasing length while they fit;
-      then whole documents are moved or exchanged between the most loaded run and another while that
-      lowers the larger of their loads and both runs still hold them.
+      than ``1.05`` of a rank's mean work. Long documents go first, each over few ranks
+      (``seqpar.placement.split``). A causal one that needs at most two ranks, or one whose work per token
+      is flat (a window much shorter than it, or bidirectional), is cut into contiguous pieces from its
+      end: a rank takes the document's chunks backwards while its work, its free tokens counted as filled
+      by the cheapest whole documents left, stays within ``1.02`` of the mean; then the rank with the most
+      room goes on. A causal document's tail is its most expensive part per token, so the tail's rank
+      holds the fewest of its tokens and its head's keys travel to one rank only (a head ``h`` costs ``2h``
+      tokens sent and ``h`` returned). A flat document that this would spread over more ranks than its
+      tokens and work need is cut into equal runs over that many ranks instead. A causal document that
+      needs three ranks or more is cut into ``2m`` equal runs, runs ``i`` and ``2m-1-i`` on one rank (the
+      zigzag of one document, so its work is even with few pieces);
+    - every rank then gets one contiguous *home* run of chunks, filled with whole short documents,
+      longest first, by the better of two rules: the run least full in work and tokens together, or the
+      run left with the most work room once its free tokens are counted at the mean work per token of the
+      documents not yet placed. Then whole documents are moved or exchanged between the most loaded run
+      and another while that lowers the larger of their loads and both runs still hold them.
       A gap left at the end of a rank's home run is filled with padding while the padding budget lasts,
       else with the head of one more document, whose rest opens the next rank's home run (the only cut,
       and it moves that head's keys only);
@@ -42,11 +50,22 @@ Note [placed layout]
     exchanges that look best by loads and a guess of the traffic each move adds are scored exactly, and
     the best is taken when the top rank falls and no rank rises to it. Evening the work comes first
     (that is the balance target), then traffic: a cut is made only where the work needs it, and a batch
-    already within 1.05 is left as it is. The candidates with ``k`` and ``k + 1`` chunks per rank: the
-    second (more padding) is taken only when the first cuts a short document and it does not.
+    already within 1.05 is left as it is.
+    Candidates: the construction above estimates each token's work before the row is cut into tiles,
+    either as the keys it sees or as the keys of the tiles it computes (its position rounded up to the
+    tile, plus a masked edge tile); each estimate is built with ``k`` and with ``k + 1`` chunks per rank
+    (more padding, more room to keep documents whole), and each candidate is refined. The one taken is
+    within the balance target, then has the least traffic on its busiest rank, then the least work on
+    it (ties: fewer chunks). A candidate with no traffic at all ends the search.
     Bytes: a document holding most of the row's work must be spread over every rank to even the work,
-    and its keys then travel whatever the placement (the SFT-like row of ``seqpar bench masks``: one
-    5,165-token document holds about 90% of the work); the placed layout spares the rest.
+    and its keys then travel whatever the placement. Lower bound: the rank that holds a causal document's
+    last token returns the key gradients of every earlier token of it that it does not hold, and holds at
+    most the longest suffix whose work fits its share: for a document of ``n`` tokens whose suffix ``t``
+    is the longest with ``t n - t^2 / 2`` within 1.05 of a rank's mean work, some rank moves at least
+    ``n - t`` tokens of K/V. On the SFT-like row of ``seqpar bench masks`` (one 5,165-token document
+    holding 91% of the work, P = 4) that is 4,361 tokens, 4.5 MB at 8/2 heads of 64 fp32: 0.60 of the
+    zigzag layout's need and 0.29 of the balanced layout's, whatever the placement; the placed layout
+    spares the rest.
     A batch whose documents all fit whole and whose padding suffices has no document on two ranks:
     ``kv_needs`` is then empty between ranks and ring and all-gather move no K/V at all.
     Not reordered: rows with block-causal ranges (blocks are global token ranges), batches whose rows hold

@@ -5,7 +5,10 @@ The second half of Note [placed layout]; ``seqpar.placement.solver`` calls ``fil
 
 from __future__ import annotations
 
-__all__ = ["fill_homes"]
+__all__ = ["BALANCE_SLACK", "fill_homes"]
+
+BALANCE_SLACK = 1.05
+"""The work, over a rank's mean, that a home assignment may reach and still count as even."""
 
 
 def fill_homes(
@@ -62,15 +65,41 @@ def fill_homes(
 
 
 def _assign(lengths: list[int], work: list[float], caps: list[int], loads: list[float], mean: float) -> list[int]:
-    """Each document's home run (-1: none has room): longest first, to the run least full in work and tokens."""
-    home, used, load = [-1] * len(lengths), [0] * len(caps), list(loads)
-    for j in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
-        fits = [h for h in range(len(caps)) if used[h] + lengths[j] <= caps[h]]
-        if fits:
-            h = min(fits, key=lambda h: (load[h] / max(mean, 1e-300) + used[h] / max(caps[h], 1), h))
-            home[j], used[h], load[h] = h, used[h] + lengths[j], load[h] + work[j]
-    _even(home, lengths, work, caps, used, load)
-    return home
+    """Each document's home run (-1: none has room): the better of two greedy rules, each evened by ``_even``.
+
+    Longest first, each document goes to the run it fits in that is (a) least full in work and tokens
+    together, or (b) left with the most work room once its free tokens are counted at the mean work per
+    token of the documents not yet placed (tokens and work run out together). The rule whose most loaded run
+    is within ``BALANCE_SLACK`` of the mean and that leaves fewer documents without a home wins; else the
+    one whose most loaded run is lighter.
+    """
+    best = None
+    for rule in (_least_full, _most_room):
+        home, used, load = [-1] * len(lengths), [0] * len(caps), list(loads)
+        left_work, left_tokens = sum(work), sum(lengths)
+        for j in sorted(range(len(lengths)), key=lambda j: (-lengths[j], -work[j], j)):
+            fits = [h for h in range(len(caps)) if used[h] + lengths[j] <= caps[h]]
+            if fits:
+                density = left_work / max(left_tokens, 1)
+                h = min(fits, key=lambda h: (rule(h, j, lengths, work, caps, used, load, mean, density), h))
+                home[j], used[h], load[h] = h, used[h] + lengths[j], load[h] + work[j]
+            left_work, left_tokens = left_work - work[j], left_tokens - lengths[j]
+        _even(home, lengths, work, caps, used, load)
+        top = max(load) / max(mean, 1e-300)
+        key = (top > BALANCE_SLACK, home.count(-1), top)
+        if best is None or key < best[0]:
+            best = (key, home)
+    return best[1]
+
+
+def _least_full(h: int, j: int, lengths: list[int], work: list[float], caps: list[int], used: list[int],
+                load: list[float], mean: float, density: float) -> float:  # fmt: skip
+    return load[h] / max(mean, 1e-300) + used[h] / max(caps[h], 1)
+
+
+def _most_room(h: int, j: int, lengths: list[int], work: list[float], caps: list[int], used: list[int],
+               load: list[float], mean: float, density: float) -> float:  # fmt: skip
+    return load[h] + work[j] + density * (caps[h] - used[h] - lengths[j])
 
 
 def _even(home: list[int], lengths: list[int], work: list[float], caps: list[int], used: list[int],

@@ -16,7 +16,9 @@ from seqpar.errors import SeqparInputError
 from seqpar.layout import ChunkLayout
 from seqpar.placement.home import fill_homes
 from seqpar.placement.refine import Refiner
-from seqpar.strategies.masking import sequence_mask
+from seqpar.placement.split import WORK_SLACK, split_long
+from seqpar.strategies.masking import SequenceMask, sequence_mask
+from seqpar.strategies.planner import tile_size
 
 __all__ = ["KEY_COST", "TOKEN_SLACK", "Placement", "placed_layout"]
 
@@ -28,8 +30,6 @@ BALANCE_SLACK = 1.05
 """The refining pass evens planned work to within this of the mean, then spends nothing more on it."""
 REFINE_ROUNDS = 200
 """The most chunk exchanges of the refining pass (Note [placed layout])."""
-WORK_SLACK = 1.05
-"""A document with more work than this times a rank's mean work is split."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -85,56 +85,15 @@ def _documents(row: torch.Tensor) -> list[tuple[int, int]]:
     return [(a, b - a) for a, b in zip(cut, cut[1:])]
 
 
-def _split_long(
-    docs: list[tuple[int, int]], long: list[int], work: list[float], tok_work: torch.Tensor, c: int, k: int, p: int,
-    flat: list[bool], mean: float,
-) -> tuple[list[int], list[int], list[float]]:  # fmt: skip
-    """Owners of the long zone's chunks (long documents laid end to end), and each rank's chunks and work there."""
-    lengths = [docs[d][1] for d in long]
-    edges = [0, *torch.tensor(lengths).cumsum(0).tolist()] if long else [0]
-    n_chunks = math.ceil(edges[-1] / c)
-    owner = [-1] * n_chunks
-    zone_work = torch.cat([tok_work[docs[d][0] : docs[d][0] + docs[d][1]] for d in long]) if long else tok_work[:0]
-    zone_work = torch.nn.functional.pad(zone_work, (0, n_chunks * c - edges[-1])).view(n_chunks, c).sum(1).tolist()
-    count, load = [0] * p, [0.0] * p
-    for i in sorted(range(len(long)), key=lambda i: (-work[long[i]], i)):
-        first, stop = math.ceil(edges[i] / c), math.ceil(edges[i + 1] / c)  # chunks whose first token is its own
-        chunks = list(range(first, stop))
-        if not chunks:
-            continue
-        m = max(1, math.ceil(lengths[i] / (k * c)), math.ceil(work[long[i]] / (mean * WORK_SLACK)))
-        while True:
-            parts = m if flat[i] else 2 * m
-            sizes = [len(chunks) // parts + (j < len(chunks) % parts) for j in range(parts)]
-            need = max(sizes) * (1 if flat[i] else 2)
-            ranks = sorted((r for r in range(p) if k - count[r] >= need), key=lambda r: (load[r], r))[:m]
-            if len(ranks) == m or m >= p:
-                break
-            m += 1
-        if len(ranks) < m:  # no m ranks with room: each chunk to the least loaded rank with room
-            for ch in chunks:
-                r = min((r for r in range(p) if count[r] < k), key=lambda r: (load[r], r))
-                owner[ch], count[r], load[r] = r, count[r] + 1, load[r] + zone_work[ch]
-            continue
-        at = 0
-        for j, size in enumerate(sizes):
-            r = ranks[j if flat[i] else min(j, parts - 1 - j)]
-            for ch in chunks[at : at + size]:
-                owner[ch], count[r], load[r] = r, count[r] + 1, load[r] + zone_work[ch]
-            at += size
-    return owner, count, load
-
-
-def _build(position_row: torch.Tensor, tok_work: torch.Tensor, p: int, c: int, k: int, flat_window: int | None,
+def _build(docs: list[tuple[int, int]], tok_work: torch.Tensor, p: int, c: int, k: int, flat_window: int | None,
            causal: bool) -> tuple[torch.Tensor, torch.Tensor, tuple[tuple[int, ...], ...], bool]:  # fmt: skip
     """One candidate for ``k`` chunks per rank: the order ``[S']`` (-1 padding), its position ids (padding
     restarts at every chunk), every rank's chunk ids, and whether a short document had to be cut."""
-    docs = _documents(position_row)
     work = [float(tok_work[s : s + n].sum()) for s, n in docs]
     mean, share = sum(work) / p, k * c
     long = [d for d, (_, n) in enumerate(docs) if n > share or work[d] > mean * WORK_SLACK]
     flat = [not causal or (flat_window is not None and docs[d][1] > 2 * flat_window) for d in long]
-    owner, count, load = _split_long(docs, long, work, tok_work, c, k, p, flat, mean)
+    owner, count, load = split_long(docs, long, tok_work, c, k, p, mean, flat)
     zone = sum(docs[d][1] for d in long)
     first = owner[-1] if owner else 0  # the long zone's last (partial) chunk opens this rank's home run
     homes = [first, *sorted((r for r in range(p) if r != first), key=lambda r: (load[r], r))]
@@ -142,7 +101,7 @@ def _build(position_row: torch.Tensor, tok_work: torch.Tensor, p: int, c: int, k
     caps[0] += len(owner) * c - zone
     short = [d for d in range(len(docs)) if d not in set(long)]
     pieces = fill_homes([docs[d][1] for d in short], [work[d] for d in short], caps, [load[r] for r in homes],
-                        mean, p * share - position_row.shape[0])  # fmt: skip
+                        mean, p * share - tok_work.shape[0])  # fmt: skip
     order = [torch.arange(docs[d][0], docs[d][0] + docs[d][1]) for d in long]
     places = [torch.arange(docs[d][1]) for d in long]
     at = zone
@@ -165,6 +124,19 @@ def _build(position_row: torch.Tensor, tok_work: torch.Tensor, p: int, c: int, k
         at += n
     cut = any(j >= 0 and offset > 0 for j, offset, _ in pieces)
     return torch.cat(order), torch.cat(places), tuple(tuple(x) for x in ids), cut
+
+
+def _work_models(positions: torch.Tensor, mask: SequenceMask, c: int, causal: bool, window: int | None,
+                 tile_costs: Sequence[float]) -> list[torch.Tensor]:  # fmt: skip
+    """``[S]`` work of each token under the models the solver tries (Note [placed layout]): causal, the keys it
+    sees, and the keys of the tiles it computes (its position rounded up to tiles, plus a masked edge tile)."""
+    seq_len = positions.shape[-1]
+    if not causal:
+        return [visible_area(mask, seq_len, causal)[:seq_len] / positions.shape[0]]
+    tile = tile_size(c, SequenceMask(None, window, seq_len))
+    keys = (positions[0] + 1).clamp(max=window or seq_len).double()
+    tiles = (tile * (positions[0] // tile + 1)).clamp(max=(window or seq_len) + tile).double()
+    return [keys, tiles + (tile_costs[2] - 1.0) * tile]
 
 
 def placed_layout(
@@ -210,22 +182,30 @@ def placed_layout(
         order = torch.cat([torch.arange(seq_len), torch.full((pad,), -1)]).expand(positions.shape[0], -1)
         return Placement(order, padded, ChunkLayout(solved.chunk_ids, name="placed"))
     c = chunk_len or chunk_length(seq_len, world_size)
-    if causal:  # the visible keys of each query: its position, up to the window
-        tok_work = (positions[0] + 1).clamp(max=window or seq_len).double()
-    else:
-        tok_work = visible_area(mask, seq_len, causal)[:seq_len] / positions.shape[0]
     k_min = math.ceil(seq_len / (world_size * c))
+    docs = _documents(positions[0])
     options = [k_min] + ([k_min + 1] if (k_min + 1) * c * world_size <= TOKEN_SLACK * seq_len else [])
-    built = _build(positions[0], tok_work, world_size, c, k_min, window, causal)
-    if built[3] and len(options) > 1:  # a short document cut: one more chunk per rank (more padding) may spare it
-        more = _build(positions[0], tok_work, world_size, c, k_min + 1, window, causal)
-        built = built if more[3] else more
-    order, placed, ids, _ = built
-    owner = [0] * (len(order) // c)
-    for r, own in enumerate(ids):
-        for g in own:
-            owner[g] = r
-    owner = Refiner(placed, c, owner, causal, window, key_cost, tile_costs, BALANCE_SLACK).run(REFINE_ROUNDS)
+    best, seen = None, []
+    for tok_work in _work_models(positions, mask, c, causal, window, tile_costs):
+        for k in options:
+            order, placed, ids, _ = _build(docs, tok_work, world_size, c, k, window, causal)
+            if any(ids == other and torch.equal(order, done) for done, other in seen):
+                continue  # the other work model built the same row: its refining pass would end the same
+            seen.append((order, ids))
+            owner = [0] * (len(order) // c)
+            for r, own in enumerate(ids):
+                for g in own:
+                    owner[g] = r
+            refiner = Refiner(placed, c, owner, causal, window, key_cost, tile_costs, BALANCE_SLACK)
+            owner = refiner.run(REFINE_ROUNDS)
+            key = (max(refiner.load) > refiner.cap * (1 + 1e-9), max(refiner.traffic), max(refiner.load), k)
+            if best is None or key < best[0]:
+                best = (key, order, placed, owner)
+            if key[:2] == (False, 0.0):  # even and silent: no candidate can do better on traffic
+                break
+        if best[0][:2] == (False, 0.0):
+            break
+    _, order, placed, owner = best
     ids = tuple(tuple(g for g, r in enumerate(owner) if r == rank) for rank in range(world_size))
     rows = positions.shape[0]
     return Placement(order.expand(rows, -1), placed.expand(rows, -1), ChunkLayout(ids, name="placed"))
