@@ -17,10 +17,10 @@ Note [auto strategy]
     and picks the ring when its bytes are at most ``RING_BYTES_RATIO`` (a quarter) of Ulysses'. Every
     input is the same on every rank (the global mask, every rank's chunk ids, the shapes the input check
     compares), and the maximum over ranks is taken, so every rank picks the same and no rank waits on a
-    collective the others skip; nothing is communicated. The table is the one the ring then runs with (same key in
-    ``mask.plans``), and the choice is kept there too, so the layers of one step pay for it once (39-86
-    ms for a log-normal row of 128K tokens at P = 8, one thread, where ulysses still wins and the table
-    is used for nothing else); a call given ``position_ids=`` builds its own mask, so pass a prebuilt one.
+    collective the others skip; nothing is communicated. The table is the one the ring then runs with
+    (same key in ``mask.plans``), and the choice is kept there too, so the layers of one step pay for it
+    once (39-86 ms for a log-normal row of 128K tokens at P = 8, one thread, where ulysses still wins and
+    the table serves nothing else); a call given ``position_ids=`` builds its own mask: pass a prebuilt one.
     The ratio is measured (``seqpar bench masks --ranks 4 --seq 8192 --strategies ulysses ring allgather
     --layouts placed --repeats 3``, then ``--strategies ulysses ring --layouts placed zigzag --masks window
     log-normal RL``; gloo on 2 shared CPU cores, 8/2 heads, fp32; ring bytes of the busiest rank over
