@@ -1,4 +1,5 @@
-"""Under masks, ring, allgather and hybrid's ring axis send only the K/V that peers' queries see (and its dK/dV).
+"""Under masks, ring, allgather and hybrid's ring axis send only the K/V that peers' queries see (and its dK/dV);
+strategy "auto" weighs those bytes against Ulysses' (Note [auto strategy]).
 
 Bytes are read from /proc/self/io as in test_bytes_sent; the needed volume is worked out here from a dense
 ``[S, S]`` mask, independently of the code under test: for each pair of ranks, the keys of one that any
@@ -16,12 +17,17 @@ import torch.distributed as dist
 
 import seqpar
 from seqpar.runtime.memory import written_bytes
+from seqpar.strategies.choice import auto_strategy_for, masked_ring_bytes, ulysses_bytes
+from seqpar.strategies.kv_needs import kv_needs
+from seqpar.strategies.masking import SequenceMask
+from tests._cases import ATOL, RTOL
 from tests._dist import run_ranks, shard_index
-from tests.test_bytes_sent import FLOAT32, SIGNATURE_INTS
+from tests.test_bytes_sent import FLOAT32, SIGNATURE_INTS, _analytical_bytes
 from tests.test_mask_kinds import kind_mask
 
 RANKS, ULYSSES, SEQ, HEADS, KV_HEADS, HEAD_DIM = 4, 2, 2048, 8, 2, 64
 DOCS = (37, 301, 12, 95, 180, 64, 250, 9, 141, 77, 210, 33, 156, 120, 88, 275)  # 16 uneven documents, 2048 tokens
+SHORT_DOCS = (37, 120, 12, 95, 180, 64, 250, 9, 141, 77, 210, 33, 156, 120, 88, 75)  # all < S/(2P)
 CASES = {"16 documents": (DOCS, None), "window S/8": (None, SEQ // 8)}
 BOUND = 1.1  # the issue's acceptance bound on sent / needed
 
@@ -83,7 +89,43 @@ def _mask_bytes_worker(rank, world_size, results):
                 assert 0.99 < sent / want < BOUND, f"{name} {layout} {strategy}: sent {sent} bytes, needed {want}"
 
 
+def _auto_worker(rank, world_size):
+    """A placed row of short documents: "auto" runs the ring, sends no K/V, and equals SDPA; causal stays ulysses."""
+    placed = seqpar.placed_layout(_positions(SHORT_DOCS), world_size)
+    layout, row = placed.layout, placed.position_ids  # [1, S'], padded
+    flat, two_d = seqpar.make_mesh(), seqpar.make_mesh(ulysses_size=ULYSSES)
+    gen = torch.Generator().manual_seed(31)
+    q = torch.randn(1, HEADS, row.shape[1], HEAD_DIM, generator=gen)
+    k, v = (torch.randn(1, KV_HEADS, row.shape[1], HEAD_DIM, generator=gen) for _ in "kv")
+    dout = torch.randn(q.shape, generator=gen)
+    refs = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        *refs, attn_mask=kind_mask(row, True, None, None), enable_gqa=True
+    )
+    want.backward(dout)
+    idx = shard_index(layout, world_size, rank, row.shape[1])
+    mine = [t[:, :, idx].clone().requires_grad_() for t in (q, k, v)]
+    mask = seqpar.sequence_mask(row[:, idx], flat, layout=layout)
+    assert seqpar.choose_attention(*mine, mesh=flat, mask=mask, layout=layout).strategy == "ring"
+    assert seqpar.choose_attention(*mine, mesh=two_d, mask=mask, layout=layout).strategy == "hybrid"  # kept
+    dist.barrier()
+    before = written_bytes()
+    out = seqpar.attention(*mine, mesh=flat, layout=layout, mask=mask)  # strategy="auto"
+    out.backward(dout[:, :, idx])
+    sent = written_bytes() - before
+    assert sent < 4096, f"auto sent {sent} bytes: only the input check ({(RANKS - 1) * SIGNATURE_INTS * 8}) is needed"
+    for name, got, ref in zip(
+        ("out", "dq", "dk", "dv"), (out, *(t.grad for t in mine)), (want, *(t.grad for t in refs))
+    ):
+        torch.testing.assert_close(got, ref[:, :, idx], atol=ATOL, rtol=RTOL, msg=lambda m, n=name: f"auto {n}: {m}")
+    causal = seqpar.sequence_mask(torch.arange(SEQ)[None, shard_index("zigzag", world_size, rank, SEQ)], flat)
+    plain = [t[:, :, : SEQ // world_size] for t in (q, k, v)]
+    for m in (None, causal):  # one document per row: the static rule, as before
+        assert seqpar.choose_attention(*plain, mesh=flat, mask=m).strategy == "ulysses"
+
+
 def _report_worker(rank, world_size):
+    _auto_worker(rank, world_size)
     results = []
     _mask_bytes_worker(rank, world_size, results)
     if rank == 0:
@@ -128,3 +170,32 @@ def test_bench_masks_writes_one_record_per_case(tmp_path, capsys):
             assert sum(r["bytes_sent_per_rank"]) < BOUND * sum(r["bytes_needed_per_rank"]) or (
                 max(r["bytes_sent_per_rank"]) < 4096  # nothing needed but the input check: its headers weigh
             ), r  # (a placed row of short documents at 8192 tokens moves no K/V: test_placement.py)
+
+
+def test_auto_strategy_weighs_ring_bytes_against_ulysses():
+    """The rule of Note [auto strategy] on its inputs; its byte counts against this file's independent ones."""
+    local = SEQ // RANKS
+    opts = dict(layout="zigzag", causal=True, local_tokens=local, head_dim=HEAD_DIM, itemsize=FLOAT32)
+    check = (RANKS - 1) * SIGNATURE_INTS * 8
+    assert (
+        ulysses_bytes(HEADS, KV_HEADS, RANKS, local, HEAD_DIM, FLOAT32)
+        == _analytical_bytes("ulysses", KV_HEADS) - check
+    )
+    assert (
+        masked_ring_bytes(None, [local] * RANKS, KV_HEADS, HEAD_DIM, FLOAT32)
+        == _analytical_bytes("ring", KV_HEADS) - check
+    )
+    docs = SequenceMask(torch.arange(SEQ)[None] - _positions(DOCS), None, 301)
+    chunk_ids = tuple(seqpar.layout.rank_chunk_ids("zigzag", RANKS, r) for r in range(RANKS))
+    ring = masked_ring_bytes(kv_needs(docs, chunk_ids, local // 2, True), [local] * RANKS, KV_HEADS, HEAD_DIM, FLOAT32)
+    assert ring == max(needed_bytes("ring", "zigzag", DOCS, None, r) for r in range(RANKS)) - check
+
+    def auto(mask, strategy="auto", heads=HEADS, kv_heads=KV_HEADS, ulysses=1):
+        return auto_strategy_for(strategy, heads, kv_heads, RANKS, ulysses, mask=mask, **opts)
+
+    # 16 uneven documents: the ring sends 0.13 of ulysses' bytes; windows of S/16 and S/8: 0.17 and 0.33
+    assert auto(docs) == auto(SequenceMask(None, SEQ // 16)) == "ring"
+    assert auto(SequenceMask(None, SEQ // 8)) == auto(SequenceMask()) == auto(None) == "ulysses"
+    assert auto(docs, ulysses=ULYSSES) == "hybrid" and auto(docs, heads=3, kv_heads=3) == "ring"  # static rule
+    assert auto(docs, strategy="ulysses") == "ulysses" and auto(docs, strategy="allgather") == "allgather"
+    assert any(key[0] == "auto strategy" for key in docs.plans) and any(key[0] == "kv_needs" for key in docs.plans)

@@ -1,6 +1,7 @@
 """Block-causal masks (a block size or token ranges) and bidirectional documents, alone and combined with
 documents and windows: every strategy and layout (zigzag, contiguous, the balanced and placed layouts of each
-case) equals single-device SDPA with the dense mask written out here, outputs and gradients, at P = 2, 3, 4.
+case) equals single-device SDPA with the dense mask written out here, outputs and gradients, at P = 2, 3, 4;
+so does strategy "auto", which picks the ring for a placed row of short documents.
 """
 
 from __future__ import annotations
@@ -126,6 +127,14 @@ def _kinds_worker(rank, world_size):
             check_kind(rank, world_size, mesh, strategy, placed.layout, placed.position_ids, True, window, None, False)
     q = torch.randn(1, 2, seq_len // world_size, 8)
     mesh = seqpar.make_mesh()
+    # strategy "auto" on a placed row of short documents: the mask-aware ring (Note [auto strategy]), exact
+    placed = seqpar.placed_layout(packed_positions(seq_len, (5, 3, 7, 4))[None], world_size)
+    local = placed.position_ids[:, shard_index(placed.layout, world_size, rank, placed.position_ids.shape[1])]
+    mask = seqpar.sequence_mask(local, mesh, layout=placed.layout)
+    heads, kv_heads = (6, 3) if world_size == 3 else (4, 2)  # as check_kind's
+    qs, ks = torch.zeros(1, heads, local.shape[1], 16), torch.zeros(1, kv_heads, local.shape[1], 16)
+    assert seqpar.choose_attention(qs, ks, ks, mesh=mesh, mask=mask, layout=placed.layout).strategy == "ring"
+    check_kind(rank, world_size, mesh, "auto", placed.layout, placed.position_ids, True, None, None, True)
     with pytest.raises(SeqparInputError, match="block-causal blocks need causal=True"):
         seqpar.attention(q, q, q, mesh=mesh, causal=False, blocks=4)
     with pytest.raises(SeqparInputError, match="block ranges reach token"):

@@ -18,8 +18,8 @@ from seqpar.kernels import AttentionKernel, select_kernel
 from seqpar.layout import Layout
 from seqpar.mesh import as_sp_mesh
 from seqpar.strategies import STRATEGY_FUNCTIONS
+from seqpar.strategies.choice import auto_strategy
 from seqpar.strategies.masking import SequenceMask, sequence_mask
-from seqpar.strategies.policy import resolve_strategy
 
 __all__ = ["AttentionChoice", "attention", "choose_attention"]
 
@@ -45,6 +45,9 @@ def choose_attention(
     strategy: str = "auto",
     kernel: str | AttentionKernel = "auto",
     softcap: float | None = None,
+    mask: SequenceMask | None = None,
+    layout: Layout = "zigzag",
+    causal: bool = True,
 ) -> AttentionChoice:
     """The strategy and kernel ``seqpar.attention`` uses for these (already checked) inputs.
 
@@ -56,6 +59,10 @@ def choose_attention(
         strategy: a strategy name or "auto".
         kernel: "auto", a kernel name or an ``AttentionKernel``.
         softcap: logit soft-capping, as in ``seqpar.attention`` (it decides the kernel).
+        mask: the call's ``seqpar.sequence_mask`` (with its window), or None: under a mask "auto" may pick
+            the mask-aware ring over ulysses (Note [auto strategy]).
+        layout: the layout the sequence is sharded with, as in ``seqpar.attention``.
+        causal: the token-level causal rule (False under block-causal ranges, as ``seqpar.attention`` runs it).
 
     Returns:
         The choice; passing its fields back to ``seqpar.attention`` runs exactly that.
@@ -66,7 +73,10 @@ def choose_attention(
     sp = as_sp_mesh(mesh)
     chosen_kernel = select_kernel(q, k, v, kernel, softcap=softcap)
     # one rank holds the whole sequence: whatever strategy was asked for, nothing needs to travel
-    chosen = resolve_strategy(strategy, q.shape[1], k.shape[1], sp) if sp.sp_size > 1 else "local"
+    if sp.sp_size == 1:
+        return AttentionChoice("local", chosen_kernel)
+    shape = dict(local_tokens=q.shape[2], head_dim=q.shape[3], itemsize=q.element_size())
+    chosen = auto_strategy(strategy, q.shape[1], k.shape[1], sp, mask=mask, layout=layout, causal=causal, **shape)
     return AttentionChoice(chosen, chosen_kernel)
 
 
@@ -101,7 +111,8 @@ def attention(
         mesh: a ``SequenceParallelMesh`` (``seqpar.make_mesh``), the SP ProcessGroup, a 1-D DeviceMesh,
             or None for a single process.
         strategy: "ulysses", "ring", "allgather", "hybrid" (the mesh's ulysses axis x its ring axis) or
-            "auto" (``resolve_strategy``).
+            "auto" (``resolve_strategy``; under a mask the mask-aware ring when it sends at most a quarter
+            of ulysses' bytes, Note [auto strategy]).
         causal: apply a causal mask over global positions.
         layout: how the caller sharded the sequence: "contiguous", "zigzag", or the ``ChunkLayout`` of this
             batch (``shard.layout`` of ``shard_batch(layout="balanced")``, Note [balanced layout]).
@@ -161,9 +172,10 @@ def attention(
         )
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    choice = choose_attention(q, k, v, mesh=sp, strategy=strategy, kernel=kernel, softcap=softcap)
-    _log.debug("seqpar.attention: strategy=%s kernel=%s sp=%d", choice.strategy, choice.kernel.name, sp.sp_size)
     causal = causal and mask.blocks is None  # the blocks replace the causal rule (Note [block-causal ranges])
+    options = dict(mesh=sp, strategy=strategy, kernel=kernel, softcap=softcap, mask=mask, layout=layout, causal=causal)
+    choice = choose_attention(q, k, v, **options)
+    _log.debug("seqpar.attention: strategy=%s kernel=%s sp=%d", choice.strategy, choice.kernel.name, sp.sp_size)
     return STRATEGY_FUNCTIONS[choice.strategy](
         q, k, v, mesh=sp, layout=layout, causal=causal, scale=scale, kernel=choice.kernel, mask=mask, sinks=sinks
     )

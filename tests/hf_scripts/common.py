@@ -95,7 +95,8 @@ CASES = {
     "sp2_fsdp2": Case(2, eval_batch=4, fsdp=True, reference="sp2"),
     "gemma3_sp2": Case(2, kind="gemma3", eval_batch=2),
     "gemma2_sp2": Case(2, kind="gemma2", strategy="ring"),  # attention logits soft-capped at 1 (and final logits)
-    "kv1_sp2": Case(2, kind="llama_kv1"),  # one KV head, degree 2: auto picks ulysses with the KV head copied
+    # one KV head, degree 2: ulysses with the KV head copied (named: on these packed rows "auto" takes the ring)
+    "kv1_sp2": Case(2, kind="llama_kv1", strategy="ulysses"),
     # router loss (output_router_logits, weight 0.1): right-padded rows (attention_mask) and seqpar's layout padding
     "mixtral_sp2": Case(2, kind="mixtral", collator="padded", eval_batch=2),  # eval_loss adds the router loss
     # TRL's router loss (divided by the accumulation steps; aux_loss logged), learned sinks, sliding layers; right

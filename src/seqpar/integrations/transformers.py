@@ -78,24 +78,27 @@ def _seqpar_attention(module, query, key, value, attention_mask, scaling=None, d
     device_type = query.device.type
     target = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else query.dtype
     query, key, value = (t.to(target) for t in (query, key, value))
+    causal, window = bool(getattr(module, "is_causal", True)), kwargs.get("sliding_window")
     out = attention(
         query,
         key,
         value,
         mesh=ctx.mesh,
         strategy=ctx.strategy,
-        causal=bool(getattr(module, "is_causal", True)),
+        causal=causal,
         layout=ctx.layout,
         scale=scaling,
         kernel=ctx.kernel,
-        window=kwargs.get("sliding_window"),
+        window=window,
         mask=ctx.mask,
         sinks=sinks,
         softcap=softcap,
     )
-    # what attention ran, decided by the same function on the same (now checked) inputs
+    # what attention ran, decided by the same function on the same (now checked) inputs and mask
+    mask = ctx.mask if window is None else ctx.mask.with_window(window)
+    options = dict(mesh=ctx.mesh, strategy=ctx.strategy, kernel=ctx.kernel, softcap=softcap, layout=ctx.layout)
     ctx.choices[getattr(module, "layer_idx", 0)] = choose_attention(
-        query, key, value, mesh=ctx.mesh, strategy=ctx.strategy, kernel=ctx.kernel, softcap=softcap
+        query, key, value, mask=mask, causal=causal, **options
     )
     return out.transpose(1, 2).contiguous(), None
 

@@ -100,6 +100,11 @@ def add_plan_flags(parser: argparse.ArgumentParser) -> None:
         help="micro-batches (of --micro-batch sequences) per step of the pipeline-parallel layouts (1F1B); "
         "pp degrees up to it are tried",
     )
+    parser.add_argument(
+        "--doc-len",
+        help="rows packed with documents of about this many tokens (2K, 1500), sharded with the placed layout: "
+        "attention work and ring / all-gather K/V shrink, ulysses' all-to-all does not (Note [planned documents])",
+    )
     parser.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
     parser.add_argument("--dp-mode", nargs="+", default=list(DP_MODES), choices=("fsdp", "replicate", "ddp"))
     parser.add_argument("--top", type=int, default=10, help="rows of the table")
@@ -141,6 +146,7 @@ def run_plan(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             dp_modes=tuple(args.dp_mode),
             pp_microbatches=args.pp_microbatches,
+            doc_len=parse_tokens(args.doc_len) if args.doc_len else None,
         )
     except SeqparInputError as error:
         print(f"seqpar plan: {error}", file=sys.stderr)

@@ -45,7 +45,8 @@ def format_plan(result: Plan, top: int = 10, rejected: int = 15) -> str:
     lines = [
         f"{m.num_hidden_layers} layers x {m.hidden_size} hidden, {m.num_attention_heads}/{m.num_key_value_heads} "
         f"heads, vocab {m.vocab_size} ({_parameters(m)}); seq {result.seq_len:,} x "
-        f"micro-batch {result.micro_batch}, {result.dtype}",
+        f"micro-batch {result.micro_batch}, {result.dtype}"
+        + (f", packed documents of {result.doc_len:,} tokens (placed)" if result.doc_len else ""),
         f"{c.gpus} devices ({c.gpus_per_node} per node), {c.gpu_memory_gb:g} GiB x {c.memory_headroom:g} usable, "
         f"{c.gpu_tflops:g} TFLOP/s (matmul x {c.matmul_efficiency:g}, attention x {c.attention_efficiency:g}), "
         f"links {c.intra_node_gbps:g} GB/s intra, {c.inter_node_gbps:g} Gbit/s inter (x {c.link_efficiency:g}), "
@@ -108,6 +109,7 @@ def plan_to_dict(result: Plan, top: int = 10) -> dict:
         "seq_len": result.seq_len,
         "micro_batch": result.micro_batch,
         "dtype": result.dtype,
+        "doc_len": result.doc_len,
         "cluster": asdict(result.cluster),
         "considered": result.considered,
         "top": [_candidate(c) for c in result.top(top)],

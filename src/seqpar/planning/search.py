@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from seqpar.errors import SeqparInputError
 from seqpar.memory import MemoryEstimate
 from seqpar.planning.cluster import Cluster
+from seqpar.planning.documents import check_doc_len
 from seqpar.planning.memory import DTYPE_BYTES, estimate_layout
 from seqpar.planning.models import ModelShape, load_model_shape
 from seqpar.planning.timing import FEATURES, OFFLOAD_OPTIMIZER, Layout, StepTime, model_flops, step_time
@@ -82,6 +83,8 @@ class Plan:
     """Families left out, with reasons."""
     considered: int = 0
     """Layouts whose memory was estimated."""
+    doc_len: int | None = None
+    """Tokens per packed document, placed (Note [planned documents]); None: one document per sequence."""
 
     def top(self, n: int = 10) -> list[Candidate]:
         """The ``n`` best layouts, one per (degrees, strategy, dp mode): its fastest feature set that fits."""
@@ -142,6 +145,7 @@ def plan(
     dtype: str = "bf16",
     dp_modes: tuple[str, ...] = DP_MODES,
     pp_microbatches: int = 8,
+    doc_len: int | None = None,
 ) -> Plan:
     """Every valid (dp, sp, ulysses, tp, strategy, features, dp mode) for ``model`` on ``cluster``, ranked.
 
@@ -154,21 +158,26 @@ def plan(
         dp_modes: how parameters are held over the dp x sp ranks: any of fsdp, replicate, ddp.
         pp_microbatches: micro-batches of ``micro_batch`` sequences per step of the pipeline-parallel layouts
             (1F1B); pp degrees above it are left out.
+        doc_len: rows packed with documents of about this many tokens, sharded with the placed layout: the
+            attention work and the K/V of ring and all-gather shrink (Note [planned documents]); None: one
+            document per sequence.
 
     Returns:
         The plan: fitting layouts fastest first, rejected families with reasons.
 
     Raises:
-        SeqparInputError: a non-positive length or batch, an unknown dtype or dp mode, a bad model.
+        SeqparInputError: a non-positive length, batch or document length, an unknown dtype or dp mode, a bad
+            model.
     """
     shape = load_model_shape(model)
+    check_doc_len(doc_len)
     if not isinstance(seq_len, int) or seq_len < 1 or not isinstance(micro_batch, int) or micro_batch < 1:
         raise SeqparInputError(f"seq_len ({seq_len}) and micro_batch ({micro_batch}) must be positive integers")
     if dtype not in DTYPE_BYTES:
         raise SeqparInputError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
     if not dp_modes or any(m not in ("fsdp", "replicate", "ddp") for m in dp_modes):
         raise SeqparInputError(f"dp_modes must be some of fsdp, replicate, ddp, got {dp_modes}")
-    result = Plan(shape, seq_len, micro_batch, dtype, cluster)
+    result = Plan(shape, seq_len, micro_batch, dtype, cluster, doc_len=doc_len)
     for pp in _divisors(cluster.gpus):
         if pp > 1 and (pp > shape.num_hidden_layers or pp > pp_microbatches):
             why = (
@@ -230,10 +239,11 @@ def _try_features(result: Plan, family: Layout) -> None:
             result.cluster,
             dtype_bytes=DTYPE_BYTES[result.dtype],
             micro_batch=result.micro_batch,
+            doc_len=result.doc_len,
         )
         sequences = result.micro_batch * layout.dp * (layout.pp_microbatches or 1)  # a pipeline step: m of them
         tokens = sequences * result.seq_len
-        flops = model_flops(result.model, result.seq_len, sequences)
+        flops = model_flops(result.model, result.seq_len, sequences, result.doc_len)
         peak_rate = result.cluster.gpu_tflops * 1e12 * layout.world
         result.candidates.append(
             Candidate(layout, estimate, time, tokens / time.total / layout.world, flops / time.total / peak_rate)

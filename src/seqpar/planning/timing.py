@@ -12,6 +12,7 @@ from seqpar.errors import SeqparInputError
 from seqpar.memory import FEATURES as MEMORY_FEATURES
 from seqpar.memory.pipeline import bubble_fraction, p2p_bytes, stage_views
 from seqpar.planning.cluster import Cluster
+from seqpar.planning.documents import check_doc_len, placed_kv_fraction, visible_fraction
 from seqpar.planning.models import ModelShape
 from seqpar.strategies.policy import kv_head_repeats, ulysses_heads_problem
 
@@ -61,6 +62,7 @@ FEATURES = (*MEMORY_FEATURES, OFFLOAD_OPTIMIZER)
 #   step is m of them plus the bubble, (p - 1) more (a fraction (p - 1) / (m + p - 1) of the step), plus
 #   the point-to-point activations and gradients between stages (not overlapped) over the slowest link (pp
 #   is the outermost axis), plus the stage's gradient reduction over dp x sp once.
+# - Packed documents (``doc_len``, placed): Note [planned documents] scales the attention work and ring K/V.
 
 
 @dataclass(frozen=True)
@@ -136,20 +138,21 @@ def _attention_flops(model: ModelShape, seq_len: int, micro_batch: int) -> float
     return 2.0 * micro_batch * seq_len**2 * model.num_attention_heads * model.dim * model.num_hidden_layers
 
 
-def model_flops(model: ModelShape, seq_len: int, micro_batch: int = 1) -> float:
+def model_flops(model: ModelShape, seq_len: int, micro_batch: int = 1, doc_len: int | None = None) -> float:
     """FLOPs of forward + backward of ``micro_batch`` sequences, no recomputation (the MFU numerator).
 
     Args:
         model: the sizes.
         seq_len: tokens per sequence.
         micro_batch: sequences.
+        doc_len: tokens per packed document (only the pairs inside documents count), or None.
 
     Returns:
         3x the forward matmul FLOPs (6 per weight per token) plus 3.5x the causal attention forward.
     """
     tokens = micro_batch * seq_len
     matmul = 6.0 * tokens * (model.num_hidden_layers * model.layer_params + model.hidden_size * model.vocab_size)
-    return matmul + 3.5 * _attention_flops(model, seq_len, micro_batch)
+    return matmul + 3.5 * _attention_flops(model, seq_len, micro_batch) * visible_fraction(seq_len, doc_len)
 
 
 def _matmul_seconds(model: ModelShape, tokens: float, layout: Layout, cluster: Cluster) -> float:
@@ -170,7 +173,14 @@ def _sent_kv_heads(heads: int, kv_heads: int, degree: int) -> int:
 
 
 def step_time(
-    model: ModelShape, seq_len: int, layout: Layout, cluster: Cluster, *, dtype_bytes: int = 2, micro_batch: int = 1
+    model: ModelShape,
+    seq_len: int,
+    layout: Layout,
+    cluster: Cluster,
+    *,
+    dtype_bytes: int = 2,
+    micro_batch: int = 1,
+    doc_len: int | None = None,
 ) -> StepTime:
     """Seconds of one step of ``layout`` on ``cluster`` (Note [plan time model]).
 
@@ -181,18 +191,20 @@ def step_time(
         cluster: rates and links.
         dtype_bytes: bytes per element of activations and gradients (2 for bf16, 4 for fp32).
         micro_batch: sequences per data-parallel replica in the step.
+        doc_len: tokens per packed document, placed (Note [planned documents]); None: one per sequence.
 
     Returns:
         The seconds by part.
 
     Raises:
         SeqparInputError: heads (per tp rank) that the layout's ulysses degree cannot split; optimizer offload
-            in a layout whose dp mode is not fsdp.
+            in a layout whose dp mode is not fsdp; a ``doc_len`` that is not a positive integer.
     """
+    check_doc_len(doc_len)
     if OFFLOAD_OPTIMIZER in layout.features and layout.dp_mode != "fsdp":
         raise SeqparInputError(f"{OFFLOAD_OPTIMIZER} needs dp_mode fsdp, not {layout.dp_mode!r}")
     if layout.pp > 1:
-        return _pipeline_time(model, seq_len, layout, cluster, dtype_bytes, micro_batch)
+        return _pipeline_time(model, seq_len, layout, cluster, dtype_bytes, micro_batch, doc_len)
     layers, ckpt = model.num_hidden_layers, "checkpointing" in layout.features
     tokens = micro_batch * seq_len / layout.sp  # on this rank
     d, e, u, r = model.dim, dtype_bytes, layout.ulysses, layout.sp // layout.ulysses
@@ -203,6 +215,8 @@ def step_time(
         return _sent_kv_heads(heads, kv, degree) * tokens * d * elem
 
     forward = _attention_flops(model, seq_len, micro_batch) / (layout.sp * layout.tp) / layers
+    forward *= visible_fraction(seq_len, doc_len)
+    placed = placed_kv_fraction(seq_len, doc_len, r)  # K/V a ring or all-gather still moves
     attention = forward * (3.5 + ckpt) / cluster.attention_flops  # per layer
     a2a = gather = 0.0
     if u > 1:
@@ -212,11 +226,11 @@ def step_time(
         a2a = moved / cluster.link(u * layout.tp)
     if r > 1 and layout.strategy == "allgather":
         moved = (2 + ckpt) * (r - 1) * 2 * kv_bytes(1) + (r - 1) * 2 * kv_bytes(1, 4)
-        gather = moved / cluster.link(layout.sp * layout.tp)
+        gather = placed * moved / cluster.link(layout.sp * layout.tp)
     elif r > 1:
         link = cluster.link(layout.sp * layout.tp)
-        ring = ((r - 1) * (4 + 2 * ckpt) * kv_bytes(u) + r * 2 * kv_bytes(u, 4)) / link
-        attention = max(attention, ring) + 2 * kv_bytes(u) / link
+        ring = placed * ((r - 1) * (4 + 2 * ckpt) * kv_bytes(u) + r * 2 * kv_bytes(u, 4)) / link
+        attention = max(attention, ring) + placed * 2 * kv_bytes(u) / link
     tp = 0.0
     if layout.tp > 1:
         tp = (4 + 2 * ckpt) * 2 * (layout.tp - 1) / layout.tp * tokens * model.hidden_size * e
@@ -260,13 +274,14 @@ def _gradient_seconds(model: ModelShape, layout: Layout, cluster: Cluster, e: in
 
 
 def _pipeline_time(
-    model: ModelShape, seq_len: int, layout: Layout, cluster: Cluster, e: int, micro_batch: int
+    model: ModelShape, seq_len: int, layout: Layout, cluster: Cluster, e: int, micro_batch: int, doc_len: int | None
 ) -> StepTime:
     """Seconds of one 1F1B pipeline step (Note [plan time model], pipeline parallel)."""
     p, m = layout.pp, layout.pp_microbatches or layout.pp
     busiest = stage_views(model.num_hidden_layers, p, "1f1b", m)[0].layers
     stage = dataclasses.replace(model, num_hidden_layers=busiest)
-    one = step_time(stage, seq_len, dataclasses.replace(layout, pp=1), cluster, dtype_bytes=e, micro_batch=micro_batch)
+    flat = dataclasses.replace(layout, pp=1)
+    one = step_time(stage, seq_len, flat, cluster, dtype_bytes=e, micro_batch=micro_batch, doc_len=doc_len)
     per_micro_batch = one.total - one.gradients - one.offload
     sent = p2p_bytes(int(micro_batch * seq_len / layout.sp), model.hidden_size, e)  # each tp rank sends it whole
     fraction = bubble_fraction(p, "1f1b", m)
