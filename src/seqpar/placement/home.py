@@ -5,29 +5,26 @@ The second half of Note [placed layout]; ``seqpar.placement.solver`` calls ``fil
 
 from __future__ import annotations
 
-__all__ = ["BALANCE_SLACK", "fill_homes"]
+__all__ = ["BALANCE_SLACK", "assign_homes", "fill_homes"]
 
 BALANCE_SLACK = 1.05
 """The work, over a rank's mean, that a home assignment may reach and still count as even."""
 
 
 def fill_homes(
-    lengths: list[int], work: list[float], caps: list[int], loads: list[float], mean: float, pad_budget: int
+    lengths: list[int], caps: list[int], home: list[int], pad_budget: int
 ) -> list[tuple[int, int, int]]:
     """Lay short documents into consecutive home runs (Note [placed layout]).
 
     Args:
         lengths: tokens of each short document.
-        work: attention work of each short document.
         caps: tokens of each home run, in row order (they sum to the documents' tokens plus ``pad_budget``).
-        loads: the work each home run's rank already holds (its long-document chunks).
-        mean: a rank's mean work.
-        pad_budget: padding tokens to place in all.
+        home: each document's home run from ``assign_homes`` (-1: cut into a gap).
+        pad_budget: padding tokens to place in all (the caps hold them).
 
     Returns:
         The home zone in row order as ``(document, first token, tokens)`` pieces; document -1 is padding.
     """
-    home = _assign(lengths, work, caps, loads, mean)
     left = {j for j, h in enumerate(home) if h < 0}  # documents no home run holds whole: cut into the gaps
     pieces: list[tuple[int, int, int]] = []
     carry: tuple[int, int] | None = None  # (document, tokens already placed)
@@ -64,8 +61,11 @@ def fill_homes(
     return pieces
 
 
-def _assign(lengths: list[int], work: list[float], caps: list[int], loads: list[float], mean: float) -> list[int]:
-    """Each document's home run (-1: none has room): the better of two greedy rules, each evened by ``_even``.
+def assign_homes(lengths: list[int], work: list[float], caps: list[int], loads: list[float],
+                 mean: float) -> tuple[list[int], float]:  # fmt: skip
+    """Each document's home run (-1: none has room) and the most loaded run's work over the mean.
+
+    The better of two greedy rules, each evened by ``_even``.
 
     Longest first, each document goes to the run it fits in that is (a) least full in work and tokens
     together, or (b) left with the most work room once its free tokens are counted at the mean work per
@@ -89,7 +89,7 @@ def _assign(lengths: list[int], work: list[float], caps: list[int], loads: list[
         key = (top > BALANCE_SLACK, home.count(-1), top)
         if best is None or key < best[0]:
             best = (key, home)
-    return best[1]
+    return best[1], best[0][2]
 
 
 def _least_full(h: int, j: int, lengths: list[int], work: list[float], caps: list[int], used: list[int],

@@ -14,9 +14,9 @@ import torch
 from seqpar.balanced import TILE_COSTS, balanced_layout, visible_area
 from seqpar.errors import SeqparInputError
 from seqpar.layout import ChunkLayout
-from seqpar.placement.home import fill_homes
+from seqpar.placement.home import BALANCE_SLACK, assign_homes, fill_homes
 from seqpar.placement.refine import Refiner
-from seqpar.placement.split import WORK_SLACK, split_long
+from seqpar.placement.split import FILL_TARGETS, WORK_SLACK, fill_costs, split_long
 from seqpar.strategies.masking import SequenceMask, sequence_mask
 from seqpar.strategies.planner import tile_size
 
@@ -26,8 +26,6 @@ KEY_COST = 32.0
 """The refining pass's score of one token of K/V traffic, in attention scores (Note [placed layout])."""
 TOKEN_SLACK = 1.05
 """The most tokens a rank holds (padding included) over the mean ``S/P``."""
-BALANCE_SLACK = 1.05
-"""The refining pass evens planned work to within this of the mean, then spends nothing more on it."""
 REFINE_ROUNDS = 200
 """The most chunk exchanges of the refining pass (Note [placed layout])."""
 
@@ -89,41 +87,54 @@ def _build(docs: list[tuple[int, int]], tok_work: torch.Tensor, p: int, c: int, 
            causal: bool) -> tuple[torch.Tensor, torch.Tensor, tuple[tuple[int, ...], ...], bool]:  # fmt: skip
     """One candidate for ``k`` chunks per rank: the order ``[S']`` (-1 padding), its position ids (padding
     restarts at every chunk), every rank's chunk ids, and whether a short document had to be cut."""
-    work = [float(tok_work[s : s + n].sum()) for s, n in docs]
+    total = torch.cat([tok_work.new_zeros(1), tok_work.cumsum(0)])
+    bounds = torch.tensor([[s, s + n] for s, n in docs])
+    work = (total[bounds[:, 1]] - total[bounds[:, 0]]).tolist()
     mean, share = sum(work) / p, k * c
     long = [d for d, (_, n) in enumerate(docs) if n > share or work[d] > mean * WORK_SLACK]
     flat = [not causal or (flat_window is not None and docs[d][1] > 2 * flat_window) for d in long]
-    owner, count, load = split_long(docs, long, tok_work, c, k, p, mean, flat)
-    zone = sum(docs[d][1] for d in long)
-    first = owner[-1] if owner else 0  # the long zone's last (partial) chunk opens this rank's home run
-    homes = [first, *sorted((r for r in range(p) if r != first), key=lambda r: (load[r], r))]
-    caps = [(k - count[r]) * c for r in homes]
-    caps[0] += len(owner) * c - zone
     short = [d for d in range(len(docs)) if d not in set(long)]
-    pieces = fill_homes([docs[d][1] for d in short], [work[d] for d in short], caps, [load[r] for r in homes],
-                        mean, p * share - tok_work.shape[0])  # fmt: skip
-    order = [torch.arange(docs[d][0], docs[d][0] + docs[d][1]) for d in long]
-    places = [torch.arange(docs[d][1]) for d in long]
-    at = zone
-    for j, offset, n in pieces:  # (short document or -1 for padding, first token, tokens)
-        if j >= 0:
-            order.append(torch.arange(docs[short[j]][0] + offset, docs[short[j]][0] + offset + n))
-            places.append(torch.arange(offset, offset + n))
-        else:  # padding: its own documents, one per chunk it touches
-            index = torch.arange(at, at + n)
-            order.append(torch.full((n,), -1))
-            places.append(index - torch.clamp(index // c * c, min=at))
-        at += n
+    lengths, works = [docs[d][1] for d in short], [work[d] for d in short]
+    cheap = fill_costs(lengths, works, p * share - tok_work.shape[0])
+    best = None
+    for target in FILL_TARGETS:  # a smaller share of the long documents per rank when whole ones cannot even it
+        owner, count, load = split_long(docs, long, work, tok_work, c, k, p, flat, cheap, target)
+        first = owner[-1] if owner else 0  # the long zone's last (partial) chunk opens this rank's home run
+        homes = [first, *sorted((r for r in range(p) if r != first), key=lambda r: (load[r], r))]
+        caps = [(k - count[r]) * c for r in homes]
+        caps[0] += len(owner) * c - sum(docs[d][1] for d in long)
+        home, top = assign_homes(lengths, works, caps, [load[r] for r in homes], mean)
+        even = top <= BALANCE_SLACK
+        key = (not even, home.count(-1) if even else 0, top if not even else 0.0)
+        if best is None or key < best[0]:
+            best = (key, owner, count, homes, caps, home)
+        if not long or key == (False, 0, 0.0):
+            break
+    _, owner, count, homes, caps, home = best
+    zone = sum(docs[d][1] for d in long)
+    pieces = fill_homes(lengths, caps, home, p * share - tok_work.shape[0])
+    # segments of the placed row: (first source token or -1 for padding, tokens, position id of the first)
+    segments = [(docs[d][0], docs[d][1], 0) for d in long]
+    segments += [(docs[short[j]][0] + offset if j >= 0 else -1, n, offset) for j, offset, n in pieces]
+    first, size, offset = (torch.tensor(x, dtype=torch.long) for x in zip(*segments))
+    head = torch.cumsum(size, 0) - size  # where each segment starts in the placed row
+    step = torch.arange(int(size.sum())) - head.repeat_interleave(size)  # index inside its segment
+    pad = (first < 0).repeat_interleave(size)
+    order = torch.where(pad, -1, first.repeat_interleave(size) + step)
+    index = torch.arange(order.shape[0])
+    # padding is its own document, restarting at every chunk it touches (Note [placed layout])
+    places = torch.where(pad, index - torch.maximum(index // c * c, head.repeat_interleave(size)),
+                         offset.repeat_interleave(size) + step)  # fmt: skip
     ids: list[list[int]] = [[] for _ in range(p)]
     for ch, r in enumerate(owner):
         ids[r].append(ch)
     at = len(owner)
     for r, cap in zip(homes, caps):
-        n = (cap - (len(owner) * c - zone if r == first else 0)) // c
+        n = (cap - (len(owner) * c - zone if r == homes[0] else 0)) // c
         ids[r] += range(at, at + n)
         at += n
     cut = any(j >= 0 and offset > 0 for j, offset, _ in pieces)
-    return torch.cat(order), torch.cat(places), tuple(tuple(x) for x in ids), cut
+    return order, places, tuple(tuple(x) for x in ids), cut
 
 
 def _work_models(positions: torch.Tensor, mask: SequenceMask, c: int, causal: bool, window: int | None,

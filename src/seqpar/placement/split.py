@@ -9,11 +9,12 @@ import math
 
 import torch
 
-__all__ = ["FILL_TARGET", "WORK_SLACK", "fill_costs", "split_long"]
+__all__ = ["FILL_TARGETS", "WORK_SLACK", "fill_costs", "split_long"]
 
-FILL_TARGET = 1.02
+FILL_TARGETS = (1.02, 0.96, 0.9)
 """A rank takes a document's chunks from its end while its work, with its free tokens filled as cheaply as the
-rest of the row allows, stays within this of the mean (the refining pass then evens it to 1.05)."""
+rest of the row allows, stays within this of the mean; the solver tries them in turn while whole short
+documents cannot even the ranks (the refining pass then evens the work to 1.05)."""
 WORK_SLACK = 1.05
 """A document with more work than this times a rank's mean work is split."""
 
@@ -59,10 +60,10 @@ def fill_costs(lengths: list[int], work: list[float], padding: int) -> torch.Ten
     Returns:
         float64 ``[padding + sum(lengths) + 1]``, cumulative (a document's work spread over its tokens).
     """
-    order = sorted(range(len(lengths)), key=lambda j: (work[j] / max(lengths[j], 1), j))
-    parts = [torch.zeros(padding + 1, dtype=torch.float64)]
-    parts += [torch.full((lengths[j],), work[j] / lengths[j], dtype=torch.float64) for j in order if lengths[j]]
-    return torch.cat(parts).cumsum(0)
+    order = sorted((j for j in range(len(lengths)) if lengths[j]), key=lambda j: (work[j] / lengths[j], j))
+    density = torch.tensor([0.0] + [work[j] / lengths[j] for j in order], dtype=torch.float64)
+    counts = torch.tensor([padding + 1] + [lengths[j] for j in order])
+    return density.repeat_interleave(counts).cumsum(0)
 
 
 def _from_end(zone: _Zone, chunks: list[int], budget: float) -> None:
@@ -105,8 +106,8 @@ def _runs(zone: _Zone, chunks: list[int], m: int, paired: bool = True) -> None:
 
 
 def split_long(
-    docs: list[tuple[int, int]], long: list[int], tok_work: torch.Tensor, c: int, k: int, p: int, mean: float,
-    flat: list[bool],
+    docs: list[tuple[int, int]], long: list[int], work: list[float], tok_work: torch.Tensor, c: int, k: int,
+    p: int, flat: list[bool], cheap: torch.Tensor, target: float = FILL_TARGETS[0],
 ) -> tuple[list[int], list[int], list[float]]:  # fmt: skip
     """Owners of the long zone's chunks, and each rank's chunk count and work in it (Note [placed layout]).
 
@@ -118,31 +119,30 @@ def split_long(
     Args:
         docs: (start, length) of every document of the row.
         long: the indices of the long documents, in the order they are laid out.
+        work: attention work of every document.
         tok_work: ``[S]`` attention work of each token of the row.
         c: tokens per chunk.
         k: chunks per rank.
         p: ranks.
-        mean: a rank's mean work (the row's work over ``p``).
         flat: per long document, whether its work per token is flat (bidirectional, or a short window).
+        cheap: ``fill_costs`` of the short documents and the padding.
+        target: the work a rank may reach, over the mean, when a document is cut from its end.
 
     Returns:
         The rank of each chunk of the long zone, and each rank's chunk count and work in it.
     """
+    mean = sum(work) / p
     lengths = [docs[d][1] for d in long]
     total = sum(lengths)
     n_chunks = math.ceil(total / c)
     zone = torch.cat([tok_work[docs[d][0] : docs[d][0] + docs[d][1]] for d in long]) if long else tok_work[:0]
     zone_work = torch.nn.functional.pad(zone, (0, n_chunks * c - total)).view(n_chunks, c).sum(1).tolist()
-    short = [d for d in range(len(docs)) if d not in set(long)]
-    works = [float(tok_work[docs[d][0] : docs[d][0] + docs[d][1]].sum()) for d in short]
-    cheap = fill_costs([docs[d][1] for d in short], works, p * k * c - tok_work.shape[0])
     state = _Zone(lengths, zone_work, c, k, p, cheap)
     for i, d in enumerate(long):
-        work = float(tok_work[docs[d][0] : docs[d][0] + docs[d][1]].sum())
-        m = max(1, math.ceil(docs[d][1] / (k * c)), math.ceil(work / (mean * WORK_SLACK)))
+        m = max(1, math.ceil(docs[d][1] / (k * c)), math.ceil(work[d] / (mean * WORK_SLACK)))
         if flat[i] or m <= 2:
             before = (list(state.owner), list(state.count), list(state.load), state.reserved)
-            _from_end(state, state.chunks(i), mean * FILL_TARGET)
+            _from_end(state, state.chunks(i), mean * target)
             if flat[i] and len({state.owner[ch] for ch in state.chunks(i)}) > m:  # more ranks than it needs
                 state.owner, state.count, state.load, state.reserved = before
                 _runs(state, state.chunks(i), m, paired=False)
