@@ -134,9 +134,9 @@ def summarize(records: list[dict]) -> list[dict]:
         records: the records ``main`` writes.
 
     Returns:
-        One dict per (ranks, kind): ``rows``, ``seq``, ``vs_zigzag`` / ``vs_balanced`` (geometric mean and max of
-        placed's largest-rank bytes over theirs), ``planned_worst``, ``tokens_worst``, ``no_kv`` and ``solve_ms``
-        (the median).
+        One dict per (ranks, kind): ``rows``, ``seq``, ``vs_zigzag`` / ``vs_balanced`` (geometric mean, median and
+        max of placed's largest-rank bytes over theirs), ``planned_worst`` (and ``zigzag_planned_worst``),
+        ``tokens_worst``, ``no_kv`` (rows) and ``solve_ms`` (the median).
     """
     groups: dict[tuple[int, str], list[dict]] = {}
     for r in records:
@@ -146,7 +146,7 @@ def summarize(records: list[dict]) -> list[dict]:
         ratio = {o: [r["needed_bytes_max"]["placed"] / r["needed_bytes_max"][o] for r in rs] for o in LAYOUTS[:2]}
         out.append({
             "ranks": ranks, "kind": kind, "seq": rs[0]["seq"], "rows": len(rs),
-            **{f"vs_{o}": (_geomean(ratio[o]), max(ratio[o])) for o in ratio},
+            **{f"vs_{o}": (_geomean(ratio[o]), statistics.median(ratio[o]), max(ratio[o])) for o in ratio},
             "planned_worst": max(r["planned_max_over_mean"]["placed"] for r in rs),
             "zigzag_planned_worst": max(r["planned_max_over_mean"]["zigzag"] for r in rs),
             "tokens_worst": max(r["tokens_max_over_mean"] for r in rs),
@@ -157,14 +157,14 @@ def summarize(records: list[dict]) -> list[dict]:
 
 
 def _print(records: list[dict]) -> None:
-    print("\nplaced layout over seeded rows, ring, largest rank's needed bytes; geometric mean (max) over rows")
-    print("| P | seq | rows | kind | placed / zigzag | placed / balanced | placed planned max/mean, worst (zigzag) "
-          "| tokens max/mean, worst | no K/V | solve ms (median) |")  # fmt: skip
+    print("\nplaced layout over seeded rows, ring: largest rank's needed bytes over zigzag's and balanced's")
+    print("| P | seq | rows | kind | placed / zigzag: geo mean / median / max | placed / balanced: same | placed "
+          "planned max/mean, worst (zigzag) | tokens max/mean, worst | no K/V | solve ms (median) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
     for s in summarize(records):
-        (zg, zm), (bg, bm) = s["vs_zigzag"], s["vs_balanced"]
+        z, b = ("{:.2f} / {:.2f} / {:.2f}".format(*s[f"vs_{o}"]) for o in ("zigzag", "balanced"))
         print(
-            f"| {s['ranks']} | {s['seq']} | {s['rows']} | {s['kind']} | {zg:.2f} ({zm:.2f}) | {bg:.2f} ({bm:.2f}) | "
+            f"| {s['ranks']} | {s['seq']} | {s['rows']} | {s['kind']} | {z} | {b} | "
             f"{s['planned_worst']:.3f} ({s['zigzag_planned_worst']:.3f}) | {s['tokens_worst']:.3f} | "
             f"{s['no_kv']}/{s['rows']} | {s['solve_ms']:.0f} |"
         )
