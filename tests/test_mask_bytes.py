@@ -133,6 +133,7 @@ def test_bench_masks_writes_one_record_per_case(tmp_path, capsys):
 def test_bench_placement_writes_one_record_per_row_with_the_layouts_needs(tmp_path, capsys):
     from seqpar.bench.masks_bytes import needed_bytes as layout_needed_bytes
     from seqpar.bench.placement import KINDS, kind_row, main
+    from seqpar.checks import SIGNATURE_LENGTH
     from seqpar.strategies.masking import SequenceMask
 
     out = tmp_path / "placement.json"
@@ -141,6 +142,7 @@ def test_bench_placement_writes_one_record_per_row_with_the_layouts_needs(tmp_pa
     assert [(r["ranks"], r["kind"], r["seed"]) for r in records] == [(p, k, 0) for p in (2, 3) for k in KINDS]
     assert {r["ranks"]: r["seq"] for r in records} == {2: 1024, 3: 1008}  # 1024 rounded down to 16 chunks x 3
     table = capsys.readouterr().out
+    check = {p: (p - 1) * SIGNATURE_LENGTH * 8 for p in (2, 3)}  # the input check: all a row of whole documents sends
     for r in records:
         assert r["command"] == f"seqpar bench placement --ranks 2 3 --seq 1024 --seeds 1 --json {out}" and r["measured"]
         ids = kind_row(r["kind"], r["seq"], r["ranks"], r["seed"])
@@ -153,7 +155,13 @@ def test_bench_placement_writes_one_record_per_row_with_the_layouts_needs(tmp_pa
             assert r["needed_bytes_max"][name] == max(need), (r["kind"], name)
             planned = seqpar.layout_balance(ids, layout, r["ranks"]).planned_max_over_mean
             assert r["planned_max_over_mean"][name] == planned
+        placed = seqpar.placed_layout(ids, r["ranks"])  # deterministic: the bench's own placement of the row
+        row = placed.position_ids[0]
+        mask = SequenceMask((torch.arange(len(row)) - row)[None], None, int(row.max()))
+        need = [
+            layout_needed_bytes("ring", {**cfg, "seq": len(row)}, mask, placed.layout, k) for k in range(r["ranks"])
+        ]
+        assert r["needed_bytes_max"]["placed"] == max(need) and r["placed_no_kv"] == (max(need) == check[r["ranks"]])
         assert set(r["needed_bytes_max"]) == set(r["planned_max_over_mean"]) == {"zigzag", "balanced", "placed"}
         assert 1.0 <= r["tokens_max_over_mean"] <= 1.05 and r["placed_solve_s"] > 0
-        assert r["placed_no_kv"] == (r["kind"] == "short"), r  # only a row of short documents moves no K/V
         assert f"| {r['ranks']} | {r['seq']} | 1 | {r['kind']} |" in table
