@@ -16,7 +16,7 @@ fp32) and the planned work of the slowest rank over the mean (``seqpar.layout_ba
 row's tokens per rank, padding included, over S/P and the solver's seconds (one torch thread). A P whose
 layouts do not divide ``--seq`` (the balanced solver tries up to 16 chunks per rank) runs on the longest row
 they divide: 8160 tokens at P = 3; ``seq`` in each record is the length used. It prints, per (P, kind), the
-geometric mean and the largest of placed / zigzag and placed / balanced (largest rank's bytes), the worst
+geometric mean, median and largest of placed / zigzag and placed / balanced (largest rank's bytes), the worst
 planned balance, the worst tokens ratio, the rows whose placed layout moves no K/V at all, and the median
 solve time. Results are not checked here; tests/test_placement.py checks the solver.
 """
