@@ -24,6 +24,7 @@ def _sibling(name: str):
 
 
 tables = _sibling("record_tables")
+placement = _sibling("record_placement")
 RecordError = tables.RecordError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -145,6 +146,12 @@ def masks_bytes_table(records: list[dict]) -> str:
     return tables.with_runs("masks_cpu", ring, header, cells)
 
 
+def placement_table(records: list[dict]) -> str:
+    """The ``seqpar bench placement`` table: per P and row kind, placed against zigzag and balanced over the rows."""
+    header, cells, firsts = placement.placement_cells(records)
+    return tables.with_runs("placement_cpu", firsts, header, cells)
+
+
 def rl_memory_table(records: list[dict]) -> str:
     """The ``seqpar bench rl_memory`` table: a DPO / GRPO step's peak growth per rank, its share of sp 1's, estimate."""
     low_sp = min(r["sp"] for r in records)
@@ -230,6 +237,7 @@ def headline_table(records_dir: pathlib.Path = RECORDS) -> str:
 TABLES = {
     "masks": lambda d: masks_table(load("masks_cpu", d)),
     "masks_bytes": lambda d: masks_bytes_table(load("masks_cpu", d)),
+    "placement": lambda d: placement_table(load("placement_cpu", d)),
     "rl_memory": lambda d: rl_memory_table(load("rl_memory_cpu", d)),
     "maxlen": lambda d: maxlen_table(load("maxlen_cpu", d)),
     "headline": headline_table,

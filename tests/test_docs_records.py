@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import pathlib
 import shutil
+import statistics
 import types
 
 import pytest
@@ -155,7 +157,7 @@ def test_the_docs_use_the_hook_and_the_placeholders():
     benchmarks = (ROOT / "docs" / "benchmarks.md").read_text()
     assert "<!-- records: masks -->" in benchmarks and "<!-- records: maxlen -->" in benchmarks
     pages = {
-        "benchmarks.md": ("attention", "strategies", "llama_step"),
+        "benchmarks.md": ("attention", "strategies", "llama_step", "masks_bytes", "placement"),
         "guides/memory.md": ("features",),
         "guides/hf.md": ("hf_trainer",),
         "guides/context-parallel.md": ("context_parallel_overhead", "context_parallel_memory"),
@@ -231,3 +233,42 @@ def test_a_changed_measurement_changes_its_table(tmp_path):
     assert " | NO | " in page
     headline = records.headline_table(target)
     assert "| 0.11-" in headline and "within 100.00%" in headline and "| 1.700x |" in headline
+
+
+def _placement_cells(table: str, ranks: int, kind: str) -> list[str]:
+    """The placement table's cells on the line of (P, row kind), the kind named as the table names it."""
+    name = records.placement.KIND_NAMES[kind]
+    found = [line for line in table.splitlines() if line.startswith(f"| {ranks} |") and f"| {name} |" in line]
+    assert len(found) == 1, (ranks, kind, found)
+    return [c.strip() for c in found[0].split("|")[1:-1]]
+
+
+def test_placement_table_summarises_the_rows_of_each_p_and_kind(tmp_path):
+    rows = records.load("placement_cpu")
+    page = records.expand("<!-- records: placement -->")
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["ranks"], r["kind"]), []).append(r)
+    assert len([line for line in page.splitlines() if line.startswith("| ") and line[2].isdigit()]) == len(groups)
+    for (ranks, kind), rs in groups.items():  # worked out here from the rows, as the column headers say
+        cells = _placement_cells(page, ranks, kind)
+        ratios = sorted(r["needed_bytes_max"]["placed"] / r["needed_bytes_max"]["zigzag"] for r in rs)
+        geo = math.prod(ratios) ** (1 / len(ratios))
+        assert cells[:3] == [str(ranks), str(rs[0]["seq"]), str(len(rs))]
+        assert cells[4] == f"{geo:.2f} / {statistics.median(ratios):.2f} / {ratios[-1]:.2f}"
+        assert cells[8] == f"{sum(r['placed_no_kv'] for r in rs)}/{len(rs)}"
+        assert cells[6].startswith(f"{max(r['planned_max_over_mean']['placed'] for r in rs):.3f} (")
+    assert f"Generated from `benchmarks/placement_cpu.json`: `{rows[0]['command']}`, measured" in page
+    target = _copy_records(tmp_path)  # one row's placed bytes at 3x balanced's, moving no K/V elsewhere
+    first = rows[0]
+
+    def worse(rs):
+        rs[0]["needed_bytes_max"]["placed"] = 3 * rs[0]["needed_bytes_max"]["balanced"]
+        rs[0]["tokens_max_over_mean"] = 1.25
+
+    _edit(target / "placement_cpu.json", worse)
+    cells = _placement_cells(records.expand("<!-- records: placement -->", target), first["ranks"], first["kind"])
+    assert cells[5].endswith(" / 3.00") and cells[7] == "1.250"
+    (target / "placement_cpu.json").unlink()
+    with pytest.raises(records.RecordError, match=r"benchmarks/placement_cpu\.json is missing"):
+        records.expand("<!-- records: placement -->", target)

@@ -199,3 +199,41 @@ def test_auto_strategy_weighs_ring_bytes_against_ulysses():
     assert auto(docs, ulysses=ULYSSES) == "hybrid" and auto(docs, heads=3, kv_heads=3) == "ring"  # static rule
     assert auto(docs, strategy="ulysses") == "ulysses" and auto(docs, strategy="allgather") == "allgather"
     assert any(key[0] == "auto strategy" for key in docs.plans) and any(key[0] == "kv_needs" for key in docs.plans)
+
+
+
+def test_bench_placement_writes_one_record_per_row_with_the_layouts_needs(tmp_path, capsys):
+    from seqpar.bench.masks_bytes import needed_bytes as layout_needed_bytes
+    from seqpar.bench.placement import KINDS, kind_row, main
+    from seqpar.checks import SIGNATURE_LENGTH
+    from seqpar.strategies.masking import SequenceMask
+
+    out = tmp_path / "placement.json"
+    assert main(["--ranks", "2", "3", "--seq", "1024", "--seeds", "1", "--json", str(out)]) == 0
+    records = json.loads(out.read_text())
+    assert [(r["ranks"], r["kind"], r["seed"]) for r in records] == [(p, k, 0) for p in (2, 3) for k in KINDS]
+    assert {r["ranks"]: r["seq"] for r in records} == {2: 1024, 3: 1008}  # 1024 rounded down to 16 chunks x 3
+    table = capsys.readouterr().out
+    check = {p: (p - 1) * SIGNATURE_LENGTH * 8 for p in (2, 3)}  # the input check: all a row of whole documents sends
+    for r in records:
+        assert r["command"] == f"seqpar bench placement --ranks 2 3 --seq 1024 --seeds 1 --json {out}" and r["measured"]
+        ids = kind_row(r["kind"], r["seq"], r["ranks"], r["seed"])
+        assert r["documents"] == int((ids == 0).sum()) >= 1
+        # the bytes recomputed here for the row as the record names it, under the layout each solver gives
+        cfg = {"ranks": r["ranks"], "ulysses": 1, "seq": r["seq"], "heads": 8, "kv_heads": 2, "head_dim": 64}
+        mask = SequenceMask((torch.arange(r["seq"]) - ids)[None], None, int(ids.max()))
+        for name, layout in (("zigzag", "zigzag"), ("balanced", seqpar.balanced_layout(ids, r["ranks"]))):
+            need = [layout_needed_bytes("ring", cfg, mask, layout, rank) for rank in range(r["ranks"])]
+            assert r["needed_bytes_max"][name] == max(need), (r["kind"], name)
+            planned = seqpar.layout_balance(ids, layout, r["ranks"]).planned_max_over_mean
+            assert r["planned_max_over_mean"][name] == planned
+        placed = seqpar.placed_layout(ids, r["ranks"])  # deterministic: the bench's own placement of the row
+        row = placed.position_ids[0]
+        mask = SequenceMask((torch.arange(len(row)) - row)[None], None, int(row.max()))
+        need = [
+            layout_needed_bytes("ring", {**cfg, "seq": len(row)}, mask, placed.layout, k) for k in range(r["ranks"])
+        ]
+        assert r["needed_bytes_max"]["placed"] == max(need) and r["placed_no_kv"] == (max(need) == check[r["ranks"]])
+        assert set(r["needed_bytes_max"]) == set(r["planned_max_over_mean"]) == {"zigzag", "balanced", "placed"}
+        assert 1.0 <= r["tokens_max_over_mean"] <= 1.05 and r["placed_solve_s"] > 0
+        assert f"| {r['ranks']} | {r['seq']} | 1 | {r['kind']} |" in table

@@ -13,6 +13,7 @@ BENCHMARKS = (
     "attention",
     "strategies",
     "masks",
+    "placement",
     "llama_step",
     "cuda",
     "context_parallel",

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -43,6 +42,7 @@ import seqpar
 from seqpar.bench import provenance
 from seqpar.bench.kernel_time import TimedKernel
 from seqpar.bench.masks_bytes import needed_bytes, visible_fraction
+from seqpar.bench.rows import log_normal_documents, rl_groups, short_documents, uneven_documents
 from seqpar.placement import resolve_auto_layout
 from seqpar.runtime.memory import written_bytes
 from seqpar.runtime.spawn import spawn_ranks
@@ -50,70 +50,14 @@ from seqpar.runtime.spawn import spawn_ranks
 __all__ = ["log_normal_documents", "main"]
 
 
-def _documents(seq: int, docs: int) -> torch.Tensor:
-    """``[S]`` position ids of ``docs`` documents of uneven (seeded random) lengths filling ``seq`` tokens."""
-    cuts = torch.randperm(seq - 1, generator=torch.Generator().manual_seed(docs))[: docs - 1] + 1
-    bounds = [0, *sorted(cuts.tolist()), seq]
-    return torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])])
-
-
-def log_normal_documents(seq: int, seed: int, median: int = 2000, sigma: float = 1.5) -> torch.Tensor:
-    """``[S]`` position ids of documents with log-normal lengths (clipped to 100..64K tokens) filling ``seq``.
-
-    Args:
-        seq: tokens in the row (the last document is cut to fit).
-        seed: the generator seed.
-        median: median document length.
-        sigma: standard deviation of the log length.
-
-    Returns:
-        Position ids restarting at 0 at every document.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    pieces, used = [], 0
-    while used < seq:
-        n = int(min(65536, max(100, math.exp(math.log(median) + sigma * torch.randn(1, generator=gen).item()))))
-        n = min(n, seq - used)
-        pieces.append(torch.arange(n))
-        used += n
-    return torch.cat(pieces)
-
-
-def rl_groups(seq: int, seed: int, group: int = 8) -> torch.Tensor:
-    """``[S]`` position ids of RL-like rows: groups of ``group`` completions of one prompt, each prompt + completion.
-
-    Prompts are 100-600 tokens; a group's completions share a log-normal length (median S/32) within 20%.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    pieces, used = [], 0
-    while used < seq:
-        prompt = int(torch.randint(100, 600, (1,), generator=gen))
-        typical = math.exp(math.log(seq / 32) + 0.5 * torch.randn(1, generator=gen).item())
-        for _ in range(group):
-            n = min(int(prompt + typical * (0.8 + 0.4 * torch.rand(1, generator=gen).item())), seq - used)
-            if n > 0:
-                pieces.append(torch.arange(n))
-                used += n
-    return torch.cat(pieces)
-
-
-def _short_documents(seq: int, ranks: int, seed: int) -> torch.Tensor:
-    """``[S]`` position ids of log-normal documents (median S/32) all shorter than S/(2P)."""
-    ids = log_normal_documents(seq, seed, max(100, seq // 32))
-    starts = [*(ids == 0).nonzero().flatten().tolist(), seq]
-    cap = seq // (2 * ranks) - 1
-    lengths = [n for a, b in zip(starts, starts[1:]) for n in [cap] * ((b - a) // cap) + [(b - a) % cap] if n]
-    return torch.cat([torch.arange(n) for n in lengths])
-
-
 def _cases(args: argparse.Namespace) -> dict[str, tuple]:
     """Mask name -> (global position ids or None, window, block size)."""
     return {
         "causal": (None, None, None),
-        f"{args.docs} documents": (_documents(args.seq, args.docs), None, None),
+        f"{args.docs} documents": (uneven_documents(args.seq, args.docs), None, None),
         "log-normal documents": (log_normal_documents(args.seq, args.seed, args.median), None, None),
         "RL groups": (rl_groups(args.seq, args.seed), None, None),
-        "short documents": (_short_documents(args.seq, args.ranks, args.seed), None, None),
+        "short documents": (short_documents(args.seq, args.ranks, args.seed), None, None),
         f"window {args.window}": (None, args.window, None),
         f"frames {args.frame}": (None, None, args.frame),
     }

@@ -6,8 +6,8 @@ seqpar demo                                    # every attention strategy on 2 C
 seqpar estimate --seq-len 65536 --sp 4         # predicted per-rank memory of a training step
 seqpar plan --model llama-8b --seq-len 1M --gpus 64   # which degrees, strategy and memory features
 seqpar doctor --model ./my-llama --sp 2        # does a sharded step differ from one process, and why
-seqpar bench attention                         # benchmarks: attention, strategies, masks, llama_step, cuda,
-                                               # context_parallel
+seqpar bench attention                         # benchmarks: attention, strategies, masks, placement, llama_step,
+                                               # cuda, context_parallel
 """
 
 from __future__ import annotations
