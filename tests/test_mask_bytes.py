@@ -201,7 +201,6 @@ def test_auto_strategy_weighs_ring_bytes_against_ulysses():
     assert any(key[0] == "auto strategy" for key in docs.plans) and any(key[0] == "kv_needs" for key in docs.plans)
 
 
-
 def test_bench_placement_writes_one_record_per_row_with_the_layouts_needs(tmp_path, capsys):
     from seqpar.bench.masks_bytes import needed_bytes as layout_needed_bytes
     from seqpar.bench.placement import KINDS, kind_row, main
