@@ -51,12 +51,12 @@ Note [placed layout]
     the best is taken when the top rank falls and no rank rises to it. Evening the work comes first
     (that is the balance target), then traffic: a cut is made only where the work needs it, and a batch
     already within 1.05 is left as it is.
-    Candidates: the construction above estimates each token's work before the row is cut into tiles,
-    either as the keys it sees or as the keys of the tiles it computes (its position rounded up to the
-    tile, plus a masked edge tile); each estimate is built with ``k`` and with ``k + 1`` chunks per rank
-    (more padding, more room to keep documents whole), and each candidate is refined. The one taken is
-    within the balance target, then has the least traffic on its busiest rank, then the least work on
-    it (ties: fewer chunks). A candidate with no traffic at all ends the search.
+    Candidates: the row is built and refined twice, with ``k`` and with ``k + 1`` chunks per rank (more
+    padding, more room to keep documents whole), and the refined candidate taken is within the balance
+    target, then has the least traffic on its busiest rank, then the least work on it (ties: fewer chunks).
+    A candidate with no traffic at all ends the search. While the whole short documents cannot even the
+    home runs, the tail's share of a long document is lowered (1.02, then 0.96, then 0.90 of the mean)
+    before the refining pass has to cut documents.
     Bytes: a document holding most of the row's work must be spread over every rank to even the work,
     and its keys then travel whatever the placement. Lower bound: the rank that holds a causal document's
     last token returns the key gradients of every earlier token of it that it does not hold, and holds at

@@ -11,9 +11,7 @@ BALANCE_SLACK = 1.05
 """The work, over a rank's mean, that a home assignment may reach and still count as even."""
 
 
-def fill_homes(
-    lengths: list[int], caps: list[int], home: list[int], pad_budget: int
-) -> list[tuple[int, int, int]]:
+def fill_homes(lengths: list[int], caps: list[int], home: list[int], pad_budget: int) -> list[tuple[int, int, int]]:
     """Lay short documents into consecutive home runs (Note [placed layout]).
 
     Args:

@@ -18,7 +18,6 @@ from seqpar.placement.home import BALANCE_SLACK, assign_homes, fill_homes
 from seqpar.placement.refine import Refiner
 from seqpar.placement.split import FILL_TARGETS, WORK_SLACK, fill_costs, split_long
 from seqpar.strategies.masking import SequenceMask, sequence_mask
-from seqpar.strategies.planner import tile_size
 
 __all__ = ["KEY_COST", "TOKEN_SLACK", "Placement", "placed_layout"]
 
@@ -118,13 +117,13 @@ def _build(docs: list[tuple[int, int]], tok_work: torch.Tensor, p: int, c: int, 
     segments += [(docs[short[j]][0] + offset if j >= 0 else -1, n, offset) for j, offset, n in pieces]
     first, size, offset = (torch.tensor(x, dtype=torch.long) for x in zip(*segments))
     head = torch.cumsum(size, 0) - size  # where each segment starts in the placed row
-    step = torch.arange(int(size.sum())) - head.repeat_interleave(size)  # index inside its segment
-    pad = (first < 0).repeat_interleave(size)
-    order = torch.where(pad, -1, first.repeat_interleave(size) + step)
-    index = torch.arange(order.shape[0])
-    # padding is its own document, restarting at every chunk it touches (Note [placed layout])
-    places = torch.where(pad, index - torch.maximum(index // c * c, head.repeat_interleave(size)),
-                         offset.repeat_interleave(size) + step)  # fmt: skip
+    index = torch.arange(int(size.sum()))
+    seg = torch.repeat_interleave(torch.arange(len(segments)), size)  # each token's segment
+    pad = (first < 0)[seg]
+    order = torch.where(pad, -1, (first - head)[seg] + index)
+    places = (offset - head)[seg] + index
+    at = pad.nonzero().flatten()  # padding is its own document, restarting at every chunk it touches
+    places[at] = at - torch.maximum(at // c * c, head[seg[at]])
     ids: list[list[int]] = [[] for _ in range(p)]
     for ch, r in enumerate(owner):
         ids[r].append(ch)
@@ -137,17 +136,12 @@ def _build(docs: list[tuple[int, int]], tok_work: torch.Tensor, p: int, c: int, 
     return order, places, tuple(tuple(x) for x in ids), cut
 
 
-def _work_models(positions: torch.Tensor, mask: SequenceMask, c: int, causal: bool, window: int | None,
-                 tile_costs: Sequence[float]) -> list[torch.Tensor]:  # fmt: skip
-    """``[S]`` work of each token under the models the solver tries (Note [placed layout]): causal, the keys it
-    sees, and the keys of the tiles it computes (its position rounded up to tiles, plus a masked edge tile)."""
+def _token_work(positions: torch.Tensor, mask: SequenceMask, causal: bool, window: int | None) -> torch.Tensor:
+    """``[S]`` attention work of each token: the keys it sees (causal: its position, up to the window)."""
     seq_len = positions.shape[-1]
     if not causal:
-        return [visible_area(mask, seq_len, causal)[:seq_len] / positions.shape[0]]
-    tile = tile_size(c, SequenceMask(None, window, seq_len))
-    keys = (positions[0] + 1).clamp(max=window or seq_len).double()
-    tiles = (tile * (positions[0] // tile + 1)).clamp(max=(window or seq_len) + tile).double()
-    return [keys, tiles + (tile_costs[2] - 1.0) * tile]
+        return visible_area(mask, seq_len, causal)[:seq_len] / positions.shape[0]
+    return (positions[0] + 1).clamp(max=window or seq_len).double()
 
 
 def placed_layout(
@@ -196,25 +190,19 @@ def placed_layout(
     k_min = math.ceil(seq_len / (world_size * c))
     docs = _documents(positions[0])
     options = [k_min] + ([k_min + 1] if (k_min + 1) * c * world_size <= TOKEN_SLACK * seq_len else [])
-    best, seen = None, []
-    for tok_work in _work_models(positions, mask, c, causal, window, tile_costs):
-        for k in options:
-            order, placed, ids, _ = _build(docs, tok_work, world_size, c, k, window, causal)
-            if any(ids == other and torch.equal(order, done) for done, other in seen):
-                continue  # the other work model built the same row: its refining pass would end the same
-            seen.append((order, ids))
-            owner = [0] * (len(order) // c)
-            for r, own in enumerate(ids):
-                for g in own:
-                    owner[g] = r
-            refiner = Refiner(placed, c, owner, causal, window, key_cost, tile_costs, BALANCE_SLACK)
-            owner = refiner.run(REFINE_ROUNDS)
-            key = (max(refiner.load) > refiner.cap * (1 + 1e-9), max(refiner.traffic), max(refiner.load), k)
-            if best is None or key < best[0]:
-                best = (key, order, placed, owner)
-            if key[:2] == (False, 0.0):  # even and silent: no candidate can do better on traffic
-                break
-        if best[0][:2] == (False, 0.0):
+    best, tok_work = None, _token_work(positions, mask, causal, window)
+    for k in options:  # each refined; more padding can keep more documents whole
+        order, placed, ids, _ = _build(docs, tok_work, world_size, c, k, window, causal)
+        owner = [0] * (len(order) // c)
+        for r, own in enumerate(ids):
+            for g in own:
+                owner[g] = r
+        refiner = Refiner(placed, c, owner, causal, window, key_cost, tile_costs, BALANCE_SLACK)
+        owner = refiner.run(REFINE_ROUNDS)
+        key = (max(refiner.load) > refiner.cap * (1 + 1e-9), max(refiner.traffic), max(refiner.load), k)
+        if best is None or key < best[0]:
+            best = (key, order, placed, owner)
+        if key[:2] == (False, 0.0):  # even and silent: no candidate can do better on traffic
             break
     _, order, placed, owner = best
     ids = tuple(tuple(g for g, r in enumerate(owner) if r == rank) for rank in range(world_size))
