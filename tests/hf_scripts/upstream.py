@@ -24,7 +24,7 @@ import sys
 import datasets
 import transformers
 
-from tests.hf_scripts.common import documents, model, save, tokenizer
+from tests.hf_scripts.common import RUN_FIELDS, documents, model, save, tokenizer
 
 # name: (example, per-replica batch, dp)
 UPSTREAM = {
@@ -51,19 +51,8 @@ TRL_DOCUMENTS, TRAINER_DOCUMENTS = 150, 75
 
 def _filled_in(out: str, batch: int) -> dict:
     """What the documented examples leave to the reader, the same for the reference and for seqpar."""
-    return dict(
-        output_dir=out,
-        per_device_train_batch_size=batch,
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        disable_tqdm=True,
-        save_strategy="no",
-        logging_steps=1,
-        optim="sgd",
-        learning_rate=0.1,
-        seed=0,
-    )
+    shared = {k: v for k, v in RUN_FIELDS.items() if k != "lr_scheduler_type"}  # the examples' schedule stays
+    return dict(output_dir=out, per_device_train_batch_size=batch, learning_rate=0.1, **shared)
 
 
 def trl_packing(SFTTrainer, out: str, batch: int) -> dict:

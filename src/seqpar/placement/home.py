@@ -11,14 +11,13 @@ BALANCE_SLACK = 1.05
 """The work, over a rank's mean, that a home assignment may reach and still count as even."""
 
 
-def fill_homes(lengths: list[int], caps: list[int], home: list[int], pad_budget: int) -> list[tuple[int, int, int]]:
+def fill_homes(lengths: list[int], caps: list[int], home: list[int]) -> list[tuple[int, int, int]]:
     """Lay short documents into consecutive home runs (Note [placed layout]).
 
     Args:
         lengths: tokens of each short document.
-        caps: tokens of each home run, in row order (they sum to the documents' tokens plus ``pad_budget``).
+        caps: tokens of each home run, in row order (they sum to the documents' tokens plus the padding).
         home: each document's home run from ``assign_homes`` (-1: cut into a gap).
-        pad_budget: padding tokens to place in all (the caps hold them).
 
     Returns:
         The home zone in row order as ``(document, first token, tokens)`` pieces; document -1 is padding.

@@ -83,16 +83,16 @@ def _documents(row: torch.Tensor) -> list[tuple[int, int]]:
 
 
 def _build(docs: list[tuple[int, int]], tok_work: torch.Tensor, p: int, c: int, k: int, flat_window: int | None,
-           causal: bool) -> tuple[torch.Tensor, torch.Tensor, tuple[tuple[int, ...], ...], bool]:  # fmt: skip
+           causal: bool) -> tuple[torch.Tensor, torch.Tensor, list[int]]:  # fmt: skip
     """One candidate for ``k`` chunks per rank: the order ``[S']`` (-1 padding), its position ids (padding
-    restarts at every chunk), every rank's chunk ids, and whether a short document had to be cut."""
+    restarts at every chunk), and the rank of every chunk."""
     total = torch.cat([tok_work.new_zeros(1), tok_work.cumsum(0)])
     bounds = torch.tensor([[s, s + n] for s, n in docs])
     work = (total[bounds[:, 1]] - total[bounds[:, 0]]).tolist()
     mean, share = sum(work) / p, k * c
     long = [d for d, (_, n) in enumerate(docs) if n > share or work[d] > mean * WORK_SLACK]
     flat = [not causal or (flat_window is not None and docs[d][1] > 2 * flat_window) for d in long]
-    short = [d for d in range(len(docs)) if d not in set(long)]
+    short = sorted(set(range(len(docs))) - set(long))
     lengths, works = [docs[d][1] for d in short], [work[d] for d in short]
     cheap = fill_costs(lengths, works, p * share - tok_work.shape[0])
     best = None
@@ -106,12 +106,12 @@ def _build(docs: list[tuple[int, int]], tok_work: torch.Tensor, p: int, c: int, 
         even = top <= BALANCE_SLACK
         key = (not even, home.count(-1) if even else 0, top if not even else 0.0)
         if best is None or key < best[0]:
-            best = (key, owner, count, homes, caps, home)
+            best = (key, owner, homes, caps, home)
         if not long or key == (False, 0, 0.0):
             break
-    _, owner, count, homes, caps, home = best
+    _, owner, homes, caps, home = best
     zone = sum(docs[d][1] for d in long)
-    pieces = fill_homes(lengths, caps, home, p * share - tok_work.shape[0])
+    pieces = fill_homes(lengths, caps, home)
     # segments of the placed row: (first source token or -1 for padding, tokens, position id of the first)
     segments = [(docs[d][0], docs[d][1], 0) for d in long]
     segments += [(docs[short[j]][0] + offset if j >= 0 else -1, n, offset) for j, offset, n in pieces]
@@ -124,16 +124,10 @@ def _build(docs: list[tuple[int, int]], tok_work: torch.Tensor, p: int, c: int, 
     places = (offset - head)[seg] + index
     at = pad.nonzero().flatten()  # padding is its own document, restarting at every chunk it touches
     places[at] = at - torch.maximum(at // c * c, head[seg[at]])
-    ids: list[list[int]] = [[] for _ in range(p)]
-    for ch, r in enumerate(owner):
-        ids[r].append(ch)
-    at = len(owner)
+    ranks = list(owner)  # the long zone's chunks, then every home run's, in row order
     for r, cap in zip(homes, caps):
-        n = (cap - (len(owner) * c - zone if r == homes[0] else 0)) // c
-        ids[r] += range(at, at + n)
-        at += n
-    cut = any(j >= 0 and offset > 0 for j, offset, _ in pieces)
-    return order, places, tuple(tuple(x) for x in ids), cut
+        ranks += [r] * ((cap - (len(owner) * c - zone if r == homes[0] else 0)) // c)
+    return order, places, ranks
 
 
 def _token_work(positions: torch.Tensor, mask: SequenceMask, causal: bool, window: int | None) -> torch.Tensor:
@@ -192,11 +186,7 @@ def placed_layout(
     options = [k_min] + ([k_min + 1] if (k_min + 1) * c * world_size <= TOKEN_SLACK * seq_len else [])
     best, tok_work = None, _token_work(positions, mask, causal, window)
     for k in options:  # each refined; more padding can keep more documents whole
-        order, placed, ids, _ = _build(docs, tok_work, world_size, c, k, window, causal)
-        owner = [0] * (len(order) // c)
-        for r, own in enumerate(ids):
-            for g in own:
-                owner[g] = r
+        order, placed, owner = _build(docs, tok_work, world_size, c, k, window, causal)
         refiner = Refiner(placed, c, owner, causal, window, key_cost, tile_costs, BALANCE_SLACK)
         owner = refiner.run(REFINE_ROUNDS)
         key = (max(refiner.load) > refiner.cap * (1 + 1e-9), max(refiner.traffic), max(refiner.load), k)

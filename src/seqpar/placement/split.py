@@ -36,12 +36,12 @@ class _Zone:
     def give(self, ch: int, r: int) -> None:
         self.owner[ch], self.count[r], self.load[r] = r, self.count[r] + 1, self.load[r] + self.work[ch]
 
-    def room(self, r: int, budget: float, taking: int = 1) -> float:
-        """Work rank ``r`` can still take in ``taking`` more chunks if its other free chunks are then filled with
-        the cheapest of the rest."""
+    def room(self, r: int, budget: float) -> float:
+        """Work rank ``r`` can still take in one more chunk if its other free chunks are then filled with the
+        cheapest of the rest."""
         top = len(self.cheap) - 1
         start = min(self.reserved, top)
-        free = max(self.k - self.count[r] - taking, 0)
+        free = max(self.k - self.count[r] - 1, 0)
         return budget - self.load[r] - (self.cheap[min(start + free, top)] - self.cheap[start])
 
     def close(self, r: int) -> None:
