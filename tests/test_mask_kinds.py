@@ -153,12 +153,13 @@ def test_block_ranges_are_checked_and_planned_from_corners():
         block_causal(0)
     spec = block_causal([(2, 5), (9, 12)])
     assert spec.starts(torch.arange(13)).tolist() == [0, 1, 2, 2, 2, 5, 6, 7, 8, 9, 9, 9, 12]
-    # equal blocks of two chunks: a query chunk sees its block-mate chunk after it, nothing further
-    chunks, chunk_len = 8, 16
+    # equal blocks of two chunks: one tile per block, and a query block sees itself and earlier blocks whole
+    chunks, chunk_len = 8, 128
     blocks = plan(range(chunks), range(chunks), chunk_len, False, SequenceMask(blocks=block_causal(2 * chunk_len)))
     assert all(b.mask is None and not b.causal for b in blocks)
-    seen = {(b.q.start // chunk_len, b.kv.start // chunk_len) for b in blocks}
-    assert seen == {(g, c) for g in range(chunks) for c in range(chunks) if c // 2 <= g // 2}
+    assert all(b.q.stop - b.q.start == b.kv.stop - b.kv.start == 2 * chunk_len for b in blocks)
+    seen = {(b.q.start // (2 * chunk_len), b.kv.start // (2 * chunk_len)) for b in blocks}
+    assert seen == {(g, c) for g in range(chunks // 2) for c in range(chunks // 2) if c <= g}
     # frames of half a chunk: tiles are cut to whole frames, so no tile needs a mask
     frames = plan(range(4), range(4), 256, False, SequenceMask(blocks=block_causal(128)))
     assert frames and all(b.mask is None for b in frames)

@@ -12,6 +12,8 @@ import torch
 
 import seqpar
 from seqpar.errors import SeqparInputError
+from seqpar.strategies.kv_needs import global_tokens
+from seqpar.strategies.mask_blocks import block_causal
 from seqpar.strategies.masking import SequenceMask
 from seqpar.strategies.planner import plan
 from tests._cases import check_mask_case, packed_positions
@@ -54,26 +56,78 @@ def test_packed_documents_and_windows_match_single_device(world_size):
     run_ranks(world_size, _masking_worker)
 
 
-def test_planner_skips_tiles_outside_window_and_documents():
-    chunks, chunk_len = 8, 16
-    ids = range(chunks)
-    window = SequenceMask(None, window=chunk_len)
-    blocks = plan(ids, ids, chunk_len, True, window)
-    # each query chunk: its causal square plus a masked tile of the chunk before; nothing further back
-    assert sum(b.causal for b in blocks) == chunks
-    assert sum(b.mask is not None for b in blocks) == chunks - 1
-    assert len(blocks) == 2 * chunks - 1
-    for b in blocks:
-        assert b.mask is None or (b.mask.any() and not b.mask.all())
-    assert plan(ids, ids, chunk_len, True, window) is blocks  # made once, shared by every layer
-    # two documents split at a chunk edge: no tile crosses from one to the other
-    positions = torch.cat([torch.arange(3 * chunk_len), torch.arange(5 * chunk_len)])[None]
-    docs = SequenceMask(torch.arange(8 * chunk_len) - positions)
-    blocks = plan(ids, ids, chunk_len, True, docs)
-    assert len(blocks) == 3 * 4 // 2 + 5 * 6 // 2  # causal chunk pairs inside each document only
+def _visible(q: torch.Tensor, k: torch.Tensor, causal: bool, mask: SequenceMask) -> torch.Tensor:
+    """``[B, q, k]`` dense visibility of global query and key indices, straight from the mask's definition."""
+    qi, ki = q[:, None], k[None]
+    keep = torch.ones(len(q), len(k), dtype=torch.bool)
+    if causal:
+        keep &= ki <= qi
+    if mask.window is not None:
+        keep &= qi - ki < mask.window
+    if mask.blocks is not None:
+        keep &= mask.blocks.starts(ki) <= mask.blocks.starts(qi)
+    keep = keep[None]
+    if mask.starts is not None:
+        keep = keep & (mask.starts[:, q, None] == mask.starts[:, None, k])
+    return keep
+
+
+def _check_covers_exactly(q_ids, kv_ids, chunk_len: int, causal: bool, mask: SequenceMask) -> None:
+    """Every visible pair lies in exactly one tile, plain tiles hold visible pairs only, and masks are exact."""
+    q, k = (global_tokens(ids, chunk_len) for ids in (q_ids, kv_ids))
+    visible = _visible(q, k, causal, mask)  # [B, q, k] in local coordinates
+    covered = torch.zeros(visible.shape[1:], dtype=torch.int32)
+    for b in plan(q_ids, kv_ids, chunk_len, causal, mask):
+        here = visible[:, b.q, b.kv]
+        assert here.any(), "a tile with nothing visible is computed"
+        if b.mask is not None:
+            assert torch.equal(b.mask[:, 0].expand_as(here), here), "a tile's mask is not the visibility"
+        elif b.causal:
+            assert b.q.stop - b.q.start == b.kv.stop - b.kv.start and q[b.q.start] == k[b.kv.start]
+            assert torch.equal(here, torch.ones_like(here[0]).tril().expand_as(here)), "a causal tile is not causal"
+        else:
+            assert here.all(), "a plain tile holds a hidden pair"
+        covered[b.q, b.kv] += here.any(0).int()  # the pairs this tile computes: it computes no hidden one
+    assert covered.max() <= 1, "a pair is computed twice"
+    assert torch.equal(covered.bool(), visible.any(0)), "a visible pair is in no tile"
+
+
+def test_planner_tiles_cover_exactly_the_visible_pairs():
+    chunks, chunk_len = 16, 128
+    seq = chunks * chunk_len
+    uneven = torch.cat([torch.arange(n) for n in (300, 45, 1100, 211, 64, 328)])  # 2048 tokens
+    other_row = torch.cat([torch.arange(n) for n in (300, 700, 1048)])
+    documents = SequenceMask((torch.arange(seq) - uneven)[None])
+    masks = {
+        "window": (SequenceMask(window=300), True),
+        "documents": (documents, True),
+        "documents and window": (documents.with_window(200), True),
+        "rows that differ": (SequenceMask(torch.arange(seq) - torch.stack([uneven, other_row])), True),
+        "frames": (SequenceMask(blocks=block_causal(96)), False),
+        "images in text": (SequenceMask(blocks=block_causal([(100, 400), (1000, 1500)])), False),
+    }
+    shuffled = torch.randperm(chunks, generator=torch.Generator().manual_seed(0)).tolist()
+    orders = {
+        "one run": (range(chunks), range(chunks)),
+        "zigzag rank 1 of 8": ([1, 14], range(chunks)),
+        "a home run against a peer's": ([3, 4, 5, 6, 7, 11], [0, 1, 2, 8, 9, 10]),
+        "shuffled": (shuffled[:6], shuffled[6:]),
+        "shuffled, own keys": (shuffled[:6], shuffled[:6]),
+    }
+    for (name, (mask, causal)), (order, (q_ids, kv_ids)) in itertools.product(masks.items(), orders.items()):
+        try:
+            _check_covers_exactly(q_ids, kv_ids, chunk_len, causal, mask)
+        except AssertionError as err:
+            raise AssertionError(f"{name}, {order}: {err}") from err
+    # one run of packed documents: tiles end at every document start, so nothing is masked; per document a
+    # causal square per tile (the 1100-token one is two tiles of 550) and plain tiles below
+    blocks = plan(range(chunks), range(chunks), chunk_len, True, documents)
     assert all(b.mask is None for b in blocks)
-    # documents and a window together: a tile on the window's edge but across documents is skipped too
-    both = docs.with_window(chunk_len)
-    blocks = plan(ids, ids, chunk_len, True, both)
-    assert all(b.mask is None or b.mask.any() for b in blocks)
-    assert sum(b.causal for b in blocks) == chunks and sum(b.mask is not None for b in blocks) == chunks - 2
+    assert sum(b.causal for b in blocks) == 7 and len(blocks) == 8
+    assert plan(range(chunks), range(chunks), chunk_len, True, documents) is blocks  # made once, shared by layers
+    # a window of 256 over 128-token tiles: per query tile its causal square, the tile before (all within the
+    # window) plain, the one before that masked, nothing further back
+    blocks = plan(range(chunks), range(chunks), chunk_len, True, SequenceMask(window=256))
+    assert sum(b.causal for b in blocks) == chunks
+    assert sum(b.mask is None and not b.causal for b in blocks) == chunks - 1
+    assert sum(b.mask is not None for b in blocks) == chunks - 2

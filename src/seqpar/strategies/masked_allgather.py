@@ -3,10 +3,12 @@
 Note [mask-aware allgather]
     Like the all-gather (Note [allgather memory]) but with the table of Note [mask-aware ring]: one batch
     of point-to-point sends and receives (every peer at once, a sparse all-to-all) brings each rank the
-    tokens it needs; they go into a zero-filled ``[2, B, Hkv, S, D]`` in global order, and the unchanged
-    plan runs on it. The backward gathers the same tokens again and, in place of the reduce-scatter, sends
-    each owner back the float32 dK/dV rows of exactly the tokens it sent; the owner adds them to its own.
-    While the transfers are in flight the rank computes its own block, so they overlap that compute.
+    tokens it needs; they go into a zero-filled ``[2, B, Hkv, S - S/P, D]`` holding the peers' chunks in
+    global order, and the plan of the local queries against those chunks runs on it (the own block is
+    planned apart, so no tile mixes own and peer keys). The backward gathers the same tokens again and,
+    in place of the reduce-scatter, sends each owner back the float32 dK/dV rows of exactly the tokens it
+    sent; the owner adds them to its own. While the transfers are in flight the rank computes its own
+    block, so they overlap that compute.
 """
 
 from __future__ import annotations
@@ -35,15 +37,20 @@ def _start_gather(exchange: SparseExchange, k, v, needs: KVNeeds, rank: int) -> 
     return recvs
 
 
-def _whole_kv(k, v, recvs, needs: KVNeeds, chunk_ids, chunk: int, rank: int) -> torch.Tensor:
-    """``[2, B, Hkv, S, D]`` in global order: own tokens, received tokens, zeros elsewhere."""
+def _peer_slots(chunk_ids, chunk: int, rank: int) -> tuple[list[int], torch.Tensor]:
+    """The peers' chunk ids in global order, and ``[S]`` each global token's index among their tokens (-1: own)."""
+    others = sorted(c for r, ids in enumerate(chunk_ids) if r != rank for c in ids)
+    slots = torch.full((chunk * sum(len(ids) for ids in chunk_ids),), -1, dtype=torch.long)
+    slots[global_tokens(others, chunk)] = torch.arange(len(others) * chunk)
+    return others, slots
+
+
+def _peer_kv(k, recvs, needs: KVNeeds, chunk_ids, slots: torch.Tensor, chunk: int, rank: int) -> torch.Tensor:
+    """``[2, B, Hkv, S - S/P, D]``: the peers' chunks in global order, received tokens set, zeros elsewhere."""
     b, h, _, d = k.shape
-    seq = chunk * sum(len(ids) for ids in chunk_ids)
-    kv = torch.zeros((2, b, h, seq, d), dtype=k.dtype, device=k.device)
-    kv.index_copy_(3, global_tokens(chunk_ids[rank], chunk).to(k.device), torch.stack([k, v]))
+    kv = torch.zeros((2, b, h, int((slots >= 0).sum()), d), dtype=k.dtype, device=k.device)
     for s, got in recvs.items():
-        where = global_tokens(chunk_ids[s], chunk)[needs[rank][s]]
-        kv.index_copy_(3, where.to(k.device), got)
+        kv.index_copy_(3, slots[global_tokens(chunk_ids[s], chunk)[needs[rank][s]]].to(k.device), got)
     return kv
 
 
@@ -58,11 +65,10 @@ class _MaskedAllGather(torch.autograd.Function):
         out, lse = new_accumulator(q)  # [B, H, S/P, D], [B, H, S/P] float32
         blocks_forward(kernel, q, k, v, own, scale, out, lse)  # overlaps the transfers
         exchange.wait()
-        kv = _whole_kv(k, v, recvs, needs, chunk_ids, chunk, rank)
+        others, slots = _peer_slots(chunk_ids, chunk, rank)
+        kv = _peer_kv(k, recvs, needs, chunk_ids, slots, chunk, rank)
         del recvs
-        others = [c for r, ids in enumerate(chunk_ids) if r != rank for c in ids]
-        kv_chunks = [c for ids in chunk_ids for c in ids]
-        blocks = _only(plan(chunk_ids[rank], sorted(kv_chunks), chunk, causal, mask, q.device), others, chunk)
+        blocks = plan(chunk_ids[rank], others, chunk, causal, mask, q.device)
         blocks_forward(kernel, q, kv[0], kv[1], blocks, scale, out, lse)
         del kv  # Note [allgather memory]
         if sinks is not None:  # Note [attention sinks]
@@ -85,18 +91,18 @@ class _MaskedAllGather(torch.autograd.Function):
         dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)  # this rank's dK, dV
         blocks_backward(kernel, dout, q, k, v, out, lse, own, scale, dq, dkv[0], dkv[1])
         exchange.wait()
-        kv = _whole_kv(k, v, recvs, needs, chunk_ids, chunk, rank)
+        _, slots = _peer_slots(chunk_ids, chunk, rank)
+        kv = _peer_kv(k, recvs, needs, chunk_ids, slots, chunk, rank)
         del recvs
-        whole = torch.zeros(kv.shape, dtype=torch.float32, device=k.device)  # [2, B, Hkv, S, D]
-        blocks_backward(kernel, dout, q, kv[0], kv[1], out, lse, blocks, scale, dq, whole[0], whole[1])
+        peer_grads = torch.zeros(kv.shape, dtype=torch.float32, device=k.device)  # [2, B, Hkv, S - S/P, D]
+        blocks_backward(kernel, dout, q, kv[0], kv[1], out, lse, blocks, scale, dq, peer_grads[0], peer_grads[1])
         del kv
         b, h, _, d = k.shape
         peers = [p for p in range(len(chunk_ids)) if p != rank]
-        back = {
-            s: whole.index_select(3, global_tokens(chunk_ids[s], chunk)[needs[rank][s]].to(k.device)) for s in peers
-        }
-        incoming = {p: whole.new_empty((2, b, h, len(needs[p][rank]), d)) for p in peers}
-        del whole
+        back = {s: peer_grads.index_select(3, slots[global_tokens(chunk_ids[s], chunk)[needs[rank][s]]].to(k.device))
+                for s in peers}  # fmt: skip
+        incoming = {p: peer_grads.new_empty((2, b, h, len(needs[p][rank]), d)) for p in peers}
+        del peer_grads
         exchange = SparseExchange(group, _DKV_TAG)
         exchange.start(back, incoming)
         exchange.wait()
@@ -105,12 +111,6 @@ class _MaskedAllGather(torch.autograd.Function):
         dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
         grads = dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks
         return *grads, None, None, None, None, None, None, None
-
-
-def _only(blocks, chunks, chunk: int):
-    """The blocks of ``blocks`` (planned against all chunks in global order) whose keys lie in ``chunks``."""
-    keep = set(chunks)
-    return [b for b in blocks if b.kv.start // chunk in keep]
 
 
 def masked_allgather_attention(

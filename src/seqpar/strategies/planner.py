@@ -10,40 +10,8 @@ Note [block plan]
     fully visible key chunks (grouped into contiguous runs) and its diagonal; neighbouring query chunks with
     the same runs share one call. Invisible rectangles are never computed.
 
-Note [masked tiles]
-    A ``SequenceMask`` with packed documents, a sliding window or blocks makes visibility depend on more than the
-    chunk ids, so each chunk pair the causal rule leaves visible (key chunk not after the query chunk) is
-    cut into square tiles of ``MASK_TILE`` tokens a side, or of half the window (at least
-    ``MIN_WINDOW_TILE``) with a window, so that the band's ragged edge wastes fewer scores. Each tile is
-    classified from its four corners alone:
-    - skipped: nothing in it is visible. Every key comes after every query (causal), the last key lies a
-      whole window or more before the first query, or in every batch row the queries' documents and the
-      keys' documents are disjoint. It costs nothing.
-    - plain: everything in it is visible, so the chosen (fused) kernel runs it with no mask: a full
-      rectangle, or a square on the diagonal run as a plain causal call.
-    - mixed: anything else. It carries a boolean mask ``[B or 1, 1, q, kv]`` built from the global
-      positions and document starts, and runs on the chosen kernel if that takes masks, otherwise on the
-      preferred kernel that does (``blocks_forward`` and ``blocks_backward`` swap it per tile).
-    Block-causal ranges are decided from the corners too (Note [block-causal ranges]); a chunk pair whose
-    corners already say "skipped" is not cut into tiles at all. Equal blocks cut the tiles to the block size
-    (at least ``MIN_WINDOW_TILE``), so that blocks aligned with the chunks leave no tile masked.
-    Why the corners suffice: causality and the window depend only on the query position minus the key
-    position, which over a tile is smallest at (first query, last key) and largest at (last query, first
-    key); those two bounds say whether all, none or some of the tile passes. Document starts never decrease
-    along the sequence (Note [documents from position ids]): if a row has one start at the first and last
-    query and at the first and last key, every pair between shares that document; if the keys' last start
-    is below the queries' first, or the keys' first start above the queries' last, no pair does. Every
-    reason to skip is tested before any reason to mask, so a tile hidden by one rule and cut by another is
-    skipped rather than computed under an all-False mask.
-    Empty rows: the document test is conservative, so a mixed tile may still hold query rows that see no
-    key in it (a query just past a document start, against keys of the previous document), or even none
-    at all. Kernels return out 0 and lse -inf for such rows (``kernels.base.mark_empty_rows`` for the
-    fused ops), and the LSE merge leaves the running result untouched by them (Note [LSE merge]). In the
-    backward a masked score's weight is exp(-inf - lse) = 0; an lse of -inf is first turned into +inf
-    (``kernels.base.unmark_empty_rows``) so that it is 0 there too, not NaN. Every query sees at least
-    itself somewhere in its plan, so no row is still empty once all its tiles are merged.
-    Tiles depend only on the mask, the chunk ids, the chunk length and the causal flag, so ``plan``
-    keeps them on the mask (``SequenceMask.plans``) and every layer of one forward shares them.
+    With a non-trivial ``SequenceMask`` the plan is instead the tiles of Note [masked tiles]
+    (``seqpar.strategies.tiles``).
 """
 
 from __future__ import annotations
@@ -54,11 +22,22 @@ from dataclasses import dataclass
 import torch
 
 from seqpar.strategies.masking import SequenceMask
+from seqpar.strategies.tiles import (
+    CAUSAL,
+    FULL,
+    MASK_TILE,
+    MIN_WINDOW_TILE,
+    MIXED,
+    SKIP,
+    chunk_runs,
+    chunk_tiles,
+    run_tiles,
+    tile_kinds,
+    tile_size,
+)
 
-__all__ = ["MASK_TILE", "MIN_WINDOW_TILE", "Block", "chunk_tiles", "plan", "plan_blocks", "tile_kinds", "tile_size"]
-
-MASK_TILE = 1024
-MIN_WINDOW_TILE = 128
+__all__ = ["CAUSAL", "FULL", "MASK_TILE", "MIN_WINDOW_TILE", "MIXED", "SKIP", "Block", "chunk_tiles", "plan"]
+__all__ += ["plan_blocks", "tile_kinds", "tile_size"]
 
 
 @dataclass(frozen=True)
@@ -152,69 +131,6 @@ def plan(
     return mask.plans[key]
 
 
-def tile_size(chunk_len: int, mask: SequenceMask) -> int:
-    """Side of the square tiles a chunk pair is cut into under ``mask`` (Note [masked tiles])."""
-    tile = min(chunk_len, MASK_TILE)
-    if mask.window is not None:  # tiles of half a window: the band's masked edge wastes less compute
-        tile = min(tile, max(MIN_WINDOW_TILE, mask.window // 2))
-    if mask.blocks is not None and mask.blocks.size is not None:  # tiles of whole blocks: none of them masked
-        tile = min(tile, max(MIN_WINDOW_TILE, mask.blocks.size))
-    return tile
-
-
-SKIP, FULL, CAUSAL, MIXED = 0, 1, 2, 3
-"""Tile kinds of ``tile_kinds``: nothing visible, all visible, a plain causal square, masked."""
-
-
-def tile_kinds(
-    q_lo: torch.Tensor, q_hi: torch.Tensor, kv_lo: torch.Tensor, kv_hi: torch.Tensor, causal: bool, mask: SequenceMask
-) -> torch.Tensor:
-    """Kinds of the tiles ``[q_lo, q_hi] x [kv_lo, kv_hi]`` (inclusive global bounds), from their corners.
-
-    Every reason to skip is checked before any reason to mask, so a tile that is both on a window's edge
-    and across documents is skipped, not computed under an all-False mask (Note [masked tiles]).
-
-    Args:
-        q_lo, q_hi: ``[Tq]`` int64 first and last query of each query tile.
-        kv_lo, kv_hi: ``[Tk]`` int64 first and last key of each key tile.
-        causal: the token-level causal rule.
-        mask: the sequence mask.
-
-    Returns:
-        ``[Tq, Tk]`` int64 codes: ``SKIP``, ``FULL``, ``CAUSAL`` or ``MIXED``.
-    """
-    ql, qh, kl, kh = q_lo[:, None], q_hi[:, None], kv_lo[None], kv_hi[None]
-    skip = torch.zeros(ql.shape[0], kl.shape[1], dtype=torch.bool)
-    mixed = torch.zeros_like(skip)
-    if causal:
-        skip |= kl > qh
-    if mask.window is not None:
-        skip |= ql - kh >= mask.window
-        mixed |= qh - kl >= mask.window
-    if mask.starts is not None:
-        starts = mask.starts  # [B, S]; starts never decrease, so disjoint corner ranges share no document
-        q_first, q_last = starts[:, q_lo][:, :, None], starts[:, q_hi][:, :, None]
-        kv_first, kv_last = starts[:, kv_lo][:, None], starts[:, kv_hi][:, None]
-        skip |= ((kv_last < q_first) | (kv_first > q_last)).all(0)
-        one_document = (q_first == q_last) & (kv_first == kv_last) & (q_first == kv_first)
-        mixed |= ~one_document.all(0)
-    if mask.blocks is not None:  # Note [block-causal ranges]
-        skip |= mask.blocks.starts(kl) > mask.blocks.starts(qh)
-        mixed |= mask.blocks.starts(kh) > mask.blocks.starts(ql)
-    square = (ql == kl) & (qh == kh) if causal else torch.zeros_like(skip)
-    if causal:
-        mixed |= (kh > ql) & ~square
-    kinds = torch.where(square, CAUSAL, FULL)
-    kinds = torch.where(mixed, MIXED, kinds)
-    return torch.where(skip, SKIP, kinds)
-
-
-def chunk_tiles(chunk_id: int, chunk_len: int, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """First and last global token of each tile of chunk ``chunk_id`` (the last tile may be shorter)."""
-    lo = torch.arange(0, chunk_len, tile) + chunk_id * chunk_len
-    return lo, torch.clamp(lo + tile, max=(chunk_id + 1) * chunk_len) - 1
-
-
 def _masked_plan(
     q_chunks: Sequence[int],
     kv_chunks: Sequence[int],
@@ -223,37 +139,20 @@ def _masked_plan(
     mask: SequenceMask,
     device: torch.device | None,
 ) -> list[Block]:
-    tile = tile_size(chunk_len, mask)
-    names = {FULL: "full", CAUSAL: "causal", MIXED: "mixed"}
+    q_runs, kv_runs = chunk_runs(q_chunks), chunk_runs(kv_chunks)
+    edges = {(c + n * end) * chunk_len for _, c, n in q_runs + kv_runs for end in (0, 1)}
+    q, kv = run_tiles(q_runs, edges, chunk_len, mask), run_tiles(kv_runs, edges, chunk_len, mask)
+    kinds = tile_kinds(q.lo, q.hi, kv.lo, kv.hi, causal, mask)
     blocks = []
-    for i, g in enumerate(q_chunks):
-        for j, c in enumerate(kv_chunks):
-            if causal and c > g:
-                continue
-            whole = ((g * chunk_len, (g + 1) * chunk_len), (c * chunk_len, (c + 1) * chunk_len))
-            if _classify(*whole, causal, mask) == "skip":  # the skip rules hold for the whole pair at once
-                continue
-            (q_lo, q_hi), (kv_lo, kv_hi) = chunk_tiles(g, chunk_len, tile), chunk_tiles(c, chunk_len, tile)
-            kinds = tile_kinds(q_lo, q_hi, kv_lo, kv_hi, causal, mask).tolist()
-            for a, row in enumerate(kinds):
-                for b, kind in enumerate(row):
-                    if kind == SKIP:
-                        continue
-                    q_glob, kv_glob = (int(q_lo[a]), int(q_hi[a]) + 1), (int(kv_lo[b]), int(kv_hi[b]) + 1)
-                    q0, k0 = q_glob[0] - g * chunk_len, kv_glob[0] - c * chunk_len
-                    q_loc = slice(i * chunk_len + q0, i * chunk_len + q0 + q_glob[1] - q_glob[0])
-                    kv_loc = slice(j * chunk_len + k0, j * chunk_len + k0 + kv_glob[1] - kv_glob[0])
-                    keep = _dense_mask(q_glob, kv_glob, causal, mask, device) if kind == MIXED else None
-                    blocks.append(Block(q_loc, kv_loc, names[kind] == "causal", keep))
+    for a, b in (kinds != SKIP).nonzero().tolist():
+        q_glob = (int(q.lo[a]), int(q.hi[a]) + 1)
+        kv_glob = (int(kv.lo[b]), int(kv.hi[b]) + 1)
+        q_loc = slice(int(q.local[a]), int(q.local[a]) + q_glob[1] - q_glob[0])
+        kv_loc = slice(int(kv.local[b]), int(kv.local[b]) + kv_glob[1] - kv_glob[0])
+        kind = int(kinds[a, b])
+        keep = _dense_mask(q_glob, kv_glob, causal, mask, device) if kind == MIXED else None
+        blocks.append(Block(q_loc, kv_loc, kind == CAUSAL, keep))
     return blocks
-
-
-def _classify(q: tuple[int, int], kv: tuple[int, int], causal: bool, mask: SequenceMask) -> str:
-    """ "skip", "full", "causal" (a plain causal square) or "mixed" for one half-open tile (``tile_kinds``)."""
-    kind = tile_kinds(
-        torch.tensor([q[0]]), torch.tensor([q[1] - 1]), torch.tensor([kv[0]]), torch.tensor([kv[1] - 1]), causal, mask
-    )
-    return {SKIP: "skip", FULL: "full", CAUSAL: "causal", MIXED: "mixed"}[int(kind[0, 0])]
 
 
 def _dense_mask(
