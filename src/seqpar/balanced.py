@@ -10,10 +10,11 @@ Note [balanced layout]
     ``k`` of them (so token counts stay equal), choosing which by each chunk's work under the batch's mask:
     - visible area: for each query, the keys it may see (its document, causal, window, blocks), summed over
       the chunk's queries and the batch rows;
-    - planned work: the area of the tiles the block planner will compute for the chunk (Note [masked
-      tiles]), counted with the same tiles and the same corner rules (``seqpar.strategies.planner.
-      tile_kinds``), so it is what the kernels will be asked to do, each kind weighted by what a kernel
-      spends per score on it (``TILE_COSTS``: masked tiles more than plain ones).
+    - planned work: the area of the tiles the block planner computes for the chunk taken alone (Note
+      [masked tiles]: ``chunk_tiles``), with the same corner rules (``seqpar.strategies.tiles.tile_kinds``),
+      so it is what the kernels will be asked to do (a run of chunks tiled as one skips no less), each
+      kind weighted by what a kernel spends per score on it (``TILE_COSTS``: masked tiles more than plain
+      ones).
     The solver minimises the larger of the two relative imbalances (a rank's share over the mean): a
     longest-first greedy pass (each chunk, by decreasing work, to the least loaded rank that still has
     room), then pairwise exchanges between the most loaded rank and any other while one lowers the larger
@@ -35,7 +36,7 @@ import torch
 from seqpar.errors import SeqparInputError
 from seqpar.layout import ChunkLayout
 from seqpar.strategies.masking import SequenceMask, sequence_mask
-from seqpar.strategies.planner import chunk_tiles, tile_kinds, tile_size
+from seqpar.strategies.tiles import chunk_tiles, tile_kinds, tile_size
 
 __all__ = ["CHUNKS_PER_RANK", "TILE_COSTS", "LayoutBalance", "balanced_layout", "layout_balance"]
 __all__ += ["planned_work", "visible_area"]

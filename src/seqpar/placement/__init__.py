@@ -32,8 +32,9 @@ Note [placed layout]
       else with the head of one more document, whose rest opens the next rank's home run (the only cut,
       and it moves that head's keys only);
     - inside a home run documents keep their order in the row.
-    Tokens: the reordered row holds ``S' = P k c`` tokens (chunk length ``c``, about a 32nd of ``S/P``, so
-    that tiles stay large; ``k`` chunks per rank), every rank holds exactly ``k c``, and padding takes
+    Tokens: the reordered row holds ``S' = P k c`` tokens (chunk length ``c``, about a 32nd of ``S/P``; a
+    rank's consecutive chunks are tiled as one run, so small chunks do not make small kernel calls;
+    ``k`` chunks per rank), every rank holds exactly ``k c``, and padding takes
     the rest: ``k`` is the fewest chunks that hold the row, or one more when that stays within 1.05 of
     ``S/P`` (see the refining pass below), so each rank's tokens, padding
     included, are within 1.05 of the mean ``S/P``. Padding is its own document (position ids from 0,

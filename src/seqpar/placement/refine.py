@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from seqpar.strategies.masking import SequenceMask
-from seqpar.strategies.planner import tile_kinds, tile_size
+from seqpar.strategies.tiles import tile_kinds, tile_size
 
 __all__ = ["Refiner", "chunk_costs"]
 
