@@ -10,7 +10,10 @@ import torch
 
 import seqpar
 from seqpar.balanced import TILE_COSTS, planned_work
+from seqpar.bench.masks_bytes import needed_bytes
+from seqpar.bench.rows import uneven_documents
 from seqpar.errors import SeqparInputError
+from seqpar.placement.chain import chain_segments, dense_documents
 from seqpar.placement.refine import chunk_costs
 from seqpar.placement.solver import BALANCE_SLACK, TOKEN_SLACK
 from seqpar.strategies.kv_needs import kv_needs
@@ -49,6 +52,7 @@ CASES = [  # (row of position ids, world size, window, causal)
     (log_normal_documents(3000, 2), 3, 512, True),
     (_documents([300, 900, 41, 500, 700, 96, 1559]), 4, None, False),
     (packed_positions(96), 3, None, True),
+    (uneven_documents(8192, 16), 4, None, True),  # two dense documents: the chain candidate
 ]
 
 
@@ -102,6 +106,42 @@ def test_short_documents_stay_whole_and_move_nothing():
     placement = seqpar.placed_layout(positions, p, window=256)  # flat work: its tokens decide
     held = _ranks_of_documents(placement, positions)
     assert len(held[0]) == -(-5000 * p // placement.seq_len) and sum(len(r) > 1 for r in held[1:]) <= p - 1, held
+
+
+def test_dense_documents_cross_one_run_end():
+    """The chain candidate: documents no run can hold whole cross alternate run ends, head then tail; every
+    other document stays whole; the solver keeps it where it moves fewer bytes than zigzag by far."""
+    p, share = 4, 33 * 64
+    positions = uneven_documents(8192, 16)  # 16 uneven documents; the two longest hold 1.17 and 1.04 of a mean
+    starts = [*(positions == 0).nonzero().flatten().tolist(), len(positions)]
+    docs = [(a, b - a) for a, b in zip(starts, starts[1:])]
+    work = [n * (n + 1) / 2 for _, n in docs]
+    lengths = [n for _, n in docs]
+    dense = dense_documents(lengths, work, share, p * share - 8192, sum(work) / p)
+    assert sorted(lengths[d] for d in dense) == [1315, 1397]
+    total = torch.cat([torch.zeros(1, dtype=torch.float64), (positions + 1).double().cumsum(0)])
+    segments = chain_segments(docs, work, total, p, share)
+    assert segments is not None and sum(n for _, n, _ in segments) == p * share
+    at, runs_of = 0, {}  # document start -> (run, first token, tokens) of its pieces
+    for first, n, offset in segments:
+        assert first < 0 or (at // share == (at + n - 1) // share), "a segment crosses a run end"
+        if first >= 0:
+            runs_of.setdefault(first - offset, []).append((at // share, offset, n))
+        at += n
+    for (start, n), d in zip(docs, range(len(docs))):
+        pieces = runs_of[start]
+        assert sum(x for _, _, x in pieces) == n and [o for _, o, _ in pieces] == sorted(o for _, o, _ in pieces)
+        if d in dense:  # head at the end of run r, tail at the start of run r + 1, r even
+            (r, _, h), (r2, _, _) = pieces
+            assert r % 2 == 0 and r2 == r + 1 and 0 < h < n
+    placement = seqpar.placed_layout(positions, p)
+    cfg = {"ranks": p, "ulysses": 1, "heads": 8, "kv_heads": 2, "head_dim": 64}
+
+    def busiest(row: torch.Tensor, layout) -> float:
+        mask = SequenceMask((torch.arange(len(row)) - row)[None])
+        return max(needed_bytes("ring", {**cfg, "seq": len(row)}, mask, layout, r) for r in range(p))
+
+    assert busiest(placement.position_ids[0], placement.layout) <= 0.65 * busiest(positions, "zigzag")
 
 
 def test_shard_batch_places_the_row():

@@ -55,7 +55,17 @@ Note [placed layout]
     Candidates: the row is built and refined twice, with ``k`` and with ``k + 1`` chunks per rank (more
     padding, more room to keep documents whole), and the refined candidate taken is within the balance
     target, then has the least traffic on its busiest rank, then the least work on it (ties: fewer chunks).
-    A candidate with no traffic at all ends the search. While the whole short documents cannot even the
+    A candidate with no traffic at all ends the search. A third candidate, the *chain*
+    (``seqpar.placement.chain``, with ``k + 1`` chunks per rank), applies where some documents are *dense*
+    (longer than a rank's share, or with too much work to share a rank even with the cheapest fill the row
+    allows) but each fits two shares, and there are at most ``P / 2`` of them: every rank holds one
+    contiguous run of the row, and each dense document crosses one run end, its head ending run ``r`` and
+    its tail opening run ``r + 1`` (alternate ends, so no run both sends a head and receives a tail). The
+    tail's work is the largest share of the mean (0.9 down to 0.4) whose runs ``assign_homes`` can even,
+    then each document's share is moved by 0.05 while that lowers the busiest run's traffic; documents
+    no run holds whole are cut at the run ends no dense document crosses. Only the heads' keys travel, to
+    one rank each; the refining pass then evens what the token work model left above the target.
+    While the whole short documents cannot even the
     home runs, the tail's share of a long document is lowered (1.02, then 0.96, then 0.90 of the mean)
     before the refining pass has to cut documents.
     Bytes: a document holding most of the row's work must be spread over every rank to even the work,

@@ -14,6 +14,7 @@ import torch
 from seqpar.balanced import TILE_COSTS, balanced_layout, visible_area
 from seqpar.errors import SeqparInputError
 from seqpar.layout import ChunkLayout
+from seqpar.placement.chain import chain_segments
 from seqpar.placement.home import BALANCE_SLACK, assign_homes, fill_homes
 from seqpar.placement.refine import Refiner
 from seqpar.placement.split import FILL_TARGETS, WORK_SLACK, fill_costs, split_long
@@ -115,6 +116,15 @@ def _build(docs: list[tuple[int, int]], tok_work: torch.Tensor, p: int, c: int, 
     # segments of the placed row: (first source token or -1 for padding, tokens, position id of the first)
     segments = [(docs[d][0], docs[d][1], 0) for d in long]
     segments += [(docs[short[j]][0] + offset if j >= 0 else -1, n, offset) for j, offset, n in pieces]
+    ranks = list(owner)  # the long zone's chunks, then every home run's, in row order
+    for r, cap in zip(homes, caps):
+        ranks += [r] * ((cap - (len(owner) * c - zone if r == homes[0] else 0)) // c)
+    return (*_lay_out(segments, c), ranks)
+
+
+def _lay_out(segments: list[tuple[int, int, int]], c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The order ``[S']`` (-1 padding) and position ids of a row of ``(first source token or -1, tokens, position
+    id of the first)`` segments; padding restarts at every chunk of ``c`` tokens."""
     first, size, offset = (torch.tensor(x, dtype=torch.long) for x in zip(*segments))
     head = torch.cumsum(size, 0) - size  # where each segment starts in the placed row
     index = torch.arange(int(size.sum()))
@@ -124,10 +134,20 @@ def _build(docs: list[tuple[int, int]], tok_work: torch.Tensor, p: int, c: int, 
     places = (offset - head)[seg] + index
     at = pad.nonzero().flatten()  # padding is its own document, restarting at every chunk it touches
     places[at] = at - torch.maximum(at // c * c, head[seg[at]])
-    ranks = list(owner)  # the long zone's chunks, then every home run's, in row order
-    for r, cap in zip(homes, caps):
-        ranks += [r] * ((cap - (len(owner) * c - zone if r == homes[0] else 0)) // c)
-    return order, places, ranks
+    return order, places
+
+
+def _build_chain(docs: list[tuple[int, int]], tok_work: torch.Tensor, p: int, c: int, k: int,
+                 causal: bool) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:  # fmt: skip
+    """The chain candidate (``seqpar.placement.chain``) for ``k`` chunks per rank, as ``_build`` returns it."""
+    if not causal:
+        return None
+    total = torch.cat([tok_work.new_zeros(1), tok_work.cumsum(0)])
+    work = [float(total[s + n] - total[s]) for s, n in docs]
+    segments = chain_segments(docs, work, total, p, k * c)
+    if segments is None:
+        return None
+    return (*_lay_out(segments, c), [r for r in range(p) for _ in range(k)])
 
 
 def _token_work(positions: torch.Tensor, mask: SequenceMask, causal: bool, window: int | None) -> torch.Tensor:
@@ -185,8 +205,11 @@ def placed_layout(
     docs = _documents(positions[0])
     options = [k_min] + ([k_min + 1] if (k_min + 1) * c * world_size <= TOKEN_SLACK * seq_len else [])
     best, tok_work = None, _token_work(positions, mask, causal, window)
-    for k in options:  # each refined; more padding can keep more documents whole
-        order, placed, owner = _build(docs, tok_work, world_size, c, k, window, causal)
+    for k, chain in [(k, False) for k in options] + [(options[-1], True)]:  # each refined; the chain needs padding
+        built = _build_chain(docs, tok_work, world_size, c, k, causal) if chain else None
+        if built is None and chain:
+            continue
+        order, placed, owner = built or _build(docs, tok_work, world_size, c, k, window, causal)
         refiner = Refiner(placed, c, owner, causal, window, key_cost, tile_costs, BALANCE_SLACK)
         owner = refiner.run(REFINE_ROUNDS)
         key = (max(refiner.load) > refiner.cap * (1 + 1e-9), max(refiner.traffic), max(refiner.load), k)
