@@ -13,11 +13,11 @@ import torch
 import seqpar
 from seqpar.errors import SeqparInputError
 from seqpar.strategies.kv_needs import global_tokens
-from seqpar.strategies.mask_blocks import block_causal
 from seqpar.strategies.masking import SequenceMask
 from seqpar.strategies.planner import plan
 from tests._cases import check_mask_case, packed_positions
 from tests._dist import run_ranks
+from tests.test_mask_kinds import kind_mask
 
 
 def _masking_worker(rank, world_size):
@@ -56,26 +56,11 @@ def test_packed_documents_and_windows_match_single_device(world_size):
     run_ranks(world_size, _masking_worker)
 
 
-def _visible(q: torch.Tensor, k: torch.Tensor, causal: bool, mask: SequenceMask) -> torch.Tensor:
-    """``[B, q, k]`` dense visibility of global query and key indices, straight from the mask's definition."""
-    qi, ki = q[:, None], k[None]
-    keep = torch.ones(len(q), len(k), dtype=torch.bool)
-    if causal:
-        keep &= ki <= qi
-    if mask.window is not None:
-        keep &= qi - ki < mask.window
-    if mask.blocks is not None:
-        keep &= mask.blocks.starts(ki) <= mask.blocks.starts(qi)
-    keep = keep[None]
-    if mask.starts is not None:
-        keep = keep & (mask.starts[:, q, None] == mask.starts[:, None, k])
-    return keep
-
-
-def _check_covers_exactly(q_ids, kv_ids, chunk_len: int, causal: bool, mask: SequenceMask) -> None:
+def _check_covers_exactly(q_ids, kv_ids, chunk_len: int, positions, causal: bool, window, blocks) -> None:
     """Every visible pair lies in exactly one tile, plain tiles hold visible pairs only, and masks are exact."""
+    mask = seqpar.sequence_mask(positions, None, layout="contiguous", window=window, blocks=blocks)
     q, k = (global_tokens(ids, chunk_len) for ids in (q_ids, kv_ids))
-    visible = _visible(q, k, causal, mask)  # [B, q, k] in local coordinates
+    visible = kind_mask(positions, causal, window, blocks)[:, 0][:, q][:, :, k]  # [B, q, k] in local order
     covered = torch.zeros(visible.shape[1:], dtype=torch.int32)
     for b in plan(q_ids, kv_ids, chunk_len, causal, mask):
         here = visible[:, b.q, b.kv]
@@ -95,16 +80,16 @@ def _check_covers_exactly(q_ids, kv_ids, chunk_len: int, causal: bool, mask: Seq
 def test_planner_tiles_cover_exactly_the_visible_pairs():
     chunks, chunk_len = 16, 128
     seq = chunks * chunk_len
-    uneven = torch.cat([torch.arange(n) for n in (300, 45, 1100, 211, 64, 328)])  # 2048 tokens
-    other_row = torch.cat([torch.arange(n) for n in (300, 700, 1048)])
-    documents = SequenceMask((torch.arange(seq) - uneven)[None])
-    masks = {
-        "window": (SequenceMask(window=300), True),
-        "documents": (documents, True),
-        "documents and window": (documents.with_window(200), True),
-        "rows that differ": (SequenceMask(torch.arange(seq) - torch.stack([uneven, other_row])), True),
-        "frames": (SequenceMask(blocks=block_causal(96)), False),
-        "images in text": (SequenceMask(blocks=block_causal([(100, 400), (1000, 1500)])), False),
+    uneven = torch.cat([torch.arange(n) for n in (300, 45, 1100, 211, 64, 328)])[None]  # 2048 tokens
+    other_row = torch.cat([torch.arange(n) for n in (300, 700, 1048)])[None]
+    one = torch.arange(seq)[None]
+    masks = {  # (position ids, causal, window, blocks)
+        "window": (one, True, 300, None),
+        "documents": (uneven, True, None, None),
+        "documents and window": (uneven, True, 200, None),
+        "rows that differ": (torch.cat([uneven, other_row]), True, None, None),
+        "frames": (one, False, None, 96),
+        "images in text": (one, False, None, [(100, 400), (1000, 1500)]),
     }
     shuffled = torch.randperm(chunks, generator=torch.Generator().manual_seed(0)).tolist()
     orders = {
@@ -114,13 +99,14 @@ def test_planner_tiles_cover_exactly_the_visible_pairs():
         "shuffled": (shuffled[:6], shuffled[6:]),
         "shuffled, own keys": (shuffled[:6], shuffled[:6]),
     }
-    for (name, (mask, causal)), (order, (q_ids, kv_ids)) in itertools.product(masks.items(), orders.items()):
+    for (name, case), (order, (q_ids, kv_ids)) in itertools.product(masks.items(), orders.items()):
         try:
-            _check_covers_exactly(q_ids, kv_ids, chunk_len, causal, mask)
+            _check_covers_exactly(q_ids, kv_ids, chunk_len, *case)
         except AssertionError as err:
             raise AssertionError(f"{name}, {order}: {err}") from err
     # one run of packed documents: tiles end at every document start, so nothing is masked; per document a
     # causal square per tile (the 1100-token one is two tiles of 550) and plain tiles below
+    documents = SequenceMask(torch.arange(seq) - uneven)
     blocks = plan(range(chunks), range(chunks), chunk_len, True, documents)
     assert all(b.mask is None for b in blocks)
     assert sum(b.causal for b in blocks) == 7 and len(blocks) == 8
