@@ -92,7 +92,7 @@ def test_a_changed_record_changes_the_tables(tmp_path):
     def slower(rows):
         for r in rows:
             if (r["strategy"], r["layout"], r["mask"]) == ("ring", "zigzag", "log-normal documents"):
-                r["rank_time_max_over_mean"] = 1.9
+                r["rank_time_max_over_mean"] = 9.9  # above every recorded one: it ends the headline's span
         # a run with --layouts auto: each record says what its mask resolved to
         auto = [r for r in rows if r["strategy"] == "ring" and r["layout"] == picked.get(r["mask"])]
         rows += [{**r, "layout": "auto", "resolved_layout": picked[r["mask"]]} for r in auto]
@@ -108,13 +108,13 @@ def test_a_changed_record_changes_the_tables(tmp_path):
     for mask, layout in picked.items():  # the auto row: its layout's numbers, under "auto (placed)"
         step = _row(page, "ring", layout, mask).split(" | ")[3]
         assert _row(page, "ring", f"auto ({layout})", mask).split(" | ")[3] == step, mask
-    assert "| 1.900 |" in _row(page, "ring", "zigzag", "log-normal documents")
+    assert "| 9.900 |" in _row(page, "ring", "zigzag", "log-normal documents")
     assert "| 40960 | 4.92x |" in _row(page, "tiled_mlp", "4")
     assert "run 2: `seqpar bench maxlen --budget-mb 150`, measured 2030-01-02" in page  # two runs now
     assert _row(page, "tiled_mlp", "4").endswith("| 2 |") and _row(page, "none", "1").endswith("| 1 |")
     headline = records.headline_table(target)
     assert "40,960 tokens at sp 1 / 2 / 4" in headline and "in a 150 MB step budget" in headline
-    assert "1.90)" in headline.split("(zigzag ")[1]  # the zigzag span now ends at the changed row's 1.90
+    assert "9.90)" in headline.split("(zigzag ")[1]  # the zigzag span now ends at the changed row's 9.90
     assert headline != records.headline_table()
 
 
