@@ -61,8 +61,9 @@ Note [placed layout]
     allows) but each fits two shares, and there are at most ``P / 2`` of them: every rank holds one
     contiguous run of the row, and each dense document crosses one run end, its head ending run ``r`` and
     its tail opening run ``r + 1`` (alternate ends, so no run both sends a head and receives a tail). The
-    tail's work is the largest share of the mean (0.9 down to 0.4) whose runs ``assign_homes`` can even,
-    then each document's share is moved by 0.05 while that lowers the busiest run's traffic; documents
+    tail's work is the largest share of the mean (0.9 down to 0.4) whose runs ``assign_homes`` can even
+    (else the most even within 1.1 of the mean), then each document's share is moved by 0.05 while that
+    lowers the busiest run's traffic; documents
     no run holds whole are cut at the run ends no dense document crosses. Only the heads' keys travel, to
     one rank each; the refining pass then evens what the token work model left above the target.
     While the whole short documents cannot even the

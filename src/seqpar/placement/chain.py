@@ -17,6 +17,7 @@ TAIL_SHARES = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4)
 (Note [placed layout]); the best is then moved by ``SHARE_STEP`` either way for each document on its own. A
 larger tail leaves a shorter head to send, a smaller one more room to even the runs."""
 SHARE_STEP = 0.05
+"""How far one document's tail share moves either way from the shared one, while that lowers the traffic."""
 REFINE_ROOM = 1.1
 """The most work a chain run may hold over the mean and still be handed to the refining pass to even."""
 
@@ -52,7 +53,8 @@ def dense_documents(lengths: list[int], work: list[float], share: int, padding: 
 def chain_segments(
     docs: list[tuple[int, int]], work: list[float], total: torch.Tensor, p: int, share: int
 ) -> list[tuple[int, int, int]] | None:
-    """The chain layout's row as segments, or None where it does not apply or finds no even runs.
+    """The chain layout's row as segments, or None where it does not apply or no share keeps its runs within
+    ``REFINE_ROOM`` of the mean.
 
     Run ``r`` (rank ``r``) holds ``share`` tokens: the tail of the dense document crossing its start, whole
     documents, padding, and the head of the dense document crossing its end. Dense documents cross
@@ -60,10 +62,11 @@ def chain_segments(
     with more dense documents than that is left to the long-zone candidates.
     Each document's tail is the longest whose work fits a share of the mean (``TAIL_SHARES``); the other
     documents are given runs by ``assign_homes``. The largest share (the shortest heads) whose runs stay
-    within ``BALANCE_SLACK`` is kept, then each document's share is moved by ``SHARE_STEP`` while that lowers
+    within ``BALANCE_SLACK`` is kept, else the share with the most even runs within ``REFINE_ROOM`` (the
+    refining pass evens the rest); then each document's share is moved by ``SHARE_STEP`` while that lowers
     the busiest run's traffic (a head ``h`` costs its run ``2h``, the next run ``h``). None when no share
-    evens the runs: the refining pass would then cut documents to even them, which the long-zone
-    candidates do with fewer cuts.
+    comes within ``REFINE_ROOM``: the refining pass would cut many documents to even the runs, which the
+    long-zone candidates do with fewer cuts.
 
     Args:
         docs: (start, length) of every document of the row.
