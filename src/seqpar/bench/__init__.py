@@ -6,8 +6,10 @@ They measure, in one run, ratios against a single process or between strategies;
 from __future__ import annotations
 
 import datetime
+import json
 import shlex
 import sys
+from collections.abc import Mapping, Sequence
 
 BENCHMARKS = (
     "attention",
@@ -41,4 +43,18 @@ def provenance(name: str, argv: list[str] | None) -> dict[str, str]:
     return {"command": shlex.join(["seqpar", "bench", name, *options]), "measured": datetime.date.today().isoformat()}
 
 
-__all__ = ["BENCHMARKS", "provenance"]
+def save_records(path: str, name: str, argv: list[str] | None, records: Sequence[Mapping]) -> None:
+    """Write ``records`` to ``path`` as a JSON list, each with its ``provenance`` (the ``--json FILE`` of a bench).
+
+    Args:
+        path: the file to write.
+        name: The benchmark's name, as in ``seqpar bench NAME``.
+        argv: The options the benchmark was given (``None``: the process's own).
+        records: one mapping per measured case.
+    """
+    stamp = provenance(name, argv)
+    with open(path, "w") as f:
+        json.dump([{**r, **stamp} for r in records], f, indent=1)
+
+
+__all__ = ["BENCHMARKS", "provenance", "save_records"]

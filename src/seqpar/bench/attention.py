@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import seqpar
-from seqpar.bench import provenance
+from seqpar.bench import save_records
 from seqpar.runtime.measure import time_and_memory, write_slowest
 from seqpar.runtime.memory import reset_resident_peak, resident_mb
 
@@ -185,8 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['memory_ratio']:.2f} |"
         )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump([{**r, **provenance("attention", argv)} for r in rows], f, indent=2)
+        save_records(args.json, "attention", argv, rows)
     return 0
 
 

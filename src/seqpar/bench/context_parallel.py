@@ -37,7 +37,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import seqpar
-from seqpar.bench import provenance
+from seqpar.bench import save_records
 from seqpar.runtime.measure import time_and_memory, write_slowest
 from seqpar.runtime.memory import reset_resident_peak, resident_mb
 from seqpar.runtime.spawn import spawn_ranks
@@ -239,8 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         records += _memory_table(args)
     if args.json:
         settings = {k: v for k, v in vars(args).items() if k not in ("json", "skip")}
-        with open(args.json, "w") as f:
-            json.dump([{**settings, **r, **provenance("context_parallel", argv)} for r in records], f, indent=1)
+        save_records(args.json, "context_parallel", argv, [{**settings, **r} for r in records])
     return 0
 
 

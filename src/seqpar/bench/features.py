@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import seqpar
-from seqpar.bench import provenance
+from seqpar.bench import save_records
 from seqpar.bench.maxlen import LADDER, add_model_arguments, feature_model, feature_step, rung_features
 from seqpar.runtime.spawn import spawn_ranks
 
@@ -144,8 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     print(_table(records))
     if args.json:
         settings = {k: v for k, v in cfg.items() if k not in ("ladder", "model", "json")}
-        with open(args.json, "w") as f:
-            json.dump([{**settings, **r, **provenance("features", argv)} for r in records], f, indent=1)
+        save_records(args.json, "features", argv, [{**settings, **r} for r in records])
     return 0
 
 

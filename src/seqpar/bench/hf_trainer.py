@@ -34,7 +34,7 @@ import transformers
 
 import seqpar
 import seqpar.hf
-from seqpar.bench import provenance
+from seqpar.bench import save_records
 from seqpar.bench.llama_step import llama_config
 from seqpar.runtime.measure import MEMORY_RUN_ENV, write_slowest
 from seqpar.runtime.memory import reset_resident_peak, resident_mb
@@ -223,8 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         memory = {m: _launch(m, two_steps, os.path.join(tmp, f"{m}.json"), memory=True) for m in MODES[1:]}
     records = _report(cfg, pair, one, memory)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump([{**cfg, **r, **provenance("hf_trainer", argv)} for r in records], f, indent=1)
+        save_records(args.json, "hf_trainer", argv, [{**cfg, **r} for r in records])
     return 0
 
 

@@ -17,7 +17,6 @@ With more ranks than cores, compare the ratios, not the times.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -30,7 +29,7 @@ import torch.distributed as dist
 import transformers
 
 import seqpar
-from seqpar.bench import provenance
+from seqpar.bench import save_records
 from seqpar.runtime.measure import time_and_memory, write_slowest
 from seqpar.runtime.memory import reset_resident_peak, resident_mb
 
@@ -161,9 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['growth_mb']:.0f} | {r['growth_mb'] / base['growth_mb']:.2f} |"
         )
     if args.json:
-        with open(args.json, "w") as f:
-            records = [{"sp": r["sp"], **cfg, "step_s": r["seconds"], "growth_mb": r["growth_mb"]} for r in rows]
-            json.dump([{**r, **provenance("llama_step", argv)} for r in records], f, indent=1)
+        records = [{"sp": r["sp"], **cfg, "step_s": r["seconds"], "growth_mb": r["growth_mb"]} for r in rows]
+        save_records(args.json, "llama_step", argv, records)
     return 0
 
 

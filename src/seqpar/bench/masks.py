@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 import seqpar
-from seqpar.bench import provenance
+from seqpar.bench import save_records
 from seqpar.bench.kernel_time import TimedKernel
 from seqpar.bench.masks_bytes import needed_bytes, visible_fraction
 from seqpar.bench.rows import log_normal_documents, rl_groups, short_documents, uneven_documents
@@ -235,8 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             records = json.load(f)
     _print(records, args)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump([{**r, **provenance("masks", argv)} for r in records], f, indent=1)
+        save_records(args.json, "masks", argv, records)
     return 0
 
 

@@ -24,7 +24,6 @@ solve time. Results are not checked here; tests/test_placement.py checks the sol
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -34,7 +33,7 @@ import torch
 
 import seqpar
 from seqpar.balanced import CHUNKS_PER_RANK
-from seqpar.bench import provenance
+from seqpar.bench import save_records
 from seqpar.bench.masks_bytes import needed_bytes
 from seqpar.bench.rows import log_normal_documents, rl_groups, short_documents, uneven_documents
 from seqpar.checks import SIGNATURE_LENGTH
@@ -196,8 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"P = {ranks}, {kind}: {args.seeds} rows done", file=sys.stderr, flush=True)
     _print(records)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump([{**r, **provenance("placement", argv)} for r in records], f, indent=1)
+        save_records(args.json, "placement", argv, records)
     return 0
 
 
