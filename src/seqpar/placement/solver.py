@@ -83,13 +83,10 @@ def _documents(row: torch.Tensor) -> list[tuple[int, int]]:
     return [(a, b - a) for a, b in zip(cut, cut[1:])]
 
 
-def _build(docs: list[tuple[int, int]], tok_work: torch.Tensor, p: int, c: int, k: int, flat_window: int | None,
-           causal: bool) -> tuple[torch.Tensor, torch.Tensor, list[int]]:  # fmt: skip
+def _build(docs: list[tuple[int, int]], work: list[float], tok_work: torch.Tensor, p: int, c: int, k: int,
+           flat_window: int | None, causal: bool) -> tuple[torch.Tensor, torch.Tensor, list[int]]:  # fmt: skip
     """One candidate for ``k`` chunks per rank: the order ``[S']`` (-1 padding), its position ids (padding
     restarts at every chunk), and the rank of every chunk."""
-    total = torch.cat([tok_work.new_zeros(1), tok_work.cumsum(0)])
-    bounds = torch.tensor([[s, s + n] for s, n in docs])
-    work = (total[bounds[:, 1]] - total[bounds[:, 0]]).tolist()
     mean, share = sum(work) / p, k * c
     long = [d for d, (_, n) in enumerate(docs) if n > share or work[d] > mean * WORK_SLACK]
     flat = [not causal or (flat_window is not None and docs[d][1] > 2 * flat_window) for d in long]
@@ -137,13 +134,11 @@ def _lay_out(segments: list[tuple[int, int, int]], c: int) -> tuple[torch.Tensor
     return order, places
 
 
-def _build_chain(docs: list[tuple[int, int]], tok_work: torch.Tensor, p: int, c: int, k: int,
+def _build_chain(docs: list[tuple[int, int]], work: list[float], total: torch.Tensor, p: int, c: int, k: int,
                  causal: bool) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:  # fmt: skip
     """The chain candidate (``seqpar.placement.chain``) for ``k`` chunks per rank, as ``_build`` returns it."""
     if not causal:
         return None
-    total = torch.cat([tok_work.new_zeros(1), tok_work.cumsum(0)])
-    work = [float(total[s + n] - total[s]) for s, n in docs]
     segments = chain_segments(docs, work, total, p, k * c)
     if segments is None:
         return None
@@ -204,12 +199,19 @@ def placed_layout(
     k_min = math.ceil(seq_len / (world_size * c))
     docs = _documents(positions[0])
     options = [k_min] + ([k_min + 1] if (k_min + 1) * c * world_size <= TOKEN_SLACK * seq_len else [])
-    best, tok_work = None, _token_work(positions, mask, causal, window)
-    for k, chain in [(k, False) for k in options] + [(options[-1], True)]:  # each refined; the chain needs padding
-        built = _build_chain(docs, tok_work, world_size, c, k, causal) if chain else None
-        if built is None and chain:
+    tok_work = _token_work(positions, mask, causal, window)
+    total = torch.cat([tok_work.new_zeros(1), tok_work.cumsum(0)])  # [S + 1] cumulative work
+    bounds = torch.tensor([[s, s + n] for s, n in docs])
+    work = (total[bounds[:, 1]] - total[bounds[:, 0]]).tolist()  # each document's
+    builds = [lambda k=k: _build(docs, work, tok_work, world_size, c, k, window, causal) for k in options]
+    builds.append(lambda: _build_chain(docs, work, total, world_size, c, options[-1], causal))  # it needs padding
+    best = None
+    for build in builds:  # each candidate refined
+        built = build()
+        if built is None:
             continue
-        order, placed, owner = built or _build(docs, tok_work, world_size, c, k, window, causal)
+        order, placed, owner = built
+        k = len(owner) // world_size
         refiner = Refiner(placed, c, owner, causal, window, key_cost, tile_costs, BALANCE_SLACK)
         owner = refiner.run(REFINE_ROUNDS)
         key = (max(refiner.load) > refiner.cap * (1 + 1e-9), max(refiner.traffic), max(refiner.load), k)

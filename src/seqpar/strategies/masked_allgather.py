@@ -37,20 +37,21 @@ def _start_gather(exchange: SparseExchange, k, v, needs: KVNeeds, rank: int) -> 
     return recvs
 
 
-def _peer_slots(chunk_ids, chunk: int, rank: int) -> tuple[list[int], torch.Tensor]:
-    """The peers' chunk ids in global order, and ``[S]`` each global token's index among their tokens (-1: own)."""
+def _peer_places(chunk_ids, chunk: int, rank: int, needs: KVNeeds, device) -> tuple[list[int], dict]:
+    """The peers' chunk ids in global order, and per peer where its sent tokens sit among their tokens."""
     others = sorted(c for r, ids in enumerate(chunk_ids) if r != rank for c in ids)
     slots = torch.full((chunk * sum(len(ids) for ids in chunk_ids),), -1, dtype=torch.long)
     slots[global_tokens(others, chunk)] = torch.arange(len(others) * chunk)
-    return others, slots
+    peers = (s for s in range(len(chunk_ids)) if s != rank)
+    return others, {s: slots[global_tokens(chunk_ids[s], chunk)[needs[rank][s]]].to(device) for s in peers}
 
 
-def _peer_kv(k, recvs, needs: KVNeeds, chunk_ids, slots: torch.Tensor, chunk: int, rank: int) -> torch.Tensor:
-    """``[2, B, Hkv, S - S/P, D]``: the peers' chunks in global order, received tokens set, zeros elsewhere."""
+def _peer_kv(k, recvs, places: dict, tokens: int) -> torch.Tensor:
+    """``[2, B, Hkv, tokens, D]``: the peers' chunks in global order, received tokens set, zeros elsewhere."""
     b, h, _, d = k.shape
-    kv = torch.zeros((2, b, h, int((slots >= 0).sum()), d), dtype=k.dtype, device=k.device)
+    kv = torch.zeros((2, b, h, tokens, d), dtype=k.dtype, device=k.device)
     for s, got in recvs.items():
-        kv.index_copy_(3, slots[global_tokens(chunk_ids[s], chunk)[needs[rank][s]]].to(k.device), got)
+        kv.index_copy_(3, places[s], got)
     return kv
 
 
@@ -65,8 +66,8 @@ class _MaskedAllGather(torch.autograd.Function):
         out, lse = new_accumulator(q)  # [B, H, S/P, D], [B, H, S/P] float32
         blocks_forward(kernel, q, k, v, own, scale, out, lse)  # overlaps the transfers
         exchange.wait()
-        others, slots = _peer_slots(chunk_ids, chunk, rank)
-        kv = _peer_kv(k, recvs, needs, chunk_ids, slots, chunk, rank)
+        others, places = _peer_places(chunk_ids, chunk, rank, needs, k.device)
+        kv = _peer_kv(k, recvs, places, len(others) * chunk)
         del recvs
         blocks = plan(chunk_ids[rank], others, chunk, causal, mask, q.device)
         blocks_forward(kernel, q, kv[0], kv[1], blocks, scale, out, lse)
@@ -75,15 +76,14 @@ class _MaskedAllGather(torch.autograd.Function):
             out, lse = add_sinks(out, lse, sinks)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.args = (group, chunk_ids, scale, kernel, needs, own, blocks)
+        ctx.args = (group, chunk_ids, scale, kernel, needs, own, blocks, places, len(others) * chunk)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        group, chunk_ids, scale, kernel, needs, own, blocks = ctx.args
+        group, chunk_ids, scale, kernel, needs, own, blocks, places, peer_tokens = ctx.args
         rank = dist.get_rank(group)
-        chunk = q.shape[2] // len(chunk_ids[rank])
         dout = dout.contiguous()
         exchange = SparseExchange(group, _KV_TAG)
         recvs = _start_gather(exchange, k, v, needs, rank)
@@ -91,16 +91,14 @@ class _MaskedAllGather(torch.autograd.Function):
         dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)  # this rank's dK, dV
         blocks_backward(kernel, dout, q, k, v, out, lse, own, scale, dq, dkv[0], dkv[1])
         exchange.wait()
-        _, slots = _peer_slots(chunk_ids, chunk, rank)
-        kv = _peer_kv(k, recvs, needs, chunk_ids, slots, chunk, rank)
+        kv = _peer_kv(k, recvs, places, peer_tokens)
         del recvs
         peer_grads = torch.zeros(kv.shape, dtype=torch.float32, device=k.device)  # [2, B, Hkv, S - S/P, D]
         blocks_backward(kernel, dout, q, kv[0], kv[1], out, lse, blocks, scale, dq, peer_grads[0], peer_grads[1])
         del kv
         b, h, _, d = k.shape
         peers = [p for p in range(len(chunk_ids)) if p != rank]
-        back = {s: peer_grads.index_select(3, slots[global_tokens(chunk_ids[s], chunk)[needs[rank][s]]].to(k.device))
-                for s in peers}  # fmt: skip
+        back = {s: peer_grads.index_select(3, places[s]) for s in peers}
         incoming = {p: peer_grads.new_empty((2, b, h, len(needs[p][rank]), d)) for p in peers}
         del peer_grads
         exchange = SparseExchange(group, _DKV_TAG)
