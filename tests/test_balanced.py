@@ -12,7 +12,7 @@ import torch
 import seqpar
 from seqpar.balanced import planned_work, visible_area
 from seqpar.errors import SeqparInputError
-from seqpar.strategies.planner import CAUSAL, FULL, SKIP, chunk_tiles, tile_kinds, tile_size
+from seqpar.strategies.tiles import CAUSAL, FULL, SKIP, chunk_tiles, tile_kinds, tile_size
 from tests._cases import packed_positions
 from tests.test_mask_kinds import kind_mask
 

@@ -22,22 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from seqpar.strategies.masking import SequenceMask
-from seqpar.strategies.tiles import (
-    CAUSAL,
-    FULL,
-    MASK_TILE,
-    MIN_WINDOW_TILE,
-    MIXED,
-    SKIP,
-    chunk_runs,
-    chunk_tiles,
-    run_tiles,
-    tile_kinds,
-    tile_size,
-)
+from seqpar.strategies.tiles import CAUSAL, MIXED, SKIP, chunk_runs, run_tiles, tile_kinds
 
-__all__ = ["CAUSAL", "FULL", "MASK_TILE", "MIN_WINDOW_TILE", "MIXED", "SKIP", "Block", "chunk_tiles", "plan"]
-__all__ += ["plan_blocks", "tile_kinds", "tile_size"]
+__all__ = ["Block", "plan", "plan_blocks"]
 
 
 @dataclass(frozen=True)
