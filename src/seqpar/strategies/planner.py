@@ -131,12 +131,12 @@ def _masked_plan(
     q, kv = run_tiles(q_runs, edges, chunk_len, mask), run_tiles(kv_runs, edges, chunk_len, mask)
     kinds = tile_kinds(q.lo, q.hi, kv.lo, kv.hi, causal, mask)
     (q_lo, q_hi, q_at), (kv_lo, kv_hi, kv_at) = ([t.tolist() for t in (s.lo, s.hi, s.local)] for s in (q, kv))
-    blocks = []
+    blocks, kind_of = [], kinds.tolist()
     for a, b in (kinds != SKIP).nonzero().tolist():
         q_glob, kv_glob = (q_lo[a], q_hi[a] + 1), (kv_lo[b], kv_hi[b] + 1)
         q_loc = slice(q_at[a], q_at[a] + q_glob[1] - q_glob[0])
         kv_loc = slice(kv_at[b], kv_at[b] + kv_glob[1] - kv_glob[0])
-        kind = int(kinds[a, b])
+        kind = kind_of[a][b]
         keep = _dense_mask(q_glob, kv_glob, causal, mask, device) if kind == MIXED else None
         blocks.append(Block(q_loc, kv_loc, kind == CAUSAL, keep))
     return blocks
