@@ -12,7 +12,8 @@ import torch
 import seqpar
 from seqpar.balanced import planned_work, visible_area
 from seqpar.errors import SeqparInputError
-from seqpar.strategies.tiles import CAUSAL, FULL, SKIP, chunk_tiles, tile_kinds, tile_size
+from seqpar.strategies.planner import plan
+from seqpar.strategies.tiles import CAUSAL, FULL, SKIP, tile_kinds, tile_size
 from tests._cases import packed_positions
 from tests.test_mask_kinds import kind_mask
 
@@ -47,8 +48,8 @@ def test_tiles_and_visible_area_follow_the_dense_mask(case):
     token_causal = causal and blocks is None
     for chunk in (12, 24, 48):
         tile = tile_size(chunk, mask)
-        bounds = [chunk_tiles(c, chunk, tile) for c in range(96 // chunk)]
-        lo, hi = torch.cat([b[0] for b in bounds]), torch.cat([b[1] for b in bounds])
+        lo = (torch.arange(96 // chunk)[:, None] * chunk + torch.arange(0, chunk, tile)).flatten()  # tiles of a chunk
+        hi = torch.minimum(lo + tile, (lo // chunk + 1) * chunk) - 1
         kinds = tile_kinds(lo, hi, lo, hi, token_causal, mask)
         for a in range(len(lo)):
             for b in range(len(lo)):
@@ -62,6 +63,28 @@ def test_tiles_and_visible_area_follow_the_dense_mask(case):
         # planned work covers every visible pair, and counts whole tiles
         per_chunk = visible_area(mask, 96, causal).view(-1, chunk).sum(1)
         assert bool((planned_work(mask, 96, chunk, causal).sum(1) >= per_chunk).all())
+
+
+def test_planned_work_is_the_work_of_the_ring_plans():
+    """``layout_balance(...).planned`` against the blocks ``plan`` returns, one rank's queries against every rank's
+    keys, each block's rectangle at its kind's cost: every mask kind, runs of chunks and scattered chunks."""
+    costs = (1.0, 0.7, 1.3)
+    layouts = [((0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)), ((0, 5, 6, 11), (1, 2, 9, 10), (3, 4, 7, 8))]
+    for positions, causal, window, blocks in MASKS:
+        mask = seqpar.sequence_mask(positions, None, layout="contiguous", window=window, blocks=blocks)
+        for ids in layouts:
+            expected = [
+                sum(
+                    (b.q.stop - b.q.start) * (b.kv.stop - b.kv.start)
+                    * (costs[2] if b.mask is not None else costs[1] if b.causal else costs[0])
+                    for kv in ids for b in plan(q, kv, 8, causal and blocks is None, mask)
+                )
+                for q in ids
+            ]  # fmt: skip
+            got = seqpar.layout_balance(positions, seqpar.ChunkLayout(ids), 3, causal=causal, window=window,
+                                        blocks=blocks, tile_costs=costs)  # fmt: skip
+            assert list(got.planned) == pytest.approx(expected, rel=1e-12), (window, blocks, ids)
+            assert min(expected) > 0
 
 
 @pytest.mark.parametrize("world_size", [3, 4])

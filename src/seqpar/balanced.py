@@ -10,11 +10,13 @@ Note [balanced layout]
     ``k`` of them (so token counts stay equal), choosing which by each chunk's work under the batch's mask:
     - visible area: for each query, the keys it may see (its document, causal, window, blocks), summed over
       the chunk's queries and the batch rows;
-    - planned work: the area of the tiles the block planner computes for the chunk taken alone (Note
-      [masked tiles]: ``chunk_tiles``), with the same corner rules (``seqpar.strategies.tiles.tile_kinds``),
-      so it is what the kernels will be asked to do (a run of chunks tiled as one skips no less), each
-      kind weighted by what a kernel spends per score on it (``TILE_COSTS``: masked tiles more than plain
-      ones).
+    - planned work: the area of the tiles the block planner computes for the chunk taken alone as a run
+      (Note [masked tiles]: cut at document starts, ``run_tiles``), with the same corner rules
+      (``seqpar.strategies.tiles.tile_kinds``), each kind weighted by what a kernel spends per score on it
+      (``TILE_COSTS``: a causal square its whole area, masked tiles more than plain ones). That is what the
+      kernels compute when no two consecutive chunks share a rank; where they do, the planner tiles them as
+      one run and its diagonal squares are larger. ``layout_balance`` reports the work of the plans
+      themselves (``planner.plan_cost``).
     The solver minimises the larger of the two relative imbalances (a rank's share over the mean): a
     longest-first greedy pass (each chunk, by decreasing work, to the least loaded rank that still has
     room), then pairwise exchanges between the most loaded rank and any other while one lowers the larger
@@ -36,7 +38,8 @@ import torch
 from seqpar.errors import SeqparInputError
 from seqpar.layout import ChunkLayout
 from seqpar.strategies.masking import SequenceMask, sequence_mask
-from seqpar.strategies.tiles import chunk_tiles, tile_kinds, tile_size
+from seqpar.strategies.planner import plan_cost
+from seqpar.strategies.tiles import run_tiles, tile_kinds
 
 __all__ = ["CHUNKS_PER_RANK", "TILE_COSTS", "LayoutBalance", "balanced_layout", "layout_balance"]
 __all__ += ["planned_work", "visible_area"]
@@ -91,7 +94,7 @@ def planned_work(mask: SequenceMask, seq_len: int, chunk_len: int, causal: bool 
     Args:
         mask: the sequence mask.
         seq_len: the global sequence length.
-        chunk_len: tokens per chunk (sets the tiles, as ``plan`` cuts them).
+        chunk_len: tokens per chunk (each chunk is tiled as a run of its own).
         causal: the token-level causal rule (ignored under blocks, which carry their own).
 
     Returns:
@@ -99,9 +102,9 @@ def planned_work(mask: SequenceMask, seq_len: int, chunk_len: int, causal: bool 
         causal squares, masked tiles (each tile's whole rectangle).
     """
     causal = causal and mask.blocks is None
-    tile = tile_size(chunk_len, mask)
-    bounds = [chunk_tiles(c, chunk_len, tile) for c in range(seq_len // chunk_len)]
-    lo, hi = torch.cat([b[0] for b in bounds]), torch.cat([b[1] for b in bounds])
+    n = seq_len // chunk_len
+    tiles = run_tiles([(c, c, 1) for c in range(n)], set(range(0, seq_len + 1, chunk_len)), chunk_len, mask)
+    lo, hi = tiles.lo, tiles.hi
     size = (hi - lo + 1).double()
     weight = torch.eye(4, dtype=torch.float64)[:, 1:]  # SKIP, FULL, CAUSAL, MIXED -> plain, causal, masked columns
     rows = []
@@ -110,7 +113,7 @@ def planned_work(mask: SequenceMask, seq_len: int, chunk_len: int, causal: bool 
         kinds = tile_kinds(lo[part], hi[part], lo, hi, causal, mask)
         rows.append((weight[kinds] * size[None, :, None]).sum(1) * size[part, None])
     per_tile = torch.cat(rows)  # [T, 3]
-    return per_tile.view(len(bounds), -1, 3).sum(1)
+    return torch.zeros(n, 3, dtype=torch.float64).index_add_(0, lo // chunk_len, per_tile)
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,8 @@ class LayoutBalance:
     visible: tuple[float, ...]
     """Visible attention area of each rank (query-key pairs a rank's queries may see)."""
     planned: tuple[float, ...]
-    """Area of the tiles each rank's plan computes."""
+    """Work of the blocks each rank computes: the blocks of its plans against every rank's keys, as the ring
+    runs them (``planner.plan_cost``: a rank's runs of chunks tiled as one span), weighted by ``tile_costs``."""
 
     @property
     def visible_max_over_mean(self) -> float:
@@ -133,10 +137,7 @@ class LayoutBalance:
         return max(self.planned) * len(self.planned) / max(sum(self.planned), 1e-300)
 
 
-
-def _costs(
-    mask: SequenceMask, seq_len: int, n_chunks: int, causal: bool, tile_costs: Sequence[float]
-) -> torch.Tensor:
+def _costs(mask: SequenceMask, seq_len: int, n_chunks: int, causal: bool, tile_costs: Sequence[float]) -> torch.Tensor:
     """``[n, 2]``: visible area and planned work (tile areas weighted by ``tile_costs``) of each chunk."""
     chunk = seq_len // n_chunks
     planned = planned_work(mask, seq_len, chunk, causal) @ torch.tensor(tile_costs, dtype=torch.float64)
@@ -178,9 +179,11 @@ def layout_balance(
     n = sum(len(x) for x in ids)
     if seq_len % n:
         raise SeqparInputError(f"sequence length {seq_len} does not divide into {n} chunks")
-    costs = _costs(mask, seq_len, n, causal, tile_costs)
-    per_rank = [costs[list(r)].sum(0).tolist() for r in ids]
-    return LayoutBalance(tuple(c[0] for c in per_rank), tuple(c[1] for c in per_rank))
+    chunk = seq_len // n
+    visible = visible_area(mask, seq_len, causal).view(n, chunk).sum(1)
+    rule = causal and mask.blocks is None  # block-causal ranges carry their own rule, as in the strategies
+    planned = [sum(plan_cost(q, kv, chunk, rule, mask, tile_costs) for kv in ids) for q in ids]
+    return LayoutBalance(tuple(float(visible[list(q)].sum()) for q in ids), tuple(planned))
 
 
 def _solve(costs: torch.Tensor, world_size: int, per_rank: int) -> tuple[list[list[int]], float]:

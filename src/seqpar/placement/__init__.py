@@ -40,18 +40,33 @@ Note [placed layout]
     included, are within 1.05 of the mean ``S/P``. Padding is its own document (position ids from 0,
     labels ignored, ``token_mask`` 0; it restarts at every chunk, so it costs one tile per chunk), so no
     real token sees it.
+    Work: what the ring's plans of the placed row compute (``planner.plan_cost``; ``layout_balance``
+    reports it). The planner tiles a rank's run of chunks as one span cut at document starts (Note [masked
+    tiles]), so a document's piece on one rank costs its visible keys at the plain cost plus its diagonal
+    squares at their whole area (``square_extra``: seqpar's CPU kernel spends about the whole square below
+    ~512 tokens, ``TILE_COSTS``); cutting a document into pieces on different ranks makes its squares
+    smaller and the total work lower. The builders count each token's visible keys plus an even share of
+    its document's squares (``_token_work``); the refining pass counts them exactly per rank from its runs.
+    With a causal window, a query tile a window or more into its document also computes the masked tile the
+    band's edge crosses (``token_costs``): exact on the grid a window's tiles follow, approximate where a run
+    end moves it (within about 3% on the benchmark rows).
     Refining pass (``seqpar.placement.refine``): the row's order is then fixed and only which rank holds
-    each chunk changes, so each chunk's planned work is computed once, exactly as the planner tiles it
-    (``planned_work`` weighted by ``TILE_COSTS``, all chunks in one ``tile_kinds`` call). A rank's score is
-    its planned work (at least ``BALANCE_SLACK`` = 1.05 of the mean), ``OVER`` = 1000 per unit of work
-    above that, and ``key_cost`` per token of K/V traffic (keys it sends count twice, forward and
-    backward; keys it receives once, their gradients go home; per document, each rank needs one interval
-    of keys: its document's start, or its first query minus the window, to its last query). While it
-    lowers the largest score, the pass exchanges a chunk of the top rank with another rank's chunk: the 8
-    exchanges that look best by loads and a guess of the traffic each move adds are scored exactly, and
-    the best is taken when the top rank falls and no rank rises to it. Evening the work comes first
-    (that is the balance target), then traffic: a cut is made only where the work needs it, and a batch
-    already within 1.05 is left as it is.
+    each chunk changes. A rank's score is its work (at least ``BALANCE_SLACK`` = 1.05 of the mean),
+    ``OVER`` = 1000 per unit of work above that, and ``key_cost`` per token of K/V traffic (keys it sends
+    count twice, forward and backward; keys it receives once, their gradients go home; per document, each
+    rank needs one interval of keys: its document's start, or its first query minus the window, to its last
+    query). While it lowers the largest score, the pass exchanges a chunk of the top rank with another
+    rank's chunk: the 8 exchanges that look best by loads and a guess of the traffic each move adds are
+    scored exactly, and the best is taken when the top rank falls and no rank rises to it. Evening the work
+    comes first (that is the balance target), then traffic: a cut is made only where the work needs it, and
+    a batch already within 1.05 is left as it is. The target stays fixed during a pass (a cut lowers the
+    mean, and a moving target would turn each cut into an excess elsewhere); a new pass starts from the new
+    mean while a rank is above it (at most ``PASSES`` = 10, ``REFINE_ROUNDS`` = 200 exchanges in all).
+    Short documents only: when every document holds at most ``S/(2P)`` tokens, the candidates keep every
+    document whole and are not refined, so ring and all-gather move no K/V at all (the limit of dynamic
+    context parallelism, with the mesh unchanged). The candidate with the least traffic (none, where the
+    padding lets whole documents fill the runs), then the most even work, is taken; its work is as even as
+    whole documents allow, which on a short row with few documents per rank can be well above 1.05.
     Candidates: the row is built and refined twice, with ``k`` and with ``k + 1`` chunks per rank (more
     padding, more room to keep documents whole), and the refined candidate taken is within the balance
     target, then has the least traffic on its busiest rank, then the least work on it (ties: fewer chunks).
@@ -65,7 +80,7 @@ Note [placed layout]
     (else the most even within 1.1 of the mean), then each document's share is moved by 0.05 while that
     lowers the busiest run's traffic; documents
     no run holds whole are cut at the run ends no dense document crosses. Only the heads' keys travel, to
-    one rank each; the refining pass then evens what the token work model left above the target.
+    one rank each; the refining pass then evens what the builders' work model left above the target.
     While the whole short documents cannot even the
     home runs, the tail's share of a long document is lowered (1.02, then 0.96, then 0.90 of the mean)
     before the refining pass has to cut documents.

@@ -16,9 +16,10 @@ from seqpar.errors import SeqparInputError
 from seqpar.layout import ChunkLayout
 from seqpar.placement.chain import chain_segments
 from seqpar.placement.home import BALANCE_SLACK, assign_homes, fill_homes
-from seqpar.placement.refine import Refiner
+from seqpar.placement.refine import Refiner, square_extra, token_costs
 from seqpar.placement.split import FILL_TARGETS, WORK_SLACK, fill_costs, split_long
 from seqpar.strategies.masking import SequenceMask, sequence_mask
+from seqpar.strategies.tiles import MASK_TILE, tile_size
 
 __all__ = ["KEY_COST", "TOKEN_SLACK", "Placement", "placed_layout"]
 
@@ -145,12 +146,17 @@ def _build_chain(docs: list[tuple[int, int]], work: list[float], total: torch.Te
     return (*_lay_out(segments, c), [r for r in range(p) for _ in range(k)])
 
 
-def _token_work(positions: torch.Tensor, mask: SequenceMask, causal: bool, window: int | None) -> torch.Tensor:
-    """``[S]`` attention work of each token: the keys it sees (causal: its position, up to the window)."""
+def _token_work(positions: torch.Tensor, mask: SequenceMask, causal: bool, docs: list[tuple[int, int]],
+                tile_costs: Sequence[float]) -> torch.Tensor:  # fmt: skip
+    """``[S]`` attention work of each token as the refining pass counts it (``token_costs``), plus its even share
+    of its document's diagonal squares when the document is held whole (``square_extra``)."""
     seq_len = positions.shape[-1]
     if not causal:
-        return visible_area(mask, seq_len, causal)[:seq_len] / positions.shape[0]
-    return (positions[0] + 1).clamp(max=window or seq_len).double()
+        return visible_area(mask, seq_len, causal)[:seq_len] / positions.shape[0] * float(tile_costs[0])
+    work = token_costs(positions[0], causal, mask.window, tile_costs)
+    tile = tile_size(MASK_TILE, mask)
+    extra = [square_extra(0, n, tile, False, causal, tile_costs) / n for _, n in docs]  # where it lands is unknown
+    return work + torch.tensor(extra, dtype=torch.float64).repeat_interleave(torch.tensor([n for _, n in docs]))
 
 
 def placed_layout(
@@ -199,12 +205,15 @@ def placed_layout(
     k_min = math.ceil(seq_len / (world_size * c))
     docs = _documents(positions[0])
     options = [k_min] + ([k_min + 1] if (k_min + 1) * c * world_size <= TOKEN_SLACK * seq_len else [])
-    tok_work = _token_work(positions, mask, causal, window)
+    tok_work = _token_work(positions, mask, causal, docs, tile_costs)
     total = torch.cat([tok_work.new_zeros(1), tok_work.cumsum(0)])  # [S + 1] cumulative work
     bounds = torch.tensor([[s, s + n] for s, n in docs])
     work = (total[bounds[:, 1]] - total[bounds[:, 0]]).tolist()  # each document's
     builds = [lambda k=k: _build(docs, work, tok_work, world_size, c, k, window, causal) for k in options]
     builds.append(lambda: _build_chain(docs, work, total, world_size, c, options[-1], causal))  # it needs padding
+    # every document within S / (2P): the candidates hold them whole (no K/V between ranks) and are not refined;
+    # the one with the least traffic, then the most even, wins (Note [placed layout])
+    short = causal and 2 * world_size * max(n for _, n in docs) <= seq_len
     best = None
     for build in builds:  # each candidate refined
         built = build()
@@ -213,11 +222,12 @@ def placed_layout(
         order, placed, owner = built
         k = len(owner) // world_size
         refiner = Refiner(placed, c, owner, causal, window, key_cost, tile_costs, BALANCE_SLACK)
-        owner = refiner.run(REFINE_ROUNDS)
-        key = (max(refiner.load) > refiner.cap * (1 + 1e-9), max(refiner.traffic), max(refiner.load), k)
-        if best is None or key < best[0]:
-            best = (key, order, placed, owner)
-        if key[:2] == (False, 0.0):  # even and silent: no candidate can do better on traffic
+        owner = owner if short else refiner.run(REFINE_ROUNDS)
+        over, traffic = max(refiner.load) > refiner.cap * (1 + 1e-9), max(refiner.traffic)
+        key = (traffic, over) if short else (over, traffic)  # short documents: no traffic first, then the balance
+        if best is None or (*key, max(refiner.load), k) < best[0]:
+            best = ((*key, max(refiner.load), k), order, placed, owner)
+        if not over and traffic == 0:  # even and silent: no candidate can do better
             break
     _, order, placed, owner = best
     ids = tuple(tuple(g for g, r in enumerate(owner) if r == rank) for rank in range(world_size))

@@ -24,7 +24,7 @@ import torch
 from seqpar.strategies.masking import SequenceMask
 from seqpar.strategies.tiles import CAUSAL, MIXED, SKIP, chunk_runs, run_tiles, tile_kinds
 
-__all__ = ["Block", "plan", "plan_blocks"]
+__all__ = ["Block", "plan", "plan_blocks", "plan_cost"]
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,42 @@ def plan(
     if key not in mask.plans:
         mask.plans[key] = _masked_plan(q_chunks, kv_chunks, chunk_len, causal, mask, device)
     return mask.plans[key]
+
+
+def plan_cost(
+    q_chunks: Sequence[int],
+    kv_chunks: Sequence[int],
+    chunk_len: int,
+    causal: bool,
+    mask: SequenceMask | None,
+    tile_costs: Sequence[float],
+) -> float:
+    """The work of ``plan(q_chunks, kv_chunks, ...)``: each block's area (its whole rectangle) times the cost
+    per score of its kind, without building any tile mask.
+
+    Args:
+        q_chunks: global chunk ids of the local queries, in local order.
+        kv_chunks: global chunk ids of the keys/values in hand, in their local order.
+        chunk_len: tokens per chunk.
+        causal: whether a causal mask applies.
+        mask: packed documents and sliding window, or None.
+        tile_costs: cost per score of a plain block, a causal square and a masked tile.
+
+    Returns:
+        The weighted area, in scores.
+    """
+    plain, square, masked = (float(x) for x in tile_costs)
+    if mask is None or mask.trivial:
+        return sum(
+            (b.q.stop - b.q.start) * (b.kv.stop - b.kv.start) * (square if b.causal else plain)
+            for b in plan_blocks(q_chunks, kv_chunks, chunk_len, causal)
+        )
+    q_runs, kv_runs = chunk_runs(q_chunks), chunk_runs(kv_chunks)
+    edges = {(c + n * end) * chunk_len for _, c, n in q_runs + kv_runs for end in (0, 1)}
+    q, kv = run_tiles(q_runs, edges, chunk_len, mask), run_tiles(kv_runs, edges, chunk_len, mask)
+    kinds = tile_kinds(q.lo, q.hi, kv.lo, kv.hi, causal, mask)  # [Tq, Tk]
+    weight = torch.tensor([0.0, plain, square, masked], dtype=torch.float64)[kinds]
+    return float((q.hi - q.lo + 1).double() @ weight @ (kv.hi - kv.lo + 1).double())
 
 
 def _masked_plan(

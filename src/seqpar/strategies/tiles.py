@@ -12,10 +12,12 @@ Note [masked tiles]
     queries' and the keys' tiles share their edges and a diagonal tile is an exact square), at each
     document start common to every batch row (so a tile never straddles two documents: the pair is
     skipped or plain, not masked), and at the ends of block-causal ranges. Each piece between two cuts is
-    split evenly into pieces of at most ``tile_size``: ``MASK_TILE`` tokens, or half the window (at least
-    ``MIN_WINDOW_TILE``) with a window, so that the band's ragged edge wastes fewer scores. Equal blocks
-    instead cut at every multiple of the block size (at least ``MIN_WINDOW_TILE``), so that blocks aligned
-    with the grid leave no tile masked. Each tile pair is classified from its four corners alone:
+    split evenly into pieces of at most ``tile_size``: ``MASK_TILE`` tokens, or with a window half the
+    window (at least ``MIN_WINDOW_TILE``) cut at every multiple of it in the row, so that a query tile meets
+    the band's ragged edge in one key tile, not two (even pieces a little under half a window put the edge
+    across two tiles, each computed whole). Equal blocks also cut at every multiple of the block size (at
+    least ``MIN_WINDOW_TILE``), so that blocks aligned with the grid leave no tile masked. Each tile pair is
+    classified from its four corners alone:
     - skipped: nothing in it is visible. Every key comes after every query (causal), the last key lies a
       whole window or more before the first query, or in every batch row the queries' documents and the
       keys' documents are disjoint. It costs nothing.
@@ -40,10 +42,11 @@ Note [masked tiles]
     exp(-inf - lse) = 0; an lse of -inf is first turned into +inf (``kernels.base.unmark_empty_rows``) so
     that it is 0 there too, not NaN. Every query sees at least itself somewhere in its plan, so no row is
     still empty once all its tiles are merged.
-    Cost models: the layouts price each chunk alone (``chunk_tiles``: the chunk cut into tiles of at most
-    ``tile_size(chunk_len)``), since which chunks end up in one run is what they decide. A run's tiles
-    skip and mask no more than its chunks' tiles would (its cuts include every document start), so the
-    model's work is what the kernels compute, up to the per-call overhead that larger tiles spare.
+    Cost models: ``planner.plan_cost`` weighs a plan's tiles without building their masks;
+    ``layout_balance`` sums it over the ring's plans, so the work it reports is what the kernels are asked
+    to compute. The balanced layout prices each chunk tiled as a run of its own (Note [balanced layout]);
+    the placed layout counts a rank's runs (Note [placed layout]): a document's piece in one run is one
+    diagonal square per tile, and a causal square costs a CPU kernel about its whole area.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ import torch
 from seqpar.strategies.masking import SequenceMask
 
 __all__ = ["CAUSAL", "FULL", "MASK_TILE", "MIN_WINDOW_TILE", "MIXED", "SKIP", "RunTiles", "chunk_runs"]
-__all__ += ["chunk_tiles", "run_tiles", "tile_kinds", "tile_size"]
+__all__ += ["run_tiles", "tile_kinds", "tile_size"]
 
 MASK_TILE = 1024
 MIN_WINDOW_TILE = 128
@@ -118,12 +121,6 @@ def tile_kinds(
     return torch.where(skip, SKIP, kinds)
 
 
-def chunk_tiles(chunk_id: int, chunk_len: int, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """First and last global token of each tile of chunk ``chunk_id`` alone (the last tile may be shorter)."""
-    lo = torch.arange(0, chunk_len, tile) + chunk_id * chunk_len
-    return lo, torch.clamp(lo + tile, max=(chunk_id + 1) * chunk_len) - 1
-
-
 def chunk_runs(chunks: Sequence[int]) -> list[tuple[int, int, int]]:
     """``(first local index, first global id, length)`` of each run of chunks consecutive locally and globally."""
     runs: list[tuple[int, int, int]] = []
@@ -178,7 +175,7 @@ def run_tiles(runs: Sequence[tuple[int, int, int]], edges: set[int], chunk_len: 
         The tiles of all runs, in local order.
     """
     tile = tile_size(MASK_TILE, mask)
-    grid = mask.blocks is not None and mask.blocks.size is not None
+    grid = mask.window is not None or (mask.blocks is not None and mask.blocks.size is not None)
     lo_all, hi_all, local_all = [], [], []
     for first, chunk, count in runs:
         lo, hi = chunk * chunk_len, (chunk + count) * chunk_len
