@@ -13,7 +13,7 @@ import seqpar
 from seqpar.balanced import planned_work, visible_area
 from seqpar.errors import SeqparInputError
 from seqpar.strategies.planner import plan
-from seqpar.strategies.tiles import CAUSAL, FULL, SKIP, tile_kinds, tile_size
+from seqpar.strategies.tiles import CAUSAL, FULL, SKIP, SQUARE_BLOCK, tile_kinds, tile_size
 from tests._cases import packed_positions
 from tests.test_mask_kinds import kind_mask
 
@@ -67,20 +67,32 @@ def test_tiles_and_visible_area_follow_the_dense_mask(case):
 
 def test_planned_work_is_the_work_of_the_ring_plans():
     """``layout_balance(...).planned`` against the blocks ``plan`` returns, one rank's queries against every rank's
-    keys, each block's rectangle at its kind's cost: every mask kind, runs of chunks and scattered chunks."""
+    keys, each block's rectangle at its kind's cost (a causal square as its diagonal key blocks and the blocks
+    below them): every mask kind, runs of chunks and scattered chunks, squares under and over a key block."""
     costs = (1.0, 0.7, 1.3)
+
+    def cost(block) -> float:
+        side, area = block.q.stop - block.q.start, (block.q.stop - block.q.start) * (block.kv.stop - block.kv.start)
+        if block.mask is not None:
+            return costs[2] * area
+        if not block.causal:
+            return costs[0] * area
+        whole, rest = divmod(side, SQUARE_BLOCK)
+        diagonal = whole * SQUARE_BLOCK**2 + rest**2
+        return costs[1] * diagonal + costs[0] * (area - diagonal) / 2
+
     layouts = [((0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)), ((0, 5, 6, 11), (1, 2, 9, 10), (3, 4, 7, 8))]
-    for positions, causal, window, blocks in MASKS:
+    long_rows = [  # 12 chunks of 300 tokens: a rank's run of 4 chunks is a square over two key blocks
+        (torch.arange(3600)[None], True, None, None),
+        (torch.cat([torch.arange(1500), torch.arange(1300), torch.arange(800)])[None], True, None, None),
+        (torch.cat([torch.arange(2000), torch.arange(1600)])[None], True, 700, None),
+    ]
+    for positions, causal, window, blocks in MASKS + long_rows:
+        chunk = positions.shape[-1] // 12
         mask = seqpar.sequence_mask(positions, None, layout="contiguous", window=window, blocks=blocks)
         for ids in layouts:
-            expected = [
-                sum(
-                    (b.q.stop - b.q.start) * (b.kv.stop - b.kv.start)
-                    * (costs[2] if b.mask is not None else costs[1] if b.causal else costs[0])
-                    for kv in ids for b in plan(q, kv, 8, causal and blocks is None, mask)
-                )
-                for q in ids
-            ]  # fmt: skip
+            rule = causal and blocks is None
+            expected = [sum(cost(b) for kv in ids for b in plan(q, kv, chunk, rule, mask)) for q in ids]
             got = seqpar.layout_balance(positions, seqpar.ChunkLayout(ids), 3, causal=causal, window=window,
                                         blocks=blocks, tile_costs=costs)  # fmt: skip
             assert list(got.planned) == pytest.approx(expected, rel=1e-12), (window, blocks, ids)

@@ -39,7 +39,7 @@ from seqpar.errors import SeqparInputError
 from seqpar.layout import ChunkLayout
 from seqpar.strategies.masking import SequenceMask, sequence_mask
 from seqpar.strategies.planner import plan_cost
-from seqpar.strategies.tiles import run_tiles, tile_kinds
+from seqpar.strategies.tiles import run_tiles, square_parts, tile_kinds
 
 __all__ = ["CHUNKS_PER_RANK", "TILE_COSTS", "LayoutBalance", "balanced_layout", "layout_balance"]
 __all__ += ["planned_work", "visible_area"]
@@ -99,7 +99,8 @@ def planned_work(mask: SequenceMask, seq_len: int, chunk_len: int, causal: bool 
 
     Returns:
         Per query chunk, the scores of its computed tiles against every key, by kind: plain rectangles,
-        causal squares, masked tiles (each tile's whole rectangle).
+        causal squares (their diagonal blocks; the blocks below count as plain, ``tiles.square_parts``),
+        masked tiles (each tile's whole rectangle).
     """
     causal = causal and mask.blocks is None
     n = seq_len // chunk_len
@@ -113,6 +114,10 @@ def planned_work(mask: SequenceMask, seq_len: int, chunk_len: int, causal: bool 
         kinds = tile_kinds(lo[part], hi[part], lo, hi, causal, mask)
         rows.append((weight[kinds] * size[None, :, None]).sum(1) * size[part, None])
     per_tile = torch.cat(rows)  # [T, 3]
+    diagonal, below = square_parts(size)  # a tile's causal square (the tile against itself), in its parts
+    square = per_tile[:, 1] > 0
+    per_tile[:, 0] += torch.where(square, below, 0.0)
+    per_tile[:, 1] = torch.where(square, diagonal, 0.0)
     return torch.zeros(n, 3, dtype=torch.float64).index_add_(0, lo // chunk_len, per_tile)
 
 

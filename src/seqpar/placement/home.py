@@ -7,6 +7,8 @@ from __future__ import annotations
 
 __all__ = ["BALANCE_SLACK", "assign_homes", "fill_homes"]
 
+PAIRED = 12
+"""The top run's lightest documents ``_even`` tries in pairs, when no single exchange evens the runs."""
 BALANCE_SLACK = 1.05
 """The work, over a rank's mean, that a home assignment may reach and still count as even."""
 
@@ -58,20 +60,21 @@ def fill_homes(lengths: list[int], caps: list[int], home: list[int]) -> list[tup
     return pieces
 
 
-def assign_homes(lengths: list[int], work: list[float], caps: list[int], loads: list[float],
-                 mean: float) -> tuple[list[int], float]:  # fmt: skip
+def assign_homes(lengths: list[int], work: list[float], caps: list[int], loads: list[float], mean: float,
+                 whole: bool = False) -> tuple[list[int], float]:  # fmt: skip
     """Each document's home run (-1: none has room) and the most loaded run's work over the mean.
 
-    The better of two greedy rules, each evened by ``_even``.
+    The best of three greedy rules, each evened by ``_even``.
 
     Longest first, each document goes to the run it fits in that is (a) least full in work and tokens
-    together, or (b) left with the most work room once its free tokens are counted at the mean work per
-    token of the documents not yet placed (tokens and work run out together). The rule whose most loaded run
-    is within ``BALANCE_SLACK`` of the mean and that leaves fewer documents without a home wins; else the
-    one whose most loaded run is lighter.
+    together, (b) left with the most work room once its free tokens are counted at the mean work per token
+    of the documents not yet placed (tokens and work run out together), or (c) left with the fewest free
+    tokens (best fit: whole documents first). The rule whose most loaded run is within ``BALANCE_SLACK``
+    of the mean and that leaves fewer documents without a home wins; else the one whose most loaded run is
+    lighter. With ``whole``, fewer documents without a home comes first.
     """
     best = None
-    for rule in (_least_full, _most_room):
+    for rule in (_least_full, _most_room, _tightest):
         home, used, load = [-1] * len(lengths), [0] * len(caps), list(loads)
         left_work, left_tokens = sum(work), sum(lengths)
         for j in sorted(range(len(lengths)), key=lambda j: (-lengths[j], -work[j], j)):
@@ -83,7 +86,7 @@ def assign_homes(lengths: list[int], work: list[float], caps: list[int], loads: 
             left_work, left_tokens = left_work - work[j], left_tokens - lengths[j]
         _even(home, lengths, work, caps, used, load)
         top = max(load) / max(mean, 1e-300)
-        key = (top > BALANCE_SLACK, home.count(-1), top)
+        key = (home.count(-1), top > BALANCE_SLACK, top) if whole else (top > BALANCE_SLACK, home.count(-1), top)
         if best is None or key < best[0]:
             best = (key, home)
     return best[1], best[0][2]
@@ -99,10 +102,16 @@ def _most_room(h: int, j: int, lengths: list[int], work: list[float], caps: list
     return load[h] + work[j] + density * (caps[h] - used[h] - lengths[j])
 
 
+def _tightest(h: int, j: int, lengths: list[int], work: list[float], caps: list[int], used: list[int],
+              load: list[float], mean: float, density: float) -> float:  # fmt: skip
+    return caps[h] - used[h] - lengths[j]
+
+
 def _even(home: list[int], lengths: list[int], work: list[float], caps: list[int], used: list[int],
           load: list[float]) -> None:  # fmt: skip
     """Move or exchange whole documents between the most loaded home run and another while that lowers the
-    larger of their loads and both still hold their documents (in place; no document is cut)."""
+    larger of their loads and both still hold their documents (in place; no document is cut); when no single
+    move or exchange does, two of the top run's ``PAIRED`` lightest documents for one of another run."""
     for _ in range(4 * len(lengths)):
         top = max(range(len(caps)), key=lambda h: (load[h], -h))
         mine = [j for j, h in enumerate(home) if h == top]
@@ -122,10 +131,23 @@ def _even(home: list[int], lengths: list[int], work: list[float], caps: list[int
                     after = max(load[top] - work[i], load[h] + work[i])
                     if after < load[top] * (1 - 1e-9) and (best is None or after < best[0]):
                         best = (after, i, -1, h)
+        if best is None:  # two documents of the top run exchanged with one of another run
+            few = sorted(mine, key=lambda j: (work[j], j))[:PAIRED]
+            for a, i in enumerate(few):
+                for i2 in few[a + 1 :]:
+                    for j, h in enumerate(home):
+                        if h < 0 or h == top:
+                            continue
+                        size, cost = lengths[i] + lengths[i2], work[i] + work[i2]
+                        if used[top] - size + lengths[j] > caps[top] or used[h] - lengths[j] + size > caps[h]:
+                            continue
+                        after = max(load[top] - cost + work[j], load[h] + cost - work[j])
+                        if after < load[top] * (1 - 1e-9) and (best is None or after < best[0]):
+                            best = (after, i, j, h, i2)
         if best is None:
             return
-        _, i, j, h = best
-        for x, src, dst in ((i, top, h), (j, h, top)):
+        _, i, j, h, *pair = best
+        for x, src, dst in ((i, top, h), (j, h, top), *((x, top, h) for x in pair)):
             if x >= 0:
                 home[x], used[src], used[dst] = dst, used[src] - lengths[x], used[dst] + lengths[x]
                 load[src], load[dst] = load[src] - work[x], load[dst] + work[x]

@@ -11,7 +11,7 @@ import torch
 
 from seqpar.balanced import visible_area
 from seqpar.strategies.masking import SequenceMask
-from seqpar.strategies.tiles import MASK_TILE, tile_size
+from seqpar.strategies.tiles import MASK_TILE, square_parts, tile_size
 
 __all__ = ["Refiner", "chunk_costs", "square_extra", "token_costs"]
 
@@ -26,8 +26,9 @@ _CANDIDATES = 8
 def square_extra(lo: int, hi: int, tile: int, grid: bool, causal: bool, tile_costs: Sequence[float]) -> float:
     """Work a rank's piece ``[lo, hi)`` of one document (consecutive tokens of one run) costs beyond its visible
     area at the plain cost: the planner cuts it into tiles (Note [masked tiles]: ``ceil((hi - lo) / tile)``
-    even pieces, or at the multiples of ``tile`` when ``grid``) whose diagonal squares cost their whole area
-    at the causal square's cost (nothing when not causal: they are plain)."""
+    even pieces, or at the multiples of ``tile`` when ``grid``) whose diagonal squares cost their diagonal
+    blocks at the causal square's cost and the blocks below at the plain cost (``tiles.square_parts``;
+    nothing when not causal: they are plain)."""
     if not causal or hi <= lo:
         return 0.0
     if grid:  # a head to the first multiple, whole tiles, a tail
@@ -38,7 +39,12 @@ def square_extra(lo: int, hi: int, tile: int, grid: bool, causal: bool, tile_cos
         short, longer = (hi - lo) // pieces, (hi - lo) % pieces
         sides = [(short, pieces - longer), (short + 1, longer)]
     plain, square = float(tile_costs[0]), float(tile_costs[1])
-    return sum(count * (square * t * t - plain * t * (t + 1) / 2) for t, count in sides if t > 0)
+
+    def extra(t: int) -> float:
+        diagonal, below = square_parts(t)
+        return square * diagonal + plain * below - plain * t * (t + 1) / 2
+
+    return sum(count * extra(t) for t, count in sides if t > 0)
 
 
 def token_costs(positions: torch.Tensor, causal: bool, window: int | None, tile_costs: Sequence[float]) -> torch.Tensor:

@@ -85,9 +85,10 @@ def _documents(row: torch.Tensor) -> list[tuple[int, int]]:
 
 
 def _build(docs: list[tuple[int, int]], work: list[float], tok_work: torch.Tensor, p: int, c: int, k: int,
-           flat_window: int | None, causal: bool) -> tuple[torch.Tensor, torch.Tensor, list[int]]:  # fmt: skip
+           flat_window: int | None, causal: bool,
+           whole: bool) -> tuple[torch.Tensor, torch.Tensor, list[int]]:  # fmt: skip
     """One candidate for ``k`` chunks per rank: the order ``[S']`` (-1 padding), its position ids (padding
-    restarts at every chunk), and the rank of every chunk."""
+    restarts at every chunk), and the rank of every chunk. ``whole``: keeping documents whole before even."""
     mean, share = sum(work) / p, k * c
     long = [d for d, (_, n) in enumerate(docs) if n > share or work[d] > mean * WORK_SLACK]
     flat = [not causal or (flat_window is not None and docs[d][1] > 2 * flat_window) for d in long]
@@ -101,7 +102,7 @@ def _build(docs: list[tuple[int, int]], work: list[float], tok_work: torch.Tenso
         homes = [first, *sorted((r for r in range(p) if r != first), key=lambda r: (load[r], r))]
         caps = [(k - count[r]) * c for r in homes]
         caps[0] += len(owner) * c - sum(docs[d][1] for d in long)
-        home, top = assign_homes(lengths, works, caps, [load[r] for r in homes], mean)
+        home, top = assign_homes(lengths, works, caps, [load[r] for r in homes], mean, whole)
         even = top <= BALANCE_SLACK
         key = (not even, home.count(-1) if even else 0, top if not even else 0.0)
         if best is None or key < best[0]:
@@ -209,11 +210,11 @@ def placed_layout(
     total = torch.cat([tok_work.new_zeros(1), tok_work.cumsum(0)])  # [S + 1] cumulative work
     bounds = torch.tensor([[s, s + n] for s, n in docs])
     work = (total[bounds[:, 1]] - total[bounds[:, 0]]).tolist()  # each document's
-    builds = [lambda k=k: _build(docs, work, tok_work, world_size, c, k, window, causal) for k in options]
-    builds.append(lambda: _build_chain(docs, work, total, world_size, c, options[-1], causal))  # it needs padding
     # every document within S / (2P): the candidates hold them whole (no K/V between ranks) and are not refined;
     # the one with the least traffic, then the most even, wins (Note [placed layout])
     short = causal and 2 * world_size * max(n for _, n in docs) <= seq_len
+    builds = [lambda k=k: _build(docs, work, tok_work, world_size, c, k, window, causal, short) for k in options]
+    builds.append(lambda: _build_chain(docs, work, total, world_size, c, options[-1], causal))  # it needs padding
     best = None
     for build in builds:  # each candidate refined
         built = build()

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from seqpar.strategies.masking import SequenceMask
-from seqpar.strategies.tiles import CAUSAL, MIXED, SKIP, chunk_runs, run_tiles, tile_kinds
+from seqpar.strategies.tiles import CAUSAL, MIXED, SKIP, chunk_runs, run_tiles, square_parts, tile_kinds
 
 __all__ = ["Block", "plan", "plan_blocks", "plan_cost"]
 
@@ -127,7 +127,8 @@ def plan_cost(
     tile_costs: Sequence[float],
 ) -> float:
     """The work of ``plan(q_chunks, kv_chunks, ...)``: each block's area (its whole rectangle) times the cost
-    per score of its kind, without building any tile mask.
+    per score of its kind, a causal square as its diagonal blocks and the blocks below them
+    (``tiles.square_parts``), without building any tile mask.
 
     Args:
         q_chunks: global chunk ids of the local queries, in local order.
@@ -141,17 +142,24 @@ def plan_cost(
         The weighted area, in scores.
     """
     plain, square, masked = (float(x) for x in tile_costs)
+
+    def causal_cost(side: int) -> float:
+        diagonal, below = square_parts(side)
+        return square * diagonal + plain * below
+
     if mask is None or mask.trivial:
         return sum(
-            (b.q.stop - b.q.start) * (b.kv.stop - b.kv.start) * (square if b.causal else plain)
+            causal_cost(b.q.stop - b.q.start) if b.causal else (b.q.stop - b.q.start) * (b.kv.stop - b.kv.start) * plain
             for b in plan_blocks(q_chunks, kv_chunks, chunk_len, causal)
         )
     q_runs, kv_runs = chunk_runs(q_chunks), chunk_runs(kv_chunks)
     edges = {(c + n * end) * chunk_len for _, c, n in q_runs + kv_runs for end in (0, 1)}
     q, kv = run_tiles(q_runs, edges, chunk_len, mask), run_tiles(kv_runs, edges, chunk_len, mask)
     kinds = tile_kinds(q.lo, q.hi, kv.lo, kv.hi, causal, mask)  # [Tq, Tk]
-    weight = torch.tensor([0.0, plain, square, masked], dtype=torch.float64)[kinds]
-    return float((q.hi - q.lo + 1).double() @ weight @ (kv.hi - kv.lo + 1).double())
+    weight = torch.tensor([0.0, plain, 0.0, masked], dtype=torch.float64)[kinds]  # causal squares: below
+    total = float((q.hi - q.lo + 1).double() @ weight @ (kv.hi - kv.lo + 1).double())
+    sides = (q.hi - q.lo + 1)[(kinds == CAUSAL).nonzero()[:, 0]].tolist()
+    return total + sum(causal_cost(side) for side in sides)
 
 
 def _masked_plan(

@@ -59,13 +59,30 @@ import torch
 from seqpar.strategies.masking import SequenceMask
 
 __all__ = ["CAUSAL", "FULL", "MASK_TILE", "MIN_WINDOW_TILE", "MIXED", "SKIP", "RunTiles", "chunk_runs"]
-__all__ += ["run_tiles", "tile_kinds", "tile_size"]
+__all__ += ["SQUARE_BLOCK", "run_tiles", "square_parts", "tile_kinds", "tile_size"]
 
 MASK_TILE = 1024
 MIN_WINDOW_TILE = 128
 
 SKIP, FULL, CAUSAL, MIXED = 0, 1, 2, 3
 """Tile kinds of ``tile_kinds``: nothing visible, all visible, a plain causal square, masked."""
+SQUARE_BLOCK = 512
+"""Key block of PyTorch's fused CPU flash kernel: a causal call computes whole blocks of this many keys up to
+the diagonal, so the cost models count a causal square as its diagonal blocks (whole) and the blocks below
+them (``square_parts``)."""
+
+
+def square_parts(side: int | torch.Tensor) -> tuple:
+    """``(diagonal, below)``: the area of a causal square of ``side`` in its diagonal ``SQUARE_BLOCK`` squares
+    (computed whole at the causal square's cost) and below them (plain). Their sum is at most ``side ** 2``.
+
+    Measured with the CPU kernel (fwd + bwd, 8 heads of 64): a causal call over ``t`` tokens costs 0.96-1.04
+    of the plain call's time up to ``t = 512``, 0.85 at 768, 0.68 at 1024 and 0.62 at 2048; this model gives
+    1.0, 0.78, 0.75 and 0.63 of the area.
+    """
+    whole, rest = side // SQUARE_BLOCK, side % SQUARE_BLOCK
+    diagonal = whole * SQUARE_BLOCK**2 + rest * rest
+    return diagonal, (side * side - diagonal) / 2
 
 
 def tile_size(chunk_len: int, mask: SequenceMask) -> int:
