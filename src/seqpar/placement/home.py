@@ -7,8 +7,9 @@ from __future__ import annotations
 
 __all__ = ["BALANCE_SLACK", "assign_homes", "fill_homes"]
 
-PAIRED = 12
-"""The top run's lightest documents ``_even`` tries in pairs, when no single exchange evens the runs."""
+PAIRED = 8
+"""The lightest documents of the top run and of each other run that ``_even`` tries in pairs, when no single
+move or exchange evens the runs."""
 BALANCE_SLACK = 1.05
 """The work, over a rank's mean, that a home assignment may reach and still count as even."""
 
@@ -111,7 +112,8 @@ def _even(home: list[int], lengths: list[int], work: list[float], caps: list[int
           load: list[float]) -> None:  # fmt: skip
     """Move or exchange whole documents between the most loaded home run and another while that lowers the
     larger of their loads and both still hold their documents (in place; no document is cut); when no single
-    move or exchange does, two of the top run's ``PAIRED`` lightest documents for one of another run."""
+    move or exchange does, one or two of the top run's ``PAIRED`` lightest documents for none, one or two of
+    another run's (``_groups``)."""
     for _ in range(4 * len(lengths)):
         top = max(range(len(caps)), key=lambda h: (load[h], -h))
         mine = [j for j, h in enumerate(home) if h == top]
@@ -124,30 +126,45 @@ def _even(home: list[int], lengths: list[int], work: list[float], caps: list[int
                     continue
                 after = max(load[top] - work[i] + work[j], load[h] + work[i] - work[j])
                 if after < load[top] * (1 - 1e-9) and (best is None or after < best[0]):
-                    best = (after, i, j, h)
+                    best = (after, (i,), (j,), h)
         for i in mine:  # a document of the top run moved alone to a run with room
             for h in range(len(caps)):
                 if h != top and used[h] + lengths[i] <= caps[h]:
                     after = max(load[top] - work[i], load[h] + work[i])
                     if after < load[top] * (1 - 1e-9) and (best is None or after < best[0]):
-                        best = (after, i, -1, h)
-        if best is None:  # two documents of the top run exchanged with one of another run
+                        best = (after, (i,), (), h)
+        if best is None:  # one or two of the top run's lightest documents for none, one or two of another's
             few = sorted(mine, key=lambda j: (work[j], j))[:PAIRED]
-            for a, i in enumerate(few):
-                for i2 in few[a + 1 :]:
-                    for j, h in enumerate(home):
-                        if h < 0 or h == top:
-                            continue
-                        size, cost = lengths[i] + lengths[i2], work[i] + work[i2]
-                        if used[top] - size + lengths[j] > caps[top] or used[h] - lengths[j] + size > caps[h]:
-                            continue
-                        after = max(load[top] - cost + work[j], load[h] + cost - work[j])
-                        if after < load[top] * (1 - 1e-9) and (best is None or after < best[0]):
-                            best = (after, i, j, h, i2)
+            for h in range(len(caps)):
+                if h == top:
+                    continue
+                theirs = sorted((j for j, x in enumerate(home) if x == h), key=lambda j: (work[j], j))[:PAIRED]
+                for given, taken in _groups(few, theirs):
+                    size = sum(lengths[x] for x in given) - sum(lengths[x] for x in taken)
+                    if used[top] - size > caps[top] or used[h] + size > caps[h]:
+                        continue
+                    cost = sum(work[x] for x in given) - sum(work[x] for x in taken)
+                    after = max(load[top] - cost, load[h] + cost)
+                    if after < load[top] * (1 - 1e-9) and (best is None or after < best[0]):
+                        best = (after, given, taken, h)
         if best is None:
             return
-        _, i, j, h, *pair = best
-        for x, src, dst in ((i, top, h), (j, h, top), *((x, top, h) for x in pair)):
-            if x >= 0:
-                home[x], used[src], used[dst] = dst, used[src] - lengths[x], used[dst] + lengths[x]
-                load[src], load[dst] = load[src] - work[x], load[dst] + work[x]
+        _, given, taken, h = best
+        for x, src, dst in [*((x, top, h) for x in given), *((x, h, top) for x in taken)]:
+            home[x], used[src], used[dst] = dst, used[src] - lengths[x], used[dst] + lengths[x]
+            load[src], load[dst] = load[src] - work[x], load[dst] + work[x]
+
+
+def _groups(mine: list[int], theirs: list[int]):
+    """Exchanges of one or two of ``mine`` for none, one or two of ``theirs`` that the single moves and
+    exchanges of ``_even`` do not already try: two of mine for up to two, one of mine for two."""
+    for a in range(len(mine)):
+        for b in range(a + 1, len(mine)):
+            yield (mine[a], mine[b]), ()
+            for c in range(len(theirs)):
+                yield (mine[a], mine[b]), (theirs[c],)
+                for d in range(c + 1, len(theirs)):
+                    yield (mine[a], mine[b]), (theirs[c], theirs[d])
+        for c in range(len(theirs)):
+            for d in range(c + 1, len(theirs)):
+                yield (mine[a],), (theirs[c], theirs[d])
