@@ -7,6 +7,8 @@ from __future__ import annotations
 
 __all__ = ["BALANCE_SLACK", "assign_homes", "fill_homes"]
 
+GROUPED = 8
+"""The most times the home runs of a row kept whole are searched for exchanges of two documents (``_groups``)."""
 PAIRED = 8
 """The lightest documents of the top run and of each other run that ``_even`` tries in pairs, when no single
 move or exchange evens the runs."""
@@ -72,7 +74,8 @@ def assign_homes(lengths: list[int], work: list[float], caps: list[int], loads: 
     of the documents not yet placed (tokens and work run out together), or (c) left with the fewest free
     tokens (best fit: whole documents first). The rule whose most loaded run is within ``BALANCE_SLACK``
     of the mean and that leaves fewer documents without a home wins; else the one whose most loaded run is
-    lighter. With ``whole``, fewer documents without a home comes first.
+    lighter. With ``whole`` (no refining pass follows), fewer documents without a home comes first, and the
+    winner's runs are evened further by exchanging two documents for one or two (``_groups``).
     """
     best = None
     for rule in (_least_full, _most_room, _tightest):
@@ -85,12 +88,15 @@ def assign_homes(lengths: list[int], work: list[float], caps: list[int], loads: 
                 h = min(fits, key=lambda h: (rule(h, j, lengths, work, caps, used, load, mean, density), h))
                 home[j], used[h], load[h] = h, used[h] + lengths[j], load[h] + work[j]
             left_work, left_tokens = left_work - work[j], left_tokens - lengths[j]
-        _even(home, lengths, work, caps, used, load)
+        _even(home, lengths, work, caps, used, load, BALANCE_SLACK * mean, 0)
         top = max(load) / max(mean, 1e-300)
         key = (home.count(-1), top > BALANCE_SLACK, top) if whole else (top > BALANCE_SLACK, home.count(-1), top)
         if best is None or key < best[0]:
-            best = (key, home)
-    return best[1], best[0][2]
+            best = (key, home, used, load)
+    _, home, used, load = best
+    if whole and max(load) > BALANCE_SLACK * mean:  # no refining pass follows: the costly exchanges too
+        _even(home, lengths, work, caps, used, load, BALANCE_SLACK * mean, GROUPED)
+    return home, max(load) / max(mean, 1e-300)
 
 
 def _least_full(h: int, j: int, lengths: list[int], work: list[float], caps: list[int], used: list[int],
@@ -109,11 +115,13 @@ def _tightest(h: int, j: int, lengths: list[int], work: list[float], caps: list[
 
 
 def _even(home: list[int], lengths: list[int], work: list[float], caps: list[int], used: list[int],
-          load: list[float]) -> None:  # fmt: skip
+          load: list[float], target: float, groups: int) -> None:  # fmt: skip
     """Move or exchange whole documents between the most loaded home run and another while that lowers the
     larger of their loads and both still hold their documents (in place; no document is cut); when no single
-    move or exchange does, one or two of the top run's ``PAIRED`` lightest documents for none, one or two of
-    another run's (``_groups``)."""
+    move or exchange does and the top run is above ``target``, one or two of the top run's ``PAIRED`` lightest
+    documents for none, one or two of another run's (``_groups``: the costly search, at most ``groups``
+    times)."""
+    grouped = 0
     for _ in range(4 * len(lengths)):
         top = max(range(len(caps)), key=lambda h: (load[h], -h))
         mine = [j for j, h in enumerate(home) if h == top]
@@ -133,7 +141,7 @@ def _even(home: list[int], lengths: list[int], work: list[float], caps: list[int
                     after = max(load[top] - work[i], load[h] + work[i])
                     if after < load[top] * (1 - 1e-9) and (best is None or after < best[0]):
                         best = (after, (i,), (), h)
-        if best is None:  # one or two of the top run's lightest documents for none, one or two of another's
+        if best is None and load[top] > target and grouped < groups:  # one or two for none, one or two
             few = sorted(mine, key=lambda j: (work[j], j))[:PAIRED]
             for h in range(len(caps)):
                 if h == top:
@@ -147,6 +155,7 @@ def _even(home: list[int], lengths: list[int], work: list[float], caps: list[int
                     after = max(load[top] - cost, load[h] + cost)
                     if after < load[top] * (1 - 1e-9) and (best is None or after < best[0]):
                         best = (after, given, taken, h)
+            grouped += 1
         if best is None:
             return
         _, given, taken, h = best
