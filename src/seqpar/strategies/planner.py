@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from seqpar.strategies.masking import SequenceMask
-from seqpar.strategies.tiles import CAUSAL, MIXED, SKIP, chunk_runs, run_tiles, square_parts, tile_kinds
+from seqpar.strategies.tiles import CAUSAL, MIXED, SKIP, RunTiles, chunk_runs, run_tiles, square_parts, tile_kinds
 
 __all__ = ["Block", "plan", "plan_blocks", "plan_cost"]
 
@@ -131,11 +131,7 @@ def plan_cost(
     (``tiles.square_parts``), without building any tile mask.
 
     Args:
-        q_chunks: global chunk ids of the local queries, in local order.
-        kv_chunks: global chunk ids of the keys/values in hand, in their local order.
-        chunk_len: tokens per chunk.
-        causal: whether a causal mask applies.
-        mask: packed documents and sliding window, or None.
+        q_chunks, kv_chunks, chunk_len, causal, mask: as for ``plan``.
         tile_costs: cost per score of a plain block, a causal square and a masked tile.
 
     Returns:
@@ -152,14 +148,20 @@ def plan_cost(
             causal_cost(b.q.stop - b.q.start) if b.causal else (b.q.stop - b.q.start) * (b.kv.stop - b.kv.start) * plain
             for b in plan_blocks(q_chunks, kv_chunks, chunk_len, causal)
         )
-    q_runs, kv_runs = chunk_runs(q_chunks), chunk_runs(kv_chunks)
-    edges = {(c + n * end) * chunk_len for _, c, n in q_runs + kv_runs for end in (0, 1)}
-    q, kv = run_tiles(q_runs, edges, chunk_len, mask), run_tiles(kv_runs, edges, chunk_len, mask)
-    kinds = tile_kinds(q.lo, q.hi, kv.lo, kv.hi, causal, mask)  # [Tq, Tk]
+    q, kv, kinds = _tiles(q_chunks, kv_chunks, chunk_len, causal, mask)
     weight = torch.tensor([0.0, plain, 0.0, masked], dtype=torch.float64)[kinds]  # causal squares: below
     total = float((q.hi - q.lo + 1).double() @ weight @ (kv.hi - kv.lo + 1).double())
     sides = (q.hi - q.lo + 1)[(kinds == CAUSAL).nonzero()[:, 0]].tolist()
     return total + sum(causal_cost(side) for side in sides)
+
+
+def _tiles(q_chunks: Sequence[int], kv_chunks: Sequence[int], chunk_len: int, causal: bool,
+           mask: SequenceMask) -> tuple[RunTiles, RunTiles, torch.Tensor]:  # fmt: skip
+    """Both sides' tiles (Note [masked tiles]: runs cut at both sides' run ends) and ``[Tq, Tk]`` the kinds."""
+    q_runs, kv_runs = chunk_runs(q_chunks), chunk_runs(kv_chunks)
+    edges = {(c + n * end) * chunk_len for _, c, n in q_runs + kv_runs for end in (0, 1)}
+    q, kv = run_tiles(q_runs, edges, chunk_len, mask), run_tiles(kv_runs, edges, chunk_len, mask)
+    return q, kv, tile_kinds(q.lo, q.hi, kv.lo, kv.hi, causal, mask)
 
 
 def _masked_plan(
@@ -170,10 +172,7 @@ def _masked_plan(
     mask: SequenceMask,
     device: torch.device | None,
 ) -> list[Block]:
-    q_runs, kv_runs = chunk_runs(q_chunks), chunk_runs(kv_chunks)
-    edges = {(c + n * end) * chunk_len for _, c, n in q_runs + kv_runs for end in (0, 1)}
-    q, kv = run_tiles(q_runs, edges, chunk_len, mask), run_tiles(kv_runs, edges, chunk_len, mask)
-    kinds = tile_kinds(q.lo, q.hi, kv.lo, kv.hi, causal, mask)
+    q, kv, kinds = _tiles(q_chunks, kv_chunks, chunk_len, causal, mask)
     (q_lo, q_hi, q_at), (kv_lo, kv_hi, kv_at) = ([t.tolist() for t in (s.lo, s.hi, s.local)] for s in (q, kv))
     blocks, kind_of = [], kinds.tolist()
     for a, b in (kinds != SKIP).nonzero().tolist():
