@@ -13,7 +13,8 @@ Note [balanced layout]
     - planned work: the area of the tiles the block planner computes for the chunk taken alone as a run
       (Note [masked tiles]: cut at document starts, ``run_tiles``), with the same corner rules
       (``seqpar.strategies.tiles.tile_kinds``), each kind weighted by what a kernel spends per score on it
-      (``TILE_COSTS``: a causal square its whole area, masked tiles more than plain ones). That is what the
+      (``TILE_COSTS``: a causal square its diagonal key blocks whole, ``tiles.square_parts``; masked tiles
+      more than plain ones). That is what the
       kernels compute when no two consecutive chunks share a rank; where they do, the planner tiles them as
       one run and its diagonal squares are larger. ``layout_balance`` reports the work of the plans
       themselves (``planner.plan_cost``).
@@ -49,8 +50,9 @@ CHUNKS_PER_RANK = (2, 4, 8, 16)
 TILE_COSTS = (1.0, 1.0, 1.3)
 """Kernel time per score of a plain tile, a causal square and a masked tile, relative to a plain tile.
 Measured for seqpar's CPU kernel (fwd + bwd, one thread, 128-token tiles of packed documents): a causal square
-costs its whole area (the kernel skips little of it at this size), a masked tile 1.25-1.3x a plain one (its
-boolean mask is read and applied). A kernel that skips the upper half of a causal square (FlashAttention on
+costs its whole area (the kernel skips little of it at this size; larger squares count their diagonal 512-key
+blocks only, ``tiles.square_parts``), a masked tile 1.25-1.3x a plain one (its boolean mask is read and
+applied). A kernel that skips the upper half of a causal square (FlashAttention on
 a GPU) has about (1.0, 0.5, ...): pass its costs as ``tile_costs``."""
 
 

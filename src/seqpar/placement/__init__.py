@@ -43,13 +43,13 @@ Note [placed layout]
     Work: what the ring's plans of the placed row compute (``planner.plan_cost``; ``layout_balance``
     reports it). The planner tiles a rank's run of chunks as one span cut at document starts (Note [masked
     tiles]), so a document's piece on one rank costs its visible keys at the plain cost plus its diagonal
-    squares at their whole area (``square_extra``: seqpar's CPU kernel spends about the whole square below
-    ~512 tokens, ``TILE_COSTS``); cutting a document into pieces on different ranks makes its squares
+    squares (``square_extra``: seqpar's CPU kernel computes a square's diagonal 512-key blocks whole,
+    ``tiles.square_parts``); cutting a document into pieces on different ranks makes its squares
     smaller and the total work lower. The builders count each token's visible keys plus an even share of
     its document's squares (``_token_work``); the refining pass counts them exactly per rank from its runs.
     With a causal window, a query tile a window or more into its document also computes the masked tile the
     band's edge crosses (``token_costs``): exact on the grid a window's tiles follow, approximate where a run
-    end moves it (within about 3% on the benchmark rows).
+    end moves it (within 1.2% of the plans on the benchmark's window row and a test row).
     Refining pass (``seqpar.placement.refine``): the row's order is then fixed and only which rank holds
     each chunk changes. A rank's score is its work (at least ``BALANCE_SLACK`` = 1.05 of the mean),
     ``OVER`` = 1000 per unit of work above that, and ``key_cost`` per token of K/V traffic (keys it sends

@@ -47,11 +47,13 @@ def square_extra(lo: int, hi: int, tile: int, grid: bool, causal: bool, tile_cos
     return sum(count * extra(t) for t, count in sides if t > 0)
 
 
-def token_costs(positions: torch.Tensor, causal: bool, window: int | None, tile_costs: Sequence[float]) -> torch.Tensor:
+def token_costs(positions: torch.Tensor, mask: SequenceMask, causal: bool, tile_costs: Sequence[float]) -> torch.Tensor:
     """``[S]`` float64: each token's visible keys at the plain cost, plus, with a causal window, the masked tile
-    the band's edge crosses (``chunk_costs``); diagonal squares are not in it (``square_extra``)."""
-    seq = positions.shape[-1]
-    mask = SequenceMask((torch.arange(seq) - positions)[None], window, int(positions.max()))
+    the band's edge crosses (``chunk_costs``); diagonal squares are not in it (``square_extra``).
+
+    ``positions`` is one row ``[S]``; ``mask`` is that row's (its window sets the tiles).
+    """
+    seq, window = positions.shape[-1], mask.window
     plain, masked = float(tile_costs[0]), float(tile_costs[2])
     if not causal:
         return visible_area(mask, seq, causal) * plain
@@ -62,7 +64,7 @@ def token_costs(positions: torch.Tensor, causal: bool, window: int | None, tile_
     return per_token
 
 
-def chunk_costs(positions: torch.Tensor, chunk: int, causal: bool, window: int | None,
+def chunk_costs(positions: torch.Tensor, mask: SequenceMask, chunk: int, causal: bool,
                 tile_costs: Sequence[float]) -> torch.Tensor:  # fmt: skip
     """``[S' / chunk]`` float64: the work of each chunk that does not depend on which rank holds its neighbours.
 
@@ -72,14 +74,12 @@ def chunk_costs(positions: torch.Tensor, chunk: int, causal: bool, window: int |
     tile the band's edge crosses, whole: each such token adds that tile's width at the masked cost, less the
     half of it it sees (tiles on the grid of a long run; a run's ends move the grid, so this is approximate).
     """
-    seq = positions.shape[0]
-    mask = SequenceMask((torch.arange(seq) - positions)[None], window, int(positions.max()))
-    tile = tile_size(MASK_TILE, mask)
-    cost = token_costs(positions, causal, window, tile_costs).view(-1, chunk).sum(1)
+    seq, tile = positions.shape[0], tile_size(MASK_TILE, mask)
+    cost = token_costs(positions, mask, causal, tile_costs).view(-1, chunk).sum(1)
     first = (positions == 0).nonzero().flatten().tolist()
     for a, b in zip(first, [*first[1:], seq]):
         if a // chunk == (b - 1) // chunk:
-            cost[a // chunk] += square_extra(a, b, tile, window is not None, causal, tile_costs)
+            cost[a // chunk] += square_extra(a, b, tile, mask.window is not None, causal, tile_costs)
     return cost
 
 
@@ -104,8 +104,8 @@ class Refiner:
     def __init__(self, positions: torch.Tensor, chunk: int, owner: list[int], causal: bool, window: int | None,
                  key_cost: float, tile_costs: Sequence[float], slack: float) -> None:  # fmt: skip
         seq = positions.shape[0]
-        self.cost = chunk_costs(positions, chunk, causal, window, tile_costs)
         mask = SequenceMask((torch.arange(seq) - positions)[None], window, int(positions.max()))
+        self.cost = chunk_costs(positions, mask, chunk, causal, tile_costs)
         self.tile, self.tile_costs = tile_size(MASK_TILE, mask), tile_costs
         self.costs = self.cost.tolist()
         self.owner, self.p, self.key_cost = list(owner), max(owner) + 1, key_cost

@@ -154,7 +154,7 @@ def _token_work(positions: torch.Tensor, mask: SequenceMask, causal: bool, docs:
     seq_len = positions.shape[-1]
     if not causal:
         return visible_area(mask, seq_len, causal)[:seq_len] / positions.shape[0] * float(tile_costs[0])
-    work = token_costs(positions[0], causal, mask.window, tile_costs)
+    work = token_costs(positions[0], mask, causal, tile_costs)
     tile = tile_size(MASK_TILE, mask)
     extra = [square_extra(0, n, tile, False, causal, tile_costs) / n for _, n in docs]  # where it lands is unknown
     return work + torch.tensor(extra, dtype=torch.float64).repeat_interleave(torch.tensor([n for _, n in docs]))

@@ -46,7 +46,7 @@ Note [masked tiles]
     ``layout_balance`` sums it over the ring's plans, so the work it reports is what the kernels are asked
     to compute. The balanced layout prices each chunk tiled as a run of its own (Note [balanced layout]);
     the placed layout counts a rank's runs (Note [placed layout]): a document's piece in one run is one
-    diagonal square per tile, and a causal square costs a CPU kernel about its whole area.
+    diagonal square per tile, and a causal square costs its diagonal key blocks whole (``square_parts``).
 """
 
 from __future__ import annotations
