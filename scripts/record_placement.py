@@ -15,6 +15,8 @@ KIND_NAMES = {
     "rl": "RL groups",
     "short": "short documents (< S/2P)",
 }
+SIGNATURE_BYTES = 744
+"""Bytes of the input check one rank sends each peer (``seqpar.checks.SIGNATURE_LENGTH`` int64 values)."""
 HEADER = [
     "P",
     "seq",
@@ -22,6 +24,8 @@ HEADER = [
     "row kind",
     "placed / zigzag bytes: geo mean / median / max",
     "placed / balanced bytes: geo mean / median / max",
+    "floor / zigzag bytes: median / max",
+    "placed / floor bytes: geo mean / max (rows with a floor)",
     "placed planned work max/mean, worst (zigzag's)",
     "placed tokens max/mean, worst",
     "rows with no K/V",
@@ -34,6 +38,20 @@ def _ratios(rows: list[dict], other: str) -> str:
     ratios = [r["needed_bytes_max"]["placed"] / r["needed_bytes_max"][other] for r in rows]
     geo = math.exp(statistics.mean(math.log(x) for x in ratios))
     return f"{geo:.2f} / {statistics.median(ratios):.2f} / {max(ratios):.2f}"
+
+
+def _floor(rows: list[dict]) -> list[str]:
+    """The floor (Note [traffic floor]) over zigzag's bytes, and placed's over the floor where it is more than the
+    input check: two cells, dashes for a run before the floor was reported."""
+    if any("floor_bytes" not in r for r in rows):
+        return ["–", "–"]
+    under = [r["floor_bytes"] / r["needed_bytes_max"]["zigzag"] for r in rows]
+    check = (rows[0]["ranks"] - 1) * SIGNATURE_BYTES
+    over = [r["needed_bytes_max"]["placed"] / r["floor_bytes"] for r in rows if r["floor_bytes"] > check]
+    if not over:
+        return [f"{statistics.median(under):.2f} / {max(under):.2f}", "– (0)"]
+    geo = math.exp(statistics.mean(math.log(x) for x in over))
+    return [f"{statistics.median(under):.2f} / {max(under):.2f}", f"{geo:.2f} / {max(over):.2f} ({len(over)})"]
 
 
 def placement_cells(records: list[dict]) -> tuple[list[str], list[list[str]], list[dict]]:
@@ -52,6 +70,7 @@ def placement_cells(records: list[dict]) -> tuple[list[str], list[list[str]], li
                 KIND_NAMES.get(kind, kind),
                 _ratios(rows, "zigzag"),
                 _ratios(rows, "balanced"),
+                *_floor(rows),
                 f"{max(p['placed'] for p in planned):.3f} ({max(p['zigzag'] for p in planned):.3f})",
                 f"{max(r['tokens_max_over_mean'] for r in rows):.3f}",
                 f"{sum(r['placed_no_kv'] for r in rows)}/{len(rows)}",

@@ -256,8 +256,16 @@ def test_placement_table_summarises_the_rows_of_each_p_and_kind(tmp_path):
         geo = math.prod(ratios) ** (1 / len(ratios))
         assert cells[:3] == [str(ranks), str(rs[0]["seq"]), str(len(rs))]
         assert cells[4] == f"{geo:.2f} / {statistics.median(ratios):.2f} / {ratios[-1]:.2f}"
-        assert cells[8] == f"{sum(r['placed_no_kv'] for r in rs)}/{len(rs)}"
-        assert cells[6].startswith(f"{max(r['planned_max_over_mean']['placed'] for r in rs):.3f} (")
+        under = [r["floor_bytes"] / r["needed_bytes_max"]["zigzag"] for r in rs]
+        assert cells[6] == f"{statistics.median(under):.2f} / {max(under):.2f}"
+        floored = [
+            r["needed_bytes_max"]["placed"] / r["floor_bytes"] for r in rs if r["floor_bytes"] > 744 * (ranks - 1)
+        ]
+        assert cells[7].endswith(f"({len(floored)})")
+        if floored:
+            assert cells[7].startswith(f"{math.prod(floored) ** (1 / len(floored)):.2f} / {max(floored):.2f} ")
+        assert cells[10] == f"{sum(r['placed_no_kv'] for r in rs)}/{len(rs)}"
+        assert cells[8].startswith(f"{max(r['planned_max_over_mean']['placed'] for r in rs):.3f} (")
     assert f"Generated from `benchmarks/placement_cpu.json`: `{rows[0]['command']}`, measured" in page
     target = _copy_records(tmp_path)  # one row's placed bytes at 3x balanced's, moving no K/V elsewhere
     first = rows[0]
@@ -268,7 +276,7 @@ def test_placement_table_summarises_the_rows_of_each_p_and_kind(tmp_path):
 
     _edit(target / "placement_cpu.json", worse)
     cells = _placement_cells(records.expand("<!-- records: placement -->", target), first["ranks"], first["kind"])
-    assert cells[5].endswith(" / 3.00") and cells[7] == "1.250"
+    assert cells[5].endswith(" / 3.00") and cells[9] == "1.250"
     (target / "placement_cpu.json").unlink()
     with pytest.raises(records.RecordError, match=r"benchmarks/placement_cpu\.json is missing"):
         records.expand("<!-- records: placement -->", target)

@@ -16,7 +16,9 @@ fp32) and the planned work of the slowest rank over the mean (``seqpar.layout_ba
 row's tokens per rank, padding included, over S/P and the solver's seconds (one torch thread). A P whose
 layouts do not divide ``--seq`` (the balanced solver tries up to 16 chunks per rank) runs on the longest row
 they divide: 8160 tokens at P = 3; ``seq`` in each record is the length used. It prints, per (P, kind), the
-geometric mean, median and largest of placed / zigzag and placed / balanced (largest rank's bytes), the worst
+geometric mean, median and largest of placed / zigzag and placed / balanced (largest rank's bytes), the
+floor no placement even within 1.05 can go below (``placement.traffic_floor``) over zigzag's bytes and placed
+over it, the worst
 planned balance, the worst tokens ratio, the rows whose placed layout moves no K/V at all, and the median
 solve time. Results are not checked here; tests/test_placement.py checks the solver.
 """
@@ -37,6 +39,7 @@ from seqpar.bench import save_records
 from seqpar.bench.masks_bytes import needed_bytes
 from seqpar.bench.rows import log_normal_documents, rl_groups, short_documents, uneven_documents
 from seqpar.checks import SIGNATURE_LENGTH
+from seqpar.placement.floor import traffic_floor
 from seqpar.strategies.masking import SequenceMask
 
 __all__ = ["KINDS", "LAYOUTS", "kind_row", "main", "measure_row", "row_length", "summarize"]
@@ -94,7 +97,9 @@ def measure_row(ids: torch.Tensor, ranks: int) -> dict:
         ranks: the sequence-parallel degree P.
 
     Returns:
-        ``needed_bytes_max`` / ``needed_bytes_mean`` / ``planned_max_over_mean``: per layout;
+        ``needed_bytes_max`` / ``needed_bytes_mean`` / ``planned_max_over_mean``: per layout; ``floor_bytes``:
+        the least any placement even within 1.05 (work and tokens) can need on its busiest rank (Note [traffic
+        floor], the input check included);
         ``tokens_max_over_mean``: the placed row's local length over S/P; ``placed_no_kv``: whether the placed
         layout needs nothing but the input check; ``placed_solve_s`` / ``balanced_solve_s``: solver seconds.
     """
@@ -108,8 +113,10 @@ def measure_row(ids: torch.Tensor, ranks: int) -> dict:
     rows["placed"] = (placement.position_ids[0], placement.layout)
     need = {name: _bytes_per_rank(row, layout, ranks) for name, (row, layout) in rows.items()}
     check = (ranks - 1) * SIGNATURE_LENGTH * 8  # what every layout sends: the input check
+    per_token = 2 * KV_HEADS * HEAD_DIM * 4  # K and V of one token, fp32 (a sent token counts twice in the floor)
     return {
         "needed_bytes_max": {name: max(b) for name, b in need.items()},
+        "floor_bytes": check + per_token * traffic_floor(ids, ranks),
         "needed_bytes_mean": {name: statistics.mean(b) for name, b in need.items()},
         "planned_max_over_mean": {
             name: seqpar.layout_balance(row, layout, ranks).planned_max_over_mean
@@ -134,7 +141,9 @@ def summarize(records: list[dict]) -> list[dict]:
 
     Returns:
         One dict per (ranks, kind): ``rows``, ``seq``, ``vs_zigzag`` / ``vs_balanced`` (geometric mean, median and
-        max of placed's largest-rank bytes over theirs), ``planned_worst`` (and ``zigzag_planned_worst``),
+        max of placed's largest-rank bytes over theirs), ``floor_vs_zigzag`` (median and max of the floor over
+        zigzag's bytes), ``vs_floor`` (geometric mean and max of placed over the floor, on the rows whose floor
+        is more than the input check, and how many), ``planned_worst`` (and ``zigzag_planned_worst``),
         ``tokens_worst``, ``no_kv`` (rows) and ``solve_ms`` (the median).
     """
     groups: dict[tuple[int, str], list[dict]] = {}
@@ -143,9 +152,15 @@ def summarize(records: list[dict]) -> list[dict]:
     out = []
     for (ranks, kind), rs in groups.items():
         ratio = {o: [r["needed_bytes_max"]["placed"] / r["needed_bytes_max"][o] for r in rs] for o in LAYOUTS[:2]}
+        check = (ranks - 1) * SIGNATURE_LENGTH * 8
+        floors = [r for r in rs if r["floor_bytes"] > check]  # rows whose floor is more than the input check
+        over = [r["needed_bytes_max"]["placed"] / r["floor_bytes"] for r in floors] or [math.nan]
+        under = [r["floor_bytes"] / r["needed_bytes_max"]["zigzag"] for r in rs]
         out.append({
             "ranks": ranks, "kind": kind, "seq": rs[0]["seq"], "rows": len(rs),
             **{f"vs_{o}": (_geomean(ratio[o]), statistics.median(ratio[o]), max(ratio[o])) for o in ratio},
+            "floor_vs_zigzag": (statistics.median(under), max(under)),
+            "vs_floor": (_geomean(over) if floors else math.nan, max(over), len(floors)),
             "planned_worst": max(r["planned_max_over_mean"]["placed"] for r in rs),
             "zigzag_planned_worst": max(r["planned_max_over_mean"]["zigzag"] for r in rs),
             "tokens_worst": max(r["tokens_max_over_mean"] for r in rs),
@@ -157,13 +172,16 @@ def summarize(records: list[dict]) -> list[dict]:
 
 def _print(records: list[dict]) -> None:
     print("\nplaced layout over seeded rows, ring: largest rank's needed bytes over zigzag's and balanced's")
-    print("| P | seq | rows | kind | placed / zigzag: geo mean / median / max | placed / balanced: same | placed "
-          "planned max/mean, worst (zigzag) | tokens max/mean, worst | no K/V | solve ms (median) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| P | seq | rows | kind | placed / zigzag: geo mean / median / max | placed / balanced: same | floor / "
+          "zigzag: median / max | placed / floor: geo mean / max (rows) | placed planned max/mean, worst (zigzag) "
+          "| tokens max/mean, worst | no K/V | solve ms (median) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for s in summarize(records):
         z, b = ("{:.2f} / {:.2f} / {:.2f}".format(*s[f"vs_{o}"]) for o in ("zigzag", "balanced"))
+        f = "{:.2f} / {:.2f} | ".format(*s["floor_vs_zigzag"])
+        f += "{:.2f} / {:.2f} ({})".format(*s["vs_floor"]) if s["vs_floor"][2] else "– (0)"
         print(
-            f"| {s['ranks']} | {s['seq']} | {s['rows']} | {s['kind']} | {z} | {b} | "
+            f"| {s['ranks']} | {s['seq']} | {s['rows']} | {s['kind']} | {z} | {b} | {f} | "
             f"{s['planned_worst']:.3f} ({s['zigzag_planned_worst']:.3f}) | {s['tokens_worst']:.3f} | "
             f"{s['no_kv']}/{s['rows']} | {s['solve_ms']:.0f} |"
         )

@@ -85,14 +85,12 @@ Note [placed layout]
     home runs, the tail's share of a long document is lowered (1.02, then 0.96, then 0.90 of the mean)
     before the refining pass has to cut documents.
     Bytes: a document holding most of the row's work must be spread over every rank to even the work,
-    and its keys then travel whatever the placement. Lower bound: the rank that holds a causal document's
-    last token returns the key gradients of every earlier token of it that it does not hold, and holds at
-    most the longest suffix whose work fits its share: for a document of ``n`` tokens whose suffix ``t``
-    is the longest with ``t n - t^2 / 2`` within 1.05 of a rank's mean work, some rank moves at least
-    ``n - t`` tokens of K/V. On the SFT-like row of ``seqpar bench masks`` (one 5,165-token document
-    holding 91% of the work, P = 4) that is 4,361 tokens, 4.5 MB at 8/2 heads of 64 fp32: 0.60 of the
-    zigzag layout's need and 0.29 of the balanced layout's, whatever the placement; the placed layout
-    spares the rest.
+    and its keys then travel whatever the placement. ``traffic_floor`` (Note [traffic floor]) bounds the
+    busiest rank's traffic from below over every placement even within the slacks: on the SFT-like row of
+    ``seqpar bench masks`` (one 5,165-token document holding 91% of the work, P = 4) it is 6.3 MB at 8/2
+    heads of 64 fp32, 0.85 of the zigzag layout's need (whose busiest rank does 2.17x the mean work) and
+    0.44 of the balanced layout's; the placed layout needs 10.5 MB there (``seqpar bench placement``
+    reports placed over the floor per row).
     A batch whose documents all fit whole and whose padding suffices has no document on two ranks:
     ``kv_needs`` is then empty between ranks and ring and all-gather move no K/V at all.
     Not reordered: rows with block-causal ranges (blocks are global token ranges), batches whose rows hold
@@ -111,6 +109,7 @@ Note [placed layout]
 from __future__ import annotations
 
 from seqpar.placement.auto import resolve_auto_layout
+from seqpar.placement.floor import traffic_floor
 from seqpar.placement.solver import KEY_COST, Placement, placed_layout
 
-__all__ = ["KEY_COST", "Placement", "placed_layout", "resolve_auto_layout"]
+__all__ = ["KEY_COST", "Placement", "placed_layout", "resolve_auto_layout", "traffic_floor"]
