@@ -523,6 +523,14 @@ def test_dpo_equals_one_process(request, name):
         assert [s for s, _ in got_rows] == [s for s, _ in ref_rows], key
         got, ref = (torch.tensor([v for _, v in r], dtype=torch.float64) for r in (got_rows, ref_rows))
         rtol, atol = _dpo_tolerances(key, rows, BETA)
+        if key.endswith("rewards/accuracies"):  # the share of pairs whose chosen reward beats the rejected one:
+            # where both rewards are rounding-level (the first step, whose policy is still its reference) that
+            # comparison is rounding noise (measured: 0 vs 2.4e-7), so only steps with real rewards are compared
+            _, reward_atol = _dpo_tolerances(key.replace("accuracies", "chosen"), rows, BETA)
+            sides = [rows[key.replace("accuracies", side)] for side in ("chosen", "rejected")]
+            real = [i for i in range(len(ref_rows)) if max(abs(side[i][1]) for side in sides) > reward_atol]
+            assert len(real) >= len(ref_rows) - 1, (key, sides)  # at most the first step is skipped
+            got, ref = got[real], ref[real]
         torch.testing.assert_close(got, ref, rtol=rtol, atol=atol, msg=lambda m, k=key: f"{k}: {m}")
     assert found["params"].keys() == want["params"].keys()
     for n, ref in want["params"].items():
