@@ -139,10 +139,18 @@ def masks_bytes_table(records: list[dict]) -> str:
             needed = r["bytes_needed_per_rank"] if r else None
             cell = f"{sum(needed) / len(needed) / 1e6:.2f} ({max(needed) / 1e6:.2f})" if needed else "-"
             row.append(cell + (f", {_layout_cell(r)}" if r and _layout_cell(r) != layout else ""))
+        floors = [r["floor_bytes"] for r in ring if r["mask"] == mask and r.get("floor_bytes") is not None]
+        row.append(f"{floors[0] / 1e6:.2f}" if floors else "-")
         placed = by.get((mask, "placed"), {})
         row += [f"{placed[k]:.3f}" if k in placed else "-" for k in ("planned_max_over_mean", "tokens_max_over_mean")]
         cells.append(row)
-    header = ["mask", *layouts, "placed planned work max/mean", "placed tokens max/mean"]
+    header = [
+        "mask",
+        *layouts,
+        "floor (Note [traffic floor])",
+        "placed planned work max/mean",
+        "placed tokens max/mean",
+    ]
     return tables.with_runs("masks_cpu", ring, header, cells)
 
 

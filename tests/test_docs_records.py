@@ -105,6 +105,14 @@ def test_a_changed_record_changes_the_tables(tmp_path):
     after = records.expand("<!-- records: masks_bytes -->", target)
     assert "| 1.50 (3.00) |" in after and after != before
     assert "| 1.50 (3.00), auto (placed) |" in _row(after, "log-normal documents")
+
+    def floor(rows):  # the floor column: the row's floor_bytes, a dash where there is none
+        for r in rows:
+            r["floor_bytes"] = 2.5e6 if r["mask"] == "log-normal documents" else None
+
+    _edit(target / "masks_cpu.json", floor)
+    floors = records.expand("<!-- records: masks_bytes -->", target)
+    assert "| 2.50 |" in _row(floors, "log-normal documents") and "| 2.50 |" not in _row(floors, "RL groups")
     for mask, layout in picked.items():  # the auto row: its layout's numbers, under "auto (placed)"
         step = _row(page, "ring", layout, mask).split(" | ")[3]
         assert _row(page, "ring", f"auto ({layout})", mask).split(" | ")[3] == step, mask

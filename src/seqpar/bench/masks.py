@@ -21,8 +21,11 @@ the thread CPU time of its kernel calls (``TimedKernel``), which a rank waiting 
 accrue, so ``rank_time_max_over_mean`` (the slowest rank's compute over the mean) measures load balance
 even where ranks share cores. ``--json FILE`` writes one record per (strategy, mask, layout) with
 ``bytes_sent_per_rank``, ``bytes_needed_per_rank``, ``rank_compute_s``, ``rank_time_max_over_mean``,
-``visible_max_over_mean`` (the layout's visible-area balance) and ``step_s``. Results are not checked here;
-the tests check every mask against SDPA, the bytes against the need and the solver's balance.
+``visible_max_over_mean`` (the layout's visible-area balance), ``step_s`` and ``floor_bytes``: for packed
+documents without a window or blocks, the least the busiest rank can need under ring or all-gather with
+any placement even within 1.05 (``placement.traffic_floor``, the input check included; None otherwise).
+Results are not checked here; the tests check every mask against SDPA, the bytes against the need and the
+solver's balance.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ from seqpar.bench import save_records
 from seqpar.bench.kernel_time import TimedKernel
 from seqpar.bench.masks_bytes import needed_bytes, visible_fraction
 from seqpar.bench.rows import log_normal_documents, rl_groups, short_documents, uneven_documents
-from seqpar.placement import resolve_auto_layout
+from seqpar.checks import SIGNATURE_LENGTH
+from seqpar.placement import resolve_auto_layout, traffic_floor
 from seqpar.runtime.memory import written_bytes
 from seqpar.runtime.spawn import spawn_ranks
 
@@ -118,6 +122,10 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, results: str) 
             shard = seqpar.shard_sequence(ids[None], meshes["flat"], layout=layout) if packed else None
             mask = seqpar.sequence_mask(shard, meshes["flat"], layout=layout, window=window, blocks=frame)
             balance = seqpar.layout_balance(ids, layout, world_size, window=window, blocks=frame)
+            floor = None
+            if positions is not None and window is None and frame is None:  # Note [traffic floor]
+                per_token = 2 * args.kv_heads * 64 * 4  # K and V of one token, fp32
+                floor = (world_size - 1) * SIGNATURE_LENGTH * 8 + per_token * traffic_floor(positions, world_size)
             for strategy in args.strategies:
                 mesh = meshes["two_d" if strategy == "hybrid" else "flat"]
 
@@ -147,6 +155,7 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, results: str) 
                     ),
                     "tokens_per_rank": list(tokens), "local_tokens": local,
                     "tokens_max_over_mean": local * world_size / args.seq, "layout_solve_s": solve_s,
+                    "floor_bytes": floor,
                 })  # fmt: skip
     if rank == 0:
         with open(results, "w") as f:
