@@ -15,8 +15,8 @@ KIND_NAMES = {
     "rl": "RL groups",
     "short": "short documents (< S/2P)",
 }
-SIGNATURE_BYTES = 744
-"""Bytes of the input check one rank sends each peer (``seqpar.checks.SIGNATURE_LENGTH`` int64 values)."""
+SIGNATURE_BYTES = 248
+"""Bytes of the input check one rank sends each peer (``seqpar.checks.SIGNATURE_LENGTH`` = 31 int64 values)."""
 HEADER = [
     "P",
     "seq",
