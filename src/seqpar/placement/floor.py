@@ -1,6 +1,6 @@
 """The least K/V traffic any placement of a packed causal row can have while its attention work stays even.
 
-A reference for the placed layout's solver (Note [traffic floor]); ``seqpar bench placement`` reports it.
+A reference for the placed layout's solver (Note [traffic floor]); ``seqpar bench placement`` and ``masks`` report it.
 
 Note [traffic floor]
     Traffic is counted as the refining pass counts it (Note [placed layout]): a rank sends each of its keys
@@ -16,18 +16,20 @@ Note [traffic floor]
     Take one document of ``n`` tokens and sort the ranks by the last of its tokens they hold:
     ``L_1 >= L_2 >= ... >= L_P`` (0 for a rank holding none). A key ``j`` is needed by every rank other than
     its holder whose last token lies after ``j``, and each such pair costs 3 tokens of traffic (2 sent, 1
-    received), so the document costs ``3 (L_2 + ... + L_P)`` in all. The tokens after ``L_{i+1}`` are all
-    held by ranks ``1..i``, so their work fits ``i`` ranks: ``L_{i+1} >= x_i``, the start of the document's
-    longest suffix whose work is at most ``i`` times the cap. Hence:
+    received), so the document costs at least ``3 (L_2 + ... + L_P)`` in all. The tokens after ``L_{i+1}``
+    are all held by ranks ``1..i``, so their work and tokens fit ``i`` ranks: ``L_{i+1} >= x_i``, the start
+    of the document's longest suffix that does (its work at the lower cost, against ``i`` caps from the
+    upper mean, with those ranks filled to the fewest real tokens the token slack leaves them by the row's
+    cheapest tokens). Hence:
     - the busiest rank pays at least ``3 / P`` of the sum of ``x_i`` over every document and ``i``;
-    - the rank holding a document's last token receives at least ``x_1`` of its keys.
-    The larger of the two is the floor, with the suffixes' work at the lower cost and the cap from the
-    upper mean, and each suffix's ranks filled to the fewest real tokens the token slack leaves them with the
-    row's cheapest tokens. It holds for every placement, whatever its order and chunks, and
+    - the rank holding a document's last token receives every key of it that it does not hold: at least
+      the document's tokens beyond a rank's.
+    The larger of the two is the floor. It holds for every placement, whatever its order and chunks, and
     says how far a solver is from the best possible: on ``seqpar bench masks``' SFT-like row (one
-    5,165-token document holding most of the work, P = 4) it is as large as the zigzag layout's busiest
-    rank, whose work is twice the mean: no even placement moves much less than zigzag there. It is a bound,
-    not an achievable value: short rows and documents cut over few ranks sit well above it.
+    5,165-token document holding most of the work, P = 4) it is 0.85 of what the zigzag layout's busiest
+    rank needs while that rank does twice the mean work: no even placement moves much less than zigzag
+    there. It is a bound, not an achievable value: short rows and documents cut over few ranks sit well
+    above it.
 """
 
 from __future__ import annotations
@@ -100,5 +102,5 @@ def traffic_floor(position_ids: torch.Tensor, world_size: int, slack: float = 1.
     held = max(0, seq - (world_size - 1) * most)  # the fewest real tokens a rank can hold
     cheapest = torch.cat([torch.zeros(1, dtype=torch.float64), (ids + 1).double().sort().values.cumsum(0)])
     starts = [_suffix_starts(n, world_size, cap, (held, most), cheapest, min(plain, square)) for n in lengths]
-    received = max((xs[0] for xs in starts if xs), default=0)
+    received = max(0, max(lengths) - most)  # the last token's rank holds at most `most` of its document
     return max(float(received), 3.0 * sum(sum(xs) for xs in starts) / world_size)
