@@ -15,8 +15,6 @@ KIND_NAMES = {
     "rl": "RL groups",
     "short": "short documents (< S/2P)",
 }
-SIGNATURE_BYTES = 248
-"""Bytes of the input check one rank sends each peer (``seqpar.checks.SIGNATURE_LENGTH`` = 31 int64 values)."""
 HEADER = [
     "P",
     "seq",
@@ -41,13 +39,12 @@ def _ratios(rows: list[dict], other: str) -> str:
 
 
 def _floor(rows: list[dict]) -> list[str]:
-    """The floor (Note [traffic floor]) over zigzag's bytes, and placed's over the floor where it is more than the
-    input check: two cells, dashes for a run before the floor was reported."""
-    if any("floor_bytes" not in r for r in rows):
+    """The floor (Note [traffic floor]) over zigzag's bytes, and placed's over the floor on the rows whose floor
+    holds K/V (``floor_kv``): two cells, dashes for a run before the floor was reported."""
+    if any("floor_kv" not in r for r in rows):
         return ["–", "–"]
     under = [r["floor_bytes"] / r["needed_bytes_max"]["zigzag"] for r in rows]
-    check = (rows[0]["ranks"] - 1) * SIGNATURE_BYTES
-    over = [r["needed_bytes_max"]["placed"] / r["floor_bytes"] for r in rows if r["floor_bytes"] > check]
+    over = [r["needed_bytes_max"]["placed"] / r["floor_bytes"] for r in rows if r["floor_kv"]]
     if not over:
         return [f"{statistics.median(under):.2f} / {max(under):.2f}", "– (0)"]
     geo = math.exp(statistics.mean(math.log(x) for x in over))

@@ -16,8 +16,6 @@ import types
 import pytest
 from mkdocs.exceptions import PluginError
 
-from seqpar.checks import SIGNATURE_LENGTH
-
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("docs_records", ROOT / "scripts" / "records.py")
 records = importlib.util.module_from_spec(_spec)
@@ -268,8 +266,7 @@ def test_placement_table_summarises_the_rows_of_each_p_and_kind(tmp_path):
         assert cells[4] == f"{geo:.2f} / {statistics.median(ratios):.2f} / {ratios[-1]:.2f}"
         under = [r["floor_bytes"] / r["needed_bytes_max"]["zigzag"] for r in rs]
         assert cells[6] == f"{statistics.median(under):.2f} / {max(under):.2f}"
-        check = SIGNATURE_LENGTH * 8 * (ranks - 1)  # the input check: a floor of no K/V
-        floored = [r["needed_bytes_max"]["placed"] / r["floor_bytes"] for r in rs if r["floor_bytes"] > check]
+        floored = [r["needed_bytes_max"]["placed"] / r["floor_bytes"] for r in rs if r["floor_kv"]]
         assert cells[7].endswith(f"({len(floored)})")
         if floored:
             assert cells[7].startswith(f"{math.prod(floored) ** (1 / len(floored)):.2f} / {max(floored):.2f} ")

@@ -70,9 +70,9 @@ def _best_by_search(positions: torch.Tensor, p: int, slack: float, token_slack: 
 
 
 def test_one_document_over_two_ranks_by_hand():
-    # 8 tokens on 2 ranks of 4: the mean is at most (36 visible + 8 * 3.5 square) / 2 = 32, so the last
-    # token's rank can hold the suffix from x_1 = 4 (26 of work; from 3 it would hold 5 tokens): the floor is
-    # max(4, 3 * 4 / 2) = 6
+    # 8 tokens on 2 ranks of 4: the mean is at most (36 visible + 8 * 3.5 square) / 2 = 32, so the tokens
+    # after the second rank's last one start at x_1 = 4 at the earliest (26 of work; from 3 they would be 5
+    # tokens on one rank): the floor is max(8 - 4 tokens beyond a rank's, 3 * 4 / 2) = 6
     positions = torch.arange(8)
     assert traffic_floor(positions, 2, slack=1.0, token_slack=1.0) == 6.0
     assert _best_by_search(positions, 2, 1.0, 1.0) >= 6

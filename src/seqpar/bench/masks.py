@@ -44,10 +44,9 @@ import torch.distributed as dist
 import seqpar
 from seqpar.bench import save_records
 from seqpar.bench.kernel_time import TimedKernel
-from seqpar.bench.masks_bytes import needed_bytes, visible_fraction
+from seqpar.bench.masks_bytes import floor_bytes, needed_bytes, visible_fraction
 from seqpar.bench.rows import log_normal_documents, rl_groups, short_documents, uneven_documents
-from seqpar.checks import SIGNATURE_LENGTH
-from seqpar.placement import resolve_auto_layout, traffic_floor
+from seqpar.placement import resolve_auto_layout
 from seqpar.runtime.memory import written_bytes
 from seqpar.runtime.spawn import spawn_ranks
 
@@ -122,10 +121,8 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, results: str) 
             shard = seqpar.shard_sequence(ids[None], meshes["flat"], layout=layout) if packed else None
             mask = seqpar.sequence_mask(shard, meshes["flat"], layout=layout, window=window, blocks=frame)
             balance = seqpar.layout_balance(ids, layout, world_size, window=window, blocks=frame)
-            floor = None
-            if positions is not None and window is None and frame is None:  # Note [traffic floor]
-                per_token = 2 * args.kv_heads * 64 * 4  # K and V of one token, fp32
-                floor = (world_size - 1) * SIGNATURE_LENGTH * 8 + per_token * traffic_floor(positions, world_size)
+            documents = positions is not None and window is None and frame is None  # Note [traffic floor]
+            floor = floor_bytes(positions, world_size, args.kv_heads, 64) if documents else None
             for strategy in args.strategies:
                 mesh = meshes["two_d" if strategy == "hybrid" else "flat"]
 

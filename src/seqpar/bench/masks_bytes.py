@@ -13,12 +13,25 @@ import torch
 from seqpar.bench.strategies import expected_bytes
 from seqpar.checks import SIGNATURE_LENGTH
 from seqpar.layout import rank_chunk_ids
+from seqpar.placement.floor import traffic_floor
 from seqpar.strategies.kv_needs import kv_needs
 from seqpar.strategies.masking import SequenceMask
 
-__all__ = ["needed_bytes", "visible_fraction"]
+__all__ = ["check_bytes", "floor_bytes", "needed_bytes", "visible_fraction"]
 
 _FLOAT32 = 4
+
+
+def check_bytes(ranks: int) -> int:
+    """Bytes every rank sends in the input check whatever the layout: its int64 signature to each peer."""
+    return (ranks - 1) * SIGNATURE_LENGTH * 8
+
+
+def floor_bytes(positions: torch.Tensor, ranks: int, kv_heads: int, head_dim: int) -> float:
+    """The least bytes the busiest rank needs under ring or all-gather (fp32), over every placement of the packed
+    row ``positions`` ``[S]`` even within 1.05 in work and tokens: ``placement.traffic_floor`` (Note [traffic
+    floor]: a sent token counts twice, a received one once) in K and V of one token, plus ``check_bytes``."""
+    return check_bytes(ranks) + 2 * kv_heads * head_dim * _FLOAT32 * traffic_floor(positions, ranks)
 
 
 def _flat_and_ring_ids(strategy: str, cfg: dict, layout: str) -> tuple[tuple[tuple[int, ...], ...], int]:
@@ -43,7 +56,6 @@ def needed_bytes(strategy: str, cfg: dict, mask: SequenceMask, layout: str, rank
     if strategy == "ulysses":
         return expected_bytes("ulysses", cfg)
     p, seq, d = cfg["ranks"], cfg["seq"], cfg["head_dim"]
-    check = (p - 1) * SIGNATURE_LENGTH * 8
     chunk_ids, u = _flat_and_ring_ids(strategy, cfg, layout)
     chunk = seq // sum(len(c) for c in chunk_ids)
     causal = mask.blocks is None
@@ -59,7 +71,7 @@ def needed_bytes(strategy: str, cfg: dict, mask: SequenceMask, layout: str, rank
     if u > 1:
         local = seq // p
         ulysses = (u - 1) / u * 4 * (cfg["heads"] + kv_heads) * local * d * _FLOAT32
-    return check + ulysses + 2 * (kv_heads // u) * d * _FLOAT32 * (2 * sent + returned)
+    return check_bytes(p) + ulysses + 2 * (kv_heads // u) * d * _FLOAT32 * (2 * sent + returned)
 
 
 def visible_fraction(positions: torch.Tensor, window: int | None, block: int | None) -> float:

@@ -36,10 +36,8 @@ import torch
 import seqpar
 from seqpar.balanced import CHUNKS_PER_RANK
 from seqpar.bench import save_records
-from seqpar.bench.masks_bytes import needed_bytes
+from seqpar.bench.masks_bytes import check_bytes, floor_bytes, needed_bytes
 from seqpar.bench.rows import log_normal_documents, rl_groups, short_documents, uneven_documents
-from seqpar.checks import SIGNATURE_LENGTH
-from seqpar.placement.floor import traffic_floor
 from seqpar.strategies.masking import SequenceMask
 
 __all__ = ["KINDS", "LAYOUTS", "kind_row", "main", "measure_row", "row_length", "summarize"]
@@ -99,7 +97,7 @@ def measure_row(ids: torch.Tensor, ranks: int) -> dict:
     Returns:
         ``needed_bytes_max`` / ``needed_bytes_mean`` / ``planned_max_over_mean``: per layout; ``floor_bytes``:
         the least any placement even within 1.05 (work and tokens) can need on its busiest rank (Note [traffic
-        floor], the input check included);
+        floor], the input check included); ``floor_kv``: whether that floor holds any K/V beyond the input check;
         ``tokens_max_over_mean``: the placed row's local length over S/P; ``placed_no_kv``: whether the placed
         layout needs nothing but the input check; ``placed_solve_s`` / ``balanced_solve_s``: solver seconds.
     """
@@ -112,18 +110,18 @@ def measure_row(ids: torch.Tensor, ranks: int) -> dict:
     rows = {"zigzag": (ids, "zigzag"), "balanced": (ids, balanced)}
     rows["placed"] = (placement.position_ids[0], placement.layout)
     need = {name: _bytes_per_rank(row, layout, ranks) for name, (row, layout) in rows.items()}
-    check = (ranks - 1) * SIGNATURE_LENGTH * 8  # what every layout sends: the input check
-    per_token = 2 * KV_HEADS * HEAD_DIM * 4  # K and V of one token, fp32 (a sent token counts twice in the floor)
+    floor = floor_bytes(ids, ranks, KV_HEADS, HEAD_DIM)
     return {
         "needed_bytes_max": {name: max(b) for name, b in need.items()},
-        "floor_bytes": check + per_token * traffic_floor(ids, ranks),
+        "floor_bytes": floor,
+        "floor_kv": floor > check_bytes(ranks),
         "needed_bytes_mean": {name: statistics.mean(b) for name, b in need.items()},
         "planned_max_over_mean": {
             name: seqpar.layout_balance(row, layout, ranks).planned_max_over_mean
             for name, (row, layout) in rows.items()
         },
         "tokens_max_over_mean": placement.seq_len / len(ids),
-        "placed_no_kv": max(need["placed"]) <= check,
+        "placed_no_kv": max(need["placed"]) <= check_bytes(ranks),
         "placed_solve_s": placed_s,
         "balanced_solve_s": balanced_s,
     }
@@ -152,15 +150,13 @@ def summarize(records: list[dict]) -> list[dict]:
     out = []
     for (ranks, kind), rs in groups.items():
         ratio = {o: [r["needed_bytes_max"]["placed"] / r["needed_bytes_max"][o] for r in rs] for o in LAYOUTS[:2]}
-        check = (ranks - 1) * SIGNATURE_LENGTH * 8
-        floors = [r for r in rs if r["floor_bytes"] > check]  # rows whose floor is more than the input check
-        over = [r["needed_bytes_max"]["placed"] / r["floor_bytes"] for r in floors] or [math.nan]
+        over = [r["needed_bytes_max"]["placed"] / r["floor_bytes"] for r in rs if r["floor_kv"]]
         under = [r["floor_bytes"] / r["needed_bytes_max"]["zigzag"] for r in rs]
         out.append({
             "ranks": ranks, "kind": kind, "seq": rs[0]["seq"], "rows": len(rs),
             **{f"vs_{o}": (_geomean(ratio[o]), statistics.median(ratio[o]), max(ratio[o])) for o in ratio},
             "floor_vs_zigzag": (statistics.median(under), max(under)),
-            "vs_floor": (_geomean(over) if floors else math.nan, max(over), len(floors)),
+            "vs_floor": (_geomean(over), max(over), len(over)) if over else (math.nan, math.nan, 0),
             "planned_worst": max(r["planned_max_over_mean"]["placed"] for r in rs),
             "zigzag_planned_worst": max(r["planned_max_over_mean"]["zigzag"] for r in rs),
             "tokens_worst": max(r["tokens_max_over_mean"] for r in rs),

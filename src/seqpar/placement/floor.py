@@ -41,6 +41,7 @@ import torch
 
 from seqpar.balanced import TILE_COSTS
 from seqpar.errors import SeqparInputError
+from seqpar.strategies.masking import check_packed_positions
 from seqpar.strategies.tiles import SQUARE_BLOCK
 
 __all__ = ["traffic_floor"]
@@ -90,10 +91,9 @@ def traffic_floor(position_ids: torch.Tensor, world_size: int, slack: float = 1.
             f"world_size must be >= 1 and both slacks >= 1, got {world_size!r}, {slack!r} and {token_slack!r}"
         )
     ids = position_ids.long()
+    check_packed_positions(ids[None])
     starts = [*(ids == 0).nonzero().flatten().tolist(), ids.numel()]
     lengths = [b - a for a, b in zip(starts, starts[1:])]
-    if not bool((ids[1:] - ids[:-1])[ids[1:] != 0].eq(1).all()):
-        raise SeqparInputError("position ids must count up by 1 inside each document")
     plain, square = float(tile_costs[0]), float(tile_costs[1])
     squares = sum(n * max(0.0, (square - plain / 2) * min(n, SQUARE_BLOCK) - plain / 2) for n in lengths)
     cap = slack * (plain * sum(n * (n + 1) / 2 for n in lengths) + squares) / world_size
