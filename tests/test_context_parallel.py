@@ -23,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention
 
 import seqpar
-import seqpar.integrations.cp_autograd as cp_autograd
+import seqpar.sequence_parallel.context_parallel.autograd as cp_autograd
 from seqpar import context_parallel, context_parallel_unshard
 from tests._dist import run_ranks, shard_index
 from tests._sdpa_models import GPT, VideoBlock

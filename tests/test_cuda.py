@@ -18,8 +18,13 @@ import torch
 import torch.nn.functional as F
 
 import seqpar
-from seqpar.kernels import TorchCUDAEfficientKernel, TorchCUDAFlashKernel, TorchCuDNNKernel, select_kernel
-from seqpar.kernels.merge import merge_into, new_accumulator
+from seqpar.sequence_parallel.kernels import (
+    TorchCUDAEfficientKernel,
+    TorchCUDAFlashKernel,
+    TorchCuDNNKernel,
+    select_kernel,
+)
+from seqpar.sequence_parallel.kernels.merge import merge_into, new_accumulator
 from tests._dist import run_ranks, shard_index
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -14,9 +14,9 @@ import torch
 import seqpar
 from seqpar.bench.rows import log_normal_documents, uneven_documents
 from seqpar.errors import SeqparInputError
-from seqpar.layout import rank_chunk_ids
-from seqpar.placement.floor import traffic_floor
-from seqpar.strategies.kv_needs import global_tokens
+from seqpar.layouts.chunks import rank_chunk_ids
+from seqpar.layouts.placed.floor import traffic_floor
+from seqpar.sequence_parallel.plans.kv_needs import global_tokens
 
 
 def _documents(lengths: list[int]) -> torch.Tensor:

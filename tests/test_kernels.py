@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from seqpar.errors import SeqparInputError
-from seqpar.kernels import ReferenceKernel, TorchCPUFlashKernel, select_kernel
+from seqpar.sequence_parallel.kernels import ReferenceKernel, TorchCPUFlashKernel, select_kernel
 
 
 def sdpa_with_lse(q, k, v, mask):
@@ -114,7 +114,7 @@ def test_reference_kernel_soft_caps_logits(causal):
 
 def test_sinks_merge_last_without_nan():
     """A sink is one more (out 0, lse z) term; rows that saw no key keep out 0, and -inf sinks change nothing."""
-    from seqpar.kernels.sinks import add_sinks, sink_grad
+    from seqpar.sequence_parallel.kernels.sinks import add_sinks, sink_grad
 
     out = torch.randn(1, 2, 3, 4)
     lse = torch.tensor([[[0.5, float("-inf"), 1.0], [2.0, float("-inf"), 0.0]]])

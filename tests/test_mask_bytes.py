@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 import seqpar
 from seqpar.runtime.memory import written_bytes
-from seqpar.strategies.choice import auto_strategy_for, masked_ring_bytes, ulysses_bytes
-from seqpar.strategies.kv_needs import kv_needs
-from seqpar.strategies.masking import SequenceMask
+from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
+from seqpar.sequence_parallel.plans.kv_needs import kv_needs
+from seqpar.sequence_parallel.selection import auto_strategy_for, masked_ring_bytes, ulysses_bytes
 from tests._cases import ATOL, RTOL
 from tests._dist import run_ranks, shard_index
 from tests.test_bytes_sent import FLOAT32, SIGNATURE_INTS, _analytical_bytes
@@ -186,7 +186,7 @@ def test_auto_strategy_weighs_ring_bytes_against_ulysses():
         == _analytical_bytes("ring", KV_HEADS) - check
     )
     docs = SequenceMask(torch.arange(SEQ)[None] - _positions(DOCS), None, 301)
-    chunk_ids = tuple(seqpar.layout.rank_chunk_ids("zigzag", RANKS, r) for r in range(RANKS))
+    chunk_ids = tuple(seqpar.layouts.chunks.rank_chunk_ids("zigzag", RANKS, r) for r in range(RANKS))
     ring = masked_ring_bytes(kv_needs(docs, chunk_ids, local // 2, True), [local] * RANKS, KV_HEADS, HEAD_DIM, FLOAT32)
     assert ring == max(needed_bytes("ring", "zigzag", DOCS, None, r) for r in range(RANKS)) - check
 
@@ -204,8 +204,8 @@ def test_auto_strategy_weighs_ring_bytes_against_ulysses():
 def test_bench_placement_writes_one_record_per_row_with_the_layouts_needs(tmp_path, capsys):
     from seqpar.bench.masks_bytes import needed_bytes as layout_needed_bytes
     from seqpar.bench.placement import KINDS, kind_row, main
-    from seqpar.checks import SIGNATURE_LENGTH
-    from seqpar.strategies.masking import SequenceMask
+    from seqpar.sequence_parallel.checks import SIGNATURE_LENGTH
+    from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
 
     out = tmp_path / "placement.json"
     assert main(["--ranks", "2", "3", "--seq", "1024", "--seeds", "1", "--json", str(out)]) == 0

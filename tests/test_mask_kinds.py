@@ -14,10 +14,10 @@ import torch.nn.functional as F
 
 import seqpar
 from seqpar.errors import SeqparInputError
-from seqpar.strategies.kv_needs import kv_needs
-from seqpar.strategies.mask_blocks import block_causal
-from seqpar.strategies.masking import SequenceMask
-from seqpar.strategies.planner import plan
+from seqpar.sequence_parallel.masks.block_ranges import block_causal
+from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
+from seqpar.sequence_parallel.plans.kv_needs import kv_needs
+from seqpar.sequence_parallel.plans.planner import plan
 from tests._cases import ATOL, RTOL, packed_positions
 from tests._dist import run_ranks, shard_index
 

@@ -17,7 +17,7 @@ from seqpar.memory import FEATURES
 from seqpar.planning import Cluster, Layout, ModelShape, load_model_shape, max_seq_len, model_flops, plan, step_time
 from seqpar.planning.cli import parse_tokens
 from seqpar.planning.cluster import Calibration, load_calibration, save_calibration
-from seqpar.strategies.policy import kv_head_repeats
+from seqpar.sequence_parallel.strategies.registry import kv_head_repeats
 
 TINY = ModelShape(256, 768, 4, 8, 4, 4096)  # seqpar bench llama_step's model
 

@@ -5,27 +5,88 @@ Models: ``prepare_model``, ``shard_batch``, ``cross_entropy``, ``router_aux_loss
 Why a sharded run differs from one process: ``doctor``.
 """
 
-from seqpar.api import AttentionChoice, attention, choose_attention
-from seqpar.balanced import LayoutBalance, balanced_layout, layout_balance
-from seqpar.data import IGNORE_INDEX, BatchShard, pack_documents, shard_batch
-from seqpar.data_parallel import apply_data_parallel, data_parallel_group
-from seqpar.diagnosis import DoctorReport, doctor
-from seqpar.errors import SeqparInputError
-from seqpar.gradients import clip_grad_norm_, reduce_gradients
-from seqpar.integrations.context_parallel import context_parallel, context_parallel_unshard
-from seqpar.integrations.moe import router_aux_loss
-from seqpar.integrations.transformers import attention_choice, prepare_model
-from seqpar.kernels import select_kernel
-from seqpar.layout import LAYOUTS, ChunkLayout, gather_sequence, position_ids, shard_sequence
-from seqpar.loss import count_valid_tokens, cross_entropy, lm_head_cross_entropy, sum_over
-from seqpar.memory import MemoryEstimate, apply_activation_offload, apply_tiled_mlp, estimate_memory
-from seqpar.mesh import SequenceParallelMesh, as_sp_mesh, make_mesh
-from seqpar.pipeline_parallel import PipelineParallel, apply_pipeline_parallel
-from seqpar.placement import Placement, placed_layout
-from seqpar.planning import Cluster, Plan, plan
-from seqpar.strategies.masking import SequenceMask, sequence_mask
-from seqpar.strategies.policy import STRATEGIES, resolve_strategy
-from seqpar.tensor_parallel import apply_tensor_parallel
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from seqpar.lazy import module_getattr
+
+if TYPE_CHECKING:
+    from seqpar.data import IGNORE_INDEX, BatchShard, pack_documents, shard_batch
+    from seqpar.data_parallel import apply_data_parallel, data_parallel_group
+    from seqpar.diagnosis import DoctorReport, doctor
+    from seqpar.errors import SeqparInputError
+    from seqpar.gradients import clip_grad_norm_, reduce_gradients
+    from seqpar.integrations.moe import router_aux_loss
+    from seqpar.layouts.balanced import LayoutBalance, balanced_layout, layout_balance
+    from seqpar.layouts.chunks import LAYOUTS, ChunkLayout, gather_sequence, position_ids, shard_sequence
+    from seqpar.layouts.placed import Placement, placed_layout
+    from seqpar.loss import count_valid_tokens, cross_entropy, lm_head_cross_entropy, sum_over
+    from seqpar.memory import MemoryEstimate, apply_activation_offload, apply_tiled_mlp, estimate_memory
+    from seqpar.mesh import SequenceParallelMesh, as_sp_mesh, make_mesh
+    from seqpar.pipeline_parallel import PipelineParallel, apply_pipeline_parallel
+    from seqpar.planning import Cluster, Plan, plan
+    from seqpar.sequence_parallel.api import AttentionChoice, attention, choose_attention
+    from seqpar.sequence_parallel.context_parallel.context_manager import context_parallel, context_parallel_unshard
+    from seqpar.sequence_parallel.kernels import select_kernel
+    from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask, sequence_mask
+    from seqpar.sequence_parallel.prepare import attention_choice, prepare_model
+    from seqpar.sequence_parallel.strategies.registry import STRATEGIES, resolve_strategy
+    from seqpar.tensor_parallel import apply_tensor_parallel
+
+_NAMES = {
+    "IGNORE_INDEX": "seqpar.data",
+    "BatchShard": "seqpar.data",
+    "pack_documents": "seqpar.data",
+    "shard_batch": "seqpar.data",
+    "apply_data_parallel": "seqpar.data_parallel",
+    "data_parallel_group": "seqpar.data_parallel",
+    "DoctorReport": "seqpar.diagnosis",
+    "doctor": "seqpar.diagnosis",
+    "SeqparInputError": "seqpar.errors",
+    "clip_grad_norm_": "seqpar.gradients",
+    "reduce_gradients": "seqpar.gradients",
+    "router_aux_loss": "seqpar.integrations.moe",
+    "LayoutBalance": "seqpar.layouts.balanced",
+    "balanced_layout": "seqpar.layouts.balanced",
+    "layout_balance": "seqpar.layouts.balanced",
+    "LAYOUTS": "seqpar.layouts.chunks",
+    "ChunkLayout": "seqpar.layouts.chunks",
+    "gather_sequence": "seqpar.layouts.chunks",
+    "position_ids": "seqpar.layouts.chunks",
+    "shard_sequence": "seqpar.layouts.chunks",
+    "Placement": "seqpar.layouts.placed",
+    "placed_layout": "seqpar.layouts.placed",
+    "count_valid_tokens": "seqpar.loss",
+    "cross_entropy": "seqpar.loss",
+    "lm_head_cross_entropy": "seqpar.loss",
+    "sum_over": "seqpar.loss",
+    "MemoryEstimate": "seqpar.memory",
+    "apply_activation_offload": "seqpar.memory",
+    "apply_tiled_mlp": "seqpar.memory",
+    "estimate_memory": "seqpar.memory",
+    "SequenceParallelMesh": "seqpar.mesh",
+    "as_sp_mesh": "seqpar.mesh",
+    "make_mesh": "seqpar.mesh",
+    "PipelineParallel": "seqpar.pipeline_parallel",
+    "apply_pipeline_parallel": "seqpar.pipeline_parallel",
+    "Cluster": "seqpar.planning",
+    "Plan": "seqpar.planning",
+    "plan": "seqpar.planning",
+    "AttentionChoice": "seqpar.sequence_parallel.api",
+    "attention": "seqpar.sequence_parallel.api",
+    "choose_attention": "seqpar.sequence_parallel.api",
+    "context_parallel": "seqpar.sequence_parallel.context_parallel.context_manager",
+    "context_parallel_unshard": "seqpar.sequence_parallel.context_parallel.context_manager",
+    "select_kernel": "seqpar.sequence_parallel.kernels",
+    "SequenceMask": "seqpar.sequence_parallel.masks.sequence_mask",
+    "sequence_mask": "seqpar.sequence_parallel.masks.sequence_mask",
+    "attention_choice": "seqpar.sequence_parallel.prepare",
+    "prepare_model": "seqpar.sequence_parallel.prepare",
+    "STRATEGIES": "seqpar.sequence_parallel.strategies.registry",
+    "resolve_strategy": "seqpar.sequence_parallel.strategies.registry",
+    "apply_tensor_parallel": "seqpar.tensor_parallel",
+}
 
 __all__ = [
     "IGNORE_INDEX",
@@ -82,3 +143,4 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+__getattr__ = module_getattr(__name__, _NAMES, globals())

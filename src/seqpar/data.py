@@ -18,12 +18,12 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from seqpar.balanced import balanced_layout
 from seqpar.errors import SeqparInputError
-from seqpar.layout import ChunkLayout, Layout, chunks_per_rank, shard_for_rank
+from seqpar.layouts.balanced import balanced_layout
+from seqpar.layouts.chunks import ChunkLayout, Layout, chunks_per_rank, shard_for_rank
+from seqpar.layouts.placed import Placement, placed_layout, resolve_auto_layout
 from seqpar.mesh import as_sp_mesh
-from seqpar.placement import Placement, placed_layout, resolve_auto_layout
-from seqpar.strategies.masking import check_packed_positions
+from seqpar.sequence_parallel.masks.sequence_mask import check_packed_positions
 
 __all__ = ["IGNORE_INDEX", "BatchShard", "pack_documents", "shard_batch"]
 

@@ -29,10 +29,10 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor
 
-from seqpar.comm.collectives import collective_device
 from seqpar.data import IGNORE_INDEX
 from seqpar.errors import SeqparInputError
 from seqpar.mesh import as_sp_mesh
+from seqpar.sequence_parallel.comm.collectives import collective_device
 
 __all__ = ["count_valid_tokens", "cross_entropy", "lm_head_cross_entropy", "sum_over"]
 

@@ -15,7 +15,7 @@ import transformers
 
 import seqpar
 import seqpar.hf
-from seqpar.integrations.transformers import LAYOUT_KEYWORD
+from seqpar.sequence_parallel.prepare import LAYOUT_KEYWORD
 from tests.hf_scripts.common import CASES, build_trainer, model, parallelism_config, results, save
 
 

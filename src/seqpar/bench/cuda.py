@@ -18,11 +18,11 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from seqpar.kernels import select_kernel
-from seqpar.kernels.merge import new_accumulator
-from seqpar.strategies.blocks import blocks_backward, blocks_forward
-from seqpar.strategies.pieces import piece_ids, pieces_per_chunk, take_piece
-from seqpar.strategies.planner import plan_blocks
+from seqpar.sequence_parallel.kernels import select_kernel
+from seqpar.sequence_parallel.kernels.merge import new_accumulator
+from seqpar.sequence_parallel.plans.blocks import blocks_backward, blocks_forward
+from seqpar.sequence_parallel.plans.pieces import piece_ids, pieces_per_chunk, take_piece
+from seqpar.sequence_parallel.plans.planner import plan_blocks
 
 __all__ = ["main"]
 

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from seqpar.kernels import AttentionKernel
+from seqpar.sequence_parallel.kernels import AttentionKernel
 
 __all__ = ["TimedKernel"]
 

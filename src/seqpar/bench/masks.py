@@ -46,7 +46,7 @@ from seqpar.bench import save_records
 from seqpar.bench.kernel_time import TimedKernel
 from seqpar.bench.masks_bytes import floor_bytes, needed_bytes, visible_fraction
 from seqpar.bench.rows import log_normal_documents, rl_groups, short_documents, uneven_documents
-from seqpar.placement import resolve_auto_layout
+from seqpar.layouts.placed import resolve_auto_layout
 from seqpar.runtime.memory import written_bytes
 from seqpar.runtime.spawn import spawn_ranks
 
@@ -139,7 +139,7 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, results: str) 
                 records.append({
                     "strategy": strategy, "mask": name, "layout": layout_name, "resolved_layout": resolved,
                     "ranks": world_size, "seq": args.seq,
-                    "chunks_per_rank": len(seqpar.layout.rank_chunk_ids(layout, world_size, 0)),
+                    "chunks_per_rank": len(seqpar.layouts.chunks.rank_chunk_ids(layout, world_size, 0)),
                     "bytes_sent_per_rank": [int(t[0]) for t in table],
                     "bytes_needed_per_rank": [int(t[1]) for t in table],
                     "rank_compute_s": computes,

@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 
 from seqpar.bench.strategies import expected_bytes
-from seqpar.checks import SIGNATURE_LENGTH
-from seqpar.layout import rank_chunk_ids
-from seqpar.placement.floor import traffic_floor
-from seqpar.strategies.kv_needs import kv_needs
-from seqpar.strategies.masking import SequenceMask
+from seqpar.layouts.chunks import rank_chunk_ids
+from seqpar.layouts.placed.floor import traffic_floor
+from seqpar.sequence_parallel.checks import SIGNATURE_LENGTH
+from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
+from seqpar.sequence_parallel.plans.kv_needs import kv_needs
 
 __all__ = ["check_bytes", "floor_bytes", "needed_bytes", "visible_fraction"]
 

@@ -27,9 +27,9 @@ import torch.distributed as dist
 
 import seqpar
 from seqpar.bench import provenance
-from seqpar.checks import SIGNATURE_LENGTH
 from seqpar.runtime.memory import written_bytes
 from seqpar.runtime.spawn import spawn_ranks
+from seqpar.sequence_parallel.checks import SIGNATURE_LENGTH
 
 _SIGNATURE_BYTES = SIGNATURE_LENGTH * 8  # the input check's all-gathered int64 signature
 

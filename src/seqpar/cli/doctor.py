@@ -25,11 +25,11 @@ from seqpar.cli.arguments import (
 )
 from seqpar.data import pack_documents
 from seqpar.diagnosis import doctor
-from seqpar.layout import LAYOUTS
+from seqpar.layouts.chunks import LAYOUTS
 from seqpar.mesh import make_mesh
 from seqpar.planning.memory import DTYPES
 from seqpar.runtime.spawn import spawn_ranks
-from seqpar.strategies.policy import STRATEGIES
+from seqpar.sequence_parallel.strategies.registry import STRATEGIES
 from seqpar.train.config import TrainConfig
 from seqpar.train.data import FileRows, load_tokenizer
 from seqpar.train.model import build_model, model_config

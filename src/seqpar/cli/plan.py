@@ -12,7 +12,7 @@ from seqpar.planning.models import shape_from_config
 from seqpar.planning.report import format_plan
 from seqpar.planning.search import plan
 from seqpar.planning.timing import OFFLOAD_OPTIMIZER, Layout, step_time
-from seqpar.strategies.policy import resolve_strategy_for
+from seqpar.sequence_parallel.strategies.registry import resolve_strategy_for
 from seqpar.train.config import TrainConfig
 from seqpar.train.fit import memory_features, train_estimate
 from seqpar.train.model import model_config

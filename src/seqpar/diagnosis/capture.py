@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from seqpar.integrations.transformers import ATTENTION_NAME
+from seqpar.sequence_parallel.prepare import ATTENTION_NAME
 
 __all__ = ["Capture", "capture_outputs", "count_attention_calls"]
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from seqpar.comm.collectives import collective_device
 from seqpar.diagnosis.capture import Capture
 from seqpar.diagnosis.pitfalls import is_attention
 from seqpar.diagnosis.report import LayerRow, Pitfall
+from seqpar.sequence_parallel.comm.collectives import collective_device
 
 __all__ = ["OUTPUT_ROW", "diagnose", "layer_rows", "max_over"]
 

@@ -21,7 +21,7 @@ import torch
 from seqpar.data import shard_batch
 from seqpar.diagnosis.report import Pitfall
 from seqpar.errors import SeqparInputError
-from seqpar.strategies.masking import check_packed_positions
+from seqpar.sequence_parallel.masks.sequence_mask import check_packed_positions
 
 __all__ = [
     "baseline_notes",

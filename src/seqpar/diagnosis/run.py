@@ -33,10 +33,10 @@ from seqpar.diagnosis.pitfalls import (
 from seqpar.diagnosis.report import TOLERANCES, DoctorReport, Pitfall
 from seqpar.errors import SeqparInputError
 from seqpar.gradients import reduce_gradients
-from seqpar.integrations.transformers import ATTENTION_NAME, attention_choice, prepare_model
-from seqpar.layout import gather_sequence, shard_sequence
+from seqpar.layouts.chunks import gather_sequence, shard_sequence
 from seqpar.loss import count_valid_tokens, cross_entropy, sum_over
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
+from seqpar.sequence_parallel.prepare import ATTENTION_NAME, attention_choice, prepare_model
 
 __all__ = ["doctor"]
 

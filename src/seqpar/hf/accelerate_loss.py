@@ -34,7 +34,7 @@ import torch
 
 from seqpar.data import IGNORE_INDEX
 from seqpar.errors import SeqparInputError
-from seqpar.layout import gather_sequence, shard_sequence
+from seqpar.layouts.chunks import gather_sequence, shard_sequence
 from seqpar.loss import cross_entropy
 from seqpar.mesh import SequenceParallelMesh
 

@@ -40,7 +40,6 @@ from accelerate.data_loader import prepare_data_loader
 from accelerate.utils import DistributedType, recursively_apply
 from torch.distributed.device_mesh import DeviceMesh
 
-from seqpar.comm import all_gather_first_dim
 from seqpar.errors import SeqparInputError
 from seqpar.hf.accelerate_loss import ShardLoss
 from seqpar.hf.batches import replica_of
@@ -52,9 +51,10 @@ from seqpar.hf.parallelism import (
     parallelism_from_environment,
     plan_parallelism,
 )
-from seqpar.integrations.context_parallel import context_parallel
-from seqpar.integrations.transformers import prepare_model
 from seqpar.mesh import SequenceParallelMesh, make_mesh
+from seqpar.sequence_parallel.comm import all_gather_first_dim
+from seqpar.sequence_parallel.context_parallel.context_manager import context_parallel
+from seqpar.sequence_parallel.prepare import prepare_model
 
 __all__ = ["Accelerator"]
 

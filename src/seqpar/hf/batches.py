@@ -21,12 +21,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from seqpar.comm.collectives import collective_device
 from seqpar.data import IGNORE_INDEX, shard_batch
 from seqpar.errors import SeqparInputError
-from seqpar.integrations.transformers import LAYOUT_KEYWORD
-from seqpar.layout import ChunkLayout, Layout
+from seqpar.layouts.chunks import ChunkLayout, Layout
 from seqpar.mesh import SequenceParallelMesh
+from seqpar.sequence_parallel.comm.collectives import collective_device
+from seqpar.sequence_parallel.prepare import LAYOUT_KEYWORD
 
 __all__ = [
     "SequenceShard",

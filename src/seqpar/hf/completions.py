@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from seqpar.comm.collectives import collective_device
 from seqpar.data import IGNORE_INDEX, shard_batch
 from seqpar.errors import SeqparInputError
-from seqpar.layout import Layout, chunks_per_rank, shard_for_rank
+from seqpar.layouts.chunks import Layout, chunks_per_rank, shard_for_rank
 from seqpar.mesh import SequenceParallelMesh
+from seqpar.sequence_parallel.comm.collectives import collective_device
 
 __all__ = ["CompletionShard", "completion_shard", "from_completions", "to_completions"]
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from seqpar.errors import SeqparInputError
-from seqpar.layout import LAYOUTS, PER_BATCH_LAYOUTS
-from seqpar.strategies import STRATEGIES
+from seqpar.layouts.chunks import LAYOUTS, PER_BATCH_LAYOUTS
+from seqpar.sequence_parallel.strategies import STRATEGIES
 
 __all__ = [
     "TRAINER_LAYOUTS",

@@ -30,14 +30,14 @@ import torch.distributed as dist
 from transformers import Trainer
 from trl import DPOTrainer
 
-from seqpar.comm.collectives import collective_device
 from seqpar.errors import SeqparInputError
 from seqpar.hf.batches import shard_step
 from seqpar.hf.config import SequenceParallelConfig
 from seqpar.hf.loaders import replica_loader
 from seqpar.hf.sharded_call import ShardedCalls, shift_completion_labels
 from seqpar.hf.trainer import SequenceParallelMixin
-from seqpar.integrations.transformers import prepare_model
+from seqpar.sequence_parallel.comm.collectives import collective_device
+from seqpar.sequence_parallel.prepare import prepare_model
 
 __all__ = ["SequenceParallelDPOTrainer", "check_dpo_arguments"]
 

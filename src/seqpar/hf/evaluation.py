@@ -21,13 +21,13 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from seqpar.comm.collectives import collective_device
 from seqpar.data import IGNORE_INDEX
 from seqpar.hf.batches import model_inputs, padding_batch, replica_of, shard_step
 from seqpar.integrations.moe import model_router_loss, router_loss_settings
-from seqpar.layout import Layout
+from seqpar.layouts.chunks import Layout
 from seqpar.loss import cross_entropy, sum_over
 from seqpar.mesh import SequenceParallelMesh
+from seqpar.sequence_parallel.comm.collectives import collective_device
 
 __all__ = ["evaluation_loss"]
 

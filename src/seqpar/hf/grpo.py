@@ -28,9 +28,9 @@ from seqpar.hf.grpo_checks import check_grpo_arguments, check_grpo_trainer, repl
 from seqpar.hf.grpo_loss import ShardGroups, policy_loss, record_metrics
 from seqpar.hf.replica_view import ReplicaAccelerator, replica_collectives
 from seqpar.hf.trainer import SequenceParallelMixin
-from seqpar.integrations.transformers import LAYOUT_KEYWORD, prepare_model
 from seqpar.integrations.unsharded import unsharded
-from seqpar.layout import ChunkLayout
+from seqpar.layouts.chunks import ChunkLayout
+from seqpar.sequence_parallel.prepare import LAYOUT_KEYWORD, prepare_model
 
 __all__ = ["SequenceParallelGRPOTrainer"]
 

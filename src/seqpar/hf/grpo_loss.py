@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from seqpar.comm.collectives import all_gather_first_dim, collective_device
+from seqpar.sequence_parallel.comm.collectives import all_gather_first_dim, collective_device
 
 __all__ = ["ShardGroups", "policy_loss", "sum_rows"]
 

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from seqpar.layout import Layout, shard_sequence
+from seqpar.layouts.chunks import Layout, shard_sequence
 from seqpar.mesh import SequenceParallelMesh
 
 __all__ = ["WIDTH", "noisy_embeddings"]

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from seqpar.comm.collectives import all_gather_first_dim, collective_device
+from seqpar.sequence_parallel.comm.collectives import all_gather_first_dim, collective_device
 
 __all__ = ["ReplicaAccelerator", "replica_collectives"]
 

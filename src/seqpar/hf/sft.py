@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 from trl import SFTTrainer
 
-from seqpar.comm.collectives import collective_device
 from seqpar.data import IGNORE_INDEX
 from seqpar.hf.batches import StepShards
 from seqpar.hf.config import check_sft_arguments
 from seqpar.hf.trainer import SequenceParallelMixin
+from seqpar.sequence_parallel.comm.collectives import collective_device
 
 __all__ = ["SequenceParallelSFTTrainer", "token_statistics"]
 

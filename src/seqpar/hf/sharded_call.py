@@ -28,7 +28,7 @@ import torch
 from seqpar.data import IGNORE_INDEX
 from seqpar.errors import SeqparInputError
 from seqpar.hf.batches import model_inputs, to_shard
-from seqpar.layout import gather_sequence
+from seqpar.layouts.chunks import gather_sequence
 from seqpar.mesh import SequenceParallelMesh
 
 __all__ = ["ShardedCalls", "shift_completion_labels"]

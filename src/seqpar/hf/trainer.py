@@ -41,9 +41,9 @@ from seqpar.hf.neftune import WIDTH, noisy_embeddings
 from seqpar.hf.parallelism import hidden_parallelism_environment, parallelism_from_environment, plan_parallelism
 from seqpar.hf.trainer_evaluation import EvaluationMixin
 from seqpar.integrations.moe import model_router_loss
-from seqpar.integrations.transformers import LAYOUT_KEYWORD, prepare_model
 from seqpar.loss import cross_entropy
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh, make_mesh
+from seqpar.sequence_parallel.prepare import LAYOUT_KEYWORD, prepare_model
 
 __all__ = ["SequenceParallelMixin", "SequenceParallelTrainer", "build_mesh"]
 

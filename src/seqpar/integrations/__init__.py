@@ -3,6 +3,6 @@ torch's experimental ``context_parallel`` (with its SDPA mode and autograd glue)
 """
 
 from seqpar.integrations.moe import router_aux_loss
-from seqpar.integrations.transformers import prepare_model
+from seqpar.sequence_parallel.prepare import prepare_model
 
 __all__ = ["prepare_model", "router_aux_loss"]

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import torch
 
 from seqpar.errors import SeqparInputError
-from seqpar.integrations.transformers import ATTENTION_NAME, ORIGINAL_ATTENTION_ATTR, UNSHARDED_ATTR
+from seqpar.sequence_parallel.prepare import ATTENTION_NAME, ORIGINAL_ATTENTION_ATTR, UNSHARDED_ATTR
 
 __all__ = ["unsharded"]
 

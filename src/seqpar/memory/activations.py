@@ -6,7 +6,7 @@ The formulas are explained once, in Note [memory estimate] (estimate.py).
 from __future__ import annotations
 
 from seqpar.memory.shapes import ModelDims
-from seqpar.strategies.policy import kv_head_repeats
+from seqpar.sequence_parallel.strategies.registry import kv_head_repeats
 
 __all__ = ["activation_bytes", "comm_elements"]
 

@@ -65,7 +65,7 @@ from seqpar.memory.pipeline import stage_views
 from seqpar.memory.rank import OPTIMIZER_STATES, estimate_rank
 from seqpar.memory.result import MemoryEstimate
 from seqpar.memory.shapes import ModelDims, model_dims
-from seqpar.strategies.policy import ulysses_degrees, ulysses_heads_problem
+from seqpar.sequence_parallel.strategies.registry import ulysses_degrees, ulysses_heads_problem
 
 __all__ = ["FEATURES", "MemoryEstimate", "estimate_memory", "estimate_stage_memory"]
 

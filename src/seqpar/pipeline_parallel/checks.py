@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from seqpar.checks import Signature, by_rank, exchange_signatures
 from seqpar.errors import SeqparInputError
+from seqpar.sequence_parallel.checks import Signature, by_rank, exchange_signatures
 
 __all__ = ["SCHEDULES", "SHARD_KEYS", "SetupSignature", "agree_on_setup", "agree_on_step"]
 

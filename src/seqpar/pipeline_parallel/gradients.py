@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from seqpar.comm.collectives import collective_device
 from seqpar.gradients import clip_grad_norm_
 from seqpar.loss import sum_over
 from seqpar.mesh import SequenceParallelMesh
+from seqpar.sequence_parallel.comm.collectives import collective_device
 
 __all__ = ["end_group", "pipeline_grad_norm_", "sum_tied_gradient"]
 

@@ -29,7 +29,6 @@ from torch import nn
 from seqpar.data_parallel import data_parallel_group
 from seqpar.errors import SeqparInputError
 from seqpar.gradients import SUMMED_BY_WRAPPER, reduce_gradients
-from seqpar.integrations.transformers import ATTENTION_NAME
 from seqpar.loss import count_valid_tokens, cross_entropy, lm_head_cross_entropy, sum_over
 from seqpar.mesh import SequenceParallelMesh, flattened_group
 from seqpar.pipeline_parallel.balance import balanced_split, part_sizes
@@ -43,6 +42,7 @@ from seqpar.pipeline_parallel.stages import (
     original_names,
     split_model,
 )
+from seqpar.sequence_parallel.prepare import ATTENTION_NAME
 
 __all__ = ["SCHEDULES", "PipelineParallel", "apply_pipeline_parallel"]
 

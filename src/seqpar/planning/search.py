@@ -16,7 +16,7 @@ from seqpar.planning.documents import check_doc_len
 from seqpar.planning.memory import DTYPE_BYTES, estimate_layout
 from seqpar.planning.models import ModelShape, load_model_shape
 from seqpar.planning.timing import FEATURES, OFFLOAD_OPTIMIZER, Layout, StepTime, model_flops, step_time
-from seqpar.strategies.policy import ulysses_heads_problem
+from seqpar.sequence_parallel.strategies.registry import ulysses_heads_problem
 
 __all__ = ["Candidate", "Plan", "Rejection", "plan"]
 

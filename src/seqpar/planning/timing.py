@@ -14,7 +14,7 @@ from seqpar.memory.pipeline import bubble_fraction, p2p_bytes, stage_views
 from seqpar.planning.cluster import Cluster
 from seqpar.planning.documents import check_doc_len, placed_kv_fraction, visible_fraction
 from seqpar.planning.models import ModelShape
-from seqpar.strategies.policy import kv_head_repeats, ulysses_heads_problem
+from seqpar.sequence_parallel.strategies.registry import kv_head_repeats, ulysses_heads_problem
 
 __all__ = ["FEATURES", "OFFLOAD_OPTIMIZER", "Layout", "StepTime", "model_flops", "step_time"]
 

@@ -12,12 +12,12 @@ import os
 from dataclasses import dataclass, field, fields
 
 from seqpar.errors import SeqparInputError
-from seqpar.strategies.policy import STRATEGIES
+from seqpar.sequence_parallel.strategies.registry import STRATEGIES
 from seqpar.train.pipeline_config import pipeline_problems
 
 __all__ = ["TRAIN_LAYOUTS", "TrainConfig", "build_parser", "config_from_args"]
 
-TRAIN_LAYOUTS = ("zigzag", "contiguous", "balanced", "placed", "auto")  # the last three: per batch (seqpar.layout)
+TRAIN_LAYOUTS = ("zigzag", "contiguous", "balanced", "placed", "auto")  # the last three: per batch
 
 
 @dataclass

@@ -14,8 +14,8 @@ import torch
 import seqpar
 from seqpar.data import IGNORE_INDEX, BatchShard
 from seqpar.integrations.moe import model_router_loss
-from seqpar.integrations.transformers import LAYOUT_KEYWORD
-from seqpar.layout import PER_BATCH_LAYOUTS
+from seqpar.layouts.chunks import PER_BATCH_LAYOUTS
+from seqpar.sequence_parallel.prepare import LAYOUT_KEYWORD
 from seqpar.train.pipeline import pipeline_gradients
 from seqpar.train.state import RunState
 

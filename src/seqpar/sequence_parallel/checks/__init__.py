@@ -1,0 +1,27 @@
+"""Input checks that fail the same way on every rank, before any collective can hang.
+
+``agreement`` exchanges named signatures between ranks (Note [agreeing on errors]); ``attention`` holds the
+rules for ``seqpar.attention``'s inputs.
+"""
+
+from seqpar.sequence_parallel.checks.agreement import Signature, by_rank, exchange_signatures
+from seqpar.sequence_parallel.checks.attention import (
+    DTYPES,
+    MAX_HEAD_DIM,
+    SIGNATURE_LENGTH,
+    InputSignature,
+    TensorSignature,
+    check_attention_inputs,
+)
+
+__all__ = [
+    "DTYPES",
+    "MAX_HEAD_DIM",
+    "SIGNATURE_LENGTH",
+    "InputSignature",
+    "Signature",
+    "TensorSignature",
+    "by_rank",
+    "check_attention_inputs",
+    "exchange_signatures",
+]

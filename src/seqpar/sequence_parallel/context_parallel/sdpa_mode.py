@@ -1,0 +1,162 @@
+"""A TorchFunctionMode that serves ``F.scaled_dot_product_attention`` with ``seqpar.attention`` on local shards.
+
+``seqpar.context_parallel`` enters it; ``agree_or_raise`` is the small cross-rank agreement on bad input both use.
+
+Note [SDPA interception]
+    A TorchFunctionMode sees every torch function called while it is on the thread's mode stack, whatever
+    name the caller used (``F.scaled_dot_product_attention``, or the name imported before the block), and
+    nothing is rebound, so leaving the block, normally or by an exception, leaves nothing behind. Torch
+    takes the mode off the stack while it handles a call: seqpar's own torch calls are therefore not
+    intercepted again, and nested blocks compose (the innermost serves SDPA, the outer ones pass seqpar's
+    calls through). Calls that run more torch code which may reach SDPA (the backward entry points, whose
+    engine recomputes checkpointed activations, and multi-head attention) go on one hop down with the mode
+    put back, by ``torch.overrides.redispatch_function`` (torch >= 2.13); with an older torch such inner
+    SDPA calls run as plain local attention, so activation checkpointing inside the block needs 2.13. The
+    autograd engine carries the thread's state, this mode stack included, into its device threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import torch.overrides
+from torch.overrides import TorchFunctionMode
+
+from seqpar.errors import SeqparInputError
+from seqpar.mesh import SequenceParallelMesh
+from seqpar.sequence_parallel.api import attention
+
+__all__ = ["SequenceParallelSDPA", "agree_or_raise"]
+
+# The one builtin behind every spelling: F.scaled_dot_product_attention, torch.nn.functional's attribute,
+# or the name imported from it before the block began all refer to this object.
+_SDPA = F.scaled_dot_product_attention
+_REDISPATCH = getattr(torch.overrides, "redispatch_function", None)  # torch >= 2.13
+_REENTERED = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad, F.multi_head_attention_forward)
+
+_SDPA_PROBLEMS = (
+    "attn_mask is not supported under seqpar.context_parallel (a mask over local shards cannot express a mask "
+    "over the global sequence): pass is_causal=True for causal attention, or call seqpar.attention with "
+    "position_ids= (packed documents) or window= (sliding window) for other masks",
+    "dropout_p > 0 is not supported: attention dropout is not implemented; pass dropout_p=0.0",
+    "query, key and value need at least 3 dimensions ([..., heads, seq, head_dim])",
+    "key/value heads differ from query heads: pass enable_gqa=True for grouped-query attention",
+    "query, key and value have different leading (batch) dimensions",
+)
+
+
+def agree_or_raise(
+    group: dist.ProcessGroup | None,
+    where: str,
+    problem: tuple[int, str] | None,
+    problems: Sequence[str],
+    detail: Sequence[int] = (),
+    describe: Callable[[list[int]], str] = str,
+) -> None:
+    """Raise the same ``SeqparInputError`` on every rank if any rank found a problem or ranks disagree.
+
+    Each rank all-gathers ``[problem code, *detail]`` (a few integers; one small collective) so that a
+    problem seen by one rank only stops every rank before the collectives that would otherwise hang.
+
+    Args:
+        group: the sequence-parallel group (None or size 1: no exchange).
+        where: the name of the calling API, prefixed to the message.
+        problem: this rank's ``(index into problems, detailed message)``, or None.
+        problems: the short text of each problem code, used for the other ranks' problems.
+        detail: integers every rank must agree on (e.g. number of buffers, sequence length); same length on
+            every rank.
+        describe: turns one rank's ``detail`` into words for the message.
+
+    Raises:
+        SeqparInputError: on every rank, naming which rank had which problem.
+    """
+    code = -1 if problem is None else problem[0]
+    mine = torch.tensor([code, *detail], dtype=torch.int64)
+    size = 1 if group is None else dist.get_world_size(group)
+    if size == 1:
+        rows, rank = [mine.tolist()], 0
+    else:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+        mine = mine.to(device) if device is not None else mine
+        gathered = [torch.empty_like(mine) for _ in range(size)]
+        dist.all_gather(gathered, mine, group=group)
+        rows, rank = [g.tolist() for g in gathered], dist.get_rank(group)
+    bad = [(r, row[0]) for r, row in enumerate(rows) if row[0] >= 0]
+    if bad:
+        texts = [f"rank {rank} (this rank): {problem[1]}"] if problem is not None else []
+        texts += [f"rank {r}: {problems[c]}" for r, c in bad if r != rank]
+        raise SeqparInputError(f"{where}: " + " | ".join(texts))
+    if any(row[1:] != rows[0][1:] for row in rows):
+        described = "; ".join(f"rank {r}: {describe(row[1:])}" for r, row in enumerate(rows))
+        raise SeqparInputError(f"{where}: ranks disagree (every rank must pass the same): {described}")
+
+
+def _sdpa_problem(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: object, dropout_p: float, enable_gqa: bool
+) -> tuple[int, str] | None:
+    if attn_mask is not None:
+        return 0, _SDPA_PROBLEMS[0]
+    if dropout_p:
+        return 1, f"dropout_p={dropout_p}: {_SDPA_PROBLEMS[1]}"
+    if min(q.dim(), k.dim(), v.dim()) < 3:
+        return 2, f"{_SDPA_PROBLEMS[2]}; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+    if not enable_gqa and not q.shape[-3] == k.shape[-3] == v.shape[-3]:
+        return 3, f"{_SDPA_PROBLEMS[3]} (heads {q.shape[-3]}, {k.shape[-3]}, {v.shape[-3]})"
+    if not q.shape[:-3] == k.shape[:-3] == v.shape[:-3]:
+        return 4, f"{_SDPA_PROBLEMS[4]}: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+    return None
+
+
+class SequenceParallelSDPA(TorchFunctionMode):
+    """While active, ``F.scaled_dot_product_attention`` runs ``seqpar.attention`` over ``mesh``.
+
+    Every other torch function passes through unchanged. Inputs are this rank's shards in ``layout``
+    order, ``[..., heads, local_seq, head_dim]``; ``is_causal``, ``scale`` and ``enable_gqa`` keep SDPA's
+    meaning over the global sequence. ``attn_mask`` and ``dropout_p > 0`` raise ``SeqparInputError`` on
+    every rank (one small all-gather per call, then ``seqpar.attention``'s own agreement check).
+    """
+
+    def __init__(self, mesh: SequenceParallelMesh, strategy: str, layout: str) -> None:
+        super().__init__()
+        self.mesh, self.strategy, self.layout = mesh, strategy, layout
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not _SDPA:
+            # Note [SDPA interception]: only the calls that may reach SDPA inside go on with the mode back on
+            if _REDISPATCH is None or func not in _REENTERED:
+                return func(*args, **kwargs)
+            with self:
+                return _REDISPATCH(func, types_, args, kwargs)
+        # Here the mode stays off: seqpar's own torch calls are not intercepted again (an enclosing block's
+        # mode sees them and passes them through, since none of them is SDPA).
+        return self.attention(*args, **kwargs)
+
+    def attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        """``F.scaled_dot_product_attention``'s signature, computed by ``seqpar.attention`` across the mesh.
+
+        Raises:
+            SeqparInputError: on every rank, if any rank passed a mask, dropout or shapes SDPA would refuse.
+        """
+        problem = _sdpa_problem(query, key, value, attn_mask, dropout_p, enable_gqa)
+        where = "seqpar.context_parallel: scaled_dot_product_attention"
+        agree_or_raise(self.mesh.sp_group, where, problem, _SDPA_PROBLEMS)
+        lead = query.shape[:-3]  # SDPA allows any number of batch dims; seqpar takes exactly one
+        q, k, v = (t.reshape(-1, *t.shape[-3:]) for t in (query, key, value))  # [B, H, S/P, D]
+        out = attention(
+            q, k, v, mesh=self.mesh, strategy=self.strategy, causal=bool(is_causal), layout=self.layout, scale=scale
+        )
+        return out.reshape(*lead, *out.shape[1:])

@@ -1,0 +1,8 @@
+"""The tiling and cost engine: which (query, key) blocks a rank computes, how they are tiled, what they cost.
+
+Strategies run its plans; layouts and the strategy choice read its costs.
+"""
+
+from seqpar.sequence_parallel.plans.planner import Block, plan, plan_blocks, plan_cost
+
+__all__ = ["Block", "plan", "plan_blocks", "plan_cost"]

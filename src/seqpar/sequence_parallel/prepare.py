@@ -1,0 +1,297 @@
+"""Hugging Face transformers models under sequence parallelism, through transformers' ``AttentionInterface``.
+
+``prepare_model`` switches a model's attention to seqpar; the model is then called on ``seqpar.shard_batch`` shards.
+
+Note [transformers integration]
+    seqpar registers one attention function under the name "seqpar" with ``AttentionInterface.register`` and
+    sets the model's attention implementation to it. No mask function is registered for that name, so the
+    model builds no (local, and therefore wrong) 4-D mask: causality, packed documents and sliding windows
+    are applied by seqpar over global positions. A forward pre-hook on the model (a documented
+    ``nn.Module`` hook, no patching) checks each call, builds the ``SequenceMask`` once per forward from the
+    global position ids (one small all-gather), and hands the mesh, strategy and mask to every attention
+    layer through the keyword arguments transformers already forwards to attention functions. Its
+    checks exchange one small signature first (Note [agreeing on errors]), so a mistake on one rank
+    raises on all of them instead of leaving the others in the all-gather. The model's
+    own code, weights and RoPE run unchanged on the local shard with global position ids.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from seqpar.errors import SeqparInputError
+from seqpar.layouts.chunks import LAYOUTS, PER_BATCH_LAYOUTS, ChunkLayout, Layout
+from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
+from seqpar.sequence_parallel.api import AttentionChoice, attention, choose_attention
+from seqpar.sequence_parallel.checks import Signature, by_rank, exchange_signatures
+from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask, sequence_mask
+from seqpar.sequence_parallel.strategies.registry import STRATEGIES
+
+__all__ = [
+    "ATTENTION_NAME",
+    "LAYOUT_KEYWORD",
+    "ORIGINAL_ATTENTION_ATTR",
+    "UNSHARDED_ATTR",
+    "attention_choice",
+    "prepare_model",
+]
+
+ATTENTION_NAME = "seqpar"
+LAYOUT_KEYWORD = "seqpar_layout"
+"""The model-call keyword that carries a batch's own layout (``shard.layout`` of ``shard_batch``); the
+forward pre-hook takes it out before the model sees its arguments."""
+_CONTEXT_KEY = "seqpar_context"
+_HOOK_ATTR = "_seqpar_forward_hook"
+_CHOICE_ATTR = "_seqpar_attention_choices"
+ORIGINAL_ATTENTION_ATTR = "_seqpar_original_attention"  # the implementation the model had before prepare_model
+UNSHARDED_ATTR = "_seqpar_unsharded"  # True while the model runs its own attention on whole sequences
+
+
+@dataclass(frozen=True)
+class _Context:
+    mesh: SequenceParallelMesh
+    strategy: str
+    layout: Layout
+    kernel: str
+    mask: SequenceMask
+    choices: dict  # layer index -> AttentionChoice of its last call, read by attention_choice()
+
+
+def _seqpar_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function: ``[B, H, S/P, D]`` in, ``([B, S/P, H, D], None)`` out."""
+    ctx = kwargs.get(_CONTEXT_KEY)
+    if ctx is None:
+        raise SeqparInputError(
+            "seqpar attention was called without its context: call the model prepared by seqpar.prepare_model "
+            "(its forward hook supplies the mesh and mask), not one of its submodules"
+        )
+    if dropout:
+        raise SeqparInputError(f"seqpar attention does not implement attention dropout ({dropout}); set it to 0")
+    if kwargs.get("sinks") is not None:  # transformers' name for learned sinks is s_aux; this one is unknown
+        raise SeqparInputError("seqpar attention does not know the keyword sinks= (learned sinks come as s_aux=)")
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")  # Gemma 2's cap, gpt-oss's sink logits
+    # Under autocast, RoPE promotes q and k back to float32 while v stays in the autocast dtype: attend in
+    # the autocast dtype, as the fused SDPA paths do.
+    device_type = query.device.type
+    target = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else query.dtype
+    query, key, value = (t.to(target) for t in (query, key, value))
+    causal, window = bool(getattr(module, "is_causal", True)), kwargs.get("sliding_window")
+    out = attention(
+        query,
+        key,
+        value,
+        mesh=ctx.mesh,
+        strategy=ctx.strategy,
+        causal=causal,
+        layout=ctx.layout,
+        scale=scaling,
+        kernel=ctx.kernel,
+        window=window,
+        mask=ctx.mask,
+        sinks=sinks,
+        softcap=softcap,
+    )
+    # what attention ran, decided by the same function on the same (now checked) inputs and mask
+    mask = ctx.mask if window is None else ctx.mask.with_window(window)
+    options = dict(mesh=ctx.mesh, strategy=ctx.strategy, kernel=ctx.kernel, softcap=softcap, layout=ctx.layout)
+    ctx.choices[getattr(module, "layer_idx", 0)] = choose_attention(
+        query, key, value, mask=mask, causal=causal, **options
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _unsupported_reason(model: torch.nn.Module) -> str | None:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "_attn_implementation"):
+        return "it is not a transformers PreTrainedModel"
+    if not getattr(model, "_supports_attention_backend", False):
+        return (
+            f"{type(model).__name__} does not route attention through transformers' AttentionInterface "
+            "(its _supports_attention_backend is False)"
+        )
+    if getattr(config, "is_encoder_decoder", False):
+        return "encoder-decoder models (cross-attention) are not supported"
+    if getattr(config, "attention_dropout", 0.0):
+        return f"its attention_dropout is {config.attention_dropout}; seqpar attention has no dropout (set it to 0)"
+    text = getattr(config, "text_config", None) or config
+    if getattr(text, "router_jitter_noise", 0.0):
+        return (
+            f"its router_jitter_noise is {text.router_jitter_noise}: each rank would draw the noise of its own shard, "
+            "not one process's draw over the sequence (set it to 0)"
+        )
+    return None
+
+
+# One flag of _CallSignature per mistake, with what to do instead.
+_CALL_PROBLEMS = {
+    "positional_args": "call a seqpar-prepared model with keywords: model(input_ids=..., position_ids=...)",
+    "no_position_ids": "a seqpar-prepared model needs position_ids (the global positions of this rank's tokens, "
+    "from seqpar.shard_batch); without them RoPE would use local positions",
+    "labels": "do not pass labels to a seqpar-prepared model: it would shift them again inside its shard; "
+    "compute seqpar.cross_entropy(logits, shard['shift_labels'], mesh) instead",
+    "attention_mask": "seqpar reads documents and padding from position_ids and shift_labels; drop attention_mask "
+    "(shard_batch already masks padding out of the loss)",
+    "use_cache": "seqpar-prepared models train without a KV cache; pass use_cache=False",
+    "no_layout": f"a model prepared with layout='balanced' needs each batch's layout: call it as "
+    f"model(input_ids=..., position_ids=..., {LAYOUT_KEYWORD}=shard.layout) with the shard from seqpar.shard_batch",
+    "bad_layout": f"{LAYOUT_KEYWORD} must be 'contiguous', 'zigzag' or the ChunkLayout of seqpar.shard_batch "
+    f"(shard.layout) for this many ranks",
+}
+
+
+def _layout_digest(layout: object) -> int:
+    """A number the ranks compare to agree on one call's layout (0 when none was passed)."""
+    if layout is None:
+        return 0
+    return (layout.digest if isinstance(layout, ChunkLayout) else zlib.crc32(repr(layout).encode())) + 1
+
+
+@dataclass(frozen=True)
+class _CallSignature(Signature):
+    """One model call as the ranks compare it: the mistakes of ``_CALL_PROBLEMS`` and the position ids' shape."""
+
+    positional_args: bool
+    no_position_ids: bool
+    labels: bool
+    attention_mask: bool  # one that masks something out (an all-ones mask is harmless)
+    use_cache: bool
+    no_layout: bool
+    bad_layout: bool
+    layout_digest: int  # _layout_digest of the call's layout keyword: every rank must pass the same one
+    positions_ndim: int
+    positions_dims: tuple[int, int]  # the first two sizes, zero-padded
+
+    @property
+    def positions_shape(self) -> list[int]:
+        """The position ids' sizes as far as they were sent (at most two)."""
+        return list(self.positions_dims[: self.positions_ndim])
+
+
+def _agree_on_call(args: tuple, kwargs: dict, sp: SequenceParallelMesh, prepared: Layout, call_layout: object) -> None:
+    """Check one model call on every rank at once (Note [agreeing on errors]): all raise, or none does."""
+    attention_mask = kwargs.get("attention_mask")
+    fits = isinstance(call_layout, ChunkLayout) and call_layout.world_size == sp.sp_size
+    positions = kwargs.get("position_ids")
+    shape = list(positions.shape) if positions is not None else []
+    signature = _CallSignature(
+        positional_args=bool(args),
+        no_position_ids=positions is None,
+        labels=kwargs.get("labels") is not None,
+        attention_mask=attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()),
+        use_cache=bool(kwargs.get("use_cache")),
+        no_layout=prepared in PER_BATCH_LAYOUTS and call_layout is None,
+        bad_layout=call_layout is not None and not (fits or call_layout in LAYOUTS),
+        layout_digest=_layout_digest(call_layout),
+        positions_ndim=len(shape),
+        positions_dims=tuple([*shape, 0, 0][:2]),
+    )
+    table = [signature] if sp.sp_size == 1 else exchange_signatures(signature, sp.sp_group)
+    problems = by_rank([[m for name, m in _CALL_PROBLEMS.items() if getattr(row, name)] for row in table])
+    same = (table[0].positions_ndim, table[0].positions_dims)
+    if not problems and any((row.positions_ndim, row.positions_dims) != same for row in table):
+        shapes = "; ".join(f"rank {r}: {row.positions_shape}" for r, row in enumerate(table))
+        problems.append(f"position_ids shapes differ across ranks (every rank holds one equal shard): {shapes}")
+    if not problems and any(row.layout_digest != table[0].layout_digest for row in table):
+        problems.append(f"the ranks passed different {LAYOUT_KEYWORD} values; pass every rank its shard's layout")
+    if problems:
+        raise SeqparInputError(" | ".join(problems))
+
+
+def attention_choice(model: torch.nn.Module) -> AttentionChoice | None:
+    """The strategy and kernel the first attention layer of a prepared model ran in its last forward.
+
+    Args:
+        model: a model returned by ``prepare_model``.
+
+    Returns:
+        The choice, or None before the first forward (or for a model seqpar did not prepare).
+    """
+    choices = getattr(model, _CHOICE_ATTR, None)
+    return choices[min(choices)] if choices else None
+
+
+def prepare_model(
+    model: torch.nn.Module,
+    mesh: object,
+    *,
+    strategy: str = "auto",
+    layout: Layout = "zigzag",
+    kernel: str = "auto",
+) -> torch.nn.Module:
+    """Make a transformers model run sequence-parallel attention (Note [transformers integration]).
+
+    Idempotent: preparing again replaces the settings. Call the model on ``seqpar.shard_batch`` shards as
+    ``model(input_ids=shard["input_ids"], position_ids=shard["position_ids"])`` and compute the loss with
+    ``seqpar.cross_entropy`` on its logits, or call ``model.get_decoder()`` the same way for hidden states
+    and use ``seqpar.lm_head_cross_entropy`` (logits made in chunks, never all at once).
+
+    Args:
+        model: a transformers model whose attention goes through ``AttentionInterface`` (Llama, Qwen2/3,
+            Mistral, Gemma 2/3 (soft-capped logits), gpt-oss (attention sinks), ...).
+        mesh: a ``SequenceParallelMesh`` (``seqpar.make_mesh``), the SP ProcessGroup, or None.
+        strategy: as in ``seqpar.attention``.
+        layout: the layout ``shard_batch`` used: "zigzag", "contiguous", or "balanced", "placed" or "auto" (each
+            batch brings its own: call the model with ``seqpar_layout=shard.layout``; any call may pass it to
+            override).
+        kernel: local kernel, as in ``seqpar.attention``.
+
+    Returns:
+        The same model object.
+
+    Raises:
+        SeqparInputError: a model whose attention seqpar cannot serve (with the reason), or an unknown
+            strategy.
+    """
+    from transformers import AttentionInterface
+
+    reason = _unsupported_reason(model)
+    if reason is not None:
+        raise SeqparInputError(f"seqpar cannot serve this model's attention: {reason}")
+    if strategy not in STRATEGIES:
+        raise SeqparInputError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
+    if not (layout in (*LAYOUTS, *PER_BATCH_LAYOUTS) or isinstance(layout, ChunkLayout)):
+        raise SeqparInputError(f"unknown layout {layout!r}; choose one of {(*LAYOUTS, *PER_BATCH_LAYOUTS)}")
+    sp = as_sp_mesh(mesh)
+    if model.config._attn_implementation != ATTENTION_NAME:  # kept for seqpar.integrations.unsharded
+        setattr(model, ORIGINAL_ATTENTION_ATTR, model.config._attn_implementation)
+    AttentionInterface.register(ATTENTION_NAME, _seqpar_attention)
+    model.set_attn_implementation(ATTENTION_NAME)
+    if model.config._attn_implementation != ATTENTION_NAME:
+        raise SeqparInputError(f"{type(model).__name__} refused the attention implementation {ATTENTION_NAME!r}")
+    for old in getattr(model, _HOOK_ATTR, ()):
+        old.remove()
+    max_positions = getattr(model.config, "max_position_embeddings", None)
+    choices: dict = {}
+    setattr(model, _CHOICE_ATTR, choices)
+
+    def check_and_inject(module, args, kwargs):
+        if getattr(model, UNSHARDED_ATTR, False):  # whole sequences, the model's own attention (generation)
+            return args, kwargs
+        if _CONTEXT_KEY in kwargs:  # checked by the enclosing model, which passes its context down
+            kwargs.pop(LAYOUT_KEYWORD, None)
+            return args, kwargs
+        call_layout = kwargs.pop(LAYOUT_KEYWORD, None)
+        _agree_on_call(args, kwargs, sp, layout, call_layout)
+        batch_layout = call_layout if call_layout is not None else layout
+        kwargs["use_cache"] = False
+        kwargs.pop("attention_mask", None)
+        batch = kwargs["input_ids"].shape[0] if kwargs.get("input_ids") is not None else None
+        mask = sequence_mask(kwargs["position_ids"], sp, layout=batch_layout, batch_size=batch)
+        if max_positions is not None and mask.max_position >= max_positions:
+            raise SeqparInputError(
+                f"position id {mask.max_position} is beyond the model's max_position_embeddings ({max_positions}); "
+                "use shorter sequences or documents"
+            )
+        kwargs[_CONTEXT_KEY] = _Context(sp, strategy, batch_layout, kernel, mask, choices)
+        return args, kwargs
+
+    # The decoder is hooked too, so that it can be called alone (hidden states for a chunked loss).
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    hooked = [model] + ([decoder] if isinstance(decoder, torch.nn.Module) and decoder is not model else [])
+    handles = [m.register_forward_pre_hook(check_and_inject, with_kwargs=True) for m in hooked]
+    setattr(model, _HOOK_ATTR, handles)
+    return model

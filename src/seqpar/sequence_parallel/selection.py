@@ -1,0 +1,186 @@
+"""What ``strategy="auto"`` picks for a masked call: the mask-aware ring when it moves far fewer bytes than Ulysses.
+
+``auto_strategy`` refines ``policy.resolve_strategy`` with the bytes each strategy must send under the mask.
+
+Note [auto strategy]
+    Without a mask (or with one that adds nothing to causal) "auto" is the static rule of
+    ``resolve_strategy``: hybrid on a 2-D mesh, else ulysses when the heads split over P, else ring. Under
+    a mask the ring and the all-gather move only the K/V some peer query sees (Note [mask-aware ring]),
+    while Ulysses moves every head shard whatever the mask. So when the static rule says ulysses and the
+    call has a mask, "auto" compares the bytes the busiest rank sends in one forward + backward:
+    - ring: ``2 Hkv d (2 sent e + returned 4)`` per batch row, with ``sent`` the rank's tokens that peers
+      need (forward, and again backward) and ``returned`` the peers' tokens it needs (their dK/dV go home
+      in float32), both counted from the ``kv_needs`` table; without a table (nothing spared) the plain
+      ring's ``2 Hkv d (S/P) (2 (P-1) e + 4 P)``;
+    - ulysses: ``(P-1)/P T (H + Hkv') (S/P) d e`` (``Hkv'`` after copying KV heads up to P, ``T`` = 4
+      tensors, 6 in head groups: Note [ulysses memory]);
+    and picks the ring when its bytes are at most ``RING_BYTES_RATIO`` (a quarter) of Ulysses'. Every
+    input is the same on every rank (the global mask, every rank's chunk ids, the shapes the input check
+    compares), and the maximum over ranks is taken, so every rank picks the same and no rank waits on a
+    collective the others skip; nothing is communicated. The table is the one the ring then runs with
+    (same key in ``mask.plans``), and the choice is kept there too, so the layers of one step pay for it
+    once (39-86 ms for a log-normal row of 128K tokens at P = 8, one thread, where ulysses still wins and
+    the table serves nothing else); a call given ``position_ids=`` builds its own mask: pass a prebuilt one.
+    The ratio is measured (``seqpar bench masks --ranks 4 --seq 8192 --strategies ulysses ring allgather
+    --layouts placed --repeats 3``, then ``--strategies ulysses ring --layouts placed zigzag --masks window
+    log-normal RL``; gloo on 2 shared CPU cores, 8/2 heads, fp32; ring bytes of the busiest rank over
+    Ulysses', then ring vs ulysses step seconds of the slowest rank, two runs where there are two):
+    placed short documents 0.00, 0.26 vs 0.41 s; placed RL groups 0.00, 0.26 vs 0.40 and 0.41 vs 0.36 (the
+    same ring step took 0.26 s in the first run: noise); placed 16 documents 0.11, 0.27 vs 0.36; zigzag RL
+    groups 0.12, 0.30 vs 0.35; placed window S/8 0.21, 0.73 vs 0.94 and 0.69 vs 0.91; zigzag window S/8
+    0.33, 0.62 vs 0.77; zigzag log-normal 0.39, 0.87 vs 1.00 (its busiest ring rank computes about 2x the
+    mean; it lost in earlier runs); placed log-normal (one document holds most of the work and is spread
+    over every rank) 0.56, 0.87 vs 0.79 and 0.99 vs 1.07. The ring wins by 1.2-1.6x at 0.33 and below
+    (windows included, since their tiles follow the window's grid, Note [masked tiles]) but for the one
+    noisy step; above that the balance of the work and the noise decide. The rule takes the ring at
+    ``RING_BYTES_RATIO`` = 0.25 and below, inside the measured wins. On links slower than one host's
+    loopback the bytes weigh more and the crossover moves up; on links faster against the compute (NVLink)
+    it may move down; neither is measured here, so the ratio stays where the CPU runs won.
+    Ring rather than the all-gather: the same bytes (the same table), but the all-gather builds the whole
+    sequence's K/V of its peers (zero-filled where not needed) on every rank, the ring one block of S/P at a
+    time; in the same run the all-gather's step was within 0.04 s of the ring's on the 16-document and
+    window rows, 0.04-0.07 s slower on the short and RL rows, and 0.95 s against 0.87 s on the log-normal
+    row.
+    A 2-D mesh keeps hybrid: its ring axis is already mask-aware, and the mesh says the all-to-all runs on
+    the fast links. Only the bytes are compared, not the balance of the work: the placed and balanced
+    layouts even it (Notes [placed layout], [balanced layout]); with zigzag and uneven documents the
+    busiest ring rank can carry ~1.4x the mean while Ulysses' heads are always even.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from seqpar.layouts.chunks import Layout, rank_chunk_ids
+from seqpar.mesh import SequenceParallelMesh
+from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
+from seqpar.sequence_parallel.plans.kv_needs import KVNeeds, kv_needs
+from seqpar.sequence_parallel.strategies.registry import kv_head_repeats, resolve_strategy_for
+
+__all__ = ["RING_BYTES_RATIO", "auto_strategy", "auto_strategy_for", "masked_ring_bytes", "ulysses_bytes"]
+
+RING_BYTES_RATIO = 0.25
+""""auto" takes the mask-aware ring when its busiest rank sends at most this fraction of Ulysses' bytes."""
+
+_GRAD_BYTES = 4  # dK/dV travel home in float32 (Note [mask-aware ring schedule])
+
+
+def ulysses_bytes(heads: int, kv_heads: int, sp_size: int, local_tokens: int, head_dim: int, itemsize: int) -> float:
+    """Bytes a rank sends in Ulysses' all-to-alls, one forward + backward, one batch row (Note [auto strategy]).
+
+    Args:
+        heads: query heads.
+        kv_heads: key/value heads (must split over ``sp_size``: ``policy.kv_head_repeats``).
+        sp_size: the all-to-all degree P.
+        local_tokens: tokens per rank, S/P.
+        head_dim: head dimension.
+        itemsize: bytes per element of the exchanged tensors.
+
+    Returns:
+        The bytes.
+
+    Raises:
+        ValueError: heads that do not split over ``sp_size``.
+    """
+    repeats = kv_head_repeats(heads, kv_heads, sp_size)
+    if repeats is None:
+        raise ValueError(f"{heads}/{kv_heads} heads do not split over {sp_size} ranks")
+    copied = kv_heads * repeats
+    tensors = 6 if copied > sp_size else 4  # head groups exchange q, k, v, out again backward
+    return (sp_size - 1) / sp_size * tensors * (heads + copied) * local_tokens * head_dim * itemsize
+
+
+def masked_ring_bytes(
+    needs: KVNeeds | None, sizes: Sequence[int], kv_heads: int, head_dim: int, itemsize: int
+) -> float:
+    """Bytes the busiest rank sends in the (mask-aware) ring, one forward + backward, one batch row.
+
+    Args:
+        needs: the ``kv_needs`` table, or None when nothing is spared (the plain ring runs).
+        sizes: every rank's local token count (equal).
+        kv_heads: key/value heads.
+        head_dim: head dimension.
+        itemsize: bytes per element of K and V (their gradients travel in float32).
+
+    Returns:
+        The largest bytes of any rank (Note [auto strategy]).
+    """
+    size, token = len(sizes), 2 * kv_heads * head_dim  # K and V of one token
+    if needs is None:
+        return max(token * n * (2 * (size - 1) * itemsize + size * _GRAD_BYTES) for n in sizes)
+    most = 0.0
+    for me in range(size):
+        sent = sum(len(needs[r][me]) for r in range(size) if r != me)
+        returned = sum(len(needs[me][s]) for s in range(size) if s != me)
+        most = max(most, token * (2 * sent * itemsize + returned * _GRAD_BYTES))
+    return most
+
+
+def auto_strategy(
+    strategy: str,
+    heads: int,
+    kv_heads: int,
+    mesh: SequenceParallelMesh,
+    *,
+    mask: SequenceMask | None = None,
+    layout: Layout = "zigzag",
+    causal: bool = True,
+    local_tokens: int = 0,
+    head_dim: int = 1,
+    itemsize: int = 4,
+) -> str:
+    """The strategy ``"auto"`` stands for on this call (Note [auto strategy]); other names are returned unchanged.
+
+    Args:
+        strategy: a name from ``policy.STRATEGIES``.
+        heads: query heads.
+        kv_heads: key/value heads.
+        mesh: the sequence-parallel mesh.
+        mask: the call's sequence mask (the same on every rank), or None.
+        layout: the layout the sequence is sharded with.
+        causal: the token-level causal rule (ignored under block-causal ranges, which replace it).
+        local_tokens: tokens per rank (``q.shape[2]``).
+        head_dim: head dimension.
+        itemsize: bytes per element of q, k, v.
+
+    Returns:
+        "ring" when the mask makes the mask-aware ring's bytes at most ``RING_BYTES_RATIO`` of Ulysses';
+        ``resolve_strategy``'s answer otherwise.
+    """
+    shape = dict(local_tokens=local_tokens, head_dim=head_dim, itemsize=itemsize)
+    degrees = (mesh.sp_size, mesh.ulysses_size)
+    return auto_strategy_for(strategy, heads, kv_heads, *degrees, mask=mask, layout=layout, causal=causal, **shape)
+
+
+def auto_strategy_for(
+    strategy: str,
+    heads: int,
+    kv_heads: int,
+    sp_size: int,
+    ulysses_size: int,
+    *,
+    mask: SequenceMask | None,
+    layout: Layout,
+    causal: bool,
+    local_tokens: int,
+    head_dim: int,
+    itemsize: int,
+) -> str:
+    """``auto_strategy`` for degrees given as numbers, with no mesh (same arguments otherwise).
+
+    Returns:
+        As ``auto_strategy``.
+    """
+    static = resolve_strategy_for(strategy, heads, kv_heads, sp_size, ulysses_size)
+    if strategy != "auto" or static != "ulysses" or mask is None or mask.trivial or local_tokens < 1:
+        return static
+    causal = causal and mask.blocks is None  # the blocks replace the causal rule (Note [block-causal ranges])
+    chunk_ids = tuple(rank_chunk_ids(layout, sp_size, r) for r in range(sp_size))
+    chunk = local_tokens // len(chunk_ids[0])
+    key = ("auto strategy", chunk_ids, chunk, causal, heads, kv_heads, itemsize)
+    if key not in mask.plans:
+        needs = kv_needs(mask, chunk_ids, chunk, causal)  # the ring's own table (same cache key)
+        ring = masked_ring_bytes(needs, [local_tokens] * sp_size, kv_heads, head_dim, itemsize)
+        ulysses = ulysses_bytes(heads, kv_heads, sp_size, local_tokens, head_dim, itemsize)
+        mask.plans[key] = "ring" if ring <= RING_BYTES_RATIO * ulysses else "ulysses"
+    return mask.plans[key]
