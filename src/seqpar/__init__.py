@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from seqpar.lazy import module_getattr
+from seqpar.lazy import install_moved_module_finder, module_getattr
 
 if TYPE_CHECKING:
     from seqpar.data import IGNORE_INDEX, BatchShard, pack_documents, shard_batch
@@ -144,3 +144,4 @@ __all__ = [
 
 __version__ = "0.1.0"
 __getattr__ = module_getattr(__name__, _NAMES, globals())
+install_moved_module_finder()
