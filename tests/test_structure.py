@@ -19,6 +19,7 @@ LAYERS = {
     "errors": 0,
     "lazy": 0,
     "mesh": 1,
+    "models": 1,
     "sequence_parallel.kernels": 2,
     "sequence_parallel.comm": 3,
     "layouts.chunks": 4,

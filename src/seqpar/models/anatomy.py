@@ -1,0 +1,191 @@
+"""The one resolver of ``FAMILIES``: a model's decoder, layers, attention, MLPs, norms, embedding and head.
+
+``anatomy(model)`` reads the model's ``config.model_type``, looks its family up and follows the entry's paths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from torch import nn
+
+from seqpar.errors import SeqparInputError
+from seqpar.models.families import FAMILIES, Family
+
+__all__ = ["ModelAnatomy", "anatomy", "family_of", "find_anatomy"]
+
+
+@dataclass(frozen=True, eq=False)
+class ModelAnatomy:
+    """Where the parts of one model are (Note [model families]); the modules are the model's own."""
+
+    family: Family
+    decoder: nn.Module
+    """The text decoder: its forward takes ``input_ids`` or ``inputs_embeds`` and ``position_ids``."""
+    layers: nn.ModuleList
+    """The decoder layers."""
+    embedding: nn.Module
+    norm: nn.Module | None
+    """The final norm (None when the family names none)."""
+    rotary: nn.Module | None
+    """The rotary embedding (None when the family names none)."""
+    head: nn.Module | None
+    """The output head (None for a bare decoder without one)."""
+    attention: tuple[nn.Module, ...]
+    """Each layer's attention module, in layer order."""
+    mlps: tuple[nn.Module, ...]
+    """Each layer's MLP (dense or a mixture of experts), in layer order."""
+    layer_norms: tuple[nn.Module, ...]
+    """Every layer's norms, layer by layer."""
+    mixers: tuple[nn.Module, ...]
+    """Token mixers other than attention, layer by layer (none in today's families)."""
+    names: Mapping[int, str]
+    """``id(module)`` -> qualified name in the model ``anatomy`` was given."""
+
+    def name(self, module: nn.Module) -> str:
+        """The qualified name of one of the model's modules (``model.layers.0.self_attn``).
+
+        Args:
+            module: a module of the model.
+
+        Returns:
+            Its name, "" for the model itself.
+
+        Raises:
+            SeqparInputError: a module that is not part of the model.
+        """
+        if id(module) not in self.names:
+            raise SeqparInputError(f"{type(module).__name__} is not a module of this model")
+        return self.names[id(module)]
+
+    @property
+    def moe_mlps(self) -> tuple[nn.Module, ...]:
+        """The MLPs that are mixtures of experts (they hold the family's ``experts`` path)."""
+        path = self.family.experts
+        return tuple(m for m in self.mlps if path is not None and _get(m, path) is not None)
+
+    @property
+    def norms(self) -> tuple[nn.Module, ...]:
+        """The layers' norms and the final norm."""
+        return (*self.layer_norms, *([self.norm] if self.norm is not None else []))
+
+
+def _get(root: object, path: str) -> object:
+    """``root.a.b`` for the path "a.b", or None where a part is missing."""
+    for part in path.split("."):
+        root = getattr(root, part, None)
+        if root is None:
+            return None
+    return root
+
+
+def family_of(model: object) -> Family | str:
+    """The registered family of a model or config, or the reason there is none (a sentence).
+
+    Args:
+        model: a transformers model or config (anything with a ``model_type``, or a ``config`` that has one).
+
+    Returns:
+        The ``Family`` of its ``model_type``, or a sentence naming what is unknown.
+    """
+    config = getattr(model, "config", None) if isinstance(model, nn.Module) else model
+    model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
+    name = type(model).__name__
+    if not isinstance(model_type, str) or not model_type:
+        return f"{name} has no config.model_type: seqpar knows model families by it (not a transformers model)"
+    family = FAMILIES.get(model_type)
+    if family is None:
+        return (
+            f"seqpar knows no model family {model_type!r} ({name}; known: {', '.join(sorted(FAMILIES))}); describe "
+            "its anatomy with seqpar.models.register_family (docs/design.md, Adding a model family)"
+        )
+    return family
+
+
+def _part(owner: nn.Module, path: str | None, kind: type, where: str, missing: list[str]) -> nn.Module | None:
+    """``owner``'s part at ``path`` (None when the path is None), or None with ``where.path`` noted as missing."""
+    if path is None:
+        return None
+    found = _get(owner, path)
+    if not isinstance(found, kind):
+        missing.append(f"{where}{path}")
+        return None
+    return found
+
+
+def _layer_parts(family: Family, layers: nn.ModuleList, missing: list[str]) -> dict:
+    """The per-layer parts: attention, MLPs, norms and other mixers (missing paths noted)."""
+    attention, mlps, norms, mixers = [], [], [], []
+    for i, layer in enumerate(layers):
+        where = f"layers[{i}]."
+        attention.append(_part(layer, family.attention, nn.Module, where, missing))
+        mlps.append(_part(layer, family.mlp, nn.Module, where, missing))
+        norms += [_part(layer, path, nn.Module, where, missing) for path in family.layer_norms]
+        mixers += [_part(layer, path, nn.Module, where, missing) for path in family.mixers]
+    return dict(attention=tuple(attention), mlps=tuple(mlps), layer_norms=tuple(norms), mixers=tuple(mixers))
+
+
+def find_anatomy(model: object) -> ModelAnatomy | str:
+    """The anatomy of ``model``, or the reason it cannot be found (a sentence; callers raise it, or report it).
+
+    Args:
+        model: a transformers model of a registered family: with a head (``...ForCausalLM``) or a bare
+            decoder; a PEFT wrapper is looked through (``get_base_model()``).
+
+    Returns:
+        The ``ModelAnatomy``, or a sentence naming the unknown family or the missing parts.
+    """
+    family = family_of(model)
+    if isinstance(family, str):
+        return family
+    if not isinstance(model, nn.Module):
+        return f"{type(model).__name__} is not a torch.nn.Module"
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    outer = _get(base, family.decoder)
+    head = _get(base, family.head)
+    if not isinstance(outer, nn.Module):  # a bare decoder (LlamaModel): no head
+        outer, head = base, None
+    missing: list[str] = []
+    decoder = _part(outer, family.text_model, nn.Module, "", missing) if family.text_model else outer
+    layers = _part(decoder, family.layers, nn.ModuleList, "", missing) if decoder is not None else None
+    if layers is None:
+        return _missing(model, family, missing)
+    parts = dict(
+        embedding=_part(decoder, family.embedding, nn.Module, "", missing),
+        norm=_part(decoder, family.norm, nn.Module, "", missing),
+        rotary=_part(decoder, family.rotary, nn.Module, "", missing),
+        **_layer_parts(family, layers, missing),
+    )
+    if missing:
+        return _missing(model, family, missing)
+    names = {id(m): n for n, m in model.named_modules()}
+    head = head if isinstance(head, nn.Module) and id(head) in names else None
+    return ModelAnatomy(family=family, decoder=decoder, layers=layers, head=head, names=names, **parts)
+
+
+def _missing(model: nn.Module, family: Family, missing: list[str]) -> str:
+    shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+    return (
+        f"{type(model).__name__} lacks {shown} where the {family.model_type!r} family entry puts them "
+        "(seqpar.models.FAMILIES; register_family(..., replace=True) corrects an entry)"
+    )
+
+
+def anatomy(model: object) -> ModelAnatomy:
+    """The anatomy of ``model`` (Note [model families]).
+
+    Args:
+        model: a transformers model of a registered family (``seqpar.models.FAMILIES``).
+
+    Returns:
+        Its ``ModelAnatomy``.
+
+    Raises:
+        SeqparInputError: an unknown family (register it with ``register_family``) or a model that lacks a part
+            where its family entry puts it.
+    """
+    found = find_anatomy(model)
+    if isinstance(found, str):
+        raise SeqparInputError(f"cannot find the parts of this model: {found}")
+    return found

@@ -1,0 +1,133 @@
+"""Where each transformers model family keeps its parts: one declarative entry per ``model_type``.
+
+``FAMILIES`` is the registry every axis reads (through ``seqpar.models.anatomy``); ``register_family`` extends it.
+
+Note [model families]
+    An entry names attribute paths, not classes: ``decoder`` from the model with a head to its decoder (a bare
+    decoder is accepted as it is), ``text_model`` from there to a multimodal model's text decoder, then from
+    the text decoder its ``layers`` (a ``ModuleList``), ``embedding``, final ``norm`` and ``rotary`` embedding,
+    ``head`` from the model, and from each layer its ``attention``, ``mlp``, ``layer_norms`` and the token
+    ``mixers`` other than attention (state-space or convolutional blocks of hybrid models). An MLP holding the
+    ``experts`` path is a mixture of experts. ``tp_plan`` lists, per layer, the projections tensor parallel
+    splits column-wise (the inputs of attention and of the MLP) or row-wise (their outputs); None where the
+    family has no plan (fused projections, experts). A family that follows Llama's anatomy is one line:
+    ``Family("qwen2")``. One generic resolver (``seqpar.models.anatomy``) reads every entry, and every
+    consumer (prepare_model, data, tensor and pipeline parallel, the tiled MLP, activation offload, the doctor)
+    asks it, so a new family is one entry here (or one ``register_family`` call) and nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from seqpar.errors import SeqparInputError
+
+__all__ = ["FAMILIES", "LLAMA_TP_PLAN", "Family", "register_family"]
+
+LLAMA_TP_PLAN = (
+    ("self_attn.q_proj", "colwise"),
+    ("self_attn.k_proj", "colwise"),
+    ("self_attn.v_proj", "colwise"),
+    ("self_attn.o_proj", "rowwise"),
+    ("mlp.gate_proj", "colwise"),
+    ("mlp.up_proj", "colwise"),
+    ("mlp.down_proj", "rowwise"),
+)
+"""Megatron-style splits of a Llama block: q/k/v and gate/up column-wise, o and down row-wise (Note [tp x sp])."""
+_TP_STYLES = ("colwise", "rowwise")
+
+
+@dataclass(frozen=True)
+class Family:
+    """The anatomy of one transformers model family as attribute paths (Note [model families])."""
+
+    model_type: str
+    """The transformers ``config.model_type`` the entry is for."""
+    decoder: str = "model"
+    """Path from the model with a head (``...ForCausalLM``) to its decoder."""
+    text_model: str | None = None
+    """Path from the decoder to a multimodal model's text decoder (``language_model``); None for a text model."""
+    layers: str = "layers"
+    """Path from the text decoder to its ``ModuleList`` of decoder layers."""
+    embedding: str = "embed_tokens"
+    """Path from the text decoder to the input embedding."""
+    norm: str | None = "norm"
+    """Path from the text decoder to the final norm."""
+    rotary: str | None = "rotary_emb"
+    """Path from the text decoder to the rotary embedding (None: the family has none there)."""
+    head: str = "lm_head"
+    """Path from the model with a head to the output head."""
+    attention: str = "self_attn"
+    """Path from a decoder layer to its attention module."""
+    mlp: str = "mlp"
+    """Path from a decoder layer to its MLP (dense, or a mixture of experts)."""
+    experts: str | None = None
+    """Path from an MLP to its experts: an MLP that has it is a mixture of experts (None: every MLP is dense)."""
+    layer_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    """Paths from a decoder layer to its norms."""
+    mixers: tuple[str, ...] = ()
+    """Paths from a decoder layer to its token mixers other than attention (none in today's families)."""
+    tp_plan: tuple[tuple[str, str], ...] | None = LLAMA_TP_PLAN
+    """(path from a layer, "colwise" or "rowwise") for tensor parallel; None: the family has no plan."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_type, str) or not self.model_type:
+            raise SeqparInputError(f"a model family needs its model_type (a non-empty string), got {self.model_type!r}")
+        bad = [style for _, style in self.tp_plan or () if style not in _TP_STYLES]
+        if bad:
+            raise SeqparInputError(f"tp_plan styles must be {' or '.join(_TP_STYLES)}, got {bad}")
+
+
+_GEMMA_NORMS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
+_MOE = dict(experts="experts", tp_plan=None)  # experts are not split by tensor parallel
+
+FAMILIES: dict[str, Family] = {
+    family.model_type: family
+    for family in (
+        Family("llama"),
+        Family("mistral"),
+        Family("qwen2"),
+        Family("qwen3"),
+        Family("olmo"),
+        Family("olmo2", layer_norms=("post_attention_layernorm", "post_feedforward_layernorm")),
+        Family("granite"),
+        Family("gemma"),
+        Family("gemma2", layer_norms=_GEMMA_NORMS),
+        Family("gemma3_text", layer_norms=_GEMMA_NORMS),
+        Family("gemma3", text_model="language_model", layer_norms=_GEMMA_NORMS),
+        Family("phi3", tp_plan=None),  # fused qkv_proj and gate_up_proj: a column split would cut across q, k, v
+        Family("mixtral", **_MOE),
+        Family("qwen2_moe", **_MOE),  # dense MLPs in mlp_only_layers, experts elsewhere
+        Family("qwen3_moe", **_MOE),
+        Family("gpt_oss", **_MOE),
+    )
+}
+"""The registry: ``model_type`` -> ``Family``. The documented extension point (``register_family``)."""
+
+
+def register_family(family: Family, *, replace: bool = False) -> Family:
+    """Add a model family to ``FAMILIES`` so that every axis serves models of its ``model_type``.
+
+    Args:
+        family: the entry (Note [model families]).
+        replace: allow replacing an entry of the same ``model_type``.
+
+    Returns:
+        The entry.
+
+    Raises:
+        SeqparInputError: not a ``Family``, or a ``model_type`` already registered without ``replace``.
+    """
+    if not isinstance(family, Family):
+        raise SeqparInputError(f"register_family takes a seqpar.models.Family, got {type(family).__name__}")
+    if family.model_type in FAMILIES and not replace and FAMILIES[family.model_type] != family:
+        raise SeqparInputError(
+            f"model family {family.model_type!r} is registered already; pass replace=True to change its entry"
+        )
+    FAMILIES[family.model_type] = family
+    return family
