@@ -64,7 +64,7 @@ def test_active_parameters_count_the_routed_experts_only():
     attention = h * 32 * (2 * 8 + 2 * 4) + 2 * h
     per_layer = attention + 2 * 3 * h * inter + 8 * h  # two experts of eight, and the router
     assert active_parameters(d) == layers * per_layer + config.vocab_size * h + h
-    assert d.intermediate == 2 * inter  # the MLP activations of a token: two experts' widths
+    assert d.mlp_width == 2 * inter  # the MLP activations of a token: two experts' widths
     dense = transformers.LlamaConfig(**SIZES)
     assert active_parameters(model_dims(dense, 1)) == parameter_counts(model_dims(dense, 1))[0] - 2000 * 256
     shape = load_model_shape(config.to_dict())

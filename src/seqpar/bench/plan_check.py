@@ -30,10 +30,10 @@ import transformers
 
 import seqpar
 from seqpar.bench.llama_step import llama_config, train_step
+from seqpar.models import ModelSizes
 from seqpar.planning.calibrate import calibrate, probe_compute
 from seqpar.planning.cluster import Calibration, Cluster, load_calibration
 from seqpar.planning.memory import estimate_layout
-from seqpar.planning.models import shape_from_config
 from seqpar.planning.search import plan
 from seqpar.planning.timing import Layout, step_time
 from seqpar.runtime.measure import time_and_memory, write_slowest
@@ -101,7 +101,7 @@ def _predict(
 
 
 def _shape(cfg: dict):
-    return shape_from_config(llama_config(cfg, cfg["seq"]), "plan_check")
+    return ModelSizes.from_config(llama_config(cfg, cfg["seq"]), source="plan_check")
 
 
 def _layout(cfg: dict, sp: int, features: tuple[str, ...]) -> Layout:

@@ -6,9 +6,9 @@ The model, length, degrees, strategy and memory features come from the ``TrainCo
 from __future__ import annotations
 
 from seqpar.memory.pipeline import bubble_fraction
+from seqpar.models import ModelSizes
 from seqpar.planning.cluster import Cluster
 from seqpar.planning.memory import DTYPE_BYTES
-from seqpar.planning.models import shape_from_config
 from seqpar.planning.report import format_plan
 from seqpar.planning.search import plan
 from seqpar.planning.timing import OFFLOAD_OPTIMIZER, Layout, step_time
@@ -52,7 +52,7 @@ def train_plan(config: TrainConfig) -> str:
         SeqparInputError: a model config the planner or the estimator cannot read.
     """
     hf_config = model_config(config, ByteTokenizer.vocab_size)
-    shape = shape_from_config(hf_config.to_dict(), config.model or "embedded default model")
+    shape = ModelSizes.from_config(hf_config.to_dict(), source=config.model or "embedded default model")
     layout = _layout(config, shape.num_attention_heads, shape.num_key_value_heads)
     dtype = "bf16" if config.precision == "bf16" else "fp32"
     micro_batch = config.batch_size // config.grad_accum // (layout.pp_microbatches or 1)  # one pipeline piece

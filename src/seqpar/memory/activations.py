@@ -5,17 +5,18 @@ The formulas are explained once, in Note [memory estimate] (estimate.py).
 
 from __future__ import annotations
 
-from seqpar.memory.shapes import ModelDims
+from seqpar.models import ModelSizes
 from seqpar.sequence_parallel.strategies.registry import kv_head_repeats
 
 __all__ = ["activation_bytes", "comm_elements"]
 
 
-def comm_elements(strategy: str, d: ModelDims, sp: int, ulysses: int) -> float:
+def comm_elements(strategy: str, d: ModelSizes, sp: int, ulysses: int) -> float:
     """Attention communication buffers of one layer's forward and backward, elements per local token."""
     if sp == 1:
         return 0.0
-    repeats = kv_head_repeats(d.heads, d.kv_heads, ulysses if strategy == "hybrid" else sp) or 1
+    degree = ulysses if strategy == "hybrid" else sp
+    repeats = kv_head_repeats(d.num_attention_heads, d.num_key_value_heads, degree) or 1
     a2a = 2.0 * (d.q_width + 2 * d.kv_width * repeats)
     ring = 8.0 * d.kv_width
     if strategy == "ulysses":
@@ -27,9 +28,9 @@ def comm_elements(strategy: str, d: ModelDims, sp: int, ulysses: int) -> float:
     return a2a + ring  # hybrid: after the all-to-all a ring rank holds as many k, v elements as before it
 
 
-def activation_bytes(d: ModelDims, tokens: int, b: int, features: tuple[str, ...], mlp_chunk: int) -> dict:
+def activation_bytes(d: ModelSizes, tokens: int, b: int, features: tuple[str, ...], mlp_chunk: int) -> dict:
     """Kept, recomputed and transient activation bytes of the layers (Note [memory estimate])."""
-    h, hq, hkv, i = d.hidden, d.q_width, d.kv_width, d.intermediate
+    h, hq, hkv, i = d.hidden_size, d.q_width, d.kv_width, d.mlp_width
     tiled = "tiled_mlp" in features
     norm_copies = 0 if b >= 4 else 8 * h  # 16-bit: each RMSNorm keeps a float32 copy of its input
     attention = tokens * (b * (4 * h + 3 * hq + 2 * hkv) + norm_copies)
@@ -37,9 +38,9 @@ def activation_bytes(d: ModelDims, tokens: int, b: int, features: tuple[str, ...
     chunk = min(mlp_chunk, tokens)
     extra = tokens * b * (h if tiled else i + h) + (5 * chunk * i * b if tiled else 0)
     kept_per_layer = tokens * h * b + (0 if "checkpointing" in features else saved)
-    kept_layers = d.layers
+    kept_layers = d.num_hidden_layers
     if "offload" in features and "checkpointing" in features:
-        kept_layers = min(2, d.layers)  # the rest waits in host memory
+        kept_layers = min(2, d.num_hidden_layers)  # the rest waits in host memory
     return {
         "kept_per_layer": kept_per_layer,
         "kept_layers": kept_layers,

@@ -64,7 +64,7 @@ from seqpar.errors import SeqparInputError
 from seqpar.memory.pipeline import stage_views
 from seqpar.memory.rank import OPTIMIZER_STATES, estimate_rank
 from seqpar.memory.result import MemoryEstimate
-from seqpar.memory.shapes import ModelDims, model_dims
+from seqpar.models import ModelSizes
 from seqpar.sequence_parallel.strategies.registry import ulysses_degrees, ulysses_heads_problem
 
 __all__ = ["FEATURES", "MemoryEstimate", "estimate_memory", "estimate_stage_memory"]
@@ -74,15 +74,15 @@ _RANK_SETTINGS = ("dp_mode", "loss_chunk", "mlp_chunk", "optimizer", "keep_gradi
 """``estimate_memory``'s settings that ``estimate_rank`` takes as they are."""
 
 
-def _strategy(strategy: str, d: ModelDims, sp: int, ulysses: int) -> str:
+def _strategy(strategy: str, d: ModelSizes, sp: int, ulysses: int) -> str:
     """``auto`` resolved as ``seqpar.resolve_strategy`` does; head counts checked for ulysses and hybrid."""
-    allowed = ulysses_degrees(d.heads, d.kv_heads)
+    allowed = ulysses_degrees(d.num_attention_heads, d.num_key_value_heads)
     if strategy == "auto":
         if 1 < ulysses < sp and ulysses in allowed:
             return "hybrid"
         return "ulysses" if sp in allowed else "ring"
     degree = sp if strategy == "ulysses" else ulysses if strategy == "hybrid" else 1
-    problem = ulysses_heads_problem(d.heads, d.kv_heads, degree, strategy)
+    problem = ulysses_heads_problem(d.num_attention_heads, d.num_key_value_heads, degree, strategy)
     if problem:
         raise SeqparInputError(problem)
     return strategy
@@ -203,7 +203,7 @@ def _stage_estimates(model_config: object, seq_len: int, settings: dict) -> list
     features = tuple(s.features)
     sizes = {k: settings[k] for k in ("sp_size", "ulysses_size", "dp_size", "tp_size")}
     _check(seq_len, s, sizes, features)
-    d = model_dims(model_config, s.tp_size)
+    d = ModelSizes.from_config(model_config, s.tp_size)
     rank = dict(
         chosen=_strategy(s.strategy, d, s.sp_size, s.ulysses_size),
         b=torch.empty((), dtype=s.dtype).element_size(),
@@ -212,5 +212,5 @@ def _stage_estimates(model_config: object, seq_len: int, settings: dict) -> list
         sizes=sizes,
         **{k: settings[k] for k in _RANK_SETTINGS},
     )
-    views = stage_views(d.layers, s.pp_size, s.pp_schedule, s.pp_microbatches)
+    views = stage_views(d.num_hidden_layers, s.pp_size, s.pp_schedule, s.pp_microbatches)
     return [estimate_rank(d, view, s.pp_size > 1, **rank) for view in views]

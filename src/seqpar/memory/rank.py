@@ -11,7 +11,7 @@ from seqpar.gradients import BUCKET_MB
 from seqpar.memory.activations import activation_bytes, comm_elements
 from seqpar.memory.pipeline import StageView, held_logits_bytes
 from seqpar.memory.result import MemoryEstimate
-from seqpar.memory.shapes import ModelDims, parameter_counts
+from seqpar.models import ModelSizes, parameter_counts
 
 __all__ = ["OPTIMIZER_STATES", "estimate_rank"]
 
@@ -21,7 +21,7 @@ _MB = 2**20
 
 
 def estimate_rank(
-    d: ModelDims,
+    d: ModelSizes,
     view: StageView,
     pipelined: bool,
     *,
@@ -59,46 +59,47 @@ def estimate_rank(
         The rank's ``MemoryEstimate``.
     """
     sp_size, ulysses_size, dp_size = sizes["sp_size"], sizes["ulysses_size"], sizes["dp_size"]
-    d = dataclasses.replace(d, layers=view.layers)
+    d = dataclasses.replace(d, num_hidden_layers=view.layers)
+    layers, tied, hidden, vocab = d.num_hidden_layers, d.tie_word_embeddings, d.hidden_size, d.vocab_size
     total, layer_params, head_params = parameter_counts(d)
-    if pipelined and not d.tied:  # one end of the model: the embedding (first rank) or norm and head (last)
+    if pipelined and not tied:  # one end of the model: the embedding (first rank) or norm and head (last)
         total -= head_params
     shards = dp_size * sp_size if dp_mode == "fsdp" else 1
     params = -(-total * b // shards) + (2 * layer_params * b if shards > 1 else 0)  # fsdp: one layer gathered
     states = OPTIMIZER_STATES[optimizer] * -(-total * b // shards)
     act = activation_bytes(d, tokens, b, features, mlp_chunk)
-    if act["kept_layers"] == d.layers:  # offloaded checkpoints wait on the host, whichever micro-batch they are
+    if act["kept_layers"] == layers:  # offloaded checkpoints wait on the host, whichever micro-batch they are
         act["kept"] = int(act["kept"] * view.in_flight)  # Note [pipeline memory and time]
     comm = int(comm_elements(chosen, d, sp_size, ulysses_size) * tokens * b)
     chunk = min(loss_chunk, tokens) if "chunked_loss" in features else tokens
-    loss = 3 * chunk * d.vocab * 4 + (tokens * d.hidden * b if "chunked_loss" in features else 0)
+    loss = 3 * chunk * vocab * 4 + (tokens * hidden * b if "chunked_loss" in features else 0)
     loss = loss if view.last else 0
     # Note [pipeline memory and time]: torch's receive buffers, one per micro-batch and stage boundary, kept
-    recv = view.recv_buffers * tokens * d.hidden * b if pipelined else 0
-    act["kept"] += view.sends_held * tokens * d.hidden * b  # interleaved: sends held until the step ends
+    recv = view.recv_buffers * tokens * hidden * b if pipelined else 0
+    act["kept"] += view.sends_held * tokens * hidden * b  # interleaved: sends held until the step ends
     held_logits = 0  # Note [pipeline memory and time]: torch's last stage keeps outputs until their backward
     if pipelined and "chunked_loss" not in features:
-        held_logits = held_logits_bytes(view, tokens, d.vocab, b)
+        held_logits = held_logits_bytes(view, tokens, vocab, b)
     head_grad = head_params * b // shards
     all_grads = -(-total * b // shards)
     kept_grads = all_grads if keep_gradients else 0
-    host = (d.layers - act["kept_layers"]) * act["kept_per_layer"] * view.in_flight  # inputs the offload moved
+    host = (layers - act["kept_layers"]) * act["kept_per_layer"] * view.in_flight  # inputs the offload moved
     gathered_head = 0
     if offload_optimizer:  # Note [memory estimate], optimizer offload: only working copies on the device
-        units = 0 if d.tied else 2 * head_params  # embedding and head are units of their own unless tied
-        params = (total - units - d.layers * layer_params + 2 * layer_params) * b  # the root, two blocks
+        units = 0 if tied else 2 * head_params  # embedding and head are units of their own unless tied
+        params = (total - units - layers * layer_params + 2 * layer_params) * b  # the root, two blocks
         gathered_head = units // 2 * b  # from the head's forward through its backward
         host += (2 + OPTIMIZER_STATES[optimizer]) * 4 * -(-total // shards)  # fp32 master, gradients, states
         states = all_grads = kept_grads = 0
-        head_grad = head_params * b if d.tied else 0  # a root's gradients wait for the end of the backward
+        head_grad = head_params * b if tied else 0  # a root's gradients wait for the end of the backward
     # chunked: the output head's gradient accumulates in its own buffer from the first piece's backward on
     early = (head_grad or gathered_head) if "chunked_loss" in features else 0
     moments = {"backward start": (kept_grads + early, act["kept"], 0, loss + held_logits, 0, 0)}
     worst = (0, 0)
-    for done in range(d.layers):  # the backward of the (done+1)-th layer from the top
+    for done in range(layers):  # the backward of the (done+1)-th layer from the top
         in_flight = 2 * layer_params * b if offload_optimizer else (done + 1) * layer_params * b // shards
         grads = kept_grads or head_grad + in_flight
-        kept = act["kept"] - done * act["kept_per_layer"] * (act["kept_layers"] == d.layers)
+        kept = act["kept"] - done * act["kept_per_layer"] * (act["kept_layers"] == layers)
         worst = max(worst, (grads + kept, grads))
     # the attention's buffers live while its backward runs, after the MLP's tensors of the layer are freed
     if act["recomputed"] + act["extra"] >= act["recomputed_attention"] + comm:

@@ -3,6 +3,7 @@
 ``plan(model, seq_len, Cluster(...))`` ranks every valid layout by predicted tokens/s per device.
 """
 
+from seqpar.models import ModelSizes
 from seqpar.planning.cluster import Calibration, Cluster, load_calibration, save_calibration
 from seqpar.planning.limits import max_seq_len
 from seqpar.planning.models import PRESETS, ModelShape, load_model_shape
@@ -19,6 +20,7 @@ __all__ = [
     "Cluster",
     "Layout",
     "ModelShape",
+    "ModelSizes",
     "Plan",
     "Rejection",
     "StepTime",

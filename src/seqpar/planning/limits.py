@@ -6,16 +6,17 @@ Used to compare the planner with published maximum lengths and by ``seqpar plan`
 from __future__ import annotations
 
 from seqpar.errors import SeqparInputError
+from seqpar.models import ModelSizes
 from seqpar.planning.cluster import Cluster
 from seqpar.planning.memory import estimate_layout
-from seqpar.planning.models import ModelShape, load_model_shape
+from seqpar.planning.models import load_model_shape
 from seqpar.planning.timing import Layout
 
 __all__ = ["max_seq_len"]
 
 
 def max_seq_len(
-    model: str | dict | ModelShape,
+    model: str | dict | ModelSizes,
     layout: Layout,
     cluster: Cluster,
     *,
@@ -26,7 +27,7 @@ def max_seq_len(
     """The longest sequence, a multiple of ``granularity`` x sp tokens, whose predicted peak fits one device.
 
     Args:
-        model: a preset name, a config.json or model dir, a config dict, or a ``ModelShape``.
+        model: a preset name, a config.json or model dir, a config dict, or a ``ModelSizes``.
         layout: degrees, strategy, features and dp mode (its world size must equal ``cluster.gpus``).
         cluster: the device memory (``Cluster.memory_bytes``) is what matters here.
         dtype: bf16, fp16 or fp32.

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from seqpar.memory import MemoryEstimate, estimate_memory
-from seqpar.planning.models import ModelShape
+from seqpar.models import ModelSizes
 from seqpar.planning.timing import OFFLOAD_OPTIMIZER, Layout
 
 __all__ = ["DTYPES", "DTYPE_BYTES", "estimate_layout"]
@@ -18,7 +18,7 @@ DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 
 
 def estimate_layout(
-    model: ModelShape, seq_len: int, layout: Layout, *, dtype: str, micro_batch: int = 1
+    model: ModelSizes, seq_len: int, layout: Layout, *, dtype: str, micro_batch: int = 1
 ) -> MemoryEstimate:
     """Predicted memory of one rank for one training step of ``layout`` (AdamW).
 

@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 
 from seqpar.errors import SeqparInputError
 from seqpar.memory import MemoryEstimate
+from seqpar.models import ModelSizes
 from seqpar.planning.cluster import Cluster
 from seqpar.planning.documents import check_doc_len
 from seqpar.planning.memory import DTYPE_BYTES, estimate_layout
-from seqpar.planning.models import ModelShape, load_model_shape
+from seqpar.planning.models import load_model_shape
 from seqpar.planning.timing import FEATURES, OFFLOAD_OPTIMIZER, Layout, StepTime, model_flops, step_time
 from seqpar.sequence_parallel.strategies.registry import ulysses_heads_problem
 
@@ -67,7 +68,7 @@ class Rejection:
 class Plan:
     """The ranked layouts that fit, and the families that were rejected."""
 
-    model: ModelShape
+    model: ModelSizes
     """The model's sizes."""
     seq_len: int
     """Tokens per sequence."""
@@ -104,7 +105,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _tp_problem(model: ModelShape, tp: int, cluster: Cluster) -> str | None:
+def _tp_problem(model: ModelSizes, tp: int, cluster: Cluster) -> str | None:
     if tp > cluster.gpus_per_node and not cluster.ulysses_across_nodes:
         return f"tensor parallel of {tp} spans nodes of {cluster.gpus_per_node}"
     if model.num_attention_heads % tp or model.intermediate_size % tp:
@@ -114,7 +115,7 @@ def _tp_problem(model: ModelShape, tp: int, cluster: Cluster) -> str | None:
     return None
 
 
-def _strategies(model: ModelShape, sp: int, tp: int, cluster: Cluster):
+def _strategies(model: ModelSizes, sp: int, tp: int, cluster: Cluster):
     """(strategy, ulysses degree, problem or None) for every strategy at this sp x tp."""
     if sp == 1:
         yield "local", 1, None
@@ -137,7 +138,7 @@ def _family(layout: Layout) -> str:
 
 
 def plan(
-    model: str | dict | ModelShape,
+    model: str | dict | ModelSizes,
     seq_len: int,
     cluster: Cluster,
     *,
@@ -150,7 +151,7 @@ def plan(
     """Every valid (dp, sp, ulysses, tp, strategy, features, dp mode) for ``model`` on ``cluster``, ranked.
 
     Args:
-        model: a preset name, a config.json or model dir, a config dict, or a ``ModelShape``.
+        model: a preset name, a config.json or model dir, a config dict, or a ``ModelSizes``.
         seq_len: tokens per sequence.
         cluster: device count, memory, rates and links (``Cluster``, optionally ``with_calibration``).
         micro_batch: sequences per data-parallel replica per step.

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from seqpar.errors import SeqparInputError
 from seqpar.memory import FEATURES as MEMORY_FEATURES
 from seqpar.memory.pipeline import bubble_fraction, p2p_bytes, stage_views
+from seqpar.models import ModelSizes
 from seqpar.planning.cluster import Cluster
 from seqpar.planning.documents import check_doc_len, placed_kv_fraction, visible_fraction
-from seqpar.planning.models import ModelShape
 from seqpar.sequence_parallel.strategies.registry import kv_head_repeats, ulysses_heads_problem
 
 __all__ = ["FEATURES", "OFFLOAD_OPTIMIZER", "Layout", "StepTime", "model_flops", "step_time"]
@@ -133,12 +133,12 @@ class StepTime:
         )
 
 
-def _attention_flops(model: ModelShape, seq_len: int, micro_batch: int) -> float:
+def _attention_flops(model: ModelSizes, seq_len: int, micro_batch: int) -> float:
     """Causal attention FLOPs of one forward over whole sequences (all ranks together)."""
     return 2.0 * micro_batch * seq_len**2 * model.num_attention_heads * model.dim * model.num_hidden_layers
 
 
-def model_flops(model: ModelShape, seq_len: int, micro_batch: int = 1, doc_len: int | None = None) -> float:
+def model_flops(model: ModelSizes, seq_len: int, micro_batch: int = 1, doc_len: int | None = None) -> float:
     """FLOPs of forward + backward of ``micro_batch`` sequences, no recomputation (the MFU numerator).
 
     Args:
@@ -155,7 +155,7 @@ def model_flops(model: ModelShape, seq_len: int, micro_batch: int = 1, doc_len: 
     return matmul + 3.5 * _attention_flops(model, seq_len, micro_batch) * visible_fraction(seq_len, doc_len)
 
 
-def _matmul_seconds(model: ModelShape, tokens: float, layout: Layout, cluster: Cluster) -> float:
+def _matmul_seconds(model: ModelSizes, tokens: float, layout: Layout, cluster: Cluster) -> float:
     h, inter = model.hidden_size, model.mlp_width
     layer_passes = 3 + ("checkpointing" in layout.features)
     mlp_extra = model.num_hidden_layers * 3 * h * inter / layout.tp if "tiled_mlp" in layout.features else 0
@@ -173,7 +173,7 @@ def _sent_kv_heads(heads: int, kv_heads: int, degree: int) -> int:
 
 
 def step_time(
-    model: ModelShape,
+    model: ModelSizes,
     seq_len: int,
     layout: Layout,
     cluster: Cluster,
@@ -248,7 +248,7 @@ def step_time(
     )
 
 
-def _offload_seconds(model: ModelShape, layout: Layout, cluster: Cluster, e: int, compute: float) -> float:
+def _offload_seconds(model: ModelSizes, layout: Layout, cluster: Cluster, e: int, compute: float) -> float:
     """Exposed seconds of optimizer offload: host <-> device copies beyond compute, and the host's AdamW."""
     if OFFLOAD_OPTIMIZER not in layout.features:
         return 0.0
@@ -258,7 +258,7 @@ def _offload_seconds(model: ModelShape, layout: Layout, cluster: Cluster, e: int
     return max(0.0, copies - compute) + shard * node_ranks / cluster.host_adam_params_per_s
 
 
-def _gradient_seconds(model: ModelShape, layout: Layout, cluster: Cluster, e: int, compute: float) -> float:
+def _gradient_seconds(model: ModelSizes, layout: Layout, cluster: Cluster, e: int, compute: float) -> float:
     """Exposed seconds of the gradient reduction (and FSDP's weight gathers) over the dp x sp ranks."""
     n = layout.dp * layout.sp
     if n == 1:
@@ -274,7 +274,7 @@ def _gradient_seconds(model: ModelShape, layout: Layout, cluster: Cluster, e: in
 
 
 def _pipeline_time(
-    model: ModelShape, seq_len: int, layout: Layout, cluster: Cluster, e: int, micro_batch: int, doc_len: int | None
+    model: ModelSizes, seq_len: int, layout: Layout, cluster: Cluster, e: int, micro_batch: int, doc_len: int | None
 ) -> StepTime:
     """Seconds of one 1F1B pipeline step (Note [plan time model], pipeline parallel)."""
     p, m = layout.pp, layout.pp_microbatches or layout.pp
