@@ -69,6 +69,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from seqpar.errors import SeqparInputError
 from seqpar.gradients import SUMMED_BY_WRAPPER
 from seqpar.mesh import SequenceParallelMesh, flattened_group
+from seqpar.models import find_anatomy
 
 __all__ = ["apply_data_parallel", "data_parallel_group", "decoder_blocks"]
 
@@ -104,25 +105,24 @@ def _mark_summed(model: torch.nn.Module, wrapper: str) -> None:
 
 
 def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated transformer blocks of a transformers model (``model.model.layers`` and the like)."""
-    for name in ("model.layers", "layers", "transformer.h", "model.decoder.layers"):
-        module = model
-        for part in name.split("."):
-            module = getattr(module, part, None)
-            if module is None:
-                break
-        if isinstance(module, torch.nn.ModuleList):
-            return list(module)
-    return []
+    """The decoder layers of a model of a registered family (``seqpar.models.anatomy``).
+
+    Args:
+        model: any module.
+
+    Returns:
+        The layers, in order; empty for a module whose family ``seqpar.models`` does not know.
+    """
+    found = find_anatomy(model)
+    return [] if isinstance(found, str) else list(found.layers)
 
 
 def _embedding_and_head(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
     """The input embedding and the output head as FSDP2 units of their own, or none when they share a weight."""
-    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
-    embedding = get_in() if callable(get_in) else None
-    head = get_out() if callable(get_out) else None
-    if not isinstance(embedding, torch.nn.Module) or not isinstance(head, torch.nn.Module):
+    found = find_anatomy(model)
+    if isinstance(found, str) or found.head is None:
         return [], []
+    embedding, head = found.embedding, found.head
     if any(p is q for p in embedding.parameters() for q in head.parameters()):  # tied: both stay in the root
         return [], []
     return [embedding], [head]

@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 
 from seqpar.diagnosis.capture import Capture
-from seqpar.diagnosis.pitfalls import is_attention
 from seqpar.diagnosis.report import LayerRow, Pitfall
 from seqpar.sequence_parallel.comm.collectives import collective_device
 
@@ -112,35 +111,36 @@ _MIXING_FIX = (
 )
 
 
-def attention_pitfalls(layers: torch.nn.ModuleList, prefix: str, calls: list[int]) -> list[Pitfall]:
+def attention_pitfalls(attention: list[str], calls: list[int]) -> list[Pitfall]:
     """Layers whose attention module ran no seqpar attention in the sharded forward.
 
     Args:
-        layers: the sharded copy's decoder layers.
-        prefix: their qualified name.
+        attention: the qualified name of each layer's attention module (its family's entry).
         calls: seqpar attention calls per layer.
 
     Returns:
         One pitfall per such layer, naming its attention module.
     """
     found = []
-    for i, (layer, n_calls) in enumerate(zip(layers, calls)):
-        names = [name for name, _ in layer.named_children() if is_attention(name)]
-        if names and n_calls == 0:
+    for name, n_calls in zip(attention, calls):
+        if n_calls == 0:
             problem = (
                 "computes attention without seqpar (no call of seqpar attention in the sharded forward): each rank "
                 "attends only within its own shard"
             )
-            found.append(Pitfall("attention", f"{prefix}.{i}.{names[0]}", problem, _ATTENTION_FIX))
+            found.append(Pitfall("attention", name, problem, _ATTENTION_FIX))
     return found
 
 
-def diagnose(rows: list[LayerRow], suspects: list[list[str]]) -> tuple[str | None, str, list[Pitfall]]:
+def diagnose(
+    rows: list[LayerRow], suspects: list[list[str]], attention: list[str]
+) -> tuple[str | None, str, list[Pitfall]]:
     """The first failing layer, the cause in one sentence, and token-mixing pitfalls the rows reveal.
 
     Args:
         rows: from ``layer_rows`` (the output row last).
         suspects: per layer, modules that look like token mixers (``token_mixing_suspects``).
+        attention: the qualified name of each layer's attention module.
 
     Returns:
         (first failing layer or None, cause, pitfalls); the cause is "" when everything agrees.
@@ -150,7 +150,7 @@ def diagnose(rows: list[LayerRow], suspects: list[list[str]]) -> tuple[str | Non
         if row.activation_ok:
             continue
         module = row.first_module or row.name
-        if is_attention(module.rsplit(".", 1)[-1]):
+        if module in attention:
             if row.attention_calls == 0:
                 return row.name, f"the attention in {module} does not go through seqpar (see the pitfalls)", []
             cause = (

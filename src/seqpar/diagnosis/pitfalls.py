@@ -21,6 +21,7 @@ import torch
 from seqpar.data import shard_batch
 from seqpar.diagnosis.report import Pitfall
 from seqpar.errors import SeqparInputError
+from seqpar.models import ModelAnatomy, find_anatomy
 from seqpar.sequence_parallel.masks.sequence_mask import check_packed_positions
 
 __all__ = [
@@ -28,7 +29,6 @@ __all__ = [
     "batch_pitfalls",
     "decoder_layers",
     "dropout_pitfalls",
-    "is_attention",
     "token_mixing_suspects",
 ]
 
@@ -37,9 +37,8 @@ _PACKING_FIX = (
     "seqpar.pack_documents, or seqpar train's --data packing); seqpar keeps documents apart by them"
 )
 # class-name pieces of modules that mix tokens without attention (state-space, convolutional, linear-attention
-# and MLP-Mixer blocks)
+# and MLP-Mixer blocks): what a layer's code may hold beyond what its family's entry names
 _MIXER_NAMES = ("mamba", "mixer", "deltanet", "linearattention", "rwkv", "shortconv", "hyena", "retention", "cumsum")
-_ATTENTION_NAMES = ("attn", "attention")
 _CONVOLUTIONS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
 _DROPOUTS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout)
 
@@ -153,60 +152,49 @@ def batch_pitfalls(
     return found, keep, dropped
 
 
-def decoder_layers(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
-    """The decoder layers of a transformers model and their qualified name (``model.layers``).
+def decoder_layers(model: torch.nn.Module) -> tuple[str, ModelAnatomy]:
+    """The qualified name of a model's decoder layers (``model.layers``) and its anatomy (Note [model families]).
 
     Args:
-        model: a transformers decoder model (``get_decoder().layers`` or ``model.layers``).
+        model: a transformers model of a registered family (``seqpar.models.FAMILIES``).
 
     Returns:
-        (qualified name of the layer list, the ``ModuleList``).
+        (qualified name of the layer list, the model's ``ModelAnatomy``: ``.layers``, ``.attention``, ...).
 
     Raises:
-        SeqparInputError: a model without a ``ModuleList`` of layers where transformers decoders keep it.
+        SeqparInputError: a model whose family or layers ``seqpar.models`` does not know.
     """
-    get_decoder = getattr(model, "get_decoder", None)
-    decoder = get_decoder() if callable(get_decoder) else None
-    names = {id(m): n for n, m in model.named_modules()}
-    for holder in (decoder, getattr(model, "model", None), model):
-        layers = getattr(holder, "layers", None)
-        if isinstance(holder, torch.nn.Module) and isinstance(layers, torch.nn.ModuleList) and id(layers) in names:
-            return names[id(layers)], layers
-    raise SeqparInputError(
-        f"cannot find the decoder layers of {type(model).__name__} (looked for model.model.layers and "
-        "model.get_decoder().layers, a torch.nn.ModuleList); seqpar.doctor takes transformers decoder models"
-    )
+    found = find_anatomy(model)
+    if isinstance(found, str):
+        raise SeqparInputError(
+            f"cannot find the decoder layers of {type(model).__name__}: {found}; seqpar.doctor takes transformers "
+            "models of the families seqpar.models knows"
+        )
+    return found.name(found.layers), found
 
 
-def is_attention(name: str) -> bool:
-    """Whether a child module's name says it is attention (``self_attn``, ``attention``, ...).
+def token_mixing_suspects(parts: ModelAnatomy, index: int) -> list[str]:
+    """Modules of one layer, outside its attention, that mix tokens: the family's own token mixers, and what
+    looks like one by type (convolutions, known mixer blocks; not by running).
 
     Args:
-        name: one part of a module name (no dots).
+        parts: the model's anatomy.
+        index: the layer.
 
     Returns:
-        True for names containing "attn" or "attention".
+        Qualified names of the layer's declared mixers, convolutions with a kernel wider than 1 and modules of
+        known token-mixing block types.
     """
-    return any(piece in name.lower() for piece in _ATTENTION_NAMES)
-
-
-def token_mixing_suspects(layer: torch.nn.Module, prefix: str) -> list[str]:
-    """Modules of one layer, outside its attention, that look like they mix tokens (by type, not by running).
-
-    Args:
-        layer: one decoder layer.
-        prefix: the layer's qualified name.
-
-    Returns:
-        Qualified names of convolutions with a kernel wider than 1 and of known token-mixing block types.
-    """
+    layer, attention = parts.layers[index], parts.attention[index]
+    inside_attention = {id(m) for m in attention.modules()}
+    declared = {id(m) for m in parts.mixers}
     found = []
-    for name, module in layer.named_modules():
-        if not name or any(is_attention(part) for part in name.split(".")):
+    for module in layer.modules():
+        if module is layer or id(module) in inside_attention:
             continue
         conv = isinstance(module, _CONVOLUTIONS) and max(module.kernel_size) > 1
-        if conv or any(piece in type(module).__name__.lower() for piece in _MIXER_NAMES):
-            found.append(f"{prefix}.{name}")
+        if id(module) in declared or conv or any(piece in type(module).__name__.lower() for piece in _MIXER_NAMES):
+            found.append(parts.name(module))
     return found
 
 

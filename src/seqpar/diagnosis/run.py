@@ -164,7 +164,8 @@ def doctor(
     sharded, reference = copy.deepcopy(model).eval(), copy.deepcopy(model).eval()
     if getattr(sharded.config, "attention_dropout", 0.0):  # reported above; eval mode applies none anyway
         sharded.config.attention_dropout = 0.0
-    layers = decoder_layers(sharded)[1]
+    parts = decoder_layers(sharded)[1]
+    layers = parts.layers
     try:
         prepare_model(sharded, sp, strategy=strategy, layout=layout, kernel=kernel)
         shard = shard_batch(clean, sp, layout=layout, ignore_index=ignore_index)
@@ -177,11 +178,12 @@ def doctor(
     choice = attention_choice(sharded)
     report.strategy = f"{strategy} -> {choice.strategy}" if choice is not None and strategy == "auto" else strategy
     full = {k: gather_sequence(v, sp, dim=1, layout=layout) for k, v in shard.items()}
-    ref_layers = decoder_layers(reference)[1]
+    ref_layers = decoder_layers(reference)[1].layers
     ref_cap, ref_loss = _reference_run(reference, full, sp, layout, prefix, ref_layers, n_valid, ignore_index)
     report.loss = (float(sum_over(loss, sp)), ref_loss)
     report.rows = layer_rows(sharded, reference, (cap, ref_cap), prefix, calls, tol, sp.sp_group)
-    suspects = [token_mixing_suspects(layer, f"{prefix}.{i}") for i, layer in enumerate(layers)]
-    report.first_failing, report.cause, mixing = diagnose(report.rows, suspects)
-    report.pitfalls += attention_pitfalls(layers, prefix, calls) + mixing
+    suspects = [token_mixing_suspects(parts, i) for i in range(len(layers))]
+    attention = [parts.name(m) for m in parts.attention]
+    report.first_failing, report.cause, mixing = diagnose(report.rows, suspects, attention)
+    report.pitfalls += attention_pitfalls(attention, calls) + mixing
     return report

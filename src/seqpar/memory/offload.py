@@ -25,8 +25,8 @@ import weakref
 import torch
 from torch import nn
 
-from seqpar.data_parallel import decoder_blocks
 from seqpar.errors import SeqparInputError
+from seqpar.models import find_anatomy
 
 __all__ = ["CheckpointOffload", "apply_activation_offload", "offload_layer_inputs"]
 
@@ -154,11 +154,10 @@ class CheckpointOffload:
 
 
 def _checkpointed_layers(model: nn.Module) -> list[nn.Module]:
-    layers = decoder_blocks(model)
-    if not layers:
-        raise SeqparInputError(
-            f"found no decoder layers (model.layers and the like) in {type(model).__name__} to offload"
-        )
+    found = find_anatomy(model)
+    if isinstance(found, str):
+        raise SeqparInputError(f"found no decoder layers in {type(model).__name__} to offload: {found}")
+    layers = list(found.layers)
     if not all(getattr(layer, "gradient_checkpointing", False) for layer in layers):
         raise SeqparInputError(
             "activation offload moves the inputs that activation checkpointing keeps: enable checkpointing "

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from seqpar.errors import SeqparInputError
+from seqpar.models import find_anatomy
 
 __all__ = ["apply_tiled_mlp", "is_tiled", "tiled_mlp"]
 
@@ -210,26 +211,18 @@ def _check_chunk(chunk_tokens: int) -> None:
         raise SeqparInputError(f"chunk_tokens must be a positive number of tokens, got {chunk_tokens!r}")
 
 
-def _decoder_mlps(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Submodules named ``mlp`` (the decoder MLPs of transformers models), outermost only."""
-    found = []
-    for name, module in model.named_modules():
-        if name.rpartition(".")[2] == "mlp" and not any(name.startswith(f"{outer}.") for outer, _ in found):
-            found.append((name, module))
-    return found
-
-
 def apply_tiled_mlp(model: nn.Module, *, chunk_tokens: int = 1024, modules: Iterable[nn.Module] | None = None) -> int:
     """Tile every decoder MLP of ``model`` (or the given ``modules``) over chunks of tokens.
 
-    Without ``modules``, the submodules named ``mlp`` are tiled: the gated MLPs of Llama, Qwen2/3, Mistral,
-    Gemma/Gemma 3 (gate, up and down projections) and Phi-3's fused gate-up projection. Composes with
-    activation checkpointing, ``seqpar.prepare_model`` and ``seqpar.apply_data_parallel`` (Note [tiled MLP]).
+    Without ``modules``, the decoder MLPs of the model's family are tiled (``seqpar.models.anatomy``): the
+    gated MLPs of Llama, Qwen2/3, Mistral, Gemma/Gemma 3 (gate, up and down projections) and Phi-3's fused
+    gate-up projection; mixtures of experts are refused by name. Composes with activation checkpointing,
+    ``seqpar.prepare_model`` and ``seqpar.apply_data_parallel`` (Note [tiled MLP]).
 
     Args:
         model: the model (used for the names in errors when ``modules`` is given).
         chunk_tokens: tokens per chunk, over the flattened batch and sequence of this rank's shard.
-        modules: MLP modules to tile instead of the ``mlp`` submodules (plain PyTorch MLPs).
+        modules: MLP modules to tile instead of the family's decoder MLPs (plain PyTorch MLPs).
 
     Returns:
         How many MLPs were tiled.
@@ -239,12 +232,12 @@ def apply_tiled_mlp(model: nn.Module, *, chunk_tokens: int = 1024, modules: Iter
             size below 1; checked for every module before any is changed.
     """
     if modules is None:
-        targets = _decoder_mlps(model)
-        if not targets:
+        found = find_anatomy(model)
+        if isinstance(found, str):
             raise SeqparInputError(
-                f"found no decoder MLP (a submodule named 'mlp') in {type(model).__name__}; "
-                "pass modules=[...] to tile MLPs of other names"
+                f"found no decoder MLP in {type(model).__name__} ({found}); pass modules=[...] to tile other MLPs"
             )
+        targets = [(found.name(m), m) for m in found.mlps]
     else:
         names = {id(m): n for n, m in model.named_modules()}
         targets = [(names.get(id(m), type(m).__name__), m) for m in modules]

@@ -116,7 +116,7 @@ class PipelineParallel:
     def _tied_weight(self) -> nn.Parameter | None:
         for s in self.stages:
             if s.first:
-                return s.model.embed_tokens.weight
+                return s.get_input_embeddings().weight
             if s.last:
                 return s.lm_head.weight
         return None

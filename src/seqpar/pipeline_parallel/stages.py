@@ -3,9 +3,10 @@
 ``split_model`` finds the embedding, decoder layers, final norm and head, and builds this rank's stage modules.
 
 Note [pipeline stages]
-    A causal LM ``model`` (its decoder ``model.model``: ``embed_tokens``, ``layers``, ``norm``, ``rotary_emb``,
-    and ``lm_head``) is cut into ``S = pp_size * stages_per_rank`` stages; stage ``s`` runs on pp rank
-    ``s % pp_size`` (the looped placement torch's interleaved schedules expect). The layers are cut into
+    A causal LM ``model`` (its decoder with the embedding, layers, final norm and rotary embedding, and the
+    head, wherever its family's entry puts them: Note [model families]) is cut into
+    ``S = pp_size * stages_per_rank`` stages; stage ``s`` runs on pp rank ``s % pp_size`` (the looped
+    placement torch's interleaved schedules expect). The layers are cut into
     contiguous runs of at least one layer each, choosing the cut that makes the largest stage (in parameters)
     smallest, where the first stage also counts the input embedding and the last the final norm and head.
     Each stage is a ``DecoderStage`` whose ``model`` is a copy of the decoder's *frame* only: the copy shares
@@ -35,6 +36,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from seqpar.models import find_anatomy
+
 __all__ = [
     "DecoderStage",
     "ModelParts",
@@ -59,6 +62,8 @@ class ModelParts:
     """The final logit soft-capping (Gemma), applied after the head as the model's own forward does."""
     names: tuple[str, str]
     """The decoder's and the head's names in the model (for the parameters' original names)."""
+    paths: tuple[str, str] = ("embed_tokens", "layers")
+    """The embedding's and the layer list's paths inside the decoder (its family's entry)."""
 
     @property
     def tied(self) -> bool:
@@ -70,49 +75,42 @@ def find_parts(model: nn.Module) -> ModelParts | str:
     """The parts of ``model``, or the reason they cannot be found (a string; the caller raises on every rank).
 
     Args:
-        model: a transformers causal LM (Llama, Qwen2/3, Mistral, Gemma 3 and others shaped like them).
+        model: a transformers causal LM of a registered family (``seqpar.models.FAMILIES``).
 
     Returns:
         The ``ModelParts``, or a sentence naming what is missing.
     """
     name = type(model).__name__
-    get_decoder = getattr(model, "get_decoder", None)
-    decoder = get_decoder() if callable(get_decoder) else None
-    if not isinstance(decoder, nn.Module) or decoder is model:
-        return f"{name} has no separate decoder module (model.get_decoder())"
-    missing = [
-        attr
-        for attr, kind in (("embed_tokens", nn.Module), ("layers", nn.ModuleList), ("norm", nn.Module))
-        if not isinstance(getattr(decoder, attr, None), kind)
-    ]
-    rotary = getattr(decoder, "rotary_emb", None)
-    if not isinstance(rotary, nn.Module):
-        missing.append("rotary_emb")
-    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    found = find_anatomy(model)
+    if isinstance(found, str):
+        return f"the decoder layers of {name} cannot be found: {found}"
+    decoder, rotary, head = found.decoder, found.rotary, found.head
+    if decoder is model:
+        return f"{name} has no separate decoder module (a model with a head is cut into stages)"
+    missing = [what for what, part in (("a final norm", found.norm), ("a rotary embedding", rotary)) if part is None]
     if not isinstance(head, nn.Linear):
-        missing.append("an output head (get_output_embeddings())")
+        missing.append("a linear output head")
     if missing:
         return f"the decoder layers of {name} cannot be found: its decoder lacks {', '.join(missing)}"
     config = model.config
     for attr in ("logit_scale", "logits_scaling"):
         if getattr(config, attr, None) not in (None, 1, 1.0):
             return f"{name} scales its logits ({attr}), which the pipeline's last stage does not reproduce"
-    placed = {
-        id(p) for m in (decoder.embed_tokens, decoder.norm, rotary, head, *decoder.layers) for p in m.parameters()
-    }
+    placed = {id(p) for m in (found.embedding, found.norm, rotary, head, *found.layers) for p in m.parameters()}
     others = [n for n, p in model.named_parameters() if id(p) not in placed]
     if others:
         return f"{name} has parameters outside its embedding, layers, norm and head ({', '.join(others[:3])})"
-    modules = {id(m): n for n, m in model.named_modules()}
+    inside = {id(m): n for n, m in decoder.named_modules()}
     return ModelParts(
-        names=(modules[id(decoder)], modules[id(head)]),
+        names=(found.name(decoder), found.name(head)),
         decoder=decoder,
-        embedding=decoder.embed_tokens,
-        layers=list(decoder.layers),
-        norm=decoder.norm,
+        embedding=found.embedding,
+        layers=list(found.layers),
+        norm=found.norm,
         rotary=rotary,
         head=head,
         softcap=getattr(config, "final_logit_softcapping", None),
+        paths=(inside[id(found.embedding)], inside[id(found.layers)]),
     )
 
 
@@ -136,17 +134,18 @@ class DecoderStage(nn.Module):
         softcap: float | None,
         return_hidden: bool,
         names: tuple[str, str],
+        paths: tuple[str, str] = ("embed_tokens", "layers"),
     ) -> None:
         super().__init__()
         self.model = model
         self.lm_head = lm_head
         self.index, self.first_layer, self.first, self.last = index, first_layer, first, last
         self.softcap, self.return_hidden = softcap, return_hidden
-        self.names = names
+        self.names, self.paths = names, paths
 
     def get_input_embeddings(self) -> nn.Module | None:
         """The input embedding (first stage), else None."""
-        return self.model.embed_tokens if self.first else None
+        return self.model.get_submodule(self.paths[0]) if self.first else None
 
     def get_output_embeddings(self) -> nn.Module | None:
         """The output head (last stage), else None."""
@@ -177,7 +176,7 @@ def _frame(parts: ModelParts, start: int, end: int, first: bool, last: bool) -> 
     """A copy of the decoder that shares layers ``start..end-1`` (and the stage's other parts) instead of copying."""
     decoder = parts.decoder
     memo = {
-        id(decoder.layers): nn.ModuleList(parts.layers[start:end]),
+        id(decoder.get_submodule(parts.paths[1])): nn.ModuleList(parts.layers[start:end]),
         id(parts.embedding): parts.embedding if first else None,
         id(parts.norm): parts.norm if last else nn.Identity(),
         id(parts.rotary): parts.rotary,
@@ -220,6 +219,7 @@ def split_model(
             softcap=parts.softcap,
             return_hidden=return_hidden,
             names=parts.names,
+            paths=parts.paths,
         )
         stages.append(stage)
     return stages
@@ -237,7 +237,7 @@ def original_names(stage: DecoderStage) -> Iterator[tuple[str, nn.Parameter]]:
         ``(name, parameter)`` pairs, each parameter once.
     """
     decoder, head = stage.names
-    layers = "model.layers."
+    layers = f"model.{stage.paths[1]}."
     for name, p in stage.named_parameters():
         if name.startswith(layers):
             index, rest = name[len(layers) :].split(".", 1)

@@ -25,6 +25,7 @@ import torch
 from seqpar.errors import SeqparInputError
 from seqpar.layouts.chunks import LAYOUTS, PER_BATCH_LAYOUTS, ChunkLayout, Layout
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
+from seqpar.models import ModelAnatomy, find_anatomy
 from seqpar.sequence_parallel.api import AttentionChoice, attention, choose_attention
 from seqpar.sequence_parallel.checks import Signature, by_rank, exchange_signatures
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask, sequence_mask
@@ -103,10 +104,14 @@ def _seqpar_attention(module, query, key, value, attention_mask, scaling=None, d
     return out.transpose(1, 2).contiguous(), None
 
 
-def _unsupported_reason(model: torch.nn.Module) -> str | None:
+def _served(model: torch.nn.Module) -> ModelAnatomy | str:
+    """The model's anatomy (Note [model families]), or why seqpar cannot serve its attention."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "_attn_implementation"):
         return "it is not a transformers PreTrainedModel"
+    found = find_anatomy(model)
+    if isinstance(found, str):
+        return found
     if not getattr(model, "_supports_attention_backend", False):
         return (
             f"{type(model).__name__} does not route attention through transformers' AttentionInterface "
@@ -116,13 +121,13 @@ def _unsupported_reason(model: torch.nn.Module) -> str | None:
         return "encoder-decoder models (cross-attention) are not supported"
     if getattr(config, "attention_dropout", 0.0):
         return f"its attention_dropout is {config.attention_dropout}; seqpar attention has no dropout (set it to 0)"
-    text = getattr(config, "text_config", None) or config
+    text = getattr(found.decoder, "config", None) or config  # a multimodal model's text config
     if getattr(text, "router_jitter_noise", 0.0):
         return (
             f"its router_jitter_noise is {text.router_jitter_noise}: each rank would draw the noise of its own shard, "
             "not one process's draw over the sequence (set it to 0)"
         )
-    return None
+    return found
 
 
 # One flag of _CallSignature per mistake, with what to do instead.
@@ -229,8 +234,9 @@ def prepare_model(
     and use ``seqpar.lm_head_cross_entropy`` (logits made in chunks, never all at once).
 
     Args:
-        model: a transformers model whose attention goes through ``AttentionInterface`` (Llama, Qwen2/3,
-            Mistral, Gemma 2/3 (soft-capped logits), gpt-oss (attention sinks), ...).
+        model: a transformers model of a registered family (``seqpar.models.FAMILIES``: Llama, Qwen2/3,
+            Mistral, Gemma 2/3 (soft-capped logits), gpt-oss (attention sinks), ...) whose attention goes
+            through ``AttentionInterface``.
         mesh: a ``SequenceParallelMesh`` (``seqpar.make_mesh``), the SP ProcessGroup, or None.
         strategy: as in ``seqpar.attention``.
         layout: the layout ``shard_batch`` used: "zigzag", "contiguous", or "balanced", "placed" or "auto" (each
@@ -242,14 +248,14 @@ def prepare_model(
         The same model object.
 
     Raises:
-        SeqparInputError: a model whose attention seqpar cannot serve (with the reason), or an unknown
-            strategy.
+        SeqparInputError: a model whose attention seqpar cannot serve (with the reason: an unknown family
+            among them; ``seqpar.models.register_family`` adds one), or an unknown strategy.
     """
     from transformers import AttentionInterface
 
-    reason = _unsupported_reason(model)
-    if reason is not None:
-        raise SeqparInputError(f"seqpar cannot serve this model's attention: {reason}")
+    served = _served(model)
+    if isinstance(served, str):
+        raise SeqparInputError(f"seqpar cannot serve this model's attention: {served}")
     if strategy not in STRATEGIES:
         raise SeqparInputError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
     if not (layout in (*LAYOUTS, *PER_BATCH_LAYOUTS) or isinstance(layout, ChunkLayout)):
@@ -289,9 +295,7 @@ def prepare_model(
         return args, kwargs
 
     # The decoder is hooked too, so that it can be called alone (hidden states for a chunked loss).
-    get_decoder = getattr(model, "get_decoder", None)
-    decoder = get_decoder() if callable(get_decoder) else None
-    hooked = [model] + ([decoder] if isinstance(decoder, torch.nn.Module) and decoder is not model else [])
+    hooked = [model] + ([served.decoder] if served.decoder is not model else [])
     handles = [m.register_forward_pre_hook(check_and_inject, with_kwargs=True) for m in hooked]
     setattr(model, _HOOK_ATTR, handles)
     return model

@@ -16,21 +16,13 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from seqpar.data_parallel import decoder_blocks
 from seqpar.errors import SeqparInputError
 from seqpar.mesh import SequenceParallelMesh
+from seqpar.models import find_anatomy
 
 __all__ = ["apply_tensor_parallel"]
 
-_PLAN = {
-    "self_attn.q_proj": ColwiseParallel,
-    "self_attn.k_proj": ColwiseParallel,
-    "self_attn.v_proj": ColwiseParallel,
-    "self_attn.o_proj": RowwiseParallel,
-    "mlp.gate_proj": ColwiseParallel,
-    "mlp.up_proj": ColwiseParallel,
-    "mlp.down_proj": RowwiseParallel,
-}
+_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
 def _has(module: torch.nn.Module, name: str) -> bool:
@@ -45,31 +37,38 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh: SequenceParallelMesh) ->
     """Split every decoder block of ``model`` over the mesh's "tp" axis (Note [tp x sp]).
 
     Args:
-        model: a transformers decoder (Llama/Qwen2/Mistral-style block names), before ``prepare_model`` or after.
+        model: a transformers model of a family with a tensor-parallel plan (``seqpar.models.Family.tp_plan``:
+            Llama, Qwen2/3, Mistral, Gemma, ...), before ``prepare_model`` or after.
         mesh: a mesh from ``seqpar.make_mesh(tp_size=...)``.
 
     Returns:
         The same model, its block projections now DTensors sharded over "tp".
 
     Raises:
-        SeqparInputError: no "tp" axis, heads or KV heads not divisible by tp, or blocks without the expected
-            projections.
+        SeqparInputError: no "tp" axis, an unknown family or one without a plan, heads or KV heads not
+            divisible by tp, or blocks without the plan's projections.
     """
     dm = mesh.device_mesh
     if dm is None or "tp" not in (dm.mesh_dim_names or ()):
         raise SeqparInputError("apply_tensor_parallel needs a mesh from seqpar.make_mesh(tp_size=...)")
     tp_mesh = dm["tp"]
     tp = tp_mesh.size()
-    config = model.config
+    found = find_anatomy(model)
+    if isinstance(found, str):
+        raise SeqparInputError(f"no decoder blocks found in {type(model).__name__} for tensor parallel: {found}")
+    plan = found.family.tp_plan
+    if plan is None:
+        raise SeqparInputError(
+            f"the {found.family.model_type!r} model family has no tensor-parallel plan (seqpar.models.Family.tp_plan: "
+            "fused projections or experts are not split)"
+        )
+    config = getattr(found.decoder, "config", None) or model.config  # a multimodal model's text config
     heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)
     if heads % tp or kv_heads % tp:
         raise SeqparInputError(f"tensor parallel {tp} must divide the heads ({heads}) and KV heads ({kv_heads})")
-    blocks = decoder_blocks(model)
-    if not blocks:
-        raise SeqparInputError(f"no decoder blocks found in {type(model).__name__} for tensor parallel")
-    for block in blocks:
-        missing = [name for name in _PLAN if not _has(block, name)]
+    for block in found.layers:
+        missing = [name for name, _ in plan if not _has(block, name)]
         if missing:
             raise SeqparInputError(f"decoder block lacks {missing} for tensor parallel")
-        parallelize_module(block, tp_mesh, {name: style() for name, style in _PLAN.items()})
+        parallelize_module(block, tp_mesh, {name: _STYLES[style]() for name, style in plan})
     return model
