@@ -241,7 +241,7 @@ def original_names(stage: DecoderStage) -> Iterator[tuple[str, nn.Parameter]]:
     for name, p in stage.named_parameters():
         if name.startswith(layers):
             index, rest = name[len(layers) :].split(".", 1)
-            yield f"{decoder}.layers.{stage.first_layer + int(index)}.{rest}", p
+            yield f"{decoder}.{stage.paths[1]}.{stage.first_layer + int(index)}.{rest}", p
         elif name.startswith("model."):
             yield f"{decoder}.{name[len('model.') :]}", p
         else:

@@ -1,0 +1,299 @@
+"""The model registry (``seqpar.models``): every family resolves, unknown ones are named, a new family serves all.
+
+Real transformers models from tiny configs; the new family is ``tests._toy_family``'s renamed Llama, checked
+against the Llama holding its weights on every axis (one process, then one spawn of 2 gloo ranks).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+import transformers
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+import seqpar
+import seqpar.models
+from seqpar.data_parallel import decoder_blocks
+from seqpar.diagnosis.pitfalls import decoder_layers, token_mixing_suspects
+from seqpar.errors import SeqparInputError
+from seqpar.memory.shapes import ModelDims, model_dims
+from seqpar.models import FAMILIES, Family, ModelSizes, anatomy, find_anatomy, register_family
+from seqpar.pipeline_parallel.stages import find_parts, original_names, split_model
+from seqpar.planning import Cluster, ModelShape, load_model_shape, plan
+from tests._dist import run_ranks, shard_index
+from tests._models import SEQ, VOCAB, tiny_config, tokens
+from tests._toy_family import TOY, register_toy, to_llama_name, toy_and_llama
+
+ATOL, RTOL = 2e-5, 1e-4
+_SMALL = dict(
+    vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+
+
+def _config(kind: str):
+    """A tiny config of every built-in family: tests._models' kinds and the families only registered here."""
+    if kind == "gemma":
+        return transformers.GemmaConfig(**_SMALL, head_dim=12)
+    if kind == "olmo":
+        return transformers.OlmoConfig(**_SMALL)
+    if kind == "granite":
+        return transformers.GraniteConfig(**_SMALL)
+    if kind == "qwen2_moe":  # layer 0 dense, layer 1 experts and a shared expert
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=32)
+        return transformers.Qwen2MoeConfig(**_SMALL, **moe, mlp_only_layers=[0])
+    if kind == "gemma3_vlm":  # the multimodal model: its text decoder is model.language_model
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28)
+        text = {k: v for k, v in _SMALL.items() if k != "vocab_size"}
+        return transformers.Gemma3Config(
+            text_config=dict(**text, vocab_size=VOCAB + 8, head_dim=12), vision_config=dict(**vision, patch_size=14)
+        )
+    return tiny_config(kind)
+
+
+KINDS = (
+    "llama", "qwen2", "mistral", "qwen3", "gemma3", "gemma2", "gpt_oss", "mixtral", "qwen3_moe", "phi3", "olmo2",
+    "gemma", "olmo", "granite", "qwen2_moe", "gemma3_vlm",
+)  # fmt: skip
+# layers whose MLP is a mixture of experts, of 4 (tests._models' MoE configs) or 2 (qwen2_moe: layer 0 is dense)
+EXPERT_LAYERS = {"gpt_oss": 4, "mixtral": 4, "qwen3_moe": 4, "qwen2_moe": 1}
+
+
+@pytest.fixture(scope="module")
+def toy_registered():
+    register_toy()
+    yield TOY
+    FAMILIES.pop(TOY.model_type, None)
+
+
+def test_every_built_in_family_has_a_tiny_model_here():
+    covered = {_config(kind).model_type for kind in KINDS}
+    assert set(FAMILIES) - {TOY.model_type} == covered
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_family_resolves_its_anatomy(kind):
+    torch.manual_seed(0)
+    config = _config(kind)
+    if kind == "gemma3_vlm":
+        model = transformers.Gemma3ForConditionalGeneration(config)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    parts = anatomy(model)
+    decoder = model.get_decoder()
+    text = "model.language_model" if kind == "gemma3_vlm" else "model"
+    assert parts.family is FAMILIES[config.model_type]
+    assert parts.decoder is decoder and parts.name(decoder) == text
+    assert parts.layers is decoder.layers and parts.name(parts.layers) == f"{text}.layers"
+    assert parts.embedding is model.get_input_embeddings() and parts.head is model.get_output_embeddings()
+    assert parts.norm is decoder.norm and parts.rotary is decoder.rotary_emb
+    assert parts.attention == tuple(layer.self_attn for layer in decoder.layers)
+    assert all(type(m).__name__.endswith("Attention") for m in parts.attention)
+    assert parts.mlps == tuple(layer.mlp for layer in decoder.layers)
+    assert len(parts.moe_mlps) == EXPERT_LAYERS.get(kind, 0)
+    assert all("Norm" in type(m).__name__ for m in parts.norms)
+    assert len(parts.layer_norms) == len(parts.family.layer_norms) * len(decoder.layers)
+    assert parts.mixers == ()
+    assert decoder_blocks(model) == list(decoder.layers)
+    bare = anatomy(model.model)  # the decoder without its head
+    assert bare.head is None and bare.layers is decoder.layers
+
+
+def test_an_unknown_family_gets_the_clear_message():
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB))
+    known = "seqpar knows no model family 'gpt2' (GPT2LMHeadModel; known: "
+    assert find_anatomy(gpt2).startswith(known) and "register_family" in find_anatomy(gpt2)
+    with pytest.raises(SeqparInputError, match=r"cannot find the parts of this model: seqpar knows no model family"):
+        anatomy(gpt2)
+    with pytest.raises(SeqparInputError, match=r"cannot serve this model's attention: seqpar knows no model family"):
+        seqpar.prepare_model(gpt2, None)
+    with pytest.raises(SeqparInputError, match=r"found no decoder MLP in GPT2LMHeadModel \(seqpar knows no"):
+        seqpar.apply_tiled_mlp(gpt2)
+    with pytest.raises(SeqparInputError, match=r"cannot find the decoder layers of GPT2LMHeadModel: seqpar knows"):
+        decoder_layers(gpt2)
+    with pytest.raises(SeqparInputError, match=r"found no decoder layers in GPT2LMHeadModel to offload: seqpar"):
+        seqpar.apply_activation_offload(gpt2)
+    assert find_parts(gpt2).startswith("the decoder layers of GPT2LMHeadModel cannot be found: seqpar knows")
+    assert decoder_blocks(gpt2) == []  # FSDP2 then shards the root only
+    assert "has no config.model_type" in find_anatomy(torch.nn.Linear(2, 2))
+
+
+def test_family_entries_are_checked(toy_registered):
+    with pytest.raises(SeqparInputError, match=r"takes a seqpar\.models\.Family"):
+        register_family("llama")
+    with pytest.raises(SeqparInputError, match="'llama' is registered already"):
+        register_family(Family("llama", layers="blocks"))
+    assert register_family(Family("llama")) is not None  # the same entry again changes nothing
+    with pytest.raises(SeqparInputError, match="tp_plan styles must be colwise or rowwise"):
+        Family("x", tp_plan=(("mlp.up_proj", "diagonal"),))
+    toy, _ = toy_and_llama()
+    register_family(dataclasses.replace(TOY, attention="attn"), replace=True)
+    try:
+        assert find_anatomy(toy).startswith(
+            "ToyForCausalLM lacks layers[0].attn, layers[1].attn where the 'toy_llama' family entry puts them"
+        )
+    finally:
+        register_family(TOY, replace=True)
+
+
+def test_model_sizes_is_the_one_dataclass_of_sizes():
+    assert ModelShape is ModelSizes and ModelDims is ModelSizes and seqpar.planning.ModelSizes is ModelSizes
+    config = tiny_config("qwen3")  # head_dim 12: q 48 wide, kv 24
+    sizes = ModelSizes.from_config(config)
+    assert (sizes.hidden_size, sizes.num_hidden_layers, sizes.dim, sizes.model_type) == (48, 2, 12, "qwen3")
+    assert model_dims(config, 2) == sizes.for_tp(2) == ModelSizes.from_config(config, 2)
+    assert (sizes.for_tp(2).q_width, sizes.for_tp(2).kv_width, sizes.for_tp(2).mlp_width) == (24, 12, 48)
+    with pytest.raises(SeqparInputError, match=r"tp_size 4 must divide the heads \(4\) and key/value heads \(2\)"):
+        sizes.for_tp(4)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    built = sum(p.numel() for p in model.parameters())
+    assert sizes.num_params == built - 2 * 12 * 2  # the q/k norms (a few vectors a layer) are left out
+    moe = ModelSizes.from_config(_config("qwen2_moe"))
+    assert (moe.num_experts, moe.moe_layers, moe.mlp_width) == (4, 1, max(2 * 16 + 32, 96))
+    assert ModelSizes.from_config(moe.as_config()) == moe
+    assert load_model_shape(config.to_dict()) == dataclasses.replace(sizes, source="(dict)")
+    with pytest.raises(SeqparInputError, match=r"model config x\.json: the model config lacks positive integer"):
+        ModelSizes.from_config({"hidden_size": 4}, source="x.json")
+
+
+def _loss_and_grads(model, ids, names=lambda n: n):
+    model.zero_grad()
+    logits = model(input_ids=ids).logits
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    loss.backward()
+    return logits.detach(), loss.detach(), {names(n): p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_a_registered_family_serves_every_axis_in_one_process(toy_registered):
+    toy, llama = toy_and_llama()
+    ids = tokens(2, SEQ, 1)
+    logits, loss, grads = _loss_and_grads(llama, ids)
+    got = _loss_and_grads(toy, ids, to_llama_name)
+    torch.testing.assert_close(got[0], logits, atol=ATOL, rtol=RTOL)  # the toy is the Llama under other names
+    # data parallel's units, the doctor's layers, attention and (no) other token mixers
+    assert decoder_blocks(toy) == list(toy.body.blocks)
+    prefix, parts = decoder_layers(toy)
+    assert prefix == "body.blocks" and [parts.name(m) for m in parts.attention] == [
+        "body.blocks.0.mixer",
+        "body.blocks.1.mixer",
+    ]
+    assert [token_mixing_suspects(parts, i) for i in range(2)] == [[], []]
+    # pipeline stages: the parts, two stages run one after the other, the parameters' original names
+    found = find_parts(toy)
+    assert found.names == ("body", "out") and found.paths == ("tok", "blocks") and not found.tied
+    stages = split_model(found, [1, 1], [0, 1], return_hidden=False)
+    positions = torch.arange(SEQ)[None].expand(2, SEQ)
+    with torch.no_grad():
+        torch.testing.assert_close(stages[1](stages[0](ids, positions), positions), logits, atol=ATOL, rtol=RTOL)
+    params = dict(toy.named_parameters())
+    named = [(n, p) for stage in stages for n, p in original_names(stage)]
+    assert sorted(n for n, _ in named) == sorted(params) and all(params[n] is p for n, p in named)
+    # tiled MLP: the family's MLPs, the same loss and gradients
+    tiled = copy.deepcopy(toy)
+    assert seqpar.apply_tiled_mlp(tiled, chunk_tokens=16) == 2 and seqpar.memory.is_tiled(tiled.body.blocks[1].ffn)
+    got = _loss_and_grads(tiled, ids, to_llama_name)
+    torch.testing.assert_close(got[1], loss, atol=ATOL, rtol=RTOL)
+    for name, grad in grads.items():
+        torch.testing.assert_close(got[2][name], grad, atol=ATOL, rtol=RTOL, msg=lambda m, n=name: f"{n}: {m}")
+    with pytest.raises(SeqparInputError, match="enable checkpointing first"):  # its layers are found
+        seqpar.apply_activation_offload(toy)
+    # memory estimate and planner: the toy's sizes are the Llama's
+    sizes = ModelSizes.from_config(toy.config)
+    assert sizes == dataclasses.replace(ModelSizes.from_config(llama.config), model_type="toy_llama")
+    assert seqpar.estimate_memory(toy.config, 4096, sp_size=2) == seqpar.estimate_memory(llama.config, 4096, sp_size=2)
+    assert load_model_shape(toy.config.to_dict()).num_params == sum(p.numel() for p in toy.parameters())
+    planned = plan(toy.config.to_dict(), 4096, Cluster(gpus=2, gpus_per_node=2))
+    assert planned.model.model_type == "toy_llama" and planned.candidates
+
+
+def _sp_case(rank, world_size, toy, llama, ids, mesh):
+    """prepare_model: the toy's sharded logits, loss and summed gradients equal the Llama's in one process."""
+    logits, loss, grads = _loss_and_grads(llama, ids)
+    idx = shard_index("zigzag", world_size, rank, SEQ)
+    for strategy in ("ring", "ulysses"):
+        model = seqpar.prepare_model(copy.deepcopy(toy), mesh, strategy=strategy)
+        shard = seqpar.shard_batch({"input_ids": ids}, mesh)
+        got = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+        torch.testing.assert_close(got, logits[:, idx], atol=ATOL, rtol=RTOL)
+        sharded_loss = seqpar.cross_entropy(got, shard["shift_labels"], mesh)
+        sharded_loss.backward()
+        seqpar.reduce_gradients(model.parameters(), mesh)
+        torch.testing.assert_close(seqpar.sum_over(sharded_loss.detach(), mesh), loss, atol=ATOL, rtol=RTOL)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(
+                p.grad,
+                grads[to_llama_name(name)],
+                atol=ATOL,
+                rtol=RTOL,
+                msg=lambda m, n=name, s=strategy: f"{s} {n}: {m}",
+            )
+
+
+def _tp_case(toy, llama, ids):
+    """apply_tensor_parallel: the family's plan splits the renamed projections; logits unchanged."""
+    mesh = seqpar.make_mesh(sp_size=1, tp_size=2)
+    model = seqpar.apply_tensor_parallel(copy.deepcopy(toy), mesh)
+    q, down = model.body.blocks[0].mixer.q_proj.weight, model.body.blocks[0].ffn.down_proj.weight
+    assert isinstance(q, DTensor) and q.to_local().shape[0] == 2 * 12 and down.to_local().shape[1] == 96 // 2
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, llama(input_ids=ids).logits, atol=ATOL, rtol=RTOL)
+
+
+def _fsdp_case(toy, llama, ids, mesh):
+    """apply_data_parallel("fsdp"): the toy's embedding, every block and its head are FSDP2 units of their own."""
+    _, _, grads = _loss_and_grads(llama, ids)
+    model = seqpar.prepare_model(copy.deepcopy(toy), mesh, strategy="ring")
+    seqpar.apply_data_parallel(model, mesh, "fsdp")
+    units = [model.body.tok, *model.body.blocks, model.out, model]
+    assert all(isinstance(unit, FSDPModule) for unit in units) and not isinstance(model.body.final, FSDPModule)
+    shard = seqpar.shard_batch({"input_ids": ids}, mesh)
+    logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+    seqpar.cross_entropy(logits, shard["shift_labels"], mesh).backward()
+    for name, p in model.named_parameters():
+        full = p.grad.full_tensor()
+        torch.testing.assert_close(
+            full, grads[to_llama_name(name)], atol=ATOL, rtol=RTOL, msg=lambda m, n=name: f"fsdp {n}: {m}"
+        )
+
+
+def _pipeline_case(toy, llama, ids):
+    """apply_pipeline_parallel at pp 2: the toy's stages give the Llama's loss and gradients."""
+    _, loss, grads = _loss_and_grads(llama, ids)
+    mesh = seqpar.make_mesh(pp_size=2)
+    model = seqpar.prepare_model(copy.deepcopy(toy), mesh)
+    pipe = seqpar.apply_pipeline_parallel(model, mesh, microbatches=2)
+    got = pipe.step(seqpar.shard_batch({"input_ids": ids}, mesh))
+    torch.testing.assert_close(got, loss, atol=ATOL, rtol=RTOL)
+    for stage in pipe.stages:
+        for name, p in original_names(stage):
+            torch.testing.assert_close(
+                p.grad, grads[to_llama_name(name)], atol=ATOL, rtol=RTOL, msg=lambda m, n=name: f"pp {n}: {m}"
+            )
+
+
+def _doctor_case(toy, ids, mesh):
+    """seqpar.doctor finds the toy's layers and attention by its family's entry: every layer agrees."""
+    report = seqpar.doctor(toy, mesh, {"input_ids": ids}, strategy="ring")
+    assert report.verdict and report.agrees, str(report)
+    assert [r.name for r in report.rows] == ["body.blocks.0", "body.blocks.1", "output"], str(report)
+    assert [r.attention_calls for r in report.rows] == [1, 1, -1], str(report)
+
+
+def _toy_worker(rank, world_size):
+    register_toy()  # a spawned rank starts with the built-in registry
+    toy, llama = toy_and_llama()
+    ids = tokens(2, SEQ, 3)
+    mesh = seqpar.make_mesh(sp_size=2)
+    _sp_case(rank, world_size, toy, llama, ids, mesh)
+    _tp_case(toy, llama, ids)
+    _fsdp_case(toy, llama, ids, mesh)
+    _pipeline_case(toy, llama, ids)
+    _doctor_case(toy, ids, mesh)
+
+
+def test_a_registered_family_serves_every_axis_on_two_ranks():
+    run_ranks(2, _toy_worker)
