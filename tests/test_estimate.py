@@ -189,9 +189,9 @@ def test_train_estimate_line_for_models_it_cannot_read():
 def test_optimizer_offload_leaves_working_copies_on_the_device(capsys):
     # Note [memory estimate], optimizer offload: fp32 master parameters, gradients and AdamW state (16 bytes per
     # parameter, over dp x sp) on the host; two gathered blocks, their gradients and the root on the device
-    from seqpar.memory.shapes import model_dims, parameter_counts
+    from seqpar.models import ModelSizes, parameter_counts
 
-    total, layer, head = parameter_counts(model_dims(LLAMA, 1))
+    total, layer, head = parameter_counts(ModelSizes.from_config(LLAMA))
     sizes = dict(sp_size=2, dp_size=2, dtype=torch.bfloat16, features=LADDER[3], dp_mode="fsdp", loss_chunk=128)
     kept = seqpar.estimate_memory(LLAMA, 65536, **sizes)
     off = seqpar.estimate_memory(LLAMA, 65536, **sizes, offload_optimizer=True)

@@ -10,7 +10,7 @@ import transformers
 
 import seqpar
 from seqpar.memory.activations import activation_bytes
-from seqpar.memory.shapes import active_parameters, model_dims, parameter_counts
+from seqpar.models import ModelSizes, active_parameters, parameter_counts
 from seqpar.planning.models import load_model_shape
 
 SIZES = dict(
@@ -47,7 +47,7 @@ def test_stored_parameters_match_the_built_model(family):
     config, miss = FAMILIES[family]
     model = transformers.AutoModelForCausalLM.from_config(config)
     built = sum(p.numel() for p in model.parameters())
-    stored, layer, head = parameter_counts(model_dims(config, 1))
+    stored, layer, head = parameter_counts(ModelSizes.from_config(config))
     assert abs(stored - built) <= miss * built, (stored, built)
     largest = max(sum(p.numel() for p in block.parameters()) for block in model.model.layers)
     assert abs(layer - largest) <= max(miss, 1e-9) * 4 * largest, (layer, largest)
@@ -59,14 +59,17 @@ def test_stored_parameters_match_the_built_model(family):
 
 def test_active_parameters_count_the_routed_experts_only():
     config = FAMILIES["mixtral"][0]
-    d = model_dims(config, 1)
+    d = ModelSizes.from_config(config)
     h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     attention = h * 32 * (2 * 8 + 2 * 4) + 2 * h
     per_layer = attention + 2 * 3 * h * inter + 8 * h  # two experts of eight, and the router
     assert active_parameters(d) == layers * per_layer + config.vocab_size * h + h
     assert d.mlp_width == 2 * inter  # the MLP activations of a token: two experts' widths
     dense = transformers.LlamaConfig(**SIZES)
-    assert active_parameters(model_dims(dense, 1)) == parameter_counts(model_dims(dense, 1))[0] - 2000 * 256
+    assert (
+        active_parameters(ModelSizes.from_config(dense))
+        == parameter_counts(ModelSizes.from_config(dense))[0] - 2000 * 256
+    )
     shape = load_model_shape(config.to_dict())
     assert shape.active_params == active_parameters(d) < shape.num_params
     assert shape.mlp_width == 2 * inter
@@ -77,7 +80,7 @@ def test_estimate_counts_stored_weights_and_active_activations():
     mixtral = FAMILIES["mixtral"][0]
     # the dense model whose MLP is as wide as the two experts a token uses: same activations, fewer weights
     dense = transformers.LlamaConfig(**{**SIZES, "intermediate_size": 2 * SIZES["intermediate_size"]})
-    moe_dims, dense_dims = model_dims(mixtral, 1), model_dims(dense, 1)
+    moe_dims, dense_dims = ModelSizes.from_config(mixtral), ModelSizes.from_config(dense)
     for features in ((), ("checkpointing",), ("checkpointing", "tiled_mlp")):
         assert activation_bytes(moe_dims, 4096, 4, features, 1024) == activation_bytes(
             dense_dims, 4096, 4, features, 1024
@@ -94,4 +97,4 @@ def test_estimate_counts_stored_weights_and_active_activations():
 def test_bad_expert_counts_are_refused():
     config = {**SIZES, "num_local_experts": 4, "num_experts_per_tok": 5}
     with pytest.raises(seqpar.SeqparInputError, match="num_experts_per_tok"):
-        model_dims(config, 1)
+        ModelSizes.from_config(config)
