@@ -122,6 +122,19 @@ def test_an_unknown_family_gets_the_clear_message():
     assert "has no config.model_type" in find_anatomy(torch.nn.Linear(2, 2))
 
 
+def test_the_toy_family_is_refused_until_registered():
+    """The negative control of the registered-family tests: the same model without its entry is refused."""
+    toy, _ = toy_and_llama()
+    registered = FAMILIES.pop(TOY.model_type, None)  # whichever test ran before
+    try:
+        with pytest.raises(SeqparInputError, match=r"seqpar knows no model family 'toy_llama'"):
+            seqpar.prepare_model(toy, None)
+        assert decoder_blocks(toy) == [] and find_parts(toy).startswith("the decoder layers of ToyForCausalLM")
+    finally:
+        if registered is not None:
+            register_family(registered)
+
+
 def test_family_entries_are_checked(toy_registered):
     with pytest.raises(SeqparInputError, match=r"takes a seqpar\.models\.Family"):
         register_family("llama")
@@ -131,6 +144,12 @@ def test_family_entries_are_checked(toy_registered):
     with pytest.raises(SeqparInputError, match="tp_plan styles must be colwise or rowwise"):
         Family("x", tp_plan=(("mlp.up_proj", "diagonal"),))
     toy, _ = toy_and_llama()
+    register_family(dataclasses.replace(TOY, mixers=("post",)), replace=True)
+    try:  # a declared mixer seqpar does not exchange is refused, not run on each shard alone
+        with pytest.raises(SeqparInputError, match=r"declares token mixers other than attention \(post\)"):
+            seqpar.prepare_model(toy, None)
+    finally:
+        register_family(TOY, replace=True)
     register_family(dataclasses.replace(TOY, attention="attn"), replace=True)
     try:
         assert find_anatomy(toy).startswith(

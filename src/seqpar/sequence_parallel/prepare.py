@@ -112,6 +112,11 @@ def _served(model: torch.nn.Module) -> ModelAnatomy | str:
     found = find_anatomy(model)
     if isinstance(found, str):
         return found
+    if found.mixers:  # each rank would run them on its shard alone: wrong, not merely slow
+        return (
+            f"its {found.family.model_type!r} family declares token mixers other than attention "
+            f"({', '.join(found.family.mixers)}); seqpar does not pass their state across ranks yet"
+        )
     if not getattr(model, "_supports_attention_backend", False):
         return (
             f"{type(model).__name__} does not route attention through transformers' AttentionInterface "
