@@ -28,7 +28,7 @@ from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
 from seqpar.sequence_parallel.api import AttentionChoice, attention, choose_attention
 from seqpar.sequence_parallel.checks import Signature, by_rank, exchange_signatures
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask, sequence_mask
-from seqpar.sequence_parallel.strategies.registry import STRATEGIES
+from seqpar.sequence_parallel.strategies.registry import check_strategy_name
 
 __all__ = [
     "ATTENTION_NAME",
@@ -250,8 +250,7 @@ def prepare_model(
     reason = _unsupported_reason(model)
     if reason is not None:
         raise SeqparInputError(f"seqpar cannot serve this model's attention: {reason}")
-    if strategy not in STRATEGIES:
-        raise SeqparInputError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
+    check_strategy_name(strategy)
     if not (layout in (*LAYOUTS, *PER_BATCH_LAYOUTS) or isinstance(layout, ChunkLayout)):
         raise SeqparInputError(f"unknown layout {layout!r}; choose one of {(*LAYOUTS, *PER_BATCH_LAYOUTS)}")
     sp = as_sp_mesh(mesh)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from seqpar.errors import SeqparInputError
 from seqpar.layouts.chunks import LAYOUTS, ChunkLayout
 from seqpar.sequence_parallel.checks.agreement import Signature, by_rank, exchange_signatures
-from seqpar.sequence_parallel.strategies.registry import STRATEGIES, ulysses_heads_problem
+from seqpar.sequence_parallel.strategies.registry import STRATEGIES, STRATEGY_ROWS
 
 __all__ = ["DTYPES", "MAX_HEAD_DIM", "SIGNATURE_LENGTH", "InputSignature", "TensorSignature", "check_attention_inputs"]
 
@@ -200,12 +200,9 @@ def _problems(sig: InputSignature, sp_size: int, ulysses_size: int) -> list[str]
             f"{sig.layout_chunks * sp_size} (2P for zigzag); pad it"
         )
     if kv_heads and heads % kv_heads == 0:
-        checked = []
-        if sig.strategy == "ulysses" and sp_size > 1:
-            checked.append(ulysses_heads_problem(heads, kv_heads, sp_size, "ulysses"))
-        if sig.strategy == "hybrid" and ulysses_size > 1:
-            checked.append(ulysses_heads_problem(heads, kv_heads, ulysses_size, "hybrid's ulysses axis"))
-        problems += [p for p in checked if p is not None]
+        row = STRATEGY_ROWS.get(sig.strategy)  # "auto" picks a strategy the heads allow
+        problem = row.heads_problem(heads, kv_heads, sp_size, ulysses_size) if row is not None else None
+        problems += [problem] if problem is not None else []
     return problems
 
 
