@@ -46,6 +46,7 @@ from seqpar.bench import save_records
 from seqpar.bench.kernel_time import TimedKernel
 from seqpar.bench.masks_bytes import floor_bytes, needed_bytes, visible_fraction
 from seqpar.bench.rows import log_normal_documents, rl_groups, short_documents, uneven_documents
+from seqpar.layouts.chunks import layout_names
 from seqpar.layouts.placed import resolve_auto_layout
 from seqpar.runtime.memory import written_bytes
 from seqpar.runtime.spawn import spawn_ranks
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         "--layouts",
         nargs="+",
         default=["zigzag", "balanced", "placed"],
-        choices=["zigzag", "contiguous", "balanced", "placed", "auto"],
+        choices=layout_names(),
         help="auto: per mask, as shard_batch(layout='auto') resolves it (placed on packed rows, else balanced)",
     )
     parser.add_argument(

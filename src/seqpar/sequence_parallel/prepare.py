@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from seqpar.errors import SeqparInputError
-from seqpar.layouts.chunks import LAYOUTS, PER_BATCH_LAYOUTS, ChunkLayout, Layout
+from seqpar.layouts.chunks import LAYOUTS, PER_BATCH_LAYOUTS, ChunkLayout, Layout, named_layout
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
 from seqpar.sequence_parallel.api import AttentionChoice, attention, choose_attention
 from seqpar.sequence_parallel.checks import Signature, by_rank, exchange_signatures
@@ -251,8 +251,8 @@ def prepare_model(
     if reason is not None:
         raise SeqparInputError(f"seqpar cannot serve this model's attention: {reason}")
     check_strategy_name(strategy)
-    if not (layout in (*LAYOUTS, *PER_BATCH_LAYOUTS) or isinstance(layout, ChunkLayout)):
-        raise SeqparInputError(f"unknown layout {layout!r}; choose one of {(*LAYOUTS, *PER_BATCH_LAYOUTS)}")
+    if not isinstance(layout, ChunkLayout):
+        named_layout(layout)  # an unknown name raises, listing the registry
     sp = as_sp_mesh(mesh)
     if model.config._attn_implementation != ATTENTION_NAME:  # kept for seqpar.integrations.unsharded
         setattr(model, ORIGINAL_ATTENTION_ATTR, model.config._attn_implementation)

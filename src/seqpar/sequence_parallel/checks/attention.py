@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from seqpar.errors import SeqparInputError
-from seqpar.layouts.chunks import LAYOUTS, ChunkLayout
+from seqpar.layouts.chunks import LAYOUTS, PER_BATCH_LAYOUTS, ChunkLayout, chunks_per_rank
 from seqpar.sequence_parallel.checks.agreement import Signature, by_rank, exchange_signatures
 from seqpar.sequence_parallel.strategies.registry import STRATEGIES, STRATEGY_ROWS
 
@@ -142,7 +142,8 @@ def _layout_fields(layout: object) -> dict[str, int]:
             layout_hash=layout.digest,
         )
     code = _code(layout, LAYOUTS)
-    return dict(layout_code=code, layout_chunks=(1, 2)[code] if code >= 0 else 0, layout_ranks=0, layout_hash=0)
+    chunks = chunks_per_rank(LAYOUTS[code]) if code >= 0 else 0
+    return dict(layout_code=code, layout_chunks=chunks, layout_ranks=0, layout_hash=0)
 
 
 SIGNATURE_LENGTH = InputSignature.width()  # int64 values each rank contributes to the check
@@ -155,8 +156,8 @@ def _problems(sig: InputSignature, sp_size: int, ulysses_size: int) -> list[str]
         problems.append(f"unknown strategy; choose one of {STRATEGIES}")
     if sig.layout is None:
         problems.append(
-            f"unknown layout; choose one of {LAYOUTS} or pass a ChunkLayout (layouts 'balanced', 'placed' and "
-            "'auto' are made per batch: pass shard.layout from seqpar.shard_batch)"
+            f"unknown layout; choose one of {LAYOUTS} or pass a ChunkLayout (layouts {', '.join(PER_BATCH_LAYOUTS)} "
+            "are made per batch: pass shard.layout from seqpar.shard_batch)"
         )
     if sig.layout_ranks and sig.layout_ranks != sp_size:
         problems.append(f"the ChunkLayout is for {sig.layout_ranks} ranks but the group has {sp_size}")
