@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from seqpar.sequence_parallel.kernels import select_kernel
     from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask, sequence_mask
     from seqpar.sequence_parallel.prepare import attention_choice, prepare_model
-    from seqpar.sequence_parallel.strategies.registry import STRATEGIES, resolve_strategy
+    from seqpar.sequence_parallel.selection import resolve_strategy
+    from seqpar.sequence_parallel.strategies.registry import STRATEGIES
     from seqpar.tensor_parallel import apply_tensor_parallel
 
 _NAMES = {
@@ -84,7 +85,7 @@ _NAMES = {
     "attention_choice": "seqpar.sequence_parallel.prepare",
     "prepare_model": "seqpar.sequence_parallel.prepare",
     "STRATEGIES": "seqpar.sequence_parallel.strategies.registry",
-    "resolve_strategy": "seqpar.sequence_parallel.strategies.registry",
+    "resolve_strategy": "seqpar.sequence_parallel.selection",
     "apply_tensor_parallel": "seqpar.tensor_parallel",
 }
 

@@ -46,9 +46,11 @@ from seqpar.bench import save_records
 from seqpar.bench.kernel_time import TimedKernel
 from seqpar.bench.masks_bytes import floor_bytes, needed_bytes, visible_fraction
 from seqpar.bench.rows import log_normal_documents, rl_groups, short_documents, uneven_documents
+from seqpar.layouts.chunks import layout_names
 from seqpar.layouts.placed import resolve_auto_layout
 from seqpar.runtime.memory import written_bytes
 from seqpar.runtime.spawn import spawn_ranks
+from seqpar.sequence_parallel.strategies.registry import strategy_row
 
 __all__ = ["log_normal_documents", "main"]
 
@@ -124,7 +126,7 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, results: str) 
             documents = positions is not None and window is None and frame is None  # Note [traffic floor]
             floor = floor_bytes(positions, world_size, args.kv_heads, 64) if documents else None
             for strategy in args.strategies:
-                mesh = meshes["two_d" if strategy == "hybrid" else "flat"]
+                mesh = meshes["two_d" if strategy_row(strategy).two_d else "flat"]
 
                 def step(mesh=mesh, strategy=strategy, mask=mask, layout=layout, q=q, k=k, v=v, dout=dout) -> None:
                     options = dict(mesh=mesh, strategy=strategy, layout=layout, mask=mask, kernel=kernel)
@@ -213,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         "--layouts",
         nargs="+",
         default=["zigzag", "balanced", "placed"],
-        choices=["zigzag", "contiguous", "balanced", "placed", "auto"],
+        choices=layout_names(),
         help="auto: per mask, as shard_batch(layout='auto') resolves it (placed on packed rows, else balanced)",
     )
     parser.add_argument(

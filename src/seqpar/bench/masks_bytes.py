@@ -16,6 +16,7 @@ from seqpar.layouts.placed.floor import traffic_floor
 from seqpar.sequence_parallel.checks import SIGNATURE_LENGTH
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
 from seqpar.sequence_parallel.plans.kv_needs import kv_needs
+from seqpar.sequence_parallel.strategies.registry import strategy_row
 
 __all__ = ["check_bytes", "floor_bytes", "needed_bytes", "visible_fraction"]
 
@@ -39,7 +40,7 @@ def _flat_and_ring_ids(strategy: str, cfg: dict, layout: str) -> tuple[tuple[tup
     p = cfg["ranks"]
     ids = rank_chunk_ids(layout, p)
     per = len(ids) // p
-    u = cfg["ulysses"] if strategy == "hybrid" else 1
+    u = cfg["ulysses"] if strategy_row(strategy).two_d else 1
     return tuple(tuple(sorted(ids[j * u * per : (j + 1) * u * per])) for j in range(p // u)), u
 
 
@@ -53,8 +54,8 @@ def needed_bytes(strategy: str, cfg: dict, mask: SequenceMask, layout: str, rank
         layout: the sharding layout.
         rank: the SP rank.
     """
-    if strategy == "ulysses":
-        return expected_bytes("ulysses", cfg)
+    if strategy_row(strategy).kv_exchange is None:  # whole head shards whatever the mask
+        return expected_bytes(strategy, cfg)
     p, seq, d = cfg["ranks"], cfg["seq"], cfg["head_dim"]
     chunk_ids, u = _flat_and_ring_ids(strategy, cfg, layout)
     chunk = seq // sum(len(c) for c in chunk_ids)

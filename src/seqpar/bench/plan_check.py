@@ -38,6 +38,7 @@ from seqpar.planning.search import plan
 from seqpar.planning.timing import Layout, step_time
 from seqpar.runtime.measure import time_and_memory, write_slowest
 from seqpar.runtime.memory import reset_resident_peak, resident_mb
+from seqpar.sequence_parallel.strategies.registry import strategy_row
 
 FEATURE_SETS = {"none": (), "ckpt+chunked": ("checkpointing", "chunked_loss")}
 LOSS_CHUNK = 1024  # the estimator's default piece of the chunked loss
@@ -105,7 +106,8 @@ def _shape(cfg: dict):
 
 
 def _layout(cfg: dict, sp: int, features: tuple[str, ...]) -> Layout:
-    return Layout(1, sp, sp if cfg["strategy"] == "ulysses" else 1, 1, cfg["strategy"], features, "replicate")
+    ulysses = strategy_row(cfg["strategy"]).degree(sp, 1)  # flat mesh: sp for ulysses, 1 for ring and allgather
+    return Layout(1, sp, ulysses, 1, cfg["strategy"], features, "replicate")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,36 +30,18 @@ from seqpar.bench import provenance
 from seqpar.runtime.memory import written_bytes
 from seqpar.runtime.spawn import spawn_ranks
 from seqpar.sequence_parallel.checks import SIGNATURE_LENGTH
+from seqpar.sequence_parallel.strategies.registry import strategy_row
 
 _SIGNATURE_BYTES = SIGNATURE_LENGTH * 8  # the input check's all-gathered int64 signature
 
 
 def expected_bytes(strategy: str, cfg: dict) -> float:
-    """Bytes one rank sends in one forward+backward step (fp32), by the algorithm's own arithmetic."""
-    p, u = cfg["ranks"], cfg["ulysses"] if strategy == "hybrid" else cfg["ranks"]
-    s, d, e = cfg["seq"] // p, cfg["head_dim"], 4
-    q_bytes = cfg["heads"] * s * d * e  # one local [1, H, S/P, D] tensor
-
-    def kv_heads(degree: int) -> int:  # KV heads after replication for an all-to-all over ``degree`` ranks
-        return cfg["kv_heads"] if cfg["kv_heads"] % degree == 0 else degree
-
-    def kv_bytes(degree: int) -> int:  # one local K (or V) tensor
-        return kv_heads(degree) * s * d * e
-
-    check = (p - 1) * _SIGNATURE_BYTES
-    if strategy == "ulysses":  # q, k, v, out forward; dout, dq, dk, dv backward: (P-1)/P of each leaves
-        # in head groups (more than one KV head per rank) q, k, v and out go again backward (Note [ulysses memory])
-        tensors = 6 if kv_heads(p) > p else 4
-        return check + (p - 1) / p * tensors * (q_bytes + kv_bytes(p))
-    if strategy == "ring":  # K, V: P-1 hops forward and backward; dK, dV (fp32): P hops
-        return check + (p - 1) * 4 * kv_bytes(1) + p * 2 * kv_bytes(1)
-    if strategy == "allgather":  # gloo: all-gather of K,V twice; reduce-scatter of dK,dV as a ring all-reduce
-        return check + 2 * (p - 1) * 2 * kv_bytes(1) + 2 * (p - 1) / p * (p * 2 * kv_bytes(1))
-    if strategy == "hybrid":  # ulysses within U ranks, then a ring of R = P/U over the head-sharded tensors
-        r = p // u
-        ulysses = (u - 1) / u * (4 * q_bytes + 4 * kv_bytes(u))
-        return check + ulysses + (r - 1) * 4 * kv_bytes(u) + r * 2 * kv_bytes(u)
-    raise ValueError(strategy)
+    """Bytes one rank sends in one forward+backward step (fp32): the registry row's bytes model (Note [strategy
+    bytes]) plus the input check's signature exchange."""
+    row = strategy_row(strategy)
+    p, u = cfg["ranks"], cfg["ulysses"] if row.two_d else 1
+    sent = row.bytes_sent(cfg["heads"], cfg["kv_heads"], p, u, cfg["seq"] // p, cfg["head_dim"], 4)
+    return (p - 1) * _SIGNATURE_BYTES + sent
 
 
 def _rank(rank: int, _world_size: int, cfg: dict, results: str) -> None:
@@ -72,7 +54,7 @@ def _rank(rank: int, _world_size: int, cfg: dict, results: str) -> None:
     dout = torch.randn(1, cfg["heads"], s, cfg["head_dim"], generator=gen)
     lines = []
     for strategy in cfg["strategies"]:
-        mesh = two_d if strategy == "hybrid" else flat
+        mesh = two_d if strategy_row(strategy).two_d else flat
 
         def step(mesh=mesh, strategy=strategy) -> None:
             seqpar.attention(q, k, v, mesh=mesh, strategy=strategy, causal=True, layout="zigzag").backward(dout)

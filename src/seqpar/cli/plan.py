@@ -12,7 +12,8 @@ from seqpar.planning.memory import DTYPE_BYTES
 from seqpar.planning.report import format_plan
 from seqpar.planning.search import plan
 from seqpar.planning.timing import OFFLOAD_OPTIMIZER, Layout, step_time
-from seqpar.sequence_parallel.strategies.registry import resolve_strategy_for
+from seqpar.sequence_parallel.selection import resolve_strategy_for
+from seqpar.sequence_parallel.strategies.registry import LOCAL, strategy_row
 from seqpar.train.config import TrainConfig
 from seqpar.train.fit import memory_features, train_estimate
 from seqpar.train.model import model_config
@@ -23,9 +24,9 @@ __all__ = ["train_plan"]
 
 def _layout(config: TrainConfig, heads: int, kv_heads: int) -> Layout:
     tp_heads, tp_kv = heads // config.tp, max(1, kv_heads // config.tp)
-    strategy = resolve_strategy_for(config.strategy, tp_heads, tp_kv, config.sp, config.ulysses)
-    strategy = "local" if config.sp == 1 else strategy
-    ulysses = config.sp if strategy == "ulysses" else config.ulysses if strategy == "hybrid" else 1
+    chosen = resolve_strategy_for(config.strategy, tp_heads, tp_kv, config.sp, config.ulysses)
+    row = LOCAL if config.sp == 1 else strategy_row(chosen)  # one rank: "local", as seqpar.attention runs it
+    strategy, ulysses = row.name, row.degree(config.sp, config.ulysses)
     features = (*memory_features(config), *((OFFLOAD_OPTIMIZER,) if config.offload_optimizer else ()))
     pieces = config.pp_microbatches or config.pp if config.pp > 1 else 0
     return Layout(config.dp, config.sp, ulysses, config.tp, strategy, features, config.dp_mode, config.pp, pieces)

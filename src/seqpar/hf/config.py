@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from seqpar.errors import SeqparInputError
-from seqpar.layouts.chunks import LAYOUTS, PER_BATCH_LAYOUTS
+from seqpar.layouts.chunks import layout_names
 from seqpar.sequence_parallel.strategies import STRATEGIES
 
 __all__ = [
@@ -23,8 +23,8 @@ __all__ = [
 ]
 
 
-TRAINER_LAYOUTS = (*LAYOUTS, *PER_BATCH_LAYOUTS)
-"""The layouts a ``SequenceParallelConfig`` takes: the fixed ones, "balanced", "placed" and "auto" (one per batch)."""
+TRAINER_LAYOUTS = layout_names()
+"""The layouts a ``SequenceParallelConfig`` takes: every name of the layout registry (Note [layout registry])."""
 
 
 @dataclass(frozen=True)

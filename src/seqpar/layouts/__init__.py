@@ -1,7 +1,8 @@
 """How a row of tokens is cut over P ranks: contiguous, zigzag, balanced and placed, and the registry naming them.
 
 ``shard_sequence`` / ``gather_sequence`` move tensors along a layout; ``balanced_layout`` and ``placed_layout``
-build a per-batch ``ChunkLayout`` from a packed row's position ids.
+build a per-batch ``ChunkLayout`` from a packed row's position ids; ``NAMED_LAYOUTS`` / ``layout_names`` /
+``named_layout`` are the one registry of layout names (Note [layout registry]).
 """
 
 from __future__ import annotations
@@ -12,7 +13,20 @@ from seqpar.lazy import module_getattr
 
 if TYPE_CHECKING:
     from seqpar.layouts.balanced import LayoutBalance, balanced_layout, layout_balance
-    from seqpar.layouts.chunks import LAYOUTS, ChunkLayout, gather_sequence, position_ids, shard_sequence
+    from seqpar.layouts.chunks import (
+        LAYOUTS,
+        NAMED_LAYOUTS,
+        PER_BATCH_LAYOUTS,
+        ChunkLayout,
+        FixedLayout,
+        PerBatchLayout,
+        SequenceLayout,
+        gather_sequence,
+        layout_names,
+        named_layout,
+        position_ids,
+        shard_sequence,
+    )
     from seqpar.layouts.placed import Placement, placed_layout, traffic_floor
 
 _NAMES = {
@@ -20,8 +34,15 @@ _NAMES = {
     "balanced_layout": "seqpar.layouts.balanced",
     "layout_balance": "seqpar.layouts.balanced",
     "LAYOUTS": "seqpar.layouts.chunks",
+    "NAMED_LAYOUTS": "seqpar.layouts.chunks",
+    "PER_BATCH_LAYOUTS": "seqpar.layouts.chunks",
     "ChunkLayout": "seqpar.layouts.chunks",
+    "FixedLayout": "seqpar.layouts.chunks",
+    "PerBatchLayout": "seqpar.layouts.chunks",
+    "SequenceLayout": "seqpar.layouts.chunks",
     "gather_sequence": "seqpar.layouts.chunks",
+    "layout_names": "seqpar.layouts.chunks",
+    "named_layout": "seqpar.layouts.chunks",
     "position_ids": "seqpar.layouts.chunks",
     "shard_sequence": "seqpar.layouts.chunks",
     "Placement": "seqpar.layouts.placed",
@@ -30,12 +51,19 @@ _NAMES = {
 }
 __all__ = [
     "LAYOUTS",
+    "NAMED_LAYOUTS",
+    "PER_BATCH_LAYOUTS",
     "ChunkLayout",
+    "FixedLayout",
     "LayoutBalance",
+    "PerBatchLayout",
     "Placement",
+    "SequenceLayout",
     "balanced_layout",
     "gather_sequence",
     "layout_balance",
+    "layout_names",
+    "named_layout",
     "placed_layout",
     "position_ids",
     "shard_sequence",

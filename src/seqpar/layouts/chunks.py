@@ -1,6 +1,18 @@
 """How a global sequence is cut into per-rank shards ("contiguous", "zigzag" or a ``ChunkLayout``) and put back.
 
-Every strategy, the loss and the position ids use these same chunk orders, so they can never disagree.
+Every strategy, the loss and the position ids use these same chunk orders, so they can never disagree; the
+layout name registry (``NAMED_LAYOUTS``) lives here too.
+
+Note [layout registry]
+    Every layout is a ``SequenceLayout``: a ``name``, whether it is ``per_batch``, ``chunks_for(P)`` (the global
+    chunk ids each of P ranks holds when a row is cut into equal chunks), ``shard`` and ``gather``. The fixed
+    ones (``FixedLayout``: "contiguous", "zigzag") cut every row alike; a ``ChunkLayout`` is one explicit cut;
+    the per-batch ones (``PerBatchLayout``: "balanced", "placed", "auto") are solved from each batch's global
+    position ids by ``shard_batch`` into that batch's ``ChunkLayout`` (Notes [balanced layout], [placed
+    layout]), so they cut nothing themselves and say so. ``NAMED_LAYOUTS`` is the one list of names: the
+    configs (``SequenceParallelConfig``, ``seqpar train``), the CLI's ``--layout`` choices, ``prepare_model``
+    and ``shard_batch`` read it, and ``named_layout`` refuses any other name with the list. Layout arguments
+    stay names or ``ChunkLayout`` objects; the rows describe them.
 
 Note [zigzag layout]
     The sequence is cut into 2P equal chunks; rank r holds chunks r and 2P-1-r, in that order. Under a
@@ -14,6 +26,7 @@ from __future__ import annotations
 import functools
 import zlib
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -23,22 +36,185 @@ from seqpar.mesh import as_sp_mesh
 from seqpar.sequence_parallel.comm.collectives import all_gather_first_dim, reduce_scatter_first_dim
 
 __all__ = [
+    "AUTO",
+    "BALANCED",
+    "CONTIGUOUS",
     "LAYOUTS",
+    "NAMED_LAYOUTS",
     "PER_BATCH_LAYOUTS",
+    "PLACED",
+    "ZIGZAG",
     "ChunkLayout",
+    "FixedLayout",
     "Layout",
+    "PerBatchLayout",
+    "SequenceLayout",
     "chunks_per_rank",
     "gather_sequence",
+    "layout_names",
+    "named_layout",
     "position_ids",
     "rank_chunk_ids",
     "shard_for_rank",
     "shard_sequence",
 ]
 
-LAYOUTS = ("contiguous", "zigzag")
-PER_BATCH_LAYOUTS = ("balanced", "placed", "auto")
+
+@runtime_checkable
+class SequenceLayout(Protocol):
+    """What every layout tells (Note [layout registry]): its name, how P ranks cut a row, shard and gather."""
+
+    @property
+    def name(self) -> str:
+        """The layout's name ("contiguous", "zigzag", "balanced", ...)."""
+
+    @property
+    def per_batch(self) -> bool:
+        """Whether it is solved per batch from the batch's global position ids (then it cuts nothing itself)."""
+
+    def chunks_for(self, world_size: int) -> tuple[tuple[int, ...], ...]:
+        """The global chunk ids each of ``world_size`` ranks holds, rank by rank, in local order."""
+
+    def shard(self, x: torch.Tensor, mesh: object, dim: int = 1) -> torch.Tensor:
+        """This rank's shard of the full sequence ``x`` (as ``shard_sequence``)."""
+
+    def gather(self, x_local: torch.Tensor, mesh: object, dim: int = 1) -> torch.Tensor:
+        """The full sequence from every rank's shard (as ``gather_sequence``)."""
+
+
+@dataclass(frozen=True)
+class FixedLayout:
+    """A layout that cuts every row the same way: ``chunks_per_rank`` equal chunks per rank (Note [zigzag layout]).
+
+    One chunk per rank is "contiguous" (rank r holds chunk r); two is "zigzag" (rank r holds r and 2P-1-r).
+    """
+
+    name: str
+    """The name callers pass as ``layout=``."""
+    chunks_per_rank: int
+    """1 (contiguous) or 2 (zigzag)."""
+    per_batch = False
+
+    def chunks_for(self, world_size: int) -> tuple[tuple[int, ...], ...]:
+        """The global chunk ids each of ``world_size`` ranks holds, in local order.
+
+        Args:
+            world_size: ranks P.
+
+        Returns:
+            ``((0,), (1,), ...)`` for one chunk per rank; ``((0, 2P-1), (1, 2P-2), ...)`` for two.
+        """
+        if self.chunks_per_rank == 1:
+            return tuple((r,) for r in range(world_size))
+        return tuple((r, 2 * world_size - 1 - r) for r in range(world_size))
+
+    def shard(self, x: torch.Tensor, mesh: object, dim: int = 1) -> torch.Tensor:
+        """``shard_sequence(x, mesh, dim, layout=self.name)``."""
+        return shard_sequence(x, mesh, dim, self.name)
+
+    def gather(self, x_local: torch.Tensor, mesh: object, dim: int = 1) -> torch.Tensor:
+        """``gather_sequence(x_local, mesh, dim, layout=self.name)``."""
+        return gather_sequence(x_local, mesh, dim, self.name)
+
+
+@dataclass(frozen=True)
+class PerBatchLayout:
+    """A layout solved per batch from the batch's global position ids; its name stands for the ``ChunkLayout``
+    that ``shard_batch`` (or ``made_by``) returns, which every call of that batch is then given."""
+
+    name: str
+    """The name ``shard_batch``, ``prepare_model`` and the configs take."""
+    made_by: str
+    """What builds this batch's ``ChunkLayout`` from its position ids (for messages)."""
+    pad_chunks: int = 2
+    """The row is padded to a multiple of ``pad_chunks`` x P before it is solved (when it is not reordered)."""
+    reorders_row: bool = False
+    """The row is reordered (and padded) before it is sharded: the placed layout (Note [placed layout])."""
+    chooses: bool = False
+    """It stands for another per-batch layout, picked from the batch's own ids: "auto" (Note [placed layout])."""
+    per_batch = True
+
+    def _refuse(self) -> SeqparInputError:
+        return SeqparInputError(
+            f"layout {self.name!r} is made per batch: pass the ChunkLayout that shard_batch returned (shard.layout) "
+            f"or that {self.made_by} made, not the name"
+        )
+
+    def chunks_for(self, world_size: int) -> tuple[tuple[int, ...], ...]:
+        """Raises: the chunks are the batch's own (``shard_batch``).
+
+        Raises:
+            SeqparInputError: always, naming what makes the ``ChunkLayout``.
+        """
+        raise self._refuse()
+
+    def shard(self, x: torch.Tensor, mesh: object, dim: int = 1) -> torch.Tensor:
+        """Raises: shard a batch with ``shard_batch(layout=name)``.
+
+        Raises:
+            SeqparInputError: always, naming what makes the ``ChunkLayout``.
+        """
+        raise self._refuse()
+
+    def gather(self, x_local: torch.Tensor, mesh: object, dim: int = 1) -> torch.Tensor:
+        """Raises: gather with the batch's ``ChunkLayout``.
+
+        Raises:
+            SeqparInputError: always, naming what makes the ``ChunkLayout``.
+        """
+        raise self._refuse()
+
+
+CONTIGUOUS = FixedLayout("contiguous", 1)
+ZIGZAG = FixedLayout("zigzag", 2)
+BALANCED = PerBatchLayout("balanced", "seqpar.balanced_layout")
+PLACED = PerBatchLayout("placed", "seqpar.placed_layout", reorders_row=True)
+AUTO = PerBatchLayout("auto", "seqpar.balanced_layout or seqpar.placed_layout", chooses=True)
+
+NAMED_LAYOUTS: dict[str, FixedLayout | PerBatchLayout] = {
+    row.name: row for row in (CONTIGUOUS, ZIGZAG, BALANCED, PLACED, AUTO)
+}
+"""The layout name registry (Note [layout registry]): every name a ``layout=`` argument, a config or the CLI takes."""
+
+
+def layout_names(per_batch: bool | None = None) -> tuple[str, ...]:
+    """The registered layout names, in registry order.
+
+    Args:
+        per_batch: True for the per-batch ones only, False for the fixed ones only, None for all.
+
+    Returns:
+        The names.
+    """
+    return tuple(n for n, row in NAMED_LAYOUTS.items() if per_batch is None or row.per_batch == per_batch)
+
+
+LAYOUTS = layout_names(per_batch=False)
+"""The fixed layouts' names, ("contiguous", "zigzag"): what ``seqpar.attention`` takes as a name."""
+PER_BATCH_LAYOUTS = layout_names(per_batch=True)
 """Layouts solved per batch (Note [balanced layout], Note [placed layout]): their names stand for a ``ChunkLayout``;
 "auto" is "placed" on packed rows and "balanced" otherwise, chosen per batch (Note [placed layout])."""
+
+
+def named_layout(name: str) -> FixedLayout | PerBatchLayout:
+    """The registry row of a layout name.
+
+    Args:
+        name: a name from ``layout_names()``.
+
+    Returns:
+        Its ``FixedLayout`` or ``PerBatchLayout``.
+
+    Raises:
+        SeqparInputError: an unknown name (the message lists the registry).
+    """
+    row = NAMED_LAYOUTS.get(name) if isinstance(name, str) else None
+    if row is None:
+        raise SeqparInputError(
+            f"unknown layout {name!r}; choose one of {LAYOUTS} or pass a ChunkLayout (made per batch by "
+            f"shard_batch: {', '.join(PER_BATCH_LAYOUTS)})"
+        )
+    return row
 
 
 @dataclass(frozen=True)
@@ -85,42 +261,49 @@ class ChunkLayout:
     def __str__(self) -> str:
         return f"{self.name} layout ({self.world_size} ranks x {self.chunks_per_rank} chunks)"
 
+    per_batch = False  # already solved: it cuts its own batch's rows
+
+    def chunks_for(self, world_size: int) -> tuple[tuple[int, ...], ...]:
+        """``chunk_ids``, once ``world_size`` is checked against the ranks the layout is for.
+
+        Raises:
+            SeqparInputError: a layout made for another number of ranks.
+        """
+        if self.world_size != world_size:
+            raise SeqparInputError(f"the {self} does not fit a group of {world_size} ranks")
+        return self.chunk_ids
+
+    def shard(self, x: torch.Tensor, mesh: object, dim: int = 1) -> torch.Tensor:
+        """``shard_sequence(x, mesh, dim, layout=self)``."""
+        return shard_sequence(x, mesh, dim, self)
+
+    def gather(self, x_local: torch.Tensor, mesh: object, dim: int = 1) -> torch.Tensor:
+        """``gather_sequence(x_local, mesh, dim, layout=self)``."""
+        return gather_sequence(x_local, mesh, dim, self)
+
 
 Layout = str | ChunkLayout
-"""A layout: "contiguous", "zigzag", or an explicit ``ChunkLayout``."""
+"""A layout argument: a fixed layout's name ("contiguous", "zigzag"), or an explicit ``ChunkLayout``."""
 
 
 def chunks_per_rank(layout: Layout) -> int:
     """Number of equal chunks each rank holds under ``layout`` (1 for contiguous, 2 for zigzag).
 
     Raises:
-        SeqparInputError: for an unknown layout.
+        SeqparInputError: for an unknown layout, or a per-batch name (its chunks are the batch's own).
     """
     if isinstance(layout, ChunkLayout):
         return layout.chunks_per_rank
-    if layout == "contiguous":
-        return 1
-    if layout == "zigzag":
-        return 2
-    if layout in PER_BATCH_LAYOUTS:
-        made_by = "seqpar.balanced_layout or seqpar.placed_layout" if layout == "auto" else f"seqpar.{layout}_layout"
-        raise SeqparInputError(
-            f"layout {layout!r} is made per batch: pass the ChunkLayout that shard_batch returned (shard.layout) "
-            f"or that {made_by} made, not the name"
-        )
-    raise SeqparInputError(f"unknown layout {layout!r}; choose one of {LAYOUTS} or pass a ChunkLayout")
+    row = named_layout(layout)
+    if row.per_batch:
+        raise row._refuse()
+    return row.chunks_per_rank
 
 
 @functools.lru_cache(maxsize=64)
 def _chunk_ids(layout: Layout, world_size: int) -> tuple[tuple[int, ...], ...]:
-    if isinstance(layout, ChunkLayout):
-        if layout.world_size != world_size:
-            raise SeqparInputError(f"the {layout} does not fit a group of {world_size} ranks")
-        return layout.chunk_ids
-    k = chunks_per_rank(layout)
-    if k == 1:
-        return tuple((r,) for r in range(world_size))
-    return tuple((r, 2 * world_size - 1 - r) for r in range(world_size))
+    row = layout if isinstance(layout, ChunkLayout) else named_layout(layout)
+    return row.chunks_for(world_size)
 
 
 def rank_chunk_ids(layout: Layout, world_size: int, rank: int | None = None) -> tuple[int, ...]:

@@ -6,7 +6,7 @@ The formulas are explained once, in Note [memory estimate] (estimate.py).
 from __future__ import annotations
 
 from seqpar.models import ModelSizes
-from seqpar.sequence_parallel.strategies.registry import kv_head_repeats
+from seqpar.sequence_parallel.strategies.registry import strategy_row
 
 __all__ = ["activation_bytes", "comm_elements"]
 
@@ -15,17 +15,16 @@ def comm_elements(strategy: str, d: ModelSizes, sp: int, ulysses: int) -> float:
     """Attention communication buffers of one layer's forward and backward, elements per local token."""
     if sp == 1:
         return 0.0
-    degree = ulysses if strategy == "hybrid" else sp
-    repeats = kv_head_repeats(d.num_attention_heads, d.num_key_value_heads, degree) or 1
-    a2a = 2.0 * (d.q_width + 2 * d.kv_width * repeats)
-    ring = 8.0 * d.kv_width
-    if strategy == "ulysses":
-        return a2a
-    if strategy == "ring":
-        return ring
-    if strategy == "allgather":
-        return 4.0 * d.kv_width * sp
-    return a2a + ring  # hybrid: after the all-to-all a ring rank holds as many k, v elements as before it
+    row = strategy_row(strategy)
+    repeats = row.kv_repeats(d.num_attention_heads, d.num_key_value_heads, sp, ulysses) or 1
+    elements = 0.0
+    if row.all_to_all is not None:  # contiguous sends of q, k, v and their head-sharded receipts
+        elements += 2.0 * (d.q_width + 2 * d.kv_width * repeats)
+    if row.kv_exchange == "ring":  # after an all-to-all a ring rank holds as many k, v elements as before it
+        elements += 8.0 * d.kv_width
+    if row.kv_exchange == "gather":
+        elements += 4.0 * d.kv_width * sp
+    return elements
 
 
 def activation_bytes(d: ModelSizes, tokens: int, b: int, features: tuple[str, ...], mlp_chunk: int) -> dict:

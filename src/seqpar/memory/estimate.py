@@ -65,27 +65,14 @@ from seqpar.memory.pipeline import stage_views
 from seqpar.memory.rank import OPTIMIZER_STATES, estimate_rank
 from seqpar.memory.result import MemoryEstimate
 from seqpar.models import ModelSizes
-from seqpar.sequence_parallel.strategies.registry import ulysses_degrees, ulysses_heads_problem
+from seqpar.sequence_parallel.selection import select_strategy
+from seqpar.sequence_parallel.strategies.registry import STRATEGIES
 
 __all__ = ["FEATURES", "MemoryEstimate", "estimate_memory", "estimate_stage_memory"]
 
 FEATURES = ("checkpointing", "chunked_loss", "tiled_mlp", "offload")
 _RANK_SETTINGS = ("dp_mode", "loss_chunk", "mlp_chunk", "optimizer", "keep_gradients", "offload_optimizer")
 """``estimate_memory``'s settings that ``estimate_rank`` takes as they are."""
-
-
-def _strategy(strategy: str, d: ModelSizes, sp: int, ulysses: int) -> str:
-    """``auto`` resolved as ``seqpar.resolve_strategy`` does; head counts checked for ulysses and hybrid."""
-    allowed = ulysses_degrees(d.num_attention_heads, d.num_key_value_heads)
-    if strategy == "auto":
-        if 1 < ulysses < sp and ulysses in allowed:
-            return "hybrid"
-        return "ulysses" if sp in allowed else "ring"
-    degree = sp if strategy == "ulysses" else ulysses if strategy == "hybrid" else 1
-    problem = ulysses_heads_problem(d.num_attention_heads, d.num_key_value_heads, degree, strategy)
-    if problem:
-        raise SeqparInputError(problem)
-    return strategy
 
 
 def _check(seq_len: int, s: SimpleNamespace, sizes: dict, features: tuple[str, ...]) -> None:
@@ -98,8 +85,8 @@ def _check(seq_len: int, s: SimpleNamespace, sizes: dict, features: tuple[str, .
         problems.append(f"seq_len {seq_len} must be divisible by sp_size {s.sp_size}")
     if s.sp_size >= 1 and s.ulysses_size >= 1 and s.sp_size % s.ulysses_size:
         problems.append(f"ulysses_size {s.ulysses_size} must divide sp_size {s.sp_size}")
-    if s.strategy not in ("ulysses", "ring", "allgather", "hybrid", "auto"):
-        problems.append(f"unknown strategy {s.strategy!r}")
+    if s.strategy not in STRATEGIES:
+        problems.append(f"unknown strategy {s.strategy!r}; choose one of {', '.join(STRATEGIES)}")
     if s.optimizer not in OPTIMIZER_STATES:
         problems.append(f"unknown optimizer {s.optimizer!r}; choose from {', '.join(OPTIMIZER_STATES)}")
     if s.dp_mode not in ("replicate", "ddp", "fsdp"):
@@ -146,7 +133,7 @@ def estimate_memory(
         dtype: dtype of parameters, gradients and activations.
         micro_batch: sequences per micro-batch.
         features: any of "checkpointing", "chunked_loss", "tiled_mlp", "offload".
-        strategy: attention strategy ("auto" resolved as ``seqpar.resolve_strategy``).
+        strategy: attention strategy ("auto" resolved by ``select_strategy``, without a mask).
         optimizer: "adamw" (two states per parameter), "adam" or "sgd" (none).
         dp_mode: "replicate", "ddp" or "fsdp" (parameters, gradients and state sharded over dp x sp).
         loss_chunk: tokens per piece of the chunked loss.
@@ -205,7 +192,7 @@ def _stage_estimates(model_config: object, seq_len: int, settings: dict) -> list
     _check(seq_len, s, sizes, features)
     d = ModelSizes.from_config(model_config, s.tp_size)
     rank = dict(
-        chosen=_strategy(s.strategy, d, s.sp_size, s.ulysses_size),
+        chosen=select_strategy(s.strategy, d.num_attention_heads, d.num_key_value_heads, s.sp_size, s.ulysses_size),
         b=torch.empty((), dtype=s.dtype).element_size(),
         tokens=s.micro_batch * seq_len // s.sp_size,
         features=features,

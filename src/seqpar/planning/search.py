@@ -17,7 +17,7 @@ from seqpar.planning.documents import check_doc_len
 from seqpar.planning.memory import DTYPE_BYTES, estimate_layout
 from seqpar.planning.models import load_model_shape
 from seqpar.planning.timing import FEATURES, OFFLOAD_OPTIMIZER, Layout, StepTime, model_flops, step_time
-from seqpar.sequence_parallel.strategies.registry import ulysses_heads_problem
+from seqpar.sequence_parallel.strategies.registry import strategy_options, strategy_row
 
 __all__ = ["Candidate", "Plan", "Rejection", "plan"]
 
@@ -116,23 +116,17 @@ def _tp_problem(model: ModelSizes, tp: int, cluster: Cluster) -> str | None:
 
 
 def _strategies(model: ModelSizes, sp: int, tp: int, cluster: Cluster):
-    """(strategy, ulysses degree, problem or None) for every strategy at this sp x tp."""
-    if sp == 1:
-        yield "local", 1, None
-        return
-    yield "ring", 1, None
-    yield "allgather", 1, None
+    """(strategy, ulysses degree, problem or None) for every registry option at this sp x tp."""
     heads, kv = model.num_attention_heads // tp, max(1, model.num_key_value_heads // tp)
-    for u in _divisors(sp)[1:]:
-        name = "ulysses" if u == sp else "hybrid"
-        problem = ulysses_heads_problem(heads, kv, u, f"{name} at tp {tp}")
-        if problem is None and u * tp > cluster.gpus_per_node and not cluster.ulysses_across_nodes:
+    for row, u in strategy_options(sp):
+        problem = row.heads_problem(heads, kv, sp, u, f"{row.name} at tp {tp}")
+        if problem is None and u > 1 and u * tp > cluster.gpus_per_node and not cluster.ulysses_across_nodes:
             problem = f"ulysses {u} x tp {tp} spans nodes of {cluster.gpus_per_node}"
-        yield name, u, problem
+        yield row.name, u, problem
 
 
 def _family(layout: Layout) -> str:
-    u = f" ulysses {layout.ulysses}" if layout.strategy == "hybrid" else ""
+    u = f" ulysses {layout.ulysses}" if strategy_row(layout.strategy).two_d else ""
     pp = f"pp {layout.pp} " if layout.pp > 1 else ""
     return f"{pp}dp {layout.dp} sp {layout.sp}{u} tp {layout.tp} {layout.strategy} {layout.dp_mode}"
 

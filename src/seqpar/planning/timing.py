@@ -14,7 +14,7 @@ from seqpar.memory.pipeline import bubble_fraction, p2p_bytes, stage_views
 from seqpar.models import ModelSizes
 from seqpar.planning.cluster import Cluster
 from seqpar.planning.documents import check_doc_len, placed_kv_fraction, visible_fraction
-from seqpar.sequence_parallel.strategies.registry import kv_head_repeats, ulysses_heads_problem
+from seqpar.sequence_parallel.strategies.registry import kv_head_repeats, strategy_row, ulysses_heads_problem
 
 __all__ = ["FEATURES", "OFFLOAD_OPTIMIZER", "Layout", "StepTime", "model_flops", "step_time"]
 
@@ -206,6 +206,7 @@ def step_time(
     if layout.pp > 1:
         return _pipeline_time(model, seq_len, layout, cluster, dtype_bytes, micro_batch, doc_len)
     layers, ckpt = model.num_hidden_layers, "checkpointing" in layout.features
+    row = strategy_row(layout.strategy)
     tokens = micro_batch * seq_len / layout.sp  # on this rank
     d, e, u, r = model.dim, dtype_bytes, layout.ulysses, layout.sp // layout.ulysses
     heads, kv = model.num_attention_heads // layout.tp, max(1, model.num_key_value_heads // layout.tp)
@@ -221,10 +222,10 @@ def step_time(
     a2a = gather = 0.0
     if u > 1:
         # head groups (more than one KV head per rank after the exchange) resend q, k, v, out; hybrid has none
-        tensors = 6 if layout.strategy == "ulysses" and _sent_kv_heads(heads, kv, u) > u else 4
+        tensors = 6 if row.head_groups and _sent_kv_heads(heads, kv, u) > u else 4
         moved = (u - 1) / u * (tensors + 2 * ckpt) * (q_bytes + kv_bytes(u))
         a2a = moved / cluster.link(u * layout.tp)
-    if r > 1 and layout.strategy == "allgather":
+    if r > 1 and row.kv_exchange == "gather":
         moved = (2 + ckpt) * (r - 1) * 2 * kv_bytes(1) + (r - 1) * 2 * kv_bytes(1, 4)
         gather = placed * moved / cluster.link(layout.sp * layout.tp)
     elif r > 1:

@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     from seqpar.sequence_parallel.context_parallel import context_parallel, context_parallel_unshard
     from seqpar.sequence_parallel.masks import SequenceMask, sequence_mask
     from seqpar.sequence_parallel.prepare import attention_choice, prepare_model
-    from seqpar.sequence_parallel.strategies.registry import STRATEGIES, resolve_strategy
+    from seqpar.sequence_parallel.selection import resolve_strategy
+    from seqpar.sequence_parallel.strategies.registry import STRATEGIES
 
 _NAMES = {
     "AttentionChoice": "seqpar.sequence_parallel.api",
@@ -29,7 +30,7 @@ _NAMES = {
     "attention_choice": "seqpar.sequence_parallel.prepare",
     "prepare_model": "seqpar.sequence_parallel.prepare",
     "STRATEGIES": "seqpar.sequence_parallel.strategies.registry",
-    "resolve_strategy": "seqpar.sequence_parallel.strategies.registry",
+    "resolve_strategy": "seqpar.sequence_parallel.selection",
 }
 __all__ = [
     "STRATEGIES",

@@ -18,8 +18,8 @@ from seqpar.mesh import as_sp_mesh
 from seqpar.sequence_parallel.checks import check_attention_inputs
 from seqpar.sequence_parallel.kernels import AttentionKernel, select_kernel
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask, sequence_mask
-from seqpar.sequence_parallel.selection import auto_strategy
-from seqpar.sequence_parallel.strategies import STRATEGY_FUNCTIONS
+from seqpar.sequence_parallel.selection import select_strategy
+from seqpar.sequence_parallel.strategies.registry import strategy_row
 
 __all__ = ["AttentionChoice", "attention", "choose_attention"]
 
@@ -31,7 +31,7 @@ class AttentionChoice:
     """What ``seqpar.attention`` runs for given inputs: the strategy (``"local"`` on one rank) and kernel."""
 
     strategy: str
-    """"local", "ring", "ulysses", "allgather" or "hybrid": never "auto"."""
+    """A name in ``STRATEGY_ROWS`` ("local" on one rank): never "auto"."""
     kernel: AttentionKernel
     """The local kernel that computes every block."""
 
@@ -68,7 +68,8 @@ def choose_attention(
         The choice; passing its fields back to ``seqpar.attention`` runs exactly that.
 
     Raises:
-        SeqparInputError: a kernel that cannot run these inputs.
+        SeqparInputError: a kernel that cannot run these inputs; an unknown strategy, or heads it cannot split
+            (``select_strategy``).
     """
     sp = as_sp_mesh(mesh)
     chosen_kernel = select_kernel(q, k, v, kernel, softcap=softcap)
@@ -76,7 +77,8 @@ def choose_attention(
     if sp.sp_size == 1:
         return AttentionChoice("local", chosen_kernel)
     shape = dict(local_tokens=q.shape[2], head_dim=q.shape[3], itemsize=q.element_size())
-    chosen = auto_strategy(strategy, q.shape[1], k.shape[1], sp, mask=mask, layout=layout, causal=causal, **shape)
+    sizes = (q.shape[1], k.shape[1], sp.sp_size, sp.ulysses_size)  # heads, kv heads, degrees
+    chosen = select_strategy(strategy, *sizes, mask=mask, layout=layout, causal=causal, **shape)
     return AttentionChoice(chosen, chosen_kernel)
 
 
@@ -111,8 +113,8 @@ def attention(
         mesh: a ``SequenceParallelMesh`` (``seqpar.make_mesh``), the SP ProcessGroup, a 1-D DeviceMesh,
             or None for a single process.
         strategy: "ulysses", "ring", "allgather", "hybrid" (the mesh's ulysses axis x its ring axis) or
-            "auto" (``resolve_strategy``; under a mask the mask-aware ring when it sends at most a quarter
-            of ulysses' bytes, Note [auto strategy]).
+            "auto" (``select_strategy``: hybrid, ulysses or ring by the heads and the mesh; under a mask the
+            mask-aware ring when it sends at most a quarter of ulysses' bytes, Note [auto strategy]).
         causal: apply a causal mask over global positions.
         layout: how the caller sharded the sequence: "contiguous", "zigzag", or the ``ChunkLayout`` of this
             batch (``shard.layout`` of ``shard_batch(layout="balanced")``, Note [balanced layout]).
@@ -176,7 +178,7 @@ def attention(
     options = dict(mesh=sp, strategy=strategy, kernel=kernel, softcap=softcap, mask=mask, layout=layout, causal=causal)
     choice = choose_attention(q, k, v, **options)
     _log.debug("seqpar.attention: strategy=%s kernel=%s sp=%d", choice.strategy, choice.kernel.name, sp.sp_size)
-    return STRATEGY_FUNCTIONS[choice.strategy](
+    return strategy_row(choice.strategy).function(
         q, k, v, mesh=sp, layout=layout, causal=causal, scale=scale, kernel=choice.kernel, mask=mask, sinks=sinks
     )
 

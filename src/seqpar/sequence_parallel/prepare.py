@@ -23,13 +23,13 @@ from dataclasses import dataclass
 import torch
 
 from seqpar.errors import SeqparInputError
-from seqpar.layouts.chunks import LAYOUTS, PER_BATCH_LAYOUTS, ChunkLayout, Layout
+from seqpar.layouts.chunks import LAYOUTS, PER_BATCH_LAYOUTS, ChunkLayout, Layout, named_layout
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
 from seqpar.models import ModelAnatomy, find_anatomy
 from seqpar.sequence_parallel.api import AttentionChoice, attention, choose_attention
 from seqpar.sequence_parallel.checks import Signature, by_rank, exchange_signatures
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask, sequence_mask
-from seqpar.sequence_parallel.strategies.registry import STRATEGIES
+from seqpar.sequence_parallel.strategies.registry import check_strategy_name
 
 __all__ = [
     "ATTENTION_NAME",
@@ -261,10 +261,9 @@ def prepare_model(
     served = _served(model)
     if isinstance(served, str):
         raise SeqparInputError(f"seqpar cannot serve this model's attention: {served}")
-    if strategy not in STRATEGIES:
-        raise SeqparInputError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
-    if not (layout in (*LAYOUTS, *PER_BATCH_LAYOUTS) or isinstance(layout, ChunkLayout)):
-        raise SeqparInputError(f"unknown layout {layout!r}; choose one of {(*LAYOUTS, *PER_BATCH_LAYOUTS)}")
+    check_strategy_name(strategy)
+    if not isinstance(layout, ChunkLayout):
+        named_layout(layout)  # an unknown name raises, listing the registry
     sp = as_sp_mesh(mesh)
     if model.config._attn_implementation != ATTENTION_NAME:  # kept for seqpar.integrations.unsharded
         setattr(model, ORIGINAL_ATTENTION_ATTR, model.config._attn_implementation)

@@ -1,11 +1,12 @@
-"""What ``strategy="auto"`` picks for a masked call: the mask-aware ring when it moves far fewer bytes than Ulysses.
+"""``select_strategy``: the one place that turns ``strategy=`` into the registry row that runs, "auto" included.
 
-``auto_strategy`` refines ``policy.resolve_strategy`` with the bytes each strategy must send under the mask.
+"auto" is a static rule on the heads and the mesh, refined under a mask by the bytes each strategy sends.
 
 Note [auto strategy]
-    Without a mask (or with one that adds nothing to causal) "auto" is the static rule of
-    ``resolve_strategy``: hybrid on a 2-D mesh, else ulysses when the heads split over P, else ring. Under
-    a mask the ring and the all-gather move only the K/V some peer query sees (Note [mask-aware ring]),
+    Without a mask (or with one that adds nothing to causal) "auto" is the static rule: hybrid on a 2-D
+    mesh whose ulysses axis the heads split over, else ulysses when the heads split over P (one all-to-all
+    hop, no sequential ring steps), else ring, which serves any head count.
+    Under a mask the ring and the all-gather move only the K/V some peer query sees (Note [mask-aware ring]),
     while Ulysses moves every head shard whatever the mask. So when the static rule says ulysses and the
     call has a mask, "auto" compares the bytes the busiest rank sends in one forward + backward:
     - ring: ``2 Hkv d (2 sent e + returned 4)`` per batch row, with ``sent`` the rank's tokens that peers
@@ -13,7 +14,7 @@ Note [auto strategy]
       in float32), both counted from the ``kv_needs`` table; without a table (nothing spared) the plain
       ring's ``2 Hkv d (S/P) (2 (P-1) e + 4 P)``;
     - ulysses: ``(P-1)/P T (H + Hkv') (S/P) d e`` (``Hkv'`` after copying KV heads up to P, ``T`` = 4
-      tensors, 6 in head groups: Note [ulysses memory]);
+      tensors, 6 in head groups: Note [strategy bytes]);
     and picks the ring when its bytes are at most ``RING_BYTES_RATIO`` (a quarter) of Ulysses'. Every
     input is the same on every rank (the global mask, every rank's chunk ids, the shapes the input check
     compares), and the maximum over ranks is taken, so every rank picks the same and no rank waits on a
@@ -51,43 +52,118 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from seqpar.errors import SeqparInputError
 from seqpar.layouts.chunks import Layout, rank_chunk_ids
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
 from seqpar.sequence_parallel.plans.kv_needs import KVNeeds, kv_needs
-from seqpar.sequence_parallel.strategies.registry import kv_head_repeats, resolve_strategy_for
+from seqpar.sequence_parallel.strategies.registry import (
+    AUTO,
+    HYBRID,
+    RING,
+    ULYSSES,
+    StrategyRow,
+    check_strategy_name,
+    strategy_row,
+)
+from seqpar.sequence_parallel.strategies.volumes import GRAD_BYTES, ring_bytes, ulysses_bytes
 
-__all__ = ["RING_BYTES_RATIO", "auto_strategy", "auto_strategy_for", "masked_ring_bytes", "ulysses_bytes"]
+__all__ = [
+    "RING_BYTES_RATIO",
+    "auto_strategy",
+    "auto_strategy_for",
+    "masked_ring_bytes",
+    "resolve_strategy",
+    "resolve_strategy_for",
+    "select_strategy",
+    "ulysses_bytes",
+]
 
 RING_BYTES_RATIO = 0.25
 """"auto" takes the mask-aware ring when its busiest rank sends at most this fraction of Ulysses' bytes."""
 
-_GRAD_BYTES = 4  # dK/dV travel home in float32 (Note [mask-aware ring schedule])
 
+def select_strategy(
+    strategy: str,
+    heads: int,
+    kv_heads: int,
+    sp_size: int,
+    ulysses_size: int = 1,
+    *,
+    mask: SequenceMask | None = None,
+    layout: Layout = "zigzag",
+    causal: bool = True,
+    local_tokens: int = 0,
+    head_dim: int = 1,
+    itemsize: int = 4,
+) -> str:
+    """The strategy a call runs: "auto" resolved (Note [auto strategy]), an explicit name checked against its row.
 
-def ulysses_bytes(heads: int, kv_heads: int, sp_size: int, local_tokens: int, head_dim: int, itemsize: int) -> float:
-    """Bytes a rank sends in Ulysses' all-to-alls, one forward + backward, one batch row (Note [auto strategy]).
+    Every input is the same on every rank, so every rank selects the same strategy without communicating.
 
     Args:
+        strategy: a name from ``STRATEGIES`` ("auto" included).
         heads: query heads.
-        kv_heads: key/value heads (must split over ``sp_size``: ``policy.kv_head_repeats``).
-        sp_size: the all-to-all degree P.
-        local_tokens: tokens per rank, S/P.
+        kv_heads: key/value heads.
+        sp_size: the sequence-parallel degree.
+        ulysses_size: the mesh's ulysses degree (1 on a flat mesh).
+        mask: the call's sequence mask (the same on every rank), or None: without one (or a trivial one, or
+            with ``local_tokens`` 0) "auto" is the static rule.
+        layout: the layout the sequence is sharded with.
+        causal: the token-level causal rule (ignored under block-causal ranges, which replace it).
+        local_tokens: tokens per rank (``q.shape[2]``).
         head_dim: head dimension.
-        itemsize: bytes per element of the exchanged tensors.
+        itemsize: bytes per element of q, k, v.
 
     Returns:
-        The bytes.
+        A registry name: "hybrid", "ulysses" or "ring" for "auto"; ``strategy`` itself otherwise.
 
     Raises:
-        ValueError: heads that do not split over ``sp_size``.
+        SeqparInputError: an unknown name, or heads that the named strategy cannot split on these degrees.
     """
-    repeats = kv_head_repeats(heads, kv_heads, sp_size)
-    if repeats is None:
-        raise ValueError(f"{heads}/{kv_heads} heads do not split over {sp_size} ranks")
-    copied = kv_heads * repeats
-    tensors = 6 if copied > sp_size else 4  # head groups exchange q, k, v, out again backward
-    return (sp_size - 1) / sp_size * tensors * (heads + copied) * local_tokens * head_dim * itemsize
+    check_strategy_name(strategy)
+    if strategy != AUTO:
+        problem = strategy_row(strategy).heads_problem(heads, kv_heads, sp_size, ulysses_size)
+        if problem is not None:
+            raise SeqparInputError(problem)
+        return strategy
+    static = _static_auto(heads, kv_heads, sp_size, ulysses_size)
+    if static is not ULYSSES or mask is None or mask.trivial or local_tokens < 1:
+        return static.name
+    return _masked_auto(heads, kv_heads, sp_size, mask, layout, causal, local_tokens, head_dim, itemsize)
+
+
+def _static_auto(heads: int, kv_heads: int, sp_size: int, ulysses_size: int) -> StrategyRow:
+    """Note [auto strategy], without a mask: hybrid on a 2-D mesh the heads allow, else ulysses, else ring."""
+    if 1 < ulysses_size < sp_size and HYBRID.kv_repeats(heads, kv_heads, sp_size, ulysses_size) is not None:
+        return HYBRID
+    if ULYSSES.kv_repeats(heads, kv_heads, sp_size) is not None:
+        return ULYSSES
+    return RING
+
+
+def _masked_auto(
+    heads: int,
+    kv_heads: int,
+    sp_size: int,
+    mask: SequenceMask,
+    layout: Layout,
+    causal: bool,
+    local_tokens: int,
+    head_dim: int,
+    itemsize: int,
+) -> str:
+    """Note [auto strategy] under a mask: the mask-aware ring when its bytes are a small fraction of Ulysses'."""
+    causal = causal and mask.blocks is None  # the blocks replace the causal rule (Note [block-causal ranges])
+    chunk_ids = tuple(rank_chunk_ids(layout, sp_size, r) for r in range(sp_size))
+    chunk = local_tokens // len(chunk_ids[0])
+    key = ("auto strategy", chunk_ids, chunk, causal, heads, kv_heads, itemsize)
+    if key not in mask.plans:
+        needs = kv_needs(mask, chunk_ids, chunk, causal)  # the ring's own table (same cache key)
+        ring = masked_ring_bytes(needs, [local_tokens] * sp_size, kv_heads, head_dim, itemsize)
+        ulysses = ULYSSES.bytes_sent(heads, kv_heads, sp_size, 1, local_tokens, head_dim, itemsize)
+        mask.plans[key] = RING.name if ring <= RING_BYTES_RATIO * ulysses else ULYSSES.name
+    return mask.plans[key]
 
 
 def masked_ring_bytes(
@@ -107,13 +183,46 @@ def masked_ring_bytes(
     """
     size, token = len(sizes), 2 * kv_heads * head_dim  # K and V of one token
     if needs is None:
-        return max(token * n * (2 * (size - 1) * itemsize + size * _GRAD_BYTES) for n in sizes)
+        return max(ring_bytes(kv_heads, size, n, head_dim, itemsize) for n in sizes)
     most = 0.0
     for me in range(size):
         sent = sum(len(needs[r][me]) for r in range(size) if r != me)
         returned = sum(len(needs[me][s]) for s in range(size) if s != me)
-        most = max(most, token * (2 * sent * itemsize + returned * _GRAD_BYTES))
+        most = max(most, token * (2 * sent * itemsize + returned * GRAD_BYTES))
     return most
+
+
+def resolve_strategy(strategy: str, heads: int, kv_heads: int, mesh: SequenceParallelMesh) -> str:
+    """The strategy ``"auto"`` stands for without a mask (Note [auto strategy]); any other name is returned unchanged.
+
+    Args:
+        strategy: a name from ``STRATEGIES``.
+        heads: query heads.
+        kv_heads: key/value heads.
+        mesh: the sequence-parallel mesh the call runs on.
+
+    Returns:
+        "hybrid", "ulysses" or "ring" for "auto"; ``strategy`` itself otherwise.
+    """
+    return resolve_strategy_for(strategy, heads, kv_heads, mesh.sp_size, mesh.ulysses_size)
+
+
+def resolve_strategy_for(strategy: str, heads: int, kv_heads: int, sp_size: int, ulysses_size: int) -> str:
+    """``resolve_strategy`` for degrees given as numbers, with no mesh (for predictions before any rank starts).
+
+    Args:
+        strategy: a name from ``STRATEGIES``.
+        heads: query heads.
+        kv_heads: key/value heads.
+        sp_size: the sequence-parallel degree.
+        ulysses_size: the all-to-all degree inside it (1 on a flat mesh).
+
+    Returns:
+        "hybrid", "ulysses" or "ring" for "auto"; ``strategy`` itself otherwise (unchecked).
+    """
+    if strategy != AUTO:
+        return strategy
+    return select_strategy(strategy, heads, kv_heads, sp_size, ulysses_size)
 
 
 def auto_strategy(
@@ -129,58 +238,23 @@ def auto_strategy(
     head_dim: int = 1,
     itemsize: int = 4,
 ) -> str:
-    """The strategy ``"auto"`` stands for on this call (Note [auto strategy]); other names are returned unchanged.
+    """``select_strategy`` on a mesh's degrees (kept for callers of its earlier name).
 
     Args:
-        strategy: a name from ``policy.STRATEGIES``.
-        heads: query heads.
-        kv_heads: key/value heads.
+        strategy, heads, kv_heads: as ``select_strategy``.
         mesh: the sequence-parallel mesh.
-        mask: the call's sequence mask (the same on every rank), or None.
-        layout: the layout the sequence is sharded with.
-        causal: the token-level causal rule (ignored under block-causal ranges, which replace it).
-        local_tokens: tokens per rank (``q.shape[2]``).
-        head_dim: head dimension.
-        itemsize: bytes per element of q, k, v.
+        mask, layout, causal, local_tokens, head_dim, itemsize: as ``select_strategy``.
 
     Returns:
-        "ring" when the mask makes the mask-aware ring's bytes at most ``RING_BYTES_RATIO`` of Ulysses';
-        ``resolve_strategy``'s answer otherwise.
+        As ``select_strategy``.
+
+    Raises:
+        SeqparInputError: as ``select_strategy``.
     """
     shape = dict(local_tokens=local_tokens, head_dim=head_dim, itemsize=itemsize)
     degrees = (mesh.sp_size, mesh.ulysses_size)
-    return auto_strategy_for(strategy, heads, kv_heads, *degrees, mask=mask, layout=layout, causal=causal, **shape)
+    return select_strategy(strategy, heads, kv_heads, *degrees, mask=mask, layout=layout, causal=causal, **shape)
 
 
-def auto_strategy_for(
-    strategy: str,
-    heads: int,
-    kv_heads: int,
-    sp_size: int,
-    ulysses_size: int,
-    *,
-    mask: SequenceMask | None,
-    layout: Layout,
-    causal: bool,
-    local_tokens: int,
-    head_dim: int,
-    itemsize: int,
-) -> str:
-    """``auto_strategy`` for degrees given as numbers, with no mesh (same arguments otherwise).
-
-    Returns:
-        As ``auto_strategy``.
-    """
-    static = resolve_strategy_for(strategy, heads, kv_heads, sp_size, ulysses_size)
-    if strategy != "auto" or static != "ulysses" or mask is None or mask.trivial or local_tokens < 1:
-        return static
-    causal = causal and mask.blocks is None  # the blocks replace the causal rule (Note [block-causal ranges])
-    chunk_ids = tuple(rank_chunk_ids(layout, sp_size, r) for r in range(sp_size))
-    chunk = local_tokens // len(chunk_ids[0])
-    key = ("auto strategy", chunk_ids, chunk, causal, heads, kv_heads, itemsize)
-    if key not in mask.plans:
-        needs = kv_needs(mask, chunk_ids, chunk, causal)  # the ring's own table (same cache key)
-        ring = masked_ring_bytes(needs, [local_tokens] * sp_size, kv_heads, head_dim, itemsize)
-        ulysses = ulysses_bytes(heads, kv_heads, sp_size, local_tokens, head_dim, itemsize)
-        mask.plans[key] = "ring" if ring <= RING_BYTES_RATIO * ulysses else "ulysses"
-    return mask.plans[key]
+auto_strategy_for = select_strategy
+"""The earlier name of ``select_strategy``."""

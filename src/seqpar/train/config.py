@@ -12,12 +12,14 @@ import os
 from dataclasses import dataclass, field, fields
 
 from seqpar.errors import SeqparInputError
+from seqpar.layouts.chunks import layout_names, named_layout
 from seqpar.sequence_parallel.strategies.registry import STRATEGIES
 from seqpar.train.pipeline_config import pipeline_problems
 
 __all__ = ["TRAIN_LAYOUTS", "TrainConfig", "build_parser", "config_from_args"]
 
-TRAIN_LAYOUTS = ("zigzag", "contiguous", "balanced", "placed", "auto")  # the last three: per batch
+TRAIN_LAYOUTS = layout_names()
+"""``--layout`` choices: every name of the layout registry (Note [layout registry]); per-batch ones solve each batch."""
 
 
 @dataclass
@@ -161,7 +163,7 @@ class TrainConfig:
                 problems.append(f"--{name.replace('_', '-')} must be at least 1")
         if self.layout not in TRAIN_LAYOUTS:
             problems.append(f"--layout must be {', '.join(TRAIN_LAYOUTS)}, not {self.layout!r}")
-        elif self.layout not in ("zigzag", "contiguous") and self.pp > 1:  # one layout per batch
+        elif named_layout(self.layout).per_batch and self.pp > 1:  # one layout per batch
             problems.append(
                 f"--layout {self.layout} cannot be combined with --pp > 1: the pipeline stages are told one layout "
                 f"when they are built, and {self.layout} gives every batch its own; use --layout zigzag with --pp"

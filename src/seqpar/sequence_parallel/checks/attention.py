@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from seqpar.errors import SeqparInputError
-from seqpar.layouts.chunks import LAYOUTS, ChunkLayout
+from seqpar.layouts.chunks import LAYOUTS, PER_BATCH_LAYOUTS, ChunkLayout, chunks_per_rank
 from seqpar.sequence_parallel.checks.agreement import Signature, by_rank, exchange_signatures
-from seqpar.sequence_parallel.strategies.registry import STRATEGIES, ulysses_heads_problem
+from seqpar.sequence_parallel.strategies.registry import STRATEGIES, STRATEGY_ROWS
 
 __all__ = ["DTYPES", "MAX_HEAD_DIM", "SIGNATURE_LENGTH", "InputSignature", "TensorSignature", "check_attention_inputs"]
 
@@ -142,7 +142,8 @@ def _layout_fields(layout: object) -> dict[str, int]:
             layout_hash=layout.digest,
         )
     code = _code(layout, LAYOUTS)
-    return dict(layout_code=code, layout_chunks=(1, 2)[code] if code >= 0 else 0, layout_ranks=0, layout_hash=0)
+    chunks = chunks_per_rank(LAYOUTS[code]) if code >= 0 else 0
+    return dict(layout_code=code, layout_chunks=chunks, layout_ranks=0, layout_hash=0)
 
 
 SIGNATURE_LENGTH = InputSignature.width()  # int64 values each rank contributes to the check
@@ -155,8 +156,8 @@ def _problems(sig: InputSignature, sp_size: int, ulysses_size: int) -> list[str]
         problems.append(f"unknown strategy; choose one of {STRATEGIES}")
     if sig.layout is None:
         problems.append(
-            f"unknown layout; choose one of {LAYOUTS} or pass a ChunkLayout (layouts 'balanced', 'placed' and "
-            "'auto' are made per batch: pass shard.layout from seqpar.shard_batch)"
+            f"unknown layout; choose one of {LAYOUTS} or pass a ChunkLayout (layouts {', '.join(PER_BATCH_LAYOUTS)} "
+            "are made per batch: pass shard.layout from seqpar.shard_batch)"
         )
     if sig.layout_ranks and sig.layout_ranks != sp_size:
         problems.append(f"the ChunkLayout is for {sig.layout_ranks} ranks but the group has {sp_size}")
@@ -200,12 +201,9 @@ def _problems(sig: InputSignature, sp_size: int, ulysses_size: int) -> list[str]
             f"{sig.layout_chunks * sp_size} (2P for zigzag); pad it"
         )
     if kv_heads and heads % kv_heads == 0:
-        checked = []
-        if sig.strategy == "ulysses" and sp_size > 1:
-            checked.append(ulysses_heads_problem(heads, kv_heads, sp_size, "ulysses"))
-        if sig.strategy == "hybrid" and ulysses_size > 1:
-            checked.append(ulysses_heads_problem(heads, kv_heads, ulysses_size, "hybrid's ulysses axis"))
-        problems += [p for p in checked if p is not None]
+        row = STRATEGY_ROWS.get(sig.strategy)  # "auto" picks a strategy the heads allow
+        problem = row.heads_problem(heads, kv_heads, sp_size, ulysses_size) if row is not None else None
+        problems += [problem] if problem is not None else []
     return problems
 
 

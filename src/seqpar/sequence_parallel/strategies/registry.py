@@ -1,122 +1,236 @@
-"""Which strategies exist, which head counts each allows, and what ``strategy="auto"`` picks.
+"""One row per attention strategy: its function, its head rule, its bytes model and the mesh it needs.
 
-The input checks, the Ulysses and hybrid all-to-alls and the "auto" choice all ask this module, so they agree.
+Everything that names, validates, enumerates or prices a strategy reads these rows; ``select_strategy``
+(``seqpar.sequence_parallel.selection``) picks one of them for ``strategy="auto"``.
 """
 
 from __future__ import annotations
 
-from seqpar.mesh import SequenceParallelMesh
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from seqpar.errors import SeqparInputError
+from seqpar.lazy import module_getattr
+from seqpar.sequence_parallel.strategies.allgather import allgather_attention
+from seqpar.sequence_parallel.strategies.heads import kv_head_repeats, ulysses_degrees, ulysses_heads_problem
+from seqpar.sequence_parallel.strategies.hybrid import hybrid_attention
+from seqpar.sequence_parallel.strategies.local import local_attention
+from seqpar.sequence_parallel.strategies.ring import ring_attention
+from seqpar.sequence_parallel.strategies.ulysses import ulysses_attention
+from seqpar.sequence_parallel.strategies.volumes import (
+    allgather_bytes,
+    hybrid_bytes,
+    local_bytes,
+    ring_bytes,
+    ulysses_bytes,
+)
 
 __all__ = [
+    "ALLGATHER",
+    "AUTO",
+    "HYBRID",
+    "LOCAL",
+    "RING",
     "STRATEGIES",
+    "STRATEGY_ROWS",
+    "ULYSSES",
+    "StrategyRow",
+    "check_strategy_name",
     "kv_head_repeats",
-    "resolve_strategy",
-    "resolve_strategy_for",
+    "strategy_options",
+    "strategy_row",
     "ulysses_degrees",
     "ulysses_heads_problem",
 ]
 
-STRATEGIES = ("ulysses", "ring", "allgather", "hybrid", "auto")
+BytesModel = Callable[[int, int, int, int, int, int, int], float]
+"""(heads, kv_heads, sp_size, ulysses_size, local_tokens, head_dim, itemsize) -> bytes (Note [strategy bytes])."""
 
 
-def kv_head_repeats(heads: int, kv_heads: int, degree: int) -> int | None:
-    """Copies of each key/value head an all-to-all over ``degree`` ranks needs (Note [ulysses heads]).
+@dataclass(frozen=True)
+class StrategyRow:
+    """One attention strategy: what runs, which heads it allows, what it sends, and what mesh it needs."""
 
-    The heads split when the degree divides the query heads and either divides the KV heads (no copies)
-    or is a multiple of them (each KV head is copied ``degree // kv_heads`` times, so every rank receives
-    the one KV head its query heads read).
+    name: str
+    """The name ``seqpar.attention(strategy=...)`` takes ("local" is chosen, never asked for)."""
+    function: Callable[..., torch.Tensor]
+    """The strategy function; every one takes ``(q, k, v, *, mesh, layout, causal, scale, kernel, mask, sinks)``."""
+    all_to_all: str | None
+    """Which ranks its head all-to-all spans: "sp" (the whole SP group), "ulysses" (the mesh's ulysses axis), or
+    None (no all-to-all: any head count works)."""
+    kv_exchange: str | None
+    """How K/V reach the other ranks' queries: "ring" (blocks around a ring), "gather" (all-gathered), or None."""
+    head_groups: bool
+    """Whether more than one KV head per rank after the all-to-all runs it in head groups (Note [ulysses memory])."""
+    two_d: bool
+    """Whether it needs a 2-D mesh (a ring axis x an ulysses axis) to be itself."""
+    bytes_model: BytesModel
+    """Bytes per rank per layer, forward + backward, one batch row (Note [strategy bytes])."""
+
+    def degree(self, sp_size: int, ulysses_size: int) -> int:
+        """The all-to-all degree the heads must split over on these degrees (1 without an all-to-all).
+
+        Args:
+            sp_size: the sequence-parallel degree.
+            ulysses_size: the mesh's ulysses degree (1 on a flat mesh).
+
+        Returns:
+            ``sp_size``, ``ulysses_size`` or 1.
+        """
+        return {"sp": sp_size, "ulysses": ulysses_size}.get(self.all_to_all, 1)
+
+    def kv_repeats(self, heads: int, kv_heads: int, sp_size: int, ulysses_size: int = 1) -> int | None:
+        """Copies of each KV head the all-to-all needs (Note [ulysses heads]); None when the heads do not split.
+
+        Args:
+            heads: query heads.
+            kv_heads: key/value heads.
+            sp_size: the sequence-parallel degree.
+            ulysses_size: the mesh's ulysses degree.
+
+        Returns:
+            1 without an all-to-all; else ``kv_head_repeats`` over ``degree``.
+        """
+        return kv_head_repeats(heads, kv_heads, self.degree(sp_size, ulysses_size))
+
+    def heads_problem(
+        self, heads: int, kv_heads: int, sp_size: int, ulysses_size: int = 1, what: str | None = None
+    ) -> str | None:
+        """Why these heads cannot run this strategy on these degrees, as a message for the user, or None.
+
+        Args:
+            heads: query heads.
+            kv_heads: key/value heads (already known to divide ``heads``).
+            sp_size: the sequence-parallel degree.
+            ulysses_size: the mesh's ulysses degree.
+            what: the all-to-all's name in the message (default: the strategy's, "hybrid's ulysses axis").
+
+        Returns:
+            The message, or None when the heads split (always None without an all-to-all).
+        """
+        degree = self.degree(sp_size, ulysses_size)
+        if degree <= 1:
+            return None
+        default = f"{self.name}'s ulysses axis" if self.all_to_all == "ulysses" else self.name
+        return ulysses_heads_problem(heads, kv_heads, degree, what or default)
+
+    def bytes_sent(
+        self,
+        heads: int,
+        kv_heads: int,
+        sp_size: int,
+        ulysses_size: int,
+        local_tokens: int,
+        head_dim: int,
+        itemsize: int,
+    ) -> float:
+        """Bytes one rank sends per layer in one forward + backward of one batch row (Note [strategy bytes]).
+
+        Args:
+            heads: query heads.
+            kv_heads: key/value heads.
+            sp_size: the sequence-parallel degree.
+            ulysses_size: the mesh's ulysses degree (read by hybrid only).
+            local_tokens: tokens per rank.
+            head_dim: head dimension.
+            itemsize: bytes per element of q, k, v.
+
+        Returns:
+            The bytes, without the input check's signature exchange.
+        """
+        return self.bytes_model(heads, kv_heads, sp_size, ulysses_size, local_tokens, head_dim, itemsize)
+
+
+def _ulysses(h: int, kv: int, sp: int, _u: int, n: int, d: int, e: int) -> float:
+    return ulysses_bytes(h, kv, sp, n, d, e)
+
+
+def _ring(_h: int, kv: int, sp: int, _u: int, n: int, d: int, e: int) -> float:
+    return ring_bytes(kv, sp, n, d, e)
+
+
+def _allgather(_h: int, kv: int, sp: int, _u: int, n: int, d: int, e: int) -> float:
+    return allgather_bytes(kv, sp, n, d, e)
+
+
+def _hybrid(h: int, kv: int, sp: int, u: int, n: int, d: int, e: int) -> float:
+    return hybrid_bytes(h, kv, u, sp // u, n, d, e)
+
+
+ULYSSES = StrategyRow("ulysses", ulysses_attention, "sp", None, True, False, _ulysses)
+RING = StrategyRow("ring", ring_attention, None, "ring", False, False, _ring)
+ALLGATHER = StrategyRow("allgather", allgather_attention, None, "gather", False, False, _allgather)
+HYBRID = StrategyRow("hybrid", hybrid_attention, "ulysses", "ring", False, True, _hybrid)
+LOCAL = StrategyRow("local", local_attention, None, None, False, False, local_bytes)
+"""One rank holds the whole sequence (a sequence-parallel size of 1): chosen, never asked for."""
+AUTO = "auto"
+"""The name that asks ``select_strategy`` to choose (Note [auto strategy])."""
+
+STRATEGY_ROWS = {row.name: row for row in (ULYSSES, RING, ALLGATHER, HYBRID, LOCAL)}
+"""Name -> row, every strategy ``seqpar.attention`` can run."""
+STRATEGIES = (*(name for name in STRATEGY_ROWS if name != LOCAL.name), AUTO)
+"""The names a caller may pass as ``strategy=``: every row but "local", and "auto"."""
+
+
+def strategy_row(name: str) -> StrategyRow:
+    """The registry row of ``name`` ("local" included; not "auto", which ``select_strategy`` resolves).
 
     Args:
-        heads: query heads.
-        kv_heads: key/value heads.
-        degree: ranks of the all-to-all.
+        name: a strategy name.
 
     Returns:
-        1 or ``degree // kv_heads``; None when these heads cannot be split over ``degree`` ranks.
+        Its row.
+
+    Raises:
+        SeqparInputError: an unknown name (the message lists the registry).
     """
-    if degree < 1 or heads % degree:
-        return None
-    if kv_heads % degree == 0:
-        return 1
-    if degree % kv_heads == 0:
-        return degree // kv_heads
-    return None
+    row = STRATEGY_ROWS.get(name) if isinstance(name, str) else None
+    if row is None:
+        raise SeqparInputError(f"unknown strategy {name!r}; choose one of {STRATEGIES}")
+    return row
 
 
-def ulysses_degrees(heads: int, kv_heads: int) -> list[int]:
-    """The all-to-all degrees these heads allow, in increasing order (``kv_head_repeats`` is not None).
+def check_strategy_name(strategy: str) -> None:
+    """Raise unless ``strategy`` is a name a caller may pass (one of ``STRATEGIES``).
 
     Args:
-        heads: query heads.
-        kv_heads: key/value heads.
+        strategy: the name given.
 
-    Returns:
-        Every degree from 1 to ``heads`` that splits the heads.
+    Raises:
+        SeqparInputError: "unknown strategy ..." listing ``STRATEGIES``.
     """
-    return [p for p in range(1, heads + 1) if kv_head_repeats(heads, kv_heads, p) is not None]
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
+        raise SeqparInputError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
 
 
-def ulysses_heads_problem(heads: int, kv_heads: int, degree: int, what: str) -> str | None:
-    """Why the heads cannot be split over ``degree`` ranks, as a message for the user, or None.
+def strategy_options(sp_size: int) -> list[tuple[StrategyRow, int]]:
+    """Every (row, ulysses degree) that can run on ``sp_size`` ranks, before any head rule (the planner's list).
 
     Args:
-        heads: query heads.
-        kv_heads: key/value heads (already known to divide ``heads``).
-        degree: ranks of the all-to-all.
-        what: the name of the all-to-all in the message ("ulysses", "hybrid's ulysses axis").
-
-    Returns:
-        The message (naming the degrees that would work and the alternatives), or None when they split.
-    """
-    if kv_head_repeats(heads, kv_heads, degree) is not None:
-        return None
-    valid = ulysses_degrees(heads, kv_heads)
-    instead = "(or use strategy 'ring', 'allgather', or 'hybrid' with a smaller ulysses_size)"
-    if heads % degree:
-        return f"{what} needs query heads ({heads}) divisible by the degree {degree}; valid degrees: {valid} {instead}"
-    return (
-        f"{what} needs key/value heads ({kv_heads}) divisible by the degree {degree} or dividing it; "
-        f"valid degrees: {valid} {instead}"
-    )
-
-
-def resolve_strategy(strategy: str, heads: int, kv_heads: int, mesh: SequenceParallelMesh) -> str:
-    """The strategy ``"auto"`` stands for; any other name is returned unchanged.
-
-    On a mesh with both a ring and an ulysses axis: hybrid when the heads allow the ulysses degree. On a
-    flat mesh: ulysses when the heads allow the whole SP degree (one all-to-all hop, no sequential ring
-    steps). Otherwise ring, which serves any head count.
-
-    Args:
-        strategy: a name from ``STRATEGIES``.
-        heads: query heads.
-        kv_heads: key/value heads.
-        mesh: the sequence-parallel mesh the call runs on.
-
-    Returns:
-        "hybrid", "ulysses" or "ring" for "auto"; ``strategy`` itself otherwise.
-    """
-    return resolve_strategy_for(strategy, heads, kv_heads, mesh.sp_size, mesh.ulysses_size)
-
-
-def resolve_strategy_for(strategy: str, heads: int, kv_heads: int, sp_size: int, ulysses_size: int) -> str:
-    """``resolve_strategy`` for degrees given as numbers, with no mesh (for predictions before any rank starts).
-
-    Args:
-        strategy: a name from ``STRATEGIES``.
-        heads: query heads.
-        kv_heads: key/value heads.
         sp_size: the sequence-parallel degree.
-        ulysses_size: the all-to-all degree inside it (1 on a flat mesh).
 
     Returns:
-        "hybrid", "ulysses" or "ring" for "auto"; ``strategy`` itself otherwise.
+        ``[(LOCAL, 1)]`` on one rank; else the rows without an all-to-all at degree 1, then for every divisor
+        ``u > 1`` of ``sp_size`` the row whose all-to-all spans ``u`` ranks (the whole group, or a 2-D mesh's
+        ulysses axis).
     """
-    if strategy != "auto":
-        return strategy
-    allowed = ulysses_degrees(heads, kv_heads)
-    if 1 < ulysses_size < sp_size and ulysses_size in allowed:
-        return "hybrid"
-    if sp_size in allowed:
-        return "ulysses"
-    return "ring"
+    if sp_size == 1:
+        return [(LOCAL, 1)]
+    rows = [r for r in STRATEGY_ROWS.values() if r is not LOCAL]
+    options = [(r, 1) for r in rows if r.all_to_all is None]
+    for u in range(2, sp_size + 1):
+        if sp_size % u == 0:
+            spans = "sp" if u == sp_size else "ulysses"
+            options += [(r, u) for r in rows if r.all_to_all == spans]
+    return options
+
+
+# resolve_strategy / resolve_strategy_for moved to seqpar.sequence_parallel.selection (they call select_strategy,
+# which imports this module): they keep working from here, imported on first use.
+_MOVED = {
+    "resolve_strategy": "seqpar.sequence_parallel.selection",
+    "resolve_strategy_for": "seqpar.sequence_parallel.selection",
+}
+__getattr__ = module_getattr(__name__, _MOVED, globals())

@@ -35,13 +35,13 @@ from seqpar.sequence_parallel.kernels import AttentionKernel
 from seqpar.sequence_parallel.kernels.sinks import head_slice, sink_grad
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
 from seqpar.sequence_parallel.plans.planner import Block
+from seqpar.sequence_parallel.strategies.heads import kv_head_repeats
 from seqpar.sequence_parallel.strategies.local import (
     local_backward,
     local_forward,
     local_plan,
     whole_sequence_attention,
 )
-from seqpar.sequence_parallel.strategies.registry import kv_head_repeats
 
 __all__ = ["repeat_kv_heads", "ulysses_attention"]
 
