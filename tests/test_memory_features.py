@@ -255,11 +255,15 @@ def test_train_cli_tiled_mlp_gives_the_same_losses(tmp_path):
     from seqpar.train.model import build_model
 
     options = dict(seq_len=192, hidden_size=32, layers=2, heads=2, activation_checkpointing=True)
+
+    def train_model(config):  # as seqpar train builds it: the features come with seqpar.parallelize
+        return seqpar.parallelize(build_model(config, 64), None, options=config.parallelize_options())
+
     # the flag reaches the model (the same losses below would also come from a run that ignored it)
-    built = build_model(TrainConfig(**options, tiled_mlp=True, tiled_mlp_chunk=40), 64)
+    built = train_model(TrainConfig(**options, tiled_mlp=True, tiled_mlp_chunk=40))
     assert [is_tiled(layer.mlp) for layer in built.model.layers] == [True, True]
     assert built.model.layers[0].mlp.forward.chunk_tokens == 40
-    plain_built = build_model(TrainConfig(**options), 64)
+    plain_built = train_model(TrainConfig(**options))
     assert not any(is_tiled(m) for m in plain_built.modules())
     common = [*TINY, "--steps", "2", "--eval-examples", "2", "--activation-checkpointing"]
     plain = seqpar_train(*common, "--run-dir", str(tmp_path / "plain"))

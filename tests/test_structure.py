@@ -39,6 +39,7 @@ LAYERS = {
     "sequence_parallel": 9,
     "hf": 9,
     "memory": 9,
+    "parallel": 9,
     "pipeline_parallel": 10,
     "planning": 10,
     "diagnosis": 10,

@@ -1,7 +1,8 @@
 """seqpar: sequence parallelism for long-context transformer training (Ulysses, ring, all-gather attention).
 
 Attention: ``make_mesh``, ``shard_sequence``, ``attention``.
-Models: ``prepare_model``, ``shard_batch``, ``cross_entropy``, ``router_aux_loss``; SDPA code: ``context_parallel``.
+Models: ``parallelize`` (tp -> sp -> memory features -> dp on a ``ParallelDims`` mesh), ``prepare_model``,
+``shard_batch``, ``cross_entropy``, ``router_aux_loss``; SDPA code: ``context_parallel``.
 Why a sharded run differs from one process: ``doctor``.
 """
 
@@ -23,7 +24,8 @@ if TYPE_CHECKING:
     from seqpar.layouts.placed import Placement, placed_layout
     from seqpar.loss import count_valid_tokens, cross_entropy, lm_head_cross_entropy, sum_over
     from seqpar.memory import MemoryEstimate, apply_activation_offload, apply_tiled_mlp, estimate_memory
-    from seqpar.mesh import SequenceParallelMesh, as_sp_mesh, make_mesh
+    from seqpar.mesh import ParallelDims, SequenceParallelMesh, as_sp_mesh, make_mesh
+    from seqpar.parallel import ParallelizeOptions, parallelize
     from seqpar.pipeline_parallel import PipelineParallel, apply_pipeline_parallel
     from seqpar.planning import Cluster, Plan, plan
     from seqpar.sequence_parallel.api import AttentionChoice, attention, choose_attention
@@ -66,9 +68,12 @@ _NAMES = {
     "apply_activation_offload": "seqpar.memory",
     "apply_tiled_mlp": "seqpar.memory",
     "estimate_memory": "seqpar.memory",
+    "ParallelDims": "seqpar.mesh",
     "SequenceParallelMesh": "seqpar.mesh",
     "as_sp_mesh": "seqpar.mesh",
     "make_mesh": "seqpar.mesh",
+    "ParallelizeOptions": "seqpar.parallel",
+    "parallelize": "seqpar.parallel",
     "PipelineParallel": "seqpar.pipeline_parallel",
     "apply_pipeline_parallel": "seqpar.pipeline_parallel",
     "Cluster": "seqpar.planning",
@@ -100,6 +105,8 @@ __all__ = [
     "DoctorReport",
     "LayoutBalance",
     "MemoryEstimate",
+    "ParallelDims",
+    "ParallelizeOptions",
     "PipelineParallel",
     "Placement",
     "Plan",
@@ -129,6 +136,7 @@ __all__ = [
     "lm_head_cross_entropy",
     "make_mesh",
     "pack_documents",
+    "parallelize",
     "placed_layout",
     "plan",
     "position_ids",

@@ -67,6 +67,10 @@ MOVED_MODULES = {
     "seqpar.layout": "seqpar.layouts.chunks",
     "seqpar.balanced": "seqpar.layouts.balanced",
     "seqpar.placement": "seqpar.layouts.placed",
+    # hf files split only for an old 300-line cap, merged again
+    "seqpar.hf.trainer_evaluation": "seqpar.hf.trainer",
+    "seqpar.hf.grpo_checks": "seqpar.hf.grpo",
+    "seqpar.hf.grpo_loss": "seqpar.hf._grpo_loss",
 }
 
 

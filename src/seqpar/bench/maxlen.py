@@ -94,8 +94,9 @@ def feature_model(cfg: dict, mesh, device: torch.device) -> torch.nn.Module:
     Returns:
         The prepared model.
     """
-    model = build_model(_train_config(cfg, cfg["seq"]), cfg["vocab"])
-    return seqpar.prepare_model(model.to(device), mesh, strategy=cfg["strategy"])
+    config = _train_config(cfg, cfg["seq"])
+    model = build_model(config, cfg["vocab"]).to(device)
+    return seqpar.parallelize(model, mesh, options=config.parallelize_options())  # sp, then the features
 
 
 def _worker(rank: int, world_size: int, cfg: dict, out_path: str) -> None:

@@ -10,8 +10,8 @@ Note [seqpar.hf.Accelerator]
     - ``torch_device_mesh``: a DeviceMesh named as accelerate names it (``dp_replicate``, ``dp_shard``,
       ``cp``, ``sp``, flattened ``dp``, ``dp_shard_cp``, ``dp_cp``), so ``torch_device_mesh["sp"]`` is the
       sequence-parallel group; seqpar's own mesh (``seqpar_mesh``) covers the same ranks.
-    - ``prepare``: models are ``seqpar.prepare_model``-ed (sp: the Ulysses mesh; cp: one rank outside
-      ``maybe_context_parallel``, the cp mesh inside) with the loss hooks of Note [loss under
+    - ``prepare``: models get the sequence split of ``seqpar.parallelize`` (sp: the Ulysses mesh; cp: one rank
+      outside ``maybe_context_parallel``, the cp mesh inside) with the loss hooks of Note [loss under
       seqpar.hf.Accelerator], then DDP-wrapped over every process as accelerate does. A DataLoader yields
       this data-parallel replica's batches (Note [loaders by replica], Note [epoch ends]: ``len``,
       ``set_epoch`` and epochs as one process's; no row repeated); under sp each batch is this rank's
@@ -51,10 +51,10 @@ from seqpar.hf.parallelism import (
     parallelism_from_environment,
     plan_parallelism,
 )
-from seqpar.mesh import SequenceParallelMesh, make_mesh
+from seqpar.mesh import SequenceParallelMesh
+from seqpar.parallel import parallelize
 from seqpar.sequence_parallel.comm import all_gather_first_dim
 from seqpar.sequence_parallel.context_parallel.context_manager import context_parallel
-from seqpar.sequence_parallel.prepare import prepare_model
 
 __all__ = ["Accelerator"]
 
@@ -90,8 +90,7 @@ class Accelerator(_AccelerateAccelerator):
             )
         plan = plan_parallelism(None, config, self.num_processes)
         self.parallelism_plan, self._seqpar_config = plan, config
-        sequence = plan.sequence_parallel
-        self.seqpar_mesh = make_mesh(sp_size=sequence.sp_size, ulysses_size=sequence.ulysses_size)
+        self.seqpar_mesh = plan.dims.build_mesh()
         self._device_mesh = accelerate_device_mesh(config, self.device.type)
         self._shard_losses: list[tuple[torch.nn.Module, ShardLoss]] = []
 
@@ -127,7 +126,7 @@ class Accelerator(_AccelerateAccelerator):
         sequence = self.parallelism_plan.sequence_parallel
         sharded = self._cp_size == 1  # sp: the loader yields shards; cp: whole batches outside the block
         mesh = self.seqpar_mesh if sharded else None
-        prepare_model(model, mesh, strategy=sequence.strategy, layout=sequence.layout, kernel=sequence.kernel)
+        parallelize(model, mesh, options=sequence.parallelize_options())
         self._shard_losses.append((model, ShardLoss(model, sharded=sharded, layout=sequence.layout)))
 
     def _prepare_cp(self, *args: object) -> tuple:  # accelerate's torch context parallel: seqpar's is below
@@ -221,7 +220,7 @@ class Accelerator(_AccelerateAccelerator):
                 )
             )
             for model, loss in self._shard_losses:
-                prepare_model(model, mesh, strategy=sequence.strategy, layout=sequence.layout, kernel=sequence.kernel)
+                parallelize(model, mesh, options=sequence.parallelize_options())
                 loss.block = mesh
                 stack.callback(self._leave_block, model, loss)
             yield
@@ -229,7 +228,7 @@ class Accelerator(_AccelerateAccelerator):
     def _leave_block(self, model: torch.nn.Module, loss: ShardLoss) -> None:
         sequence = self.parallelism_plan.sequence_parallel
         loss.block = None
-        prepare_model(model, None, strategy=sequence.strategy, layout=sequence.layout, kernel=sequence.kernel)
+        parallelize(model, None, options=sequence.parallelize_options())
 
     def gather_for_metrics(self, input_data: object, use_gather_object: bool = False) -> object:
         """Gather ``input_data`` over the data-parallel replicas (every rank of a sp/cp group holds the same).

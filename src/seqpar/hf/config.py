@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 from seqpar.errors import SeqparInputError
 from seqpar.layouts.chunks import layout_names
+from seqpar.mesh import ParallelDims
+from seqpar.parallel import ParallelizeOptions
 from seqpar.sequence_parallel.strategies import STRATEGIES
 
 __all__ = [
@@ -60,14 +62,44 @@ class SequenceParallelConfig:
             raise SeqparInputError(f"sp_size must be a positive integer or None, got {self.sp_size!r}")
         if not isinstance(self.ulysses_size, int) or self.ulysses_size < 1:
             raise SeqparInputError(f"ulysses_size must be a positive integer, got {self.ulysses_size!r}")
-        if self.sp_size is not None and self.sp_size % self.ulysses_size:
-            raise SeqparInputError(f"ulysses_size {self.ulysses_size} must divide sp_size {self.sp_size}")
+        if self.sp_size is not None:
+            ParallelDims(sp_size=self.sp_size, ulysses_size=self.ulysses_size)  # ulysses divides sp
         if self.strategy not in STRATEGIES:
             raise SeqparInputError(f"unknown strategy {self.strategy!r}; choose one of {STRATEGIES}")
         if self.layout not in TRAINER_LAYOUTS:
             raise SeqparInputError(f"unknown layout {self.layout!r}; choose one of {TRAINER_LAYOUTS}")
         if self.seq_length is not None and (not isinstance(self.seq_length, int) or self.seq_length < 1):
             raise SeqparInputError(f"seq_length must be a positive integer or None, got {self.seq_length!r}")
+
+    def dims(self, world_size: int) -> ParallelDims:
+        """The degrees of a job of ``world_size`` processes: ``sp_size`` (None: all of them) x the replicas left.
+
+        Args:
+            world_size: processes in the job.
+
+        Returns:
+            ``ParallelDims`` with ``dp_replicate_size = world_size / sp_size`` (the door's DDP or FSDP2 wraps them).
+
+        Raises:
+            SeqparInputError: ``sp_size > 1`` on one process; a world size that ``sp_size`` does not divide.
+        """
+        sp_size = self.sp_size or world_size
+        if world_size == 1 and sp_size > 1:
+            raise SeqparInputError(
+                f"sp_size={sp_size} needs several processes: launch with torchrun or accelerate launch"
+            )
+        if world_size % sp_size:
+            valid = [d for d in range(1, world_size + 1) if world_size % d == 0]
+            raise SeqparInputError(
+                f"the world size {world_size} is not divisible by sp_size {sp_size}: the job runs world / sp_size "
+                f"data-parallel replicas; valid sp sizes here: {valid}"
+            )
+        return ParallelDims(dp_replicate_size=world_size // sp_size, sp_size=sp_size, ulysses_size=self.ulysses_size)
+
+    def parallelize_options(self) -> ParallelizeOptions:
+        """What ``seqpar.parallelize`` applies to a door's models: the strategy, layout and kernel (the door's
+        own DDP / FSDP2 / DeepSpeed engine does data parallel)."""
+        return ParallelizeOptions(strategy=self.strategy, layout=self.layout, kernel=self.kernel)
 
 
 def check_training_arguments(args: object) -> None:

@@ -36,8 +36,8 @@ from seqpar.hf.config import SequenceParallelConfig
 from seqpar.hf.loaders import replica_loader
 from seqpar.hf.sharded_call import ShardedCalls, shift_completion_labels
 from seqpar.hf.trainer import SequenceParallelMixin
+from seqpar.parallel import parallelize
 from seqpar.sequence_parallel.comm.collectives import collective_device
-from seqpar.sequence_parallel.prepare import prepare_model
 
 __all__ = ["SequenceParallelDPOTrainer", "check_dpo_arguments"]
 
@@ -121,7 +121,7 @@ class SequenceParallelDPOTrainer(SequenceParallelMixin, DPOTrainer):
         self.sharded_calls.install(self.model)
         if self.ref_model is not None:
             ref = self.accelerator.unwrap_model(self.ref_model)
-            prepare_model(ref, self.sp_mesh, strategy=config.strategy, layout=config.layout, kernel=config.kernel)
+            parallelize(ref, self.sp_mesh, options=config.parallelize_options())
             self.sharded_calls.install(ref)
         self.gather_function = self._gather_replicas  # evaluation losses: one copy per replica
         batch, drop_last = self.args.per_device_train_batch_size, self.args.dataloader_drop_last

@@ -1,6 +1,5 @@
-"""TRL's ``GRPOTrainer`` with the sequence split over ranks (needs ``trl``: ``pip install "seqpar[hf]"``).
-
-Completions are sampled once per sequence-parallel group with the whole model; scoring and the loss run sharded.
+"""TRL's ``GRPOTrainer`` with the sequence split over ranks (needs ``trl``: ``pip install "seqpar[hf]"``), and
+the ``GRPOConfig`` options it refuses; completions are sampled once per group, scoring and the loss run sharded.
 
 Note [GRPO generation per group]
     Each data-parallel replica is one process of TRL's view (Note [one process per group]): its ``sp_size``
@@ -23,16 +22,16 @@ from accelerate.utils import set_seed
 from trl import GRPOTrainer
 
 from seqpar.errors import SeqparInputError
+from seqpar.hf._grpo_loss import ShardGroups, policy_loss, record_metrics
 from seqpar.hf.completions import completion_shard, from_completions, to_completions
-from seqpar.hf.grpo_checks import check_grpo_arguments, check_grpo_trainer, replica_generation_batch
-from seqpar.hf.grpo_loss import ShardGroups, policy_loss, record_metrics
 from seqpar.hf.replica_view import ReplicaAccelerator, replica_collectives
 from seqpar.hf.trainer import SequenceParallelMixin
 from seqpar.integrations.unsharded import unsharded
 from seqpar.layouts.chunks import ChunkLayout
-from seqpar.sequence_parallel.prepare import LAYOUT_KEYWORD, prepare_model
+from seqpar.parallel import parallelize
+from seqpar.sequence_parallel.prepare import LAYOUT_KEYWORD
 
-__all__ = ["SequenceParallelGRPOTrainer"]
+__all__ = ["SequenceParallelGRPOTrainer", "check_grpo_arguments", "check_grpo_trainer", "replica_generation_batch"]
 
 
 def _rng_state() -> dict:
@@ -46,6 +45,109 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"])
+
+
+# ---- the settings it refuses, and its generation batch (every rank reads the same, so all raise alike) ----
+
+
+def _strategy(value: object) -> str:
+    return str(getattr(value, "value", value))
+
+
+def check_grpo_arguments(args: object, kwargs: dict) -> None:
+    """Refuse what the sequence-parallel GRPO trainer cannot serve, before TRL sets anything up.
+
+    Args:
+        args: the ``GRPOConfig``.
+        kwargs: the trainer's other keyword arguments (``tools``, ``environment_factory`` ...).
+
+    Raises:
+        SeqparInputError: no ``args``; vLLM or continuous-batching generation; tools and environments;
+            evaluation; the entropy bonus; FSDP or DeepSpeed.
+    """
+    if args is None:
+        raise SeqparInputError(
+            "SequenceParallelGRPOTrainer needs args=GRPOConfig(...) (its batch sizes count replicas)"
+        )
+    problems = []
+    if getattr(args, "use_vllm", False):
+        problems.append(
+            f"use_vllm=True (vllm_mode={getattr(args, 'vllm_mode', None)!r}) is not supported under sequence "
+            "parallelism: vLLM's engines and weight syncs are placed per process. Generate with transformers "
+            "(use_vllm=False: each sequence-parallel group samples once with the whole model), or pass rollout_func= "
+            "to call your own vLLM server: it runs once per group and its completions are shared by the group"
+        )
+    if getattr(args, "use_transformers_continuous_batching", False):
+        problems.append(
+            "use_transformers_continuous_batching has not been verified under sequence parallelism; leave it off "
+            "(generation with model.generate, once per sequence-parallel group)"
+        )
+    if kwargs.get("tools") or kwargs.get("environment_factory") is not None:
+        problems.append("tools and environment_factory are not supported: multi-turn rollouts are not implemented")
+    if _strategy(getattr(args, "eval_strategy", "no")) != "no" or kwargs.get("eval_dataset") is not None:
+        problems.append(
+            "evaluation is not implemented for SequenceParallelGRPOTrainer: set eval_strategy='no' and no eval_dataset"
+        )
+    if getattr(args, "entropy_coef", 0.0) or getattr(args, "use_adaptive_entropy", False):
+        problems.append(
+            "the entropy bonus (entropy_coef, use_adaptive_entropy) is not implemented under sequence parallelism"
+        )
+    if getattr(args, "fsdp", None) or getattr(args, "deepspeed", None):
+        problems.append(
+            "FSDP and DeepSpeed are not supported: one rank per group samples with the whole model, which sharded "
+            "parameters would need every rank for; train with DDP (the default)"
+        )
+    if problems:
+        raise SeqparInputError("SequenceParallelGRPOTrainer cannot honour: " + " | ".join(problems))
+
+
+def replica_generation_batch(args: object, sequence_parallel: object) -> None:
+    """Size TRL's generation batch by replicas: ``per_device x (world / sp_size) x steps_per_generation``.
+
+    TRL's ``GRPOConfig`` multiplies by every process; under sequence parallelism the ``sp_size`` ranks of a
+    group share each completion, so the prompts of one generation batch are those of the replicas.
+
+    Args:
+        args: the ``GRPOConfig`` (its ``generation_batch_size`` is set).
+        sequence_parallel: the ``SequenceParallelConfig`` or None (every rank shares each sequence).
+
+    Raises:
+        SeqparInputError: a generation batch that does not hold whole groups of ``num_generations``.
+    """
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else args.world_size
+    sp_size = getattr(sequence_parallel, "sp_size", None) or world
+    replicas = max(world // sp_size, 1)  # a world sp_size does not divide is refused by the mixin
+    args.generation_batch_size = args.per_device_train_batch_size * replicas * args.steps_per_generation
+    if args.generation_batch_size % args.num_generations:
+        raise SeqparInputError(
+            f"the generation batch per_device_train_batch_size ({args.per_device_train_batch_size}) x replicas "
+            f"({replicas}) x steps_per_generation ({args.steps_per_generation}) = {args.generation_batch_size} is not "
+            f"divisible by num_generations ({args.num_generations}): every prompt's completions must be in one batch"
+        )
+
+
+def check_grpo_trainer(trainer: object) -> None:
+    """Refuse what TRL's constructor decided and seqpar cannot serve (read from the built trainer).
+
+    Args:
+        trainer: the constructed trainer.
+
+    Raises:
+        SeqparInputError: a mixture-of-experts router loss; a multimodal processor; the placed layout.
+    """
+    problems = []
+    layout = getattr(getattr(trainer, "sequence_parallel", None), "layout", None)
+    if layout == "placed":  # the same on every rank: one config
+        problems.append(
+            "layout='placed' reorders packed documents, and each prompt + completion row is one document: use "
+            "'balanced', 'auto' (balanced for such rows) or 'zigzag'"
+        )
+    if getattr(trainer, "aux_loss_enabled", False):
+        problems.append("the router load-balancing loss (router_aux_loss_coef) is not implemented: set it to 0.0")
+    if getattr(trainer, "_is_vlm", False):
+        problems.append("vision-language models are not supported: seqpar shards token ids only")
+    if problems:
+        raise SeqparInputError("SequenceParallelGRPOTrainer cannot honour: " + " | ".join(problems))
 
 
 class SequenceParallelGRPOTrainer(SequenceParallelMixin, GRPOTrainer):
@@ -74,7 +176,7 @@ class SequenceParallelGRPOTrainer(SequenceParallelMixin, GRPOTrainer):
         config = self.sequence_parallel
         if self.ref_model is not None:
             reference = self.accelerator.unwrap_model(self.ref_model)
-            prepare_model(reference, self.sp_mesh, strategy=config.strategy, layout=config.layout, kernel=config.kernel)
+            parallelize(reference, self.sp_mesh, options=config.parallelize_options())
         mesh = self.sp_mesh.device_mesh
         dp_group = mesh.get_group("dp") if self.dp_size > 1 else None
         self.shard_groups = ShardGroups(

@@ -41,6 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from seqpar.errors import SeqparInputError
 from seqpar.hf.config import SequenceParallelConfig
+from seqpar.mesh import ParallelDims
 
 __all__ = [
     "ENVIRONMENT_SWITCH",
@@ -64,20 +65,28 @@ class ParallelismPlan:
 
     Attributes:
         sequence_parallel: the sequence-parallel settings (degree, Ulysses part, strategy, layout, kernel).
-        dp_replicate_size: data-parallel replicas that keep whole parameters (accelerate's name).
-        dp_shard_size: data-parallel replicas whose parameters FSDP2 may shard (accelerate's name).
+        dims: the job's degrees (replicas x sequence split; no tp or pp in the Hugging Face doors).
         parallelism_config: the accelerate config it was read from, or None (``sequence_parallel=`` alone).
     """
 
     sequence_parallel: SequenceParallelConfig
-    dp_replicate_size: int = 1
-    dp_shard_size: int = 1
+    dims: ParallelDims = dataclasses.field(default_factory=ParallelDims)
     parallelism_config: object | None = None
+
+    @property
+    def dp_replicate_size(self) -> int:
+        """Data-parallel replicas that keep whole parameters (accelerate's name)."""
+        return self.dims.dp_replicate_size
+
+    @property
+    def dp_shard_size(self) -> int:
+        """Data-parallel replicas whose parameters FSDP2 may shard (accelerate's name)."""
+        return self.dims.dp_shard_size
 
     @property
     def dp_size(self) -> int:
         """Data-parallel replicas: ``dp_replicate_size x dp_shard_size``."""
-        return self.dp_replicate_size * self.dp_shard_size
+        return self.dims.dp_size
 
 
 def parallelism_from_environment() -> object | None:
@@ -118,8 +127,8 @@ def _size(config: object, name: str) -> int:
     return value
 
 
-def _from_accelerate(config: object) -> tuple[SequenceParallelConfig, int, int]:
-    """The sequence-parallel settings and the replicas of one accelerate config (Note above)."""
+def _from_accelerate(config: object) -> tuple[SequenceParallelConfig, ParallelDims]:
+    """The sequence-parallel settings and the degrees of one accelerate config (Note above)."""
     sizes = {n: _size(config, n) for n in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")}
     problems = []
     if sizes["tp_size"] > 1:
@@ -158,7 +167,13 @@ def _from_accelerate(config: object) -> tuple[SequenceParallelConfig, int, int]:
     sequence = SequenceParallelConfig(
         sp_size=ulysses * ring, ulysses_size=ulysses, strategy=strategy, seq_length=seq_length
     )
-    return sequence, sizes["dp_replicate_size"], sizes["dp_shard_size"]
+    dims = ParallelDims(
+        dp_replicate_size=sizes["dp_replicate_size"],
+        dp_shard_size=sizes["dp_shard_size"],
+        sp_size=ulysses * ring,
+        ulysses_size=ulysses,
+    )
+    return sequence, dims
 
 
 def plan_parallelism(
@@ -184,14 +199,14 @@ def plan_parallelism(
             settings seqpar cannot honour (tensor parallel, hub attention kernels, a fixed width without one).
     """
     if parallelism_config is None:
-        return ParallelismPlan(sequence_parallel if sequence_parallel is not None else SequenceParallelConfig())
-    derived, replicate, shard = _from_accelerate(parallelism_config)
-    total = replicate * shard * (derived.sp_size or 1)
-    if total != world_size:
+        sequence = sequence_parallel if sequence_parallel is not None else SequenceParallelConfig()
+        return ParallelismPlan(sequence, sequence.dims(world_size))
+    derived, dims = _from_accelerate(parallelism_config)
+    if dims.world_size != world_size:
         raise SeqparInputError(
-            f"parallelism_config asks for dp_replicate_size ({replicate}) x dp_shard_size ({shard}) x cp_size x "
-            f"sp_size ({derived.sp_size}) = {total} processes, but the job has {world_size}; make the degrees "
-            "multiply to the number of processes"
+            f"parallelism_config asks for dp_replicate_size ({dims.dp_replicate_size}) x dp_shard_size "
+            f"({dims.dp_shard_size}) x cp_size x sp_size ({dims.sp_size}) = {dims.world_size} processes, but the job "
+            f"has {world_size}; make the degrees multiply to the number of processes"
         )
     if sequence_parallel is not None:
         mine = (sequence_parallel.sp_size or world_size, sequence_parallel.ulysses_size)
@@ -205,7 +220,7 @@ def plan_parallelism(
         if derived.seq_length is not None and sequence_parallel.seq_length is None:
             sequence_parallel = dataclasses.replace(sequence_parallel, seq_length=derived.seq_length)
         derived = sequence_parallel
-    return ParallelismPlan(derived, replicate, shard, parallelism_config)
+    return ParallelismPlan(derived, dims, parallelism_config)
 
 
 def accelerate_device_mesh(config: object, device_type: str) -> DeviceMesh:

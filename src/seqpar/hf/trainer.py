@@ -1,4 +1,5 @@
-"""``transformers.Trainer`` with the sequence split over ranks: a mixin and the ready-made Trainer subclass.
+"""``transformers.Trainer`` with the sequence split over ranks: a mixin (training and evaluation over shards)
+and the ready-made Trainer subclass.
 
 Launch with ``torchrun`` or ``accelerate launch``; the world is dp x sp and the Trainer's DDP/FSDP2 wrap it.
 
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from transformers import DataCollatorWithFlattening, Trainer
+from transformers.trainer_utils import EvalLoopOutput
 
 from seqpar.errors import SeqparInputError
 from seqpar.hf.batches import SequenceShard, StepShards, model_inputs, replica_of, shard_step
@@ -36,14 +38,16 @@ from seqpar.hf.config import (
     check_trainer_options,
     check_training_arguments,
 )
+from seqpar.hf.evaluation import evaluation_loss
 from seqpar.hf.loaders import shard_by_replica
+from seqpar.hf.metrics import BatchPredictions, computed_metrics, in_dataset_order, metric_arrays
 from seqpar.hf.neftune import WIDTH, noisy_embeddings
 from seqpar.hf.parallelism import hidden_parallelism_environment, parallelism_from_environment, plan_parallelism
-from seqpar.hf.trainer_evaluation import EvaluationMixin
 from seqpar.integrations.moe import model_router_loss
 from seqpar.loss import cross_entropy
-from seqpar.mesh import SequenceParallelMesh, as_sp_mesh, make_mesh
-from seqpar.sequence_parallel.prepare import LAYOUT_KEYWORD, prepare_model
+from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
+from seqpar.parallel import parallelize
+from seqpar.sequence_parallel.prepare import LAYOUT_KEYWORD
 
 __all__ = ["SequenceParallelMixin", "SequenceParallelTrainer", "build_mesh"]
 
@@ -70,14 +74,81 @@ def build_mesh(config: SequenceParallelConfig) -> SequenceParallelMesh:
                 f"sp_size={config.sp_size} needs several processes: launch with torchrun or accelerate launch"
             )
         return as_sp_mesh(None)
-    world = dist.get_world_size()
-    sp_size = config.sp_size or world
-    if world % sp_size:
-        raise SeqparInputError(
-            f"the world size {world} is not divisible by sp_size {sp_size}: the job runs world / sp_size "
-            f"data-parallel replicas; valid sp sizes here: {[d for d in range(1, world + 1) if world % d == 0]}"
+    return config.dims(dist.get_world_size()).build_mesh()
+
+
+class EvaluationMixin:
+    """Evaluation and prediction loops of ``SequenceParallelMixin`` (Note [evaluation loss], [metrics over shards])."""
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        """The evaluation dataloader for this replica, without batches repeated to even out the replicas."""
+        loader = super().get_eval_dataloader(eval_dataset)
+        world = self.accelerator.num_processes
+        return shard_by_replica(loader, self.dp_size, self.dp_rank, world_size=world, even_batches=False)
+
+    def get_test_dataloader(self, test_dataset):
+        """The prediction dataloader for this replica (``predict`` reports the loss only)."""
+        loader = super().get_test_dataloader(test_dataset)
+        world = self.accelerator.num_processes
+        return shard_by_replica(loader, self.dp_size, self.dp_rank, world_size=world, even_batches=False)
+
+    # ---- evaluation (Note [evaluation loss]) ----
+
+    # (logits, shift_labels) -> sums over this rank's shard that evaluation adds up per batch; None: none
+    eval_statistics = None
+
+    def record_eval_statistics(self, per_batch: list[torch.Tensor]) -> None:
+        """Receives ``eval_statistics``' sequence-group sums of each of this replica's evaluation batches."""
+
+    def eval_router_weight(self) -> float | None:
+        """The weight of each batch's router loss in its evaluation loss; None: the model's own coefficient."""
+        return None
+
+    def record_eval_router_losses(self, per_batch: list[float]) -> None:
+        """Receives the router loss of each of this replica's evaluation batches (unweighted; 0.0: no router)."""
+
+    def evaluation_loop(
+        self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
+    ) -> EvalLoopOutput:
+        """The evaluation loss of one process, computed on sharded sequences; with ``compute_metrics``, its
+        metrics on the whole-sequence predictions of every replica (Note [metrics over shards])."""
+        self.callback_handler.eval_dataloader = dataloader
+        collected: list[torch.Tensor] = []
+        router_losses: list[float] = []
+        skip = self.args.prediction_loss_only if prediction_loss_only is None else prediction_loss_only
+        wanted = self.compute_metrics is not None and not skip
+        layout = self.sequence_parallel.layout
+        predictions = BatchPredictions(self.sp_mesh, layout, self.preprocess_logits_for_metrics) if wanted else None
+
+        def on_batch() -> None:
+            self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
+
+        loss, count = evaluation_loss(
+            self.model,
+            dataloader,
+            self.sp_mesh,
+            group=self._world_group(),
+            batch_size=self.args.eval_batch_size,
+            layout=layout,
+            autocast=self.accelerator.autocast,
+            on_batch=on_batch,
+            statistics=self.eval_statistics,
+            collected=collected,
+            label_smoothing=self.label_smoother.epsilon if self.label_smoother is not None else 0.0,
+            on_logits=predictions,
+            router_losses=router_losses,
+            router_weight=self.eval_router_weight(),
         )
-    return make_mesh(sp_size=sp_size, ulysses_size=config.ulysses_size)
+        if self.eval_statistics is not None:
+            self.record_eval_statistics(collected)
+        self.record_eval_router_losses(router_losses)
+        metrics, preds, label_ids = {}, None, None
+        if predictions is not None:
+            batches = in_dataset_order(predictions.batches, self.sp_mesh, self._world_group(), self.dp_size)
+            preds, label_ids = metric_arrays(batches, self.args.eval_do_concat_batches)
+            metrics = computed_metrics(self.compute_metrics, preds, label_ids, metric_key_prefix)
+        metrics[f"{metric_key_prefix}_loss"] = loss
+        return EvalLoopOutput(predictions=preds, label_ids=label_ids, metrics=metrics, num_samples=count)
 
 
 class SequenceParallelMixin(EvaluationMixin):
@@ -136,7 +207,8 @@ class SequenceParallelMixin(EvaluationMixin):
         self.dp_size, self.dp_rank = replica_of(self.sp_mesh)
         # Note [NEFTune over shards]: seqpar adds the noise itself (compute_loss), not transformers' hook
         self.sp_neftune_alpha, self.neftune_noise_alpha = check_neftune(self.neftune_noise_alpha, self.dp_size), None
-        prepare_model(self.model, self.sp_mesh, strategy=config.strategy, layout=config.layout, kernel=config.kernel)
+        # the door's DDP / FSDP2 / DeepSpeed engine does data parallel: seqpar applies the sequence split only
+        parallelize(self.model, self.sp_mesh, options=config.parallelize_options())
 
     def _build_accelerator_args(self, **kwargs) -> dict:
         """The Trainer's Accelerator arguments, ``parallelism_config`` left out (seqpar has planned with it)."""
@@ -260,6 +332,7 @@ class SequenceParallelMixin(EvaluationMixin):
         embeddings = self.accelerator.unwrap_model(model).get_input_embeddings()
         layout = shard.get(LAYOUT_KEYWORD) or self.sequence_parallel.layout
         return noisy_embeddings(embeddings, self.sp_neftune_alpha, shard.get(WIDTH), self.sp_mesh, layout)
+
 
 class SequenceParallelTrainer(SequenceParallelMixin, Trainer):
     """``transformers.Trainer`` with sequence parallelism; the same constructor plus ``sequence_parallel=``.

@@ -64,6 +64,7 @@ from seqpar.errors import SeqparInputError
 from seqpar.memory.pipeline import stage_views
 from seqpar.memory.rank import OPTIMIZER_STATES, estimate_rank
 from seqpar.memory.result import MemoryEstimate
+from seqpar.mesh import ParallelDims
 from seqpar.models import ModelSizes
 from seqpar.sequence_parallel.selection import select_strategy
 from seqpar.sequence_parallel.strategies.registry import STRATEGIES
@@ -101,7 +102,7 @@ def estimate_memory(
     model_config: object,
     seq_len: int,
     *,
-    sp_size: int,
+    sp_size: int | None = None,
     ulysses_size: int = 1,
     dp_size: int = 1,
     tp_size: int = 1,
@@ -118,6 +119,7 @@ def estimate_memory(
     pp_size: int = 1,
     pp_schedule: str = "1f1b",
     pp_microbatches: int | None = None,
+    dims: ParallelDims | None = None,
 ) -> MemoryEstimate:
     """Predict one rank's memory during one training step (forward, backward, gradient sum, optimizer).
 
@@ -126,7 +128,7 @@ def estimate_memory(
     Args:
         model_config: a transformers decoder config (LlamaConfig, Qwen2Config, ...) or a dict of its fields.
         seq_len: tokens of one whole sequence (before it is split over sp ranks).
-        sp_size: sequence-parallel degree.
+        sp_size: sequence-parallel degree (required unless ``dims`` is given).
         ulysses_size: ulysses degree inside sp (hybrid).
         dp_size: data-parallel degree.
         tp_size: tensor-parallel degree (heads and MLP split).
@@ -147,6 +149,8 @@ def estimate_memory(
             rank (Note [pipeline memory and time]); ``micro_batch`` is one pipeline micro-batch's rows.
         pp_schedule: "gpipe", "1f1b" or "interleaved" (how many micro-batches a stage holds in flight).
         pp_microbatches: micro-batches per pipeline step (default ``pp_size``).
+        dims: the degrees as one ``seqpar.ParallelDims``, in place of ``sp_size``, ``ulysses_size``,
+            ``dp_size``, ``tp_size`` and ``pp_size``.
 
     Returns:
         The ``MemoryEstimate``: bytes by category, the peak and the moment that sets it.
@@ -186,6 +190,18 @@ def estimate_stage_memory(model_config: object, seq_len: int, **settings: object
 
 def _stage_estimates(model_config: object, seq_len: int, settings: dict) -> list[MemoryEstimate]:
     """The estimates of ``estimate_memory``'s keyword ``settings`` (all of them given), one per pipeline end."""
+    settings = dict(settings)
+    dims = settings.pop("dims", None)
+    if dims is not None:  # one ParallelDims in place of the five degrees
+        settings.update(
+            sp_size=dims.sp_size,
+            ulysses_size=dims.ulysses_size,
+            dp_size=dims.dp_size,
+            tp_size=dims.tp_size,
+            pp_size=dims.pp_size,
+        )
+    elif settings["sp_size"] is None:
+        raise SeqparInputError("cannot estimate memory: give sp_size (or dims=seqpar.ParallelDims(...))")
     s = SimpleNamespace(**settings)
     features = tuple(s.features)
     sizes = {k: settings[k] for k in ("sp_size", "ulysses_size", "dp_size", "tp_size")}

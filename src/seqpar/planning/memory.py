@@ -42,16 +42,12 @@ def estimate_layout(
     return estimate_memory(
         model.as_config(),
         seq_len,
-        sp_size=layout.sp,
-        ulysses_size=layout.ulysses,
-        dp_size=layout.dp,
-        tp_size=layout.tp,
+        dims=layout.dims,
         dtype=DTYPES[dtype],
         micro_batch=micro_batch,
         features=tuple(f for f in layout.features if f != OFFLOAD_OPTIMIZER),
         strategy="ring" if layout.strategy == "local" else layout.strategy,
         dp_mode=layout.dp_mode,
         offload_optimizer=OFFLOAD_OPTIMIZER in layout.features,
-        pp_size=layout.pp,
         pp_microbatches=layout.pp_microbatches or None,
     )

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from seqpar.errors import SeqparInputError
 from seqpar.memory import MemoryEstimate
+from seqpar.mesh import ParallelDims
 from seqpar.models import ModelSizes
 from seqpar.planning.cluster import Cluster
 from seqpar.planning.documents import check_doc_len
@@ -205,7 +206,8 @@ def _search_pp(result: Plan, pp: int, microbatches: int, dp_modes: tuple[str, ..
                 continue
             for strategy, u, problem in _strategies(shape, sp, tp, cluster):
                 for mode in dp_modes:
-                    layout = Layout(gpus // (sp * tp), sp, u, tp, strategy, (), mode, pp, microbatches)
+                    dims = ParallelDims.for_world(cluster.gpus, sp_size=sp, ulysses_size=u, tp_size=tp, pp_size=pp)
+                    layout = Layout.of(dims, strategy, (), mode, microbatches)
                     if problem:
                         result.rejected.append(Rejection(_family(layout), problem))
                     else:

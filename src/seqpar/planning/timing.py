@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from seqpar.errors import SeqparInputError
 from seqpar.memory import FEATURES as MEMORY_FEATURES
 from seqpar.memory.pipeline import bubble_fraction, p2p_bytes, stage_views
+from seqpar.mesh import ParallelDims
 from seqpar.models import ModelSizes
 from seqpar.planning.cluster import Cluster
 from seqpar.planning.documents import check_doc_len, placed_kv_fraction, visible_fraction
@@ -88,10 +89,38 @@ class Layout:
     pp_microbatches: int = 0
     """Micro-batches of a pipeline step (0: pp)."""
 
+    @classmethod
+    def of(
+        cls,
+        dims: ParallelDims,
+        strategy: str,
+        features: tuple[str, ...] = (),
+        dp_mode: str = "replicate",
+        pp_microbatches: int = 0,
+    ) -> Layout:
+        """The layout of ``dims`` (its dp replicas counted as one degree) with a strategy, features and dp mode."""
+        return cls(
+            dims.dp_size,
+            dims.sp_size,
+            dims.ulysses_size,
+            dims.tp_size,
+            strategy,
+            features,
+            dp_mode,
+            dims.pp_size,
+            pp_microbatches,
+        )
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The degrees as one ``seqpar.ParallelDims`` (the dp replicas sharded under dp_mode fsdp)."""
+        dp = {"dp_shard_size" if self.dp_mode == "fsdp" else "dp_replicate_size": self.dp}
+        return ParallelDims(**dp, sp_size=self.sp, ulysses_size=self.ulysses, tp_size=self.tp, pp_size=self.pp)
+
     @property
     def world(self) -> int:
         """Ranks in all."""
-        return self.pp * self.dp * self.sp * self.tp
+        return self.dims.world_size
 
 
 @dataclass(frozen=True)

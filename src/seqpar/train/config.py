@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, fields
 
 from seqpar.errors import SeqparInputError
 from seqpar.layouts.chunks import layout_names, named_layout
+from seqpar.mesh import ParallelDims
+from seqpar.parallel import ParallelizeOptions
 from seqpar.sequence_parallel.strategies.registry import STRATEGIES
 from seqpar.train.pipeline_config import pipeline_problems
 
@@ -168,8 +170,11 @@ class TrainConfig:
                 f"--layout {self.layout} cannot be combined with --pp > 1: the pipeline stages are told one layout "
                 f"when they are built, and {self.layout} gives every batch its own; use --layout zigzag with --pp"
             )
-        if self.ulysses >= 1 and self.sp >= 1 and self.sp % self.ulysses:
-            problems.append(f"--ulysses {self.ulysses} must divide --sp {self.sp}")
+        if all(getattr(self, name) >= 1 for name in ("pp", "sp", "ulysses", "dp", "tp")):
+            try:
+                self.dims()
+            except SeqparInputError:  # the one degree rule ParallelDims adds: said with the flags' names
+                problems.append(f"--ulysses {self.ulysses} must divide --sp {self.sp}")
         if self.batch_size >= 1 and self.grad_accum >= 1 and self.batch_size % self.grad_accum:
             problems.append(f"--batch-size {self.batch_size} must be divisible by --grad-accum {self.grad_accum}")
         if self.dp_mode not in ("replicate", "ddp", "fsdp"):
@@ -210,6 +215,32 @@ class TrainConfig:
             problems.append(f"checkpoint directory not found: {self.resume}")
         if problems:
             raise SeqparInputError("invalid training settings:\n  - " + "\n  - ".join(problems))
+
+    def dims(self, sp: int | None = None) -> ParallelDims:
+        """The run's degrees: --pp, --dp (sharded under --dp-mode fsdp), --sp, --ulysses, --tp.
+
+        Args:
+            sp: another sequence-parallel degree instead of --sp (the memory check's alternatives).
+
+        Raises:
+            SeqparInputError: a degree below 1, or --ulysses not dividing the sequence-parallel degree.
+        """
+        dp = {"dp_shard_size" if self.dp_mode == "fsdp" else "dp_replicate_size": self.dp}
+        return ParallelDims(**dp, sp_size=sp or self.sp, ulysses_size=self.ulysses, tp_size=self.tp, pp_size=self.pp)
+
+    def parallelize_options(self) -> ParallelizeOptions:
+        """What ``seqpar.parallelize`` applies for this run (--dp-mode replicate: no wrapper, gradients summed by
+        the step's ``reduce_gradients``)."""
+        return ParallelizeOptions(
+            strategy=self.strategy,
+            layout=self.layout,
+            dp_mode=None if self.dp_mode == "replicate" else self.dp_mode,
+            offload_optimizer=self.offload_optimizer,
+            activation_checkpointing=self.activation_checkpointing,
+            tiled_mlp=self.tiled_mlp,
+            tiled_mlp_chunk=self.tiled_mlp_chunk,
+            offload_activations=self.offload_activations,
+        )
 
     def tokenizer_path(self) -> str | None:
         """The tokenizer directory to load, or None for the byte tokenizer."""

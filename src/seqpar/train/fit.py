@@ -69,10 +69,7 @@ def train_estimate(
     return estimate_memory(
         model_config,
         padded,
-        sp_size=sp,
-        ulysses_size=config.ulysses,
-        dp_size=config.dp,
-        tp_size=config.tp,
+        dims=config.dims(sp),
         dtype=torch.float32 if config.precision == "fp32" else torch.bfloat16,
         micro_batch=config.batch_size // config.grad_accum // (config.pp_microbatches or config.pp),
         features=memory_features(config) if features is None else features,
@@ -82,7 +79,6 @@ def train_estimate(
         mlp_chunk=config.tiled_mlp_chunk,
         keep_gradients=keep_gradients,
         offload_optimizer=config.offload_optimizer,
-        pp_size=config.pp,
         pp_schedule=config.pp_schedule,
         pp_microbatches=config.pp_microbatches,
     )

@@ -44,7 +44,7 @@ def _precheck(config: TrainConfig, world_size: int) -> None:
 
     The one check of pp x dp x sp x tp against the world size: here both launchers know it (spawned or torchrun).
     """
-    ranks = config.pp * config.dp * config.sp * config.tp
+    ranks = config.dims().world_size
     if ranks != world_size:
         valid = [d for d in range(1, world_size + 1) if world_size % d == 0]
         pp = f"--pp {config.pp} x " if config.pp > 1 else ""
@@ -95,7 +95,7 @@ def launch(config: TrainConfig) -> int:
     """
     if _under_torchrun():
         return _launch_torchrun(config)
-    world = config.nproc if config.nproc is not None else config.pp * config.dp * config.sp * config.tp
+    world = config.nproc if config.nproc is not None else config.dims().world_size
     _precheck(config, world)
     run_dir = _prepare_run_dir(config)
     if config.resume == "auto" and latest_checkpoint(os.path.join(run_dir, "checkpoints")) is None:

@@ -11,7 +11,6 @@ import os
 import torch
 
 from seqpar.errors import SeqparInputError
-from seqpar.memory import apply_activation_offload, apply_tiled_mlp
 from seqpar.train.config import TrainConfig
 
 __all__ = ["build_model", "model_config"]
@@ -66,7 +65,8 @@ def model_config(config: TrainConfig, vocab_size: int) -> object:
 
 
 def build_model(config: TrainConfig, vocab_size: int) -> torch.nn.Module:
-    """The model on the CPU (weights from the model directory when present, else seeded random)."""
+    """The model on the CPU (weights from the model directory when present, else seeded random), before
+    ``seqpar.parallelize`` applies the parallel axes and the memory features."""
     import transformers
 
     cfg = model_config(config, vocab_size)
@@ -80,13 +80,4 @@ def build_model(config: TrainConfig, vocab_size: int) -> torch.nn.Module:
         )
     else:
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    if config.activation_checkpointing:
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if config.tiled_mlp:
-        apply_tiled_mlp(model, chunk_tokens=config.tiled_mlp_chunk)
-    if config.offload_activations:  # after checkpointing, whose saved layer inputs it moves
-        apply_activation_offload(model)
     return model

@@ -175,31 +175,24 @@ def set_up_run(config: TrainConfig, run_dir: str) -> RunState:
         SeqparInputError: settings or files that turn out not to work on the ranks (raised on every rank).
     """
     world, rank = dist.get_world_size(), dist.get_rank()
-    mesh = seqpar.make_mesh(
-        sp_size=config.sp, ulysses_size=config.ulysses, dp_size=config.dp, tp_size=config.tp, pp_size=config.pp
-    )
+    mesh = config.dims().build_mesh()
     device = _rank_device(mesh)
     tokenizer = load_tokenizer(config.tokenizer_path())
     vocab = getattr(tokenizer, "vocab_size", None) or len(tokenizer)
     model = build_model(config, vocab)
     if not config.offload_optimizer:  # offloaded: FSDP2 moves each unit to the device as it shards it
         model = model.to(device)
-    if config.tp > 1:
-        seqpar.apply_tensor_parallel(model, mesh)
-    # "balanced": each batch's layout comes with its shard (step.py, evaluate.py pass it as seqpar_layout=)
-    seqpar.prepare_model(model, mesh, strategy=config.strategy, layout=config.layout)
     if config.pp > 1 and router_loss_settings(model) is not None:  # the same model, so every rank raises
         raise SeqparInputError(
             "--pp with a mixture-of-experts router loss (output_router_logits) is not implemented: the pipeline's "
             "stages return hidden states only; set output_router_logits false in the config, or train without --pp"
         )
+    # tp -> sp -> memory features -> dp (Note [parallelize order]); "balanced": each batch's layout comes with
+    # its shard (step.py, evaluate.py pass it as seqpar_layout=); "replicate": no wrapper, every rank holds the
+    # parameters, gradients summed by one all-reduce after the backward
+    forward = seqpar.parallelize(model, mesh, options=config.parallelize_options())
+    # --pp takes --dp-mode replicate only, so the stages are cut from the unwrapped model
     pipeline = build_pipeline(config, model, mesh) if config.pp > 1 else None
-    # "replicate": every rank holds the parameters, gradients summed by one all-reduce after the backward
-    forward = (
-        model
-        if config.dp_mode == "replicate"
-        else seqpar.apply_data_parallel(model, mesh, config.dp_mode, offload_optimizer=config.offload_optimizer)
-    )
     optimizer = torch.optim.AdamW(
         pipeline.parameters() if pipeline else model.parameters(),
         lr=config.lr,

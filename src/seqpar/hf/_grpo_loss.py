@@ -1,6 +1,6 @@
 """GRPO's clipped policy loss, KL term and metrics over sequence shards, with each loss type's normalisation.
 
-Used by ``SequenceParallelGRPOTrainer.compute_loss`` (Note [GRPO over shards]).
+Used by ``SequenceParallelGRPOTrainer.compute_loss`` in ``seqpar.hf.grpo`` (Note [GRPO over shards]).
 
 Note [GRPO over shards]
     TRL's GRPO loss is built from per-token terms (importance ratio, clipping, KL to the reference) and then

@@ -1,0 +1,16 @@
+"""All the axes on one model: ``parallelize`` applies tensor, sequence and data parallel and the memory features.
+
+Each ``apply_*`` step runs on its own sub-mesh of the job's mesh; ``ParallelizeOptions`` says what to apply.
+"""
+
+from __future__ import annotations
+
+from seqpar.parallel.compose import (
+    DP_MODES,
+    ParallelizeOptions,
+    apply_memory_features,
+    apply_sequence_parallel,
+    parallelize,
+)
+
+__all__ = ["DP_MODES", "ParallelizeOptions", "apply_memory_features", "apply_sequence_parallel", "parallelize"]
