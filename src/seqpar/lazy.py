@@ -67,6 +67,7 @@ MOVED_MODULES = {
     "seqpar.layout": "seqpar.layouts.chunks",
     "seqpar.balanced": "seqpar.layouts.balanced",
     "seqpar.placement": "seqpar.layouts.placed",
+    "seqpar.bench.maxlen_report": "seqpar.bench.maxlen",  # the maxlen bench's report, one module with it again
 }
 
 
