@@ -40,6 +40,12 @@ def test_import_seqpar_and_its_common_names_load_no_trainer_stack():
     assert "seqpar.sequence_parallel.api" in loaded  # the names did resolve
 
 
+def test_import_seqpar_hf_loads_the_trainer_stacks_only_when_a_name_needs_them():
+    assert _heavy(_loaded("import seqpar.hf\nseqpar.hf.SequenceParallelConfig")) == []
+    loaded = _loaded("import seqpar.hf\nseqpar.hf.SequenceParallelTrainer")
+    assert "transformers" in loaded and "trl" not in loaded  # TRL waits for its own trainers
+
+
 def test_import_seqpar_alone_loads_no_torch():
     assert "torch" not in _loaded("import seqpar")
 
