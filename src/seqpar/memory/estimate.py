@@ -206,7 +206,7 @@ def _stage_estimates(model_config: object, seq_len: int, settings: dict) -> list
     d = model_dims(model_config, s.tp_size)
     rank = dict(
         chosen=_strategy(s.strategy, d, s.sp_size, s.ulysses_size),
-        b=torch.empty((), dtype=s.dtype).element_size(),
+        b=s.dtype.itemsize,
         tokens=s.micro_batch * seq_len // s.sp_size,
         features=features,
         sizes=sizes,
