@@ -252,6 +252,22 @@ def pipeline_memory_table(runs: list[dict]) -> str:
     return with_runs("pipeline_cpu", owners, [*header, "peak", "within 15%"], cells)
 
 
+def imports_table(records: list[dict]) -> str:
+    """``seqpar bench imports``: each case's fresh process, medians on the wall clock and in CPU time."""
+    header = ["case", "wall (s)", "over import torch", "CPU time (s)", "over import torch"]
+    cells = [
+        [
+            f"`{r['case']}`",
+            f"{r['wall_s']:.2f}",
+            f"{r['wall_over_torch_s']:+.2f}",
+            f"{r['cpu_s']:.2f}",
+            f"{r['cpu_over_torch_s']:+.2f}",
+        ]
+        for r in records
+    ]
+    return with_runs("imports_cpu", records, header, cells)
+
+
 def run_cells(name: str, records: list[dict]) -> list[str]:
     """The command and date cells of a headline row drawn from one record file."""
     runs = runs_of(records)

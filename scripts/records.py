@@ -258,6 +258,7 @@ TABLES = {
     "context_parallel_memory": lambda d: tables.context_parallel_memory_table(load("context_parallel_cpu", d)),
     "pipeline_time": lambda d: tables.pipeline_time_table(load("pipeline_cpu", d)),
     "pipeline_memory": lambda d: tables.pipeline_memory_table(load("pipeline_cpu", d)),
+    "imports": lambda d: tables.imports_table(load("imports_cpu", d)),
 }
 
 

@@ -71,6 +71,7 @@ MOVED_MODULES = {
     "seqpar.hf.trainer_evaluation": "seqpar.hf.trainer",
     "seqpar.hf.grpo_checks": "seqpar.hf.grpo",
     "seqpar.hf.grpo_loss": "seqpar.hf._grpo_loss",
+    "seqpar.bench.maxlen_report": "seqpar.bench.maxlen",  # the maxlen bench's report, one module with it again
 }
 
 

@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
-from torch.distributed.tensor import DTensor
 
 from seqpar.data import IGNORE_INDEX
 from seqpar.errors import SeqparInputError
@@ -215,6 +214,8 @@ def lm_head_cross_entropy(
         raise SeqparInputError(f"chunk_size must be a positive number of tokens, not {chunk_size!r}")
     if hidden.shape[:-1] != shift_labels.shape:
         raise SeqparInputError(f"hidden {tuple(hidden.shape)} and labels {tuple(shift_labels.shape)} do not match")
+    from torch.distributed.tensor import DTensor  # here, not at the top: importing DTensor is most of seqpar's import
+
     if isinstance(lm_head.weight, DTensor):
         raise SeqparInputError(
             "lm_head_cross_entropy needs the output head's whole weight, not a DTensor (tensor parallel or FSDP2 "

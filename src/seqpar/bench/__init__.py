@@ -26,6 +26,7 @@ BENCHMARKS = (
     "soak",
     "pipeline",
     "rl_memory",
+    "imports",
 )
 
 

@@ -28,10 +28,10 @@ Note [RL steps in the estimate]
     steps, so they are in neither figure. Not in the estimate: the reference forward (no gradient: one
     layer's tensors at a time, below the backward's recomputed layer); TRL's per-token tensors (a few floats
     per token of the whole row, on every rank). Where it misses: TRL's fused head on the CPU (the torch
-    fallback of its Triton kernel) peaks at nine to ten fp32 ``min(N, 4096) x vocab`` blocks (N: positions on
-    the rank) where the chunked loss counts three (one-process probe, Llama 2 x 128, 2 rows of 2048: vocab 64
-    grows 59.0 MB, estimate 58.8; vocab 512, 86.6 MB, estimate 59.0; vocab 2048, 293 MB). Above the layers'
-    backward they set the peak, and do not shrink with sp while N > 4096: see the record's vocab-512 run.
+    fallback of its Triton kernel) holds more fp32 ``min(N, 4096) x vocab`` blocks (N: positions on the rank)
+    than the three the chunked loss counts (the probe's figures: docs/guides/preference-and-rl.md, "Memory
+    per rank"). Above the layers' backward they set the peak, and do not shrink with sp while N > 4096: see
+    the record's vocab-512 run.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ Runs the real command (spawned ranks, checkpoints every 100 steps, metrics and p
 Every step's record in ``metrics.jsonl`` holds each rank's resident set (VmRSS) after the step; the bench
 compares, per rank, the median over ``--window`` steps from ``--mark`` (after warm-up: optimizer state,
 allocator pools and the first checkpoint exist) with the median over the last ``--window`` steps (one step's
-resident set moves by about 1% with the allocator's pools), against the 2% growth the soak allows. It also
+resident set moves with the allocator's pools, so single steps are not compared), against the 2% growth the
+soak allows (a run's figures: docs/guides/train.md, "Soak"). It also
 prints the resident set every ``--every`` steps so a slow leak shows its slope, not just its end points.
 """
 

@@ -34,24 +34,15 @@ from seqpar.train.config import TrainConfig
 from seqpar.train.data import FileRows, load_tokenizer
 from seqpar.train.model import build_model, model_config
 
-__all__ = ["add_doctor_parser", "run_doctor"]
+__all__ = ["add_doctor_flags", "run_doctor"]
 
 
-def add_doctor_parser(sub: argparse._SubParsersAction) -> None:
-    """Add the ``doctor`` subcommand and its flags to the ``seqpar`` command line.
+def add_doctor_flags(p: argparse.ArgumentParser) -> None:
+    """Add ``seqpar doctor``'s flags to its subcommand's parser.
 
     Args:
-        sub: the subparsers of the ``seqpar`` parser.
+        p: the ``doctor`` parser of the ``seqpar`` command line.
     """
-    p = sub.add_parser(
-        "doctor",
-        help="compare one sequence-parallel training step with one process, layer by layer, and find setup pitfalls",
-        description="Run one forward and backward of the model on --sp ranks and on one process with the same "
-        "weights and batch; print per decoder layer the largest relative difference of activations and of "
-        "parameter gradients, the first layer beyond the dtype's tolerance, the setup pitfalls found (packing "
-        "without position ids, shifted labels, attention outside seqpar, token mixing outside attention, dropout, "
-        "left padding) and a verdict. Exit code 0 when everything agrees and no pitfall is found, else 1.",
-    )
     add_model_argument(p, presets=False)
     add_degree_arguments(p, sp_default=2, sp_help="sequence-parallel ranks (spawned on CPU unless under torchrun)")
     p.add_argument("--strategy", choices=STRATEGIES, default="auto", help="attention strategy")

@@ -25,21 +25,15 @@ from seqpar.planning.models import PRESETS
 from seqpar.train.data import load_tokenizer
 from seqpar.train.model import model_config
 
-__all__ = ["add_estimate_parser", "run_estimate"]
+__all__ = ["add_estimate_flags", "run_estimate"]
 
 
-def add_estimate_parser(sub: argparse._SubParsersAction) -> None:
-    """Add the ``estimate`` subcommand and its flags to the ``seqpar`` command line.
+def add_estimate_flags(p: argparse.ArgumentParser) -> None:
+    """Add ``seqpar estimate``'s flags to its subcommand's parser.
 
     Args:
-        sub: the subparsers of the ``seqpar`` parser.
+        p: the ``estimate`` parser of the ``seqpar`` command line.
     """
-    p = sub.add_parser(
-        "estimate",
-        help="print the predicted per-rank memory of a training step",
-        description="Predict one rank's memory during one training step (forward, backward, gradient sum, "
-        "optimizer) from a model config, without allocating it.",
-    )
     add_model_argument(p, presets=True)
     p.add_argument("--seq-len", type=int, required=True, help="tokens of one whole sequence")
     add_degree_arguments(p, sp_default=None, sp_help="sequence-parallel degree")

@@ -9,18 +9,42 @@
 
 from __future__ import annotations
 
-from seqpar.hf.batches import (
-    SequenceShard,
-    StepShards,
-    model_inputs,
-    replica_of,
-    shard_step,
-    to_shard,
-)
-from seqpar.hf.config import SequenceParallelConfig
-from seqpar.hf.loaders import replica_loader, replica_sampler
-from seqpar.hf.parallelism import ParallelismPlan, plan_parallelism
-from seqpar.hf.trainer import SequenceParallelMixin, SequenceParallelTrainer, build_mesh
+from typing import TYPE_CHECKING
+
+from seqpar.lazy import module_getattr
+
+if TYPE_CHECKING:
+    from seqpar.hf.accelerator import Accelerator
+    from seqpar.hf.batches import SequenceShard, StepShards, model_inputs, replica_of, shard_step, to_shard
+    from seqpar.hf.config import SequenceParallelConfig
+    from seqpar.hf.dpo import SequenceParallelDPOTrainer
+    from seqpar.hf.grpo import SequenceParallelGRPOTrainer
+    from seqpar.hf.loaders import replica_loader, replica_sampler
+    from seqpar.hf.parallelism import ParallelismPlan, plan_parallelism
+    from seqpar.hf.sft import SequenceParallelSFTTrainer
+    from seqpar.hf.trainer import SequenceParallelMixin, SequenceParallelTrainer, build_mesh
+
+# transformers, accelerate, trl and datasets load with the first name that needs them, not with `import seqpar.hf`
+_NAMES = {
+    "Accelerator": "seqpar.hf.accelerator",
+    "SequenceShard": "seqpar.hf.batches",
+    "StepShards": "seqpar.hf.batches",
+    "model_inputs": "seqpar.hf.batches",
+    "replica_of": "seqpar.hf.batches",
+    "shard_step": "seqpar.hf.batches",
+    "to_shard": "seqpar.hf.batches",
+    "SequenceParallelConfig": "seqpar.hf.config",
+    "SequenceParallelDPOTrainer": "seqpar.hf.dpo",
+    "SequenceParallelGRPOTrainer": "seqpar.hf.grpo",
+    "replica_loader": "seqpar.hf.loaders",
+    "replica_sampler": "seqpar.hf.loaders",
+    "ParallelismPlan": "seqpar.hf.parallelism",
+    "plan_parallelism": "seqpar.hf.parallelism",
+    "SequenceParallelSFTTrainer": "seqpar.hf.sft",
+    "SequenceParallelMixin": "seqpar.hf.trainer",
+    "SequenceParallelTrainer": "seqpar.hf.trainer",
+    "build_mesh": "seqpar.hf.trainer",
+}
 
 __all__ = [
     "Accelerator",
@@ -43,23 +67,4 @@ __all__ = [
     "to_shard",
 ]
 
-
-def __getattr__(name: str) -> object:
-    if name == "Accelerator":  # accelerate's Accelerator module is loaded only when asked for
-        from seqpar.hf.accelerator import Accelerator
-
-        return Accelerator
-    # trl is optional and slow to import: load the SFT trainer only when it is asked for
-    if name == "SequenceParallelSFTTrainer":
-        from seqpar.hf.sft import SequenceParallelSFTTrainer
-
-        return SequenceParallelSFTTrainer
-    if name == "SequenceParallelGRPOTrainer":
-        from seqpar.hf.grpo import SequenceParallelGRPOTrainer
-
-        return SequenceParallelGRPOTrainer
-    if name == "SequenceParallelDPOTrainer":
-        from seqpar.hf.dpo import SequenceParallelDPOTrainer
-
-        return SequenceParallelDPOTrainer
-    raise AttributeError(f"module 'seqpar.hf' has no attribute {name!r}")
+__getattr__ = module_getattr(__name__, _NAMES, globals())

@@ -49,11 +49,12 @@ CHUNKS_PER_RANK = (2, 4, 8, 16)
 """The chunks per rank the solver tries, fewest first (Note [balanced layout])."""
 TILE_COSTS = (1.0, 1.0, 1.3)
 """Kernel time per score of a plain tile, a causal square and a masked tile, relative to a plain tile.
-Measured for seqpar's CPU kernel (fwd + bwd, one thread, 128-token tiles of packed documents): a causal square
-costs its whole area (the kernel skips little of it at this size; larger squares count their diagonal 512-key
-blocks only, ``tiles.square_parts``), a masked tile 1.25-1.3x a plain one (its boolean mask is read and
-applied). A kernel that skips the upper half of a causal square (FlashAttention on
-a GPU) has about (1.0, 0.5, ...): pass its costs as ``tile_costs``."""
+For seqpar's CPU kernel (fwd + bwd, one thread, 128-token tiles of packed documents): a causal square costs
+its whole area (the kernel skips little of it at this size; larger squares count their diagonal 512-key
+blocks only, ``tiles.square_parts``), a masked tile more than a plain one (its boolean mask is read and
+applied; the timings are in docs/benchmarks.md, "Cost model of the CPU kernel"). A kernel that skips the
+upper half of a causal square (FlashAttention on a GPU) has about (1.0, 0.5, ...): pass its costs as
+``tile_costs``."""
 
 
 def _global_mask(

@@ -209,7 +209,7 @@ def _stage_estimates(model_config: object, seq_len: int, settings: dict) -> list
     d = ModelSizes.from_config(model_config, s.tp_size)
     rank = dict(
         chosen=select_strategy(s.strategy, d.num_attention_heads, d.num_key_value_heads, s.sp_size, s.ulysses_size),
-        b=torch.empty((), dtype=s.dtype).element_size(),
+        b=s.dtype.itemsize,
         tokens=s.micro_batch * seq_len // s.sp_size,
         features=features,
         sizes=sizes,

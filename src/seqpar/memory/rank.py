@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from seqpar.gradients import BUCKET_MB
 from seqpar.memory.activations import activation_bytes, comm_elements
@@ -18,6 +19,34 @@ __all__ = ["OPTIMIZER_STATES", "estimate_rank"]
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}
 """Optimizer states per parameter."""
 _MB = 2**20
+
+
+def _peak_candidates(layers: int, grows: int, shards: int, freed: float) -> Sequence[int]:
+    """The layers of the backward among which the largest ``during(done)`` of ``estimate_rank`` lies.
+
+    Layer by layer, the gradients in flight rise by ``grows // shards`` or one more (the floor of a multiple) and
+    the kept activations fall by ``freed``. When the sum can only rise, the last layer holds the most (its
+    gradients too, so it also wins ties); when it can only fall, the first does. Only when the floor's rounding
+    decides the sign is every layer a candidate. The planner asks this for thousands of layouts: one or two
+    evaluations instead of one per layer.
+
+    Args:
+        layers: decoder layers of the rank.
+        grows: gradient bytes each layer's backward adds before sharding (0: the gradients held do not grow).
+        shards: ranks the gradients are sharded over.
+        freed: kept activation bytes each layer's backward frees.
+
+    Returns:
+        The ``done`` indices to evaluate.
+    """
+    if layers == 0:
+        return ()
+    least, rounded = divmod(grows, shards)
+    if least >= freed:
+        return (layers - 1,)
+    if least + (rounded > 0) < freed:
+        return (0,)
+    return range(layers)
 
 
 def estimate_rank(
@@ -59,7 +88,8 @@ def estimate_rank(
         The rank's ``MemoryEstimate``.
     """
     sp_size, ulysses_size, dp_size = sizes["sp_size"], sizes["ulysses_size"], sizes["dp_size"]
-    d = dataclasses.replace(d, num_hidden_layers=view.layers)
+    if view.layers != d.num_hidden_layers:  # a pipeline rank holds its stage's layers (replace is slow in a loop)
+        d = dataclasses.replace(d, num_hidden_layers=view.layers)
     layers, tied, hidden, vocab = d.num_hidden_layers, d.tie_word_embeddings, d.hidden_size, d.vocab_size
     total, layer_params, head_params = parameter_counts(d)
     if pipelined and not tied:  # one end of the model: the embedding (first rank) or norm and head (last)
@@ -95,12 +125,15 @@ def estimate_rank(
     # chunked: the output head's gradient accumulates in its own buffer from the first piece's backward on
     early = (head_grad or gathered_head) if "chunked_loss" in features else 0
     moments = {"backward start": (kept_grads + early, act["kept"], 0, loss + held_logits, 0, 0)}
-    worst = (0, 0)
-    for done in range(layers):  # the backward of the (done+1)-th layer from the top
+    freed = act["kept_per_layer"] * (act["kept_layers"] == layers)  # kept activations each layer's backward frees
+    def during(done: int) -> tuple[int, int]:
+        """(gradients + kept activations, gradients) in the backward of the (done+1)-th layer from the top."""
         in_flight = 2 * layer_params * b if offload_optimizer else (done + 1) * layer_params * b // shards
         grads = kept_grads or head_grad + in_flight
-        kept = act["kept"] - done * act["kept_per_layer"] * (act["kept_layers"] == layers)
-        worst = max(worst, (grads + kept, grads))
+        return grads + act["kept"] - done * freed, grads
+
+    grows = 0 if offload_optimizer or kept_grads else layer_params * b  # per layer, before the // shards
+    worst = max([(0, 0), *(during(done) for done in _peak_candidates(layers, grows, shards, freed))])
     # the attention's buffers live while its backward runs, after the MLP's tensors of the layer are freed
     if act["recomputed"] + act["extra"] >= act["recomputed_attention"] + comm:
         transient, comm = act["recomputed"] + act["extra"], 0

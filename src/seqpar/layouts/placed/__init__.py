@@ -12,12 +12,12 @@ Note [placed layout]
     (a ``ChunkLayout`` over the reordered row, so every strategy, planner and ``kv_needs`` table runs on
     it unchanged):
     - a document is *long* when it holds more tokens than a rank's share ``L`` or more attention work
-      than ``1.05`` of a rank's mean work. Long documents go first, each over few ranks
+      than ``WORK_SLACK`` of a rank's mean work. Long documents go first, each over few ranks
       (``seqpar.layouts.placed.split``). A causal one that needs at most two ranks, or one whose work per token
       is flat (a window much shorter than it, or bidirectional), is cut into contiguous pieces from its
       end: a rank takes the document's chunks backwards while its work, its free tokens counted as filled
-      by the cheapest whole documents left, stays within ``1.02`` of the mean; then the rank with the most
-      room goes on. A causal document's tail is its most expensive part per token, so the tail's rank
+      by the cheapest whole documents left, stays within the first of ``FILL_TARGETS``; then the rank with
+      the most room goes on. A causal document's tail is its most expensive part per token, so the tail's rank
       holds the fewest of its tokens and its head's keys travel to one rank only (a head ``h`` costs ``2h``
       tokens sent and ``h`` returned). A flat document that this would spread over more ranks than its
       tokens and work need is cut into equal runs over that many ranks instead. A causal document that
@@ -32,12 +32,14 @@ Note [placed layout]
       else with the head of one more document, whose rest opens the next rank's home run (the only cut,
       and it moves that head's keys only);
     - inside a home run documents keep their order in the row.
+    The slacks, shares and limits named here are the constants of ``split``, ``home``, ``chain``, ``refine``
+    and ``solver``, documented where they are defined.
     Tokens: the reordered row holds ``S' = P k c`` tokens (chunk length ``c``, about a 32nd of ``S/P``; a
     rank's consecutive chunks are tiled as one run, so small chunks do not make small kernel calls;
     ``k`` chunks per rank), every rank holds exactly ``k c``, and padding takes
-    the rest: ``k`` is the fewest chunks that hold the row, or one more when that stays within 1.05 of
-    ``S/P`` (see the refining pass below), so each rank's tokens, padding
-    included, are within 1.05 of the mean ``S/P``. Padding is its own document (position ids from 0,
+    the rest: ``k`` is the fewest chunks that hold the row, or one more when that stays within
+    ``TOKEN_SLACK`` of ``S/P`` (see the refining pass below), so each rank's tokens, padding
+    included, are within ``TOKEN_SLACK`` of the mean ``S/P``. Padding is its own document (position ids from 0,
     labels ignored, ``token_mask`` 0; it restarts at every chunk, so it costs one tile per chunk), so no
     real token sees it.
     Work: what the ring's plans of the placed row compute (``planner.plan_cost``; ``layout_balance``
@@ -49,24 +51,24 @@ Note [placed layout]
     its document's squares (``_token_work``); the refining pass counts them exactly per rank from its runs.
     With a causal window, a query tile a window or more into its document also computes the masked tile the
     band's edge crosses (``token_costs``): exact on the grid a window's tiles follow, approximate where a run
-    end moves it (within 1.2% of the plans on the benchmark's window row and a test row).
+    end moves it (close to the plans; the measured gap is in docs/benchmarks.md).
     Refining pass (``seqpar.layouts.placed.refine``): the row's order is then fixed and only which rank holds
-    each chunk changes. A rank's score is its work (at least ``BALANCE_SLACK`` = 1.05 of the mean),
-    ``OVER`` = 1000 per unit of work above that, and ``key_cost`` per token of K/V traffic (keys it sends
-    count twice, forward and backward; keys it receives once, their gradients go home; per document, each
+    each chunk changes. A rank's score is its work (at least ``BALANCE_SLACK`` of the mean), ``OVER`` per
+    unit of work above that (far above a token's traffic), and ``key_cost`` per token of K/V traffic (keys it
+    sends count twice, forward and backward; keys it receives once, their gradients go home; per document, each
     rank needs one interval of keys: its document's start, or its first query minus the window, to its last
     query). While it lowers the largest score, the pass exchanges a chunk of the top rank with another
-    rank's chunk: the 8 exchanges that look best by loads and a guess of the traffic each move adds are
+    rank's chunk: the few exchanges that look best by loads and a guess of the traffic each move adds are
     scored exactly, and the best is taken when the top rank falls and no rank rises to it. Evening the work
     comes first (that is the balance target), then traffic: a cut is made only where the work needs it, and
-    a batch already within 1.05 is left as it is. The target stays fixed during a pass (a cut lowers the
+    a batch already within the slack is left as it is. The target stays fixed during a pass (a cut lowers the
     mean, and a moving target would turn each cut into an excess elsewhere); a new pass starts from the new
-    mean while a rank is above it (at most ``PASSES`` = 10, ``REFINE_ROUNDS`` = 200 exchanges in all).
+    mean while a rank is above it (at most ``PASSES`` passes, ``REFINE_ROUNDS`` exchanges in all).
     Short documents only: when every document holds at most ``S/(2P)`` tokens, the candidates keep every
     document whole and are not refined, so ring and all-gather move no K/V at all (the limit of dynamic
     context parallelism, with the mesh unchanged). The candidate with the least traffic (none, where the
     padding lets whole documents fill the runs), then the most even work, is taken; its work is as even as
-    whole documents allow, which on a short row with few documents per rank can be well above 1.05.
+    whole documents allow, which on a short row with few documents per rank can be well above the slack.
     Candidates: the row is built and refined twice, with ``k`` and with ``k + 1`` chunks per rank (more
     padding, more room to keep documents whole), and the refined candidate taken is within the balance
     target, then has the least traffic on its busiest rank, then the least work on it (ties: fewer chunks).
@@ -76,21 +78,21 @@ Note [placed layout]
     allows) but each fits two shares, and there are at most ``P / 2`` of them: every rank holds one
     contiguous run of the row, and each dense document crosses one run end, its head ending run ``r`` and
     its tail opening run ``r + 1`` (alternate ends, so no run both sends a head and receives a tail). The
-    tail's work is the largest share of the mean (0.9 down to 0.4) whose runs ``assign_homes`` can even
-    (else the most even within 1.1 of the mean), then each document's share is moved by 0.05 while that
+    tail's work is the largest share of the mean (``TAIL_SHARES``, largest first) whose runs ``assign_homes``
+    can even (else the most even within ``REFINE_ROOM`` of the mean), then each document's share is moved by
+    ``SHARE_STEP`` while that
     lowers the busiest run's traffic; documents
     no run holds whole are cut at the run ends no dense document crosses. Only the heads' keys travel, to
     one rank each; the refining pass then evens what the builders' work model left above the target.
     While the whole short documents cannot even the
-    home runs, the tail's share of a long document is lowered (1.02, then 0.96, then 0.90 of the mean)
+    home runs, the tail's share of a long document is lowered (through ``FILL_TARGETS``)
     before the refining pass has to cut documents.
     Bytes: a document holding most of the row's work must be spread over every rank to even the work,
     and its keys then travel whatever the placement. ``traffic_floor`` (Note [traffic floor]) bounds the
-    busiest rank's traffic from below over every placement even within the slacks: on the SFT-like row of
-    ``seqpar bench masks`` (one 5,165-token document holding 91% of the work, P = 4) it is 6.3 MB at 8/2
-    heads of 64 fp32, 0.85 of the zigzag layout's need (whose busiest rank does 2.17x the mean work) and
-    0.44 of the balanced layout's; the placed layout needs 10.5 MB there (``seqpar bench placement``
-    reports placed over the floor per row).
+    busiest rank's traffic from below over every placement even within the slacks: on a row where one
+    document holds most of the work, even the floor is a large share of what zigzag needs while zigzag
+    leaves its busiest rank far above the mean work (docs/benchmarks.md, "Masks and layouts", has the
+    measured bytes; ``seqpar bench placement`` reports placed over the floor per row).
     A batch whose documents all fit whole and whose padding suffices has no document on two ranks:
     ``kv_needs`` is then empty between ranks and ring and all-gather move no K/V at all.
     Not reordered: rows with block-causal ranges (blocks are global token ranges), batches whose rows hold

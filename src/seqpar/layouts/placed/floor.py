@@ -12,7 +12,7 @@ Note [traffic floor]
     ``(square - plain / 2) min(n, 512) - plain / 2`` per token over its visible keys at the plain cost
     (``tiles.square_parts``: a square's diagonal 512-key blocks hold at most 512 of its area per token), so
     the mean is at most the row's visible keys at the plain cost plus that, over ``P``. Padding's own work
-    (one chunk-sized square per chunk, under 0.2% of the bench rows) is not counted.
+    (one chunk-sized square per chunk, a small fraction of a row's) is not counted.
     Take one document of ``n`` tokens and sort the ranks by the last of its tokens they hold:
     ``L_1 >= L_2 >= ... >= L_P`` (0 for a rank holding none). A key ``j`` is needed by every rank other than
     its holder whose last token lies after ``j``, and each such pair costs 3 tokens of traffic (2 sent, 1
@@ -25,11 +25,11 @@ Note [traffic floor]
     - the rank holding a document's last token receives every key of it that it does not hold: at least
       the document's tokens beyond a rank's.
     The larger of the two is the floor. It holds for every placement, whatever its order and chunks, and
-    says how far a solver is from the best possible: on ``seqpar bench masks``' SFT-like row (one
-    5,165-token document holding most of the work, P = 4) it is 0.85 of what the zigzag layout's busiest
-    rank needs while that rank does twice the mean work: no even placement moves much less than zigzag
-    there. It is a bound, not an achievable value: short rows and documents cut over few ranks sit well
-    above it.
+    says how far a solver is from the best possible: on a row where one document holds most of the work it
+    is close to what the zigzag layout's busiest rank needs while that rank does about twice the mean work,
+    so no even placement moves much less than zigzag there (the measured rows: docs/benchmarks.md, "Masks
+    and layouts"). It is a bound, not an achievable value: short rows and documents cut over few ranks sit
+    well above it.
 """
 
 from __future__ import annotations

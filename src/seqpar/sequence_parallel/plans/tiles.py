@@ -76,9 +76,9 @@ def square_parts(side: int | torch.Tensor) -> tuple:
     """``(diagonal, below)``: the area of a causal square of ``side`` in its diagonal ``SQUARE_BLOCK`` squares
     (computed whole at the causal square's cost) and below them (plain). Their sum is at most ``side ** 2``.
 
-    Measured with the CPU kernel (fwd + bwd, 8 heads of 64): a causal call over ``t`` tokens costs 0.96-1.04
-    of the plain call's time up to ``t = 512``, 0.85 at 768, 0.68 at 1024 and 0.62 at 2048; this model gives
-    1.0, 0.78, 0.75 and 0.63 of the area.
+    The CPU kernel's causal call costs about its whole area up to one block and falls towards half of it for
+    longer squares, as this model does (timings against the model: docs/benchmarks.md, "Cost model of the
+    CPU kernel").
     """
     whole, rest = side // SQUARE_BLOCK, side % SQUARE_BLOCK
     diagonal = whole * SQUARE_BLOCK**2 + rest * rest

@@ -22,12 +22,13 @@ Note [ring backward]
     earlier, at the price of not overlapping that one transfer (O(S/P) bytes against O((S/P)^2)
     compute). Blocks run in tiles of two pieces of queries, so that one tile's out-of-place kernel
     gradients are the only temporaries. What a rank holds beyond out and dQ/dK/dV is thus a few pieces,
-    not whole K/V blocks and their dK/dV partials: at 2 ranks that is the difference between 0.85x and
-    0.50x of one process's peak growth (``seqpar bench attention``). The pieces cost more, smaller
-    messages and kernel calls; the bytes sent are the same. On CPU that costs little, so pieces go down
-    to 256 tokens. On an H200, 512-token pieces made a rank's backward compute 3x slower at 16K tokens
-    (kernel launches and small tiles), so on CUDA a chunk is cut only into pieces of at least 16K tokens,
-    i.e. for sequences of 64K x P tokens and more; below that the backward runs whole chunks.
+    not whole K/V blocks and their dK/dV partials, which lowers the per-rank peak well below one process's
+    (``seqpar bench attention``; the measured ratios are in docs/benchmarks.md). The pieces cost more,
+    smaller messages and kernel calls; the bytes sent are the same. On CPU that costs little, so pieces go
+    down to 256 tokens. On a GPU small pieces cost far more than they save (kernel launches and small tiles;
+    the measured case is in docs/benchmarks.md, "One GPU"), so on CUDA a chunk is cut only into pieces of
+    at least 16K tokens, i.e. for sequences of 64K x P tokens and more; below that the backward runs whole
+    chunks.
 """
 
 from __future__ import annotations
