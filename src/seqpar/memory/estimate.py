@@ -10,7 +10,7 @@ Note [memory estimate]
     normalised and weighted outputs and the attention residual sum (4H, counting the sum once), rotated q,
     the attention output and its row-major copy for o_proj (3Hq), k and v (2Hkv), and in the MLP gate, up,
     silu(gate) and their product (4I): 4H + 3Hq + 2Hkv + 4I elements (counted with saved-tensor hooks on
-    one layer; measured after the forward: 21 KB per token and layer for a 256-wide Llama, predicted 21.5).
+    one layer; the check against a real layer is in docs/benchmarks.md, "Longest sequence in a memory budget").
     * no checkpointing: every layer keeps input + saved tensors; the backward starts at the loss;
     * checkpointing: each layer keeps its input only; the backward of a layer recomputes its saved tensors
       and, while the MLP's gradients are formed, holds about one more I-sized and one H-sized tensor per

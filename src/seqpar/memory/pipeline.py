@@ -41,8 +41,8 @@ Note [pipeline memory and time]
     when the step ends, so every activation and gradient a rank sent stays alive until then: m (2 v - 1)
     [micro_batch, S / sp, H] tensors by the end. The estimate adds them whole to the activations of both
     activation moments, an upper bound: the peak comes in the steady state, when most but not all have been
-    sent (measured at m 8: 15-17 MiB above the activations in flight where 24 are counted; GPipe and 1F1B
-    wait for their sends as they go and showed nothing of the kind).
+    sent; GPipe and 1F1B wait for their sends as they go, so nothing of the kind is counted for them (the
+    interleaved measurement: docs/benchmarks.md, "Longest sequence in a memory budget").
     Point-to-point traffic: each stage boundary carries one activation [micro_batch, S / sp, H] in the
     model's dtype forward and its gradient backward per micro-batch; a rank sends (and receives) v of them
     each way per micro-batch (one at the pipeline's ends), 2 v m T H b bytes per pipeline step.

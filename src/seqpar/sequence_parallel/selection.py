@@ -20,28 +20,18 @@ Note [auto strategy]
     compares), and the maximum over ranks is taken, so every rank picks the same and no rank waits on a
     collective the others skip; nothing is communicated. The table is the one the ring then runs with
     (same key in ``mask.plans``), and the choice is kept there too, so the layers of one step pay for it
-    once (39-86 ms for a log-normal row of 128K tokens at P = 8, one thread, where ulysses still wins and
-    the table serves nothing else); a call given ``position_ids=`` builds its own mask: pass a prebuilt one.
-    The ratio is measured (``seqpar bench masks --ranks 4 --seq 8192 --strategies ulysses ring allgather
-    --layouts placed --repeats 3``, then ``--strategies ulysses ring --layouts placed zigzag --masks window
-    log-normal RL``; gloo on 2 shared CPU cores, 8/2 heads, fp32; ring bytes of the busiest rank over
-    Ulysses', then ring vs ulysses step seconds of the slowest rank, two runs where there are two):
-    placed short documents 0.00, 0.26 vs 0.41 s; placed RL groups 0.00, 0.26 vs 0.40 and 0.41 vs 0.36 (the
-    same ring step took 0.26 s in the first run: noise); placed 16 documents 0.11, 0.27 vs 0.36; zigzag RL
-    groups 0.12, 0.30 vs 0.35; placed window S/8 0.21, 0.73 vs 0.94 and 0.69 vs 0.91; zigzag window S/8
-    0.33, 0.62 vs 0.77; zigzag log-normal 0.39, 0.87 vs 1.00 (its busiest ring rank computes about 2x the
-    mean; it lost in earlier runs); placed log-normal (one document holds most of the work and is spread
-    over every rank) 0.56, 0.87 vs 0.79 and 0.99 vs 1.07. The ring wins by 1.2-1.6x at 0.33 and below
-    (windows included, since their tiles follow the window's grid, Note [masked tiles]) but for the one
-    noisy step; above that the balance of the work and the noise decide. The rule takes the ring at
-    ``RING_BYTES_RATIO`` = 0.25 and below, inside the measured wins. On links slower than one host's
-    loopback the bytes weigh more and the crossover moves up; on links faster against the compute (NVLink)
-    it may move down; neither is measured here, so the ratio stays where the CPU runs won.
+    once (a table build is tens of milliseconds for a 128K-token row at P = 8, one thread; see
+    docs/benchmarks.md, "The auto rule's crossover"); a call given ``position_ids=`` builds its own mask:
+    pass a prebuilt one.
+    The ratio sits where CPU runs of ``seqpar bench masks`` (ring against ulysses under placed and zigzag
+    rows of documents, RL groups, windows and log-normal mixes) had the ring winning: it won clearly where
+    its bytes were a third of Ulysses' or less, and above that the balance of the work and the noise
+    decided (the rows: docs/benchmarks.md). On links slower than one host's loopback the bytes weigh more
+    and the crossover moves up; on links faster against the compute (NVLink) it may move down; neither is
+    measured, so the ratio stays where the CPU runs won.
     Ring rather than the all-gather: the same bytes (the same table), but the all-gather builds the whole
     sequence's K/V of its peers (zero-filled where not needed) on every rank, the ring one block of S/P at a
-    time; in the same run the all-gather's step was within 0.04 s of the ring's on the 16-document and
-    window rows, 0.04-0.07 s slower on the short and RL rows, and 0.95 s against 0.87 s on the log-normal
-    row.
+    time, and its step was never faster in those runs.
     A 2-D mesh keeps hybrid: its ring axis is already mask-aware, and the mesh says the all-to-all runs on
     the fast links. Only the bytes are compared, not the balance of the work: the placed and balanced
     layouts even it (Notes [placed layout], [balanced layout]); with zigzag and uneven documents the
