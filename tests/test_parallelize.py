@@ -161,3 +161,17 @@ def _parallelize_worker(rank, world_size):
 
 def test_parallelize_at_tp2_x_sp2_and_fsdp_dp2_x_sp2_trains_like_one_process():
     run_ranks(4, _parallelize_worker)
+
+
+def test_a_job_smaller_than_the_launch_names_accelerate_cpu(monkeypatch):
+    """torchrun started 2 processes, accelerate without cpu=True sees 1 on a CPU machine: the message says so."""
+    from accelerate import ParallelismConfig
+
+    from seqpar.hf import plan_parallelism
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SeqparInputError, match=r"the launcher started 2 processes.*Accelerator\(cpu=True\)"):
+        plan_parallelism(None, ParallelismConfig(cp_size=2), 1)
+    monkeypatch.setenv("WORLD_SIZE", "1")  # a plain mismatch keeps the plain advice
+    with pytest.raises(SeqparInputError, match="= 2 processes, but the job has 1; make the degrees multiply"):
+        plan_parallelism(None, ParallelismConfig(cp_size=2), 1)

@@ -176,6 +176,22 @@ def _from_accelerate(config: object) -> tuple[SequenceParallelConfig, ParallelDi
     return sequence, dims
 
 
+def _fewer_processes_hint(world_size: int) -> str:
+    """How to fix a job of ``world_size`` processes that a launcher started with more (torchrun's WORLD_SIZE).
+
+    accelerate on a machine without GPUs runs torchrun's processes as separate one-process jobs unless it is
+    told to use the CPU; the launcher's count says so, and every rank reads the same.
+    """
+    launched = os.environ.get("WORLD_SIZE", "")
+    if launched.isdigit() and int(launched) > world_size:
+        return (
+            f"the launcher started {launched} processes, but accelerate runs them as jobs of {world_size}: on a "
+            "machine without GPUs it joins them only when told to use the CPU, Accelerator(cpu=True) (or "
+            "`accelerate launch --cpu`)"
+        )
+    return "make the degrees multiply to the number of processes"
+
+
 def plan_parallelism(
     sequence_parallel: SequenceParallelConfig | None,
     parallelism_config: object | None,
@@ -206,7 +222,7 @@ def plan_parallelism(
         raise SeqparInputError(
             f"parallelism_config asks for dp_replicate_size ({dims.dp_replicate_size}) x dp_shard_size "
             f"({dims.dp_shard_size}) x cp_size x sp_size ({dims.sp_size}) = {dims.world_size} processes, but the job "
-            f"has {world_size}; make the degrees multiply to the number of processes"
+            f"has {world_size}; {_fewer_processes_hint(world_size)}"
         )
     if sequence_parallel is not None:
         mine = (sequence_parallel.sp_size or world_size, sequence_parallel.ulysses_size)
