@@ -1,28 +1,73 @@
-"""Run a test function on N real ranks (spawned processes, one thread each) and fail if any rank fails.
+"""Run a test function on N real ranks and fail if any rank fails: on a shared pool of live ranks, or freshly spawned.
 
-A thin layer over ``seqpar.runtime.spawn_ranks`` with the tests' timeout, and the tests' shard indices.
+A thin layer over ``seqpar.runtime.RankPool`` / ``spawn_ranks`` with the tests' timeout, and the tests' shard indices.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 
 import seqpar
+from seqpar.runtime.pool import RankPool
 from seqpar.runtime.spawn import spawn_ranks
 
-__all__ = ["run_ranks", "shard_index"]
+__all__ = ["RankPools", "run_ranks", "shard_index", "use_pools"]
+
+COLLECTIVE_TIMEOUT = timedelta(seconds=120)
+MAX_POOLED_RANKS = 10
+"""Live pooled processes kept at once (world sizes 1-4 fit; the 8-rank pool evicts the least recently used)."""
 
 
-def run_ranks(world_size: int, fn: Callable[..., None], *args: object, backend: str = "gloo") -> None:
+class RankPools:
+    """One ``RankPool`` per world size, started on first use; the least recently used are closed beyond a cap."""
+
+    def __init__(self, max_ranks: int = MAX_POOLED_RANKS) -> None:
+        self.max_ranks = max_ranks
+        self._pools: OrderedDict[int, RankPool] = OrderedDict()
+
+    def run(self, world_size: int, fn: Callable[..., None], *args: object) -> None:
+        pool = self._pools.pop(world_size, None) or RankPool(world_size, timeout=COLLECTIVE_TIMEOUT)
+        self._pools[world_size] = pool  # now the most recently used
+        live = [p for p in self._pools.values() if p.alive and p is not pool]
+        while live and sum(p.world_size for p in live) + world_size > self.max_ranks:
+            live.pop(0).close()
+        pool.run(fn, *args)
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+
+
+_pools: list[RankPools] = []  # the session's pools (tests/conftest.py), empty outside a pytest session
+
+
+def use_pools(pools: RankPools | None) -> None:
+    """Make ``run_ranks`` run on ``pools`` (None: spawn fresh ranks for every call again)."""
+    _pools.clear()
+    if pools is not None:
+        _pools.append(pools)
+
+
+def run_ranks(
+    world_size: int, fn: Callable[..., None], *args: object, backend: str = "gloo", fresh: bool = False
+) -> None:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` ranks; re-raise the first failure.
 
-    ``backend="nccl"`` puts rank r on GPU r. A rank leaves by ``os._exit(0)`` after the group is torn down
-    (gloo's threads have aborted finished processes in C++ static destructors; see ``spawn_ranks``).
+    Gloo runs go to the session's pool of live ranks (a fresh process's torch state is restored before each
+    function; a failure tears the pool down and the next test gets a new one). ``fresh=True`` spawns new processes
+    instead, for functions that change process-wide state the pool cannot put back (their own process group, a
+    library's first-use settings, signals and faults). ``backend="nccl"`` (always fresh) puts rank r on GPU r. A
+    spawned rank leaves by ``os._exit(0)`` after the group is torn down (see ``spawn_ranks``).
     """
-    spawn_ranks(fn, world_size, *args, backend=backend, timeout=timedelta(seconds=120))
+    if fresh or backend != "gloo" or not _pools:
+        spawn_ranks(fn, world_size, *args, backend=backend, timeout=COLLECTIVE_TIMEOUT)
+    else:
+        _pools[0].run(world_size, fn, *args)
 
 
 def shard_index(layout, world_size: int, rank: int, seq_len: int) -> torch.Tensor:

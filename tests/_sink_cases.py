@@ -13,7 +13,7 @@ import seqpar
 from tests._cases import dense_mask, packed_positions
 from tests._dist import shard_index
 
-__all__ = ["SINK_ATOL", "SINK_RTOL", "check_sinks_softcap", "eager_attention", "sink_softcap_cases"]
+__all__ = ["SINK_ATOL", "SINK_RTOL", "check_sink_case", "check_sinks_softcap", "eager_attention", "sink_cases"]
 
 # fp32 seqpar against a float64 reference: the rounding of one fp32 pass, as in tests._cases
 SINK_ATOL, SINK_RTOL = 2e-5, 1e-4
@@ -97,28 +97,34 @@ def check_sinks_softcap(
     return errors
 
 
-def sink_softcap_cases(rank, world_size):
-    """Every strategy that applies at this world size, with sinks, softcap, both, and packed documents + window.
+def sink_cases(world_size: int) -> list[tuple[str, dict]]:
+    """(id, case) for every strategy that applies at this world size: sinks, softcap, both, packed documents + window.
 
-    Returns:
-        The largest error of each quantity over all cases (for the record).
+    Each case runs by ``check_sink_case``.
     """
-    mesh = seqpar.make_mesh()
     heads = (6, 2) if world_size == 3 else (8, 2)
     ulysses_heads = {1: (8, 2), 2: (8, 4), 3: (6, 3), 4: (8, 2)}[world_size]  # P=2: grouped; P=4: KV repeated
-    runs = [("ring", mesh, heads), ("allgather", mesh, heads), ("ulysses", mesh, ulysses_heads)]
+    runs = [("ring", 1, heads), ("allgather", 1, heads), ("ulysses", 1, ulysses_heads)]
     if world_size == 4:
-        runs.append(("hybrid", seqpar.make_mesh(ulysses_size=2), (8, 2)))
-    worst: dict[str, float] = {}
-    for strategy, run_mesh, (h, kv) in runs:
-        cases = [
-            dict(layout="zigzag", causal=True, sinks=True, softcap=None),
-            dict(layout="contiguous", causal=False, sinks=True, softcap=SOFTCAP),
-            dict(layout="zigzag", causal=True, sinks=False, softcap=SOFTCAP),
+        runs.append(("hybrid", 2, (8, 2)))
+    variants = [
+        ("sinks", dict(layout="zigzag", causal=True, sinks=True, softcap=None)),
+        ("sinks-softcap-full", dict(layout="contiguous", causal=False, sinks=True, softcap=SOFTCAP)),
+        ("softcap", dict(layout="zigzag", causal=True, sinks=False, softcap=SOFTCAP)),
+        (
+            "sinks-softcap-packed-window",
             dict(layout="zigzag", causal=True, sinks=True, softcap=SOFTCAP, window=5, packed=True),
-        ]
-        for case in cases:
-            errors = check_sinks_softcap(rank, world_size, run_mesh, strategy, heads=h, kv_heads=kv, **case)
-            for name, e in errors.items():
-                worst[name] = max(worst.get(name, 0.0), e)
-    return worst
+        ),
+    ]
+    return [
+        (f"{strategy}-{name}", dict(strategy=strategy, ulysses_size=u, heads=h, kv_heads=kv, **case))
+        for strategy, u, (h, kv) in runs
+        for name, case in variants
+    ]
+
+
+def check_sink_case(rank: int, world_size: int, case: dict) -> dict[str, float]:
+    """Run one case of ``sink_cases`` on this rank; returns its largest error of each quantity."""
+    case = dict(case)
+    mesh = seqpar.make_mesh(ulysses_size=case.pop("ulysses_size"))
+    return check_sinks_softcap(rank, world_size, mesh, case.pop("strategy"), **case)

@@ -1,7 +1,7 @@
 """Every strategy's outputs and gradients equal single-device SDPA on the full sequence (gloo ranks, CPU).
 
 World sizes 1-4; causal and not; both layouts; batch 1 and 2; MHA and GQA; head_dim 64 and 80; attention sinks
-and logit soft-capping (tests._sink_cases) in the same spawns.
+and logit soft-capping (tests._sink_cases); each case its own test on the shared pool of ranks.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import seqpar
 from tests._cases import check_case, check_mask_case, packed_positions
 from tests._dist import run_ranks
-from tests._sink_cases import sink_softcap_cases
+from tests._sink_cases import check_sink_case, sink_cases
 
 
 def head_configs(world_size: int, strategy: str) -> list[tuple[int, int]]:
@@ -24,30 +24,49 @@ def head_configs(world_size: int, strategy: str) -> list[tuple[int, int]]:
     return [(8, 8), (8, 2)]  # at 4 ranks (8, 2) replicates each KV head twice
 
 
-def _auto_cases(rank, world_size, mesh):
-    """ "auto" serves any head count: ulysses where the heads divide, ring where they do not."""
-    for heads in (1, 3, 6, 8, 12):
+def _flag(causal: bool) -> str:
+    return "causal" if causal else "full"
+
+
+def _exact_cases() -> list:
+    """One pytest case per (world size, strategy, heads, layout, causal, batch, head_dim), "auto" and sink case."""
+    cases = []
+    for world_size in (1, 2, 3, 4):
+        seq_len = 24 * world_size  # 12-token zigzag chunks
+        for strategy in ("ring", "allgather", "ulysses"):
+            for (heads, kv_heads), layout, causal, batch, head_dim in itertools.product(
+                head_configs(world_size, strategy), ("zigzag", "contiguous"), (True, False), (1, 2), (64, 80)
+            ):
+                case = (strategy, layout, causal, batch, heads, kv_heads, head_dim, seq_len)
+                name = f"P{world_size}-{strategy}-{layout}-{_flag(causal)}-B{batch}-H{heads}kv{kv_heads}-D{head_dim}"
+                cases.append(pytest.param(world_size, "exact", case, id=name))
+        # "auto" serves any head count: ulysses where the heads divide, ring where they do not
+        for heads, causal in itertools.product((1, 3, 6, 8, 12), (True, False)):
+            name = f"P{world_size}-auto-H{heads}-{_flag(causal)}"
+            cases.append(pytest.param(world_size, "auto", (heads, causal), id=name))
+        for name, case in sink_cases(world_size):
+            cases.append(pytest.param(world_size, "sinks", case, id=f"P{world_size}-{name}"))
+    return cases
+
+
+def _exact_worker(rank, world_size, kind, case):
+    mesh = seqpar.make_mesh()
+    if kind == "exact":
+        strategy, layout, causal, batch, heads, kv_heads, head_dim, seq_len = case
+        check_case(rank, world_size, mesh, strategy, layout, causal, batch, heads, kv_heads, head_dim, seq_len)
+    elif kind == "auto":
+        heads, causal = case
         chosen = seqpar.resolve_strategy("auto", heads, heads, mesh)
         assert world_size == 1 or chosen == ("ulysses" if heads % world_size == 0 else "ring"), (heads, chosen)
-        for causal in (True, False):
-            check_case(rank, world_size, mesh, "auto", "zigzag", causal, 1, heads, heads, 32, 8 * world_size)
+        check_case(rank, world_size, mesh, "auto", "zigzag", causal, 1, heads, heads, 32, 8 * world_size)
+    else:
+        check_sink_case(rank, world_size, case)
 
 
-def _exact_worker(rank, world_size):
-    mesh = seqpar.make_mesh()
-    seq_len = 24 * world_size  # 12-token zigzag chunks
-    for strategy in ("ring", "allgather", "ulysses"):
-        for (heads, kv_heads), layout, causal, batch, head_dim in itertools.product(
-            head_configs(world_size, strategy), ("zigzag", "contiguous"), (True, False), (1, 2), (64, 80)
-        ):
-            check_case(rank, world_size, mesh, strategy, layout, causal, batch, heads, kv_heads, head_dim, seq_len)
-    _auto_cases(rank, world_size, mesh)
-    sink_softcap_cases(rank, world_size)
-
-
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_every_strategy_matches_single_device(world_size):
-    run_ranks(world_size, _exact_worker)
+@pytest.mark.fast
+@pytest.mark.parametrize(("world_size", "kind", "case"), _exact_cases())
+def test_every_strategy_matches_single_device(world_size, kind, case):
+    run_ranks(world_size, _exact_worker, kind, case)
 
 
 def _long_ring_worker(rank, world_size):

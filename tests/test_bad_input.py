@@ -77,21 +77,25 @@ def _cases(rank):
     ]
 
 
-def _bad_input_worker(rank, world_size):
+CASE_NAMES = [name for name, _, _ in _cases(0)]
+
+
+def _bad_input_worker(rank, world_size, index):
     mesh = seqpar.make_mesh()
-    for name, build, fragment in _cases(rank):
-        kwargs = build()
-        q, k, v = kwargs.pop("q"), kwargs.pop("k"), kwargs.pop("v")
-        with pytest.raises(SeqparInputError) as info:
-            seqpar.attention(q, k, v, mesh=mesh, **kwargs)
-        assert fragment in str(info.value), f"{name}: {info.value}"
-        # the group is still in step: a valid call right after works on every rank
-        out = seqpar.attention(*_qkv(), mesh=mesh, strategy="ring")
-        assert out.shape == (1, 4, 8, 16)
+    name, build, fragment = _cases(rank)[index]
+    kwargs = build()
+    q, k, v = kwargs.pop("q"), kwargs.pop("k"), kwargs.pop("v")
+    with pytest.raises(SeqparInputError) as info:
+        seqpar.attention(q, k, v, mesh=mesh, **kwargs)
+    assert fragment in str(info.value), f"{name}: {info.value}"
+    # the group is still in step: a valid call right after works on every rank
+    out = seqpar.attention(*_qkv(), mesh=mesh, strategy="ring")
+    assert out.shape == (1, 4, 8, 16)
 
 
-def test_bad_input_raises_everywhere():
-    run_ranks(2, _bad_input_worker)
+@pytest.mark.parametrize("index", range(len(CASE_NAMES)), ids=[n.replace(" ", "-") for n in CASE_NAMES])
+def test_bad_input_raises_everywhere(index):
+    run_ranks(2, _bad_input_worker, index)
 
 
 def _ulysses_kv_worker(rank, world_size):

@@ -61,22 +61,21 @@ def _analytical_bytes(strategy: str, kv_heads: int) -> float:
     raise ValueError(strategy)
 
 
-def _bytes_worker(rank, world_size):
-    meshes = {"flat": seqpar.make_mesh(), "two_d": seqpar.make_mesh(ulysses_size=ULYSSES)}
+def _bytes_worker(rank, world_size, kv_heads, strategy):
+    mesh = seqpar.make_mesh(ulysses_size=ULYSSES) if strategy == "hybrid" else seqpar.make_mesh()
     s = SEQ // world_size
-    for kv_heads in (2, 8):
-        q = torch.randn(1, HEADS, s, HEAD_DIM, requires_grad=True)
-        k, v = (torch.randn(1, kv_heads, s, HEAD_DIM, requires_grad=True) for _ in "kv")
-        for strategy in ("ring", "ulysses", "hybrid", "allgather"):
-            mesh = meshes["two_d" if strategy == "hybrid" else "flat"]
-            dist.barrier()
-            before = written_bytes()
-            seqpar.attention(q, k, v, mesh=mesh, strategy=strategy).sum().backward()
-            sent = written_bytes() - before
-            want = _analytical_bytes(strategy, kv_heads)
-            assert abs(sent / want - 1) < 0.01, f"{strategy} kv_heads={kv_heads}: sent {sent} bytes, expected {want}"
+    q = torch.randn(1, HEADS, s, HEAD_DIM, requires_grad=True)
+    k, v = (torch.randn(1, kv_heads, s, HEAD_DIM, requires_grad=True) for _ in "kv")
+    dist.barrier()
+    before = written_bytes()
+    seqpar.attention(q, k, v, mesh=mesh, strategy=strategy).sum().backward()
+    sent = written_bytes() - before
+    want = _analytical_bytes(strategy, kv_heads)
+    assert abs(sent / want - 1) < 0.01, f"{strategy} kv_heads={kv_heads}: sent {sent} bytes, expected {want}"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/io")
-def test_bytes_sent_match_analytical_volume():
-    run_ranks(RANKS, _bytes_worker)
+@pytest.mark.parametrize("strategy", ["ring", "ulysses", "hybrid", "allgather"])
+@pytest.mark.parametrize("kv_heads", [2, 8])
+def test_bytes_sent_match_analytical_volume(kv_heads, strategy):
+    run_ranks(RANKS, _bytes_worker, kv_heads, strategy)

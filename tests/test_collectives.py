@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 
+import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -41,31 +42,40 @@ def expected(strategy: str, size: int, check_inputs: bool, kv_heads: int, pieces
     return check + Counter(send=hops, recv=hops)
 
 
-def _count_worker(rank, world_size):
+# (strategy, KV heads, local tokens, ring backward pieces): 6-token chunks are not cut; 512-token chunks
+# are cut into 2 pieces of 256 on CPU
+RUNS = [
+    ("ulysses", 3, 12, 1),
+    ("ulysses", 6, 12, 1),
+    ("ring", 3, 12, 1),
+    ("ring", 3, 1024, 2),
+    ("allgather", 3, 12, 1),
+]
+
+
+def _count_worker(rank, world_size, run, check_inputs):
     mesh = seqpar.make_mesh()
-    # (strategy, KV heads, local tokens, ring backward pieces): 6-token chunks are not cut; 512-token chunks
-    # are cut into 2 pieces of 256 on CPU
-    runs = [
-        ("ulysses", 3, 12, 1),
-        ("ulysses", 6, 12, 1),
-        ("ring", 3, 12, 1),
-        ("ring", 3, 1024, 2),
-        ("allgather", 3, 12, 1),
-    ]
-    for (strategy, kv_heads, local, pieces), check_inputs in itertools.product(runs, (True, False)):
-        q = torch.randn(1, 6, local, 16, requires_grad=True)
-        k = torch.randn(1, kv_heads, local, 16, requires_grad=True)
-        v = torch.randn(1, kv_heads, local, 16, requires_grad=True)
+    strategy, kv_heads, local, pieces = run
+    q = torch.randn(1, 6, local, 16, requires_grad=True)
+    k = torch.randn(1, kv_heads, local, 16, requires_grad=True)
+    v = torch.randn(1, kv_heads, local, 16, requires_grad=True)
 
-        def step(q=q, k=k, v=v, strategy=strategy, check_inputs=check_inputs):
-            out = seqpar.attention(q, k, v, mesh=mesh, strategy=strategy, check_inputs=check_inputs)
-            out.sum().backward()
+    def step():
+        out = seqpar.attention(q, k, v, mesh=mesh, strategy=strategy, check_inputs=check_inputs)
+        out.sum().backward()
 
-        got = _count(step)
-        want = expected(strategy, world_size, check_inputs, kv_heads, pieces)
-        what = f"{strategy} kv_heads={kv_heads} tokens={local} check_inputs={check_inputs} on {world_size} ranks"
-        assert got == want, f"{what}: {got} != {want}"
+    got = _count(step)
+    want = expected(strategy, world_size, check_inputs, kv_heads, pieces)
+    what = f"{strategy} kv_heads={kv_heads} tokens={local} check_inputs={check_inputs} on {world_size} ranks"
+    assert got == want, f"{what}: {got} != {want}"
 
 
-def test_collective_counts_three_ranks():
-    run_ranks(3, _count_worker)
+@pytest.mark.parametrize(
+    ("run", "check_inputs"),
+    [
+        pytest.param(run, check, id=f"{run[0]}-kv{run[1]}-tokens{run[2]}-{'checked' if check else 'unchecked'}")
+        for run, check in itertools.product(RUNS, (True, False))
+    ],
+)
+def test_collective_counts_three_ranks(run, check_inputs):
+    run_ranks(3, _count_worker, run, check_inputs)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import itertools
 
 import pytest
@@ -89,81 +90,111 @@ def _summing_comm_hook(group, bucket):
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def _dp_sp_worker(rank, world_size):
-    mesh = seqpar.make_mesh(sp_size=2, dp_size=2)
-    dp_rank = mesh.device_mesh.get_local_rank("dp")
-    assert mesh.sp_size == 2 and mesh.device_mesh["dp"].size() == 2
-    group = seqpar.data_parallel_group(mesh)
-    assert dist.get_world_size(group) == 4
+@functools.cache
+def _trained_reference():
+    """The model both worker families start from and its one-process SGD run: computed once per rank process
+    (the pool's ranks run many cases), each case works on copies."""
     ref = build("llama").train()
     reference_model = copy.deepcopy(ref)
     want = _reference(reference_model, STEPS)
+    return ref, reference_model, want
+
+
+def _reference_copies():
+    ref, reference_model, want = (copy.deepcopy(x) for x in _trained_reference())
     moved = max(
         float((p.detach() - q.detach()).abs().max()) for p, q in zip(reference_model.parameters(), ref.parameters())
     )
     assert moved > 1e-2, f"SGD must move the parameters visibly (largest change {moved})"
-    # a hybrid mesh (ring 2 x ulysses 2, dp 1) with DDP over its 4 SP ranks
-    hybrid = seqpar.make_mesh(sp_size=4, ulysses_size=2)
-    cases = [
-        (mode, accumulation, mesh, dp_rank, 2, "ring")
-        for mode in ("reduce", "ddp", "ddp-no-sync", "fsdp", "fsdp-no-sync", "fsdp-offload")
-        for accumulation in (1, 2)
-    ] + [("ddp", 2, hybrid, 0, 1, "hybrid"), ("reduce", 2, hybrid, 0, 1, "hybrid")]
-    cases.append(("fsdp-offload", 2, hybrid, 0, 1, "hybrid"))  # dp 1: FSDP2 over the 4 sp ranks alone
-    for mode, accumulation, run_mesh, run_dp_rank, dp_size, strategy in cases:
-        model = seqpar.prepare_model(copy.deepcopy(ref), run_mesh, strategy=strategy).train()
-        offload = mode == "fsdp-offload"  # Note [optimizer offload]: on gloo the shards are host tensors anyway
-        forward = (
-            model
-            if mode == "reduce"
-            else seqpar.apply_data_parallel(model, run_mesh, mode.split("-")[0], offload_optimizer=offload)
-        )
-        if mode.startswith("fsdp"):  # the policy reached fully_shard of every unit, root included
-            for unit in (model.model.layers[0], model):
-                policy = unit._get_fsdp_state()._fsdp_param_group.offload_policy
-                assert isinstance(policy, CPUOffloadPolicy) == offload and not getattr(policy, "pin_memory", False)
-        no_sync = None
-        if mode == "ddp-no-sync":
-            no_sync = forward.no_sync
-        elif mode == "fsdp-no-sync":
+    return ref, reference_model, want
 
-            @contextlib.contextmanager
-            def no_sync(module=model):
-                module.set_requires_gradient_sync(False)
-                yield
-                module.set_requires_gradient_sync(True)
 
-        run_group = seqpar.data_parallel_group(run_mesh)
-        got = _parallel(
-            model,
-            forward,
-            run_mesh,
-            run_group,
-            run_dp_rank,
-            dp_size,
-            accumulation,
-            # 2 KiB buckets at accumulation 2: small tensors coalesced, larger ones summed in place
-            reduce=(16.0 if accumulation == 1 else 2 / 1024) if mode == "reduce" else None,
-            no_sync=no_sync,
-        )
-        _assert_same_training(got, want, model, reference_model, f"{mode} {strategy} accumulation {accumulation}")
-        if mode == "reduce":
-            with pytest.raises(SeqparInputError, match="bucket_mb must be positive"):
-                seqpar.reduce_gradients(model.parameters(), run_group, bucket_mb=0)
-            # a parameter listed twice and one bucket per dtype (inf): each gradient summed exactly once
-            ranks = dist.get_world_size(run_group)
-            small, large = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(4096))
-            for bucket_mb in (1 / 1024, float("inf")):
-                small.grad = torch.full((3,), dist.get_rank() + 1.0)
-                large.grad = torch.full((4096,), dist.get_rank() + 1.0)
-                seqpar.reduce_gradients([small, large, small, large], run_group, bucket_mb=bucket_mb)
-                for p in (small, large):
-                    torch.testing.assert_close(p.grad, torch.full_like(p.grad, ranks * (ranks + 1) / 2))
-        if mode != "reduce":  # the wrapper summed them already: a second sum would count each rank's part G times
-            with pytest.raises(SeqparInputError, match=r"already summed over ranks by (DDP|FSDP2)"):
-                seqpar.reduce_gradients(model.parameters(), run_group)
-    # The comparison above sees the error of summing what DDP already reduced (earlier micro-batches counted
-    # once per rank): the old summing comm hook must fail it.
+def _dp_sp_mesh():
+    mesh = seqpar.make_mesh(sp_size=2, dp_size=2)
+    assert mesh.sp_size == 2 and mesh.device_mesh["dp"].size() == 2
+    group = seqpar.data_parallel_group(mesh)
+    assert dist.get_world_size(group) == 4
+    return mesh, mesh.device_mesh.get_local_rank("dp"), group
+
+
+DP_MODES = ("reduce", "ddp", "ddp-no-sync", "fsdp", "fsdp-no-sync", "fsdp-offload")
+DP_CASES = [(mode, accumulation, "dp2-sp2") for mode in DP_MODES for accumulation in (1, 2)]
+# a hybrid mesh (ring 2 x ulysses 2, dp 1) with DDP over its 4 SP ranks; FSDP2 over the 4 sp ranks alone
+DP_CASES += [("ddp", 2, "hybrid"), ("reduce", 2, "hybrid"), ("fsdp-offload", 2, "hybrid")]
+
+
+def _dp_sp_worker(rank, world_size, mode, accumulation, kind):
+    mesh, dp_rank, _ = _dp_sp_mesh()
+    ref, reference_model, want = _reference_copies()
+    if kind == "hybrid":
+        run_mesh, run_dp_rank, dp_size, strategy = seqpar.make_mesh(sp_size=4, ulysses_size=2), 0, 1, "hybrid"
+    else:
+        run_mesh, run_dp_rank, dp_size, strategy = mesh, dp_rank, 2, "ring"
+    model = seqpar.prepare_model(copy.deepcopy(ref), run_mesh, strategy=strategy).train()
+    offload = mode == "fsdp-offload"  # Note [optimizer offload]: on gloo the shards are host tensors anyway
+    forward = (
+        model
+        if mode == "reduce"
+        else seqpar.apply_data_parallel(model, run_mesh, mode.split("-")[0], offload_optimizer=offload)
+    )
+    if mode.startswith("fsdp"):  # the policy reached fully_shard of every unit, root included
+        for unit in (model.model.layers[0], model):
+            policy = unit._get_fsdp_state()._fsdp_param_group.offload_policy
+            assert isinstance(policy, CPUOffloadPolicy) == offload and not getattr(policy, "pin_memory", False)
+    no_sync = None
+    if mode == "ddp-no-sync":
+        no_sync = forward.no_sync
+    elif mode == "fsdp-no-sync":
+
+        @contextlib.contextmanager
+        def no_sync(module=model):
+            module.set_requires_gradient_sync(False)
+            yield
+            module.set_requires_gradient_sync(True)
+
+    run_group = seqpar.data_parallel_group(run_mesh)
+    got = _parallel(
+        model,
+        forward,
+        run_mesh,
+        run_group,
+        run_dp_rank,
+        dp_size,
+        accumulation,
+        # 2 KiB buckets at accumulation 2: small tensors coalesced, larger ones summed in place
+        reduce=(16.0 if accumulation == 1 else 2 / 1024) if mode == "reduce" else None,
+        no_sync=no_sync,
+    )
+    _assert_same_training(got, want, model, reference_model, f"{mode} {strategy} accumulation {accumulation}")
+    if mode == "reduce":
+        with pytest.raises(SeqparInputError, match="bucket_mb must be positive"):
+            seqpar.reduce_gradients(model.parameters(), run_group, bucket_mb=0)
+        # a parameter listed twice and one bucket per dtype (inf): each gradient summed exactly once
+        ranks = dist.get_world_size(run_group)
+        small, large = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(4096))
+        for bucket_mb in (1 / 1024, float("inf")):
+            small.grad = torch.full((3,), dist.get_rank() + 1.0)
+            large.grad = torch.full((4096,), dist.get_rank() + 1.0)
+            seqpar.reduce_gradients([small, large, small, large], run_group, bucket_mb=bucket_mb)
+            for p in (small, large):
+                torch.testing.assert_close(p.grad, torch.full_like(p.grad, ranks * (ranks + 1) / 2))
+    if mode != "reduce":  # the wrapper summed them already: a second sum would count each rank's part G times
+        with pytest.raises(SeqparInputError, match=r"already summed over ranks by (DDP|FSDP2)"):
+            seqpar.reduce_gradients(model.parameters(), run_group)
+
+
+@pytest.mark.parametrize(
+    ("mode", "accumulation", "kind"), [pytest.param(*c, id=f"{c[2]}-{c[0]}-accumulation{c[1]}") for c in DP_CASES]
+)
+def test_dp2_x_sp2_trains_like_one_process(mode, accumulation, kind):
+    run_ranks(4, _dp_sp_worker, mode, accumulation, kind)
+
+
+def _dp_sp_controls_worker(rank, world_size):
+    mesh, dp_rank, group = _dp_sp_mesh()
+    ref, reference_model, want = _reference_copies()
+    # The comparison of the cases above sees the error of summing what DDP already reduced (earlier micro-batches
+    # counted once per rank): the old summing comm hook must fail it.
     from torch.nn.parallel import DistributedDataParallel
 
     model = seqpar.prepare_model(copy.deepcopy(ref), mesh, strategy="ring").train()
@@ -196,8 +227,8 @@ def _dp_sp_worker(rank, world_size):
         seqpar.apply_data_parallel(build("llama"), mesh, "ddp", offload_optimizer=True)
 
 
-def test_dp2_x_sp2_trains_like_one_process():
-    run_ranks(4, _dp_sp_worker)
+def test_summing_hook_fails_and_meshes_and_modes_are_checked():
+    run_ranks(4, _dp_sp_controls_worker)
 
 
 def _tp_sp_worker(rank, world_size):
@@ -206,9 +237,9 @@ def _tp_sp_worker(rank, world_size):
     assert names == ("dp", "ring", "ulysses", "tp") and mesh.sp_size == 2
     group = seqpar.data_parallel_group(mesh)  # the ranks sharing this rank's tp coordinate
     assert dist.get_world_size(group) == 2
-    ref = build("llama").train()
-    reference_model = copy.deepcopy(ref)
-    want = _reference(reference_model, STEPS)
+    ref, reference_model, want = _reference_copies()
+    # one function for the four runs: DTensor's sharding cache keeps the first run's mesh (equal by value), whose
+    # groups the pool destroys after a function, so a second function on an equal tp mesh would reach dead groups
     for strategy, accumulation in itertools.product(("ring", "ulysses"), (1, 2)):
         model = seqpar.apply_tensor_parallel(copy.deepcopy(ref), mesh)
         seqpar.prepare_model(model, mesh, strategy=strategy).train()

@@ -16,6 +16,8 @@ import types
 import pytest
 from mkdocs.exceptions import PluginError
 
+pytestmark = pytest.mark.fast  # the quick tier: scripts/test.sh --fast
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("docs_records", ROOT / "scripts" / "records.py")
 records = importlib.util.module_from_spec(_spec)

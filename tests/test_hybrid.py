@@ -12,21 +12,43 @@ from tests._cases import check_case, qkv_case
 from tests._dist import run_ranks
 
 
-def _hybrid_worker(rank, world_size):
+def _hybrid_cases() -> list:
+    cases = []
     for ulysses_size in (2, 1, 4):
-        mesh = seqpar.make_mesh(ulysses_size=ulysses_size)
-        assert (mesh.ring_size, mesh.ulysses_size) == (world_size // ulysses_size, ulysses_size)
-        assert seqpar.resolve_strategy("auto", 8, 2, mesh) == ("hybrid" if ulysses_size == 2 else "ulysses")
         heads = [(8, 8), (8, 2), (8, 1)] if ulysses_size > 1 else [(8, 2), (6, 3)]
         for (h, kv), layout, causal, batch in itertools.product(heads, ("zigzag", "contiguous"), (True, False), (1, 2)):
-            check_case(rank, world_size, mesh, "hybrid", layout, causal, batch, h, kv, 64, 16 * world_size)
-        if ulysses_size == 2:
-            # 3 heads cannot be split over the ulysses axis: a clear error on every rank, naming valid degrees
-            with pytest.raises(SeqparInputError, match=r"hybrid's ulysses axis needs query heads \(3\).*\[1, 3\]"):
-                seqpar.attention(*qkv_case(3, 3, 32), mesh=mesh, strategy="hybrid")
-            # ... while auto falls back to ring for them
-            assert seqpar.resolve_strategy("auto", 3, 3, mesh) == "ring"
+            name = f"u{ulysses_size}-H{h}kv{kv}-{layout}-{'causal' if causal else 'full'}-B{batch}"
+            cases.append(pytest.param(ulysses_size, (h, kv, layout, causal, batch), id=name))
+    return cases
 
 
-def test_hybrid_meshes_match_single_device():
-    run_ranks(4, _hybrid_worker)
+def _hybrid_mesh(world_size: int, ulysses_size: int):
+    mesh = seqpar.make_mesh(ulysses_size=ulysses_size)
+    assert (mesh.ring_size, mesh.ulysses_size) == (world_size // ulysses_size, ulysses_size)
+    assert seqpar.resolve_strategy("auto", 8, 2, mesh) == ("hybrid" if ulysses_size == 2 else "ulysses")
+    return mesh
+
+
+def _hybrid_worker(rank, world_size, ulysses_size, case):
+    h, kv, layout, causal, batch = case
+    mesh = _hybrid_mesh(world_size, ulysses_size)
+    check_case(rank, world_size, mesh, "hybrid", layout, causal, batch, h, kv, 64, 16 * world_size)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(("ulysses_size", "case"), _hybrid_cases())
+def test_hybrid_meshes_match_single_device(ulysses_size, case):
+    run_ranks(4, _hybrid_worker, ulysses_size, case)
+
+
+def _indivisible_heads_worker(rank, world_size):
+    mesh = _hybrid_mesh(world_size, 2)
+    # 3 heads cannot be split over the ulysses axis: a clear error on every rank, naming valid degrees
+    with pytest.raises(SeqparInputError, match=r"hybrid's ulysses axis needs query heads \(3\).*\[1, 3\]"):
+        seqpar.attention(*qkv_case(3, 3, 32), mesh=mesh, strategy="hybrid")
+    # ... while auto falls back to ring for them
+    assert seqpar.resolve_strategy("auto", 3, 3, mesh) == "ring"
+
+
+def test_hybrid_refuses_heads_the_ulysses_axis_cannot_split():
+    run_ranks(4, _indivisible_heads_worker)  # the same local check on every rank, before any communication

@@ -103,28 +103,62 @@ def kind_cases(seq_len: int) -> list[tuple]:
     ]
 
 
-def _kinds_worker(rank, world_size):
+KIND_NAMES = ("frames", "one-block", "images", "images-packed", "blocks-window-rows", "bidir-packed", "bidir-rows")
+"""Names of ``kind_cases``'s cases, in order."""
+
+
+def _alone_cases(seq_len: int) -> list[tuple[torch.Tensor, int | None]]:
+    """Causal documents, with and without a window, and a window alone (zigzag and contiguous run them in
+    test_masking.py); the placed layout reorders the documents and pads the row."""
+    return [(packed_positions(seq_len, (5, 31, 2, 17))[None], None), (one_doc(seq_len), 9)]
+
+
+def _kinds_cases() -> list:
+    cases = []
+    for world_size in (2, 3, 4):
+        for strategy in ["ring", "allgather", "ulysses"] + (["hybrid"] if world_size == 4 else []):
+            for i, (positions, _, _, blocks, _) in enumerate(kind_cases(24 * world_size)):
+                layouts = ["zigzag", "contiguous", "balanced"]
+                if positions.shape[0] == 1 and blocks is None:  # the placed row (Note [placed layout])
+                    layouts.append("placed")
+                for layout in layouts:
+                    name = f"P{world_size}-{strategy}-{KIND_NAMES[i]}-{layout}"
+                    cases.append(pytest.param(world_size, strategy, "kind", i, layout, id=name))
+            for i, layout in [(0, "balanced"), (1, "balanced"), (0, "placed"), (1, "placed"), (2, "placed")]:
+                name = f"P{world_size}-{strategy}-causal-alone{i}-{layout}"
+                cases.append(pytest.param(world_size, strategy, "alone", i, layout, id=name))
+    return cases
+
+
+def _kinds_worker(rank, world_size, strategy, kind, i, layout):
     seq_len = 24 * world_size
-    strategies = ["ring", "allgather", "ulysses"] + (["hybrid"] if world_size == 4 else [])
-    for strategy in strategies:
-        mesh = seqpar.make_mesh(ulysses_size=2 if strategy == "hybrid" else 1)
-        for case in kind_cases(seq_len):
-            positions, causal, window, blocks, _ = case
-            balanced = seqpar.balanced_layout(positions, world_size, causal=causal, window=window, blocks=blocks)
-            for layout in ("zigzag", "contiguous", balanced):
-                check_kind(rank, world_size, mesh, strategy, layout, *case)
-            if positions.shape[0] == 1 and blocks is None:  # the placed row (Note [placed layout])
-                placed = seqpar.placed_layout(positions, world_size, causal=causal, window=window)
-                check_kind(rank, world_size, mesh, strategy, placed.layout, placed.position_ids, *case[1:])
-        # causal documents, with and without a window, and a window alone (zigzag and contiguous run them in
-        # test_masking.py); the placed layout reorders the documents and pads the row
-        alone = [(packed_positions(seq_len, (5, 31, 2, 17))[None], None), (one_doc(seq_len), 9)]
-        for positions, window in alone:
-            balanced = seqpar.balanced_layout(positions, world_size, window=window)
-            check_kind(rank, world_size, mesh, strategy, balanced, positions, True, window, None, False)
-        for positions, window in [*alone, (packed_positions(seq_len, (3, 11, 2, 30))[None], 6)]:
-            placed = seqpar.placed_layout(positions, world_size, window=window)
-            check_kind(rank, world_size, mesh, strategy, placed.layout, placed.position_ids, True, window, None, False)
+    mesh = seqpar.make_mesh(ulysses_size=2 if strategy == "hybrid" else 1)
+    if kind == "kind":
+        case = kind_cases(seq_len)[i]
+        positions, causal, window, blocks, _ = case
+    else:
+        alone = [*_alone_cases(seq_len), (packed_positions(seq_len, (3, 11, 2, 30))[None], 6)]
+        positions, window = alone[i]
+        case = (positions, True, window, None, False)
+        causal, blocks = True, None
+    if layout == "balanced":
+        layout = seqpar.balanced_layout(positions, world_size, causal=causal, window=window, blocks=blocks)
+    elif layout == "placed":
+        placed = seqpar.placed_layout(
+            positions, world_size, **({"causal": causal} if kind == "kind" else {}), window=window
+        )
+        layout, case = placed.layout, (placed.position_ids, *case[1:])
+    check_kind(rank, world_size, mesh, strategy, layout, *case)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(("world_size", "strategy", "kind", "i", "layout"), _kinds_cases())
+def test_mask_kinds_match_single_device(world_size, strategy, kind, i, layout):
+    run_ranks(world_size, _kinds_worker, strategy, kind, i, layout)
+
+
+def _auto_and_bad_kinds_worker(rank, world_size):
+    seq_len = 24 * world_size
     q = torch.randn(1, 2, seq_len // world_size, 8)
     mesh = seqpar.make_mesh()
     # strategy "auto" on a placed row of short documents: the mask-aware ring (Note [auto strategy]), exact
@@ -142,8 +176,8 @@ def _kinds_worker(rank, world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_mask_kinds_match_single_device(world_size):
-    run_ranks(world_size, _kinds_worker)
+def test_auto_picks_the_ring_for_a_placed_row_and_bad_blocks_raise(world_size):
+    run_ranks(world_size, _auto_and_bad_kinds_worker)  # the same local checks on every rank
 
 
 def test_block_ranges_are_checked_and_planned_from_corners():

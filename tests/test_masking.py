@@ -19,23 +19,44 @@ from tests._cases import check_mask_case, packed_positions
 from tests._dist import run_ranks
 from tests.test_mask_kinds import kind_mask
 
+MASKS = ("packed", "two-rows", "window", "two-rows-window")  # (position ids, window) of _mask_case
 
-def _masking_worker(rank, world_size):
-    seq_len = 24 * world_size
+
+def _mask_case(name: str, seq_len: int) -> tuple[torch.Tensor, int | None]:
     packed = packed_positions(seq_len)
     two_rows = torch.stack([packed, packed_positions(seq_len, (9, 4, 23))])
     one_doc = torch.arange(seq_len)[None]
-    strategies = ["ring", "allgather", "ulysses"] + (["hybrid"] if world_size == 4 else [])
-    for strategy in strategies:
-        mesh = seqpar.make_mesh(ulysses_size=2 if strategy == "hybrid" else 1)
-        heads = (6, 3) if world_size == 3 else (4, 2)
-        for layout, (positions, window), prebuilt in itertools.product(
-            ("zigzag", "contiguous"),
-            ((packed[None], None), (two_rows, None), (one_doc, 7), (two_rows, 5)),
-            (False, True),
-        ):
-            batch = positions.shape[0]
-            check_mask_case(rank, world_size, mesh, strategy, layout, batch, *heads, positions, window, prebuilt)
+    return {"packed": (packed[None], None), "two-rows": (two_rows, None), "window": (one_doc, 7)}.get(
+        name, (two_rows, 5)
+    )
+
+
+def _masking_cases() -> list:
+    cases = []
+    for world_size in (1, 2, 3, 4):
+        for strategy in ["ring", "allgather", "ulysses"] + (["hybrid"] if world_size == 4 else []):
+            for layout, mask, prebuilt in itertools.product(("zigzag", "contiguous"), MASKS, (False, True)):
+                name = f"P{world_size}-{strategy}-{layout}-{mask}-{'prebuilt' if prebuilt else 'position_ids'}"
+                cases.append(pytest.param(world_size, strategy, layout, mask, prebuilt, id=name))
+    return cases
+
+
+def _masking_worker(rank, world_size, strategy, layout, mask, prebuilt):
+    positions, window = _mask_case(mask, 24 * world_size)
+    mesh = seqpar.make_mesh(ulysses_size=2 if strategy == "hybrid" else 1)
+    heads = (6, 3) if world_size == 3 else (4, 2)
+    batch = positions.shape[0]
+    check_mask_case(rank, world_size, mesh, strategy, layout, batch, *heads, positions, window, prebuilt)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(("world_size", "strategy", "layout", "mask", "prebuilt"), _masking_cases())
+def test_packed_documents_and_windows_match_single_device(world_size, strategy, layout, mask, prebuilt):
+    run_ranks(world_size, _masking_worker, strategy, layout, mask, prebuilt)
+
+
+def _bad_masks_worker(rank, world_size):
+    seq_len = 24 * world_size
     mesh = seqpar.make_mesh()
     ids = torch.arange(seq_len // world_size)
     bad = ids.clone()
@@ -52,8 +73,8 @@ def _masking_worker(rank, world_size):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_packed_documents_and_windows_match_single_device(world_size):
-    run_ranks(world_size, _masking_worker)
+def test_bad_masks_raise_on_every_rank(world_size):
+    run_ranks(world_size, _bad_masks_worker, fresh=True)  # bad input across ranks: a hang must not reach the pool
 
 
 def _check_covers_exactly(q_ids, kv_ids, chunk_len: int, positions, causal: bool, window, blocks) -> None:

@@ -315,4 +315,4 @@ def _toy_worker(rank, world_size):
 
 
 def test_a_registered_family_serves_every_axis_on_two_ranks():
-    run_ranks(2, _toy_worker)
+    run_ranks(2, _toy_worker, fresh=True)  # it registers a family for the rest of the process's life

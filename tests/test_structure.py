@@ -11,6 +11,8 @@ import pathlib
 
 import pytest
 
+pytestmark = pytest.mark.fast  # the quick tier: scripts/test.sh --fast
+
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "src" / "seqpar"
 
 # Lower numbers are lower layers; a module may import its own layer or any layer below, never one above. A key is

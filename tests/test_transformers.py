@@ -283,20 +283,27 @@ def _sinks_and_softcap(rank, world_size, mesh):
                 )
 
 
-def _worker(rank, world_size):
-    mesh = seqpar.make_mesh()
-    _logits_and_loss(rank, world_size, mesh)
-    _packing(rank, world_size, mesh)
-    if world_size in (2, 3):
-        check_router_loss(rank, world_size, mesh)
-        _sinks_and_softcap(rank, world_size, mesh)
-        check_placed_training(rank, world_size, mesh)  # the own loop under the placed layout
-    if world_size == 2:
-        _more_models(rank, world_size, mesh)
-        _training(rank, world_size, mesh)
-        _bad_input(rank, world_size, mesh)
+_PARTS = {
+    "logits-and-loss": _logits_and_loss,
+    "packing": _packing,
+    "router-loss": check_router_loss,
+    "sinks-and-softcap": _sinks_and_softcap,
+    "placed-training": check_placed_training,  # the own loop under the placed layout
+    "more-models": _more_models,
+    "training": _training,
+    "bad-input": _bad_input,
+}
+_WORLDS = {"router-loss": (2, 3), "sinks-and-softcap": (2, 3), "placed-training": (2, 3)}
+_WORLDS.update({part: (2,) for part in ("more-models", "training", "bad-input")})
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_transformers_models_under_seqpar(world_size):
-    run_ranks(world_size, _worker)
+def _worker(rank, world_size, part):
+    _PARTS[part](rank, world_size, seqpar.make_mesh())
+
+
+@pytest.mark.parametrize(
+    ("world_size", "part"),
+    [pytest.param(w, p, id=f"P{w}-{p}") for w in (2, 3, 4) for p in _PARTS if w in _WORLDS.get(p, (2, 3, 4))],
+)
+def test_transformers_models_under_seqpar(world_size, part):
+    run_ranks(world_size, _worker, part, fresh=part == "bad-input")  # bad input across ranks: fresh ranks
