@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 from seqpar.gradients import BUCKET_MB
@@ -19,6 +20,12 @@ __all__ = ["OPTIMIZER_STATES", "estimate_rank"]
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}
 """Optimizer states per parameter."""
 _MB = 2**20
+
+
+@functools.lru_cache(maxsize=256)
+def _stage_sizes(d: ModelSizes, layers: int) -> ModelSizes:
+    """``d`` with ``layers`` decoder layers; memoised, since the planner asks for the same few stages often."""
+    return d if layers == d.num_hidden_layers else dataclasses.replace(d, num_hidden_layers=layers)
 
 
 def _peak_candidates(layers: int, grows: int, shards: int, freed: float) -> Sequence[int]:
@@ -88,8 +95,7 @@ def estimate_rank(
         The rank's ``MemoryEstimate``.
     """
     sp_size, ulysses_size, dp_size = sizes["sp_size"], sizes["ulysses_size"], sizes["dp_size"]
-    if view.layers != d.num_hidden_layers:  # a pipeline rank holds its stage's layers (replace is slow in a loop)
-        d = dataclasses.replace(d, num_hidden_layers=view.layers)
+    d = _stage_sizes(d, view.layers)  # a pipeline rank holds its stage's layers
     layers, tied, hidden, vocab = d.num_hidden_layers, d.tie_word_embeddings, d.hidden_size, d.vocab_size
     total, layer_params, head_params = parameter_counts(d)
     if pipelined and not tied:  # one end of the model: the embedding (first rank) or norm and head (last)

@@ -84,6 +84,8 @@ class ModelSizes:
             SeqparInputError: a config without the sizes of a decoder (positive integers), query heads that do
                 not group over the key/value heads, heads that tp does not divide, or bad expert counts.
         """
+        if isinstance(config, ModelSizes) and not source:  # already read: only the tp view may differ
+            return config if config.tp_size == tp_size else config.for_tp(tp_size)
         try:
             return _from_config(config, tp_size, source)
         except SeqparInputError as error:
