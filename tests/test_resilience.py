@@ -68,11 +68,11 @@ def children(pid: int) -> list[int]:
 
 
 def rank_pids(launcher: int) -> list[int]:
-    """The rank processes of a spawning ``seqpar train`` (not multiprocessing's resource tracker)."""
+    """The rank processes of a ``seqpar train`` that started its own (not multiprocessing's resource tracker)."""
     found = []
     for pid in children(launcher):
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"spawn_main" in f.read():
+            if b"resource_tracker" not in f.read():  # forked ranks have the launcher's command line
                 found.append(pid)
     return found
 
@@ -300,3 +300,31 @@ def test_faults_end_every_rank_promptly_and_say_why(tmp_path):
         spawn_ranks(_stall_then_one_rank_raises, 3, timeout=timedelta(minutes=5))
     assert raised.value.error_index == 1
     assert time.monotonic() - began < 60  # far below the collective timeout: no hang
+
+
+def _report_start(rank: int, world_size: int, where: str) -> None:
+    """What a rank starts with: its signal handlers and its first random number (Note [forked ranks])."""
+    handlers = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT))
+    started = {"handlers": handlers == (signal.SIG_DFL, signal.default_int_handler), "draw": torch.rand(3)}
+    with open(os.path.join(where, f"{rank}.pt"), "wb") as f:
+        torch.save(started, f)
+
+
+def test_forked_ranks_start_as_spawned_ones_do(tmp_path):
+    """A forked rank gets a fresh process's handlers and its own generator, though its launcher had others."""
+    from seqpar.runtime.spawn import start_method_for
+
+    assert start_method_for("nccl") == "spawn"  # CUDA contexts do not survive a fork
+    assert start_method_for("gloo") == ("fork" if sys.platform == "linux" else "spawn")
+    with pytest.raises(ValueError, match="start_method"):
+        spawn_ranks(_report_start, 1, str(tmp_path), start_method="forkserver")
+    for method in ("spawn", "fork"):
+        (tmp_path / method).mkdir()
+        launcher = torch.get_rng_state()
+        spawn_ranks(_report_start, 2, str(tmp_path / method), forward_signals=True, start_method=method)
+        started = [torch.load(tmp_path / method / f"{r}.pt") for r in range(2)]
+        torch.set_rng_state(launcher)
+        continued = torch.rand(3)  # what a copy of the launcher's generator would draw
+        assert all(s["handlers"] for s in started), method
+        draws = [continued, *(s["draw"] for s in started)]
+        assert all(not torch.equal(a, b) for i, a in enumerate(draws) for b in draws[i + 1 :]), (method, draws)

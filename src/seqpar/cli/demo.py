@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import seqpar
-from seqpar.runtime.spawn import spawn_ranks
+from seqpar.runtime.spawn import spawn_ranks, start_method_for
 
 __all__ = ["run_demo"]
 
@@ -75,5 +75,5 @@ def run_demo(ranks: int, seq: int, heads: int, kv_heads: int, head_dim: int) -> 
         torch.multiprocessing.ProcessRaisedException: a rank failed.
     """
     args = argparse.Namespace(ranks=ranks, seq=seq, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
-    spawn_ranks(_demo_rank, ranks, args, timeout=timedelta(minutes=5))
+    spawn_ranks(_demo_rank, ranks, args, timeout=timedelta(minutes=5), start_method=start_method_for("gloo"))
     return 0

@@ -28,7 +28,7 @@ from seqpar.diagnosis import doctor
 from seqpar.layouts.chunks import LAYOUTS
 from seqpar.mesh import make_mesh
 from seqpar.planning.memory import DTYPES
-from seqpar.runtime.spawn import spawn_ranks
+from seqpar.runtime.spawn import spawn_ranks, start_method_for
 from seqpar.sequence_parallel.strategies.registry import STRATEGIES
 from seqpar.train.config import TrainConfig
 from seqpar.train.data import FileRows, load_tokenizer
@@ -142,7 +142,15 @@ def run_doctor(args: argparse.Namespace) -> int:
     threads = max(1, (os.cpu_count() or 1) // args.sp)
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            spawn_ranks(_doctor_rank, args.sp, args, tmp, threads=threads, timeout=timedelta(minutes=10))
+            spawn_ranks(
+                _doctor_rank,
+                args.sp,
+                args,
+                tmp,
+                threads=threads,
+                timeout=timedelta(minutes=10),
+                start_method=start_method_for("gloo"),
+            )
         except mp.ProcessRaisedException as error:
             lines = [line for line in str(error).strip().splitlines() if line.strip()]
             print(f"seqpar doctor failed on rank {error.error_index}: {lines[-1].strip()}", file=sys.stderr)

@@ -1,6 +1,17 @@
-"""Running a function on N local ranks: spawn the processes, set up the default process group, tear it down.
+"""Running a function on N local ranks: start the processes, set up the default process group, tear it down.
 
 ``seqpar demo``, ``seqpar train`` without torchrun, the benchmarks and the tests all start their ranks here.
+
+Note [forked ranks]
+~~~~~~~~~~~~~~~~~~~
+A spawned rank is a fresh interpreter that imports torch, transformers and seqpar before it can do anything;
+on a small CPU machine that is most of a short run's time, paid once per rank. A forked rank is a copy of the
+launcher, which has imported all of it already while checking the settings. Forking is only safe where the
+launcher holds nothing a copy cannot inherit: no CUDA context (CUDA refuses forked children), no other threads
+(a lock held by one is never released in the copy), and a POSIX ``fork`` (Linux). ``start_method_for`` checks
+that and otherwise answers "spawn". A forked rank starts from a fresh process's signal handlers and a newly
+seeded random generator (what a spawned one has), not the launcher's, so the two give the same run. Benchmarks
+that measure memory, and tests that need a process's first use of a library, keep "spawn".
 """
 
 from __future__ import annotations
@@ -11,6 +22,7 @@ import pickle
 import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 
@@ -21,7 +33,27 @@ import torch.multiprocessing as mp
 from seqpar.runtime.progress import lost_peer
 from seqpar.runtime.signals import StopSignals
 
-__all__ = ["spawn_ranks"]
+__all__ = ["spawn_ranks", "start_method_for"]
+
+START_METHODS = ("spawn", "fork")
+
+
+def start_method_for(backend: str | None) -> str:
+    """"fork" where ranks can safely be copies of this process (Note [forked ranks]), else "spawn".
+
+    Args:
+        backend: the ranks' process-group backend ("nccl" always spawns: each rank opens its own CUDA context).
+
+    Returns:
+        The start method to pass to ``spawn_ranks``.
+    """
+    safe = (
+        sys.platform == "linux"
+        and backend != "nccl"
+        and not torch.cuda.is_initialized()
+        and threading.active_count() == 1
+    )
+    return "fork" if safe else "spawn"
 
 
 def _rank_entry(
@@ -34,6 +66,10 @@ def _rank_entry(
     timeout: timedelta,
     threads: int,
 ) -> None:
+    # a forked rank starts as a spawned one would (Note [forked ranks]): default handlers, a fresh generator
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    torch.seed()  # a fresh process seeds its generator from the operating system's randomness
     # ranks share the machine's cores; more threads per rank than cores per rank only contend
     torch.set_num_threads(threads)
     if backend is None:
@@ -81,8 +117,9 @@ def spawn_ranks(
     threads: int = 1,
     env: Mapping[str, str] | None = None,
     forward_signals: bool = False,
+    start_method: str = "spawn",
 ) -> signal.Signals | None:
-    """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes, each a rank of a fresh group.
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` new processes, each a rank of a fresh group.
 
     Each process sets its torch thread count, joins the default process group (a file store in a temporary
     directory), runs ``fn``, waits at a barrier for every rank to finish and destroys the group. Returns when
@@ -99,6 +136,8 @@ def spawn_ranks(
             start, such as glibc's ``MALLOC_*``); this process's environment is restored afterwards.
         forward_signals: pass SIGTERM and SIGINT on to the ranks instead of dying of them, and keep waiting
             for the ranks (which decide how to stop); False: this process's own handlers stay.
+        start_method: "spawn" (fresh interpreters) or "fork" (copies of this process, which start at once; only
+            where ``start_method_for`` allows it: Note [forked ranks]).
 
     Returns:
         The first SIGTERM or SIGINT passed on to the ranks, or None.
@@ -107,7 +146,10 @@ def spawn_ranks(
         torch.multiprocessing.ProcessRaisedException: a rank raised; ``error_index`` is the rank and the
             message ends with its traceback (the rank that failed first, not a peer that lost it).
         torch.multiprocessing.ProcessExitedException: a rank died without raising (a signal, ``os._exit``).
+        ValueError: an unknown ``start_method``.
     """
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method must be one of {START_METHODS}, not {start_method!r}")
     pids: list[int] = []
     stop = StopSignals(forward_to=lambda: pids) if forward_signals else contextlib.nullcontext()
     with tempfile.TemporaryDirectory() as tmp, _environment(env), stop:
@@ -115,7 +157,7 @@ def spawn_ranks(
             _rank_entry,
             args=(fn, world_size, args, os.path.join(tmp, "store"), backend, timeout, threads),
             nprocs=world_size,
-            start_method="spawn",
+            start_method=start_method,
             join=False,
         )
         pids.extend(context.pids())

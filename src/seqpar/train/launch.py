@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 from seqpar.errors import SeqparInputError
 from seqpar.runtime.signals import exit_code_for
-from seqpar.runtime.spawn import spawn_ranks
+from seqpar.runtime.spawn import spawn_ranks, start_method_for
 from seqpar.train.checkpoint import latest_checkpoint, verify_checkpoint
 from seqpar.train.config import TrainConfig
 from seqpar.train.data import load_tokenizer
@@ -106,9 +106,19 @@ def launch(config: TrainConfig) -> int:
     print(f"run directory: {run_dir}", flush=True)
     threads = max(1, (os.cpu_count() or 1) // world)
     timeout = timedelta(seconds=config.timeout_s)
+    start = start_method_for("gloo")
+    if start == "fork":  # imported once here instead of once per rank (Note [forked ranks])
+        import seqpar.train.loop  # noqa: F401
     try:
         received = spawn_ranks(
-            _rank_main, world, config, run_dir, timeout=timeout, threads=threads, forward_signals=True
+            _rank_main,
+            world,
+            config,
+            run_dir,
+            timeout=timeout,
+            threads=threads,
+            forward_signals=True,
+            start_method=start,
         )
     except mp.ProcessRaisedException as error:
         lines = [line for line in str(error).strip().splitlines() if line.strip()]
