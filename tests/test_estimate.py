@@ -88,6 +88,10 @@ def test_dtype_strategy_and_sharding():
     bf16 = seqpar.estimate_memory(LLAMA, 8192, sp_size=2, dtype=torch.bfloat16, features=LADDER[2])
     fp32 = seqpar.estimate_memory(LLAMA, 8192, sp_size=2, features=LADDER[2])
     assert bf16.parameters * 2 == fp32.parameters
+    # a dtype by name prices the same as the torch dtype (Note [torch-free planning])
+    for name in ("bf16", "bfloat16"):
+        assert seqpar.estimate_memory(LLAMA, 8192, sp_size=2, dtype=name, features=LADDER[2]) == bf16
+    assert seqpar.estimate_memory(LLAMA, 8192, sp_size=2, dtype=torch.float32, features=LADDER[2]) == fp32
     assert seqpar.estimate_memory(LLAMA, 8192, sp_size=2).strategy == "ulysses"
     assert seqpar.estimate_memory(LLAMA, 8192, sp_size=16).strategy == "ring"  # 8 heads cannot split 16 ways
     # with the MLP tiled, the attention's buffers set the layer's transient
@@ -108,6 +112,8 @@ def test_dtype_strategy_and_sharding():
         ({"sp_size": 2, "optimizer": "lion"}, "unknown optimizer"),
         ({"sp_size": 2, "tp_size": 3}, "tp_size 3 must divide"),
         ({"sp_size": 4, "ulysses_size": 3, "strategy": "hybrid"}, "must divide sp_size"),
+        ({"sp_size": 2, "dtype": "fp8"}, "unknown dtype 'fp8'"),
+        ({"sp_size": 2, "dtype": 2}, "dtype must be a torch dtype"),
     ],
 )
 def test_bad_input_raises(kwargs, message):

@@ -9,6 +9,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 HEAVY = (
     "transformers",
     "torch.distributed.pipelining",
@@ -60,3 +62,18 @@ def test_cli_help_and_plan_load_no_transformers_or_pipelining():
     )
     assert _heavy(plan) == []
     assert "seqpar.planning.search" in plan
+
+
+@pytest.mark.fast
+def test_plan_loads_no_torch():
+    """Planning is arithmetic on sizes (Note [torch-free planning]): the planner and ``seqpar plan`` load no torch."""
+    loaded = _loaded(
+        "import contextlib, io\nfrom seqpar.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    assert main(['plan', '--model', 'llama-8b', '--seq-len', '16M', '--gpus', '1024']) == 0\n"
+        "import seqpar.planning\n"
+        "found = seqpar.planning.plan('llama-8b', 1 << 20, seqpar.planning.Cluster(gpus=64))\n"
+        "assert found.candidates and found.candidates[0].peak_bytes > 0"
+    )
+    assert "torch" not in loaded
+    assert {"seqpar.planning.search", "seqpar.memory.estimate"} <= loaded  # the plan did run

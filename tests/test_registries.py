@@ -69,6 +69,7 @@ def test_rows_are_what_attention_runs_and_layout_rows_shard_as_the_functions():
     for name, row in STRATEGY_ROWS.items():
         module = importlib.import_module(f"seqpar.sequence_parallel.strategies.{name}")  # one algorithm a file
         assert row.name == name and row.function is getattr(module, f"{name}_attention")
+        assert row.function_path == f"{module.__name__}:{name}_attention"  # imported on first use
     assert STRATEGIES == ("ulysses", "ring", "allgather", "hybrid", "auto") == seqpar.STRATEGIES
     run_ranks(RANKS, _dispatch_worker)
 

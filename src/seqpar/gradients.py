@@ -6,12 +6,16 @@ Both accept a mix of plain tensors and DTensors (tensor-parallel blocks, FSDP2 s
 from __future__ import annotations
 
 from collections.abc import Iterable
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from seqpar.errors import SeqparInputError
 from seqpar.mesh import as_sp_mesh
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported in the functions that touch tensors: the memory estimate reads BUCKET_MB, and the planner
+# behind it loads no torch (Note [torch-free planning], seqpar.planning)
 
 __all__ = ["SUMMED_BY_WRAPPER", "clip_grad_norm_", "reduce_gradients"]
 
@@ -42,6 +46,9 @@ def reduce_gradients(parameters: Iterable[torch.nn.Parameter], group: object, *,
             summed their gradients; summing again would count every rank's part once per rank), or a
             ``bucket_mb`` that is not positive.
     """
+    import torch
+    import torch.distributed as dist
+
     parameters = list(parameters)
     wrapped = {getattr(p, SUMMED_BY_WRAPPER) for p in parameters if hasattr(p, SUMMED_BY_WRAPPER)}
     if wrapped:
@@ -108,6 +115,8 @@ def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, n
     Returns:
         The global norm before clipping, a plain tensor, the same on every rank.
     """
+    import torch
+
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
@@ -127,10 +136,12 @@ def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, n
 
 def _on_mesh_device(n: torch.Tensor) -> torch.Tensor:
     """A DTensor norm whose local part sits where its mesh's collectives run (host shards on a CUDA mesh)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
     mesh = n.device_mesh
     if n.device.type == mesh.device_type:
         return n
-    from torch.distributed.tensor import DTensor
 
     device = torch.device(mesh.device_type, torch.accelerator.current_device_index())
     return DTensor.from_local(n.to_local().to(device), mesh, n.placements, run_check=False)

@@ -5,20 +5,29 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from typing import TYPE_CHECKING
 
 from seqpar.errors import SeqparInputError
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+# torch.distributed is imported where a group is touched, not here: ParallelDims serves the planner, which loads
+# no torch (Note [torch-free planning], seqpar.planning)
 
 __all__ = ["ParallelDims", "SequenceParallelMesh", "as_sp_mesh", "flattened_group", "make_mesh"]
 
 
 def _size(group: dist.ProcessGroup | None) -> int:
+    import torch.distributed as dist
+
     return 1 if group is None else dist.get_world_size(group)
 
 
 def _rank(group: dist.ProcessGroup | None) -> int:
+    import torch.distributed as dist
+
     return 0 if group is None else dist.get_rank(group)
 
 
@@ -95,6 +104,8 @@ def flattened_group(device_mesh: DeviceMesh, axes: list[str]) -> dist.ProcessGro
         The group of the ranks that share this rank's coordinates on every other axis (the default group
         when ``axes`` cover the whole world).
     """
+    import torch.distributed as dist
+
     names = list(device_mesh.mesh_dim_names)
     others = [n for n in names if n not in axes]
     order = [names.index(n) for n in others + axes]
@@ -253,6 +264,9 @@ class ParallelDims:
         Raises:
             SeqparInputError: no initialised process group, or degrees that do not multiply to its world size.
         """
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
         _check_initialised()
         self.check_world(dist.get_world_size())
         if device_type is None:
@@ -262,6 +276,8 @@ class ParallelDims:
 
 
 def _check_initialised() -> None:
+    import torch.distributed as dist
+
     if not dist.is_available() or not dist.is_initialized():
         raise SeqparInputError(
             "make_mesh needs an initialised default process group (torchrun, or dist.init_process_group)"
@@ -302,6 +318,8 @@ def make_mesh(
         SeqparInputError: no initialised process group, degrees that do not multiply to the world size, or a
             DeviceMesh with unknown dimension names.
     """
+    import torch.distributed as dist
+
     _check_initialised()
     if device_mesh is not None:
         return _from_device_mesh(device_mesh)
@@ -349,6 +367,9 @@ def as_sp_mesh(mesh: object) -> SequenceParallelMesh:
         return mesh
     if mesh is None:
         return SequenceParallelMesh(sp_group=None)
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
     if isinstance(mesh, DeviceMesh):
         if mesh.ndim != 1:
             raise SeqparInputError(

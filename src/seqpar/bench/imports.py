@@ -9,7 +9,8 @@ CPU time (user + system, from the parent's child accounting): on a shared machin
 of a core the process got, CPU time what it costs on a core of its own. The table gives the median of each and
 the median minus ``import torch``'s, which is what seqpar adds: its package faces import their names on first
 use (``seqpar.lazy``), the command line loads a subcommand's modules only when it runs, and the planner imports
-neither transformers nor the pipeline schedules.
+no torch at all (Note [torch-free planning] in seqpar.planning): the whole ``seqpar plan`` run then takes less
+than ``import torch``, and its "over import torch" is below zero.
 """
 
 from __future__ import annotations

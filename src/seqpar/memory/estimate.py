@@ -57,10 +57,10 @@ from __future__ import annotations
 
 import inspect
 from types import SimpleNamespace
-
-import torch
+from typing import TYPE_CHECKING
 
 from seqpar.errors import SeqparInputError
+from seqpar.memory.dtypes import dtype_bytes
 from seqpar.memory.pipeline import stage_views
 from seqpar.memory.rank import OPTIMIZER_STATES, estimate_rank
 from seqpar.memory.result import MemoryEstimate
@@ -68,6 +68,9 @@ from seqpar.mesh import ParallelDims
 from seqpar.models import ModelSizes
 from seqpar.sequence_parallel.selection import select_strategy
 from seqpar.sequence_parallel.strategies.registry import STRATEGIES
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["FEATURES", "MemoryEstimate", "estimate_memory", "estimate_stage_memory"]
 
@@ -88,6 +91,10 @@ def _check(seq_len: int, s: SimpleNamespace, sizes: dict, features: tuple[str, .
         problems.append(f"ulysses_size {s.ulysses_size} must divide sp_size {s.sp_size}")
     if s.strategy not in STRATEGIES:
         problems.append(f"unknown strategy {s.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    try:
+        dtype_bytes(s.dtype)
+    except SeqparInputError as error:
+        problems.append(str(error))
     if s.optimizer not in OPTIMIZER_STATES:
         problems.append(f"unknown optimizer {s.optimizer!r}; choose from {', '.join(OPTIMIZER_STATES)}")
     if s.dp_mode not in ("replicate", "ddp", "fsdp"):
@@ -106,7 +113,7 @@ def estimate_memory(
     ulysses_size: int = 1,
     dp_size: int = 1,
     tp_size: int = 1,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = "fp32",
     micro_batch: int = 1,
     features: tuple[str, ...] | list[str] = (),
     strategy: str = "auto",
@@ -132,7 +139,8 @@ def estimate_memory(
         ulysses_size: ulysses degree inside sp (hybrid).
         dp_size: data-parallel degree.
         tp_size: tensor-parallel degree (heads and MLP split).
-        dtype: dtype of parameters, gradients and activations.
+        dtype: dtype of parameters, gradients and activations: a torch dtype, or its name ("bf16", "fp16",
+            "fp32"; the estimate then loads no torch).
         micro_batch: sequences per micro-batch.
         features: any of "checkpointing", "chunked_loss", "tiled_mlp", "offload".
         strategy: attention strategy ("auto" resolved by ``select_strategy``, without a mask).
@@ -156,7 +164,7 @@ def estimate_memory(
         The ``MemoryEstimate``: bytes by category, the peak and the moment that sets it.
 
     Raises:
-        SeqparInputError: an unknown feature, strategy, optimizer or dp_mode, sizes below 1, a seq_len not
+        SeqparInputError: an unknown dtype, feature, strategy, optimizer or dp_mode, sizes below 1, a seq_len not
             divisible by sp_size, heads that the ulysses degree (or tp) cannot split, a config without sizes,
             ``offload_optimizer`` without dp_mode "fsdp", pipeline settings that cannot work (fewer layers than
             stages, fewer micro-batches than ``pp_size``, an unknown schedule).
@@ -209,7 +217,7 @@ def _stage_estimates(model_config: object, seq_len: int, settings: dict) -> list
     d = ModelSizes.from_config(model_config, s.tp_size)
     rank = dict(
         chosen=select_strategy(s.strategy, d.num_attention_heads, d.num_key_value_heads, s.sp_size, s.ulysses_size),
-        b=s.dtype.itemsize,
+        b=dtype_bytes(s.dtype),
         tokens=s.micro_batch * seq_len // s.sp_size,
         features=features,
         sizes=sizes,

@@ -7,11 +7,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-
-from torch import nn
+from typing import TYPE_CHECKING
 
 from seqpar.errors import SeqparInputError
 from seqpar.models.families import FAMILIES, Family
+
+if TYPE_CHECKING:
+    from torch import nn
+
+# torch.nn is imported by the functions that look at a model: the planner reads this package's sizes and loads
+# no torch (Note [torch-free planning], seqpar.planning)
 
 __all__ = ["ModelAnatomy", "anatomy", "family_of", "find_anatomy"]
 
@@ -89,6 +94,8 @@ def family_of(model: object) -> Family | str:
     Returns:
         The ``Family`` of its ``model_type``, or a sentence naming what is unknown.
     """
+    from torch import nn
+
     config = getattr(model, "config", None) if isinstance(model, nn.Module) else model
     model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
     name = type(model).__name__
@@ -116,6 +123,8 @@ def _part(owner: nn.Module, path: str | None, kind: type, where: str, missing: l
 
 def _layer_parts(family: Family, layers: nn.ModuleList, missing: list[str]) -> dict:
     """The per-layer parts: attention, MLPs, norms and other mixers (missing paths noted)."""
+    from torch import nn
+
     attention, mlps, norms, mixers = [], [], [], []
     for i, layer in enumerate(layers):
         where = f"layers[{i}]."
@@ -136,6 +145,8 @@ def find_anatomy(model: object) -> ModelAnatomy | str:
     Returns:
         The ``ModelAnatomy``, or a sentence naming the unknown family or the missing parts.
     """
+    from torch import nn
+
     family = family_of(model)
     if isinstance(family, str):
         return family

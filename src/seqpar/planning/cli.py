@@ -11,7 +11,6 @@ import sys
 from dataclasses import fields
 
 from seqpar.errors import SeqparInputError
-from seqpar.planning.calibrate import calibrate
 from seqpar.planning.cluster import Cluster, load_calibration, save_calibration
 from seqpar.planning.memory import DTYPES
 from seqpar.planning.models import PRESETS
@@ -132,6 +131,8 @@ def run_plan(args: argparse.Namespace) -> int:
     """
     try:
         if args.calibrate:
+            from seqpar.planning.calibrate import calibrate  # spawns torch ranks: only this flag loads torch
+
             calibration = calibrate()
             save_calibration(calibration, args.calibrate)
             print(f"wrote {args.calibrate}: {calibration}")

@@ -5,16 +5,12 @@ The estimator (``seqpar.memory.estimate_memory``) does the accounting; this modu
 
 from __future__ import annotations
 
-import torch
-
 from seqpar.memory import MemoryEstimate, estimate_memory
+from seqpar.memory.dtypes import DTYPE_BYTES, DTYPES
 from seqpar.models import ModelSizes
 from seqpar.planning.timing import OFFLOAD_OPTIMIZER, Layout
 
 __all__ = ["DTYPES", "DTYPE_BYTES", "estimate_layout"]
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 
 
 def estimate_layout(
@@ -43,7 +39,7 @@ def estimate_layout(
         model.as_config(),
         seq_len,
         dims=layout.dims,
-        dtype=DTYPES[dtype],
+        dtype=dtype,
         micro_batch=micro_batch,
         features=tuple(f for f in layout.features if f != OFFLOAD_OPTIMIZER),
         strategy="ring" if layout.strategy == "local" else layout.strategy,

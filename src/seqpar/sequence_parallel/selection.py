@@ -41,12 +41,9 @@ Note [auto strategy]
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from seqpar.errors import SeqparInputError
-from seqpar.layouts.chunks import Layout, rank_chunk_ids
-from seqpar.mesh import SequenceParallelMesh
-from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
-from seqpar.sequence_parallel.plans.kv_needs import KVNeeds, kv_needs
 from seqpar.sequence_parallel.strategies.registry import (
     AUTO,
     HYBRID,
@@ -57,6 +54,15 @@ from seqpar.sequence_parallel.strategies.registry import (
     strategy_row,
 )
 from seqpar.sequence_parallel.strategies.volumes import GRAD_BYTES, ring_bytes, ulysses_bytes
+
+if TYPE_CHECKING:
+    from seqpar.layouts.chunks import Layout
+    from seqpar.mesh import SequenceParallelMesh
+    from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
+    from seqpar.sequence_parallel.plans.kv_needs import KVNeeds
+
+# the mask's tables (torch) load only under a mask: without one the rule reads the registry alone, which the
+# memory estimate and the planner ask without torch (Note [torch-free planning] in seqpar.planning)
 
 __all__ = [
     "RING_BYTES_RATIO",
@@ -144,6 +150,9 @@ def _masked_auto(
     itemsize: int,
 ) -> str:
     """Note [auto strategy] under a mask: the mask-aware ring when its bytes are a small fraction of Ulysses'."""
+    from seqpar.layouts.chunks import rank_chunk_ids
+    from seqpar.sequence_parallel.plans.kv_needs import kv_needs
+
     causal = causal and mask.blocks is None  # the blocks replace the causal rule (Note [block-causal ranges])
     chunk_ids = tuple(rank_chunk_ids(layout, sp_size, r) for r in range(sp_size))
     chunk = local_tokens // len(chunk_ids[0])

@@ -3,10 +3,11 @@
 Every strategy takes validated local shards and the same keywords: ``mesh, layout, causal, scale, kernel, mask``.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from seqpar.lazy import module_getattr
-from seqpar.sequence_parallel.strategies.allgather import allgather_attention
-from seqpar.sequence_parallel.strategies.hybrid import hybrid_attention
-from seqpar.sequence_parallel.strategies.local import local_attention
 from seqpar.sequence_parallel.strategies.registry import (
     STRATEGIES,
     STRATEGY_ROWS,
@@ -14,8 +15,13 @@ from seqpar.sequence_parallel.strategies.registry import (
     strategy_row,
     ulysses_degrees,
 )
-from seqpar.sequence_parallel.strategies.ring import ring_attention
-from seqpar.sequence_parallel.strategies.ulysses import ulysses_attention
+
+if TYPE_CHECKING:
+    from seqpar.sequence_parallel.strategies.allgather import allgather_attention
+    from seqpar.sequence_parallel.strategies.hybrid import hybrid_attention
+    from seqpar.sequence_parallel.strategies.local import local_attention
+    from seqpar.sequence_parallel.strategies.ring import ring_attention
+    from seqpar.sequence_parallel.strategies.ulysses import ulysses_attention
 
 __all__ = [
     "STRATEGIES",
@@ -32,8 +38,20 @@ __all__ = [
     "ulysses_degrees",
 ]
 
-STRATEGY_FUNCTIONS = {name: row.function for name, row in STRATEGY_ROWS.items()}
-"""Name -> strategy function, all with one signature; "local" serves a sequence-parallel size of 1."""
-
+# the algorithms (torch) load on first use, so the registry's rows serve the planner without them;
 # resolve_strategy lives with select_strategy (seqpar.sequence_parallel.selection, which imports this package)
-__getattr__ = module_getattr(__name__, {"resolve_strategy": "seqpar.sequence_parallel.selection"}, globals())
+_NAMES = {
+    **{f"{name}_attention": f"{__name__}.{name}" for name in STRATEGY_ROWS},
+    "resolve_strategy": "seqpar.sequence_parallel.selection",
+}
+_names = module_getattr(__name__, _NAMES, globals())
+
+
+def __getattr__(name: str) -> Any:
+    """``STRATEGY_FUNCTIONS`` (name -> strategy function, all with one signature; "local" serves a
+    sequence-parallel size of 1), built on first use; the strategy functions; ``resolve_strategy``."""
+    if name == "STRATEGY_FUNCTIONS":
+        functions = {row_name: row.function for row_name, row in STRATEGY_ROWS.items()}
+        globals()[name] = functions
+        return functions
+    return _names(name)

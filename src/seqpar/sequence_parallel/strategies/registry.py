@@ -6,19 +6,15 @@ Everything that names, validates, enumerates or prices a strategy reads these ro
 
 from __future__ import annotations
 
+import functools
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from seqpar.errors import SeqparInputError
 from seqpar.lazy import module_getattr
-from seqpar.sequence_parallel.strategies.allgather import allgather_attention
 from seqpar.sequence_parallel.strategies.heads import kv_head_repeats, ulysses_degrees, ulysses_heads_problem
-from seqpar.sequence_parallel.strategies.hybrid import hybrid_attention
-from seqpar.sequence_parallel.strategies.local import local_attention
-from seqpar.sequence_parallel.strategies.ring import ring_attention
-from seqpar.sequence_parallel.strategies.ulysses import ulysses_attention
 from seqpar.sequence_parallel.strategies.volumes import (
     allgather_bytes,
     hybrid_bytes,
@@ -26,6 +22,9 @@ from seqpar.sequence_parallel.strategies.volumes import (
     ring_bytes,
     ulysses_bytes,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "ALLGATHER",
@@ -55,8 +54,9 @@ class StrategyRow:
 
     name: str
     """The name ``seqpar.attention(strategy=...)`` takes ("local" is chosen, never asked for)."""
-    function: Callable[..., torch.Tensor]
-    """The strategy function; every one takes ``(q, k, v, *, mesh, layout, causal, scale, kernel, mask, sinks)``."""
+    function_path: str
+    """Where the strategy function lives, "module:name"; ``function`` imports it on first use, so the rows (and
+    the planner and estimator that read them) load no torch."""
     all_to_all: str | None
     """Which ranks its head all-to-all spans: "sp" (the whole SP group), "ulysses" (the mesh's ulysses axis), or
     None (no all-to-all: any head count works)."""
@@ -68,6 +68,16 @@ class StrategyRow:
     """Whether it needs a 2-D mesh (a ring axis x an ulysses axis) to be itself."""
     bytes_model: BytesModel
     """Bytes per rank per layer, forward + backward, one batch row (Note [strategy bytes])."""
+
+    @functools.cached_property
+    def function(self) -> Callable[..., torch.Tensor]:
+        """The strategy function; every one takes ``(q, k, v, *, mesh, layout, causal, scale, kernel, mask, sinks)``.
+
+        Returns:
+            The function ``function_path`` names, imported on the first access and kept on the row.
+        """
+        module, _, name = self.function_path.partition(":")
+        return getattr(importlib.import_module(module), name)
 
     def degree(self, sp_size: int, ulysses_size: int) -> int:
         """The all-to-all degree the heads must split over on these degrees (1 without an all-to-all).
@@ -159,11 +169,12 @@ def _hybrid(h: int, kv: int, sp: int, u: int, n: int, d: int, e: int) -> float:
     return hybrid_bytes(h, kv, u, sp // u, n, d, e)
 
 
-ULYSSES = StrategyRow("ulysses", ulysses_attention, "sp", None, True, False, _ulysses)
-RING = StrategyRow("ring", ring_attention, None, "ring", False, False, _ring)
-ALLGATHER = StrategyRow("allgather", allgather_attention, None, "gather", False, False, _allgather)
-HYBRID = StrategyRow("hybrid", hybrid_attention, "ulysses", "ring", False, True, _hybrid)
-LOCAL = StrategyRow("local", local_attention, None, None, False, False, local_bytes)
+_HERE = "seqpar.sequence_parallel.strategies"
+ULYSSES = StrategyRow("ulysses", f"{_HERE}.ulysses:ulysses_attention", "sp", None, True, False, _ulysses)
+RING = StrategyRow("ring", f"{_HERE}.ring:ring_attention", None, "ring", False, False, _ring)
+ALLGATHER = StrategyRow("allgather", f"{_HERE}.allgather:allgather_attention", None, "gather", False, False, _allgather)
+HYBRID = StrategyRow("hybrid", f"{_HERE}.hybrid:hybrid_attention", "ulysses", "ring", False, True, _hybrid)
+LOCAL = StrategyRow("local", f"{_HERE}.local:local_attention", None, None, False, False, local_bytes)
 """One rank holds the whole sequence (a sequence-parallel size of 1): chosen, never asked for."""
 AUTO = "auto"
 """The name that asks ``select_strategy`` to choose (Note [auto strategy])."""
