@@ -7,15 +7,14 @@ hidden states to host memory.
 
 from __future__ import annotations
 
-import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from seqpar.lazy import module_getattr
 
 if TYPE_CHECKING:
     from seqpar.memory.estimate import FEATURES, MemoryEstimate, estimate_memory
     from seqpar.memory.offload import CheckpointOffload, apply_activation_offload, offload_layer_inputs
-    from seqpar.memory.tiled_mlp import apply_tiled_mlp, is_tiled, tiled_mlp
+    from seqpar.memory.tiled import apply_tiled_mlp, is_tiled, tiled_mlp
 
 __all__ = [
     "FEATURES",
@@ -31,7 +30,7 @@ __all__ = [
 
 # the estimate needs no torch, the features do: each name loads its module on first use (Note [torch-free
 # planning] in seqpar.planning)
-_TILED = "seqpar.memory.tiled_mlp"
+_TILED = "seqpar.memory.tiled"
 _NAMES = {
     "FEATURES": "seqpar.memory.estimate",
     "MemoryEstimate": "seqpar.memory.estimate",
@@ -43,14 +42,4 @@ _NAMES = {
     "is_tiled": _TILED,
     "tiled_mlp": _TILED,
 }
-_resolve = module_getattr(__name__, _NAMES, globals())
-
-
-def __getattr__(name: str) -> Any:
-    """A listed name, its module imported on first use."""
-    value = _resolve(name)
-    if _NAMES[name] == _TILED:
-        # importing the submodule bound this package's ``tiled_mlp`` to it (Python does so for every submodule);
-        # the face's ``tiled_mlp`` is the function, as it was when this package imported its names eagerly
-        globals()["tiled_mlp"] = sys.modules[_TILED].tiled_mlp
-    return value
+__getattr__ = module_getattr(__name__, _NAMES, globals())
