@@ -160,9 +160,7 @@ def _parallelize_worker(rank, world_size):
 
 
 def test_parallelize_at_tp2_x_sp2_and_fsdp_dp2_x_sp2_trains_like_one_process():
-    # fresh ranks: DTensor's sharding cache keeps meshes of earlier functions on the pool, equal by value to this
-    # tp 2 x sp 2 mesh but with the groups the pool destroyed after them (tests/test_composition.py's tp run)
-    run_ranks(4, _parallelize_worker, fresh=True)
+    run_ranks(4, _parallelize_worker)
 
 
 def test_a_job_smaller_than_the_launch_names_accelerate_cpu(monkeypatch):

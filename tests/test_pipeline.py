@@ -244,9 +244,7 @@ def _pp2_x4_worker(rank, world_size, references, only=None):
 
 
 def test_pp2_with_sp2_dp2_tp2_trains_like_one_process():
-    # fresh ranks, for its pp2 tp2 case: DTensor's sharding cache keeps meshes of earlier functions on the pool,
-    # equal by value to this tp mesh but holding the groups the pool destroyed after them
-    run_ranks(4, _pp2_x4_worker, [_reference("llama"), _reference("llama", tied=True)], fresh=True)
+    run_ranks(4, _pp2_x4_worker, [_reference("llama"), _reference("llama", tied=True)])
 
 
 def _pp2_x8_worker(rank, world_size, done):
@@ -269,9 +267,7 @@ def _pp2_x8_worker(rank, world_size, done):
 # 33 s on the 2-core machine under other jobs' load (starting 8 ranks is most of it); the reference is
 # computed once here, not on each of 8 ranks sharing 2 cores (that alone made it 54-78 s).
 def test_pp2_sp2_with_dp2_or_tp2_trains_like_one_process():
-    # fresh ranks: DTensor's sharding cache keeps meshes of earlier functions on the pool, equal by value to this
-    # tp mesh but holding the groups the pool destroyed after them
-    run_ranks(8, _pp2_x8_worker, _reference("llama"), fresh=True)
+    run_ranks(8, _pp2_x8_worker, _reference("llama"))
 
 
 def test_bench_pipeline_prints_each_schedule_beside_the_prediction(capsys):

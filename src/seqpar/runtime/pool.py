@@ -94,11 +94,36 @@ def _captured_output() -> Iterator[list[str]]:
 
 
 def _destroy_new_groups(before: set) -> None:
-    """Destroy the process groups a function made (meshes make sub-groups), so their sockets do not pile up."""
+    """Destroy the process groups a function made (meshes make sub-groups), so their sockets do not pile up.
+
+    DTensor memoises sharding propagation and redistribution plans by value, and a ``DeviceMesh`` equals any other
+    mesh of the same ranks, shape and names; a later function's mesh would then be handed the plans, and through
+    them the groups, of a mesh destroyed here. Those caches are cleared with the groups, as a fresh process has them.
+    """
     world = dist.distributed_c10d._world  # torch keeps no public list of the live groups
-    for group in [g for g in world.pg_map if g not in before and g is not dist.group.WORLD]:
+    new = [g for g in world.pg_map if g not in before and g is not dist.group.WORLD]
+    for group in new:
         with contextlib.suppress(Exception):  # a group the function destroyed itself, or one of another backend
             dist.destroy_process_group(group)
+    if new:
+        _clear_dtensor_caches()
+
+
+def _clear_dtensor_caches() -> None:
+    """Empty DTensor's value-keyed caches of sharding and redistribution plans (which hold meshes, hence groups)."""
+    if "torch.distributed.tensor" not in sys.modules:  # never used here: nothing cached, nothing to import
+        return
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _redistribute
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for cached in (
+        propagator.propagate_op_sharding,
+        propagator._propagate_tensor_meta_cached,
+        _redistribute._gen_transform_infos,
+    ):
+        with contextlib.suppress(AttributeError):  # a torch release that does not cache this one
+            cached.cache_clear()
 
 
 def _run_one(conn: multiprocessing.connection.Connection, fresh: _FreshState, rank: int, world_size: int, threads: int):
