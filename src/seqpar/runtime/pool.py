@@ -113,17 +113,20 @@ def _clear_dtensor_caches() -> None:
     """Empty DTensor's value-keyed caches of sharding and redistribution plans (which hold meshes, hence groups)."""
     if "torch.distributed.tensor" not in sys.modules:  # never used here: nothing cached, nothing to import
         return
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
 
     propagator = DTensor._op_dispatcher.sharding_propagator
     for cached in (
         propagator.propagate_op_sharding,
         propagator._propagate_tensor_meta_cached,
         _redistribute._gen_transform_infos,
+        _collective_utils.MeshTopoInfo.build_from_mesh,
     ):
         with contextlib.suppress(AttributeError):  # a torch release that does not cache this one
             cached.cache_clear()
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ dispatch's cache
+    if clear_native is not None:
+        clear_native()
 
 
 def _run_one(conn: multiprocessing.connection.Connection, fresh: _FreshState, rank: int, world_size: int, threads: int):
