@@ -19,6 +19,7 @@ __all__ = ["DTYPES", "DTYPE_BYTES", "TorchDtypes", "dtype_bytes"]
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 """Name -> bytes per element: the dtypes ``seqpar plan``, ``seqpar estimate`` and the trainer's ``--dtype`` take."""
 _TORCH_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+_SHORT_NAMES = {torch_name: name for name, torch_name in _TORCH_NAMES.items()}
 
 
 class TorchDtypes(Mapping):
@@ -59,7 +60,7 @@ def dtype_bytes(dtype: object) -> int:
         SeqparInputError: an unknown name, or an object that is not a dtype.
     """
     if isinstance(dtype, str):
-        short = {torch_name: name for name, torch_name in _TORCH_NAMES.items()}.get(dtype, dtype)
+        short = _SHORT_NAMES.get(dtype, dtype)
         if short not in DTYPE_BYTES:
             raise SeqparInputError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_BYTES)} or a torch dtype")
         return DTYPE_BYTES[short]
