@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from datetime import timedelta
 
@@ -315,7 +316,18 @@ def test_forked_ranks_start_as_spawned_ones_do(tmp_path):
     from seqpar.runtime.spawn import start_method_for
 
     assert start_method_for("nccl") == "spawn"  # CUDA contexts do not survive a fork
-    assert start_method_for("gloo") == ("fork" if sys.platform == "linux" else "spawn")
+    # a fresh launcher may fork; this one may hold threads left by earlier tests, so ask a fresh one
+    asked = "from seqpar.runtime.spawn import start_method_for; print(start_method_for('gloo'))"
+    fresh = subprocess.run([sys.executable, "-c", asked], capture_output=True, text=True, check=True)
+    assert fresh.stdout.strip() == ("fork" if sys.platform == "linux" else "spawn")
+    release = threading.Event()
+    other = threading.Thread(target=release.wait)
+    other.start()
+    try:  # a thread holding a lock at fork time would leave the copy's lock held forever
+        assert start_method_for("gloo") == "spawn"
+    finally:
+        release.set()
+        other.join()
     with pytest.raises(ValueError, match="start_method"):
         spawn_ranks(_report_start, 1, str(tmp_path), start_method="forkserver")
     for method in ("spawn", "fork"):
