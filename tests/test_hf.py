@@ -46,13 +46,35 @@ def _torchrun(world: int, *args: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def out(tmp_path_factory) -> pathlib.Path:
-    """One-process references of every case (one interpreter, no seqpar imported)."""
+def _references(tmp_path_factory):
+    """The one-process references no launch reads, run in the background beside the launches (one interpreter)."""
     path = tmp_path_factory.mktemp("hf")
-    upstream = [*UPSTREAM, "accelerate_dp1", "accelerate_dp2", *GUIDES]  # upstream's examples, accelerate loops
-    grpo = [*GRPO_CASES, "grpo_loss_types"]  # TRL's own GRPOTrainer
-    references = [*REFERENCES, *upstream, *grpo, *DPO_REFERENCES]
-    _launch([sys.executable, "-m", "tests.hf_scripts.reference", str(path), *references])
+    names = [*REFERENCES, "accelerate_dp1", "accelerate_dp2", *GUIDES, *DPO_REFERENCES]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    command = [sys.executable, "-m", "tests.hf_scripts.reference", str(path), *names]
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    yield path, process
+    if process.poll() is None:  # a launch failed first
+        process.kill()
+        process.communicate()
+
+
+def _joined(references) -> pathlib.Path:
+    """The references' directory once the background run has finished (its failure raised here)."""
+    path, process = references
+    output, _ = process.communicate(timeout=600)
+    if process.returncode:
+        raise AssertionError(f"the one-process references failed:\n{(output or '')[-6000:]}")
+    return path
+
+
+@pytest.fixture(scope="module")
+def out(_references) -> pathlib.Path:
+    """The one-process references the launches read: TRL's GRPO runs (their completions are replayed) and
+    upstream's examples (TRL's pages load the model they saved); the others come from ``_references``."""
+    path, _ = _references
+    needed = [*UPSTREAM, *GRPO_CASES, "grpo_loss_types"]
+    _launch([sys.executable, "-m", "tests.hf_scripts.reference", str(path), *needed])
     return path
 
 
@@ -61,7 +83,7 @@ def _load(path: pathlib.Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(out) -> pathlib.Path:
+def two_ranks(out, _references) -> pathlib.Path:
     names = [n for n, c in CASES.items() if c.world == 2 and n not in DEEPSPEED_CASES]
     _launch(
         _torchrun(
@@ -84,11 +106,11 @@ def two_ranks(out) -> pathlib.Path:
             *([*DEEPSPEED_CASES, "alst_trainer_dp1", "deepspeed_refusal"] if DEEPSPEED else []),
         )
     )
-    return out
+    return _joined(_references)
 
 
 @pytest.fixture(scope="module")
-def more_ranks(out) -> pathlib.Path:
+def more_ranks(out, _references) -> pathlib.Path:
     for world in (3, 4):
         names = [n for n, c in CASES.items() if c.world == world]
         names += [n for n, c in GRPO_CASES.items() if c.world == world]
@@ -98,17 +120,17 @@ def more_ranks(out) -> pathlib.Path:
             names += [n for n, (w, _, _) in GUIDES.items() if w == 4]
             names += ["alst_trainer_dp2"] if DEEPSPEED else []  # last: DeepSpeed's settings stay in the process
         _launch(_torchrun(world, "-m", "tests.hf_scripts.parallel", str(out), *names))
-    return out
+    return _joined(_references)
 
 
 @pytest.fixture(scope="module")
-def yaml_runs(out) -> pathlib.Path:
+def yaml_runs(out, _references) -> pathlib.Path:
     """TRL's accelerate YAMLs (tests/accelerate_configs) launching its snippets, which name no parallel settings."""
     for name, config in YAML_LAUNCHED.items():
         yaml = str(ROOT / "tests" / "accelerate_configs" / config)
         launcher = [str(BIN / "accelerate"), "launch", "--config_file", yaml, "--main_process_port", "0"]
         _launch([*launcher, "-m", "tests.hf_scripts.parallel", str(out), name])
-    return out
+    return _joined(_references)
 
 
 def assert_matches(found: dict, want: dict, param_rtol: float = PARAM_RTOL, loss_rtol: float = LOSS_RTOL) -> None:

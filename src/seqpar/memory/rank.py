@@ -132,6 +132,7 @@ def estimate_rank(
     early = (head_grad or gathered_head) if "chunked_loss" in features else 0
     moments = {"backward start": (kept_grads + early, act["kept"], 0, loss + held_logits, 0, 0)}
     freed = act["kept_per_layer"] * (act["kept_layers"] == layers)  # kept activations each layer's backward frees
+
     def during(done: int) -> tuple[int, int]:
         """(gradients + kept activations, gradients) in the backward of the (done+1)-th layer from the top."""
         in_flight = 2 * layer_params * b if offload_optimizer else (done + 1) * layer_params * b // shards

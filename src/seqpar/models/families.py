@@ -69,10 +69,20 @@ class Family:
     """Paths from a decoder layer to its token mixers other than attention (none in today's families)."""
     tp_plan: tuple[tuple[str, str], ...] | None = LLAMA_TP_PLAN
     """(path from a layer, "colwise" or "rowwise") for tensor parallel; None: the family has no plan."""
+    vision: str | None = None
+    """Path from the decoder to a multimodal model's vision tower, which keeps its own attention and runs on
+    whole rows (Note [whole-row calls]); None for a text model."""
+    positions: str = "text"
+    """"text": ``[B, S]`` position ids; "mrope": Qwen's multimodal RoPE, ``[3, B, S]`` (or ``[4, B, S]`` with
+    the text positions first) computed by the model from the whole row's image grids."""
+    image_blocks: str | None = None
+    """The call keyword whose 1s mark image tokens that see their whole image (Gemma 3's ``token_type_ids``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_type, str) or not self.model_type:
             raise SeqparInputError(f"a model family needs its model_type (a non-empty string), got {self.model_type!r}")
+        if self.positions not in ("text", "mrope"):
+            raise SeqparInputError(f"a family's positions must be 'text' or 'mrope', got {self.positions!r}")
         bad = [style for _, style in self.tp_plan or () if style not in _TP_STYLES]
         if bad:
             raise SeqparInputError(f"tp_plan styles must be {' or '.join(_TP_STYLES)}, got {bad}")
@@ -99,7 +109,17 @@ FAMILIES: dict[str, Family] = {
         Family("gemma"),
         Family("gemma2", layer_norms=_GEMMA_NORMS),
         Family("gemma3_text", layer_norms=_GEMMA_NORMS),
-        Family("gemma3", text_model="language_model", layer_norms=_GEMMA_NORMS),
+        Family(
+            "gemma3",
+            text_model="language_model",
+            layer_norms=_GEMMA_NORMS,
+            vision="vision_tower",
+            image_blocks="token_type_ids",
+        ),
+        Family("qwen2_vl", text_model="language_model", vision="visual", positions="mrope"),
+        Family("qwen2_5_vl", text_model="language_model", vision="visual", positions="mrope"),
+        Family("qwen3_vl", text_model="language_model", vision="visual", positions="mrope"),
+        Family("llava", text_model="language_model", vision="vision_tower"),
         Family("phi3", tp_plan=None),  # fused qkv_proj and gate_up_proj: a column split would cut across q, k, v
         Family("mixtral", **_MOE),
         Family("qwen2_moe", **_MOE),  # dense MLPs in mlp_only_layers, experts elsewhere

@@ -77,4 +77,3 @@ def written_bytes() -> int:
             if line.startswith("wchar:"):
                 return int(line.split()[1])
     raise RuntimeError("no wchar in /proc/self/io")
-

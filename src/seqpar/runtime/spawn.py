@@ -39,7 +39,7 @@ START_METHODS = ("spawn", "fork")
 
 
 def start_method_for(backend: str | None) -> str:
-    """"fork" where ranks can safely be copies of this process (Note [forked ranks]), else "spawn".
+    """ "fork" where ranks can safely be copies of this process (Note [forked ranks]), else "spawn".
 
     Args:
         backend: the ranks' process-group backend ("nccl" always spawns: each rank opens its own CUDA context).

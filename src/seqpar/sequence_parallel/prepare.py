@@ -30,6 +30,13 @@ from seqpar.sequence_parallel.api import AttentionChoice, attention, choose_atte
 from seqpar.sequence_parallel.checks import Signature, by_rank, exchange_signatures
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask, sequence_mask
 from seqpar.sequence_parallel.strategies.registry import check_strategy_name
+from seqpar.sequence_parallel.whole_rows import (
+    ROW_KEY,
+    SHARD_REFUSED,
+    agree_on_whole_row,
+    is_whole_row_call,
+    shard_decoder_inputs,
+)
 
 __all__ = [
     "ATTENTION_NAME",
@@ -149,6 +156,13 @@ _CALL_PROBLEMS = {
     f"model(input_ids=..., position_ids=..., {LAYOUT_KEYWORD}=shard.layout) with the shard from seqpar.shard_batch",
     "bad_layout": f"{LAYOUT_KEYWORD} must be 'contiguous', 'zigzag' or the ChunkLayout of seqpar.shard_batch "
     f"(shard.layout) for this many ranks",
+    "multimodal_keys": f"{', '.join(SHARD_REFUSED)} belong to a whole-row call of a multimodal model (Note "
+    "[whole-row calls]); on shards each rank would merge or mask a part of a row (a text model ignores them)",
+    "mrope_embeds": "this model numbers image tokens with mRoPE from its whole rows: call it with whole rows "
+    "(input_ids, pixel_values, image_grid_thw; Note [whole-row calls]) or with input_ids shards of text, not "
+    "with inputs_embeds shards (their [B, S] positions would be wrong for any image token in them)",
+    "placeholders": "input_ids hold image or video placeholder tokens but no pixels came with them: call a "
+    "multimodal model with whole rows and their pixel_values (Note [whole-row calls])",
 }
 
 
@@ -170,6 +184,9 @@ class _CallSignature(Signature):
     use_cache: bool
     no_layout: bool
     bad_layout: bool
+    multimodal_keys: bool
+    mrope_embeds: bool
+    placeholders: bool
     layout_digest: int  # _layout_digest of the call's layout keyword: every rank must pass the same one
     positions_ndim: int
     positions_dims: tuple[int, int]  # the first two sizes, zero-padded
@@ -180,10 +197,36 @@ class _CallSignature(Signature):
         return list(self.positions_dims[: self.positions_ndim])
 
 
-def _agree_on_call(args: tuple, kwargs: dict, sp: SequenceParallelMesh, prepared: Layout, call_layout: object) -> None:
+def _placeholder_ids(config: object) -> list[int]:
+    """The image and video placeholder token ids of a multimodal model's config (none for a text model)."""
+    names = ("image_token_id", "video_token_id", "image_token_index", "video_token_index")
+    return [v for v in (getattr(config, n, None) for n in names) if isinstance(v, int)]
+
+
+def _layout_fault(sp: SequenceParallelMesh, prepared: Layout, call_layout: object) -> tuple[bool, bool]:
+    """(no layout where the prepared one is per-batch, a call layout that does not fit the mesh)."""
+    fits = isinstance(call_layout, ChunkLayout) and call_layout.world_size == sp.sp_size
+    return prepared in PER_BATCH_LAYOUTS and call_layout is None, call_layout is not None and not (
+        fits or call_layout in LAYOUTS
+    )
+
+
+def _agree_on_call(
+    args: tuple,
+    kwargs: dict,
+    sp: SequenceParallelMesh,
+    prepared: Layout,
+    call_layout: object,
+    config: object,
+    family: object,
+) -> None:
     """Check one model call on every rank at once (Note [agreeing on errors]): all raise, or none does."""
     attention_mask = kwargs.get("attention_mask")
-    fits = isinstance(call_layout, ChunkLayout) and call_layout.world_size == sp.sp_size
+    no_layout, bad_layout = _layout_fault(sp, prepared, call_layout)
+    ids = kwargs.get("input_ids")
+    placeholders = _placeholder_ids(config)
+    held = isinstance(ids, torch.Tensor) and bool(placeholders)
+    held = held and bool(torch.isin(ids, torch.tensor(placeholders, device=ids.device)).any())
     positions = kwargs.get("position_ids")
     shape = list(positions.shape) if positions is not None else []
     signature = _CallSignature(
@@ -192,8 +235,11 @@ def _agree_on_call(args: tuple, kwargs: dict, sp: SequenceParallelMesh, prepared
         labels=kwargs.get("labels") is not None,
         attention_mask=attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()),
         use_cache=bool(kwargs.get("use_cache")),
-        no_layout=prepared in PER_BATCH_LAYOUTS and call_layout is None,
-        bad_layout=call_layout is not None and not (fits or call_layout in LAYOUTS),
+        no_layout=no_layout,
+        bad_layout=bad_layout,
+        multimodal_keys=any(kwargs.get(k) is not None for k in SHARD_REFUSED),
+        mrope_embeds=family.positions == "mrope" and kwargs.get("inputs_embeds") is not None,
+        placeholders=held,
         layout_digest=_layout_digest(call_layout),
         positions_ndim=len(shape),
         positions_dims=tuple([*shape, 0, 0][:2]),
@@ -208,6 +254,19 @@ def _agree_on_call(args: tuple, kwargs: dict, sp: SequenceParallelMesh, prepared
         problems.append(f"the ranks passed different {LAYOUT_KEYWORD} values; pass every rank its shard's layout")
     if problems:
         raise SeqparInputError(" | ".join(problems))
+
+
+def _implementations(config: object, served: ModelAnatomy) -> str | dict:
+    """seqpar's attention for the text decoder; a multimodal model's vision tower keeps its own (whole images)."""
+    if served.family.vision is None:
+        return ATTENTION_NAME
+    text = getattr(served.decoder, "config", None)
+    chosen: dict = {"": ATTENTION_NAME}
+    for key in getattr(config, "sub_configs", {}):
+        sub = getattr(config, key, None)
+        if sub is not None:
+            chosen[key] = ATTENTION_NAME if sub is text else sub._attn_implementation
+    return chosen
 
 
 def attention_choice(model: torch.nn.Module) -> AttentionChoice | None:
@@ -268,7 +327,7 @@ def prepare_model(
     if model.config._attn_implementation != ATTENTION_NAME:  # kept for seqpar.integrations.unsharded
         setattr(model, ORIGINAL_ATTENTION_ATTR, model.config._attn_implementation)
     AttentionInterface.register(ATTENTION_NAME, _seqpar_attention)
-    model.set_attn_implementation(ATTENTION_NAME)
+    model.set_attn_implementation(_implementations(model.config, served))
     if model.config._attn_implementation != ATTENTION_NAME:
         raise SeqparInputError(f"{type(model).__name__} refused the attention implementation {ATTENTION_NAME!r}")
     for old in getattr(model, _HOOK_ATTR, ()):
@@ -276,27 +335,51 @@ def prepare_model(
     max_positions = getattr(model.config, "max_position_embeddings", None)
     choices: dict = {}
     setattr(model, _CHOICE_ATTR, choices)
+    multimodal = served.family.vision is not None
 
     def check_and_inject(module, args, kwargs):
         if getattr(model, UNSHARDED_ATTR, False):  # whole sequences, the model's own attention (generation)
             return args, kwargs
+        if ROW_KEY in kwargs:  # the text decoder of a checked whole-row call (Note [whole-row calls])
+            row = kwargs.pop(ROW_KEY)
+            kwargs, text = shard_decoder_inputs(kwargs, row, sp)
+            batch = kwargs["inputs_embeds"].shape[0]
+            mask = sequence_mask(text, sp, layout=row.layout, batch_size=batch, blocks=row.blocks)
+            return args, inject(kwargs, row.layout, mask)
         if _CONTEXT_KEY in kwargs:  # checked by the enclosing model, which passes its context down
             kwargs.pop(LAYOUT_KEYWORD, None)
             return args, kwargs
         call_layout = kwargs.pop(LAYOUT_KEYWORD, None)
-        _agree_on_call(args, kwargs, sp, layout, call_layout)
         batch_layout = call_layout if call_layout is not None else layout
+        if multimodal and module is model and is_whole_row_call(kwargs, served.family):
+            no_layout, bad_layout = _layout_fault(sp, layout, call_layout)
+            kwargs[ROW_KEY] = agree_on_whole_row(
+                args,
+                kwargs,
+                sp,
+                served.family,
+                batch_layout,
+                layout_digest=_layout_digest(call_layout),
+                no_layout=no_layout,
+                bad_layout=bad_layout,
+            )
+            kwargs["use_cache"] = False
+            return args, kwargs
+        _agree_on_call(args, kwargs, sp, layout, call_layout, model.config, served.family)
         kwargs["use_cache"] = False
         kwargs.pop("attention_mask", None)
         batch = kwargs["input_ids"].shape[0] if kwargs.get("input_ids") is not None else None
         mask = sequence_mask(kwargs["position_ids"], sp, layout=batch_layout, batch_size=batch)
+        return args, inject(kwargs, batch_layout, mask)
+
+    def inject(kwargs: dict, batch_layout: Layout, mask: SequenceMask) -> dict:
         if max_positions is not None and mask.max_position >= max_positions:
             raise SeqparInputError(
                 f"position id {mask.max_position} is beyond the model's max_position_embeddings ({max_positions}); "
                 "use shorter sequences or documents"
             )
         kwargs[_CONTEXT_KEY] = _Context(sp, strategy, batch_layout, kernel, mask, choices)
-        return args, kwargs
+        return kwargs
 
     # The decoder is hooked too, so that it can be called alone (hidden states for a chunked loss).
     hooked = [model] + ([served.decoder] if served.decoder is not model else [])

@@ -1,0 +1,155 @@
+"""Tiny vision-language models from configs and their samples: whole rows as the processors make them.
+
+Pixels come from the families' own (PIL) image processors on random images; the rows hold the processors'
+placeholder runs between text tokens, as the chat templates lay them out.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import transformers
+
+VOCAB = 96
+IMAGE, VIDEO, START, END = 90, 91, 92, 93  # placeholder and delimiter ids (the processors' tokens)
+_TEXT = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    attention_dropout=0.0,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "llava")
+
+
+def _qwen_vision(family: str) -> dict:
+    common = dict(depth=2, num_heads=4, patch_size=4, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    if family == "qwen2_vl":
+        return dict(common, embed_dim=32, hidden_size=32, mlp_ratio=2, in_chans=3)
+    if family == "qwen2_5_vl":
+        return dict(
+            common, hidden_size=32, intermediate_size=64, out_hidden_size=32, window_size=16, fullatt_block_indexes=[1]
+        )
+    return dict(
+        common,
+        hidden_size=32,
+        intermediate_size=64,
+        out_hidden_size=32,
+        num_position_embeddings=64,
+        deepstack_visual_indexes=[0, 1],
+    )
+
+
+def config(family: str) -> transformers.PretrainedConfig:
+    """The family's tiny config: 2 text layers (GQA 4/2 heads), a 2-block vision tower."""
+    ids = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
+    if family.startswith("qwen"):
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+        if family == "qwen3_vl":
+            rope["mrope_interleaved"] = True
+        text = dict(_TEXT, rope_parameters=rope)
+        if family == "qwen3_vl":
+            text["head_dim"] = 8
+        cls = transformers.AutoConfig.for_model(family).__class__
+        return cls(text_config=text, vision_config=_qwen_vision(family), **ids)
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=16,
+        patch_size=4,
+        attention_dropout=0.0,
+    )
+    if family == "gemma3":
+        text = dict(
+            _TEXT,
+            head_dim=8,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        )
+        return transformers.Gemma3Config(
+            text_config=text,
+            vision_config=vision,
+            mm_tokens_per_image=4,
+            image_token_id=IMAGE,
+            boi_token_index=START,
+            eoi_token_index=END,
+        )
+    text = dict(_TEXT, model_type="llama")
+    return transformers.LlavaConfig(
+        text_config=text,
+        vision_config=dict(vision, model_type="clip_vision_model"),
+        image_token_id=IMAGE,
+        projector_hidden_act="gelu",
+        vision_feature_layer=-1,
+    )
+
+
+def build(family: str, seed: int = 0) -> torch.nn.Module:
+    """The family's tiny ``...ForConditionalGeneration`` with seeded random weights, eager attention."""
+    torch.manual_seed(seed)
+    cfg = config(family)
+    return transformers.AutoModelForImageTextToText.from_config(cfg, attn_implementation="eager").float().eval()
+
+
+def _images(sizes: list[tuple[int, int]], seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes]
+
+
+def _row(runs: list[int], texts: list[int], rng: np.random.Generator, delimit: bool = True) -> list[int]:
+    """Text, then for each image its placeholder run (between START and END when ``delimit``), then text."""
+    row = list(rng.integers(3, IMAGE - 1, texts[0]))
+    for n, t in zip(runs, texts[1:], strict=True):
+        image = [START, *[IMAGE] * n, END] if delimit else [IMAGE] * n
+        row += image + list(rng.integers(3, IMAGE - 1, t))
+    return row
+
+
+def sample(family: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Two whole rows with images of different sizes, the second right-padded, as the model is called."""
+    rng = np.random.default_rng(seed)
+    if family.startswith("qwen"):
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        processor = Qwen2VLImageProcessorPil(
+            patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=8 * 8, max_pixels=32 * 32
+        )
+        images = _images([(16, 24), (16, 16), (8, 16)], seed)
+        pixels = processor(images=images, return_tensors="pt")
+        runs = (pixels["image_grid_thw"].prod(-1) // 4).tolist()
+        rows = [_row(runs[:2], [5, 4, 6], rng), _row(runs[2:], [3, 7], rng)]
+        extra = {"pixel_values": pixels["pixel_values"], "image_grid_thw": pixels["image_grid_thw"]}
+    elif family == "gemma3":
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+        processor = Gemma3ImageProcessorPil(size={"height": 16, "width": 16})
+        pixels = processor(images=_images([(20, 16), (16, 12), (16, 16), (12, 20)], seed), return_tensors="pt")
+        rows = [_row([4, 4], [5, 3, 6], rng), _row([4, 4], [5, 3, 2], rng)]
+        extra = {"pixel_values": pixels["pixel_values"]}
+    else:
+        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+        processor = CLIPImageProcessorPil(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
+        pixels = processor(images=_images([(20, 16), (16, 24), (16, 16)], seed), return_tensors="pt")
+        rows = [_row([16, 16], [4, 3, 5], rng), _row([16], [6, 9], rng)]
+        extra = {"pixel_values": pixels["pixel_values"]}
+    length = max(len(r) for r in rows)
+    ids = torch.tensor([r + [0] * (length - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (length - len(r)) for r in rows])
+    batch = {"input_ids": ids, "attention_mask": mask, **extra}
+    if family.startswith("qwen"):
+        batch["mm_token_type_ids"] = (ids == IMAGE).int()
+    if family == "gemma3":
+        batch["token_type_ids"] = (ids == IMAGE).long()
+    return batch

@@ -1,0 +1,197 @@
+"""Vision-language models (Qwen2/2.5/3-VL, Gemma 3, LLaVA; tiny, from configs) on whole rows under seqpar.
+
+Logits of real tokens, the loss and every parameter's gradient (the vision tower's included) equal one process
+at P = 2 (ring, ulysses), 3 (ring) and 4 (allgather); switching the gradient sum off fails the check; bad
+input raises on every rank (Note [whole-row calls]).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import seqpar
+from seqpar.errors import SeqparInputError
+from tests._dist import run_ranks, shard_index
+from tests._vlm_models import FAMILIES, IMAGE, build, sample
+
+LOGITS_ATOL, LOSS_ATOL = 2e-5, 2e-5
+GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-8  # of each tensor's largest entry, plus an absolute floor
+# After 5 AdamW steps, of each tensor's largest entry. Adam moves every entry by about lr whatever its gradient's
+# size, so an entry with a tiny gradient carries that gradient's relative rounding into the parameter: measured
+# up to 1.2e-4 (Gemma 3's vision out_proj bias) and 1.4e-5 (Qwen2.5-VL's o_proj).
+ADAMW_RTOL = 5e-4
+# Softmax does not change when a key bias adds the same q . b to every score of a query: those gradients are
+# zero up to rounding, which Adam turns into full-size steps of either sign. Compared after one step instead.
+ROUNDING_ONLY = ("k_proj.bias",)
+
+
+def _reference(family: str) -> tuple[torch.nn.Module, dict, torch.Tensor, torch.Tensor]:
+    ref = build(family)
+    batch = sample(family)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    out = ref(**batch, labels=labels)
+    out.loss.backward()
+    return ref, batch, out.logits.detach(), out.loss.detach()
+
+
+def _sharded_step(model, batch, mesh, layout):
+    shard = seqpar.shard_batch(
+        {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}, mesh, layout=layout
+    )
+    logits = model(**batch, seqpar_layout=shard.layout).logits
+    loss = seqpar.cross_entropy(logits, shard["shift_labels"], mesh)
+    loss.backward()
+    return shard, logits.detach(), seqpar.sum_over(loss.detach(), mesh)
+
+
+def _summed_gradients(model, mesh) -> dict[str, torch.Tensor]:
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(g, group=seqpar.as_sp_mesh(mesh).sp_group) if mesh is not None else None
+        grads[name] = g
+    return grads
+
+
+def _assert_gradients(found: dict, ref: torch.nn.Module, what: str) -> None:
+    for name, p in ref.named_parameters():
+        want = p.grad if p.grad is not None else torch.zeros_like(p)
+        atol = GRAD_RTOL * float(want.abs().max()) + GRAD_ATOL
+        torch.testing.assert_close(found[name], want, rtol=0, atol=atol, msg=lambda m, n=name: f"{what} {n}: {m}")
+
+
+def _exact(rank, world_size, family, strategy, layout):
+    mesh = seqpar.make_mesh()
+    ref, batch, want_logits, want_loss = _reference(family)
+    model = seqpar.prepare_model(copy.deepcopy(build(family)), mesh, strategy=strategy)
+    shard, logits, loss = _sharded_step(model, batch, mesh, layout)
+    what = f"{family} {strategy} {layout} P={world_size}"
+    s = batch["input_ids"].shape[1]
+    idx = shard_index(shard.layout, world_size, rank, s + (-s % (world_size * (1 if layout == "contiguous" else 2))))
+    real = idx < s
+    keep = batch["attention_mask"][:, idx.clamp(max=s - 1)].bool() & real
+    got, want = logits[keep], want_logits[:, idx.clamp(max=s - 1)][keep]
+    torch.testing.assert_close(got, want, atol=LOGITS_ATOL, rtol=0, msg=lambda m: f"{what} logits: {m}")
+    torch.testing.assert_close(loss, want_loss, atol=LOSS_ATOL, rtol=0, msg=lambda m: f"{what} loss: {m}")
+    _assert_gradients(_summed_gradients(model, mesh), ref, what)
+
+
+CASES = [
+    (2, "ring", "zigzag"),
+    (2, "ulysses", "contiguous"),
+    (3, "ring", "zigzag"),
+    (4, "allgather", "zigzag"),
+]
+
+
+def _worker(rank, world_size, strategy, layout):
+    for family in FAMILIES:
+        _exact(rank, world_size, family, strategy, layout)
+
+
+@pytest.mark.parametrize(("world_size", "strategy", "layout"), CASES, ids=[f"P{w}-{s}-{lay}" for w, s, lay in CASES])
+def test_vlm_whole_rows_equal_one_process(world_size, strategy, layout):
+    run_ranks(world_size, _worker, strategy, layout)
+
+
+def _controls(rank, world_size):
+    """Negative controls: the checks above fail without the gradient sum and without Gemma 3's image blocks."""
+    mesh = seqpar.make_mesh()
+    ref, batch, want_logits, _ = _reference("qwen2_5_vl")
+    model = seqpar.prepare_model(copy.deepcopy(build("qwen2_5_vl")), mesh, strategy="ring")
+    assert model.model.visual.config._attn_implementation == "eager"  # the vision tower keeps its own attention
+    _sharded_step(model, batch, mesh, "zigzag")
+    unsummed = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    with pytest.raises(AssertionError):
+        _assert_gradients({n: unsummed.get(n, torch.zeros_like(p)) for n, p in model.named_parameters()}, ref, "")
+    _, batch, want_logits, _ = _reference("gemma3")
+    model = seqpar.prepare_model(build("gemma3"), mesh, strategy="ring")
+    without_blocks = {k: v for k, v in batch.items() if k != "token_type_ids"}
+    shard, logits, _ = _sharded_step(model, without_blocks, mesh, "zigzag")
+    s = batch["input_ids"].shape[1]
+    idx = shard_index(shard.layout, world_size, rank, s + (-s % (2 * world_size)))
+    real = idx < s
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(logits[:, real], want_logits[:, idx[real]], atol=LOGITS_ATOL, rtol=0)
+
+
+def _training(rank, world_size):
+    """5 AdamW steps on whole rows (fresh samples each step) equal 5 one-process steps."""
+    mesh = seqpar.make_mesh()
+    for family in ("qwen2_5_vl", "gemma3"):
+        ref = build(family).train()
+        model = seqpar.prepare_model(copy.deepcopy(ref), mesh, strategy="ring")
+        # eps 1e-6: Adam divides by sqrt(v) + eps, which amplifies float rounding of near-zero gradients
+        opts = [torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-6) for m in (ref, model)]
+        for step in range(5):
+            batch = sample(family, seed=step)
+            labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+            ref(**batch, labels=labels).loss.backward()
+            _sharded_step(model, batch, mesh, "zigzag")
+            seqpar.reduce_gradients(model.parameters(), mesh)
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+        for (name, p), want in zip(model.named_parameters(), ref.parameters(), strict=True):
+            if name.endswith(ROUNDING_ONLY):
+                continue
+            atol = ADAMW_RTOL * float(want.detach().abs().max()) + 1e-8
+            torch.testing.assert_close(p, want, rtol=0, atol=atol, msg=lambda m, n=name, f=family: f"{f} {n}: {m}")
+
+
+def _raises(match: str, call) -> None:
+    with pytest.raises(SeqparInputError, match=match):
+        call()
+
+
+def _bad_input(rank, world_size):
+    """Each mistake raises one SeqparInputError on every rank, before the vision tower or any attention runs."""
+    mesh = seqpar.make_mesh()
+    qwen = seqpar.prepare_model(build("qwen2_vl"), mesh)
+    batch = sample("qwen2_vl")
+    shard = seqpar.shard_batch({"input_ids": batch["input_ids"]}, mesh)
+    other = dict(batch, pixel_values=batch["pixel_values"] + rank)  # rank 1 holds another sample's pixels
+    _raises("passed other rows than rank 0", lambda: qwen(**other))
+    sharded = dict(batch, input_ids=shard["input_ids"], attention_mask=None, mm_token_type_ids=None)
+    _raises("passed other rows than rank 0", lambda: qwen(**sharded))
+    _raises("position_ids must cover the whole row", lambda: qwen(**batch, position_ids=shard["position_ids"]))
+    flat = torch.arange(batch["input_ids"].shape[1]).expand_as(batch["input_ids"])
+    _raises(r"mRoPE from the image grids", lambda: qwen(**batch, position_ids=flat))
+    embeds = qwen.get_input_embeddings()(shard["input_ids"])
+    _raises("not with inputs_embeds shards", lambda: qwen(inputs_embeds=embeds, position_ids=shard["position_ids"]))
+    placeholders = shard["input_ids"].clone()
+    placeholders[:, 0] = IMAGE
+    _raises("no pixels came", lambda: qwen(input_ids=placeholders, position_ids=shard["position_ids"]))
+    labels = {"labels": batch["input_ids"]} if rank == 1 else {}  # one rank's mistake, raised on both
+    _raises("do not pass labels", lambda: qwen(**batch, **labels))
+    left = dict(batch, attention_mask=batch["attention_mask"].flip(1))
+    _raises("padding before real tokens", lambda: qwen(**left))
+    placed = seqpar.shard_batch({"input_ids": batch["input_ids"]}, mesh, layout="placed")
+    _raises("placed layout reorders rows", lambda: qwen(**batch, seqpar_layout=placed.layout))
+    gemma = seqpar.prepare_model(build("gemma3"), mesh)
+    rows = sample("gemma3")
+    moved = rows["token_type_ids"].clone()
+    moved[1] = moved[1].roll(1)
+    _raises("image blocks .token_type_ids. at different tokens", lambda: gemma(**dict(rows, token_type_ids=moved)))
+    from tests._models import build as build_text
+
+    text = seqpar.prepare_model(build_text("llama"), mesh)
+    types = torch.zeros_like(shard["input_ids"])
+    call = dict(input_ids=shard["input_ids"], position_ids=shard["position_ids"], token_type_ids=types)
+    _raises("belong to a whole-row call", lambda: text(**call))
+
+
+_PARTS = {"controls": _controls, "training": _training, "bad-input": _bad_input}
+
+
+def _part(rank, world_size, part):
+    _PARTS[part](rank, world_size)
+
+
+@pytest.mark.parametrize("part", list(_PARTS))
+def test_vlm_controls_training_and_bad_input(part):
+    run_ranks(2, _part, part)
