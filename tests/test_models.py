@@ -71,8 +71,24 @@ def toy_registered():
 
 
 def test_every_built_in_family_has_a_tiny_model_here():
-    covered = {_config(kind).model_type for kind in KINDS}
+    from tests import _vlm_models
+
+    covered = {_config(kind).model_type for kind in KINDS} | set(_vlm_models.FAMILIES)
     assert set(FAMILIES) - {TOY.model_type} == covered
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava"])
+def test_every_vision_language_family_resolves_its_anatomy(family):
+    from tests._vlm_models import build as build_vlm
+
+    model = build_vlm(family)
+    parts = anatomy(model)
+    decoder = model.model.language_model
+    assert parts.family is FAMILIES[family] and parts.decoder is decoder
+    assert parts.name(decoder) == "model.language_model" and parts.layers is decoder.layers
+    assert parts.embedding is model.get_input_embeddings() and parts.head is model.get_output_embeddings()
+    assert parts.attention == tuple(layer.self_attn for layer in decoder.layers)
+    assert isinstance(getattr(model.model, parts.family.vision), torch.nn.Module)  # the tower that keeps its attention
 
 
 @pytest.mark.parametrize("kind", KINDS)
