@@ -153,3 +153,55 @@ def sample(family: str, seed: int = 0) -> dict[str, torch.Tensor]:
     if family == "gemma3":
         batch["token_type_ids"] = (ids == IMAGE).long()
     return batch
+
+
+def examples(family: str, count: int, seed: int) -> list[dict[str, object]]:
+    """``count`` one-row samples of ``family`` for a dataset: token ids, the row's pixels (and grids), one or two
+    images of different sizes between text runs of random lengths, as a processor makes them."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(count):
+        n_images = int(rng.integers(1, 3))
+        texts = [int(t) for t in rng.integers(2, 8, n_images + 1)]
+        if family.startswith("qwen"):
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+            processor = Qwen2VLImageProcessorPil(
+                patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=8 * 8, max_pixels=32 * 32
+            )
+            choices = [(16, 24), (16, 16), (8, 16), (24, 16)]
+            sizes = [choices[int(k)] for k in rng.integers(0, len(choices), n_images)]
+            pixels = processor(images=_images(sizes, seed * 1000 + i), return_tensors="pt")
+            runs = (pixels["image_grid_thw"].prod(-1) // 4).tolist()
+            extra = {"pixel_values": pixels["pixel_values"], "image_grid_thw": pixels["image_grid_thw"]}
+        elif family == "gemma3":
+            from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+            processor = Gemma3ImageProcessorPil(size={"height": 16, "width": 16})
+            pixels = processor(images=_images([(20, 16)] * n_images, seed * 1000 + i), return_tensors="pt")
+            runs, extra = [4] * n_images, {"pixel_values": pixels["pixel_values"]}
+        else:
+            raise ValueError(f"no dataset rows for {family}")
+        rows.append({"input_ids": _row(runs, texts, rng), **extra})
+    return rows
+
+
+def collator(family: str):
+    """A multimodal collator for ``examples``: right-padded rows, the rows' pixels (and grids) in row order, the
+    family's token types, and labels with padding and image placeholders ignored."""
+
+    def collate(features: list[dict[str, object]]) -> dict[str, torch.Tensor]:
+        width = max(len(f["input_ids"]) for f in features)
+        ids = torch.tensor([f["input_ids"] + [0] * (width - len(f["input_ids"])) for f in features])
+        mask = torch.tensor([[1] * len(f["input_ids"]) + [0] * (width - len(f["input_ids"])) for f in features])
+        labels = ids.masked_fill(mask == 0, -100).masked_fill(ids == IMAGE, -100)
+        batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        batch["pixel_values"] = torch.cat([f["pixel_values"] for f in features])
+        if family.startswith("qwen"):
+            batch["image_grid_thw"] = torch.cat([f["image_grid_thw"] for f in features])
+            batch["mm_token_type_ids"] = (ids == IMAGE).int()
+        if family == "gemma3":
+            batch["token_type_ids"] = (ids == IMAGE).long()
+        return batch
+
+    return collate

@@ -43,7 +43,7 @@ class Case:
     ulysses_size: int = 1
     strategy: str = "auto"
     batch: int = 2  # sequences per data-parallel replica per micro-batch
-    collator: str = "flatten"  # "flatten" (packed documents), "padded" (right padding) or "sft"
+    collator: str = "flatten"  # "flatten" (packed documents), "padded" (right padding), "sft" or "vlm" (images)
     optim: str = "sgd"
     extra: tuple = ()  # more TrainingArguments / SFTConfig fields
     eval_batch: int = 0  # 0: no evaluation
@@ -59,6 +59,7 @@ class Case:
 
 
 RANDOM_ORDER = (("train_sampling_strategy", "random"),)
+ONE_MICRO_BATCH = (("gradient_accumulation_steps", 1),)
 
 
 def zero(stage: int) -> tuple:
@@ -134,6 +135,12 @@ CASES = {
     "sp2_zero1": Case(2, extra=zero(1), reference="sp2"),
     "sp2_zero2": Case(2, extra=zero(2), reference="sp2"),
     "sp2_zero3": Case(2, extra=zero(3), eval_batch=4, reference="sp2"),
+    # vision-language models on whole rows (Note [whole-row calls]): 4 samples with 1-2 images of different sizes,
+    # 2 epochs; Qwen2.5-VL's mRoPE from the grids with 2 right-padded rows per batch, Gemma 3's image blocks. One
+    # micro-batch a step: these models take no num_items_in_batch (accepts_loss_kwargs=False), so the one-process
+    # Trainer averages the micro-batches' means, where seqpar divides by the step's tokens (equal for one)
+    "vlm_sp2": Case(2, kind="qwen2_5_vl", collator="vlm", eval_batch=2, extra=ONE_MICRO_BATCH),
+    "vlm_gemma3_dp2_sp2": Case(4, kind="gemma3", collator="vlm", batch=1, extra=ONE_MICRO_BATCH),
 }
 METRICS = ("accuracy", "rows", "width", "label_checksum", "pred_checksum", "padded_preds")
 
@@ -265,6 +272,12 @@ def training_args(case: Case, out: str, reference: bool, **overrides):
 def build_trainer(name: str, case: Case, out: str, trainer_cls, reference: bool, **kwargs):
     """The Trainer (class given) for ``case`` with its model, data and collator."""
     train, held_out = documents(96, 1), documents(10, 2)
+    if case.collator == "vlm":
+        from tests import _vlm_models
+
+        train, held_out = _vlm_models.examples(case.kind, 4, 1), _vlm_models.examples(case.kind, 4, 2)
+        kwargs.setdefault("model", _vlm_models.build(case.kind))
+        kwargs.setdefault("data_collator", _vlm_models.collator(case.kind))
     # before the arguments: under a ZeRO-3 DeepSpeed config transformers would build it partitioned (zero.Init),
     # initialised from another random stream than the one-process reference's
     net = kwargs.pop("model", None) or model(case.kind)

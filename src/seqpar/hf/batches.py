@@ -27,6 +27,7 @@ from seqpar.layouts.chunks import ChunkLayout, Layout
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.comm.collectives import collective_device
 from seqpar.sequence_parallel.prepare import LAYOUT_KEYWORD
+from seqpar.sequence_parallel.whole_rows import SHARD_REFUSED
 
 __all__ = [
     "SequenceShard",
@@ -42,6 +43,10 @@ __all__ = [
 PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 SEQUENCE_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask")
 DROPPED_KEYS = ("use_cache", "return_loss", "num_items_in_batch")
+MULTIMODAL_KEYS = SHARD_REFUSED
+"""A multimodal collator's keys (pixels, grids, token types): the model takes such a batch's whole rows."""
+ROWS = "seqpar_rows"
+"""Key of a ``SequenceShard``: a multimodal batch's whole rows, which its model call takes (Note [whole-row calls])."""
 
 
 class SequenceShard(dict):
@@ -50,7 +55,9 @@ class SequenceShard(dict):
     A dict subclass so that the Trainer's device move (which rebuilds mappings with their own type) keeps
     it recognisable as already sharded. Under ``layout="balanced"`` it also holds the batch's own
     ``ChunkLayout`` under ``"seqpar_layout"`` (``LAYOUT_KEYWORD``): an entry, not an attribute, because that
-    rebuild keeps entries only (non-tensor ones unchanged). Call the model with ``model_inputs(shard)``.
+    rebuild keeps entries only (non-tensor ones unchanged). A multimodal batch's shard also holds the batch's
+    whole rows under ``"seqpar_rows"`` (``ROWS``): the model merges its images on whole rows and shards its
+    text decoder's input itself (Note [whole-row calls]). Call the model with ``model_inputs(shard)``.
     """
 
 
@@ -61,10 +68,15 @@ def model_inputs(shard: Mapping[str, object]) -> dict[str, object]:
         shard: a ``SequenceShard`` (from ``shard_step`` / ``to_shard``, moved to the device or not).
 
     Returns:
-        ``{"input_ids", "position_ids"}``, and ``seqpar_layout`` when the shard carries its batch's own layout
-        (``layout="balanced"``): ``model(**model_inputs(shard))``.
+        ``{"input_ids", "position_ids"}`` (a multimodal batch: its whole rows, pixels and grids), and
+        ``seqpar_layout`` when the shard carries its batch's own layout (``layout="balanced"``):
+        ``model(**model_inputs(shard))``.
     """
-    inputs = {"input_ids": shard["input_ids"], "position_ids": shard["position_ids"]}
+    rows = shard.get(ROWS)
+    if rows is not None:
+        inputs = dict(rows)
+    else:
+        inputs = {"input_ids": shard["input_ids"], "position_ids": shard["position_ids"]}
     if shard.get(LAYOUT_KEYWORD) is not None:
         inputs[LAYOUT_KEYWORD] = shard[LAYOUT_KEYWORD]
     return inputs
@@ -109,11 +121,21 @@ def _problem(batch: Mapping[str, object], sp_size: int, seq_length: int | None =
     ids = batch["input_ids"]
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         return f"input_ids must be a [batch, seq] tensor, got {getattr(ids, 'shape', type(ids))}"
-    unknown = sorted(str(k) for k in batch if k not in (*SEQUENCE_KEYS, *PACKING_KEYS, *DROPPED_KEYS))
+    known = (*SEQUENCE_KEYS, *PACKING_KEYS, *DROPPED_KEYS, *MULTIMODAL_KEYS)
+    unknown = sorted(str(k) for k in batch if k not in known)
     if unknown:
         return (
             f"batch keys {unknown} are not understood by seqpar.hf: sequence parallelism shards input_ids, labels, "
-            "position_ids and attention_mask only"
+            "position_ids and attention_mask, and takes a multimodal batch's pixels, grids and token types whole "
+            f"({', '.join(MULTIMODAL_KEYS)})"
+        )
+    multimodal = any(batch.get(k) is not None for k in MULTIMODAL_KEYS)
+    positions = batch.get("position_ids")
+    if multimodal and isinstance(positions, torch.Tensor) and positions.dim() == 3 and positions.shape[0] != 4:
+        return (
+            f"position_ids {tuple(positions.shape)} of a multimodal batch: pass none (the model computes them from "
+            "the whole rows), [B, S] text positions or transformers' [4, B, S] mRoPE form, whose first row marks "
+            "packed documents; the [3, B, S] form does not say where documents start"
         )
     packed = [k for k in PACKING_KEYS if batch.get(k) is not None]
     if packed and batch.get("position_ids") is None:
@@ -151,7 +173,10 @@ def to_shard(
         batch: a Hugging Face collator's output for the *whole* rows of this data-parallel replica:
             ``input_ids``, optional unshifted ``labels`` (or ``shift_labels``), ``position_ids`` (restarting at 0
             at every packed document), ``attention_mask`` (right padding only). Varlen keys
-            (``cu_seq_lens_q`` ...) are dropped: the documents are read from ``position_ids``.
+            (``cu_seq_lens_q`` ...) are dropped: the documents are read from ``position_ids``. A multimodal
+            collator's pixels, grids and token types (``pixel_values``, ``image_grid_thw``, ``token_type_ids``
+            ...) are kept with the whole rows for the model call (``model_inputs``), which merges the images
+            and shards its text decoder's input as the labels are sharded here (Note [whole-row calls]).
         mesh: the sequence-parallel mesh.
         layout: the layout the prepared model was told: "zigzag", "contiguous", "balanced" (solved for this
             batch, Note [balanced layout]) or a ``ChunkLayout``.
@@ -165,7 +190,8 @@ def to_shard(
 
     Raises:
         SeqparInputError: unknown keys, packed rows without position ids, left padding, a sequence shorter
-            than ``sp_size``, labels that look shifted already, a width other than ``seq_length``.
+            than ``sp_size``, labels that look shifted already, a width other than ``seq_length``, ``[3, B, S]``
+            positions of a multimodal batch.
     """
     ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
     if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[0] == 0:
@@ -174,11 +200,24 @@ def to_shard(
     if problem is not None:
         raise SeqparInputError(problem)
     wanted = {k: batch[k] for k in SEQUENCE_KEYS if batch.get(k) is not None}
+    rows = _whole_rows(batch)
+    if rows is not None and wanted.get("position_ids") is not None and wanted["position_ids"].dim() == 3:
+        wanted["position_ids"] = wanted["position_ids"][0]  # mRoPE's text row: where packed documents start
     sharded = shard_batch(wanted, mesh, layout=layout)
     shard = SequenceShard(sharded)
+    if rows is not None:
+        shard[ROWS] = rows
     if isinstance(sharded.layout, ChunkLayout):  # per batch: the model must be told it with this shard
         shard[LAYOUT_KEYWORD] = sharded.layout
     return shard
+
+
+def _whole_rows(batch: Mapping[str, object]) -> dict[str, object] | None:
+    """A multimodal batch's model call on whole rows (Note [whole-row calls]), or None for a text batch."""
+    if not any(batch.get(k) is not None for k in MULTIMODAL_KEYS):
+        return None
+    keys = ("input_ids", "attention_mask", "position_ids", *MULTIMODAL_KEYS)
+    return {k: batch[k] for k in keys if batch.get(k) is not None}
 
 
 def _fingerprint(batch: Mapping[str, object]) -> int:

@@ -34,11 +34,13 @@ def _noise_hook(alpha: float, width: int, mesh: SequenceParallelMesh, layout: La
     def hook(module: torch.nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
         if not module.training:
             return output
-        rows, local, hidden = output.shape  # [B, S'/P, H]
+        rows, local, hidden = output.shape  # [B, S'/P, H], or [B, S, H] for a whole-row call
         # as transformers' neftune_post_forward_hook computes it, on a tensor of one process's shape
         magnitude = alpha / torch.sqrt(torch.tensor(width * hidden))
         noise = torch.zeros(rows, width, hidden, dtype=output.dtype, device=output.device)
         noise = noise.uniform_(-magnitude, magnitude)
+        if local == width:  # a multimodal model embeds its whole rows (Note [whole-row calls])
+            return output + noise
         noise = F.pad(noise, (0, 0, 0, local * mesh.sp_size - width))  # [B, S', H]: the layout's padding
         return output + shard_sequence(noise, mesh, dim=1, layout=layout)
 
