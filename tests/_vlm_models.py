@@ -205,3 +205,59 @@ def collator(family: str):
         return batch
 
     return collate
+
+
+_SPECIAL = {"<pad>": 0, "<bos>": 1, "<eos>": 2}
+_MARKS = ("<image_soft_token>", "<video>", "<start_of_image>", "<end_of_image>", "<start_of_turn>", "<end_of_turn>")
+_GEMMA3_TEMPLATE = (  # Gemma 3's turn and image markers; text is space-separated words
+    "{% for m in messages %}<start_of_turn>{{ m['role'] }} {% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<start_of_image>{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %} "
+    "{% endfor %}<end_of_turn> {% endfor %}"
+)
+
+
+def processor(family: str):
+    """A real ``Gemma3Processor`` built locally: a word-level tokenizer over the tiny vocabulary (words ``w3`` ..
+    ``w89``, the roles, Gemma 3's markers at 90-95), the family's PIL image processor, a chat template; each image
+    becomes START, 4 IMAGE tokens, END as the tiny model expects. (Qwen's processors need torchvision.)"""
+    if family != "gemma3":
+        raise ValueError(f"no local processor for {family}")
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    vocab = {**_SPECIAL, **{f"w{i}": i for i in range(3, IMAGE - 2)}, "user": IMAGE - 2, "assistant": IMAGE - 1}
+    vocab.update({mark: IMAGE + i for i, mark in enumerate(_MARKS)})
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.add_special_tokens([AddedToken(t, special=True) for t in (*_SPECIAL, *_MARKS)])
+    marks = {"image_token": _MARKS[0], "boi_token": _MARKS[2], "eoi_token": _MARKS[3]}
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=words, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", extra_special_tokens=marks
+    )
+    images = Gemma3ImageProcessorPil(size={"height": 16, "width": 16})
+    return transformers.Gemma3Processor(
+        image_processor=images, tokenizer=tokenizer, chat_template=_GEMMA3_TEMPLATE, image_seq_length=4
+    )
+
+
+def conversations(count: int, seed: int) -> list[dict[str, object]]:
+    """``count`` conversational vision samples as TRL's VLM datasets hold them: ``messages`` (a user turn, an
+    assistant turn; string contents) and ``images`` (1-2 PIL images of different sizes, placed before the user's
+    text by TRL's collator)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+
+    def words(n: int) -> str:
+        return " ".join(f"w{int(i)}" for i in rng.integers(3, IMAGE - 2, n))
+
+    rows = []
+    for i in range(count):
+        sizes = [((16, 24), (20, 16), (12, 12))[int(k)] for k in rng.integers(0, 3, int(rng.integers(1, 3)))]
+        images = [Image.fromarray(a) for a in _images(sizes, seed * 1000 + i)]
+        turns = [
+            {"role": "user", "content": words(int(rng.integers(2, 7)))},
+            {"role": "assistant", "content": words(int(rng.integers(3, 9)))},
+        ]
+        rows.append({"messages": turns, "images": images})
+    return rows

@@ -394,6 +394,24 @@ def test_vision_language_trainer_equals_one_process(request, name):
     assert found["setup"]["wrapper"] == "DistributedDataParallel"
 
 
+@pytest.mark.parametrize("name", ["sft_vlm_sp2", "sft_vlm_dp2_sp2"])
+def test_vision_sft_equals_one_process(request, name):
+    """TRL's VLM SFT as documented (a dataset of messages + images, a processor as ``processing_class``, TRL's
+    vision collator and defaults) under ``SequenceParallelSFTTrainer`` trains Gemma 3 as one ``SFTTrainer`` does
+    over 2 epochs: loss, grad_norm, parameters (vision tower included) and TRL's metrics, ``num_tokens`` exactly."""
+    root = request.getfixturevalue("two_ranks" if CASES[name].world == 2 else "more_ranks")
+    found = _compare(root, name)
+    want = _load(root / "reference" / f"{name}.pt")
+    assert any("vision_tower" in n for n in want["params"])
+    assert found["setup"]["wrapper"] == "DistributedDataParallel" and found["setup"]["checkpointing"]
+    expected = 5 if CASES[name].eval_batch else 3  # entropy, accuracy, num_tokens (and the eval pair)
+    assert sum(bool(v) for v in want["metrics"].values()) == expected, want["metrics"]
+    for key, rows in want["metrics"].items():
+        assert [s for s, _ in found["metrics"][key]] == [s for s, _ in rows], key
+        got, ref = (torch.tensor([v for _, v in r], dtype=torch.float64) for r in (found["metrics"][key], rows))
+        torch.testing.assert_close(got, ref, rtol=0 if key == "num_tokens" else LOSS_RTOL, atol=0, msg=key)
+
+
 @pytest.mark.parametrize("name", ["sp2_fsdp2", "dp2_sp2_fsdp2"])
 def test_fsdp2_equals_one_process(request, name):
     """A model loaded FSDP2-sharded (DistributedConfig) trains exactly, with evaluation, at sp 2 and dp 2 x sp 2."""

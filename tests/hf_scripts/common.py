@@ -43,7 +43,9 @@ class Case:
     ulysses_size: int = 1
     strategy: str = "auto"
     batch: int = 2  # sequences per data-parallel replica per micro-batch
-    collator: str = "flatten"  # "flatten" (packed documents), "padded" (right padding), "sft" or "vlm" (images)
+    # "flatten" (packed documents), "padded" (right padding), "sft" (TRL's SFTTrainer on token rows), "vlm" (a
+    # multimodal collator's images) or "sft_vlm" (TRL's SFTTrainer on a vision dataset with a local processor)
+    collator: str = "flatten"
     optim: str = "sgd"
     extra: tuple = ()  # more TrainingArguments / SFTConfig fields
     eval_batch: int = 0  # 0: no evaluation
@@ -52,6 +54,11 @@ class Case:
     layout: str = "zigzag"  # SequenceParallelConfig(layout=...) of the seqpar run (the reference has none)
     parallelism: str = ""  # the seqpar run takes parallelism_config(name) in TrainingArguments, no sequence_parallel=
     metrics: bool = False  # evaluate with compute_metrics=token_metrics, preprocess_logits_for_metrics=argmax
+
+    @property
+    def sft(self) -> bool:
+        """Whether the case trains with TRL's SFTTrainer (SFTConfig, its own collator)."""
+        return self.collator.startswith("sft")
 
     @property
     def dp(self) -> int:
@@ -141,6 +148,11 @@ CASES = {
     # Trainer averages the micro-batches' means, where seqpar divides by the step's tokens (equal for one)
     "vlm_sp2": Case(2, kind="qwen2_5_vl", collator="vlm", eval_batch=2, extra=ONE_MICRO_BATCH),
     "vlm_gemma3_dp2_sp2": Case(4, kind="gemma3", collator="vlm", batch=1, extra=ONE_MICRO_BATCH),
+    # TRL's VLM SFT as documented: messages + images, the processor as processing_class (TRL's vision collator),
+    # its defaults otherwise (gradient checkpointing on, max_length 1024); one row per batch: Gemma 3 rows with
+    # images at different tokens are refused (one block mask per batch)
+    "sft_vlm_sp2": Case(2, kind="gemma3", collator="sft_vlm", batch=1, eval_batch=1, extra=ONE_MICRO_BATCH),
+    "sft_vlm_dp2_sp2": Case(4, kind="gemma3", collator="sft_vlm", batch=1, extra=ONE_MICRO_BATCH),
 }
 METRICS = ("accuracy", "rows", "width", "label_checksum", "pred_checksum", "padded_preds")
 
@@ -262,7 +274,7 @@ def training_args(case: Case, out: str, reference: bool, **overrides):
     if case.eval_batch:
         fields.update(eval_strategy="steps", eval_steps=3)
     fields.update(dict(case.extra), **overrides)
-    if case.collator == "sft":
+    if case.sft:
         from trl import SFTConfig
 
         return SFTConfig(**fields)
@@ -278,6 +290,12 @@ def build_trainer(name: str, case: Case, out: str, trainer_cls, reference: bool,
         train, held_out = _vlm_models.examples(case.kind, 4, 1), _vlm_models.examples(case.kind, 4, 2)
         kwargs.setdefault("model", _vlm_models.build(case.kind))
         kwargs.setdefault("data_collator", _vlm_models.collator(case.kind))
+    if case.collator == "sft_vlm":
+        from tests import _vlm_models
+
+        train, held_out = _vlm_models.conversations(4, 1), _vlm_models.conversations(4, 2)
+        kwargs.setdefault("model", _vlm_models.build(case.kind))
+        kwargs.setdefault("processing_class", _vlm_models.processor(case.kind))
     # before the arguments: under a ZeRO-3 DeepSpeed config transformers would build it partitioned (zero.Init),
     # initialised from another random stream than the one-process reference's
     net = kwargs.pop("model", None) or model(case.kind)
@@ -290,14 +308,14 @@ def build_trainer(name: str, case: Case, out: str, trainer_cls, reference: bool,
         common["eval_dataset"] = held_out
     if case.metrics:
         common.update(compute_metrics=token_metrics, preprocess_logits_for_metrics=argmax_logits)
-    if case.collator == "sft":
+    if case.sft:
         from datasets import Dataset
 
         common.update(
             train_dataset=Dataset.from_list(train),
             eval_dataset=Dataset.from_list(held_out) if case.eval_batch else None,
-            processing_class=tokenizer(),
         )
+        common.setdefault("processing_class", tokenizer())
     elif case.collator == "padded":
         common.setdefault("data_collator", padded_collator)
     else:

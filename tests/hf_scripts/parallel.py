@@ -26,7 +26,7 @@ def _config(case) -> seqpar.hf.SequenceParallelConfig:
 
 
 def _trainer_class(case):
-    return seqpar.hf.SequenceParallelSFTTrainer if case.collator == "sft" else seqpar.hf.SequenceParallelTrainer
+    return seqpar.hf.SequenceParallelSFTTrainer if case.sft else seqpar.hf.SequenceParallelTrainer
 
 
 def _sharded_model(case, where: str):

@@ -30,7 +30,7 @@ def main(out: str, names: list[str]) -> None:
         upstream.main(out, others)
     for name in (n for n in names if n in CASES):
         case = CASES[name]
-        if case.collator == "sft":
+        if case.sft:
             from trl import SFTTrainer as cls
         else:
             cls = transformers.Trainer

@@ -16,6 +16,8 @@ Note [SFT metrics over shards]
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.distributed as dist
 from trl import SFTTrainer
@@ -34,10 +36,11 @@ _CHUNK = 4096  # labelled positions whose float32 logits are held at once
 
 def _input_tokens(batch: object) -> int:
     """Tokens of one collator output as ``SFTTrainer`` counts them: the attention mask's sum, or the row width."""
-    mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+    rows = batch if isinstance(batch, Mapping) else {}  # a dict, or a processor's BatchFeature
+    mask = rows.get("attention_mask")
     if isinstance(mask, torch.Tensor):
         return int(mask.sum())
-    ids = batch.get("input_ids") if isinstance(batch, dict) else None
+    ids = rows.get("input_ids")
     return int(ids.shape[1]) if isinstance(ids, torch.Tensor) and ids.shape[0] else 0
 
 
