@@ -609,7 +609,7 @@ def test_dpo_refusals_on_every_rank(two_ranks):
 
 
 # examples/ run by torchrun in one launch (tests.hf_scripts.examples); sft_trainer.py by accelerate's launcher
-TORCHRUN_EXAMPLES = ["hf_trainer.py", "accelerate_loop.py", "dpo_trainer.py", "grpo_trainer.py"]
+TORCHRUN_EXAMPLES = ["hf_trainer.py", "accelerate_loop.py", "dpo_trainer.py", "grpo_trainer.py", "vlm_trainer.py"]
 EXAMPLE_STEPS = 2
 
 
