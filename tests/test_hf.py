@@ -368,6 +368,7 @@ def test_bad_input_raises_on_every_rank(two_ranks):
         "grpo vllm server": "or pass rollout_func= to call your own vLLM server",
         "grpo generation batch": "= 3 is not divisible by num_generations (2)",
         "grpo placed layout": "layout='placed' reorders packed documents",
+        "grpo vision dataset": "vision datasets (images): seqpar's GRPO samples and scores text token rows only",
     }
     assert got.keys() == expected.keys()
     for what, text in expected.items():

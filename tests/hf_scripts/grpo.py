@@ -122,13 +122,14 @@ def initial_model(out: str) -> str:
 def build(case: GrpoCase, out: str, where: str, cls, reference: bool, args: dict | None = None, **kwargs):
     from datasets import Dataset
 
+    dataset = kwargs.pop("train_dataset", None) or Dataset.from_dict({"prompt": prompts()})
     net = transformers.AutoModelForCausalLM.from_pretrained(initial_model(out), attn_implementation="sdpa")
     recorder = Recorder()
     trainer = cls(
         model=net,
         reward_funcs=recorder,
         args=grpo_args(case, where, reference, **(args or {})),
-        train_dataset=Dataset.from_dict({"prompt": prompts()}),
+        train_dataset=dataset,
         processing_class=tokenizer(),
         **kwargs,
     )

@@ -81,8 +81,10 @@ def _grpo_checks(out: str, world: int) -> dict:
     case, cls = GRPO_CASES["grpo_sp2"], seqpar.hf.SequenceParallelGRPOTrainer
     sp = seqpar.hf.SequenceParallelConfig(sp_size=world)
 
-    def grpo(sequence_parallel=sp, **args):
-        return build(case, out, os.path.join(out, "x"), cls, False, args=args, sequence_parallel=sequence_parallel)
+    def grpo(sequence_parallel=sp, dataset=None, **args):
+        where = os.path.join(out, "x")
+        extra = {} if dataset is None else {"train_dataset": dataset}
+        return build(case, out, where, cls, False, args=args, sequence_parallel=sequence_parallel, **extra)
 
     return {
         "grpo vllm": lambda: grpo(use_vllm=True, vllm_mode="colocate"),
@@ -92,7 +94,17 @@ def _grpo_checks(out: str, world: int) -> dict:
             per_device_train_batch_size=3, gradient_accumulation_steps=1, num_generations=2
         ),
         "grpo placed layout": lambda: grpo(seqpar.hf.SequenceParallelConfig(sp_size=world, layout="placed")),
+        "grpo vision dataset": lambda: grpo(dataset=_vision_prompts()),
     }
+
+
+def _vision_prompts():
+    """Prompts with images, as TRL's vision GRPO datasets hold them."""
+    from datasets import Dataset
+    from PIL import Image
+
+    image = Image.new("RGB", (16, 16))
+    return Dataset.from_list([{"prompt": "t5 t6 t7", "image": image} for _ in range(8)])
 
 
 def refusals(out: str) -> None:

@@ -63,7 +63,7 @@ def check_grpo_arguments(args: object, kwargs: dict) -> None:
 
     Raises:
         SeqparInputError: no ``args``; vLLM or continuous-batching generation; tools and environments;
-            evaluation; the entropy bonus; FSDP or DeepSpeed.
+            evaluation; the entropy bonus; FSDP or DeepSpeed; a vision dataset.
     """
     if args is None:
         raise SeqparInputError(
@@ -97,6 +97,10 @@ def check_grpo_arguments(args: object, kwargs: dict) -> None:
             "FSDP and DeepSpeed are not supported: one rank per group samples with the whole model, which sharded "
             "parameters would need every rank for; train with DDP (the default)"
         )
+    dataset = kwargs.get("train_dataset")
+    first = next(iter(dataset), None) if dataset is not None else None  # its first row tells a vision dataset
+    if isinstance(first, dict) and ("image" in first or "images" in first):
+        problems.append("vision datasets (images): seqpar's GRPO samples and scores text token rows only")
     if problems:
         raise SeqparInputError("SequenceParallelGRPOTrainer cannot honour: " + " | ".join(problems))
 
