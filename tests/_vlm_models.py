@@ -24,7 +24,19 @@ _TEXT = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "llava")
+FAMILIES = (
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "gemma3",
+    "llava",
+    "llava_onevision",
+    "llava_next_video",
+    "idefics3",
+    "smolvlm",
+    "internvl",
+)
+_PINPOINTS = [[16, 16], [16, 32], [32, 16]]  # LLaVA's "anyres" grids: an image becomes 1-2 crops and a thumbnail
 
 
 def _qwen_vision(family: str) -> dict:
@@ -85,14 +97,41 @@ def config(family: str) -> transformers.PretrainedConfig:
             boi_token_index=START,
             eoi_token_index=END,
         )
-    text = dict(_TEXT, model_type="llama")
-    return transformers.LlavaConfig(
-        text_config=text,
-        vision_config=dict(vision, model_type="clip_vision_model"),
-        image_token_id=IMAGE,
-        projector_hidden_act="gelu",
-        vision_feature_layer=-1,
-    )
+    llama, clip, siglip = dict(_TEXT, model_type="llama"), dict(vision, model_type="clip_vision_model"), vision
+    if family == "llava":
+        return transformers.LlavaConfig(
+            text_config=llama, vision_config=clip, image_token_id=IMAGE, projector_hidden_act="gelu", vision_feature_layer=-1
+        )
+    if family == "llava_onevision":
+        return transformers.LlavaOnevisionConfig(
+            text_config=dict(_TEXT, model_type="qwen2"),
+            vision_config=dict(siglip, model_type="siglip_vision_model"),
+            image_token_id=IMAGE,
+            video_token_id=VIDEO,
+            vision_feature_layer=-1,
+            image_grid_pinpoints=_PINPOINTS,
+        )
+    if family == "llava_next_video":
+        return transformers.LlavaNextVideoConfig(
+            text_config=llama,
+            vision_config=clip,
+            image_token_id=IMAGE,
+            video_token_id=VIDEO,
+            vision_feature_layer=-1,
+            image_grid_pinpoints=_PINPOINTS,
+            spatial_pool_stride=2,
+        )
+    if family in ("idefics3", "smolvlm"):  # each 16 x 16 tile becomes 4 tokens (pixel shuffle by 2)
+        cls = transformers.Idefics3Config if family == "idefics3" else transformers.SmolVLMConfig
+        return cls(text_config=llama, vision_config=siglip, image_token_id=IMAGE, scale_factor=2)
+    if family == "internvl":  # each 16 x 16 patch becomes 4 tokens (pixel shuffle by 0.5)
+        return transformers.InternVLConfig(
+            text_config=dict(_TEXT, model_type="qwen2"),
+            vision_config=dict(vision, image_size=[16, 16], patch_size=[4, 4]),
+            image_token_id=IMAGE,
+            downsample_ratio=0.5,
+        )
+    raise ValueError(f"no tiny config for {family}")
 
 
 def build(family: str, seed: int = 0) -> torch.nn.Module:
@@ -137,13 +176,15 @@ def sample(family: str, seed: int = 0) -> dict[str, torch.Tensor]:
         pixels = processor(images=_images([(20, 16), (16, 12), (16, 16), (12, 20)], seed), return_tensors="pt")
         rows = [_row([4, 4], [5, 3, 6], rng), _row([4, 4], [5, 3, 2], rng)]
         extra = {"pixel_values": pixels["pixel_values"]}
-    else:
+    elif family == "llava":
         from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
         processor = CLIPImageProcessorPil(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
         pixels = processor(images=_images([(20, 16), (16, 24), (16, 16)], seed), return_tensors="pt")
         rows = [_row([16, 16], [4, 3, 5], rng), _row([16], [6, 9], rng)]
         extra = {"pixel_values": pixels["pixel_values"]}
+    else:
+        rows, extra = _other_rows(family, seed, rng)
     length = max(len(r) for r in rows)
     ids = torch.tensor([r + [0] * (length - len(r)) for r in rows])
     mask = torch.tensor([[1] * len(r) + [0] * (length - len(r)) for r in rows])
@@ -153,6 +194,79 @@ def sample(family: str, seed: int = 0) -> dict[str, torch.Tensor]:
     if family == "gemma3":
         batch["token_type_ids"] = (ids == IMAGE).long()
     return batch
+
+
+def _feature_counts(family: str, extra: dict[str, torch.Tensor]) -> tuple[list[int], list[int]]:
+    """The placeholder tokens each image and each video of ``extra`` fills, as the family's model counts them
+    (anyres crops, newline tokens, pooled frames, dropped padding tiles)."""
+    model = transformers.AutoModelForImageTextToText.from_config(config(family), attn_implementation="eager").model
+    with torch.no_grad():
+        images = videos = ()
+        if family in ("idefics3", "smolvlm"):  # one entry per row: its tiles' tokens
+            images = [
+                model.get_image_features(pixel_values=p[None], pixel_attention_mask=m[None]).pooler_output
+                for p, m in zip(extra["pixel_values"], extra["pixel_attention_mask"], strict=True)
+            ]
+        elif family == "internvl":
+            images = model.get_image_features(pixel_values=extra["pixel_values"]).pooler_output.split(
+                extra.pop("num_patches").tolist()
+            )
+        else:
+            images = model.get_image_features(extra["pixel_values"], extra["image_sizes"]).pooler_output
+            if "pixel_values_videos" in extra:
+                videos = model.get_video_features(extra["pixel_values_videos"]).pooler_output
+
+    def tokens(features: torch.Tensor | tuple) -> int:
+        if isinstance(features, torch.Tensor):
+            return int(features.shape[:-1].numel())
+        return sum(tokens(f) for f in features)
+
+    return [tokens(f) for f in images], [tokens(f) for f in videos]
+
+
+def _other_rows(family: str, seed: int, rng: np.random.Generator) -> tuple[list[list[int]], dict[str, torch.Tensor]]:
+    """Two rows of images (and a video for LLaVA-Next-Video) for the LLaVA-OneVision, LLaVA-Next-Video,
+    Idefics3 / SmolVLM and InternVL families, pixels from the families' own PIL image processors."""
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+        LlavaOnevisionImageProcessorPil,
+    )
+    from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+
+    sizes = [(20, 16), (16, 34), (16, 16)]  # row 0 holds the first two images, row 1 the third
+    if family in ("idefics3", "smolvlm"):  # images split into 16 x 16 tiles plus a global view, per row
+        cls = Idefics3ImageProcessorPil if family == "idefics3" else SmolVLMImageProcessorPil
+        processor = cls(size={"longest_edge": 32}, max_image_size={"longest_edge": 16})
+        images = _images(sizes, seed)
+        pixels = processor(images=[images[:2], images[2:]], return_tensors="pt")
+        extra = {"pixel_values": pixels["pixel_values"], "pixel_attention_mask": pixels["pixel_attention_mask"]}
+        counts, _ = _feature_counts(family, extra)
+        return [_row([counts[0]], [5, 4], rng), _row([counts[1]], [3, 6], rng)], extra
+    if family == "internvl":
+        processor = GotOcr2ImageProcessorPil(
+            size={"height": 16, "width": 16}, crop_to_patches=True, min_patches=1, max_patches=3
+        )
+        pixels = processor(images=_images(sizes, seed), return_tensors="pt")
+        extra = {"pixel_values": pixels["pixel_values"], "num_patches": pixels["num_patches"]}
+    else:
+        cls = LlavaOnevisionImageProcessorPil if family == "llava_onevision" else LlavaNextImageProcessorPil
+        size = {"height": 16, "width": 16} if family == "llava_onevision" else {"shortest_edge": 16}
+        processor = cls(size=size, crop_size={"height": 16, "width": 16}, image_grid_pinpoints=_PINPOINTS)
+        pixels = processor(images=_images(sizes, seed), return_tensors="pt")
+        extra = {"pixel_values": pixels["pixel_values"], "image_sizes": pixels["image_sizes"]}
+        if family == "llava_next_video":  # 4 frames, each through the CLIP processor, as its video processor does
+            frames = CLIPImageProcessorPil(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
+            extra["pixel_values_videos"] = frames(images=_images([(16, 20)] * 4, seed + 1), return_tensors="pt")[
+                "pixel_values"
+            ][None]
+    images, videos = _feature_counts(family, extra)
+    first = _row(images[:2], [5, 4, 3], rng)
+    if videos:
+        first += [VIDEO] * videos[0] + list(rng.integers(3, IMAGE - 1, 4))
+    return [first, _row(images[2:], [3, 6], rng)], extra
 
 
 def examples(family: str, count: int, seed: int) -> list[dict[str, object]]:

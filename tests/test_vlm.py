@@ -1,4 +1,4 @@
-"""Vision-language models (Qwen2/2.5/3-VL, Gemma 3, LLaVA; tiny, from configs) on whole rows under seqpar.
+"""Vision-language models (tiny, from configs: ``tests._vlm_models.FAMILIES``) on whole rows under seqpar.
 
 Logits of real tokens, the loss and every parameter's gradient (the vision tower's included) equal one process
 at P = 2 (ring, ulysses), 3 (ring) and 4 (allgather); switching the gradient sum off fails the check; bad

@@ -120,6 +120,11 @@ FAMILIES: dict[str, Family] = {
         Family("qwen2_5_vl", text_model="language_model", vision="visual", positions="mrope"),
         Family("qwen3_vl", text_model="language_model", vision="visual", positions="mrope"),
         Family("llava", text_model="language_model", vision="vision_tower"),
+        Family("llava_onevision", text_model="language_model", vision="vision_tower"),
+        Family("llava_next_video", text_model="language_model", vision="vision_tower"),
+        Family("idefics3", text_model="text_model", vision="vision_model"),
+        Family("smolvlm", text_model="text_model", vision="vision_model"),
+        Family("internvl", text_model="language_model", vision="vision_tower"),
         Family("phi3", tp_plan=None),  # fused qkv_proj and gate_up_proj: a column split would cut across q, k, v
         Family("mixtral", **_MOE),
         Family("qwen2_moe", **_MOE),  # dense MLPs in mlp_only_layers, experts elsewhere
