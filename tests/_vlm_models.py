@@ -100,7 +100,11 @@ def config(family: str) -> transformers.PretrainedConfig:
     llama, clip, siglip = dict(_TEXT, model_type="llama"), dict(vision, model_type="clip_vision_model"), vision
     if family == "llava":
         return transformers.LlavaConfig(
-            text_config=llama, vision_config=clip, image_token_id=IMAGE, projector_hidden_act="gelu", vision_feature_layer=-1
+            text_config=llama,
+            vision_config=clip,
+            image_token_id=IMAGE,
+            projector_hidden_act="gelu",
+            vision_feature_layer=-1,
         )
     if family == "llava_onevision":
         return transformers.LlavaOnevisionConfig(
