@@ -173,6 +173,14 @@ def sample(family: str, seed: int = 0) -> dict[str, torch.Tensor]:
         runs = (pixels["image_grid_thw"].prod(-1) // 4).tolist()
         rows = [_row(runs[:2], [5, 4, 6], rng), _row(runs[2:], [3, 7], rng)]
         extra = {"pixel_values": pixels["pixel_values"], "image_grid_thw": pixels["image_grid_thw"]}
+        if family in ("qwen2_vl", "qwen2_5_vl"):  # the second row also holds a video of 2 temporal patches
+            frames = processor(images=_images([(16, 16)] * 2, seed + 1), return_tensors="pt")
+            grid = frames["image_grid_thw"][:1].clone()
+            grid[0, 0] = 2  # the frames' patches, time-major as the video processor orders them
+            extra.update(pixel_values_videos=frames["pixel_values"], video_grid_thw=grid)
+            rows[1] += [START, *[VIDEO] * int(grid.prod() // 4), END] + list(rng.integers(3, IMAGE - 1, 3))
+            if family == "qwen2_5_vl":  # 0.5 s per temporal patch: video positions step by 25 * 0.5
+                extra["second_per_grid_ts"] = torch.tensor([0.5])
     elif family == "gemma3":
         from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
@@ -194,7 +202,7 @@ def sample(family: str, seed: int = 0) -> dict[str, torch.Tensor]:
     mask = torch.tensor([[1] * len(r) + [0] * (length - len(r)) for r in rows])
     batch = {"input_ids": ids, "attention_mask": mask, **extra}
     if family.startswith("qwen"):
-        batch["mm_token_type_ids"] = (ids == IMAGE).int()
+        batch["mm_token_type_ids"] = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
     if family == "gemma3":
         batch["token_type_ids"] = (ids == IMAGE).long()
     return batch

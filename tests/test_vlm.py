@@ -156,6 +156,10 @@ def _bad_input(rank, world_size):
     shard = seqpar.shard_batch({"input_ids": batch["input_ids"]}, mesh)
     other = dict(batch, pixel_values=batch["pixel_values"] + rank)  # rank 1 holds another sample's pixels
     _raises("passed other rows than rank 0", lambda: qwen(**other))
+    timed = seqpar.prepare_model(build("qwen2_5_vl"), mesh)
+    video = sample("qwen2_5_vl")
+    late = dict(video, second_per_grid_ts=video["second_per_grid_ts"] * (1 + rank))  # other video timing on rank 1
+    _raises("passed other rows than rank 0", lambda: timed(**late))
     sharded = dict(batch, input_ids=shard["input_ids"], attention_mask=None, mm_token_type_ids=None)
     _raises("passed other rows than rank 0", lambda: qwen(**sharded))
     _raises("position_ids must cover the whole row", lambda: qwen(**batch, position_ids=shard["position_ids"]))
