@@ -387,3 +387,83 @@ def conversations(count: int, seed: int) -> list[dict[str, object]]:
         ]
         rows.append({"messages": turns, "images": images})
     return rows
+
+
+def _runs(marks: torch.Tensor) -> int:
+    """The number of runs of True in a 1-D mask."""
+    return int((torch.diff(marks.long(), prepend=torch.zeros(1, dtype=torch.long)) == 1).sum())
+
+
+def documents(family: str, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """The rows of ``sample(family, seed)`` as one-row samples without padding, each with its own pixels (and
+    grids, video, token types): the documents a packed row is made of. Qwen2/2.5-VL, Gemma 3 and LLaVA."""
+    batch = sample(family, seed)
+    images = videos = 0  # images and videos taken by earlier rows
+    patches = frames = 0  # their rows of pixel_values / pixel_values_videos (Qwen)
+    docs = []
+    for b in range(batch["input_ids"].shape[0]):
+        real = batch["attention_mask"][b].bool()
+        ids = batch["input_ids"][b, real]
+        n_images, n_videos = _runs(ids == IMAGE), _runs(ids == VIDEO)
+        doc = {"input_ids": ids[None]}
+        if family.startswith("qwen"):
+            grids = batch["image_grid_thw"][images : images + n_images]
+            size = int(grids.prod(-1).sum())
+            doc.update(pixel_values=batch["pixel_values"][patches : patches + size], image_grid_thw=grids)
+            patches += size
+            if n_videos:
+                grids = batch["video_grid_thw"][videos : videos + n_videos]
+                size = int(grids.prod(-1).sum())
+                doc.update(pixel_values_videos=batch["pixel_values_videos"][frames : frames + size])
+                doc["video_grid_thw"] = grids
+                if "second_per_grid_ts" in batch:
+                    doc["second_per_grid_ts"] = batch["second_per_grid_ts"][videos : videos + n_videos]
+                frames += size
+            doc["mm_token_type_ids"] = batch["mm_token_type_ids"][b, real][None]
+        elif family in ("gemma3", "llava"):
+            doc["pixel_values"] = batch["pixel_values"][images : images + n_images]
+            if family == "gemma3":
+                doc["token_type_ids"] = batch["token_type_ids"][b, real][None]
+        else:
+            raise ValueError(f"no documents for {family}")
+        images, videos = images + n_images, videos + n_videos
+        docs.append(doc)
+    return docs
+
+
+def positions(model: torch.nn.Module, doc: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One document's position ids as transformers computes them: ``[4, 1, S]`` for mRoPE families (the text
+    positions first, then the model's ``get_rope_index``), ``[1, S]`` otherwise."""
+    length = doc["input_ids"].shape[1]
+    text = torch.arange(length)[None]
+    if not hasattr(model.model, "get_rope_index"):
+        return text
+    keys = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts", "mm_token_type_ids")
+    mrope, _ = model.model.get_rope_index(doc["input_ids"], **{k: doc[k] for k in keys if k in doc})
+    return torch.cat([text[None], mrope])
+
+
+def pack(model: torch.nn.Module, rows: list[list[dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    """Whole rows each packing its documents one after another, right-padded to the longest: the call's
+    ``input_ids``, ``attention_mask``, ``position_ids`` (each document numbered from 0), pixels and grids in
+    row order, token types."""
+    width = max(sum(d["input_ids"].shape[1] for d in docs) for docs in rows)
+    flat = [d for docs in rows for d in docs]
+    batch: dict[str, torch.Tensor] = {}
+    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
+        if any(key in d for d in flat):
+            batch[key] = torch.cat([d[key] for d in flat if key in d])
+    per_row = {"input_ids": [], "attention_mask": [], "position_ids": []}
+    types = [k for k in ("mm_token_type_ids", "token_type_ids") if k in flat[0]]
+    per_row.update({k: [] for k in types})
+    for docs in rows:
+        length = sum(d["input_ids"].shape[1] for d in docs)
+        pad = width - length
+        per_row["input_ids"].append(torch.cat([d["input_ids"][0] for d in docs] + [torch.zeros(pad, dtype=torch.long)]))
+        per_row["attention_mask"].append(torch.tensor([1] * length + [0] * pad))
+        where = torch.cat([positions(model, d)[..., 0, :] for d in docs], dim=-1)
+        per_row["position_ids"].append(torch.nn.functional.pad(where, (0, pad)))
+        for k in types:
+            per_row[k].append(torch.cat([d[k][0] for d in docs] + [torch.zeros(pad, dtype=docs[0][k].dtype)]))
+    batch.update({k: torch.stack(v, dim=-2) for k, v in per_row.items()})
+    return batch

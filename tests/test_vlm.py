@@ -16,7 +16,7 @@ import torch.distributed as dist
 import seqpar
 from seqpar.errors import SeqparInputError
 from tests._dist import run_ranks, shard_index
-from tests._vlm_models import FAMILIES, IMAGE, build, sample
+from tests._vlm_models import FAMILIES, IMAGE, build, documents, pack, sample
 
 LOGITS_ATOL, LOSS_ATOL = 2e-5, 2e-5
 GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-8  # of each tensor's largest entry, plus an absolute floor
@@ -143,6 +143,71 @@ def _training(rank, world_size):
             torch.testing.assert_close(p, want, rtol=0, atol=atol, msg=lambda m, n=name, f=family: f"{f} {n}: {m}")
 
 
+PACKED = ("qwen2_5_vl", "gemma3", "llava")
+
+
+def _packed(rank, world_size):
+    """Rows packing several multimodal documents (images of different sizes, a timed video) equal each document
+    run alone in one process: logits, the loss over all documents, every gradient; LLaVA with its vision tower
+    frozen. Packed rows in plain [3, B, S] mRoPE positions and an image split by a document start are refused."""
+    mesh = seqpar.make_mesh()
+    for family in PACKED:
+        ref = build(family)
+        if family == "llava":
+            ref.model.vision_tower.requires_grad_(False)
+        model = seqpar.prepare_model(copy.deepcopy(ref), mesh, strategy="ring")
+        docs = documents(family, 0) + documents(family, 1)
+        rows = [docs] if family == "gemma3" else [docs[:3], docs[3:]]  # Gemma 3: one block mask per batch
+        batch = pack(ref, rows)
+        predicted = sum(d["input_ids"].shape[1] - 1 for d in docs)
+        want = torch.zeros(*batch["input_ids"].shape, ref.config.get_text_config().vocab_size)
+        want_loss = torch.zeros(())
+        for b, row in enumerate(rows):
+            start = 0
+            for doc in row:
+                out = ref(**doc, labels=doc["input_ids"])
+                share = out.loss * (doc["input_ids"].shape[1] - 1) / predicted
+                share.backward()
+                want_loss += share.detach()
+                want[b, start : start + doc["input_ids"].shape[1]] = out.logits[0].detach()
+                start += doc["input_ids"].shape[1]
+        with torch.no_grad():  # one process on the packed rows lets documents see each other: the test can tell
+            leaky = ref(**batch).logits
+        real = batch["attention_mask"].bool()
+        assert (leaky[real] - want[real]).abs().max() > 1e-2, f"{family}: packing changed nothing"
+        text = batch["position_ids"] if batch["position_ids"].dim() == 2 else batch["position_ids"][0]
+        rows_in = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "position_ids": text}
+        shard = seqpar.shard_batch(rows_in, mesh, layout="zigzag")
+        logits = model(**batch, seqpar_layout=shard.layout).logits
+        loss = seqpar.cross_entropy(logits, shard["shift_labels"], mesh)
+        loss.backward()
+        what = f"packed {family} P={world_size}"
+        s = batch["input_ids"].shape[1]
+        idx = shard_index(shard.layout, world_size, rank, s + (-s % (2 * world_size)))
+        keep = batch["attention_mask"][:, idx.clamp(max=s - 1)].bool() & (idx < s)
+        got = logits[keep]
+        wanted = want[:, idx.clamp(max=s - 1)][keep]
+        torch.testing.assert_close(got, wanted, atol=LOGITS_ATOL, rtol=0, msg=lambda m: f"{what} logits: {m}")
+        loss = seqpar.sum_over(loss.detach(), mesh)
+        torch.testing.assert_close(loss, want_loss, atol=LOSS_ATOL, rtol=0, msg=lambda m: f"{what} loss: {m}")
+        _assert_gradients(_summed_gradients(model, mesh), ref, what)
+        if family == "llava":
+            assert all(p.grad is None for p in model.model.vision_tower.parameters()), "a frozen tower got gradients"
+    qwen = seqpar.prepare_model(build("qwen2_5_vl"), mesh)
+    batch = pack(qwen, [documents("qwen2_5_vl")])
+    plain = dict(batch, position_ids=batch["position_ids"][1:])
+    _raises(r"need transformers' \[4, B, S\] form", lambda: qwen(**plain))
+    llava = seqpar.prepare_model(build("llava"), mesh)
+    batch = pack(llava, [documents("llava")])
+    split = batch["position_ids"].clone()
+    first = int((batch["input_ids"][0] == IMAGE).nonzero()[0])
+    split[0, first + 3 :] = torch.arange(split.shape[1] - first - 3)  # a document starts inside the first image
+    _raises("crosses a document start", lambda: llava(**dict(batch, position_ids=split)))
+    broken = batch["position_ids"].clone()
+    broken[0, 5] = 9
+    _raises("must count up by 1 inside a document", lambda: llava(**dict(batch, position_ids=broken)))
+
+
 def _raises(match: str, call) -> None:
     with pytest.raises(SeqparInputError, match=match):
         call()
@@ -199,3 +264,8 @@ def _part(rank, world_size, part):
 @pytest.mark.parametrize("part", list(_PARTS))
 def test_vlm_controls_training_and_bad_input(part):
     run_ranks(2, _part, part)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_vlm_packed_rows_equal_documents_alone(world_size):
+    run_ranks(world_size, _packed)

@@ -362,6 +362,7 @@ def prepare_model(
                 layout_digest=_layout_digest(call_layout),
                 no_layout=no_layout,
                 bad_layout=bad_layout,
+                placeholders=tuple(_placeholder_ids(model.config)),
             )
             kwargs["use_cache"] = False
             return args, kwargs

@@ -112,6 +112,26 @@ def _image_runs(token_types: torch.Tensor) -> list[tuple[tuple[int, int], ...]]:
     return runs
 
 
+def _document_faults(
+    ids: torch.Tensor | None, positions: torch.Tensor | None, keep: torch.Tensor | None, marks: torch.Tensor | None
+) -> tuple[bool, bool, bool]:
+    """(packed rows in plain ``[3, B, S]`` mRoPE positions, a text-position row that is not packed ids, a run of
+    image or video tokens that a document start splits) for whole-row ``positions``; padding is ignored."""
+    if ids is None or positions is None or positions.dim() not in (2, 3) or positions.shape[-1] != ids.shape[-1]:
+        return False, False, False
+    real = torch.ones_like(ids, dtype=torch.bool) if keep is None or keep.shape != ids.shape else keep
+    inside = real[:, 1:] & real[:, :-1]  # neighbouring real tokens
+    if positions.dim() == 3 and positions.shape[0] == 3:  # no text row: a token at (0, 0, 0) after the first starts one
+        return bool(((positions[:, :, 1:] == 0).all(0) & inside).any()), False, False
+    text = positions[0] if positions.dim() == 3 else positions
+    if text.shape != ids.shape:
+        return False, False, False
+    starts = text[:, 1:] == 0
+    broken = bool(((text < 0) & real).any() or (~((text[:, 1:] - text[:, :-1] == 1) | starts) & inside).any())
+    split = marks is not None and bool((marks[:, 1:] & marks[:, :-1] & starts & inside).any())
+    return False, broken, split
+
+
 @dataclass(frozen=True)
 class _RowSignature(Signature):
     """One whole-row call as the ranks compare it: its mistakes, its layout and a digest of its tensors."""
@@ -122,6 +142,9 @@ class _RowSignature(Signature):
     no_input_ids: bool
     sharded_positions: bool
     flat_mrope: bool
+    packed_plain_mrope: bool
+    broken_text_positions: bool
+    image_across_documents: bool
     left_padding: bool
     rows_differ: bool
     reordering_layout: bool
@@ -142,6 +165,12 @@ _ROW_PROBLEMS = {
     "the whole row, as input_ids do, not this rank's shard",
     "flat_mrope": "this model numbers image tokens with mRoPE from the image grids: pass no position_ids (the "
     "model computes them from the whole row) or their [3, B, S] / [4, B, S] form, not [B, S] text positions",
+    "packed_plain_mrope": "position_ids [3, B, S] restart at (0, 0, 0) inside a row: packed documents need "
+    "transformers' [4, B, S] form, whose first row holds the text positions that mark where each document starts",
+    "broken_text_positions": "the text positions of the row (position_ids [B, S], or the first row of [4, B, S]) "
+    "must count up by 1 inside a document and restart at 0 where a document starts",
+    "image_across_documents": "a run of image or video tokens crosses a document start (the text positions "
+    "restart inside it): each image belongs to one document",
     "left_padding": "attention_mask has padding before real tokens; only right padding is supported",
     "rows_differ": "the rows of this batch hold image blocks (token_type_ids) at different tokens; seqpar's "
     "block mask is one per batch: use one row per batch, or rows with the images at the same tokens",
@@ -164,6 +193,7 @@ def agree_on_whole_row(
     layout_digest: int,
     no_layout: bool,
     bad_layout: bool,
+    placeholders: tuple[int, ...] = (),
 ) -> WholeRow:
     """Check one whole-row call on every rank at once (Note [agreeing on errors]): all raise, or none does.
 
@@ -176,6 +206,7 @@ def agree_on_whole_row(
         layout_digest: the number the ranks compare to agree on that layout.
         no_layout: the model was prepared with a per-batch layout and the call brought none.
         bad_layout: the call's layout does not fit the mesh.
+        placeholders: the model's image and video placeholder token ids (their runs must not cross documents).
 
     Returns:
         The ``WholeRow`` the text decoder's hook shards with.
@@ -193,6 +224,12 @@ def agree_on_whole_row(
         runs = _image_runs(torch.as_tensor(kwargs[family.image_blocks]))
         rows_differ = any(r != runs[0] for r in runs)
         blocks = runs[0] or None
+    types = kwargs.get(family.image_blocks) if family.image_blocks else None
+    types = kwargs.get("mm_token_type_ids") if types is None else types
+    marks = torch.as_tensor(types) != 0 if types is not None else None
+    if marks is None and ids is not None and placeholders:
+        marks = torch.isin(ids, torch.tensor(placeholders, device=ids.device))
+    plain_packed, broken, split = _document_faults(ids, positions, keep, marks)
     row = NAMED_LAYOUTS.get(layout.name) if isinstance(layout, ChunkLayout) else named_layout(layout)
     reorders = getattr(row, "reorders_row", False)
     signature = _RowSignature(
@@ -202,6 +239,9 @@ def agree_on_whole_row(
         no_input_ids=ids is None,
         sharded_positions=positions is not None and length is not None and positions.shape[-1] != length,
         flat_mrope=family.positions == "mrope" and positions is not None and positions.dim() == 2,
+        packed_plain_mrope=plain_packed,
+        broken_text_positions=broken,
+        image_across_documents=split,
         left_padding=keep is not None and keep.dim() == 2 and bool((keep[:, 1:] & ~keep[:, :-1]).any()),
         rows_differ=rows_differ,
         reordering_layout=reorders,
