@@ -178,7 +178,7 @@ def sample(family: str, seed: int = 0) -> dict[str, torch.Tensor]:
             grid = frames["image_grid_thw"][:1].clone()
             grid[0, 0] = 2  # the frames' patches, time-major as the video processor orders them
             extra.update(pixel_values_videos=frames["pixel_values"], video_grid_thw=grid)
-            rows[1] += [START, *[VIDEO] * int(grid.prod() // 4), END] + list(rng.integers(3, IMAGE - 1, 3))
+            rows[1] += [START, *([VIDEO] * int(grid.prod() // 4)), END, *rng.integers(3, IMAGE - 1, 3).tolist()]
             if family == "qwen2_5_vl":  # 0.5 s per temporal patch: video positions step by 25 * 0.5
                 extra["second_per_grid_ts"] = torch.tensor([0.5])
     elif family == "gemma3":

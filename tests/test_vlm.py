@@ -76,7 +76,7 @@ def _exact(rank, world_size, family, strategy, layout):
     keep = batch["attention_mask"][:, idx.clamp(max=s - 1)].bool() & real
     got, want = logits[keep], want_logits[:, idx.clamp(max=s - 1)][keep]
     torch.testing.assert_close(got, want, atol=LOGITS_ATOL, rtol=0, msg=lambda m: f"{what} logits: {m}")
-    torch.testing.assert_close(loss, want_loss, atol=LOSS_ATOL, rtol=0, msg=lambda m: f"{what} loss: {m}")
+    torch.testing.assert_close(loss, want_loss, atol=LOSS_ATOL, rtol=0, msg=lambda m, w=what: f"{w} loss: {m}")
     _assert_gradients(_summed_gradients(model, mesh), ref, what)
 
 
@@ -187,9 +187,9 @@ def _packed(rank, world_size):
         keep = batch["attention_mask"][:, idx.clamp(max=s - 1)].bool() & (idx < s)
         got = logits[keep]
         wanted = want[:, idx.clamp(max=s - 1)][keep]
-        torch.testing.assert_close(got, wanted, atol=LOGITS_ATOL, rtol=0, msg=lambda m: f"{what} logits: {m}")
+        torch.testing.assert_close(got, wanted, atol=LOGITS_ATOL, rtol=0, msg=lambda m, w=what: f"{w} logits: {m}")
         loss = seqpar.sum_over(loss.detach(), mesh)
-        torch.testing.assert_close(loss, want_loss, atol=LOSS_ATOL, rtol=0, msg=lambda m: f"{what} loss: {m}")
+        torch.testing.assert_close(loss, want_loss, atol=LOSS_ATOL, rtol=0, msg=lambda m, w=what: f"{w} loss: {m}")
         _assert_gradients(_summed_gradients(model, mesh), ref, what)
         if family == "llava":
             assert all(p.grad is None for p in model.model.vision_tower.parameters()), "a frozen tower got gradients"
