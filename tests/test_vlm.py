@@ -208,6 +208,63 @@ def _packed(rank, world_size):
     _raises("must count up by 1 inside a document", lambda: llava(**dict(batch, position_ids=broken)))
 
 
+def _tower_inputs(model, family: str) -> list[int]:
+    """Record the leading size (images, crops, tiles, patches) of every input the vision tower gets."""
+    seen = []
+    from seqpar.models import FAMILIES as REGISTRY
+
+    tower = model.model.get_submodule(REGISTRY[family].vision)
+
+    def record(_, args, kwargs):
+        pixels = args[0] if args else next(v for k, v in kwargs.items() if k.startswith(("pixel", "hidden")))
+        seen.append(int(pixels.shape[0]))
+
+    tower.register_forward_pre_hook(record, with_kwargs=True)
+    return seen
+
+
+def _vision_split(rank, world_size):
+    """Each rank's vision tower encodes a share of the images (together: all of them, once); split off, every
+    rank encodes all; without the gradient sum in the gather's backward the tower's gradients are wrong."""
+    from seqpar.sequence_parallel import vision_split
+
+    mesh = seqpar.make_mesh()
+    for family in ("qwen2_5_vl", "gemma3", "llava_onevision", "idefics3", "internvl"):
+        whole = build(family)
+        everything = _tower_inputs(whole, family)
+        whole(**sample(family))
+        for split in (True, False):
+            model = seqpar.prepare_model(build(family), mesh, split_vision=split)
+            seen = _tower_inputs(model, family)
+            _sharded_step(model, sample(family), mesh, "zigzag")
+            counts = [None] * world_size
+            dist.all_gather_object(counts, sum(seen))
+            if split:
+                assert sum(counts) == sum(everything) and max(counts) < sum(everything), (family, counts, everything)
+            else:
+                assert counts == [sum(everything)] * world_size, (family, counts, everything)
+    ref, batch, _, _ = _reference("qwen2_5_vl")
+    model = seqpar.prepare_model(copy.deepcopy(build("qwen2_5_vl")), mesh, strategy="ring")
+    _sharded_step(model, batch, mesh, "zigzag")
+    _assert_gradients(_summed_gradients(model, mesh), ref, "split qwen2_5_vl")
+
+    class NotSummed(vision_split._GatherSummed):
+        @staticmethod
+        def backward(ctx, grad):
+            start = sum(ctx.lengths[: ctx.rank])
+            return grad[start : start + ctx.lengths[ctx.rank]], None, None, None
+
+    vision_split._GatherSummed, kept = NotSummed, vision_split._GatherSummed
+    try:
+        model = seqpar.prepare_model(copy.deepcopy(build("qwen2_5_vl")), mesh, strategy="ring")
+        _sharded_step(model, batch, mesh, "zigzag")
+        with pytest.raises(AssertionError, match="visual"):
+            _assert_gradients(_summed_gradients(model, mesh), ref, "")
+    finally:
+        vision_split._GatherSummed = kept
+    _raises("split_vision must be True or False", lambda: seqpar.prepare_model(build("llava"), mesh, split_vision=1))
+
+
 def _raises(match: str, call) -> None:
     with pytest.raises(SeqparInputError, match=match):
         call()
@@ -254,7 +311,7 @@ def _bad_input(rank, world_size):
     _raises("belong to a whole-row call", lambda: text(**call))
 
 
-_PARTS = {"controls": _controls, "training": _training, "bad-input": _bad_input}
+_PARTS = {"controls": _controls, "training": _training, "bad-input": _bad_input, "vision-split": _vision_split}
 
 
 def _part(rank, world_size, part):

@@ -48,6 +48,8 @@ class SequenceParallelConfig:
         kernel: the local attention kernel, as in ``seqpar.attention`` ("auto" picks the fastest available).
         seq_length: the width every batch must have (checked on every rank), or None for any width; accelerate's
             ``sp_seq_length`` with ``sp_seq_length_is_variable=False``.
+        split_vision: a vision-language model's images encoded about 1/P on each rank of a group and the
+            features all-gathered (Note [vision split]); False: every rank encodes every image.
     """
 
     sp_size: int | None = None
@@ -56,6 +58,7 @@ class SequenceParallelConfig:
     layout: str = "zigzag"
     kernel: str = "auto"
     seq_length: int | None = None
+    split_vision: bool = True
 
     def __post_init__(self) -> None:
         if self.sp_size is not None and (not isinstance(self.sp_size, int) or self.sp_size < 1):
@@ -70,6 +73,8 @@ class SequenceParallelConfig:
             raise SeqparInputError(f"unknown layout {self.layout!r}; choose one of {TRAINER_LAYOUTS}")
         if self.seq_length is not None and (not isinstance(self.seq_length, int) or self.seq_length < 1):
             raise SeqparInputError(f"seq_length must be a positive integer or None, got {self.seq_length!r}")
+        if not isinstance(self.split_vision, bool):
+            raise SeqparInputError(f"split_vision must be True or False, got {self.split_vision!r}")
 
     def dims(self, world_size: int) -> ParallelDims:
         """The degrees of a job of ``world_size`` processes: ``sp_size`` (None: all of them) x the replicas left.
@@ -99,7 +104,9 @@ class SequenceParallelConfig:
     def parallelize_options(self) -> ParallelizeOptions:
         """What ``seqpar.parallelize`` applies to a door's models: the strategy, layout and kernel (the door's
         own DDP / FSDP2 / DeepSpeed engine does data parallel)."""
-        return ParallelizeOptions(strategy=self.strategy, layout=self.layout, kernel=self.kernel)
+        return ParallelizeOptions(
+            strategy=self.strategy, layout=self.layout, kernel=self.kernel, split_vision=self.split_vision
+        )
 
 
 def check_training_arguments(args: object) -> None:

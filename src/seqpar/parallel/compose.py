@@ -55,6 +55,8 @@ class ParallelizeOptions:
     """Sequence layout, as in ``seqpar.prepare_model`` (a name, or a ``ChunkLayout``)."""
     kernel: str = "auto"
     """Local attention kernel, as in ``seqpar.attention``."""
+    split_vision: bool = True
+    """A multimodal model's images encoded about 1/P a rank and gathered (Note [vision split]); False: all on each."""
     dp_mode: str | None = None
     """Data parallel over dp x sp: None (no wrapper: sum gradients yourself, or let a trainer wrap), "ddp",
     "fsdp" (FSDP2) or "auto" (FSDP2 on CUDA or with ``offload_optimizer``, else DDP)."""
@@ -85,12 +87,12 @@ class ParallelizeOptions:
 
 
 def apply_sequence_parallel(model: torch.nn.Module, mesh: object, options: ParallelizeOptions) -> torch.nn.Module:
-    """Sequence parallel on ``mesh``'s SP group: ``seqpar.prepare_model`` with the options' strategy, layout, kernel.
+    """Sequence parallel on ``mesh``'s SP group: ``seqpar.prepare_model`` with the options' settings.
 
     Args:
         model: a transformers model.
         mesh: a ``SequenceParallelMesh``, the SP ProcessGroup, a 1-D DeviceMesh, or None (one process).
-        options: the strategy, layout and kernel.
+        options: the strategy, layout, kernel and vision split.
 
     Returns:
         The same model.
@@ -98,7 +100,14 @@ def apply_sequence_parallel(model: torch.nn.Module, mesh: object, options: Paral
     Raises:
         SeqparInputError: as ``seqpar.prepare_model``.
     """
-    return prepare_model(model, mesh, strategy=options.strategy, layout=options.layout, kernel=options.kernel)
+    return prepare_model(
+        model,
+        mesh,
+        strategy=options.strategy,
+        layout=options.layout,
+        kernel=options.kernel,
+        split_vision=options.split_vision,
+    )
 
 
 def apply_memory_features(model: torch.nn.Module, options: ParallelizeOptions) -> torch.nn.Module:

@@ -30,6 +30,7 @@ from seqpar.sequence_parallel.api import AttentionChoice, attention, choose_atte
 from seqpar.sequence_parallel.checks import Signature, by_rank, exchange_signatures
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask, sequence_mask
 from seqpar.sequence_parallel.strategies.registry import check_strategy_name
+from seqpar.sequence_parallel.vision_split import encode_over_group
 from seqpar.sequence_parallel.whole_rows import (
     ROW_KEY,
     SHARD_REFUSED,
@@ -197,6 +198,17 @@ class _CallSignature(Signature):
         return list(self.positions_dims[: self.positions_ndim])
 
 
+def _vision_encoder(model: torch.nn.Module, served: ModelAnatomy, split_vision: object) -> torch.nn.Module:
+    """The module whose ``get_image_features`` the model's forward calls (Note [vision split])."""
+    if not isinstance(split_vision, bool):
+        raise SeqparInputError(f"split_vision must be True or False, got {split_vision!r}")
+    try:
+        inner = model.get_submodule(served.family.decoder)
+    except AttributeError:  # a bare multimodal model, without a head
+        return model
+    return inner if hasattr(inner, "get_image_features") else model
+
+
 def _placeholder_ids(config: object) -> list[int]:
     """The image and video placeholder token ids of a multimodal model's config (none for a text model)."""
     names = ("image_token_id", "video_token_id", "image_token_index", "video_token_index")
@@ -289,6 +301,7 @@ def prepare_model(
     strategy: str = "auto",
     layout: Layout = "zigzag",
     kernel: str = "auto",
+    split_vision: bool = True,
 ) -> torch.nn.Module:
     """Make a transformers model run sequence-parallel attention (Note [transformers integration]).
 
@@ -307,6 +320,8 @@ def prepare_model(
             batch brings its own: call the model with ``seqpar_layout=shard.layout``; any call may pass it to
             override).
         kernel: local kernel, as in ``seqpar.attention``.
+        split_vision: a multimodal model's whole-row calls encode about 1/P of the images on each rank and
+            all-gather the features (Note [vision split]); False: every rank encodes every image.
 
     Returns:
         The same model object.
@@ -336,6 +351,7 @@ def prepare_model(
     choices: dict = {}
     setattr(model, _CHOICE_ATTR, choices)
     multimodal = served.family.vision is not None
+    encoder = _vision_encoder(model, served, split_vision)
 
     def check_and_inject(module, args, kwargs):
         if getattr(model, UNSHARDED_ATTR, False):  # whole sequences, the model's own attention (generation)
@@ -365,6 +381,8 @@ def prepare_model(
                 placeholders=tuple(_placeholder_ids(model.config)),
             )
             kwargs["use_cache"] = False
+            if split_vision and sp.sp_size > 1:
+                encode_over_group(encoder, kwargs, sp)
             return args, kwargs
         _agree_on_call(args, kwargs, sp, layout, call_layout, model.config, served.family)
         kwargs["use_cache"] = False
