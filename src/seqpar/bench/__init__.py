@@ -27,6 +27,7 @@ BENCHMARKS = (
     "pipeline",
     "rl_memory",
     "imports",
+    "vision_split",
 )
 
 
