@@ -243,6 +243,20 @@ def _vision_split(rank, world_size):
                 assert sum(counts) == sum(everything) and max(counts) < sum(everything), (family, counts, everything)
             else:
                 assert counts == [sum(everything)] * world_size, (family, counts, everything)
+    import dataclasses
+
+    from seqpar.models import FAMILIES as REGISTRY
+    from seqpar.models import register_family
+
+    declared = REGISTRY["llava"]  # an entry that does not declare per-unit encoding is never split
+    register_family(dataclasses.replace(declared, vision_units=False), replace=True)
+    try:
+        model = seqpar.prepare_model(build("llava"), mesh)
+        seen = _tower_inputs(model, "llava")
+        _sharded_step(model, sample("llava"), mesh, "zigzag")
+        assert seen == [sample("llava")["pixel_values"].shape[0]], seen
+    finally:
+        register_family(declared, replace=True)
     ref, batch, _, _ = _reference("qwen2_5_vl")
     model = seqpar.prepare_model(copy.deepcopy(build("qwen2_5_vl")), mesh, strategy="ring")
     _sharded_step(model, batch, mesh, "zigzag")

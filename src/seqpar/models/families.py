@@ -77,6 +77,9 @@ class Family:
     the text positions first) computed by the model from the whole row's image grids."""
     image_blocks: str | None = None
     """The call keyword whose 1s mark image tokens that see their whole image (Gemma 3's ``token_type_ids``)."""
+    vision_units: bool = False
+    """The vision encoder encodes each image, crop, tile or temporal patch on its own, so its work may be split
+    over the SP group (Note [vision split]); False: every rank encodes every image (a safe default for new entries)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_type, str) or not self.model_type:
@@ -115,16 +118,17 @@ FAMILIES: dict[str, Family] = {
             layer_norms=_GEMMA_NORMS,
             vision="vision_tower",
             image_blocks="token_type_ids",
+            vision_units=True,
         ),
-        Family("qwen2_vl", text_model="language_model", vision="visual", positions="mrope"),
-        Family("qwen2_5_vl", text_model="language_model", vision="visual", positions="mrope"),
-        Family("qwen3_vl", text_model="language_model", vision="visual", positions="mrope"),
-        Family("llava", text_model="language_model", vision="vision_tower"),
-        Family("llava_onevision", text_model="language_model", vision="vision_tower"),
-        Family("llava_next_video", text_model="language_model", vision="vision_tower"),
-        Family("idefics3", text_model="text_model", vision="vision_model"),
-        Family("smolvlm", text_model="text_model", vision="vision_model"),
-        Family("internvl", text_model="language_model", vision="vision_tower"),
+        Family("qwen2_vl", text_model="language_model", vision="visual", positions="mrope", vision_units=True),
+        Family("qwen2_5_vl", text_model="language_model", vision="visual", positions="mrope", vision_units=True),
+        Family("qwen3_vl", text_model="language_model", vision="visual", positions="mrope", vision_units=True),
+        Family("llava", text_model="language_model", vision="vision_tower", vision_units=True),
+        Family("llava_onevision", text_model="language_model", vision="vision_tower", vision_units=True),
+        Family("llava_next_video", text_model="language_model", vision="vision_tower", vision_units=True),
+        Family("idefics3", text_model="text_model", vision="vision_model", vision_units=True),
+        Family("smolvlm", text_model="text_model", vision="vision_model", vision_units=True),
+        Family("internvl", text_model="language_model", vision="vision_tower", vision_units=True),
         Family("phi3", tp_plan=None),  # fused qkv_proj and gate_up_proj: a column split would cut across q, k, v
         Family("mixtral", **_MOE),
         Family("qwen2_moe", **_MOE),  # dense MLPs in mlp_only_layers, experts elsewhere

@@ -381,7 +381,7 @@ def prepare_model(
                 placeholders=tuple(_placeholder_ids(model.config)),
             )
             kwargs["use_cache"] = False
-            if split_vision and sp.sp_size > 1:
+            if split_vision and served.family.vision_units and sp.sp_size > 1:
                 encode_over_group(encoder, kwargs, sp)
             return args, kwargs
         _agree_on_call(args, kwargs, sp, layout, call_layout, model.config, served.family)

@@ -24,13 +24,15 @@ Note [vision split]
     so a rank's tower gradients are those of its units for every rank's tokens; the usual gradient sum over
     the group then gives one process's gradients. The split applies when there are at least as many units as
     ranks and every other tensor argument is per unit (LLaVA-OneVision's per-row ``batch_num_images`` keeps
-    the call whole); otherwise each rank encodes everything, as before. ``prepare_model(...,
-    split_vision=False)`` turns it off.
+    the call whole), and only for families whose registry entry declares ``vision_units`` (a tower that
+    mixed images would make the split silently wrong); otherwise each rank encodes everything.
+    ``prepare_model(..., split_vision=False)`` turns it off.
 """
 
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -206,8 +208,9 @@ def _encode(
     result = {}
     for f, field in enumerate(fields):
         value = _get(output, field)
-        if grid_key is not None:  # units back into images and videos
-            merged = [torch.cat([every[f][u] for u in range(n) if items[u] == i]) for i in range(items[-1] + 1)]
+        if grid_key is not None:  # units back into images and videos (a unit's item never decreases)
+            groups = itertools.groupby(zip(items, every[f], strict=True), key=lambda pair: pair[0])
+            merged = [torch.cat([t for _, t in group]) for _, group in groups]
         else:
             merged = every[f]
         whole = torch.stack(merged) if isinstance(value, torch.Tensor) else type(value)(merged)
