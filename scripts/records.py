@@ -185,6 +185,25 @@ def rl_memory_table(records: list[dict]) -> str:
     return tables.with_runs("rl_memory_cpu", ordered, [*header, "estimate (MB)", "est / measured"], cells)
 
 
+def vlm_memory_table(records: list[dict]) -> str:
+    """The ``seqpar bench vlm_memory`` table: a VLM step's per-rank peak growth by sp and vision split, estimate."""
+    base = min(records, key=lambda r: r["sp"])["growth_mb"]
+    cells = [
+        [
+            r["sp"],
+            "on" if r["split_vision"] else "off",
+            f"{r['growth_mb']:.0f}",
+            f"{r['growth_mb'] / base:.2f}",
+            f"{r['predicted_mb']:.0f}",
+            f"{r['predicted_mb'] / r['growth_mb']:.2f}",
+            f"{r['step_s']:.2f}",
+        ]
+        for r in records
+    ]
+    header = ["sp", "vision split", "per-rank peak growth (MB)", "vs the lowest sp", "estimate (MB)"]
+    return tables.with_runs("vlm_memory_cpu", records, [*header, "est / measured", "step (s)"], cells)
+
+
 def _maxlen_row(maxlen: list[dict]) -> list[str]:
     rungs = list(dict.fromkeys(r["features"] for r in maxlen))
     top = sorted((r for r in maxlen if r["features"] == rungs[-1]), key=lambda r: r["sp"])
@@ -247,6 +266,7 @@ TABLES = {
     "masks_bytes": lambda d: masks_bytes_table(load("masks_cpu", d)),
     "placement": lambda d: placement_table(load("placement_cpu", d)),
     "rl_memory": lambda d: rl_memory_table(load("rl_memory_cpu", d)),
+    "vlm_memory": lambda d: vlm_memory_table(load("vlm_memory_cpu", d)),
     "maxlen": lambda d: maxlen_table(load("maxlen_cpu", d)),
     "headline": headline_table,
     "attention": lambda d: tables.attention_table(load("attention_cpu", d)),

@@ -443,11 +443,14 @@ def positions(model: torch.nn.Module, doc: dict[str, torch.Tensor]) -> torch.Ten
     return torch.cat([text[None], mrope])
 
 
-def pack(model: torch.nn.Module, rows: list[list[dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
-    """Whole rows each packing its documents one after another, right-padded to the longest: the call's
-    ``input_ids``, ``attention_mask``, ``position_ids`` (each document numbered from 0), pixels and grids in
-    row order, token types."""
+def pack(
+    model: torch.nn.Module, rows: list[list[dict[str, torch.Tensor]]], multiple: int = 1
+) -> dict[str, torch.Tensor]:
+    """Whole rows each packing its documents one after another, right-padded to the longest (rounded up to a
+    ``multiple``): the call's ``input_ids``, ``attention_mask``, ``position_ids`` (each document numbered from 0),
+    pixels and grids in row order, token types."""
     width = max(sum(d["input_ids"].shape[1] for d in docs) for docs in rows)
+    width += -width % multiple
     flat = [d for docs in rows for d in docs]
     batch: dict[str, torch.Tensor] = {}
     for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):

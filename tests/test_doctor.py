@@ -206,8 +206,40 @@ def _model_pitfalls(mesh, rank):
         seqpar.doctor(torch.nn.Linear(2, 2), mesh, ids)
 
 
+def _vision_language(mesh, rank):
+    """A batch with pixels: both copies called on whole rows; every layer and the vision tower's gradients (in the
+    output row) compared; a missing gradient sum in the vision split shows there; other pixels are refused."""
+    from seqpar.sequence_parallel import vision_split
+    from tests._vlm_models import build, sample
+
+    for family in ("qwen2_5_vl", "gemma3"):
+        report = seqpar.doctor(build(family), mesh, sample(family))
+        names = [row.name for row in report.rows]
+        assert names == ["model.language_model.layers.0", "model.language_model.layers.1", "output"], str(report)
+        assert report.verdict and all(row.attention_calls == 1 for row in report.rows[:2]), str(report)
+
+    class NotSummed(vision_split._GatherSummed):
+        @staticmethod
+        def backward(ctx, grad):
+            start = sum(ctx.lengths[: ctx.rank])
+            return grad[start : start + ctx.lengths[ctx.rank]], None, None, None
+
+    kept, vision_split._GatherSummed = vision_split._GatherSummed, NotSummed
+    try:
+        report = seqpar.doctor(build("qwen2_5_vl"), mesh, sample("qwen2_5_vl"))
+    finally:
+        vision_split._GatherSummed = kept
+    assert [row.name for row in report.rows if not row.passes] == ["output"], str(report)
+    assert report.rows[-1].activation_ok and not report.rows[-1].gradient_ok, str(report)
+    batch = sample("qwen2_5_vl")
+    batch["pixel_values"] = batch["pixel_values"] + rank
+    report = seqpar.doctor(build("qwen2_5_vl"), mesh, batch)
+    assert not report.compared and _kinds(report)[-1][0] == "refused", str(report)
+
+
 def _worker(rank, world_size):
     mesh = seqpar.make_mesh()
+    _vision_language(mesh, rank)
     _families(mesh)
     _sinks_and_softcap(mesh)
     _layer_k(mesh)

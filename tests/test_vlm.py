@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import seqpar
 from seqpar.errors import SeqparInputError
+from seqpar.sequence_parallel.whole_rows import padded_row_length
 from tests._dist import run_ranks, shard_index
 from tests._vlm_models import FAMILIES, IMAGE, build, documents, pack, sample
 
@@ -71,7 +72,7 @@ def _exact(rank, world_size, family, strategy, layout):
     shard, logits, loss = _sharded_step(model, batch, mesh, layout)
     what = f"{family} {strategy} {layout} P={world_size}"
     s = batch["input_ids"].shape[1]
-    idx = shard_index(shard.layout, world_size, rank, s + (-s % (world_size * (1 if layout == "contiguous" else 2))))
+    idx = shard_index(shard.layout, world_size, rank, padded_row_length(s, world_size, shard.layout))
     real = idx < s
     keep = batch["attention_mask"][:, idx.clamp(max=s - 1)].bool() & real
     got, want = logits[keep], want_logits[:, idx.clamp(max=s - 1)][keep]
@@ -149,8 +150,10 @@ PACKED = ("qwen2_5_vl", "gemma3", "llava")
 def _packed(rank, world_size):
     """Rows packing several multimodal documents (images of different sizes, a timed video) equal each document
     run alone in one process: logits, the loss over all documents, every gradient; LLaVA with its vision tower
-    frozen. Packed rows in plain [3, B, S] mRoPE positions and an image split by a document start are refused."""
+    frozen; zigzag at P = 2, the balanced layout at P = 3. Packed rows in plain [3, B, S] mRoPE positions and an
+    image split by a document start are refused."""
     mesh = seqpar.make_mesh()
+    layout = "zigzag" if world_size == 2 else "balanced"
     for family in PACKED:
         ref = build(family)
         if family == "llava":
@@ -158,7 +161,8 @@ def _packed(rank, world_size):
         model = seqpar.prepare_model(copy.deepcopy(ref), mesh, strategy="ring")
         docs = documents(family, 0) + documents(family, 1)
         rows = [docs] if family == "gemma3" else [docs[:3], docs[3:]]  # Gemma 3: one block mask per batch
-        batch = pack(ref, rows)
+        # the balanced layout cuts a row into more chunks when its length allows: 8 a rank here
+        batch = pack(ref, rows, multiple=8 * world_size if layout == "balanced" else 1)
         predicted = sum(d["input_ids"].shape[1] - 1 for d in docs)
         want = torch.zeros(*batch["input_ids"].shape, ref.config.get_text_config().vocab_size)
         want_loss = torch.zeros(())
@@ -177,13 +181,15 @@ def _packed(rank, world_size):
         assert (leaky[real] - want[real]).abs().max() > 1e-2, f"{family}: packing changed nothing"
         text = batch["position_ids"] if batch["position_ids"].dim() == 2 else batch["position_ids"][0]
         rows_in = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "position_ids": text}
-        shard = seqpar.shard_batch(rows_in, mesh, layout="zigzag")
+        shard = seqpar.shard_batch(rows_in, mesh, layout=layout)
+        if layout == "balanced":  # its chunks follow the documents: not the zigzag's two per rank
+            assert shard.layout.chunks_per_rank > 2, shard.layout
         logits = model(**batch, seqpar_layout=shard.layout).logits
         loss = seqpar.cross_entropy(logits, shard["shift_labels"], mesh)
         loss.backward()
-        what = f"packed {family} P={world_size}"
+        what = f"packed {family} {layout} P={world_size}"
         s = batch["input_ids"].shape[1]
-        idx = shard_index(shard.layout, world_size, rank, s + (-s % (2 * world_size)))
+        idx = shard_index(shard.layout, world_size, rank, padded_row_length(s, world_size, shard.layout))
         keep = batch["attention_mask"][:, idx.clamp(max=s - 1)].bool() & (idx < s)
         got = logits[keep]
         wanted = want[:, idx.clamp(max=s - 1)][keep]

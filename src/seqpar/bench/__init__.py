@@ -28,6 +28,7 @@ BENCHMARKS = (
     "rl_memory",
     "imports",
     "vision_split",
+    "vlm_memory",
 )
 
 

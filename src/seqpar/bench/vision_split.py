@@ -24,16 +24,17 @@ import torch.distributed as dist
 
 from seqpar.bench import save_records
 
-__all__ = ["main"]
+__all__ = ["main", "qwen_vl_model", "video_batch"]
 
 
-def _model(cfg: dict) -> torch.nn.Module:
-    """A Qwen2.5-VL with a 4-block vision tower of width ``vision``, a 2-layer text decoder (seed 0)."""
+def qwen_vl_model(cfg: dict) -> torch.nn.Module:
+    """A Qwen2.5-VL with a vision tower of width ``vision`` and ``vision_depth`` blocks (default 4), a text decoder
+    of width ``hidden`` and ``layers`` layers (default 2); seed 0."""
     import transformers
 
     torch.manual_seed(0)
     vision = dict(
-        depth=4,
+        depth=cfg.get("vision_depth", 4),
         hidden_size=cfg["vision"],
         intermediate_size=2 * cfg["vision"],
         out_hidden_size=cfg["hidden"],
@@ -42,15 +43,15 @@ def _model(cfg: dict) -> torch.nn.Module:
         spatial_merge_size=2,
         temporal_patch_size=2,
         window_size=112,
-        fullatt_block_indexes=[3],
+        fullatt_block_indexes=[cfg.get("vision_depth", 4) - 1],
     )
     text = dict(
         vocab_size=1024,
         hidden_size=cfg["hidden"],
         intermediate_size=2 * cfg["hidden"],
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_hidden_layers=cfg.get("layers", 2),
+        num_attention_heads=cfg["hidden"] // 32,  # head size 32, as the mRoPE sections take
+        num_key_value_heads=cfg["hidden"] // 64,
         bos_token_id=1,
         eos_token_id=2,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
@@ -61,7 +62,7 @@ def _model(cfg: dict) -> torch.nn.Module:
     return transformers.Qwen2_5_VLForConditionalGeneration(config).float()
 
 
-def _batch(cfg: dict) -> dict:
+def video_batch(cfg: dict) -> dict:
     """One row: 16 text tokens, the video's placeholders, 16 text tokens; random pixels of the video's shape."""
     side = cfg["side"] // 14  # patches along each side
     grid = torch.tensor([[cfg["frames"] // 2, side, side]])
@@ -78,8 +79,8 @@ def _worker(rank: int, world_size: int, cfg: dict, out: str) -> None:
     import seqpar
 
     mesh = seqpar.make_mesh()
-    batch = _batch(cfg)
-    models = {split: seqpar.prepare_model(_model(cfg), mesh, split_vision=split) for split in (True, False)}
+    batch = video_batch(cfg)
+    models = {split: seqpar.prepare_model(qwen_vl_model(cfg), mesh, split_vision=split) for split in (True, False)}
     tower_s: dict[bool, list[float]] = {True: [], False: []}
     step_s: dict[bool, list[float]] = {True: [], False: []}
     for split, model in models.items():

@@ -59,6 +59,18 @@ def add_estimate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (the busier end rank is estimated)")
     p.add_argument("--pp-schedule", default="1f1b", help="gpipe, 1f1b or interleaved")
     p.add_argument("--pp-microbatches", type=int, default=None, help="micro-batches per pipeline step (default --pp)")
+    p.add_argument(
+        "--vision-patches",
+        type=int,
+        default=0,
+        help="a Qwen-VL model's vision patches of one micro-batch (sum of t x h x w over its image and video grids): "
+        "the vision tower is counted too",
+    )
+    p.add_argument(
+        "--no-split-vision",
+        action="store_true",
+        help="every rank encodes all the patches (prepare_model(split_vision=False)) instead of about 1/sp of them",
+    )
     add_default_model_arguments(p)
     p.add_argument("--vocab", type=int, default=None, help="default model: vocabulary (default: byte tokenizer)")
 
@@ -96,6 +108,8 @@ def run_estimate(args: argparse.Namespace) -> int:
         pp_size=args.pp,
         pp_schedule=args.pp_schedule,
         pp_microbatches=args.pp_microbatches,
+        vision_patches=args.vision_patches,
+        split_vision=not args.no_split_vision,
     )
     estimate = estimate_memory(hf_config, args.seq_len, **options)
     print(estimate.table())

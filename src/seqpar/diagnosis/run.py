@@ -37,6 +37,7 @@ from seqpar.layouts.chunks import gather_sequence, shard_sequence
 from seqpar.loss import count_valid_tokens, cross_entropy, sum_over
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
 from seqpar.sequence_parallel.prepare import ATTENTION_NAME, attention_choice, prepare_model
+from seqpar.sequence_parallel.whole_rows import SHARD_REFUSED
 
 __all__ = ["doctor"]
 
@@ -130,7 +131,9 @@ def doctor(
         model: a transformers causal LM as it runs on one process, *not* yet prepared by ``prepare_model``.
         mesh: a ``SequenceParallelMesh`` (``seqpar.make_mesh``), the SP ProcessGroup, or None.
         batch: the global batch as ``seqpar.shard_batch`` takes it (``input_ids``; optional ``labels``,
-            ``position_ids``, ``attention_mask``; ``cu_seq_lens_q`` is read as document evidence).
+            ``position_ids``, ``attention_mask``; ``cu_seq_lens_q`` is read as document evidence). A
+            vision-language model's batch also carries the processor's pixels, grids and token types: both
+            copies are then called with the whole rows (Note [whole-row calls]).
         strategy: as in ``seqpar.attention``.
         layout: "zigzag" or "contiguous".
         kernel: local attention kernel, as in ``seqpar.attention``.
@@ -156,20 +159,29 @@ def doctor(
     dtype = _float_dtype(model)
     tol = tolerance if tolerance is not None else TOLERANCES.get(dtype, TOLERANCES[torch.float32])
     report = DoctorReport(type(model).__name__, sp.sp_size, strategy, layout, dtype, tol)
-    found, clean, report.compared_without = batch_pitfalls(batch, ignore_index=ignore_index, eos_token_id=eos_token_id)
+    rows = _whole_row_data(batch)
+    text = batch if rows is None else _text_part(batch)
+    found, clean, report.compared_without = batch_pitfalls(text, ignore_index=ignore_index, eos_token_id=eos_token_id)
     device = next(model.parameters()).device
     clean = {k: torch.as_tensor(v).to(device) for k, v in clean.items()}
     report.pitfalls = found + dropout_pitfalls(model) + _rank_pitfalls(model, clean["input_ids"], sp)
-    report.notes = baseline_notes(model, batch)
+    report.notes = baseline_notes(model, text)
     sharded, reference = copy.deepcopy(model).eval(), copy.deepcopy(model).eval()
     if getattr(sharded.config, "attention_dropout", 0.0):  # reported above; eval mode applies none anyway
         sharded.config.attention_dropout = 0.0
     parts = decoder_layers(sharded)[1]
     layers = parts.layers
+    ref_layers = decoder_layers(reference)[1].layers
     try:
         prepare_model(sharded, sp, strategy=strategy, layout=layout, kernel=kernel)
         shard = shard_batch(clean, sp, layout=layout, ignore_index=ignore_index)
-        cap, calls, n_valid, loss = _sharded_run(sharded, shard, sp, prefix, layers, ignore_index)
+        if rows is None:
+            cap, calls, n_valid, loss = _sharded_run(sharded, shard, sp, prefix, layers, ignore_index)
+        else:
+            call = _row_call(rows, clean, batch, device)
+            pair, both = (sharded, reference), (layers, ref_layers)
+            runs = _whole_row_runs(pair, call, shard, sp, layout, prefix, both, ignore_index)
+            (cap, calls, n_valid, loss), (ref_cap, ref_loss) = runs
     except SeqparInputError as error:  # agreed by every rank (Note [agreeing on errors])
         fix = "see the message; seqpar cannot run this model or batch as given"
         report.pitfalls.append(Pitfall("refused", type(model).__name__, str(error), fix))
@@ -177,9 +189,9 @@ def doctor(
         return report
     choice = attention_choice(sharded)
     report.strategy = f"{strategy} -> {choice.strategy}" if choice is not None and strategy == "auto" else strategy
-    full = {k: gather_sequence(v, sp, dim=1, layout=layout) for k, v in shard.items()}
-    ref_layers = decoder_layers(reference)[1].layers
-    ref_cap, ref_loss = _reference_run(reference, full, sp, layout, prefix, ref_layers, n_valid, ignore_index)
+    if rows is None:
+        full = {k: gather_sequence(v, sp, dim=1, layout=layout) for k, v in shard.items()}
+        ref_cap, ref_loss = _reference_run(reference, full, sp, layout, prefix, ref_layers, n_valid, ignore_index)
     report.loss = (float(sum_over(loss, sp)), ref_loss)
     report.rows = layer_rows(sharded, reference, (cap, ref_cap), prefix, calls, tol, sp.sp_group)
     suspects = [token_mixing_suspects(parts, i) for i in range(len(layers))]
@@ -187,3 +199,85 @@ def doctor(
     report.first_failing, report.cause, mixing = diagnose(report.rows, suspects, attention)
     report.pitfalls += attention_pitfalls(attention, calls) + mixing
     return report
+
+
+def _whole_row_data(batch: Mapping[str, object]) -> dict[str, object] | None:
+    """The batch's pixels, grids and token types (Note [whole-row calls]), or None for a text batch."""
+    data = {k: batch[k] for k in SHARD_REFUSED if batch.get(k) is not None}
+    return data or None
+
+
+def _text_part(batch: Mapping[str, object]) -> dict[str, object]:
+    """What ``shard_batch`` and the batch checks take of a multimodal batch: ids, mask, labels, text positions.
+
+    mRoPE positions in transformers' ``[4, B, S]`` form carry the text positions in their first row; the plain
+    ``[3, B, S]`` form carries none (the model computes them from the grids).
+    """
+    text = {k: batch[k] for k in ("input_ids", "attention_mask", "labels", "shift_labels") if k in batch}
+    positions = batch.get("position_ids")
+    if positions is not None:
+        positions = torch.as_tensor(positions)
+        if positions.dim() == 2:
+            text["position_ids"] = positions
+        elif positions.dim() == 3 and positions.shape[0] == 4:
+            text["position_ids"] = positions[0]
+    return text
+
+
+def _row_call(rows: dict, clean: dict, batch: Mapping[str, object], device: torch.device) -> dict[str, object]:
+    """The keywords of the whole-row model call: the cleaned text tensors, the batch's positions, its pixels."""
+    call = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in rows.items()}
+    call.update({k: clean[k] for k in ("input_ids", "attention_mask") if k in clean})
+    positions = batch.get("position_ids")
+    if positions is not None and "position_ids" in clean:  # left out when the batch checks found them wrong
+        positions = torch.as_tensor(positions).to(device)
+        call["position_ids"] = positions if positions.dim() == 3 else clean["position_ids"]
+    return call
+
+
+def _whole_row_runs(models, call, shard, sp, layout, prefix, layers, ignore_index):
+    """The doctor's two runs of a multimodal model, both called with the whole rows (Note [whole-row calls]).
+
+    The prepared copy returns this rank's logits; the one-process copy's outputs are padded as ``shard_batch``
+    pads the row and cut to this rank's tokens. Both are compared on real tokens only (padding set to 0 in
+    both), since seqpar's padding tokens are not the one process's.
+
+    Returns:
+        (capture, attention calls, valid tokens, loss) of the sharded run, (capture, loss) of the reference.
+    """
+    sharded, reference = models
+    ids = call["input_ids"]
+    length, local = ids.shape[1], shard["input_ids"].shape[1]
+    padded = local * sp.sp_size
+    real = call.get("attention_mask", torch.ones_like(ids)) != 0
+    real_here = shard_sequence(torch.nn.functional.pad(real, (0, padded - length)), sp, dim=1, layout=layout)
+
+    def masked(t: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return t * keep.view(*keep.shape, *([1] * (t.dim() - 2))).to(t.dtype)
+
+    def take_sharded(t: torch.Tensor) -> tuple[torch.Tensor, float]:
+        return masked(t, real_here), 0.0
+
+    def take_reference(t: torch.Tensor) -> tuple[torch.Tensor, float]:
+        whole = masked(t, real)
+        grown = torch.nn.functional.pad(whole, (0, 0) * (t.dim() - 2) + (0, padded - length))
+        return shard_sequence(grown, sp, dim=1, layout=layout), float(whole.double().abs().max())
+
+    with count_attention_calls() as counts, capture_outputs(layers[0], prefix, local, take_sharded) as cap:
+        logits = sharded(**call, seqpar_layout=shard.layout).logits
+        cap.active = False
+    cap.outputs[f"{OUTPUT_ROW}#0"] = take_sharded(logits.detach())[0]
+    labels = shard["shift_labels"]
+    n_valid = count_valid_tokens(labels, sp, ignore_index)
+    loss = cross_entropy(logits, labels, sp, num_valid_tokens=n_valid, ignore_index=ignore_index)
+    loss.backward()
+    reduce_gradients(sharded.parameters(), sp)
+    calls = [sum(counts[id(m)] for m in layer.modules()) for layer in layers[0]]
+    with capture_outputs(layers[1], prefix, length, take_reference) as ref_cap:
+        ref_logits = reference(**call).logits
+        ref_cap.active = False
+    ref_cap.outputs[f"{OUTPUT_ROW}#0"], ref_cap.scales[f"{OUTPUT_ROW}#0"] = take_reference(ref_logits.detach())
+    whole_labels = gather_sequence(labels, sp, dim=1, layout=layout)[:, :length]
+    ref_loss = cross_entropy(ref_logits, whole_labels, None, num_valid_tokens=n_valid, ignore_index=ignore_index)
+    ref_loss.backward()
+    return (cap, calls, n_valid, loss.detach()), (ref_cap, float(ref_loss.detach()))

@@ -64,6 +64,7 @@ from seqpar.memory.dtypes import dtype_bytes
 from seqpar.memory.pipeline import stage_views
 from seqpar.memory.rank import OPTIMIZER_STATES, estimate_rank
 from seqpar.memory.result import MemoryEstimate
+from seqpar.memory.vision import VisionSizes
 from seqpar.mesh import ParallelDims
 from seqpar.models import ModelSizes
 from seqpar.sequence_parallel.selection import select_strategy
@@ -127,6 +128,8 @@ def estimate_memory(
     pp_schedule: str = "1f1b",
     pp_microbatches: int | None = None,
     dims: ParallelDims | None = None,
+    vision_patches: int = 0,
+    split_vision: bool = True,
 ) -> MemoryEstimate:
     """Predict one rank's memory during one training step (forward, backward, gradient sum, optimizer).
 
@@ -159,6 +162,11 @@ def estimate_memory(
         pp_microbatches: micro-batches per pipeline step (default ``pp_size``).
         dims: the degrees as one ``seqpar.ParallelDims``, in place of ``sp_size``, ``ulysses_size``,
             ``dp_size``, ``tp_size`` and ``pp_size``.
+        vision_patches: a multimodal config's vision patches of one micro-batch (``sum(t x h x w)`` of its
+            image and video grids): the vision tower's parameters and activations are then counted too
+            (Note [vision tower memory]).
+        split_vision: the tower runs on about 1/sp of the patches on each rank (Note [vision split]), as
+            ``prepare_model(split_vision=True)`` does; False: on all of them.
 
     Returns:
         The ``MemoryEstimate``: bytes by category, the peak and the moment that sets it.
@@ -167,7 +175,8 @@ def estimate_memory(
         SeqparInputError: an unknown dtype, feature, strategy, optimizer or dp_mode, sizes below 1, a seq_len not
             divisible by sp_size, heads that the ulysses degree (or tp) cannot split, a config without sizes,
             ``offload_optimizer`` without dp_mode "fsdp", pipeline settings that cannot work (fewer layers than
-            stages, fewer micro-batches than ``pp_size``, an unknown schedule).
+            stages, fewer micro-batches than ``pp_size``, an unknown schedule), ``vision_patches`` with a config
+            whose vision tower seqpar does not count, or with pipeline parallel.
     """
     settings = {k: v for k, v in locals().items() if k not in ("model_config", "seq_len")}
     return max(_stage_estimates(model_config, seq_len, settings), key=lambda e: e.peak)
@@ -215,13 +224,26 @@ def _stage_estimates(model_config: object, seq_len: int, settings: dict) -> list
     sizes = {k: settings[k] for k in ("sp_size", "ulysses_size", "dp_size", "tp_size")}
     _check(seq_len, s, sizes, features)
     d = ModelSizes.from_config(model_config, s.tp_size)
+    vision = _vision(model_config, s, dtype_bytes(s.dtype)) if s.vision_patches else (0, 0)
     rank = dict(
         chosen=select_strategy(s.strategy, d.num_attention_heads, d.num_key_value_heads, s.sp_size, s.ulysses_size),
         b=dtype_bytes(s.dtype),
         tokens=s.micro_batch * seq_len // s.sp_size,
         features=features,
         sizes=sizes,
+        vision=vision,
         **{k: settings[k] for k in _RANK_SETTINGS},
     )
     views = stage_views(d.num_hidden_layers, s.pp_size, s.pp_schedule, s.pp_microbatches)
     return [estimate_rank(d, view, s.pp_size > 1, **rank) for view in views]
+
+
+def _vision(model_config: object, s: SimpleNamespace, b: int) -> tuple[int, int]:
+    """(parameters, kept activation bytes) of the vision tower on one rank (Note [vision tower memory])."""
+    if s.vision_patches < 0:
+        raise SeqparInputError(f"cannot estimate memory: vision_patches must be >= 0, not {s.vision_patches}")
+    if s.pp_size > 1:
+        raise SeqparInputError("cannot estimate memory: vision_patches is counted without pipeline parallel only")
+    vision = VisionSizes.from_config(model_config)
+    patches = -(-s.vision_patches // s.sp_size) if s.split_vision else s.vision_patches
+    return vision.num_params(), vision.kept_bytes(patches, b, "checkpointing" in s.features)

@@ -72,6 +72,7 @@ def estimate_rank(
     optimizer: str,
     keep_gradients: bool,
     offload_optimizer: bool,
+    vision: tuple[int, int] = (0, 0),
 ) -> MemoryEstimate:
     """One rank's estimate (Note [memory estimate] in ``seqpar.memory.estimate``).
 
@@ -90,6 +91,7 @@ def estimate_rank(
         optimizer: a key of ``OPTIMIZER_STATES``.
         keep_gradients: gradients live between steps.
         offload_optimizer: parameters, gradients and state in host memory.
+        vision: the vision tower's (parameters, activation bytes kept on this rank): Note [vision tower memory].
 
     Returns:
         The rank's ``MemoryEstimate``.
@@ -98,8 +100,8 @@ def estimate_rank(
     d = _stage_sizes(d, view.layers)  # a pipeline rank holds its stage's layers
     layers, tied, hidden, vocab = d.num_hidden_layers, d.tie_word_embeddings, d.hidden_size, d.vocab_size
     total, layer_params, head_params = parameter_counts(d)
-    if pipelined and not tied:  # one end of the model: the embedding (first rank) or norm and head (last)
-        total -= head_params
+    # a pipeline's end rank holds one end of the model: the embedding (first rank) or the norm and head (last)
+    total += vision[0] - (head_params if pipelined and not tied else 0)
     shards = dp_size * sp_size if dp_mode == "fsdp" else 1
     params = -(-total * b // shards) + (2 * layer_params * b if shards > 1 else 0)  # fsdp: one layer gathered
     states = OPTIMIZER_STATES[optimizer] * -(-total * b // shards)
@@ -108,11 +110,10 @@ def estimate_rank(
         act["kept"] = int(act["kept"] * view.in_flight)  # Note [pipeline memory and time]
     comm = int(comm_elements(chosen, d, sp_size, ulysses_size) * tokens * b)
     chunk = min(loss_chunk, tokens) if "chunked_loss" in features else tokens
-    loss = 3 * chunk * vocab * 4 + (tokens * hidden * b if "chunked_loss" in features else 0)
-    loss = loss if view.last else 0
+    loss = (3 * chunk * vocab * 4 + (tokens * hidden * b if "chunked_loss" in features else 0)) * view.last
     # Note [pipeline memory and time]: torch's receive buffers, one per micro-batch and stage boundary, kept
     recv = view.recv_buffers * tokens * hidden * b if pipelined else 0
-    act["kept"] += view.sends_held * tokens * hidden * b  # interleaved: sends held until the step ends
+    act["kept"] += view.sends_held * tokens * hidden * b + vision[1]  # interleaved: sends held to the step's end
     held_logits = 0  # Note [pipeline memory and time]: torch's last stage keeps outputs until their backward
     if pipelined and "chunked_loss" not in features:
         held_logits = held_logits_bytes(view, tokens, vocab, b)
@@ -142,10 +143,9 @@ def estimate_rank(
     grows = 0 if offload_optimizer or kept_grads else layer_params * b  # per layer, before the // shards
     worst = max([(0, 0), *(during(done) for done in _peak_candidates(layers, grows, shards, freed))])
     # the attention's buffers live while its backward runs, after the MLP's tensors of the layer are freed
-    if act["recomputed"] + act["extra"] >= act["recomputed_attention"] + comm:
-        transient, comm = act["recomputed"] + act["extra"], 0
-    else:
-        transient = act["recomputed_attention"]
+    mlp_moment = act["recomputed"] + act["extra"]
+    attention_first = mlp_moment < act["recomputed_attention"] + comm
+    transient, comm = (act["recomputed_attention"], comm) if attention_first else (mlp_moment, 0)
     moments["layer backward"] = (worst[1], worst[0] - worst[1], transient, held_logits, comm, 0)
     if dp_mode == "replicate" and dp_size * sp_size > 1:
         bucket = min(all_grads, int(BUCKET_MB * _MB))
@@ -173,4 +173,5 @@ def estimate_rank(
         host=int(host),
         offload_optimizer=offload_optimizer,
         pipeline_buffers=recv,
+        vision_activations=vision[1],
     )

@@ -59,6 +59,9 @@ class MemoryEstimate:
     """Pipeline parallel: the receive buffers torch's stages keep from step to step, one [micro_batch, S/sp, H]
     activation (or its gradient) per micro-batch and stage boundary (Note [pipeline memory and time]); part
     of ``peak`` and ``between_steps``."""
+    vision_activations: int = 0
+    """Of ``checkpointed_activations``, what the vision tower's patches keep on this rank (Note [vision tower
+    memory]); its parameters are in ``parameters``."""
 
     @property
     def step_peak(self) -> int:
@@ -72,6 +75,7 @@ class MemoryEstimate:
             ("gradients", self.gradients),
             ("optimizer state", self.optimizer_state),
             ("checkpointed activations", self.checkpointed_activations),
+            *([("  of which the vision tower's", self.vision_activations)] if self.vision_activations else []),
             ("layer transient", self.layer_transient),
             ("logits / loss", self.logits_loss),
             ("communication", self.communication),
