@@ -181,6 +181,15 @@ def sample(family: str, seed: int = 0) -> dict[str, torch.Tensor]:
             rows[1] += [START, *([VIDEO] * int(grid.prod() // 4)), END, *rng.integers(3, IMAGE - 1, 3).tolist()]
             if family == "qwen2_5_vl":  # 0.5 s per temporal patch: video positions step by 25 * 0.5
                 extra["second_per_grid_ts"] = torch.tensor([0.5])
+        else:  # Qwen3-VL: each temporal patch of the video is its own run, after its timestamp's text tokens
+            frames = processor(images=_images([(16, 16)] * 2, seed + 1), return_tensors="pt")
+            grid = frames["image_grid_thw"][:1].clone()
+            grid[0, 0] = 2
+            extra.update(pixel_values_videos=frames["pixel_values"], video_grid_thw=grid)
+            per_frame = int(grid[0, 1:].prod() // 4)
+            for _ in range(2):  # "<t seconds>" as two text tokens, then the frame's placeholders
+                rows[1] += [*rng.integers(3, IMAGE - 1, 2).tolist(), START, *([VIDEO] * per_frame), END]
+            rows[1] += rng.integers(3, IMAGE - 1, 2).tolist()
     elif family == "gemma3":
         from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
