@@ -168,55 +168,72 @@ PACKED = ("qwen2_5_vl", "gemma3", "llava")
 def _packed(rank, world_size):
     """Rows packing several multimodal documents (images of different sizes, a timed video) equal each document
     run alone in one process: logits, the loss over all documents, every gradient; LLaVA with its vision tower
-    frozen; zigzag at P = 2, the balanced layout at P = 3. Packed rows in plain [3, B, S] mRoPE positions and an
-    image split by a document start are refused."""
+    frozen; zigzag at P = 2, the balanced layout at P = 3, the placed layout (rows reordered, Gemma 3's image blocks
+    moved with their documents) at both. Packed rows in plain [3, B, S] mRoPE positions and an image split by a
+    document start are refused."""
     mesh = seqpar.make_mesh()
-    layout = "zigzag" if world_size == 2 else "balanced"
-    for family in PACKED:
-        ref = build(family)
-        if family == "llava":
-            ref.model.vision_tower.requires_grad_(False)
-        model = seqpar.prepare_model(copy.deepcopy(ref), mesh, strategy="ring")
-        docs = documents(family, 0) + documents(family, 1)
-        rows = [docs] if family == "gemma3" else [docs[:3], docs[3:]]  # Gemma 3: one block mask per batch
-        # the balanced layout cuts a row into more chunks when its length allows: 8 a rank here
-        batch = pack(ref, rows, multiple=8 * world_size if layout == "balanced" else 1)
-        predicted = sum(d["input_ids"].shape[1] - 1 for d in docs)
-        want = torch.zeros(*batch["input_ids"].shape, ref.config.get_text_config().vocab_size)
-        want_loss = torch.zeros(())
-        for b, row in enumerate(rows):
-            start = 0
-            for doc in row:
-                out = ref(**doc, labels=doc["input_ids"])
-                share = out.loss * (doc["input_ids"].shape[1] - 1) / predicted
-                share.backward()
-                want_loss += share.detach()
-                want[b, start : start + doc["input_ids"].shape[1]] = out.logits[0].detach()
-                start += doc["input_ids"].shape[1]
-        with torch.no_grad():  # one process on the packed rows lets documents see each other: the test can tell
-            leaky = ref(**batch).logits
-        real = batch["attention_mask"].bool()
-        assert (leaky[real] - want[real]).abs().max() > 1e-2, f"{family}: packing changed nothing"
-        text = batch["position_ids"] if batch["position_ids"].dim() == 2 else batch["position_ids"][0]
-        rows_in = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "position_ids": text}
-        shard = seqpar.shard_batch(rows_in, mesh, layout=layout)
-        if layout == "balanced":  # its chunks follow the documents: not the zigzag's two per rank
-            assert shard.layout.chunks_per_rank > 2, shard.layout
-        logits = model(**batch, seqpar_layout=shard.layout).logits
-        loss = seqpar.cross_entropy(logits, shard["shift_labels"], mesh)
-        loss.backward()
-        what = f"packed {family} {layout} P={world_size}"
-        s = batch["input_ids"].shape[1]
+    for layout in ("zigzag" if world_size == 2 else "balanced", "placed"):
+        moved = [_packed_family(rank, world_size, mesh, family, layout) for family in PACKED]
+        if layout == "placed" and world_size == 3:  # at P = 3 it moves Gemma 3's documents, image blocks and all
+            assert moved == [False, True, False], moved
+    _packed_refusals(mesh)
+
+
+def _packed_family(rank, world_size, mesh, family, layout):
+    ref = build(family)
+    if family == "llava":
+        ref.model.vision_tower.requires_grad_(False)
+    model = seqpar.prepare_model(copy.deepcopy(ref), mesh, strategy="ring")
+    docs = documents(family, 0) + documents(family, 1)
+    rows = [docs] if family == "gemma3" else [docs[:3], docs[3:]]  # Gemma 3: one block mask per batch
+    # the balanced layout cuts a row into more chunks when its length allows: 8 a rank here
+    batch = pack(ref, rows, multiple=8 * world_size if layout == "balanced" else 1)
+    predicted = sum(d["input_ids"].shape[1] - 1 for d in docs)
+    want = torch.zeros(*batch["input_ids"].shape, ref.config.get_text_config().vocab_size)
+    want_loss = torch.zeros(())
+    for b, row in enumerate(rows):
+        start = 0
+        for doc in row:
+            out = ref(**doc, labels=doc["input_ids"])
+            share = out.loss * (doc["input_ids"].shape[1] - 1) / predicted
+            share.backward()
+            want_loss += share.detach()
+            want[b, start : start + doc["input_ids"].shape[1]] = out.logits[0].detach()
+            start += doc["input_ids"].shape[1]
+    with torch.no_grad():  # one process on the packed rows lets documents see each other: the test can tell
+        leaky = ref(**batch).logits
+    real = batch["attention_mask"].bool()
+    assert (leaky[real] - want[real]).abs().max() > 1e-2, f"{family}: packing changed nothing"
+    text = batch["position_ids"] if batch["position_ids"].dim() == 2 else batch["position_ids"][0]
+    rows_in = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "position_ids": text}
+    shard = seqpar.shard_batch(rows_in, mesh, layout=layout)
+    if layout == "balanced":  # its chunks follow the documents: not the zigzag's two per rank
+        assert shard.layout.chunks_per_rank > 2, shard.layout
+    logits = model(**batch, seqpar_layout=shard.layout, seqpar_placement=shard.placement).logits
+    loss = seqpar.cross_entropy(logits, shard["shift_labels"], mesh)
+    loss.backward()
+    what = f"packed {family} {layout} P={world_size}"
+    s = batch["input_ids"].shape[1]
+    if shard.placement is not None:  # each placed token's index in the batch's row, -1 for padding
+        orig = shard.placement.order[:, shard_index(shard.layout, world_size, rank, shard.placement.seq_len)]
+    else:
         idx = shard_index(shard.layout, world_size, rank, padded_row_length(s, world_size, shard.layout))
-        keep = batch["attention_mask"][:, idx.clamp(max=s - 1)].bool() & (idx < s)
-        got = logits[keep]
-        wanted = want[:, idx.clamp(max=s - 1)][keep]
-        torch.testing.assert_close(got, wanted, atol=LOGITS_ATOL, rtol=0, msg=lambda m, w=what: f"{w} logits: {m}")
-        loss = seqpar.sum_over(loss.detach(), mesh)
-        torch.testing.assert_close(loss, want_loss, atol=LOSS_ATOL, rtol=0, msg=lambda m, w=what: f"{w} loss: {m}")
-        _assert_gradients(_summed_gradients(model, mesh), ref, what)
-        if family == "llava":
-            assert all(p.grad is None for p in model.model.vision_tower.parameters()), "a frozen tower got gradients"
+        orig = torch.where(idx < s, idx, -1).expand(batch["input_ids"].shape[0], -1)
+    keep = (orig >= 0) & batch["attention_mask"].gather(1, orig.clamp(min=0)).bool()
+    row_of = torch.arange(orig.shape[0])[:, None].expand_as(orig)
+    got, wanted = logits[keep], want[row_of[keep], orig[keep]]
+    torch.testing.assert_close(got, wanted, atol=LOGITS_ATOL, rtol=0, msg=lambda m, w=what: f"{w} logits: {m}")
+    loss = seqpar.sum_over(loss.detach(), mesh)
+    torch.testing.assert_close(loss, want_loss, atol=LOSS_ATOL, rtol=0, msg=lambda m, w=what: f"{w} loss: {m}")
+    _assert_gradients(_summed_gradients(model, mesh), ref, what)
+    if family == "llava":
+        assert all(p.grad is None for p in model.model.vision_tower.parameters()), "a frozen tower got gradients"
+    if shard.placement is None:
+        return False
+    return any(bool((torch.diff(row[row >= 0]) < 0).any()) for row in shard.placement.order)  # a document moved
+
+
+def _packed_refusals(mesh):
     qwen = seqpar.prepare_model(build("qwen2_5_vl"), mesh)
     batch = pack(qwen, [documents("qwen2_5_vl")])
     plain = dict(batch, position_ids=batch["position_ids"][1:])
@@ -230,6 +247,24 @@ def _packed(rank, world_size):
     broken = batch["position_ids"].clone()
     broken[0, 5] = 9
     _raises("must count up by 1 inside a document", lambda: llava(**dict(batch, position_ids=broken)))
+    placed = seqpar.shard_batch(
+        {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}, mesh, layout="placed"
+    )
+    _raises("pass seqpar_placement=shard.placement", lambda: llava(**batch, seqpar_layout=placed.layout))
+    other = pack(llava, [documents("llava")[::-1]])  # other document lengths in the row: another placement
+    elsewhere = seqpar.shard_batch(
+        {"input_ids": other["input_ids"], "position_ids": other["position_ids"]}, mesh, layout="placed"
+    )
+    call = dict(batch, seqpar_layout=elsewhere.layout, seqpar_placement=elsewhere.placement)
+    _raises("not the placement of these rows", lambda: llava(**call))
+    # a block of tokens 2..5 kept whole (moved to 6..9) or cut apart by padding in the placed row
+    from seqpar.layouts.placed import Placement
+    from seqpar.sequence_parallel.whole_rows import _placed_blocks
+
+    whole = Placement(torch.tensor([[-1] * 4 + [0, 1, 2, 3, 4, 5]]), torch.zeros(1, 10), placed.layout)
+    cut = Placement(torch.tensor([[0, 1, 2, 3, -1, -1, 4, 5, -1, -1]]), torch.zeros(1, 10), placed.layout)
+    assert _placed_blocks(((2, 6),), whole) == (((6, 10),), False)
+    assert _placed_blocks(((2, 6),), cut)[1]
 
 
 def _tower_inputs(model, family: str) -> list[int]:
@@ -335,7 +370,7 @@ def _bad_input(rank, world_size):
     left = dict(batch, attention_mask=batch["attention_mask"].flip(1))
     _raises("padding before real tokens", lambda: qwen(**left))
     placed = seqpar.shard_batch({"input_ids": batch["input_ids"]}, mesh, layout="placed")
-    _raises("placed layout reorders rows", lambda: qwen(**batch, seqpar_layout=placed.layout))
+    _raises("placed layout reorders the rows", lambda: qwen(**batch, seqpar_layout=placed.layout))
     gemma = seqpar.prepare_model(build("gemma3"), mesh)
     rows = sample("gemma3")
     moved = rows["token_type_ids"].clone()

@@ -146,7 +146,8 @@ CASES = {
     # 2 epochs; Qwen2.5-VL's mRoPE from the grids with 2 right-padded rows per batch, Gemma 3's image blocks. One
     # micro-batch a step: these models take no num_items_in_batch (accepts_loss_kwargs=False), so the one-process
     # Trainer averages the micro-batches' means, where seqpar divides by the step's tokens (equal for one)
-    "vlm_sp2": Case(2, kind="qwen2_5_vl", collator="vlm", eval_batch=2, extra=ONE_MICRO_BATCH),
+    # (Qwen2.5-VL under the placed layout: its whole rows placed at the text decoder, seqpar_placement)
+    "vlm_sp2": Case(2, kind="qwen2_5_vl", collator="vlm", eval_batch=2, extra=ONE_MICRO_BATCH, layout="placed"),
     "vlm_gemma3_dp2_sp2": Case(4, kind="gemma3", collator="vlm", batch=1, extra=ONE_MICRO_BATCH),
     # TRL's VLM SFT as documented: messages + images, the processor as processing_class (TRL's vision collator),
     # its defaults otherwise (gradient checkpointing on, max_length 1024); one row per batch: Gemma 3 rows with

@@ -27,7 +27,7 @@ from seqpar.layouts.chunks import ChunkLayout, Layout
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.comm.collectives import collective_device
 from seqpar.sequence_parallel.prepare import LAYOUT_KEYWORD
-from seqpar.sequence_parallel.whole_rows import SHARD_REFUSED
+from seqpar.sequence_parallel.whole_rows import PLACEMENT_KEYWORD, SHARD_REFUSED
 
 __all__ = [
     "SequenceShard",
@@ -69,16 +69,17 @@ def model_inputs(shard: Mapping[str, object]) -> dict[str, object]:
 
     Returns:
         ``{"input_ids", "position_ids"}`` (a multimodal batch: its whole rows, pixels and grids), and
-        ``seqpar_layout`` when the shard carries its batch's own layout (``layout="balanced"``):
-        ``model(**model_inputs(shard))``.
+        ``seqpar_layout`` when the shard carries its batch's own layout (``layout="balanced"``), and for a
+        multimodal batch under the placed layout ``seqpar_placement``: ``model(**model_inputs(shard))``.
     """
     rows = shard.get(ROWS)
     if rows is not None:
         inputs = dict(rows)
     else:
         inputs = {"input_ids": shard["input_ids"], "position_ids": shard["position_ids"]}
-    if shard.get(LAYOUT_KEYWORD) is not None:
-        inputs[LAYOUT_KEYWORD] = shard[LAYOUT_KEYWORD]
+    for key in (LAYOUT_KEYWORD, PLACEMENT_KEYWORD):
+        if shard.get(key) is not None:
+            inputs[key] = shard[key]
     return inputs
 
 
@@ -207,6 +208,8 @@ def to_shard(
     shard = SequenceShard(sharded)
     if rows is not None:
         shard[ROWS] = rows
+        if sharded.placement is not None:  # the whole rows are placed at the text decoder (Note [whole-row calls])
+            shard[PLACEMENT_KEYWORD] = sharded.placement
     if isinstance(sharded.layout, ChunkLayout):  # per batch: the model must be told it with this shard
         shard[LAYOUT_KEYWORD] = sharded.layout
     return shard

@@ -32,6 +32,7 @@ from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask, sequence_
 from seqpar.sequence_parallel.strategies.registry import check_strategy_name
 from seqpar.sequence_parallel.vision_split import encode_over_group
 from seqpar.sequence_parallel.whole_rows import (
+    PLACEMENT_KEYWORD,
     ROW_KEY,
     SHARD_REFUSED,
     agree_on_whole_row,
@@ -366,6 +367,7 @@ def prepare_model(
             kwargs.pop(LAYOUT_KEYWORD, None)
             return args, kwargs
         call_layout = kwargs.pop(LAYOUT_KEYWORD, None)
+        placement = kwargs.pop(PLACEMENT_KEYWORD, None)  # a text call's shard is placed already
         batch_layout = call_layout if call_layout is not None else layout
         if multimodal and module is model and is_whole_row_call(kwargs, served.family):
             no_layout, bad_layout = _layout_fault(sp, layout, call_layout)
@@ -379,6 +381,7 @@ def prepare_model(
                 no_layout=no_layout,
                 bad_layout=bad_layout,
                 placeholders=tuple(_placeholder_ids(model.config)),
+                placement=placement,
             )
             kwargs["use_cache"] = False
             if split_vision and served.family.vision_units and sp.sp_size > 1:

@@ -12,12 +12,14 @@ Note [whole-row calls]
     ======================  ===========================================================================
     the call passes         ``input_ids`` ``[B, S]`` (whole), the processor's pixel and grid tensors,
                             optionally ``attention_mask`` (right padding) and ``position_ids`` (whole),
-                            and ``seqpar_layout=shard.layout`` under a per-batch layout
+                            and ``seqpar_layout=shard.layout`` under a per-batch layout (and
+                            ``seqpar_placement=shard.placement`` under the placed one)
     the model's own code    embeds, runs the vision tower (its own attention, every image whole),
                             merges the features, computes positions (mRoPE from the grids)
-    seqpar, at the decoder  pads the row as ``shard_batch`` pads it, keeps this rank's tokens of the
-                            embeddings, positions and DeepStack features, builds the mask from the
-                            whole row (documents, Gemma 3's image blocks)
+    seqpar, at the decoder  pads the row as ``shard_batch`` pads it (or lays it out in the placed order),
+                            keeps this rank's tokens of the embeddings, positions and DeepStack
+                            features, builds the mask from the whole row (documents, Gemma 3's image
+                            blocks, moved with their documents under the placed layout)
     comes back              logits ``[B, S'/P, V]`` of this rank's tokens, in ``shard_batch``'s order
     ======================  ===========================================================================
 
@@ -40,12 +42,15 @@ import torch
 
 from seqpar.errors import SeqparInputError
 from seqpar.layouts.chunks import NAMED_LAYOUTS, ChunkLayout, Layout, named_layout, shard_for_rank
+from seqpar.layouts.placed import Placement
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.models.families import Family
 from seqpar.sequence_parallel.checks import Signature, by_rank, exchange_signatures
 
 __all__ = ["ROW_KEY", "WHOLE_ROW_KEYS", "WholeRow", "agree_on_whole_row", "is_whole_row_call", "shard_decoder_inputs"]
 
+PLACEMENT_KEYWORD = "seqpar_placement"
+"""The keyword that brings a whole-row call under the placed layout its row order (``shard.placement``)."""
 ROW_KEY = "seqpar_whole_row"
 """The keyword that carries a checked whole-row call from the model's hook to its text decoder's hook."""
 WHOLE_ROW_KEYS = ("pixel_values", "pixel_values_videos", "mm_encoder_outputs")
@@ -78,7 +83,10 @@ class WholeRow:
     layout: Layout
     """The layout the call's shard was made with (``shard_batch``'s)."""
     blocks: tuple[tuple[int, int], ...] | None
-    """Global token ranges of image blocks that see themselves both ways (Gemma 3), or None."""
+    """Global token ranges of image blocks that see themselves both ways (Gemma 3), or None; under the placed
+    layout, ranges of the placed row."""
+    placement: Placement | None = None
+    """Under the placed layout: the order of the placed row (``shard.placement``), else None."""
 
 
 def is_whole_row_call(kwargs: dict, family: Family) -> bool:
@@ -148,6 +156,8 @@ class _RowSignature(Signature):
     left_padding: bool
     rows_differ: bool
     reordering_layout: bool
+    wrong_placement: bool
+    placement_cuts_block: bool
     no_layout: bool
     bad_layout: bool
     layout_digest: int
@@ -178,8 +188,13 @@ _ROW_PROBLEMS = {
     "seqpar_layout=shard.layout with the shard of seqpar.shard_batch of the same rows",
     "bad_layout": "seqpar_layout must be 'contiguous', 'zigzag' or the ChunkLayout of seqpar.shard_batch "
     "(shard.layout) for this many ranks",
-    "reordering_layout": "the placed layout reorders rows; multimodal rows are sharded in their own order: use "
-    "layout 'zigzag', 'contiguous' or 'balanced'",
+    "reordering_layout": "the placed layout reorders the rows: pass seqpar_placement=shard.placement with "
+    "seqpar_layout=shard.layout (the shard of seqpar.shard_batch(..., layout='placed') of the same rows)",
+    "wrong_placement": "seqpar_placement is not the placement of these rows under this layout: pass "
+    "shard.placement and shard.layout of seqpar.shard_batch of the same rows and text positions",
+    "placement_cuts_block": "the placed layout cut an image block (token_type_ids) into pieces that are not "
+    "next to each other in the placed row, or moved the rows' blocks differently; use the 'balanced' layout for "
+    "this batch",
 }
 
 
@@ -194,6 +209,7 @@ def agree_on_whole_row(
     no_layout: bool,
     bad_layout: bool,
     placeholders: tuple[int, ...] = (),
+    placement: Placement | None = None,
 ) -> WholeRow:
     """Check one whole-row call on every rank at once (Note [agreeing on errors]): all raise, or none does.
 
@@ -207,6 +223,7 @@ def agree_on_whole_row(
         no_layout: the model was prepared with a per-batch layout and the call brought none.
         bad_layout: the call's layout does not fit the mesh.
         placeholders: the model's image and video placeholder token ids (their runs must not cross documents).
+        placement: the call's ``seqpar_placement`` (the placed layout's row order), or None.
 
     Returns:
         The ``WholeRow`` the text decoder's hook shards with.
@@ -232,6 +249,10 @@ def agree_on_whole_row(
     plain_packed, broken, split = _document_faults(ids, positions, keep, marks)
     row = NAMED_LAYOUTS.get(layout.name) if isinstance(layout, ChunkLayout) else named_layout(layout)
     reorders = getattr(row, "reorders_row", False)
+    wrong_placement = placement is not None and not (reorders and _fits(placement, layout, ids, positions))
+    cut = False
+    if blocks and placement is not None and not wrong_placement:
+        blocks, cut = _placed_blocks(blocks, placement)
     signature = _RowSignature(
         positional_args=bool(args),
         labels=kwargs.get("labels") is not None,
@@ -244,10 +265,12 @@ def agree_on_whole_row(
         image_across_documents=split,
         left_padding=keep is not None and keep.dim() == 2 and bool((keep[:, 1:] & ~keep[:, :-1]).any()),
         rows_differ=rows_differ,
-        reordering_layout=reorders,
+        reordering_layout=reorders and placement is None,
+        wrong_placement=wrong_placement,
+        placement_cuts_block=cut,
         no_layout=no_layout,
         bad_layout=bad_layout,
-        layout_digest=layout_digest,
+        layout_digest=layout_digest ^ (_digest([placement.order]) if placement is not None else 0),
         data_digest=_digest([kwargs.get(k) for k in _ROW_DATA]),
     )
     table = [signature] if sp.sp_size == 1 else exchange_signatures(signature, sp.sp_group)
@@ -263,7 +286,42 @@ def agree_on_whole_row(
         problems.append("the ranks passed different seqpar_layout values; pass every rank its shard's layout")
     if problems:
         raise SeqparInputError(" | ".join(problems))
-    return WholeRow(layout, blocks)
+    return WholeRow(layout, blocks, placement)
+
+
+def _fits(placement: object, layout: Layout, ids: torch.Tensor | None, positions: torch.Tensor | None) -> bool:
+    """Whether ``placement`` is the placed order of these rows (their text positions) under ``layout``."""
+    if not isinstance(placement, Placement) or placement.layout != layout or ids is None:
+        return False
+    order = placement.order
+    if order.dim() != 2 or order.shape[0] != ids.shape[0] or int(order.max()) >= ids.shape[1]:
+        return False
+    text = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape) if positions is None else positions
+    text = text[0] if text.dim() == 3 and text.shape[0] == 4 else text
+    if text.dim() != 2:  # [3, B, S]: one document a row, numbered from 0
+        text = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape)
+    real = order >= 0
+    placed = placement.place(text.to(order.device), 0)
+    return bool((placed[real] == placement.position_ids.to(order.device)[real]).all())
+
+
+def _placed_blocks(
+    blocks: tuple[tuple[int, int], ...], placement: Placement
+) -> tuple[tuple[tuple[int, int], ...], bool]:
+    """The image blocks as ranges of the placed row, and whether the placement cut one apart (or moved the rows'
+    blocks to different places)."""
+    per_row = []
+    for order in placement.order:
+        moved = []
+        for start, stop in blocks:
+            where = ((order >= start) & (order < stop)).nonzero().flatten()
+            steps = order[where]
+            whole = where.numel() == stop - start and bool((torch.diff(where) == 1).all())
+            if not whole or bool((torch.diff(steps) != 1).any()):
+                return blocks, True
+            moved.append((int(where[0]), int(where[0]) + stop - start))
+        per_row.append(tuple(sorted(moved)))  # the placed row may hold documents in another order
+    return per_row[0], any(row != per_row[0] for row in per_row)
 
 
 def padded_row_length(length: int, sp_size: int, layout: Layout) -> int:
@@ -320,6 +378,8 @@ def shard_decoder_inputs(kwargs: dict, row: WholeRow, sp: SequenceParallelMesh) 
             "its family entry may name the wrong text_model"
         )
     b, s, _ = embeds.shape
+    if row.placement is not None:
+        return _placed_decoder_inputs(kwargs, row, sp)
     padded = padded_row_length(s, sp.sp_size, row.layout)
     pad = padded - s
     positions = kwargs.get("position_ids")
@@ -341,6 +401,46 @@ def shard_decoder_inputs(kwargs: dict, row: WholeRow, sp: SequenceParallelMesh) 
         order = (visual.flatten().long().cumsum(0) - 1).view(visual.shape)  # each visual token's feature row
         local = _shard(visual, 1, pad, False, sp, row.layout)
         rows = _shard(order, 1, pad, -1, sp, row.layout)[local]
+        kwargs["visual_pos_masks"] = local
+        kwargs["deepstack_visual_embeds"] = [e[rows] for e in kwargs.get("deepstack_visual_embeds") or ()]
+    kwargs.pop("attention_mask", None)
+    kwargs["use_cache"] = False
+    return kwargs, text
+
+
+def _placed_decoder_inputs(kwargs: dict, row: WholeRow, sp: SequenceParallelMesh) -> tuple[dict, torch.Tensor]:
+    """``shard_decoder_inputs`` under the placed layout: the row laid out in the placed order, then cut.
+
+    Padding takes the placed row's own position ids (each padding run its own document, Note [placed layout]),
+    in every mRoPE component; the text positions the mask is built from are the placement's.
+    """
+    placement, layout = row.placement, row.layout
+    embeds = kwargs["inputs_embeds"]
+    s = embeds.shape[1]
+    pad = (placement.order < 0).to(embeds.device)
+    filler = placement.position_ids.to(embeds.device)
+
+    def cut(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        return shard_for_rank(x, sp.sp_rank, sp.sp_size, dim, layout)
+
+    positions = kwargs.get("position_ids")
+    if positions is not None:
+        if positions.shape[-1] != s or positions.dim() not in (2, 3):
+            raise SeqparInputError(f"position_ids {tuple(positions.shape)} do not cover the row of {s} tokens")
+        if positions.dim() == 3:  # each mRoPE component placed along the row
+            placed = placement.place(positions.movedim(0, -1), 0).movedim(-1, 0)
+            kwargs["position_ids"] = cut(torch.where(pad, filler, placed), 2)
+        else:
+            kwargs["position_ids"] = cut(filler)
+    text = cut(filler)
+    if positions is None:
+        kwargs["position_ids"] = text
+    kwargs["inputs_embeds"] = cut(placement.place(embeds, 0.0))
+    visual = kwargs.get("visual_pos_masks")
+    if visual is not None:  # Qwen3-VL's DeepStack, as in shard_decoder_inputs
+        order = (visual.flatten().long().cumsum(0) - 1).view(visual.shape)
+        local = cut(placement.place(visual, False))
+        rows = cut(placement.place(order, -1))[local]
         kwargs["visual_pos_masks"] = local
         kwargs["deepstack_visual_embeds"] = [e[rows] for e in kwargs.get("deepstack_visual_embeds") or ()]
     kwargs.pop("attention_mask", None)
