@@ -39,19 +39,24 @@ def reference(q, k, v, causal, dout):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def check_case(rank, world_size, mesh, strategy, layout, causal, batch, heads, kv_heads, head_dim, seq_len):
-    """This rank's shard of ``strategy``'s output and gradients equals single-device SDPA (seeded per case)."""
+def check_case(
+    rank, world_size, mesh, strategy, layout, causal, batch, heads, kv_heads, head_dim, seq_len, v_head_dim=None
+):
+    """This rank's shard of ``strategy``'s output and gradients equals single-device SDPA (seeded per case);
+    ``v_head_dim``: values of another head size than queries and keys (MLA)."""
     gen = torch.Generator().manual_seed(zlib.crc32(repr((strategy, layout, causal, batch, heads, kv_heads)).encode()))
+    v_head_dim = v_head_dim or head_dim
     q = torch.randn(batch, heads, seq_len, head_dim, generator=gen)
     k = torch.randn(batch, kv_heads, seq_len, head_dim, generator=gen)
-    v = torch.randn(batch, kv_heads, seq_len, head_dim, generator=gen)
-    dout = torch.randn(batch, heads, seq_len, head_dim, generator=gen)
+    v = torch.randn(batch, kv_heads, seq_len, v_head_dim, generator=gen)
+    dout = torch.randn(batch, heads, seq_len, v_head_dim, generator=gen)
     ref = reference(q, k, v, causal, dout)
     idx = shard_index(layout, world_size, rank, seq_len)
     ql, kl, vl = (t[:, :, idx].clone().requires_grad_() for t in (q, k, v))
     out = seqpar.attention(ql, kl, vl, mesh=mesh, strategy=strategy, causal=causal, layout=layout)
     out.backward(dout[:, :, idx])
-    what = f"{strategy} {layout} causal={causal} B={batch} H={heads}/{kv_heads} D={head_dim} P={world_size}"
+    what = f"{strategy} {layout} causal={causal} B={batch} H={heads}/{kv_heads} D={head_dim}/{v_head_dim}"
+    what += f" P={world_size}"
     for name, got, want in zip(("out", "dq", "dk", "dv"), (out, ql.grad, kl.grad, vl.grad), ref, strict=True):
         torch.testing.assert_close(got, want[:, :, idx], atol=ATOL, rtol=RTOL, msg=lambda m, n=name: f"{what} {n}: {m}")
 

@@ -57,6 +57,14 @@ def tiny_config(kind: str):
         return transformers.Phi3Config(**common, pad_token_id=0)
     if kind == "olmo2":
         return transformers.Olmo2Config(**common)
+    if kind in ("deepseek_v2", "deepseek_v3", "minicpm3"):  # MLA: q/k heads of 16 (8 rotary), values of 12
+        mla = dict(kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12)
+        mha = {**common, "num_key_value_heads": 4, "initializer_range": 0.2}
+        if kind == "minicpm3":
+            return transformers.MiniCPM3Config(**mha, **mla)
+        moe = dict(n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, moe_intermediate_size=32)
+        cls = transformers.DeepseekV2Config if kind == "deepseek_v2" else transformers.DeepseekV3Config
+        return cls(**mha, **mla, **moe, n_shared_experts=1, n_group=1, topk_group=1)
     raise ValueError(kind)
 
 

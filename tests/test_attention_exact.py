@@ -1,7 +1,8 @@
 """Every strategy's outputs and gradients equal single-device SDPA on the full sequence (gloo ranks, CPU).
 
-World sizes 1-4; causal and not; both layouts; batch 1 and 2; MHA and GQA; head_dim 64 and 80; attention sinks
-and logit soft-capping (tests._sink_cases); each case its own test on the shared pool of ranks.
+World sizes 1-4; causal and not; both layouts; batch 1 and 2; MHA and GQA; head_dim 64 and 80; values of another
+head size (MLA); attention sinks and logit soft-capping (tests._sink_cases); each case its own test on the shared
+pool of ranks.
 """
 
 from __future__ import annotations
@@ -46,14 +47,21 @@ def _exact_cases() -> list:
             cases.append(pytest.param(world_size, "auto", (heads, causal), id=name))
         for name, case in sink_cases(world_size):
             cases.append(pytest.param(world_size, "sinks", case, id=f"P{world_size}-{name}"))
+        # MLA: values of another head size than queries and keys (Note [value head size]), either way round
+        heads = (6, 3) if world_size == 3 else (8, 2)
+        for strategy, causal, (qk, v) in itertools.product(
+            ("ring", "allgather", "ulysses"), (True, False), ((24, 16), (16, 24))
+        ):
+            case = (strategy, "zigzag", causal, 1, *heads, qk, seq_len, v)
+            name = f"P{world_size}-mla-{strategy}-{_flag(causal)}-D{qk}v{v}"
+            cases.append(pytest.param(world_size, "exact", case, id=name))
     return cases
 
 
 def _exact_worker(rank, world_size, kind, case):
     mesh = seqpar.make_mesh()
     if kind == "exact":
-        strategy, layout, causal, batch, heads, kv_heads, head_dim, seq_len = case
-        check_case(rank, world_size, mesh, strategy, layout, causal, batch, heads, kv_heads, head_dim, seq_len)
+        check_case(rank, world_size, mesh, *case)
     elif kind == "auto":
         heads, causal = case
         chosen = seqpar.resolve_strategy("auto", heads, heads, mesh)

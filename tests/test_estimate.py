@@ -362,3 +362,12 @@ def test_estimate_command_counts_the_vision_tower(tmp_path, capsys):
         return float(next(line for line in table.splitlines() if "vision tower" in line).split()[-2])
 
     assert vision_mib(whole) == pytest.approx(2 * vision_mib(split), rel=1e-2)
+
+
+def test_mla_configs_are_refused_not_estimated_wrong():
+    """MLA's low-rank projections and two head sizes are not what ModelSizes describes: refused, with the reason."""
+    from tests._models import tiny_config
+
+    for kind in ("deepseek_v3", "minicpm3"):
+        with pytest.raises(seqpar.SeqparInputError, match="MLA attention"):
+            seqpar.estimate_memory(tiny_config(kind), 1024, sp_size=2)

@@ -57,10 +57,10 @@ def _config(kind: str):
 
 KINDS = (
     "llama", "qwen2", "mistral", "qwen3", "gemma3", "gemma2", "gpt_oss", "mixtral", "qwen3_moe", "phi3", "olmo2",
-    "gemma", "olmo", "granite", "qwen2_moe", "gemma3_vlm",
+    "gemma", "olmo", "granite", "qwen2_moe", "gemma3_vlm", "deepseek_v2", "deepseek_v3", "minicpm3",
 )  # fmt: skip
-# layers whose MLP is a mixture of experts, of 4 (tests._models' MoE configs) or 2 (qwen2_moe: layer 0 is dense)
-EXPERT_LAYERS = {"gpt_oss": 4, "mixtral": 4, "qwen3_moe": 4, "qwen2_moe": 1}
+# layers whose MLP is a mixture of experts, of 4 (tests._models' MoE configs) or 2 (qwen2_moe, deepseek: layer 0 dense)
+EXPERT_LAYERS = {"gpt_oss": 4, "mixtral": 4, "qwen3_moe": 4, "qwen2_moe": 1, "deepseek_v2": 1, "deepseek_v3": 1}
 
 
 @pytest.fixture(scope="module")

@@ -250,6 +250,45 @@ def _more_models(rank, world_size, mesh):
         )
 
 
+def _mla(rank, world_size, mesh):
+    """MLA attention (values of another head size than queries and keys: Note [value head size]) in DeepSeek-V2,
+    DeepSeek-V3 (experts after a dense first layer) and MiniCPM3, packed documents: logits, loss and every
+    parameter's summed gradient equal one process running each document alone."""
+    idx = shard_index("zigzag", world_size, rank, SEQ)
+    ids = tokens(1, SEQ, 7)
+    lengths = (17, 9, SEQ - 26)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    for kind in ("deepseek_v2", "deepseek_v3", "minicpm3"):
+        ref = build(kind)
+        pieces, start, logits_alone = [], 0, []
+        for n in lengths:  # each document alone: the one-process reference of packed rows
+            out = ref(input_ids=ids[:, start : start + n], labels=ids[:, start : start + n])
+            (out.loss * (n - 1) / (SEQ - len(lengths))).backward()
+            pieces.append(out.loss.detach() * (n - 1))
+            logits_alone.append(out.logits.detach())
+            start += n
+        want_loss, want_logits = sum(pieces) / (SEQ - len(lengths)), torch.cat(logits_alone, 1)
+        for strategy in ("ring", "allgather") + (("ulysses",) if world_size == 2 else ()):
+            model = seqpar.prepare_model(copy.deepcopy(ref), mesh, strategy=strategy)
+            model.zero_grad()
+            shard = seqpar.shard_batch({"input_ids": ids, "position_ids": positions}, mesh)
+            logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+            loss = seqpar.cross_entropy(logits, shard["shift_labels"], mesh)
+            loss.backward()
+            seqpar.reduce_gradients(model.parameters(), mesh)
+            what = f"{kind} {strategy} P={world_size}"
+            torch.testing.assert_close(
+                logits, want_logits[:, idx], atol=ATOL, rtol=RTOL, msg=lambda m, w=what: f"{w}: {m}"
+            )
+            torch.testing.assert_close(seqpar.sum_over(loss.detach(), mesh), want_loss, atol=ATOL, rtol=RTOL)
+            for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+                want = q.grad if q.grad is not None else torch.zeros_like(q)
+                got = p.grad if p.grad is not None else torch.zeros_like(p)
+                torch.testing.assert_close(
+                    got, want, atol=1e-5, rtol=1e-4, msg=lambda m, n=name, w=what: f"{w} {n}: {m}"
+                )
+
+
 def _sinks_and_softcap(rank, world_size, mesh):
     """gpt-oss (a learned sink per head) and Gemma 2 (soft-capped logits), 4 layers with sliding and full layers
     alternating: logits, loss and every parameter's summed gradient (the sinks' too) equal the one-process model's."""
@@ -288,12 +327,13 @@ _PARTS = {
     "packing": _packing,
     "router-loss": check_router_loss,
     "sinks-and-softcap": _sinks_and_softcap,
+    "mla": _mla,
     "placed-training": check_placed_training,  # the own loop under the placed layout
     "more-models": _more_models,
     "training": _training,
     "bad-input": _bad_input,
 }
-_WORLDS = {"router-loss": (2, 3), "sinks-and-softcap": (2, 3), "placed-training": (2, 3)}
+_WORLDS = {"router-loss": (2, 3), "sinks-and-softcap": (2, 3), "placed-training": (2, 3), "mla": (2, 3)}
 _WORLDS.update({part: (2,) for part in ("more-models", "training", "bad-input")})
 
 

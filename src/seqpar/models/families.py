@@ -134,6 +134,10 @@ FAMILIES: dict[str, Family] = {
         Family("qwen2_moe", **_MOE),  # dense MLPs in mlp_only_layers, experts elsewhere
         Family("qwen3_moe", **_MOE),
         Family("gpt_oss", **_MOE),
+        # MLA attention: queries and keys of one head size, values of another (Note [value head size])
+        Family("deepseek_v2", **_MOE),  # dense MLPs in the first first_k_dense_replace layers, experts after
+        Family("deepseek_v3", **_MOE),
+        Family("minicpm3", tp_plan=None),  # low-rank q and kv projections: no Llama tp plan
     )
 }
 """The registry: ``model_type`` -> ``Family``. The documented extension point (``register_family``)."""

@@ -82,7 +82,8 @@ class ModelSizes:
 
         Raises:
             SeqparInputError: a config without the sizes of a decoder (positive integers), query heads that do
-                not group over the key/value heads, heads that tp does not divide, or bad expert counts.
+                not group over the key/value heads, heads that tp does not divide, bad expert counts, or MLA
+                attention (whose low-rank projections these sizes do not describe).
         """
         if isinstance(config, ModelSizes) and not source:  # already read: only the tp view may differ
             return config if config.tp_size == tp_size else config.for_tp(tp_size)
@@ -211,6 +212,12 @@ def _from_config(config: object, tp: int, source: str) -> ModelSizes:
     missing = [n for n in names if not isinstance(get(n), int) or isinstance(get(n), bool) or get(n) <= 0]
     if missing:
         raise SeqparInputError(f"the model config lacks positive integer {', '.join(missing)}: not a decoder config")
+    if get("kv_lora_rank") or get("v_head_dim"):  # DeepSeek-V2/V3, Kimi K2, MiniCPM3
+        raise SeqparInputError(
+            "MLA attention (low-rank kv_lora_rank projections, values of v_head_dim): seqpar's sizes count full "
+            "q/k/v projections of one head size, so its memory estimate and plans would be wrong for this model; "
+            "training under seqpar is not affected (Note [value head size])"
+        )
     hidden, heads, layers = get("hidden_size"), get("num_attention_heads"), get("num_hidden_layers")
     kv_heads = get("num_key_value_heads") or heads
     if heads % kv_heads:

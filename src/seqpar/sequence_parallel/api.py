@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from seqpar.errors import SeqparInputError
 from seqpar.layouts.chunks import Layout
@@ -109,7 +110,7 @@ def attention(
     Args:
         q: ``[batch, heads, local_seq, head_dim]``, this rank's shard of the queries (``layout`` order).
         k: ``[batch, kv_heads, local_seq, head_dim]``; ``kv_heads`` divides ``heads`` (GQA/MQA).
-        v: like ``k``.
+        v: like ``k``; its head size may differ from q's and k's (MLA: Note [value head size]).
         mesh: a ``SequenceParallelMesh`` (``seqpar.make_mesh``), the SP ProcessGroup, a 1-D DeviceMesh,
             or None for a single process.
         strategy: "ulysses", "ring", "allgather", "hybrid" (the mesh's ulysses axis x its ring axis) or
@@ -138,7 +139,7 @@ def attention(
             softmax (Note [logit soft-capping]); it runs the reference kernel, on every device.
 
     Returns:
-        ``[batch, heads, local_seq, head_dim]``: this rank's shard of the output, in ``q.dtype``.
+        ``[batch, heads, local_seq, v_head_dim]``: this rank's shard of the output, in ``q.dtype``.
 
     Raises:
         SeqparInputError: bad input on any rank (raised on every rank, before any other collective).
@@ -174,13 +175,35 @@ def attention(
         )
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    value_width = v.shape[-1]
+    q, k, v = _same_head_width(q, k, v)  # Note [value head size]
     causal = causal and mask.blocks is None  # the blocks replace the causal rule (Note [block-causal ranges])
     options = dict(mesh=sp, strategy=strategy, kernel=kernel, softcap=softcap, mask=mask, layout=layout, causal=causal)
     choice = choose_attention(q, k, v, **options)
     _log.debug("seqpar.attention: strategy=%s kernel=%s sp=%d", choice.strategy, choice.kernel.name, sp.sp_size)
-    return strategy_row(choice.strategy).function(
+    out = strategy_row(choice.strategy).function(
         q, k, v, mesh=sp, layout=layout, causal=causal, scale=scale, kernel=choice.kernel, mask=mask, sinks=sinks
     )
+    return out[..., :value_width] if out.shape[-1] != value_width else out
+
+
+def _same_head_width(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k and v zero-padded to one head size (Note [value head size]); unchanged when they share it.
+
+    Note [value head size]
+        MLA attention (DeepSeek-V2/V3, Kimi K2, MiniCPM3) has queries and keys of one head size (192: 128
+        without rotary, 64 with) and values of another (128). Every strategy and kernel of seqpar moves and
+        multiplies one head size, so the narrower side is padded with zeros: zero value columns make zero
+        output columns (sliced off), and zero query and key columns add nothing to any score, so outputs,
+        the log-sum-exp and every gradient are those of the unpadded attention (the pad's backward drops the
+        padded columns' gradients). The scale is taken from the queries' own head size before padding. The cost
+        is the padded columns' traffic and work: MLA's values move 1.5x their bytes. ``tests/test_attention_exact.py``
+        compares it with SDPA (which takes the two sizes), forward and backward, in every strategy.
+    """
+    width = max(q.shape[-1], v.shape[-1])
+    if q.shape[-1] == v.shape[-1]:
+        return q, k, v
+    return tuple(t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
 
 
 def _check_blocks(mask: SequenceMask, causal: bool, seq_len: int) -> None:

@@ -185,8 +185,10 @@ def _problems(sig: InputSignature, sp_size: int, ulysses_size: int) -> list[str]
     if not q.dtype == k.dtype == v.dtype:
         problems.append(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); use one dtype")
     qs, ks, vs = q.shape, k.shape, v.shape
-    if ks != vs:
-        problems.append(f"k {ks} and v {vs} shapes differ")
+    if ks[:3] != vs[:3]:
+        problems.append(f"k {ks} and v {vs} must agree in batch, heads and local sequence")
+    if not 0 < vs[3] <= MAX_HEAD_DIM:
+        problems.append(f"v's head_dim {vs[3]} is outside 1..{MAX_HEAD_DIM}")
     if qs[0] != ks[0] or qs[2] != ks[2] or qs[3] != ks[3]:
         problems.append(f"q {qs} and k {ks} must agree in batch, local sequence and head_dim")
     if not 0 < qs[3] <= MAX_HEAD_DIM:
