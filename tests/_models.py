@@ -65,6 +65,13 @@ def tiny_config(kind: str):
         moe = dict(n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, moe_intermediate_size=32)
         cls = transformers.DeepseekV2Config if kind == "deepseek_v2" else transformers.DeepseekV3Config
         return cls(**mha, **mla, **moe, n_shared_experts=1, n_group=1, topk_group=1)
+    if kind == "lfm2":  # a hybrid: short convolutions in layers 0, 2, 3, attention in layer 1
+        return transformers.Lfm2Config(
+            **{**common, "num_hidden_layers": 4, "initializer_range": 0.2},  # taps large enough that a halo matters
+            layer_types=["conv", "full_attention", "conv", "conv"],
+            conv_L_cache=3,
+            conv_bias=True,
+        )
     raise ValueError(kind)
 
 

@@ -73,7 +73,7 @@ def toy_registered():
 def test_every_built_in_family_has_a_tiny_model_here():
     from tests import _vlm_models
 
-    covered = {_config(kind).model_type for kind in KINDS} | set(_vlm_models.FAMILIES)
+    covered = {_config(kind).model_type for kind in KINDS} | set(_vlm_models.FAMILIES) | set(HYBRIDS)
     assert set(FAMILIES) - {TOY.model_type} == covered
 
 
@@ -119,6 +119,20 @@ def test_every_family_resolves_its_anatomy(kind):
     assert bare.head is None and bare.layers is decoder.layers
 
 
+HYBRIDS = ("lfm2",)
+
+
+@pytest.mark.parametrize("kind", HYBRIDS)
+def test_a_hybrid_family_resolves_attention_where_layers_have_it_and_its_mixers(kind):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind))
+    parts = anatomy(model)
+    layers = model.model.layers
+    assert parts.attention == tuple(getattr(layer, "self_attn", None) for layer in layers)
+    assert parts.mixers == tuple(layer.conv for layer in layers if hasattr(layer, "conv"))
+    assert len(parts.mixers) == 3 and parts.norm is model.model.embedding_norm
+
+
 def test_an_unknown_family_gets_the_clear_message():
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB))
     known = "seqpar knows no model family 'gpt2' (GPT2LMHeadModel; known: "
@@ -162,7 +176,7 @@ def test_family_entries_are_checked(toy_registered):
     toy, _ = toy_and_llama()
     register_family(dataclasses.replace(TOY, mixers=("post",)), replace=True)
     try:  # a declared mixer seqpar does not exchange is refused, not run on each shard alone
-        with pytest.raises(SeqparInputError, match=r"declares token mixers other than attention \(post\)"):
+        with pytest.raises(SeqparInputError, match=r"mixers LlamaRMSNorm \(besides attention\) have no seqpar adapter"):
             seqpar.prepare_model(toy, None)
     finally:
         register_family(TOY, replace=True)

@@ -186,7 +186,7 @@ def token_mixing_suspects(parts: ModelAnatomy, index: int) -> list[str]:
         known token-mixing block types.
     """
     layer, attention = parts.layers[index], parts.attention[index]
-    inside_attention = {id(m) for m in attention.modules()}
+    inside_attention = {id(m) for m in attention.modules()} if attention is not None else set()
     declared = {id(m) for m in parts.mixers}
     found = []
     for module in layer.modules():

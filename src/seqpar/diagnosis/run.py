@@ -195,9 +195,10 @@ def doctor(
     report.loss = (float(sum_over(loss, sp)), ref_loss)
     report.rows = layer_rows(sharded, reference, (cap, ref_cap), prefix, calls, tol, sp.sp_group)
     suspects = [token_mixing_suspects(parts, i) for i in range(len(layers))]
-    attention = [parts.name(m) for m in parts.attention]
+    attention = [parts.name(m) for m in parts.attention if m is not None]
     report.first_failing, report.cause, mixing = diagnose(report.rows, suspects, attention)
-    report.pitfalls += attention_pitfalls(attention, calls) + mixing
+    attention_calls = [n for m, n in zip(parts.attention, calls, strict=True) if m is not None]
+    report.pitfalls += attention_pitfalls(attention, attention_calls) + mixing
     return report
 
 

@@ -37,14 +37,14 @@ class ModelAnatomy:
     """The rotary embedding (None when the family names none)."""
     head: nn.Module | None
     """The output head (None for a bare decoder without one)."""
-    attention: tuple[nn.Module, ...]
-    """Each layer's attention module, in layer order."""
+    attention: tuple[nn.Module | None, ...]
+    """Each layer's attention module, in layer order (None for a hybrid's layer without attention)."""
     mlps: tuple[nn.Module, ...]
     """Each layer's MLP (dense or a mixture of experts), in layer order."""
     layer_norms: tuple[nn.Module, ...]
     """Every layer's norms, layer by layer."""
     mixers: tuple[nn.Module, ...]
-    """Token mixers other than attention, layer by layer (none in today's families)."""
+    """Token mixers other than attention (a hybrid's convolutions and recurrences), layer by layer."""
     names: Mapping[int, str]
     """``id(module)`` -> qualified name in the model ``anatomy`` was given."""
 
@@ -122,16 +122,27 @@ def _part(owner: nn.Module, path: str | None, kind: type, where: str, missing: l
 
 
 def _layer_parts(family: Family, layers: nn.ModuleList, missing: list[str]) -> dict:
-    """The per-layer parts: attention, MLPs, norms and other mixers (missing paths noted)."""
+    """The per-layer parts: attention, MLPs, norms and other mixers (missing paths noted).
+
+    A family with other token mixers is a hybrid: each layer holds its attention or one of its mixers (or
+    both), so a layer misses a part only when it has none of them.
+    """
     from torch import nn
 
     attention, mlps, norms, mixers = [], [], [], []
     for i, layer in enumerate(layers):
         where = f"layers[{i}]."
-        attention.append(_part(layer, family.attention, nn.Module, where, missing))
+        if family.mixers:
+            found = [m for m in (_get(layer, path) for path in family.mixers) if isinstance(m, nn.Module)]
+            own = _get(layer, family.attention)
+            attention.append(own if isinstance(own, nn.Module) else None)
+            mixers += found
+            if attention[-1] is None and not found:
+                missing.append(f"{where}{' or '.join((family.attention, *family.mixers))}")
+        else:
+            attention.append(_part(layer, family.attention, nn.Module, where, missing))
         mlps.append(_part(layer, family.mlp, nn.Module, where, missing))
         norms += [_part(layer, path, nn.Module, where, missing) for path in family.layer_norms]
-        mixers += [_part(layer, path, nn.Module, where, missing) for path in family.mixers]
     return dict(attention=tuple(attention), mlps=tuple(mlps), layer_norms=tuple(norms), mixers=tuple(mixers))
 
 

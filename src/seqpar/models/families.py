@@ -66,7 +66,8 @@ class Family:
     layer_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
     """Paths from a decoder layer to its norms."""
     mixers: tuple[str, ...] = ()
-    """Paths from a decoder layer to its token mixers other than attention (none in today's families)."""
+    """Paths from a decoder layer to its token mixers other than attention: a hybrid's layers each hold attention
+    or one of these, and each mixer's class needs a seqpar adapter (Note [mixer adapters])."""
     tp_plan: tuple[tuple[str, str], ...] | None = LLAMA_TP_PLAN
     """(path from a layer, "colwise" or "rowwise") for tensor parallel; None: the family has no plan."""
     vision: str | None = None
@@ -138,6 +139,15 @@ FAMILIES: dict[str, Family] = {
         Family("deepseek_v2", **_MOE),  # dense MLPs in the first first_k_dense_replace layers, experts after
         Family("deepseek_v3", **_MOE),
         Family("minicpm3", tp_plan=None),  # low-rank q and kv projections: no Llama tp plan
+        # hybrids: each layer holds attention or a token mixer with a seqpar adapter (Note [mixer adapters])
+        Family(
+            "lfm2",
+            norm="embedding_norm",
+            mlp="feed_forward",
+            layer_norms=("operator_norm", "ffn_norm"),
+            mixers=("conv",),
+            tp_plan=None,
+        ),
     )
 }
 """The registry: ``model_type`` -> ``Family``. The documented extension point (``register_family``)."""

@@ -27,8 +27,10 @@ from seqpar.layouts.chunks import LAYOUTS, PER_BATCH_LAYOUTS, ChunkLayout, Layou
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
 from seqpar.models import ModelAnatomy, find_anatomy
 from seqpar.sequence_parallel.api import AttentionChoice, attention, choose_attention
+from seqpar.sequence_parallel.call_context import CONTEXT_KEY, CallContext
 from seqpar.sequence_parallel.checks import Signature, by_rank, exchange_signatures
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask, sequence_mask
+from seqpar.sequence_parallel.mixers import ADAPTERS, adapt, unknown_mixers
 from seqpar.sequence_parallel.strategies.registry import check_strategy_name
 from seqpar.sequence_parallel.vision_split import encode_over_group
 from seqpar.sequence_parallel.whole_rows import (
@@ -53,21 +55,12 @@ ATTENTION_NAME = "seqpar"
 LAYOUT_KEYWORD = "seqpar_layout"
 """The model-call keyword that carries a batch's own layout (``shard.layout`` of ``shard_batch``); the
 forward pre-hook takes it out before the model sees its arguments."""
-_CONTEXT_KEY = "seqpar_context"
+_CONTEXT_KEY = CONTEXT_KEY
 _HOOK_ATTR = "_seqpar_forward_hook"
 _CHOICE_ATTR = "_seqpar_attention_choices"
 ORIGINAL_ATTENTION_ATTR = "_seqpar_original_attention"  # the implementation the model had before prepare_model
 UNSHARDED_ATTR = "_seqpar_unsharded"  # True while the model runs its own attention on whole sequences
 
-
-@dataclass(frozen=True)
-class _Context:
-    mesh: SequenceParallelMesh
-    strategy: str
-    layout: Layout
-    kernel: str
-    mask: SequenceMask
-    choices: dict  # layer index -> AttentionChoice of its last call, read by attention_choice()
 
 
 def _seqpar_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -121,10 +114,11 @@ def _served(model: torch.nn.Module) -> ModelAnatomy | str:
     found = find_anatomy(model)
     if isinstance(found, str):
         return found
-    if found.mixers:  # each rank would run them on its shard alone: wrong, not merely slow
+    unknown = unknown_mixers(found.mixers)
+    if unknown:  # each rank would run them on its shard alone: wrong, not merely slow (Note [mixer adapters])
         return (
-            f"its {found.family.model_type!r} family declares token mixers other than attention "
-            f"({', '.join(found.family.mixers)}); seqpar does not pass their state across ranks yet"
+            f"its token mixers {', '.join(unknown)} (besides attention) have no seqpar adapter: each rank would run "
+            f"them on its own shard alone; seqpar serves {', '.join(sorted(ADAPTERS))}"
         )
     if not getattr(model, "_supports_attention_backend", False):
         return (
@@ -343,6 +337,7 @@ def prepare_model(
     if model.config._attn_implementation != ATTENTION_NAME:  # kept for seqpar.integrations.unsharded
         setattr(model, ORIGINAL_ATTENTION_ATTR, model.config._attn_implementation)
     AttentionInterface.register(ATTENTION_NAME, _seqpar_attention)
+    adapt(served.mixers)  # Note [mixer adapters]
     model.set_attn_implementation(_implementations(model.config, served))
     if model.config._attn_implementation != ATTENTION_NAME:
         raise SeqparInputError(f"{type(model).__name__} refused the attention implementation {ATTENTION_NAME!r}")
@@ -400,7 +395,7 @@ def prepare_model(
                 f"position id {mask.max_position} is beyond the model's max_position_embeddings ({max_positions}); "
                 "use shorter sequences or documents"
             )
-        kwargs[_CONTEXT_KEY] = _Context(sp, strategy, batch_layout, kernel, mask, choices)
+        kwargs[_CONTEXT_KEY] = CallContext(sp, strategy, batch_layout, kernel, mask, choices)
         return kwargs
 
     # The decoder is hooked too, so that it can be called alone (hidden states for a chunked loss).

@@ -1,0 +1,110 @@
+"""A causal depthwise convolution over a sequence split into chunks across ranks, exact at every chunk edge.
+
+The short convolutions of hybrid models (LFM2's, and the ones before Mamba2 and gated DeltaNet mixers) use it.
+
+Note [halo convolution]
+    A causal depthwise convolution of width K mixes each token with the K - 1 tokens before it. On a rank
+    that holds chunks of the sequence (any layout: contiguous, zigzag, balanced, placed), a chunk's first
+    K - 1 outputs need the last K - 1 inputs of the chunk before it in the sequence, which another rank may
+    hold. Every rank sends the last K - 1 inputs of each of its chunks (its "tails", ``[chunks, B, C, K - 1]``,
+    independent of the sequence length) in one all-gather; each chunk then convolves its own inputs with the
+    tail of the chunk before it (zeros before the first). The backward of the all-gather is a reduce-scatter,
+    so every rank takes part in it, whether or not its outputs used another rank's tail (Note [symmetric
+    exchange]: a rank that skipped it would leave the others waiting).
+    Packed documents: the tap ``k`` tokens back belongs to the same document exactly when it lies at or after
+    the token's document start (``SequenceMask.starts``); other taps are left out, so a document's first
+    token sees only itself, as when the document runs alone (transformers' one process lets the convolution
+    cross document starts). Padding that the layouts add is a document of its own. A tail shorter than
+    K - 1 (chunks of fewer tokens) is refused.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from seqpar.errors import SeqparInputError
+from seqpar.layouts.chunks import Layout, chunks_per_rank, rank_chunk_ids
+from seqpar.mesh import SequenceParallelMesh
+from seqpar.sequence_parallel.comm.collectives import all_gather_first_dim, reduce_scatter_first_dim
+from seqpar.sequence_parallel.masks import SequenceMask
+
+__all__ = ["halo_causal_conv"]
+
+
+class _GatherTails(torch.autograd.Function):
+    """All-gather along dim 0 whose backward reduce-scatters: every rank runs both (Note [halo convolution])."""
+
+    @staticmethod
+    def forward(ctx, tails: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return all_gather_first_dim(tails, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return reduce_scatter_first_dim(grad, ctx.group), None
+
+
+def _global_index(layout: Layout, sp: SequenceParallelMesh, local: int) -> torch.Tensor:
+    """Each local token's index in the whole sequence (natural order), ``[local]``."""
+    ids = rank_chunk_ids(layout, sp.sp_size, sp.sp_rank)
+    chunk = local // len(ids)
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in ids])
+
+
+def halo_causal_conv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    sp: SequenceParallelMesh,
+    layout: Layout,
+    mask: SequenceMask | None = None,
+) -> torch.Tensor:
+    """The causal depthwise convolution of the whole sequence, on this rank's chunks (Note [halo convolution]).
+
+    Args:
+        x: ``[B, C, L]`` this rank's inputs, its chunks in ``layout`` order.
+        weight: ``[C, K]`` the depthwise kernel (``conv1d.weight.squeeze(1)``).
+        bias: ``[C]`` or None.
+        sp: the sequence-parallel mesh.
+        layout: the layout the sequence is sharded with.
+        mask: the batch's mask; its ``starts`` keep the convolution inside each packed document.
+
+    Returns:
+        ``[B, C, L]``: the convolution's output for this rank's tokens, as ``F.conv1d`` with ``K - 1`` zeros of
+        left padding would give it for the whole sequence (and for each packed document alone).
+
+    Raises:
+        SeqparInputError: chunks shorter than ``K - 1`` tokens.
+    """
+    b, c, local = x.shape
+    width = weight.shape[-1]
+    halo = width - 1
+    chunks = chunks_per_rank(layout) if sp.sp_size > 1 else 1
+    size = local // chunks
+    if halo and size < halo:
+        raise SeqparInputError(
+            f"a causal convolution of width {width} needs chunks of at least {halo} tokens; this layout cuts "
+            f"{local} tokens a rank into {chunks} chunks of {size}: use longer sequences or fewer chunks"
+        )
+    pieces = x.view(b, c, chunks, size)
+    if sp.sp_size > 1 and halo:
+        tails = pieces[..., size - halo :].permute(2, 0, 1, 3).contiguous()  # [chunks, B, C, K - 1]
+        every = _GatherTails.apply(tails, sp.sp_group)  # [P * chunks, ...], rank-major
+        order = [g for r in range(sp.sp_size) for g in rank_chunk_ids(layout, sp.sp_size, r)]
+        by_chunk = every[torch.tensor(order).argsort()]  # global chunk order
+        mine = torch.tensor(rank_chunk_ids(layout, sp.sp_size, sp.sp_rank))
+        before = torch.cat([torch.zeros_like(by_chunk[:1]), by_chunk])[mine]  # the tail of the chunk before each
+        before = before.permute(1, 2, 0, 3)  # [B, C, chunks, K - 1]
+    else:  # one rank: the chunks are consecutive, so each one's halo is the end of the previous
+        before = torch.cat([pieces.new_zeros(b, c, 1, size), pieces[:, :, :-1]], dim=2)[..., size - halo :]
+    extended = torch.cat([before, pieces], dim=-1)  # [B, C, chunks, K - 1 + size]
+    index = _global_index(layout, sp, local) if sp.sp_size > 1 else torch.arange(local)
+    starts = mask.starts[:, index] if mask is not None and mask.starts is not None else torch.zeros(1, local)
+    back = (index - starts.to(index.device)).to(x.device)  # tokens since the document's start, [B or 1, L]
+    out = x.new_zeros(b, c, chunks, size) if bias is None else bias.view(1, c, 1, 1).expand(b, c, chunks, size)
+    for k in range(width):  # tap k: the input k tokens back, weighted by the kernel's (K - 1 - k)-th entry
+        tap = extended[..., halo - k : halo - k + size]
+        inside = (back >= k).view(back.shape[0], 1, chunks, size).to(x.dtype)
+        out = out + weight[:, width - 1 - k].view(1, c, 1, 1) * tap * inside
+    return out.reshape(b, c, local)

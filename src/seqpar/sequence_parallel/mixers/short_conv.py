@@ -1,0 +1,47 @@
+"""LFM2's gated short convolution under sequence parallelism: its causal convolution sees across chunk edges.
+
+The adapter's ``forward`` (Note [mixer adapters]); the convolution itself is ``halo_causal_conv``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from seqpar.errors import SeqparInputError
+from seqpar.sequence_parallel.call_context import CONTEXT_KEY
+from seqpar.sequence_parallel.mixers.conv import halo_causal_conv
+
+__all__ = ["lfm2_short_conv_forward"]
+
+
+def lfm2_short_conv_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    cache: object | None = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: object,
+) -> torch.Tensor:
+    """``Lfm2ShortConv.forward`` on this rank's shard: ``out_proj(C * conv(B * x))`` with the halo exchange.
+
+    Args:
+        self: the ``Lfm2ShortConv`` (its ``in_proj``, ``conv``, ``out_proj``).
+        hidden_states: ``[B, L, H]`` this rank's tokens.
+        cache: must be None (seqpar trains without a cache).
+        attention_mask: ignored, as seqpar's calls carry none (padding is its own document).
+        **kwargs: the layer's keywords; seqpar's call context among them.
+
+    Returns:
+        ``[B, L, H]``.
+
+    Raises:
+        SeqparInputError: called outside a prepared model's call, or with a cache.
+    """
+    ctx = kwargs.get(CONTEXT_KEY)
+    if ctx is None or cache is not None:
+        raise SeqparInputError(
+            "a seqpar-adapted short convolution runs inside a prepared model's call, without a cache"
+        )
+    gates = self.in_proj(hidden_states).transpose(-1, -2)
+    b, c, x = gates.chunk(3, dim=-2)
+    conv = halo_causal_conv(b * x, self.conv.weight.squeeze(1), self.conv.bias, ctx.mesh, ctx.layout, ctx.mask)
+    return self.out_proj((c * conv).transpose(-1, -2).contiguous())

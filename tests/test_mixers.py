@@ -1,0 +1,158 @@
+"""Hybrid models' token mixers other than attention under seqpar (Note [mixer adapters]): LFM2's short convolution.
+
+Logits, loss and every parameter's gradient equal one process (unpacked rows) and each packed document run alone
+(documents of 1 and 2 tokens, shorter than the convolution, a boundary on a chunk edge, a document starting in
+a chunk's last tokens, one spanning several chunks, a rank whose chunks all start documents), at P = 1, 2, 3,
+in the zigzag, contiguous and balanced layouts; without the halo exchange the same checks fail; bad input is
+refused on every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+import seqpar
+from seqpar.errors import SeqparInputError
+from seqpar.models import FAMILIES, Family, register_family
+from seqpar.sequence_parallel.mixers import conv as halo
+from tests._dist import run_ranks, shard_index
+from tests._models import tiny_config
+
+SEQ, VOCAB = 48, 96  # tests._models' vocabulary
+LOGITS_ATOL, LOSS_ATOL = 1e-5, 1e-6
+GRAD_RTOL = 1e-5  # of each tensor's largest entry
+# starts 0, 1, 3, 8 (a chunk edge at P = 3 zigzag), 14 (two tokens before the next edge, 16), 40 (the start of rank
+# 0's second chunk at P = 3: both its chunks start documents); 1 and 2 tokens are shorter than the width-3 kernel
+DOCUMENTS = (1, 2, 5, 6, 26, 8)
+
+
+def _lfm2(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(tiny_config("lfm2"), attn_implementation="eager").eval()
+
+
+def _ids(batch: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def _one_process(ref: torch.nn.Module, ids: torch.Tensor, packed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and loss of one process (each document alone when packed), gradients left in ``ref``."""
+    if not packed:
+        out = ref(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return out.logits.detach(), out.loss.detach()
+    valid = sum(n - 1 for n in DOCUMENTS)
+    logits, loss, start = [], torch.zeros(()), 0
+    for n in DOCUMENTS:
+        piece = ids[:, start : start + n]
+        out = ref(input_ids=piece, labels=piece if n > 1 else None)
+        if n > 1:
+            share = out.loss * (n - 1) / valid
+            share.backward()
+            loss += share.detach()
+        logits.append(out.logits.detach())
+        start += n
+    return torch.cat(logits, 1), loss
+
+
+def _check(rank, world_size, mesh, layout, packed, strategy="ring"):
+    ref = _lfm2()
+    ids = _ids(1 if packed else 2, 3)
+    want_logits, want_loss = _one_process(ref, ids, packed)
+    model = seqpar.prepare_model(copy.deepcopy(_lfm2()), mesh, strategy=strategy)
+    batch = {"input_ids": ids}
+    if packed:
+        batch["position_ids"] = torch.cat([torch.arange(n) for n in DOCUMENTS])[None]
+    shard = seqpar.shard_batch(batch, mesh, layout=layout)
+    logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"], seqpar_layout=shard.layout).logits
+    loss = seqpar.cross_entropy(logits, shard["shift_labels"], mesh)
+    loss.backward()
+    seqpar.reduce_gradients(model.parameters(), mesh)
+    what = f"lfm2 {layout} {'packed' if packed else 'rows'} {strategy} P={world_size}"
+    idx = shard_index(shard.layout, world_size, rank, SEQ)
+    torch.testing.assert_close(logits, want_logits[:, idx], atol=LOGITS_ATOL, rtol=0, msg=lambda m: f"{what}: {m}")
+    total = seqpar.sum_over(loss.detach(), mesh)
+    torch.testing.assert_close(total, want_loss, atol=LOSS_ATOL, rtol=0, msg=lambda m: f"{what} loss: {m}")
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        atol = GRAD_RTOL * float(q.grad.abs().max()) + 1e-8
+        torch.testing.assert_close(p.grad, q.grad, atol=atol, rtol=0, msg=lambda m, n=name: f"{what} {n}: {m}")
+
+
+def _exact(rank, world_size):
+    mesh = seqpar.make_mesh()
+    for layout in ("zigzag", "contiguous", "balanced"):
+        for packed in (False, True):
+            _check(rank, world_size, mesh, layout, packed)
+    if world_size == 2:  # the mixers exchange over the whole group whatever the attention does
+        _check(rank, world_size, mesh, "zigzag", True, strategy="ulysses")
+
+
+def _control(rank, world_size):
+    """Without the halo exchange (each chunk's halo zeros) logits and gradients are far off: the checks can tell."""
+    mesh = seqpar.make_mesh()
+    kept = halo._GatherTails.apply
+    halo._GatherTails.apply = lambda tails, group: torch.zeros_like(kept(tails, group))
+    try:
+        with pytest.raises(AssertionError, match="lfm2"):
+            _check(rank, world_size, mesh, "zigzag", False)
+        ref, model = _lfm2(), seqpar.prepare_model(_lfm2(), mesh, strategy="ring")
+        ids = _ids(2, 3)
+        want, _ = _one_process(ref, ids, packed=False)
+        shard = seqpar.shard_batch({"input_ids": ids}, mesh)
+        logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+        seqpar.cross_entropy(logits, shard["shift_labels"], mesh).backward()
+        seqpar.reduce_gradients(model.parameters(), mesh)
+    finally:
+        halo._GatherTails.apply = kept
+    idx = shard_index("zigzag", world_size, rank, SEQ)
+    off = torch.tensor(float((logits - want[:, idx]).abs().max()))
+    seqpar.sum_over(off, mesh)  # any rank's
+    assert float(off) > 1e-2, float(off)
+    worst = max(
+        float((p.grad - q.grad).abs().max() / q.grad.abs().max())
+        for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True)
+        if n.endswith("conv.weight")
+    )
+    assert worst > 0.1, worst
+
+
+def _bad_input(rank, world_size):
+    mesh = seqpar.make_mesh()
+    model = seqpar.prepare_model(_lfm2(), mesh)
+    ids = torch.randint(0, VOCAB, (1, 2 * world_size))  # zigzag chunks of one token: the halo needs two
+    shard = seqpar.shard_batch({"input_ids": ids}, mesh)
+    with pytest.raises(SeqparInputError, match="needs chunks of at least 2 tokens"):
+        model(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
+    # a hybrid whose mixer has no adapter is refused with the mixer's name, before anything runs
+    config = transformers.GraniteMoeHybridConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16,
+        mamba_d_state=8, mamba_n_groups=1, shared_intermediate_size=32, num_local_experts=0,
+    )  # fmt: skip
+    granite = transformers.AutoModelForCausalLM.from_config(config)
+    register_family(Family("granitemoehybrid", mlp="shared_mlp", mixers=("mamba",), rotary=None, tp_plan=None))
+    try:
+        with pytest.raises(SeqparInputError, match=r"GraniteMoeHybridMambaLayer \(besides attention\) have no seqpar"):
+            seqpar.prepare_model(granite, mesh)
+    finally:
+        FAMILIES.pop("granitemoehybrid")
+
+
+_PARTS = {"exact": _exact, "control": _control, "bad-input": _bad_input}
+
+
+def _worker(rank, world_size, part):
+    _PARTS[part](rank, world_size)
+
+
+@pytest.mark.parametrize(
+    ("world_size", "part"),
+    [(1, "exact"), (2, "exact"), (3, "exact"), (2, "control"), (2, "bad-input")],
+    ids=lambda v: str(v),
+)
+def test_lfm2_short_convolution_under_seqpar(world_size, part):
+    run_ranks(world_size, _worker, part)
