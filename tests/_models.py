@@ -72,6 +72,21 @@ def tiny_config(kind: str):
             conv_L_cache=3,
             conv_bias=True,
         )
+    if kind == "qwen3_next":  # a hybrid: gated DeltaNet in layers 0, 2, 3, gated attention in layer 1, experts
+        return transformers.Qwen3NextConfig(
+            **{**common, "num_hidden_layers": 4},
+            head_dim=12,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+        )
     raise ValueError(kind)
 
 

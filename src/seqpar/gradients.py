@@ -31,7 +31,8 @@ def reduce_gradients(parameters: Iterable[torch.nn.Parameter], group: object, *,
 
     Use it over the SP group (or dp x sp) when the model is not wrapped in DDP/FSDP; with the losses of
     Note [global token normalisation] the result is the exact gradient of the global batch. Every rank
-    must pass the same parameters with gradients (collective). Gradients of at least ``bucket_mb`` are
+    must pass the same parameters (collective); one that has a gradient on some ranks only (an expert
+    that only some ranks' tokens chose) gets zeros on the others first. Gradients of at least ``bucket_mb`` are
     summed where they are; smaller ones of one dtype are copied into a flat bucket of at most ``bucket_mb``
     and summed together, so the reduction holds at most one bucket beyond the gradients (a single flat
     buffer would double the gradient memory at the end of every step).
@@ -61,6 +62,7 @@ def reduce_gradients(parameters: Iterable[torch.nn.Parameter], group: object, *,
     group = as_sp_mesh(group).sp_group
     if group is None or dist.get_world_size(group) == 1:
         return
+    _agree_on_gradients(parameters, group)
     # a DTensor gradient (tensor parallel, FSDP) is reduced through its local shard; a gradient reached
     # twice (a parameter listed twice, a shared .grad) is summed once
     grads = list(
@@ -76,6 +78,29 @@ def reduce_gradients(parameters: Iterable[torch.nn.Parameter], group: object, *,
         for g in bucket:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+def _agree_on_gradients(parameters: list[torch.nn.Parameter], group: object) -> None:
+    """Give a zero gradient to each parameter that has none here but has one on another rank.
+
+    A mixture of experts routes each rank's tokens to its own experts, so an expert can have a gradient on one
+    rank and none on another; the buckets would then differ between ranks and the sums mismatch. One small
+    all-reduce of which parameters have gradients settles it; a parameter no rank used keeps no gradient, as
+    in one process (an optimizer skips it).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from seqpar.sequence_parallel.comm.collectives import collective_device
+
+    trainable = [p for p in parameters if p.requires_grad]
+    if not trainable:
+        return
+    has = torch.tensor([p.grad is not None for p in trainable], dtype=torch.int32, device=collective_device(group))
+    dist.all_reduce(has, group=group)
+    for p, any_rank in zip(trainable, has.tolist(), strict=True):
+        if any_rank and p.grad is None:
+            p.grad = torch.zeros_like(p)
 
 
 def _buckets(grads: list[torch.Tensor], limit: float) -> list[list[torch.Tensor]]:

@@ -148,6 +148,7 @@ FAMILIES: dict[str, Family] = {
             mixers=("conv",),
             tp_plan=None,
         ),
+        Family("qwen3_next", mixers=("linear_attn",), **_MOE),  # gated DeltaNet layers between attention layers
     )
 }
 """The registry: ``model_type`` -> ``Family``. The documented extension point (``register_family``)."""

@@ -6,9 +6,9 @@ Note [mixer adapters]
     A hybrid model's convolutions and recurrences mix tokens, so on a shard they would see only their own
     rank's tokens. Each known mixer class (keyed by its transformers class name) has an adapter: a subclass
     that overrides ``forward`` only and exchanges across the SP group what its layer needs (Note [halo
-    convolution]). ``prepare_model`` sets each mixer's ``__class__`` to it, so parameters, their names, the
-    state dict, hooks and wrappers (FSDP2, PEFT) are those of the model as built. A mixer class with no adapter
-    stops ``prepare_model`` with its name: it would run silently wrong.
+    convolution], Note [state passing]). ``prepare_model`` sets each mixer's ``__class__`` to it, so
+    parameters, their names, the state dict, hooks and wrappers (FSDP2, PEFT) are those of the model as built.
+    A mixer class with no adapter stops ``prepare_model`` with its name: it would run silently wrong.
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ import functools
 
 import torch
 
+from seqpar.sequence_parallel.mixers.gated_deltanet import qwen3_next_gated_deltanet_forward
 from seqpar.sequence_parallel.mixers.short_conv import lfm2_short_conv_forward
 
 __all__ = ["ADAPTERS", "adapt", "unknown_mixers"]
 
-ADAPTERS = {"Lfm2ShortConv": lfm2_short_conv_forward}
+ADAPTERS = {"Lfm2ShortConv": lfm2_short_conv_forward, "Qwen3NextGatedDeltaNet": qwen3_next_gated_deltanet_forward}
 """Mixer class name -> the ``forward`` of its adapter."""
 
 

@@ -7,15 +7,15 @@ Note [halo convolution]
     that holds chunks of the sequence (any layout: contiguous, zigzag, balanced, placed), a chunk's first
     K - 1 outputs need the last K - 1 inputs of the chunk before it in the sequence, which another rank may
     hold. Every rank sends the last K - 1 inputs of each of its chunks (its "tails", ``[chunks, B, C, K - 1]``,
-    independent of the sequence length) in one all-gather; each chunk then convolves its own inputs with the
-    tail of the chunk before it (zeros before the first). The backward of the all-gather is a reduce-scatter,
+    independent of the sequence length; a chunk shorter than that sends all of itself) in one all-gather; each
+    chunk then convolves its own inputs with the K - 1 tokens before it, taken from the tails of the chunks
+    before it in the sequence (zeros before the first). The backward of the all-gather is a reduce-scatter,
     so every rank takes part in it, whether or not its outputs used another rank's tail (Note [symmetric
     exchange]: a rank that skipped it would leave the others waiting).
     Packed documents: the tap ``k`` tokens back belongs to the same document exactly when it lies at or after
     the token's document start (``SequenceMask.starts``); other taps are left out, so a document's first
     token sees only itself, as when the document runs alone (transformers' one process lets the convolution
-    cross document starts). Padding that the layouts add is a document of its own. A tail shorter than
-    K - 1 (chunks of fewer tokens) is refused.
+    cross document starts). Padding that the layouts add is a document of its own.
 """
 
 from __future__ import annotations
@@ -23,13 +23,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from seqpar.errors import SeqparInputError
 from seqpar.layouts.chunks import Layout, chunks_per_rank, rank_chunk_ids
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.comm.collectives import all_gather_first_dim, reduce_scatter_first_dim
 from seqpar.sequence_parallel.masks import SequenceMask
 
-__all__ = ["halo_causal_conv"]
+__all__ = ["gather_first_dim", "global_index", "halo_causal_conv"]
 
 
 class _GatherTails(torch.autograd.Function):
@@ -45,8 +44,15 @@ class _GatherTails(torch.autograd.Function):
         return reduce_scatter_first_dim(grad, ctx.group), None
 
 
-def _global_index(layout: Layout, sp: SequenceParallelMesh, local: int) -> torch.Tensor:
-    """Each local token's index in the whole sequence (natural order), ``[local]``."""
+def gather_first_dim(x: torch.Tensor, sp: SequenceParallelMesh) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along dim 0, rank-major; the backward reduce-scatters (every rank runs it)."""
+    return _GatherTails.apply(x, sp.sp_group)
+
+
+def global_index(layout: Layout, sp: SequenceParallelMesh, local: int) -> torch.Tensor:
+    """Each of this rank's ``local`` tokens' index in the whole sequence (natural order), ``[local]``."""
+    if sp.sp_size == 1:
+        return torch.arange(local)
     ids = rank_chunk_ids(layout, sp.sp_size, sp.sp_rank)
     chunk = local // len(ids)
     return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in ids])
@@ -73,33 +79,28 @@ def halo_causal_conv(
     Returns:
         ``[B, C, L]``: the convolution's output for this rank's tokens, as ``F.conv1d`` with ``K - 1`` zeros of
         left padding would give it for the whole sequence (and for each packed document alone).
-
-    Raises:
-        SeqparInputError: chunks shorter than ``K - 1`` tokens.
     """
     b, c, local = x.shape
     width = weight.shape[-1]
     halo = width - 1
     chunks = chunks_per_rank(layout) if sp.sp_size > 1 else 1
     size = local // chunks
-    if halo and size < halo:
-        raise SeqparInputError(
-            f"a causal convolution of width {width} needs chunks of at least {halo} tokens; this layout cuts "
-            f"{local} tokens a rank into {chunks} chunks of {size}: use longer sequences or fewer chunks"
-        )
     pieces = x.view(b, c, chunks, size)
     if sp.sp_size > 1 and halo:
-        tails = pieces[..., size - halo :].permute(2, 0, 1, 3).contiguous()  # [chunks, B, C, K - 1]
-        every = _GatherTails.apply(tails, sp.sp_group)  # [P * chunks, ...], rank-major
+        tail = min(size, halo)  # a chunk shorter than the halo sends all of itself; the halo spans several chunks
+        spans = -(-halo // tail)  # chunks a halo reaches back over
+        tails = pieces[..., size - tail :].permute(2, 0, 1, 3).contiguous()  # [chunks, B, C, tail]
+        every = gather_first_dim(tails, sp)  # [P * chunks, ...], rank-major
         order = [g for r in range(sp.sp_size) for g in rank_chunk_ids(layout, sp.sp_size, r)]
         by_chunk = every[torch.tensor(order).argsort()]  # global chunk order
+        earlier = torch.cat([torch.zeros_like(by_chunk[:1]).expand(spans, -1, -1, -1), by_chunk])
         mine = torch.tensor(rank_chunk_ids(layout, sp.sp_size, sp.sp_rank))
-        before = torch.cat([torch.zeros_like(by_chunk[:1]), by_chunk])[mine]  # the tail of the chunk before each
+        before = torch.cat([earlier[mine + j] for j in range(spans)], dim=-1)[..., -halo:]  # the tokens before each
         before = before.permute(1, 2, 0, 3)  # [B, C, chunks, K - 1]
-    else:  # one rank: the chunks are consecutive, so each one's halo is the end of the previous
-        before = torch.cat([pieces.new_zeros(b, c, 1, size), pieces[:, :, :-1]], dim=2)[..., size - halo :]
+    else:  # one rank holds the whole sequence: zeros before it
+        before = pieces.new_zeros(b, c, chunks, halo)
     extended = torch.cat([before, pieces], dim=-1)  # [B, C, chunks, K - 1 + size]
-    index = _global_index(layout, sp, local) if sp.sp_size > 1 else torch.arange(local)
+    index = global_index(layout, sp, local)
     starts = mask.starts[:, index] if mask is not None and mask.starts is not None else torch.zeros(1, local)
     back = (index - starts.to(index.device)).to(x.device)  # tokens since the document's start, [B or 1, L]
     out = x.new_zeros(b, c, chunks, size) if bias is None else bias.view(1, c, 1, 1).expand(b, c, chunks, size)
