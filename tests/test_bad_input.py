@@ -110,7 +110,7 @@ def test_ulysses_kv_heads_that_cannot_be_split():
 
 
 def test_single_process_checks_without_a_group():
-    with pytest.raises(SeqparInputError, match="k \\(1, 4, 8, 16\\) and v \\(1, 4, 9, 16\\) shapes differ"):
+    with pytest.raises(SeqparInputError, match="k \\(1, 4, 8, 16\\) and v \\(1, 4, 9, 16\\) must agree in batch"):
         seqpar.attention(torch.randn(1, 4, 8, 16), torch.randn(1, 4, 8, 16), torch.randn(1, 4, 9, 16))
     with pytest.raises(SeqparInputError, match="scale must be a positive finite number"):
         seqpar.attention(*_qkv(), scale=float("nan"))

@@ -119,7 +119,7 @@ def test_every_family_resolves_its_anatomy(kind):
     assert bare.head is None and bare.layers is decoder.layers
 
 
-HYBRIDS = ("lfm2",)
+HYBRIDS = ("lfm2", "qwen3_next")
 
 
 @pytest.mark.parametrize("kind", HYBRIDS)
@@ -129,8 +129,9 @@ def test_a_hybrid_family_resolves_attention_where_layers_have_it_and_its_mixers(
     parts = anatomy(model)
     layers = model.model.layers
     assert parts.attention == tuple(getattr(layer, "self_attn", None) for layer in layers)
-    assert parts.mixers == tuple(layer.conv for layer in layers if hasattr(layer, "conv"))
-    assert len(parts.mixers) == 3 and parts.norm is model.model.embedding_norm
+    mixer = parts.family.mixers[0]  # LFM2's conv, Qwen3-Next's linear_attn: layers 0, 2 and 3
+    assert parts.mixers == tuple(getattr(layer, mixer) for layer in layers if hasattr(layer, mixer))
+    assert len(parts.mixers) == 3 and parts.norm is (model.model.embedding_norm if kind == "lfm2" else model.model.norm)
 
 
 def test_an_unknown_family_gets_the_clear_message():

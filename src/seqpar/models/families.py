@@ -78,6 +78,10 @@ class Family:
     the text positions first) computed by the model from the whole row's image grids."""
     image_blocks: str | None = None
     """The call keyword whose 1s mark image tokens that see their whole image (Gemma 3's ``token_type_ids``)."""
+    attention_interface: bool = False
+    """Its attention looks its function up in transformers' ``AttentionInterface`` although the model class says
+    ``_supports_attention_backend = False`` (Qwen3-Next, whose flag stands for more backends); checked for the
+    entries that set it."""
     vision_units: bool = False
     """The vision encoder encodes each image, crop, tile or temporal patch on its own, so its work may be split
     over the SP group (Note [vision split]); False: every rank encodes every image (a safe default for new entries)."""
@@ -148,7 +152,7 @@ FAMILIES: dict[str, Family] = {
             mixers=("conv",),
             tp_plan=None,
         ),
-        Family("qwen3_next", mixers=("linear_attn",), **_MOE),  # gated DeltaNet layers between attention layers
+        Family("qwen3_next", mixers=("linear_attn",), attention_interface=True, **_MOE),  # gated DeltaNet layers
     )
 }
 """The registry: ``model_type`` -> ``Family``. The documented extension point (``register_family``)."""

@@ -17,7 +17,6 @@ Note [transformers integration]
 
 from __future__ import annotations
 
-import inspect
 import zlib
 from dataclasses import dataclass
 
@@ -107,19 +106,6 @@ def _seqpar_attention(module, query, key, value, attention_mask, scaling=None, d
     return out.transpose(1, 2).contiguous(), None
 
 
-def _attention_uses_interface(found: ModelAnatomy) -> bool:
-    """Whether every attention module's ``forward`` looks its function up in transformers' ``AttentionInterface``.
-
-    Some models (Qwen3-Next) do so while their class says ``_supports_attention_backend = False`` (it stands for
-    more backends than the interface); reading the forward's source settles it for them.
-    """
-    classes = {type(m) for m in found.attention if m is not None}
-    try:
-        return bool(classes) and all("ALL_ATTENTION_FUNCTIONS" in inspect.getsource(c.forward) for c in classes)
-    except (OSError, TypeError):  # no source to read
-        return False
-
-
 def _served(model: torch.nn.Module) -> ModelAnatomy | str:
     """The model's anatomy (Note [model families]), or why seqpar cannot serve its attention."""
     config = getattr(model, "config", None)
@@ -134,7 +120,7 @@ def _served(model: torch.nn.Module) -> ModelAnatomy | str:
             f"its token mixers {', '.join(unknown)} (besides attention) have no seqpar adapter: each rank would run "
             f"them on its own shard alone; seqpar serves {', '.join(sorted(ADAPTERS))}"
         )
-    if not getattr(model, "_supports_attention_backend", False) and not _attention_uses_interface(found):
+    if not getattr(model, "_supports_attention_backend", False) and not found.family.attention_interface:
         return (
             f"{type(model).__name__} does not route attention through transformers' AttentionInterface "
             "(its _supports_attention_backend is False)"
