@@ -87,6 +87,17 @@ def tiny_config(kind: str):
             moe_intermediate_size=32,
             shared_expert_intermediate_size=32,
         )
+    if kind == "qwen3_5":  # Qwen3.5's text model: gated DeltaNet with separate projections, dense MLPs
+        return transformers.Qwen3_5TextConfig(
+            **{**common, "num_hidden_layers": 4},
+            head_dim=12,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+        )
     raise ValueError(kind)
 
 

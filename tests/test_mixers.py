@@ -1,5 +1,5 @@
 """Hybrid models' token mixers other than attention under seqpar (Note [mixer adapters]): LFM2's short convolution
-and Qwen3-Next's gated DeltaNet (its convolution and its recurrent state passed between ranks).
+and the gated DeltaNet of Qwen3-Next and Qwen3.5 (its convolution and its recurrent state passed between ranks).
 
 Logits, loss and every parameter's gradient equal one process (unpacked rows) and each packed document run alone
 (documents of 1 and 2 tokens, shorter than the convolution, a boundary on a chunk edge, a document starting in
@@ -32,7 +32,7 @@ GRAD_RTOL = 1e-5  # of each tensor's largest entry
 DOCUMENTS = (1, 2, 5, 6, 26, 8)
 
 
-KINDS = ("lfm2", "qwen3_next")
+KINDS = ("lfm2", "qwen3_next", "qwen3_5")
 
 
 def _model(kind: str, seed: int = 0) -> torch.nn.Module:

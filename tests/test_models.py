@@ -73,7 +73,8 @@ def toy_registered():
 def test_every_built_in_family_has_a_tiny_model_here():
     from tests import _vlm_models
 
-    covered = {_config(kind).model_type for kind in KINDS} | set(_vlm_models.FAMILIES) | set(HYBRIDS)
+    hybrids = {tiny_config(kind).model_type for kind in HYBRIDS}
+    covered = {_config(kind).model_type for kind in KINDS} | set(_vlm_models.FAMILIES) | hybrids
     assert set(FAMILIES) - {TOY.model_type} == covered
 
 
@@ -119,7 +120,7 @@ def test_every_family_resolves_its_anatomy(kind):
     assert bare.head is None and bare.layers is decoder.layers
 
 
-HYBRIDS = ("lfm2", "qwen3_next")
+HYBRIDS = ("lfm2", "qwen3_next", "qwen3_5")
 
 
 @pytest.mark.parametrize("kind", HYBRIDS)
@@ -129,7 +130,7 @@ def test_a_hybrid_family_resolves_attention_where_layers_have_it_and_its_mixers(
     parts = anatomy(model)
     layers = model.model.layers
     assert parts.attention == tuple(getattr(layer, "self_attn", None) for layer in layers)
-    mixer = parts.family.mixers[0]  # LFM2's conv, Qwen3-Next's linear_attn: layers 0, 2 and 3
+    mixer = parts.family.mixers[0]  # LFM2's conv, the gated DeltaNet's linear_attn: layers 0, 2 and 3
     assert parts.mixers == tuple(getattr(layer, mixer) for layer in layers if hasattr(layer, mixer))
     assert len(parts.mixers) == 3 and parts.norm is (model.model.embedding_norm if kind == "lfm2" else model.model.norm)
 

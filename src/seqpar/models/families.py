@@ -153,6 +153,7 @@ FAMILIES: dict[str, Family] = {
             tp_plan=None,
         ),
         Family("qwen3_next", mixers=("linear_attn",), attention_interface=True, **_MOE),  # gated DeltaNet layers
+        Family("qwen3_5_text", mixers=("linear_attn",), attention_interface=True, tp_plan=None),  # dense Qwen3.5
     )
 }
 """The registry: ``model_type`` -> ``Family``. The documented extension point (``register_family``)."""
