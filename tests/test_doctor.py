@@ -103,6 +103,15 @@ def _families(mesh):
         assert "VERDICT: OK" in str(report), kind
 
 
+def _hybrids(mesh):
+    """Hybrids whose mixers seqpar adapts (Note [mixer adapters]): OK at every layer, no token-mixing pitfall,
+    seqpar attention only in the attention layer."""
+    for kind in ("lfm2", "qwen3_next"):
+        report = seqpar.doctor(build(kind), mesh, {"input_ids": tokens(2, SEQ, 1)})
+        assert report.verdict and not report.pitfalls, f"{kind}:\n{report}"
+        assert [r.attention_calls for r in report.rows] == [0, 1, 0, 0, -1], f"{kind}:\n{report}"
+
+
 def _layer_k(mesh):
     """Layer 1 of 3 mixes tokens (a convolution, a running sum) or attends by itself: flagged at layer 1."""
     ids = {"input_ids": tokens(2, SEQ, 2)}
@@ -241,6 +250,7 @@ def _worker(rank, world_size):
     mesh = seqpar.make_mesh()
     _vision_language(mesh, rank)
     _families(mesh)
+    _hybrids(mesh)
     _sinks_and_softcap(mesh)
     _layer_k(mesh)
     _packing(mesh)

@@ -364,10 +364,14 @@ def test_estimate_command_counts_the_vision_tower(tmp_path, capsys):
     assert vision_mib(whole) == pytest.approx(2 * vision_mib(split), rel=1e-2)
 
 
-def test_mla_configs_are_refused_not_estimated_wrong():
-    """MLA's low-rank projections and two head sizes are not what ModelSizes describes: refused, with the reason."""
+def test_mla_and_hybrid_configs_are_refused_not_estimated_wrong():
+    """MLA's low-rank projections and two head sizes, and a hybrid's convolution and recurrent layers, are not what
+    ModelSizes describes: refused, with the reason."""
     from tests._models import tiny_config
 
     for kind in ("deepseek_v3", "minicpm3"):
         with pytest.raises(seqpar.SeqparInputError, match="MLA attention"):
+            seqpar.estimate_memory(tiny_config(kind), 1024, sp_size=2)
+    for kind, types in (("lfm2", "conv"), ("qwen3_next", "linear_attention"), ("qwen3_5", "linear_attention")):
+        with pytest.raises(seqpar.SeqparInputError, match=f"layers of type {types} besides attention"):
             seqpar.estimate_memory(tiny_config(kind), 1024, sp_size=2)

@@ -383,6 +383,15 @@ def test_more_ranks_equal_one_process(more_ranks, name):
     assert all((layout is not None) == (CASES[name].layout == "balanced") for layout in setup["layouts"])
 
 
+@pytest.mark.parametrize("name", ["lfm2_sp2", "qwen3_next_sp3"])
+def test_hybrid_models_through_the_trainer(request, name):
+    """LFM2 (short convolutions) at sp 2 and Qwen3-Next (gated DeltaNet, experts) at sp 3 through
+    ``SequenceParallelTrainer``: every step's loss and grad_norm and every parameter as one process's Trainer."""
+    root = request.getfixturevalue("two_ranks" if CASES[name].world == 2 else "more_ranks")
+    found = _compare(root, name)
+    assert any("conv" in n or "linear_attn" in n for n in found["params"])
+
+
 @pytest.mark.parametrize("name", ["vlm_sp2", "vlm_gemma3_dp2_sp2"])
 def test_vision_language_trainer_equals_one_process(request, name):
     """A multimodal collator's batches (pixels, grids, token types; 1-2 images of different sizes per row) train a

@@ -103,6 +103,46 @@ def _exact(rank, world_size):
             _check(rank, world_size, mesh, kind, "zigzag", True, strategy="ulysses")
 
 
+def _worst_relative(model: torch.nn.Module, ref: torch.nn.Module) -> float:
+    """The largest ``|model - ref|`` of a parameter over that parameter's largest ``|ref|``."""
+    return max(
+        float((p - q).abs().max() / q.abs().max().clamp(min=1e-12))
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True)
+    )
+
+
+def _adamw(rank, world_size):
+    """3 AdamW steps on fresh unpacked rows: every step's loss within 1e-5 of one process's, and the parameters
+    within 10 times the rounding floor: a second one-process run that differs only in how its attention sums
+    (SDPA instead of eager). Adam moves every entry by about lr whatever its gradient's size, so rounding in a tiny
+    gradient becomes a step. Measured (floor / seqpar, of a tensor's largest entry): LFM2 3.4e-5 / 2.1e-5, Qwen3-Next
+    2.9e-5 / 3.2e-5, Qwen3.5 3.1e-5 / 2.0e-5, so a 1e-5 target is below what fp32 gives here."""
+    mesh = seqpar.make_mesh()
+    for kind in KINDS:
+        ref = _model(kind).train()
+        floor = copy.deepcopy(ref)
+        floor.set_attn_implementation("sdpa")
+        model = seqpar.prepare_model(copy.deepcopy(ref), mesh, strategy="ring")
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (ref, floor, model)]
+        for step in range(3):
+            ids = _ids(2, 10 + step)
+            want = ref(input_ids=ids, labels=ids).loss
+            want.backward()
+            floor(input_ids=ids, labels=ids).loss.backward()
+            shard = seqpar.shard_batch({"input_ids": ids}, mesh)
+            logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+            loss = seqpar.cross_entropy(logits, shard["shift_labels"], mesh)
+            loss.backward()
+            seqpar.reduce_gradients(model.parameters(), mesh)
+            got = seqpar.sum_over(loss.detach(), mesh)
+            torch.testing.assert_close(got, want.detach(), atol=1e-5, rtol=0, msg=lambda m, k=kind: f"{k} loss: {m}")
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+        rounding, found = _worst_relative(floor, ref), _worst_relative(model, ref)
+        assert rounding > 0 and found < 10 * rounding, (kind, rounding, found)
+
+
 def _control(rank, world_size):
     """Without the exchange (halos and incoming states zero) logits and the mixers' gradients are far off: the checks
     can tell."""
@@ -154,7 +194,7 @@ def _bad_input(rank, world_size):
         FAMILIES.pop("granitemoehybrid")
 
 
-_PARTS = {"exact": _exact, "control": _control, "bad-input": _bad_input}
+_PARTS = {"exact": _exact, "adamw": _adamw, "control": _control, "bad-input": _bad_input}
 
 
 def _worker(rank, world_size, part):
@@ -163,7 +203,7 @@ def _worker(rank, world_size, part):
 
 @pytest.mark.parametrize(
     ("world_size", "part"),
-    [(1, "exact"), (2, "exact"), (3, "exact"), (2, "control"), (2, "bad-input")],
+    [(1, "exact"), (2, "exact"), (3, "exact"), (3, "adamw"), (2, "control"), (2, "bad-input")],
     ids=lambda v: str(v),
 )
 def test_hybrid_mixers_under_seqpar(world_size, part):

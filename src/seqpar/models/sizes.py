@@ -82,8 +82,8 @@ class ModelSizes:
 
         Raises:
             SeqparInputError: a config without the sizes of a decoder (positive integers), query heads that do
-                not group over the key/value heads, heads that tp does not divide, bad expert counts, or MLA
-                attention (whose low-rank projections these sizes do not describe).
+                not group over the key/value heads, heads that tp does not divide, bad expert counts, MLA
+                attention (whose low-rank projections these sizes do not describe) or a hybrid's other mixers.
         """
         if isinstance(config, ModelSizes) and not source:  # already read: only the tp view may differ
             return config if config.tp_size == tp_size else config.for_tp(tp_size)
@@ -201,6 +201,10 @@ def _check_tp(heads: int, kv_heads: int, tp: int) -> None:
         raise SeqparInputError(f"tp_size {tp} must divide the heads ({heads}) and key/value heads ({kv_heads})")
 
 
+_NOT_ATTENTION = ("conv", "linear_attention", "mamba", "mamba2", "recurrent", "linear")
+"""``layer_types`` entries of token mixers other than attention."""
+
+
 def _from_config(config: object, tp: int, source: str) -> ModelSizes:
     """``ModelSizes.from_config`` without the source in its errors."""
     if isinstance(config, dict):
@@ -217,6 +221,13 @@ def _from_config(config: object, tp: int, source: str) -> ModelSizes:
             "MLA attention (low-rank kv_lora_rank projections, values of v_head_dim): seqpar's sizes count full "
             "q/k/v projections of one head size, so its memory estimate and plans would be wrong for this model; "
             "training under seqpar is not affected (Note [value head size])"
+        )
+    mixing = sorted({t for t in get("layer_types") or () if t in _NOT_ATTENTION})
+    if mixing:  # LFM2, Qwen3-Next, Qwen3.5
+        raise SeqparInputError(
+            f"a hybrid model (layers of type {', '.join(mixing)} besides attention): seqpar's sizes describe "
+            "attention layers only, so its memory estimate and plans would be wrong for this model; training "
+            "under seqpar is not affected (Note [mixer adapters])"
         )
     hidden, heads, layers = get("hidden_size"), get("num_attention_heads"), get("num_hidden_layers")
     kv_heads = get("num_key_value_heads") or heads
