@@ -29,6 +29,7 @@ BENCHMARKS = (
     "imports",
     "vision_split",
     "vlm_memory",
+    "mixers",
 )
 
 
