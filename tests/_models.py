@@ -98,6 +98,18 @@ def tiny_config(kind: str):
             linear_value_head_dim=8,
             linear_conv_kernel_dim=4,
         )
+    if kind == "granitemoehybrid":  # a hybrid: Mamba2 (SSD) in layers 0, 2, 3, attention in layer 1, no rotary
+        return transformers.GraniteMoeHybridConfig(
+            **{**common, "num_hidden_layers": 4},
+            layer_types=["mamba", "attention", "mamba", "mamba"],
+            mamba_n_heads=4,
+            mamba_d_head=24,
+            mamba_d_state=8,
+            mamba_n_groups=1,
+            mamba_chunk_size=16,
+            shared_intermediate_size=64,
+            num_local_experts=0,
+        )
     raise ValueError(kind)
 
 

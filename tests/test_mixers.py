@@ -1,5 +1,6 @@
 """Hybrid models' token mixers other than attention under seqpar (Note [mixer adapters]): LFM2's short convolution
-and the gated DeltaNet of Qwen3-Next and Qwen3.5 (its convolution and its recurrent state passed between ranks).
+the gated DeltaNet of Qwen3-Next and Qwen3.5 and GraniteMoeHybrid's Mamba2 (their convolutions and recurrent states
+passed between ranks).
 
 Logits, loss and every parameter's gradient equal one process (unpacked rows) and each packed document run alone
 (documents of 1 and 2 tokens, shorter than the convolution, a boundary on a chunk edge, a document starting in
@@ -32,15 +33,16 @@ GRAD_RTOL = 1e-5  # of each tensor's largest entry
 DOCUMENTS = (1, 2, 5, 6, 26, 8)
 
 
-KINDS = ("lfm2", "qwen3_next", "qwen3_5")
+KINDS = ("lfm2", "qwen3_next", "qwen3_5", "granitemoehybrid")
 
 
 def _model(kind: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind), attn_implementation="eager").eval()
     for layer in model.model.layers:  # weak decay: the state a chunk hands on matters, so a missing exchange shows
-        if hasattr(layer, "linear_attn"):
-            layer.linear_attn.A_log.data.fill_(math.log(0.02))
+        for recurrence in (getattr(layer, name, None) for name in ("linear_attn", "mamba")):
+            if recurrence is not None:
+                recurrence.A_log.data.fill_(math.log(0.02))
     return model
 
 
@@ -167,7 +169,7 @@ def _control(rank, world_size):
             worst = max(
                 float((p.grad - q.grad).abs().max() / q.grad.abs().max())
                 for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True)
-                if ".conv." in n or "linear_attn" in n
+                if ".conv." in n or "linear_attn" in n or ".mamba." in n
             )
             assert worst > 0.1, (kind, worst)
     finally:
@@ -180,18 +182,20 @@ def _bad_input(rank, world_size):
     with pytest.raises(SeqparInputError, match="runs inside a prepared model's call"):  # a mixer called alone
         model.model.layers[0].conv(torch.randn(1, 4, 48))
     # a hybrid whose mixer has no adapter is refused with the mixer's name, before anything runs
-    config = transformers.GraniteMoeHybridConfig(
+    config = transformers.BambaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16,
-        mamba_d_state=8, mamba_n_groups=1, shared_intermediate_size=32, num_local_experts=0,
+        num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
+        mamba_n_groups=1,
     )  # fmt: skip
-    granite = transformers.AutoModelForCausalLM.from_config(config)
-    register_family(Family("granitemoehybrid", mlp="shared_mlp", mixers=("mamba",), rotary=None, tp_plan=None))
+    bamba = transformers.AutoModelForCausalLM.from_config(config)
+    norms = ("input_layernorm", "pre_ff_layernorm")
+    entry = Family("bamba", norm="final_layernorm", mlp="feed_forward", layer_norms=norms, mixers=("mamba",))
+    register_family(entry)
     try:
-        with pytest.raises(SeqparInputError, match=r"GraniteMoeHybridMambaLayer \(besides attention\) have no seqpar"):
-            seqpar.prepare_model(granite, mesh)
+        with pytest.raises(SeqparInputError, match=r"BambaMixer \(besides attention\) have no seqpar"):
+            seqpar.prepare_model(bamba, mesh)
     finally:
-        FAMILIES.pop("granitemoehybrid")
+        FAMILIES.pop("bamba")
 
 
 _PARTS = {"exact": _exact, "adamw": _adamw, "control": _control, "bad-input": _bad_input}

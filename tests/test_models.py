@@ -120,7 +120,7 @@ def test_every_family_resolves_its_anatomy(kind):
     assert bare.head is None and bare.layers is decoder.layers
 
 
-HYBRIDS = ("lfm2", "qwen3_next", "qwen3_5")
+HYBRIDS = ("lfm2", "qwen3_next", "qwen3_5", "granitemoehybrid")
 
 
 @pytest.mark.parametrize("kind", HYBRIDS)
@@ -131,8 +131,9 @@ def test_a_hybrid_family_resolves_attention_where_layers_have_it_and_its_mixers(
     layers = model.model.layers
     assert parts.attention == tuple(getattr(layer, "self_attn", None) for layer in layers)
     mixer = parts.family.mixers[0]  # LFM2's conv, the gated DeltaNet's linear_attn: layers 0, 2 and 3
-    assert parts.mixers == tuple(getattr(layer, mixer) for layer in layers if hasattr(layer, mixer))
+    assert parts.mixers == tuple(getattr(layer, mixer) for layer in layers if getattr(layer, mixer, None) is not None)
     assert len(parts.mixers) == 3 and parts.norm is (model.model.embedding_norm if kind == "lfm2" else model.model.norm)
+    assert parts.rotary is (None if kind == "granitemoehybrid" else model.model.rotary_emb)
 
 
 def test_an_unknown_family_gets_the_clear_message():

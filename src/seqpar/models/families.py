@@ -154,6 +154,8 @@ FAMILIES: dict[str, Family] = {
         ),
         Family("qwen3_next", mixers=("linear_attn",), attention_interface=True, **_MOE),  # gated DeltaNet layers
         Family("qwen3_5_text", mixers=("linear_attn",), attention_interface=True, tp_plan=None),  # dense Qwen3.5
+        # Mamba2 (SSD) layers between attention layers, no rotary embedding, experts and a shared MLP
+        Family("granitemoehybrid", mlp="shared_mlp", mixers=("mamba",), rotary=None, tp_plan=None),
     )
 }
 """The registry: ``model_type`` -> ``Family``. The documented extension point (``register_family``)."""

@@ -48,7 +48,12 @@ def _gated_deltanet(
             q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=True, use_qk_l2norm_in_kernel=True
         )
 
-    out = chunked_state_scan(run, query, key, value, g, beta, ctx.mesh, ctx.layout, ctx.mask)
+    def through(q, k, v, g, beta):  # M: the state from the identity with zero values (Note [state passing])
+        eye = torch.eye(self.head_k_dim, device=q.device).expand(1, self.num_v_heads, -1, -1)
+        return run(q, k, v.new_zeros(*v.shape[:-1], self.head_k_dim), g, beta, initial_state=eye)[1]
+
+    state = (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+    out = chunked_state_scan(run, through, (query, key, value, g, beta), state, ctx.mesh, ctx.layout, ctx.mask)
     gated = self.norm(out.reshape(-1, out.shape[-1]), z.reshape(-1, z.shape[-1])).reshape(z.shape)
     return self.out_proj(gated.reshape(gated.shape[0], gated.shape[1], -1))
 

@@ -46,7 +46,9 @@ from seqpar.sequence_parallel.mixers.conv import gather_first_dim, global_index
 __all__ = ["Recurrence", "chunked_state_scan"]
 
 Recurrence = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-"""``run(q, k, v, g, beta, initial_state)`` -> (output ``[1, T, Hv, dv]``, final state ``[1, Hv, dk, dv]``)."""
+"""``run(*inputs, initial_state)`` on one piece of one row: (output ``[1, T, ...]``, final state ``[1, H, dk, dv]``)."""
+Passage = Callable[..., torch.Tensor]
+"""``through(*inputs)`` on one piece of one row: ``M`` ``[1, H, dk, dk]`` with ``S_out = M S_in + S_loc``."""
 
 
 def _pieces(starts: torch.Tensor, first: bool) -> list[tuple[int, int, bool]]:
@@ -57,37 +59,35 @@ def _pieces(starts: torch.Tensor, first: bool) -> list[tuple[int, int, bool]]:
 
 def chunked_state_scan(
     run: Recurrence,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
+    through: Passage,
+    inputs: tuple[torch.Tensor, ...],
+    state: tuple[int, int, int],
     sp: SequenceParallelMesh,
     layout: Layout,
     mask: SequenceMask | None,
 ) -> torch.Tensor:
-    """The recurrence over the whole sequence, on this rank's chunks (Note [state passing]).
+    """A linear recurrence over the whole sequence, on this rank's chunks (Note [state passing]).
 
     Args:
-        run: transformers' chunked kernel, called on one piece of one row at a time.
-        q, k: ``[B, L, Hk, dk]`` this rank's tokens, its chunks in ``layout`` order.
-        v: ``[B, L, Hv, dv]``.
-        g, beta: ``[B, L, Hv]`` log decay and write strength.
+        run: the model's chunked kernel, called on one piece of one row at a time.
+        through: what a piece does to the state that enters it (``M``).
+        inputs: the per-token tensors the kernel takes, each ``[B, L, ...]``, this rank's chunks in ``layout`` order.
+        state: the state's ``(heads, dk, dv)``.
         sp: the sequence-parallel mesh.
         layout: the layout of the shards.
         mask: the batch's mask (its ``starts`` restart the state at packed documents).
 
     Returns:
-        ``[B, L, Hv, dv]``: the outputs for this rank's tokens.
+        The outputs for this rank's tokens, concatenated along the sequence as ``run`` gives them.
     """
-    batch, local = q.shape[:2]
-    heads, dk, dv = v.shape[2], q.shape[-1], v.shape[-1]
+    batch, local = inputs[0].shape[:2]
+    heads, dk, dv = state
+    device = inputs[0].device
     chunks = chunks_per_rank(layout) if sp.sp_size > 1 else 1
     size = local // chunks
     ids = rank_chunk_ids(layout, sp.sp_size, sp.sp_rank) if sp.sp_size > 1 else (0,)
     index = global_index(layout, sp, local)
     starts = mask.starts[:, index] == index if mask is not None and mask.starts is not None else None
-    eye = torch.eye(dk, dtype=torch.float32, device=q.device).expand(1, heads, dk, dk)
     outputs, summaries, first_pieces = [], [], []
     for b in range(batch):
         row_out, row_summary = [], []
@@ -95,34 +95,32 @@ def chunked_state_scan(
             span = slice(c * size, (c + 1) * size)
             is_start = starts[b, span] if starts is not None else torch.zeros(size, dtype=torch.bool)
             pieces = _pieces(is_start.cpu(), first=ids[c] == 0)
-            outs, state = [], None
+            outs, final = [], None
             for a, z, _ in pieces:
-                part = [t[b : b + 1, span][:, a:z] for t in (q, k, v, g, beta)]
-                out, state = run(*part, initial_state=None)
+                part = [t[b : b + 1, span][:, a:z] for t in inputs]
+                out, final = run(*part, initial_state=None)
                 outs.append(out)
             opening, stop, restart = pieces[0]
-            if len(pieces) == 1 and not restart:  # the state passes through: M from the identity, zero values
-                part = [t[b : b + 1, span][:, opening:stop] for t in (q, k, v, g, beta)]
-                part[2] = part[2].new_zeros(*part[2].shape[:-1], dk)
-                _, through = run(*part, initial_state=eye)
+            if len(pieces) == 1 and not restart:  # the state passes through the chunk
+                passes = through(*[t[b : b + 1, span][:, opening:stop] for t in inputs])
             else:  # a document starts in the chunk: what leaves it is its last piece's own state
-                through = eye.new_zeros(1, heads, dk, dk)
-            row_summary.append((through, state))
+                passes = torch.zeros(1, heads, dk, dk, dtype=torch.float32, device=device)
+            row_summary.append((passes, final))
             row_out.append(outs)
             first_pieces.append((b, c, restart, stop))
         outputs.append(row_out)
         summaries.append(row_summary)
-    through = torch.stack([torch.cat([s[c][0] for s in summaries]) for c in range(chunks)])  # [chunks, B, H, dk, dk]
+    passing = torch.stack([torch.cat([s[c][0] for s in summaries]) for c in range(chunks)])  # [chunks, B, H, dk, dk]
     final = torch.stack([torch.cat([s[c][1] for s in summaries]) for c in range(chunks)])  # [chunks, B, H, dk, dv]
-    summaries = torch.cat([through, final], dim=-1)  # one exchange: M of a chunk holding a start has no graph
+    summaries = torch.cat([passing, final.to(passing.dtype)], dim=-1)  # one exchange (Note [symmetric exchange])
     every = gather_first_dim(summaries, sp) if sp.sp_size > 1 else summaries
     every_through, every_final = every[..., :dk], every[..., dk:]
     order = [g_ for r in range(sp.sp_size) for g_ in rank_chunk_ids(layout, sp.sp_size, r)] if sp.sp_size > 1 else [0]
     by_chunk = torch.tensor(order).argsort()
-    incoming, state = {}, every_final.new_zeros(batch, heads, dk, dv)
+    incoming, entering = {}, every_final.new_zeros(batch, heads, dk, dv)
     for global_chunk, position in enumerate(by_chunk.tolist()):  # S_in(c + 1) = M_c S_in(c) + S_loc_c
-        incoming[global_chunk] = state
-        state = every_through[position] @ state + every_final[position]
+        incoming[global_chunk] = entering
+        entering = every_through[position] @ entering + every_final[position]
     rows = []
     for b in range(batch):
         pieces_out = []
@@ -131,7 +129,7 @@ def chunked_state_scan(
             _, _, restart, stop = first_pieces[b * chunks + c]
             if not restart:  # the opening piece continues a document from the chunk before
                 span = slice(c * size, (c + 1) * size)
-                part = [t[b : b + 1, span][:, :stop] for t in (q, k, v, g, beta)]
+                part = [t[b : b + 1, span][:, :stop] for t in inputs]
                 outs[0], _ = run(*part, initial_state=incoming[ids[c]][b : b + 1])
             pieces_out.append(torch.cat(outs, dim=1))
         rows.append(torch.cat(pieces_out, dim=1))

@@ -1,0 +1,79 @@
+"""Mamba2 (SSD) layers under sequence parallelism: halo convolution, then the selective scan's state passed on.
+
+The adapters' ``forward`` (Note [mixer adapters]), with transformers' own ``mamba2_chunk_scan`` (Note [state passing]).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from seqpar.errors import SeqparInputError
+from seqpar.sequence_parallel.call_context import CONTEXT_KEY
+from seqpar.sequence_parallel.mixers.conv import halo_causal_conv
+from seqpar.sequence_parallel.mixers.scan import chunked_state_scan
+
+__all__ = ["granite_mamba2_forward"]
+
+
+def granite_mamba2_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    cache: object | None = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: object,
+) -> torch.Tensor:
+    """``GraniteMoeHybridMambaLayer.forward`` on this rank's shard, the convolution and the scan's state exchanged.
+
+    The SSD state ``[heads, head_dim, d_state]`` decays by one number per head over a piece, ``exp(A sum(dt))``,
+    so ``M`` is that number times the identity (Note [state passing]).
+
+    Args:
+        self: the ``GraniteMoeHybridMambaLayer`` (``in_proj``, ``conv1d``, ``A_log``, ``D``, ``dt_bias``, ``norm``).
+        hidden_states: ``[B, L, H]`` this rank's tokens.
+        cache: must be None (seqpar trains without a cache).
+        attention_mask: ignored, as seqpar's calls carry none (padding is its own document).
+        **kwargs: the layer's keywords; seqpar's call context among them.
+
+    Returns:
+        ``[B, L, H]``.
+
+    Raises:
+        SeqparInputError: called outside a prepared model's call, with a cache, or another activation than silu.
+    """
+    ctx = kwargs.get(CONTEXT_KEY)
+    if ctx is None or cache is not None:
+        raise SeqparInputError("a seqpar-adapted Mamba2 layer runs inside a prepared model's call, without a cache")
+    if self.activation not in ("silu", "swish"):
+        raise SeqparInputError(f"{type(self).__name__}'s convolution activation is {self.activation!r}, not silu")
+    kernel = sys.modules[type(self).__mro__[1].__module__].mamba2_chunk_scan
+    dtype, (batch, length, _) = hidden_states.dtype, hidden_states.shape
+    gate, xbc, dt = self.in_proj(hidden_states).split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+    conv = halo_causal_conv(
+        xbc.transpose(1, 2), self.conv1d.weight.squeeze(1), self.conv1d.bias, ctx.mesh, ctx.layout, ctx.mask
+    )
+    groups = self.n_groups * self.ssm_state_size
+    x, b, c = torch.split(F.silu(conv).transpose(1, 2), [self.intermediate_size, groups, groups], dim=-1)
+    x = x.reshape(batch, length, self.num_heads, self.head_dim)
+    b = b.reshape(batch, length, self.n_groups, self.ssm_state_size)
+    c = c.reshape(batch, length, self.n_groups, self.ssm_state_size)
+    decay = -torch.exp(self.A_log.float())
+    low, high = self.time_step_limit
+
+    def run(x, dt, b, c, initial_state):
+        return kernel(
+            x, dt, decay, b, c, chunk_size=self.chunk_size, D=self.D, dt_bias=self.dt_bias, dt_softplus=True,
+            initial_states=initial_state, dt_limit=self.time_step_limit, return_final_states=True,
+        )  # fmt: skip
+
+    def through(x, dt, b, c):  # one decay per head over the piece, exp(A sum(dt)), times the identity
+        steps = torch.clamp(F.softplus(dt + self.dt_bias), min=low, max=high).sum(1)  # [1, heads]
+        eye = torch.eye(self.head_dim, device=x.device)
+        return torch.exp(decay * steps)[..., None, None] * eye
+
+    state = (self.num_heads, self.head_dim, self.ssm_state_size)
+    out = chunked_state_scan(run, through, (x, dt, b, c), state, ctx.mesh, ctx.layout, ctx.mask)
+    out = self.norm(out.reshape(batch, length, -1), gate)
+    return self.out_proj(out.to(dtype))
