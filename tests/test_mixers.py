@@ -118,7 +118,8 @@ def _adamw(rank, world_size):
     within 10 times the rounding floor: a second one-process run that differs only in how its attention sums
     (SDPA instead of eager). Adam moves every entry by about lr whatever its gradient's size, so rounding in a tiny
     gradient becomes a step. Measured (floor / seqpar, of a tensor's largest entry): LFM2 3.4e-5 / 2.1e-5, Qwen3-Next
-    2.9e-5 / 3.2e-5, Qwen3.5 3.1e-5 / 2.0e-5, so a 1e-5 target is below what fp32 gives here."""
+    2.9e-5 / 3.2e-5, Qwen3.5 3.1e-5 / 2.0e-5, GraniteMoeHybrid 3.1e-5 / 3.2e-5, so a 1e-5 target is below what fp32
+    gives here."""
     mesh = seqpar.make_mesh()
     for kind in KINDS:
         ref = _model(kind).train()
