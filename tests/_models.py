@@ -110,6 +110,16 @@ def tiny_config(kind: str):
             shared_intermediate_size=64,
             num_local_experts=0,
         )
+    if kind == "bamba":  # GraniteMoeHybrid's Mamba2 layer in another model: layers 0, 2, 3; attention in 1
+        return transformers.BambaConfig(
+            **{**common, "num_hidden_layers": 4},
+            attn_layer_indices=[1],
+            mamba_n_heads=4,
+            mamba_d_head=24,
+            mamba_d_state=8,
+            mamba_n_groups=1,
+            mamba_chunk_size=16,
+        )
     raise ValueError(kind)
 
 

@@ -1,6 +1,6 @@
 """Hybrid models' token mixers other than attention under seqpar (Note [mixer adapters]): LFM2's short convolution
-the gated DeltaNet of Qwen3-Next and Qwen3.5 and GraniteMoeHybrid's Mamba2 (their convolutions and recurrent states
-passed between ranks).
+the gated DeltaNet of Qwen3-Next and Qwen3.5 and the Mamba2 layers of GraniteMoeHybrid and Bamba (their convolutions
+and recurrent states passed between ranks).
 
 Logits, loss and every parameter's gradient equal one process (unpacked rows) and each packed document run alone
 (documents of 1 and 2 tokens, shorter than the convolution, a boundary on a chunk edge, a document starting in
@@ -33,7 +33,7 @@ GRAD_RTOL = 1e-5  # of each tensor's largest entry
 DOCUMENTS = (1, 2, 5, 6, 26, 8)
 
 
-KINDS = ("lfm2", "qwen3_next", "qwen3_5", "granitemoehybrid")
+KINDS = ("lfm2", "qwen3_next", "qwen3_5", "granitemoehybrid", "bamba")
 
 
 def _model(kind: str, seed: int = 0) -> torch.nn.Module:
@@ -182,21 +182,22 @@ def _bad_input(rank, world_size):
     model = seqpar.prepare_model(_model("lfm2"), mesh)
     with pytest.raises(SeqparInputError, match="runs inside a prepared model's call"):  # a mixer called alone
         model.model.layers[0].conv(torch.randn(1, 4, 48))
-    # a hybrid whose mixer has no adapter is refused with the mixer's name, before anything runs
-    config = transformers.BambaConfig(
+    # a hybrid whose mixer has no adapter (Jamba's Mamba1) is refused with the mixer's name, before anything runs
+    config = transformers.JambaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
-        mamba_n_groups=1,
+        num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=100, num_experts=1,
+        mamba_d_state=8, mamba_dt_rank=4, use_mamba_kernels=False,
     )  # fmt: skip
-    bamba = transformers.AutoModelForCausalLM.from_config(config)
+    jamba = transformers.AutoModelForCausalLM.from_config(config)
     norms = ("input_layernorm", "pre_ff_layernorm")
-    entry = Family("bamba", norm="final_layernorm", mlp="feed_forward", layer_norms=norms, mixers=("mamba",))
+    parts = dict(norm="final_layernorm", rotary=None, mlp="feed_forward", layer_norms=norms)
+    entry = Family("jamba", mixers=("mamba",), **parts)
     register_family(entry)
     try:
-        with pytest.raises(SeqparInputError, match=r"BambaMixer \(besides attention\) have no seqpar"):
-            seqpar.prepare_model(bamba, mesh)
+        with pytest.raises(SeqparInputError, match=r"JambaMambaMixer \(besides attention\) have no seqpar"):
+            seqpar.prepare_model(jamba, mesh)
     finally:
-        FAMILIES.pop("bamba")
+        FAMILIES.pop("jamba")
 
 
 _PARTS = {"exact": _exact, "adamw": _adamw, "control": _control, "bad-input": _bad_input}

@@ -21,7 +21,7 @@ from seqpar.sequence_parallel.mixers.gated_deltanet import (
     qwen3_5_gated_deltanet_forward,
     qwen3_next_gated_deltanet_forward,
 )
-from seqpar.sequence_parallel.mixers.mamba2 import granite_mamba2_forward
+from seqpar.sequence_parallel.mixers.mamba2 import mamba2_forward
 from seqpar.sequence_parallel.mixers.short_conv import lfm2_short_conv_forward
 
 __all__ = ["ADAPTERS", "adapt", "unknown_mixers"]
@@ -30,7 +30,8 @@ ADAPTERS = {
     "Lfm2ShortConv": lfm2_short_conv_forward,
     "Qwen3NextGatedDeltaNet": qwen3_next_gated_deltanet_forward,
     "Qwen3_5GatedDeltaNet": qwen3_5_gated_deltanet_forward,
-    "GraniteMoeHybridMambaLayer": granite_mamba2_forward,
+    "GraniteMoeHybridMambaLayer": mamba2_forward,
+    "BambaMixer": mamba2_forward,
 }
 """Mixer class name -> the ``forward`` of its adapter."""
 

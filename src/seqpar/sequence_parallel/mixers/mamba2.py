@@ -15,23 +15,24 @@ from seqpar.sequence_parallel.call_context import CONTEXT_KEY
 from seqpar.sequence_parallel.mixers.conv import halo_causal_conv
 from seqpar.sequence_parallel.mixers.scan import chunked_state_scan
 
-__all__ = ["granite_mamba2_forward"]
+__all__ = ["mamba2_forward"]
 
 
-def granite_mamba2_forward(
+def mamba2_forward(
     self: torch.nn.Module,
     hidden_states: torch.Tensor,
     cache: object | None = None,
     attention_mask: torch.Tensor | None = None,
     **kwargs: object,
 ) -> torch.Tensor:
-    """``GraniteMoeHybridMambaLayer.forward`` on this rank's shard, the convolution and the scan's state exchanged.
+    """``GraniteMoeHybridMambaLayer.forward`` (and ``BambaMixer``'s, the same layer) on this rank's shard, the
+    convolution and the scan's state exchanged.
 
     The SSD state ``[heads, head_dim, d_state]`` decays by one number per head over a piece, ``exp(A sum(dt))``,
     so ``M`` is that number times the identity (Note [state passing]).
 
     Args:
-        self: the ``GraniteMoeHybridMambaLayer`` (``in_proj``, ``conv1d``, ``A_log``, ``D``, ``dt_bias``, ``norm``).
+        self: the layer (``in_proj``, ``conv1d``, ``A_log``, ``D``, ``dt_bias``, ``norm``, ``out_proj``).
         hidden_states: ``[B, L, H]`` this rank's tokens.
         cache: must be None (seqpar trains without a cache).
         attention_mask: ignored, as seqpar's calls carry none (padding is its own document).
