@@ -383,13 +383,17 @@ def test_more_ranks_equal_one_process(more_ranks, name):
     assert all((layout is not None) == (CASES[name].layout == "balanced") for layout in setup["layouts"])
 
 
-@pytest.mark.parametrize("name", ["lfm2_sp2", "qwen3_next_sp3"])
+HYBRID_CASES = [f"{kind}_sp{sp}" for kind in ("lfm2", "qwen3_next", "granitemoehybrid") for sp in (2, 3)]
+
+
+@pytest.mark.parametrize("name", HYBRID_CASES)
 def test_hybrid_models_through_the_trainer(request, name):
-    """LFM2 (short convolutions) at sp 2 and Qwen3-Next (gated DeltaNet, experts) at sp 3 through
-    ``SequenceParallelTrainer``: every step's loss and grad_norm and every parameter as one process's Trainer."""
+    """LFM2 (short convolutions), Qwen3-Next (gated DeltaNet, experts) and GraniteMoeHybrid (Mamba2) at sp 2 and at
+    sp 3 (ring) through ``SequenceParallelTrainer``: every step's loss and grad_norm and every parameter as one
+    process's Trainer."""
     root = request.getfixturevalue("two_ranks" if CASES[name].world == 2 else "more_ranks")
     found = _compare(root, name)
-    assert any("conv" in n or "linear_attn" in n for n in found["params"])
+    assert any(piece in n for n in found["params"] for piece in (".conv.", "linear_attn", ".mamba."))
 
 
 @pytest.mark.parametrize("name", ["vlm_sp2", "vlm_gemma3_dp2_sp2"])

@@ -143,9 +143,13 @@ CASES = {
     "sp2_zero2": Case(2, extra=zero(2), reference="sp2"),
     "sp2_zero3": Case(2, extra=zero(3), eval_batch=4, reference="sp2"),
     # hybrids (Note [mixer adapters]): right-padded rows, not packed ones, since transformers' one process carries
-    # a convolution or a recurrence across packed documents; a short convolution at sp 2, gated DeltaNet at sp 3
-    "lfm2_sp2": Case(2, kind="lfm2", collator="padded"),
-    "qwen3_next_sp3": Case(3, kind="qwen3_next", sp_size=3, strategy="ring", collator="padded"),
+    # a convolution or a recurrence across packed documents; a short convolution (LFM2), gated DeltaNet (Qwen3-Next)
+    # and Mamba2 (GraniteMoeHybrid), each at sp 2 and at sp 3 with the ring
+    **{
+        f"{kind}_sp{sp}": Case(sp, kind=kind, sp_size=sp, strategy="auto" if sp == 2 else "ring", collator="padded")
+        for kind in ("lfm2", "qwen3_next", "granitemoehybrid")
+        for sp in (2, 3)
+    },
     # vision-language models on whole rows (Note [whole-row calls]): 4 samples with 1-2 images of different sizes,
     # 2 epochs; Qwen2.5-VL's mRoPE from the grids with 2 right-padded rows per batch, Gemma 3's image blocks. One
     # micro-batch a step: these models take no num_items_in_batch (accepts_loss_kwargs=False), so the one-process
