@@ -150,6 +150,7 @@ CASES = {
         for kind in ("lfm2", "qwen3_next", "granitemoehybrid")
         for sp in (2, 3)
     },
+    "qwen3_next_dp2_sp2": Case(4, kind="qwen3_next", batch=1, collator="padded"),  # DDP over dp x sp
     # vision-language models on whole rows (Note [whole-row calls]): 4 samples with 1-2 images of different sizes,
     # 2 epochs; Qwen2.5-VL's mRoPE from the grids with 2 right-padded rows per batch, Gemma 3's image blocks. One
     # micro-batch a step: these models take no num_items_in_batch (accepts_loss_kwargs=False), so the one-process

@@ -103,9 +103,12 @@ def halo_causal_conv(
     index = global_index(layout, sp, local)
     starts = mask.starts[:, index] if mask is not None and mask.starts is not None else torch.zeros(1, local)
     back = (index - starts.to(index.device)).to(x.device)  # tokens since the document's start, [B or 1, L]
-    out = x.new_zeros(b, c, chunks, size) if bias is None else bias.view(1, c, 1, 1).expand(b, c, chunks, size)
+    # summed in float32 whatever x's dtype, as a convolution kernel accumulates
+    out = torch.zeros(b, c, chunks, size, dtype=torch.float32, device=x.device)
+    if bias is not None:
+        out = out + bias.float().view(1, c, 1, 1)
     for k in range(width):  # tap k: the input k tokens back, weighted by the kernel's (K - 1 - k)-th entry
-        tap = extended[..., halo - k : halo - k + size]
-        inside = (back >= k).view(back.shape[0], 1, chunks, size).to(x.dtype)
-        out = out + weight[:, width - 1 - k].view(1, c, 1, 1) * tap * inside
-    return out.reshape(b, c, local)
+        tap = extended[..., halo - k : halo - k + size].float()
+        inside = (back >= k).view(back.shape[0], 1, chunks, size)
+        out = out + weight[:, width - 1 - k].float().view(1, c, 1, 1) * tap * inside
+    return out.to(x.dtype).reshape(b, c, local)
