@@ -395,3 +395,30 @@ def test_damaged_and_half_written_checkpoints_are_refused(tmp_path):
     broken = seqpar_train(*TINY, "--steps", "4", "--run-dir", str(run), "--resume", str(target))
     assert broken.returncode != 0
     assert "is damaged" in broken.stderr
+
+
+def test_a_local_hybrid_model_trains_at_sp_2_as_at_sp_1(tmp_path):
+    """A hybrid (LFM2: short convolutions between attention layers) from a local config directory under
+    ``seqpar train --model``: its convolutions exchange their halos (Note [halo convolution]), so sp 2 logs sp 1's
+    losses and gradient norms on the same packed rows."""
+    model = tmp_path / "model"
+    model.mkdir()
+    config = {
+        "model_type": "lfm2",
+        "vocab_size": 260,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "layer_types": ["conv", "full_attention", "conv"],
+        "conv_L_cache": 3,
+    }
+    (model / "config.json").write_text(json.dumps(config))
+    runs = {sp: tmp_path / f"sp{sp}" for sp in (1, 2)}
+    for sp, where in runs.items():
+        done = seqpar_train(*TINY, "--model", str(model), "--steps", "3", "--sp", str(sp), "--run-dir", str(where))
+        assert done.returncode == 0, done.stderr
+    for key, rel in (("loss", 1e-4), ("grad_norm", 1e-4)):
+        assert losses(runs[2], key) == pytest.approx(losses(runs[1], key), rel=rel), key
