@@ -1,12 +1,12 @@
-"""Hybrid models' token mixers other than attention under seqpar (Note [mixer adapters]): LFM2's short convolution
+"""Hybrid models' token mixers other than attention under seqpar (Note [mixer adapters]): LFM2's short convolution,
 the gated DeltaNet of Qwen3-Next and Qwen3.5 and the Mamba2 layers of GraniteMoeHybrid and Bamba (their convolutions
 and recurrent states passed between ranks).
 
 Logits, loss and every parameter's gradient equal one process (unpacked rows) and each packed document run alone
 (documents of 1 and 2 tokens, shorter than the convolution, a boundary on a chunk edge, a document starting in
 a chunk's last tokens, one spanning several chunks, a rank whose chunks all start documents), at P = 1, 2, 3,
-in the zigzag, contiguous and balanced layouts; without the halo exchange the same checks fail; bad input is
-refused on every rank.
+in the zigzag, contiguous, balanced and (packed) placed layouts; with checkpointing, under bf16 autocast, on the
+hybrid mesh; over 3 AdamW steps; without the exchanges the same checks fail; bad input is refused.
 """
 
 from __future__ import annotations
@@ -88,8 +88,14 @@ def _check(rank, world_size, mesh, kind, layout, packed, strategy="ring", checkp
     loss.backward()
     seqpar.reduce_gradients(model.parameters(), mesh)
     what = f"{kind} {layout} {'packed' if packed else 'rows'} {strategy} P={world_size} checkpointing={checkpointing}"
-    idx = shard_index(shard.layout, world_size, rank, SEQ)
-    torch.testing.assert_close(logits, want_logits[:, idx], atol=LOGITS_ATOL, rtol=0, msg=lambda m: f"{what}: {m}")
+    if shard.placement is not None:  # the placed row: each token's index in the batch's row, -1 for padding
+        order = shard.placement.order[:, shard_index(shard.layout, world_size, rank, shard.placement.seq_len)]
+        keep = order >= 0
+        got, wanted = logits[keep], want_logits[0, order[keep]]
+    else:
+        idx = shard_index(shard.layout, world_size, rank, SEQ)
+        got, wanted = logits, want_logits[:, idx]
+    torch.testing.assert_close(got, wanted, atol=LOGITS_ATOL, rtol=0, msg=lambda m: f"{what}: {m}")
     total = seqpar.sum_over(loss.detach(), mesh)
     torch.testing.assert_close(total, want_loss, atol=LOSS_ATOL, rtol=0, msg=lambda m: f"{what} loss: {m}")
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
@@ -107,6 +113,8 @@ def _exact(rank, world_size):
                 _check(rank, world_size, mesh, kind, layout, packed)
         if world_size == 2:  # the mixers exchange over the whole group whatever the attention does
             _check(rank, world_size, mesh, kind, "zigzag", True, strategy="ulysses")
+        if world_size > 1:  # packed documents reordered so that short ones stay whole (Note [placed layout])
+            _check(rank, world_size, mesh, kind, "placed", True)
 
 
 def _autocast(rank, world_size, kind):
