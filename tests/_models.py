@@ -120,6 +120,17 @@ def tiny_config(kind: str):
             mamba_n_groups=1,
             mamba_chunk_size=16,
         )
+    if kind == "olmo_hybrid":  # gated DeltaNet (separate projections, beta up to 2) in layers 0, 2, 3; attention in 1
+        return transformers.OlmoHybridConfig(
+            **{**common, "num_hidden_layers": 4},
+            pad_token_id=0,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+        )
     raise ValueError(kind)
 
 

@@ -384,17 +384,18 @@ def test_more_ranks_equal_one_process(more_ranks, name):
 
 
 HYBRID_CASES = [f"{kind}_sp{sp}" for kind in ("lfm2", "qwen3_next", "granitemoehybrid") for sp in (2, 3)]
-HYBRID_CASES.append("qwen3_next_dp2_sp2")
+HYBRID_CASES += ["qwen3_next_dp2_sp2", "qwen3_next_sp2_fsdp2"]
 
 
 @pytest.mark.parametrize("name", HYBRID_CASES)
 def test_hybrid_models_through_the_trainer(request, name):
     """LFM2 (short convolutions), Qwen3-Next (gated DeltaNet, experts) and GraniteMoeHybrid (Mamba2) at sp 2 and at
-    sp 3 (ring), and Qwen3-Next at dp 2 x sp 2 (DDP), through ``SequenceParallelTrainer``: every step's loss and
-    grad_norm and every parameter as one process's Trainer."""
+    sp 3 (ring), and Qwen3-Next at dp 2 x sp 2 (DDP) and FSDP2-sharded at sp 2, through ``SequenceParallelTrainer``:
+    every step's loss and grad_norm and every parameter as one process's Trainer."""
     root = request.getfixturevalue("two_ranks" if CASES[name].world == 2 else "more_ranks")
     found = _compare(root, name)
     assert any(piece in n for n in found["params"] for piece in (".conv.", "linear_attn", ".mamba."))
+    assert found["setup"]["fsdp2"] == CASES[name].fsdp
 
 
 @pytest.mark.parametrize("name", ["vlm_sp2", "vlm_gemma3_dp2_sp2"])

@@ -1,6 +1,6 @@
 """Hybrid models' token mixers other than attention under seqpar (Note [mixer adapters]): LFM2's short convolution,
-the gated DeltaNet of Qwen3-Next and Qwen3.5 and the Mamba2 layers of GraniteMoeHybrid and Bamba (their convolutions
-and recurrent states passed between ranks).
+the gated DeltaNet of Qwen3-Next, Qwen3.5 and Olmo-Hybrid and the Mamba2 layers of GraniteMoeHybrid and Bamba
+(their convolutions and recurrent states passed between ranks).
 
 Logits, loss and every parameter's gradient equal one process (unpacked rows) and each packed document run alone
 (documents of 1 and 2 tokens, shorter than the convolution, a boundary on a chunk edge, a document starting in
@@ -33,7 +33,7 @@ GRAD_RTOL = 1e-5  # of each tensor's largest entry
 DOCUMENTS = (1, 2, 5, 6, 26, 8)
 
 
-KINDS = ("lfm2", "qwen3_next", "qwen3_5", "granitemoehybrid", "bamba")
+KINDS = ("lfm2", "qwen3_next", "qwen3_5", "olmo_hybrid", "granitemoehybrid", "bamba")
 
 
 def _model(kind: str, seed: int = 0) -> torch.nn.Module:

@@ -120,7 +120,7 @@ def test_every_family_resolves_its_anatomy(kind):
     assert bare.head is None and bare.layers is decoder.layers
 
 
-HYBRIDS = ("lfm2", "qwen3_next", "qwen3_5", "granitemoehybrid", "bamba")
+HYBRIDS = ("lfm2", "qwen3_next", "qwen3_5", "olmo_hybrid", "granitemoehybrid", "bamba")
 
 
 @pytest.mark.parametrize("kind", HYBRIDS)

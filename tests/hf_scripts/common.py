@@ -151,6 +151,8 @@ CASES = {
         for sp in (2, 3)
     },
     "qwen3_next_dp2_sp2": Case(4, kind="qwen3_next", batch=1, collator="padded"),  # DDP over dp x sp
+    # the same model FSDP2-sharded over the 2 ranks: the adapted mixers live inside the sharded decoder blocks
+    "qwen3_next_sp2_fsdp2": Case(2, kind="qwen3_next", collator="padded", fsdp=True, reference="qwen3_next_sp2"),
     # vision-language models on whole rows (Note [whole-row calls]): 4 samples with 1-2 images of different sizes,
     # 2 epochs; Qwen2.5-VL's mRoPE from the grids with 2 right-padded rows per batch, Gemma 3's image blocks. One
     # micro-batch a step: these models take no num_items_in_batch (accepts_loss_kwargs=False), so the one-process

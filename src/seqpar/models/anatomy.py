@@ -142,7 +142,10 @@ def _layer_parts(family: Family, layers: nn.ModuleList, missing: list[str]) -> d
         else:
             attention.append(_part(layer, family.attention, nn.Module, where, missing))
         mlps.append(_part(layer, family.mlp, nn.Module, where, missing))
-        norms += [_part(layer, path, nn.Module, where, missing) for path in family.layer_norms]
+        if family.mixers:  # a hybrid's attention and mixer layers may name their norms differently (Olmo-Hybrid)
+            norms += [m for m in (_get(layer, path) for path in family.layer_norms) if isinstance(m, nn.Module)]
+        else:
+            norms += [_part(layer, path, nn.Module, where, missing) for path in family.layer_norms]
     return dict(attention=tuple(attention), mlps=tuple(mlps), layer_norms=tuple(norms), mixers=tuple(mixers))
 
 

@@ -80,7 +80,8 @@ class Family:
     """The call keyword whose 1s mark image tokens that see their whole image (Gemma 3's ``token_type_ids``)."""
     attention_interface: bool = False
     """Its attention looks its function up in transformers' ``AttentionInterface`` although the model class says
-    ``_supports_attention_backend = False`` (Qwen3-Next, Qwen3.5, Bamba: the flag stands for more backends there);
+    ``_supports_attention_backend = False`` (Qwen3-Next, Qwen3.5, Olmo-Hybrid, Bamba: the flag stands for more
+    backends there);
     checked for the entries that set it."""
     vision_units: bool = False
     """The vision encoder encodes each image, crop, tile or temporal patch on its own, so its work may be split
@@ -154,6 +155,13 @@ FAMILIES: dict[str, Family] = {
         ),
         Family("qwen3_next", mixers=("linear_attn",), attention_interface=True, **_MOE),  # gated DeltaNet layers
         Family("qwen3_5_text", mixers=("linear_attn",), attention_interface=True, tp_plan=None),  # dense Qwen3.5
+        Family(  # attention layers normalise after attention and MLP, gated DeltaNet layers before them
+            "olmo_hybrid",
+            layer_norms=("input_layernorm", "post_attention_layernorm", "post_feedforward_layernorm"),
+            mixers=("linear_attn",),
+            attention_interface=True,
+            tp_plan=None,
+        ),
         # Mamba2 (SSD) layers between attention layers, no rotary embedding, experts and a shared MLP
         Family("granitemoehybrid", mlp="shared_mlp", mixers=("mamba",), rotary=None, tp_plan=None),
         Family(

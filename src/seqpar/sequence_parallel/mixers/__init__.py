@@ -18,6 +18,7 @@ import functools
 import torch
 
 from seqpar.sequence_parallel.mixers.gated_deltanet import (
+    olmo_hybrid_gated_deltanet_forward,
     qwen3_5_gated_deltanet_forward,
     qwen3_next_gated_deltanet_forward,
 )
@@ -30,6 +31,7 @@ ADAPTERS = {
     "Lfm2ShortConv": lfm2_short_conv_forward,
     "Qwen3NextGatedDeltaNet": qwen3_next_gated_deltanet_forward,
     "Qwen3_5GatedDeltaNet": qwen3_5_gated_deltanet_forward,
+    "OlmoHybridGatedDeltaNet": olmo_hybrid_gated_deltanet_forward,
     "GraniteMoeHybridMambaLayer": mamba2_forward,
     "BambaMixer": mamba2_forward,
 }

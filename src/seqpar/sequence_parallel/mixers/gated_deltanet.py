@@ -1,4 +1,4 @@
-"""Gated DeltaNet layers (Qwen3-Next, Qwen3.5) under sequence parallelism: halo convolution, then the state passing.
+"""Gated DeltaNet layers (Qwen3-Next, Qwen3.5, Olmo-Hybrid) under sequence parallelism: halo convolution, state passing.
 
 The adapters' ``forward`` (Note [mixer adapters]), with transformers' own chunked kernel (Note [state passing]).
 """
@@ -15,7 +15,7 @@ from seqpar.sequence_parallel.call_context import CONTEXT_KEY, CallContext
 from seqpar.sequence_parallel.mixers.conv import halo_causal_conv
 from seqpar.sequence_parallel.mixers.scan import chunked_state_scan
 
-__all__ = ["qwen3_5_gated_deltanet_forward", "qwen3_next_gated_deltanet_forward"]
+__all__ = ["olmo_hybrid_gated_deltanet_forward", "qwen3_5_gated_deltanet_forward", "qwen3_next_gated_deltanet_forward"]
 
 
 def _context(self: torch.nn.Module, cache: object | None, kwargs: dict) -> CallContext:
@@ -28,10 +28,17 @@ def _context(self: torch.nn.Module, cache: object | None, kwargs: dict) -> CallC
 
 
 def _gated_deltanet(
-    self: torch.nn.Module, ctx: CallContext, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor
+    self: torch.nn.Module,
+    ctx: CallContext,
+    mixed: torch.Tensor,
+    z: torch.Tensor,
+    beta: torch.Tensor,
+    a: torch.Tensor,
+    out: tuple[torch.nn.Module, torch.nn.Module],
 ) -> torch.Tensor:
     """The layer after its projections: ``mixed`` ``[B, L, 2 key_dim + value_dim]`` (q, k, v before the
-    convolution), ``z`` ``[B, L, Hv, dv]`` (the output gate), ``b`` and ``a`` ``[B, L, Hv]``."""
+    convolution), ``z`` ``[B, L, Hv, dv]`` (the output gate), ``beta`` and ``a`` ``[B, L, Hv]``, ``out`` the gated
+    norm and the output projection."""
     kernel = sys.modules[type(self).__mro__[1].__module__].torch_chunk_gated_delta_rule
     conv = halo_causal_conv(
         mixed.transpose(1, 2), self.conv1d.weight.squeeze(1), self.conv1d.bias, ctx.mesh, ctx.layout, ctx.mask
@@ -40,7 +47,6 @@ def _gated_deltanet(
     shape = (*query.shape[:2], -1)
     query, key = query.reshape(*shape, self.head_k_dim), key.reshape(*shape, self.head_k_dim)
     value = value.reshape(*shape, self.head_v_dim)
-    beta = b.sigmoid()
     g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
 
     def run(q, k, v, g, beta, initial_state):
@@ -53,9 +59,10 @@ def _gated_deltanet(
         return run(q, k, v.new_zeros(*v.shape[:-1], self.head_k_dim), g, beta, initial_state=eye)[1]
 
     state = (self.num_v_heads, self.head_k_dim, self.head_v_dim)
-    out = chunked_state_scan(run, through, (query, key, value, g, beta), state, ctx.mesh, ctx.layout, ctx.mask)
-    gated = self.norm(out.reshape(-1, out.shape[-1]), z.reshape(-1, z.shape[-1])).reshape(z.shape)
-    return self.out_proj(gated.reshape(gated.shape[0], gated.shape[1], -1))
+    scanned = chunked_state_scan(run, through, (query, key, value, g, beta), state, ctx.mesh, ctx.layout, ctx.mask)
+    norm, projection = out
+    gated = norm(scanned.reshape(-1, scanned.shape[-1]), z.reshape(-1, z.shape[-1])).reshape(z.shape)
+    return projection(gated.reshape(gated.shape[0], gated.shape[1], -1))
 
 
 def qwen3_next_gated_deltanet_forward(
@@ -85,7 +92,7 @@ def qwen3_next_gated_deltanet_forward(
         self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states)
     )
     mixed = torch.cat([t.reshape(t.shape[0], t.shape[1], -1) for t in (query, key, value)], dim=-1)
-    return _gated_deltanet(self, ctx, mixed, z, b, a)
+    return _gated_deltanet(self, ctx, mixed, z, b.sigmoid(), a, (self.norm, self.out_proj))
 
 
 def qwen3_5_gated_deltanet_forward(
@@ -113,5 +120,36 @@ def qwen3_5_gated_deltanet_forward(
     ctx = _context(self, cache, kwargs)
     batch, length, _ = hidden_states.shape
     z = self.in_proj_z(hidden_states).reshape(batch, length, -1, self.head_v_dim)
-    mixed = self.in_proj_qkv(hidden_states)
-    return _gated_deltanet(self, ctx, mixed, z, self.in_proj_b(hidden_states), self.in_proj_a(hidden_states))
+    beta, a = self.in_proj_b(hidden_states).sigmoid(), self.in_proj_a(hidden_states)
+    return _gated_deltanet(self, ctx, self.in_proj_qkv(hidden_states), z, beta, a, (self.norm, self.out_proj))
+
+
+def olmo_hybrid_gated_deltanet_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    cache: object | None = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: object,
+) -> torch.Tensor:
+    """``OlmoHybridGatedDeltaNet.forward`` on this rank's shard (separate q/k/v/a/b projections, a ``g_proj`` gate,
+    beta doubled when negative eigenvalues are allowed).
+
+    Args:
+        self: the ``OlmoHybridGatedDeltaNet``.
+        hidden_states: ``[B, L, H]`` this rank's tokens.
+        cache: must be None (seqpar trains without a cache).
+        attention_mask: ignored, as seqpar's calls carry none (padding is its own document).
+        **kwargs: the layer's keywords; seqpar's call context among them.
+
+    Returns:
+        ``[B, L, H]``.
+
+    Raises:
+        SeqparInputError: called outside a prepared model's call, with a cache, or another activation than silu.
+    """
+    ctx = _context(self, cache, kwargs)
+    batch, length, _ = hidden_states.shape
+    mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1)
+    z = self.g_proj(hidden_states).reshape(batch, length, -1, self.head_v_dim)
+    beta = self.b_proj(hidden_states).sigmoid() * (2.0 if self.allow_neg_eigval else 1.0)
+    return _gated_deltanet(self, ctx, mixed, z, beta, self.a_proj(hidden_states), (self.o_norm, self.o_proj))
