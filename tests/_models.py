@@ -131,6 +131,17 @@ def tiny_config(kind: str):
             linear_value_head_dim=8,
             linear_conv_kernel_dim=4,
         )
+    if kind == "falcon_h1":  # attention and Mamba2 side by side in every layer, muP multipliers
+        return transformers.FalconH1Config(
+            **{**common, "num_hidden_layers": 4, "initializer_range": 0.2},  # the Mamba2 half large enough to matter
+            head_dim=12,
+            mamba_n_heads=4,
+            mamba_d_head=24,
+            mamba_d_ssm=96,
+            mamba_d_state=8,
+            mamba_n_groups=1,
+            mamba_chunk_size=16,
+        )
     raise ValueError(kind)
 
 

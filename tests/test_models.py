@@ -120,7 +120,7 @@ def test_every_family_resolves_its_anatomy(kind):
     assert bare.head is None and bare.layers is decoder.layers
 
 
-HYBRIDS = ("lfm2", "qwen3_next", "qwen3_5", "olmo_hybrid", "granitemoehybrid", "bamba")
+HYBRIDS = ("lfm2", "qwen3_next", "qwen3_5", "olmo_hybrid", "granitemoehybrid", "bamba", "falcon_h1")
 
 
 @pytest.mark.parametrize("kind", HYBRIDS)
@@ -132,8 +132,8 @@ def test_a_hybrid_family_resolves_attention_where_layers_have_it_and_its_mixers(
     assert parts.attention == tuple(getattr(layer, "self_attn", None) for layer in layers)
     mixer = parts.family.mixers[0]  # LFM2's conv, the gated DeltaNet's linear_attn: layers 0, 2 and 3
     assert parts.mixers == tuple(getattr(layer, mixer) for layer in layers if getattr(layer, mixer, None) is not None)
-    final = {"lfm2": "embedding_norm", "bamba": "final_layernorm"}.get(kind, "norm")
-    assert len(parts.mixers) == 3 and parts.norm is getattr(model.model, final)
+    final = {"lfm2": "embedding_norm", "bamba": "final_layernorm", "falcon_h1": "final_layernorm"}.get(kind, "norm")
+    assert len(parts.mixers) == (4 if kind == "falcon_h1" else 3) and parts.norm is getattr(model.model, final)
     assert parts.rotary is (None if kind == "granitemoehybrid" else model.model.rotary_emb)
 
 

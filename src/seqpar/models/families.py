@@ -80,8 +80,8 @@ class Family:
     """The call keyword whose 1s mark image tokens that see their whole image (Gemma 3's ``token_type_ids``)."""
     attention_interface: bool = False
     """Its attention looks its function up in transformers' ``AttentionInterface`` although the model class says
-    ``_supports_attention_backend = False`` (Qwen3-Next, Qwen3.5, Olmo-Hybrid, Bamba: the flag stands for more
-    backends there);
+    ``_supports_attention_backend = False`` (Qwen3-Next, Qwen3.5, Olmo-Hybrid, Bamba, Falcon-H1: the flag stands
+    for more backends there);
     checked for the entries that set it."""
     vision_units: bool = False
     """The vision encoder encodes each image, crop, tile or temporal patch on its own, so its work may be split
@@ -164,6 +164,15 @@ FAMILIES: dict[str, Family] = {
         ),
         # Mamba2 (SSD) layers between attention layers, no rotary embedding, experts and a shared MLP
         Family("granitemoehybrid", mlp="shared_mlp", mixers=("mamba",), rotary=None, tp_plan=None),
+        Family(  # each layer runs attention and Mamba2 side by side
+            "falcon_h1",
+            norm="final_layernorm",
+            mlp="feed_forward",
+            layer_norms=("input_layernorm", "pre_ff_layernorm"),
+            mixers=("mamba",),
+            attention_interface=True,
+            tp_plan=None,
+        ),
         Family(
             "bamba",
             norm="final_layernorm",

@@ -34,6 +34,7 @@ ADAPTERS = {
     "OlmoHybridGatedDeltaNet": olmo_hybrid_gated_deltanet_forward,
     "GraniteMoeHybridMambaLayer": mamba2_forward,
     "BambaMixer": mamba2_forward,
+    "FalconH1Mixer": mamba2_forward,
 }
 """Mixer class name -> the ``forward`` of its adapter."""
 

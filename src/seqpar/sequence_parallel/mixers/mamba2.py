@@ -25,8 +25,9 @@ def mamba2_forward(
     attention_mask: torch.Tensor | None = None,
     **kwargs: object,
 ) -> torch.Tensor:
-    """``GraniteMoeHybridMambaLayer.forward`` (and ``BambaMixer``'s, the same layer) on this rank's shard, the
-    convolution and the scan's state exchanged.
+    """``GraniteMoeHybridMambaLayer.forward`` (and ``BambaMixer``'s, the same layer, and ``FalconH1Mixer``'s, with its
+    input and projection multipliers and its optional gated norm) on this rank's shard, the convolution and the
+    scan's state exchanged.
 
     The SSD state ``[heads, head_dim, d_state]`` decays by one number per head over a piece, ``exp(A sum(dt))``,
     so ``M`` is that number times the identity (Note [state passing]).
@@ -51,7 +52,10 @@ def mamba2_forward(
         raise SeqparInputError(f"{type(self).__name__}'s convolution activation is {self.activation!r}, not silu")
     kernel = sys.modules[type(self).__mro__[1].__module__].mamba2_chunk_scan
     dtype, (batch, length, _) = hidden_states.dtype, hidden_states.shape
-    gate, xbc, dt = self.in_proj(hidden_states).split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+    projected = self.in_proj(hidden_states * getattr(self, "ssm_in_multiplier", 1.0))  # Falcon-H1's muP multipliers
+    if getattr(self, "mup_vector", None) is not None:
+        projected = projected * self.mup_vector
+    gate, xbc, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
     conv = halo_causal_conv(
         xbc.transpose(1, 2), self.conv1d.weight.squeeze(1), self.conv1d.bias, ctx.mesh, ctx.layout, ctx.mask
     )
@@ -76,5 +80,6 @@ def mamba2_forward(
 
     state = (self.num_heads, self.head_dim, self.ssm_state_size)
     out = chunked_state_scan(run, through, (x, dt, b, c), state, ctx.mesh, ctx.layout, ctx.mask)
-    out = self.norm(out.reshape(batch, length, -1), gate)
+    out = out.reshape(batch, length, -1)
+    out = self.norm(out, gate) if getattr(self, "mamba_rms_norm", True) else out * F.silu(gate)
     return self.out_proj(out.to(dtype))
