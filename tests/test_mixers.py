@@ -21,7 +21,7 @@ import transformers
 import seqpar
 from seqpar.errors import SeqparInputError
 from seqpar.models import FAMILIES, Family, register_family
-from seqpar.sequence_parallel.mixers import conv as halo
+from seqpar.sequence_parallel.mixers import conv, scan
 from tests._dist import run_ranks, shard_index
 from tests._models import tiny_config
 
@@ -193,8 +193,12 @@ def _control(rank, world_size):
     """Without the exchange (halos and incoming states zero) logits and the mixers' gradients are far off: the checks
     can tell."""
     mesh = seqpar.make_mesh()
-    kept = halo._GatherTails.apply
-    halo._GatherTails.apply = lambda tails, group: torch.zeros_like(kept(tails, group))
+    kept = conv.gather_sequence
+
+    def nothing_from_the_others(x, mesh, dim, layout):  # every rank's pieces gathered, then zeroed: no exchange
+        return torch.zeros_like(kept(x, mesh, dim=dim, layout=layout))
+
+    conv.gather_sequence = scan.gather_sequence = nothing_from_the_others
     try:
         for kind in KINDS:
             with pytest.raises(AssertionError, match=kind):
@@ -217,7 +221,7 @@ def _control(rank, world_size):
             )
             assert worst > 0.1, (kind, worst)
     finally:
-        halo._GatherTails.apply = kept
+        conv.gather_sequence = scan.gather_sequence = kept
 
 
 def _bad_input(rank, world_size):

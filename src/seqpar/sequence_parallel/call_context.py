@@ -11,7 +11,7 @@ from seqpar.layouts.chunks import Layout
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.masks import SequenceMask
 
-__all__ = ["CONTEXT_KEY", "CallContext"]
+__all__ = ["CONTEXT_KEY", "CallContext", "adapter_context"]
 
 CONTEXT_KEY = "seqpar_context"
 """The keyword under which the ``CallContext`` reaches the layers."""
@@ -33,3 +33,30 @@ class CallContext:
     """The batch's documents, window and blocks."""
     choices: dict
     """Layer index -> ``AttentionChoice`` of its last call, read by ``attention_choice``."""
+
+
+def adapter_context(module: object, cache: object | None, kwargs: dict, *, silu: bool = True) -> CallContext:
+    """The call context a mixer adapter (Note [mixer adapters]) was handed, after checking what it cannot serve.
+
+    Args:
+        module: the adapted mixer.
+        cache: its ``cache`` argument (seqpar trains without one).
+        kwargs: its keyword arguments, the context among them.
+        silu: the adapter applies silu after its convolution: check that the module's activation is that.
+
+    Returns:
+        The ``CallContext``.
+
+    Raises:
+        SeqparInputError: called outside a prepared model's call, with a cache, or with another activation.
+    """
+    from seqpar.errors import SeqparInputError
+
+    name = type(module).__name__
+    ctx = kwargs.get(CONTEXT_KEY)
+    if ctx is None or cache is not None:
+        raise SeqparInputError(f"a seqpar-adapted {name} runs inside a prepared model's call, without a cache")
+    activation = getattr(module, "activation", "silu")
+    if silu and activation not in ("silu", "swish"):
+        raise SeqparInputError(f"{name}'s convolution activation is {activation!r}; seqpar's adapter applies silu")
+    return ctx

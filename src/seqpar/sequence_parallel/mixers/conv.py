@@ -21,41 +21,17 @@ Note [halo convolution]
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from seqpar.layouts.chunks import Layout, chunks_per_rank, rank_chunk_ids
+from seqpar.layouts.chunks import Layout, chunks_per_rank, gather_sequence, rank_chunk_ids, shard_for_rank
 from seqpar.mesh import SequenceParallelMesh
-from seqpar.sequence_parallel.comm.collectives import all_gather_first_dim, reduce_scatter_first_dim
 from seqpar.sequence_parallel.masks import SequenceMask
 
-__all__ = ["gather_first_dim", "global_index", "halo_causal_conv"]
+__all__ = ["halo_causal_conv", "token_positions"]
 
 
-class _GatherTails(torch.autograd.Function):
-    """All-gather along dim 0 whose backward reduce-scatters: every rank runs both (Note [halo convolution])."""
-
-    @staticmethod
-    def forward(ctx, tails: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return all_gather_first_dim(tails, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return reduce_scatter_first_dim(grad, ctx.group), None
-
-
-def gather_first_dim(x: torch.Tensor, sp: SequenceParallelMesh) -> torch.Tensor:
-    """Every rank's ``x`` concatenated along dim 0, rank-major; the backward reduce-scatters (every rank runs it)."""
-    return _GatherTails.apply(x, sp.sp_group)
-
-
-def global_index(layout: Layout, sp: SequenceParallelMesh, local: int) -> torch.Tensor:
+def token_positions(layout: Layout, sp: SequenceParallelMesh, local: int) -> torch.Tensor:
     """Each of this rank's ``local`` tokens' index in the whole sequence (natural order), ``[local]``."""
-    if sp.sp_size == 1:
-        return torch.arange(local)
-    ids = rank_chunk_ids(layout, sp.sp_size, sp.sp_rank)
-    chunk = local // len(ids)
-    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in ids])
+    return shard_for_rank(torch.arange(local * sp.sp_size), sp.sp_rank, sp.sp_size, 0, layout)
 
 
 def halo_causal_conv(
@@ -90,9 +66,7 @@ def halo_causal_conv(
         tail = min(size, halo)  # a chunk shorter than the halo sends all of itself; the halo spans several chunks
         spans = -(-halo // tail)  # chunks a halo reaches back over
         tails = pieces[..., size - tail :].permute(2, 0, 1, 3).contiguous()  # [chunks, B, C, tail]
-        every = gather_first_dim(tails, sp)  # [P * chunks, ...], rank-major
-        order = [g for r in range(sp.sp_size) for g in rank_chunk_ids(layout, sp.sp_size, r)]
-        by_chunk = every[torch.tensor(order).argsort()]  # global chunk order
+        by_chunk = gather_sequence(tails, sp, dim=0, layout=layout)  # every chunk's tail, in the sequence's order
         earlier = torch.cat([torch.zeros_like(by_chunk[:1]).expand(spans, -1, -1, -1), by_chunk])
         mine = torch.tensor(rank_chunk_ids(layout, sp.sp_size, sp.sp_rank))
         before = torch.cat([earlier[mine + j] for j in range(spans)], dim=-1)[..., -halo:]  # the tokens before each
@@ -100,7 +74,7 @@ def halo_causal_conv(
     else:  # one rank holds the whole sequence: zeros before it
         before = pieces.new_zeros(b, c, chunks, halo)
     extended = torch.cat([before, pieces], dim=-1)  # [B, C, chunks, K - 1 + size]
-    index = global_index(layout, sp, local)
+    index = token_positions(layout, sp, local)
     starts = mask.starts[:, index] if mask is not None and mask.starts is not None else torch.zeros(1, local)
     back = (index - starts.to(index.device)).to(x.device)  # tokens since the document's start, [B or 1, L]
     # summed in float32 whatever x's dtype, as a convolution kernel accumulates

@@ -10,21 +10,11 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from seqpar.errors import SeqparInputError
-from seqpar.sequence_parallel.call_context import CONTEXT_KEY, CallContext
+from seqpar.sequence_parallel.call_context import CallContext, adapter_context
 from seqpar.sequence_parallel.mixers.conv import halo_causal_conv
 from seqpar.sequence_parallel.mixers.scan import chunked_state_scan
 
 __all__ = ["olmo_hybrid_gated_deltanet_forward", "qwen3_5_gated_deltanet_forward", "qwen3_next_gated_deltanet_forward"]
-
-
-def _context(self: torch.nn.Module, cache: object | None, kwargs: dict) -> CallContext:
-    ctx = kwargs.get(CONTEXT_KEY)
-    if ctx is None or cache is not None:
-        raise SeqparInputError("a seqpar-adapted gated DeltaNet runs inside a prepared model's call, without a cache")
-    if self.activation not in ("silu", "swish"):
-        raise SeqparInputError(f"{type(self).__name__}'s convolution activation is {self.activation!r}, not silu")
-    return ctx
 
 
 def _gated_deltanet(
@@ -87,7 +77,7 @@ def qwen3_next_gated_deltanet_forward(
     Raises:
         SeqparInputError: called outside a prepared model's call, with a cache, or another activation than silu.
     """
-    ctx = _context(self, cache, kwargs)
+    ctx = adapter_context(self, cache, kwargs)
     query, key, value, z, b, a = self.fix_query_key_value_ordering(
         self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states)
     )
@@ -117,7 +107,7 @@ def qwen3_5_gated_deltanet_forward(
     Raises:
         SeqparInputError: called outside a prepared model's call, with a cache, or another activation than silu.
     """
-    ctx = _context(self, cache, kwargs)
+    ctx = adapter_context(self, cache, kwargs)
     batch, length, _ = hidden_states.shape
     z = self.in_proj_z(hidden_states).reshape(batch, length, -1, self.head_v_dim)
     beta, a = self.in_proj_b(hidden_states).sigmoid(), self.in_proj_a(hidden_states)
@@ -147,7 +137,7 @@ def olmo_hybrid_gated_deltanet_forward(
     Raises:
         SeqparInputError: called outside a prepared model's call, with a cache, or another activation than silu.
     """
-    ctx = _context(self, cache, kwargs)
+    ctx = adapter_context(self, cache, kwargs)
     batch, length, _ = hidden_states.shape
     mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1)
     z = self.g_proj(hidden_states).reshape(batch, length, -1, self.head_v_dim)

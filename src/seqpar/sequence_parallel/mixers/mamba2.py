@@ -10,8 +10,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from seqpar.errors import SeqparInputError
-from seqpar.sequence_parallel.call_context import CONTEXT_KEY
+from seqpar.sequence_parallel.call_context import adapter_context
 from seqpar.sequence_parallel.mixers.conv import halo_causal_conv
 from seqpar.sequence_parallel.mixers.scan import chunked_state_scan
 
@@ -45,11 +44,7 @@ def mamba2_forward(
     Raises:
         SeqparInputError: called outside a prepared model's call, with a cache, or another activation than silu.
     """
-    ctx = kwargs.get(CONTEXT_KEY)
-    if ctx is None or cache is not None:
-        raise SeqparInputError("a seqpar-adapted Mamba2 layer runs inside a prepared model's call, without a cache")
-    if self.activation not in ("silu", "swish"):
-        raise SeqparInputError(f"{type(self).__name__}'s convolution activation is {self.activation!r}, not silu")
+    ctx = adapter_context(self, cache, kwargs)
     kernel = sys.modules[type(self).__mro__[1].__module__].mamba2_chunk_scan
     dtype, (batch, length, _) = hidden_states.dtype, hidden_states.shape
     projected = self.in_proj(hidden_states * getattr(self, "ssm_in_multiplier", 1.0))  # Falcon-H1's muP multipliers

@@ -38,10 +38,10 @@ from collections.abc import Callable
 
 import torch
 
-from seqpar.layouts.chunks import Layout, chunks_per_rank, rank_chunk_ids
+from seqpar.layouts.chunks import Layout, chunks_per_rank, gather_sequence, rank_chunk_ids
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.masks import SequenceMask
-from seqpar.sequence_parallel.mixers.conv import gather_first_dim, global_index
+from seqpar.sequence_parallel.mixers.conv import token_positions
 
 __all__ = ["Recurrence", "chunked_state_scan"]
 
@@ -86,7 +86,7 @@ def chunked_state_scan(
     chunks = chunks_per_rank(layout) if sp.sp_size > 1 else 1
     size = local // chunks
     ids = rank_chunk_ids(layout, sp.sp_size, sp.sp_rank) if sp.sp_size > 1 else (0,)
-    index = global_index(layout, sp, local)
+    index = token_positions(layout, sp, local)
     starts = mask.starts[:, index] == index if mask is not None and mask.starts is not None else None
     outputs, summaries, first_pieces = [], [], []
     for b in range(batch):
@@ -113,14 +113,12 @@ def chunked_state_scan(
     passing = torch.stack([torch.cat([s[c][0] for s in summaries]) for c in range(chunks)])  # [chunks, B, H, dk, dk]
     final = torch.stack([torch.cat([s[c][1] for s in summaries]) for c in range(chunks)])  # [chunks, B, H, dk, dv]
     summaries = torch.cat([passing, final.to(passing.dtype)], dim=-1)  # one exchange (Note [symmetric exchange])
-    every = gather_first_dim(summaries, sp) if sp.sp_size > 1 else summaries
+    every = gather_sequence(summaries, sp, dim=0, layout=layout) if sp.sp_size > 1 else summaries  # chunk order
     every_through, every_final = every[..., :dk], every[..., dk:]
-    order = [g_ for r in range(sp.sp_size) for g_ in rank_chunk_ids(layout, sp.sp_size, r)] if sp.sp_size > 1 else [0]
-    by_chunk = torch.tensor(order).argsort()
-    incoming, entering = {}, every_final.new_zeros(batch, heads, dk, dv)
-    for global_chunk, position in enumerate(by_chunk.tolist()):  # S_in(c + 1) = M_c S_in(c) + S_loc_c
-        incoming[global_chunk] = entering
-        entering = every_through[position] @ entering + every_final[position]
+    incoming, entering = [], every_final.new_zeros(batch, heads, dk, dv)
+    for passes, final_state in zip(every_through, every_final, strict=True):  # S_in(c + 1) = M_c S_in(c) + S_loc_c
+        incoming.append(entering)
+        entering = passes @ entering + final_state
     rows = []
     for b in range(batch):
         pieces_out = []

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from seqpar.errors import SeqparInputError
-from seqpar.sequence_parallel.call_context import CONTEXT_KEY
+from seqpar.sequence_parallel.call_context import adapter_context
 from seqpar.sequence_parallel.mixers.conv import halo_causal_conv
 
 __all__ = ["lfm2_short_conv_forward"]
@@ -36,11 +35,7 @@ def lfm2_short_conv_forward(
     Raises:
         SeqparInputError: called outside a prepared model's call, or with a cache.
     """
-    ctx = kwargs.get(CONTEXT_KEY)
-    if ctx is None or cache is not None:
-        raise SeqparInputError(
-            "a seqpar-adapted short convolution runs inside a prepared model's call, without a cache"
-        )
+    ctx = adapter_context(self, cache, kwargs, silu=False)  # LFM2's convolution has no activation
     gates = self.in_proj(hidden_states).transpose(-1, -2)
     b, c, x = gates.chunk(3, dim=-2)
     conv = halo_causal_conv(b * x, self.conv.weight.squeeze(1), self.conv.bias, ctx.mesh, ctx.layout, ctx.mask)
