@@ -246,9 +246,23 @@ def _vision_language(mesh, rank):
     assert not report.compared and _kinds(report)[-1][0] == "refused", str(report)
 
 
+def _generated_vision_language(mesh):
+    """The rows ``seqpar doctor`` generates for a vision-language model (images between text, random pixels) are
+    taken by the model as its processor's are; the doctor agrees on them (Qwen3-VL's DeepStack, Gemma 3's blocks)."""
+    from seqpar.diagnosis.multimodal import generated_multimodal_batch
+    from tests._vlm_models import build, config
+
+    for family in ("qwen3_vl", "gemma3"):
+        batch = generated_multimodal_batch(config(family), 48, 2, seed=3)
+        assert batch["input_ids"].shape == (2, 48)
+        report = seqpar.doctor(build(family), mesh, batch)
+        assert report.verdict and report.compared, str(report)
+
+
 def _worker(rank, world_size):
     mesh = seqpar.make_mesh()
     _vision_language(mesh, rank)
+    _generated_vision_language(mesh)
     _families(mesh)
     _hybrids(mesh)
     _sinks_and_softcap(mesh)
@@ -267,3 +281,32 @@ def test_seqpar_doctor_cli_on_the_demo_model(capfd):
     out = capfd.readouterr().out
     assert "VERDICT: OK" in out and "model.layers.1" in out, out
     assert "strategy auto -> ulysses" in out and "note [baseline] config.use_cache" in out, out
+
+
+@pytest.fixture(scope="module")
+def vlm_configs(tmp_path_factory):
+    from tests._vlm_models import config
+
+    root = tmp_path_factory.mktemp("vlm")
+    for family in ("qwen2_5_vl", "gemma3", "llava"):
+        config(family).save_pretrained(root / family)
+    return root
+
+
+def test_seqpar_doctor_cli_generates_rows_with_images_for_a_vision_language_model(capfd, vlm_configs):
+    assert cli_main(["doctor", "--model", str(vlm_configs / "qwen2_5_vl"), "--seq-len", "64"]) == 0
+    out = capfd.readouterr().out
+    assert "VERDICT: OK" in out and "model.language_model.layers.1" in out, out
+
+
+@pytest.mark.parametrize(
+    ("family", "flags", "message"),
+    [
+        ("llava", [], "generates image batches for qwen2_vl, qwen2_5_vl, qwen3_vl, gemma3, not 'llava'"),
+        ("gemma3", ["--data", "README.md"], "--data holds text rows, but this is a vision-language model"),
+        ("gemma3", ["--seq-len", "10"], "too short for the generated images"),
+    ],
+)
+def test_seqpar_doctor_cli_refuses_vision_language_rows_it_cannot_make(capfd, vlm_configs, family, flags, message):
+    assert cli_main(["doctor", "--model", str(vlm_configs / family), *flags]) == 2
+    assert message in capfd.readouterr().err

@@ -2,6 +2,7 @@
 
 seqpar doctor                                   # seqpar train's demo model, 2 spawned CPU ranks, a generated batch
 seqpar doctor --model ./my-llama --sp 4 --strategy ring --data a.jsonl --seq-len 4096   # or under torchrun
+seqpar doctor --model ./my-qwen2.5-vl --seq-len 512     # a vision-language model: generated rows with images
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from seqpar.cli.arguments import (
 )
 from seqpar.data import pack_documents
 from seqpar.diagnosis import doctor
+from seqpar.diagnosis.multimodal import generated_multimodal_batch, is_multimodal
+from seqpar.errors import SeqparInputError
 from seqpar.layouts.chunks import LAYOUTS
 from seqpar.mesh import make_mesh
 from seqpar.planning.memory import DTYPES
@@ -78,6 +81,24 @@ def _batch(args: argparse.Namespace, tokenizer: object, vocab: int, cache_dir: s
     return {key: torch.stack([r[key] for r in rows]) for key in ("input_ids", "position_ids")}
 
 
+def _multimodal_config(settings: TrainConfig) -> object | None:
+    """The model's config when it is a vision-language model (its batches are generated with images), else None."""
+    if settings.model is None:
+        return None
+    config = model_config(settings, 0)
+    return config if is_multimodal(config) else None
+
+
+def _multimodal_batch(args: argparse.Namespace, config: object) -> dict[str, torch.Tensor]:
+    """Generated whole rows with images for a vision-language model; --data (text rows) is refused for one."""
+    if args.data:
+        raise SeqparInputError(
+            "--data holds text rows, but this is a vision-language model: seqpar doctor generates rows with images "
+            "for it (drop --data), or call seqpar.doctor(model, mesh, batch) with your collator's batch"
+        )
+    return generated_multimodal_batch(config, args.seq_len, args.batch_size, args.seed)
+
+
 def _tokenizer(settings: TrainConfig) -> tuple[object, int]:
     tokenizer = load_tokenizer(settings.tokenizer_path())
     return tokenizer, getattr(tokenizer, "vocab_size", None) or len(tokenizer)
@@ -86,13 +107,18 @@ def _tokenizer(settings: TrainConfig) -> tuple[object, int]:
 def _doctor_rank(rank: int, world_size: int, args: argparse.Namespace, workdir: str) -> None:
     """One rank: model and batch built as ``seqpar train`` builds them, the doctor; rank 0 prints the report."""
     settings = _settings(args)
-    tokenizer, vocab = _tokenizer(settings)
-    model = build_model(settings, vocab).to(DTYPES[args.dtype])
+    multimodal = _multimodal_config(settings)
+    if multimodal is not None:
+        model, batch, eos = build_model(settings, 0, multimodal=True), _multimodal_batch(args, multimodal), None
+    else:
+        tokenizer, vocab = _tokenizer(settings)
+        model = build_model(settings, vocab)
+        batch = _batch(args, tokenizer, vocab, workdir)
+        eos = getattr(tokenizer, "eos_token_id", None) if args.data else None
+    model = model.to(DTYPES[args.dtype])
     if dist.get_backend() == "nccl":
         model = model.cuda()
     mesh = make_mesh(args.sp, ulysses_size=args.ulysses)
-    batch = _batch(args, tokenizer, vocab, workdir)
-    eos = getattr(tokenizer, "eos_token_id", None) if args.data else None
     report = doctor(
         model, mesh, batch, strategy=args.strategy, layout=args.layout, tolerance=args.tolerance, eos_token_id=eos
     )
@@ -133,10 +159,15 @@ def run_doctor(args: argparse.Namespace) -> int:
     Spawns ``--sp`` gloo CPU ranks, or uses the ranks torchrun started (NCCL on GPUs).
 
     Raises:
-        SeqparInputError: an unreadable model config or tokenizer (before any rank starts).
+        SeqparInputError: an unreadable model config or tokenizer, or a vision-language model whose rows seqpar
+            cannot generate (before any rank starts).
     """
     settings = _settings(args)
-    model_config(settings, _tokenizer(settings)[1])
+    multimodal = _multimodal_config(settings)
+    if multimodal is not None:
+        _multimodal_batch(args, multimodal)  # a family it cannot lay out, or too short rows: before any rank starts
+    else:
+        model_config(settings, _tokenizer(settings)[1])
     if _under_torchrun():
         return _run_torchrun(args)
     threads = max(1, (os.cpu_count() or 1) // args.sp)

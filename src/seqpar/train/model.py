@@ -64,20 +64,28 @@ def model_config(config: TrainConfig, vocab_size: int) -> object:
     return cfg
 
 
-def build_model(config: TrainConfig, vocab_size: int) -> torch.nn.Module:
+def build_model(config: TrainConfig, vocab_size: int, *, multimodal: bool = False) -> torch.nn.Module:
     """The model on the CPU (weights from the model directory when present, else seeded random), before
-    ``seqpar.parallelize`` applies the parallel axes and the memory features."""
+    ``seqpar.parallelize`` applies the parallel axes and the memory features.
+
+    Args:
+        config: the run's settings (the model directory or config file, the seed).
+        vocab_size: the tokenizer's size, checked against the model's.
+        multimodal: build the vision-language model (``AutoModelForImageTextToText``) rather than a decoder.
+
+    Returns:
+        The model, in float32.
+    """
     import transformers
 
     cfg = model_config(config, vocab_size)
+    auto = transformers.AutoModelForImageTextToText if multimodal else transformers.AutoModelForCausalLM
     torch.manual_seed(config.seed)
     has_weights = config.model is not None and any(
         os.path.exists(os.path.join(config.model, name)) for name in _WEIGHT_FILES
     )
     if has_weights:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            config.model, config=cfg, local_files_only=True, dtype=torch.float32
-        )
+        model = auto.from_pretrained(config.model, config=cfg, local_files_only=True, dtype=torch.float32)
     else:
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        model = auto.from_config(cfg, dtype=torch.float32)
     return model
