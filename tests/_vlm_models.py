@@ -195,7 +195,7 @@ def sample(family: str, seed: int = 0) -> dict[str, torch.Tensor]:
 
         processor = Gemma3ImageProcessorPil(size={"height": 16, "width": 16})
         pixels = processor(images=_images([(20, 16), (16, 12), (16, 16), (12, 20)], seed), return_tensors="pt")
-        rows = [_row([4, 4], [5, 3, 6], rng), _row([4, 4], [5, 3, 2], rng)]
+        rows = [_row([4, 4], [5, 3, 6], rng), _row([4, 4], [3, 6, 2], rng)]  # the rows' images at other tokens
         extra = {"pixel_values": pixels["pixel_values"]}
     elif family == "llava":
         from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil

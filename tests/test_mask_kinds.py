@@ -44,8 +44,9 @@ def kind_mask(positions: torch.Tensor, causal: bool, window: int | None, blocks)
     keep = starts[:, :, None] == starts[:, None, :]
     i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
     if blocks is not None:
-        label = block_of(s, blocks)
-        keep &= label[None, :] <= label[:, None]
+        per_row = not isinstance(blocks, int) and all(isinstance(r, list) for r in blocks)
+        label = torch.stack([block_of(s, r) for r in blocks]) if per_row else block_of(s, blocks)[None]  # [B, S]
+        keep &= label[:, None, :] <= label[:, :, None]
     elif causal:
         keep &= j <= i
     if window is not None:
@@ -98,12 +99,22 @@ def kind_cases(seq_len: int) -> list[tuple]:
         (one_doc, True, None, images, True),  # images in a text stream
         (packed, True, None, images, False),  # ... and packed documents
         (two_rows, True, 7, 10, True),  # blocks, window and documents of two rows together
+        (two_rows, True, None, [images, [(0, 6), (26, 40)]], False),  # each row its own images (per-row blocks)
         (packed, False, None, None, False),  # bidirectional documents
         (two_rows, False, None, None, True),
     ]
 
 
-KIND_NAMES = ("frames", "one-block", "images", "images-packed", "blocks-window-rows", "bidir-packed", "bidir-rows")
+KIND_NAMES = (
+    "frames",
+    "one-block",
+    "images",
+    "images-packed",
+    "blocks-window-rows",
+    "images-per-row",
+    "bidir-packed",
+    "bidir-rows",
+)
 """Names of ``kind_cases``'s cases, in order."""
 
 

@@ -132,9 +132,10 @@ def _worst_relative(model: torch.nn.Module, ref: torch.nn.Module) -> float:
 def _training(rank, world_size):
     """5 AdamW steps on whole rows (fresh samples each step) equal 5 one-process steps, to within the rounding
     floor: a second one-process run that differs only in its attention's summation order (transformers' SDPA
-    instead of eager) is as far from the first (measured 1.6e-5 of a tensor's max on Qwen2.5-VL, 5.1e-5 on
-    Gemma 3) as seqpar is (1.5e-5 and 1.5e-4). So a 1e-6 target is below what fp32 allows here: the floor is
-    asserted to be above it, and seqpar within 10 times the floor."""
+    instead of eager) is as far from the first (measured 1.6e-5 of a tensor's max on Qwen2.5-VL, 9.5e-4 on
+    Gemma 3, whose rows hold their images at other tokens) as seqpar is (1.5e-5 and 1.2e-3). So a 1e-6 target
+    is below what fp32 allows here: the floor is asserted to be above it, and seqpar within 10 times the floor,
+    overall and tensor by tensor (where a tensor's own floor is above ``ADAMW_RTOL`` of its max)."""
     mesh = seqpar.make_mesh()
     for family in ("qwen2_5_vl", "gemma3"):
         ref = build(family).train()
@@ -156,7 +157,8 @@ def _training(rank, world_size):
         for (name, p), want in zip(model.named_parameters(), ref.parameters(), strict=True):
             if name.endswith(ROUNDING_ONLY):
                 continue
-            atol = ADAMW_RTOL * float(want.detach().abs().max()) + 1e-8
+            own_floor = float((dict(floor.named_parameters())[name] - want).abs().max())
+            atol = max(ADAMW_RTOL * float(want.detach().abs().max()), 10 * own_floor) + 1e-8
             torch.testing.assert_close(p, want, rtol=0, atol=atol, msg=lambda m, n=name, f=family: f"{f} {n}: {m}")
         rounding, found = _worst_relative(floor, ref), _worst_relative(model, ref)
         assert rounding > 1e-6 and found < 10 * rounding, (family, rounding, found)
@@ -185,7 +187,9 @@ def _packed_family(rank, world_size, mesh, family, layout):
         ref.model.vision_tower.requires_grad_(False)
     model = seqpar.prepare_model(copy.deepcopy(ref), mesh, strategy="ring")
     docs = documents(family, 0) + documents(family, 1)
-    rows = [docs] if family == "gemma3" else [docs[:3], docs[3:]]  # Gemma 3: one block mask per batch
+    # two rows of documents (Gemma 3's images then sit at other tokens in each row: per-row blocks); Gemma 3 placed
+    # packs one row, which the placement reorders, moving its image blocks with their documents
+    rows = [docs] if family == "gemma3" and layout == "placed" else [docs[:3], docs[3:]]
     # the balanced layout cuts a row into more chunks when its length allows: 8 a rank here
     batch = pack(ref, rows, multiple=8 * world_size if layout == "balanced" else 1)
     predicted = sum(d["input_ids"].shape[1] - 1 for d in docs)
@@ -371,11 +375,6 @@ def _bad_input(rank, world_size):
     _raises("padding before real tokens", lambda: qwen(**left))
     placed = seqpar.shard_batch({"input_ids": batch["input_ids"]}, mesh, layout="placed")
     _raises("placed layout reorders the rows", lambda: qwen(**batch, seqpar_layout=placed.layout))
-    gemma = seqpar.prepare_model(build("gemma3"), mesh)
-    rows = sample("gemma3")
-    moved = rows["token_type_ids"].clone()
-    moved[1] = moved[1].roll(1)
-    _raises("image blocks .token_type_ids. at different tokens", lambda: gemma(**dict(rows, token_type_ids=moved)))
     from tests._models import build as build_text
 
     text = seqpar.prepare_model(build_text("llama"), mesh)

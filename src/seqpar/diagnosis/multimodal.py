@@ -38,8 +38,11 @@ def _text_tokens(count: int, vocab: int, special: set[int], gen: torch.Generator
     return kept[:count]
 
 
-def _fill(runs: list[list[int]], seq_len: int, vocab: int, special: set[int], gen: torch.Generator) -> list[int]:
-    """Text, each run, text between and after, to exactly ``seq_len`` tokens (the text split evenly)."""
+def _fill(
+    runs: list[list[int]], seq_len: int, vocab: int, special: set[int], gen: torch.Generator, shift: int = 0
+) -> list[int]:
+    """Text, each run, text between and after, to exactly ``seq_len`` tokens (the text split evenly, the first
+    piece ``shift`` tokens longer and the last as much shorter where they can be)."""
     text = seq_len - sum(len(r) for r in runs)
     if text < len(runs) + 1:
         raise SeqparInputError(
@@ -47,6 +50,8 @@ def _fill(runs: list[list[int]], seq_len: int, vocab: int, special: set[int], ge
             "tokens); raise it"
         )
     pieces = [text // (len(runs) + 1) + (1 if i < text % (len(runs) + 1) else 0) for i in range(len(runs) + 1)]
+    shift = min(shift, pieces[-1] - 1)
+    pieces[0], pieces[-1] = pieces[0] + shift, pieces[-1] - shift
     row = _text_tokens(pieces[0], vocab, special, gen)
     for run, after in zip(runs, pieces[1:], strict=True):
         row += run + _text_tokens(after, vocab, special, gen)
@@ -80,13 +85,12 @@ def _qwen_rows(config: object, seq_len: int, batch_size: int, gen: torch.Generat
 
 
 def _gemma3_rows(config: object, seq_len: int, batch_size: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """Two images a row at the same tokens in every row (one block mask per batch), between begin/end tokens."""
+    """Two images a row between begin/end tokens, each row's a token later than the row before's (per-row blocks)."""
     vision = config.vision_config
     image, begin, end = config.image_token_id, config.boi_token_index, config.eoi_token_index
     run = [begin, *[image] * config.mm_tokens_per_image, end]
-    row = _fill([run, run], seq_len, config.get_text_config().vocab_size, {image, begin, end}, gen)
-    rows = [row] * batch_size  # rows with images elsewhere would be refused by seqpar (one set of blocks)
-    ids = torch.tensor(rows)
+    vocab, special = config.get_text_config().vocab_size, {image, begin, end}
+    ids = torch.tensor([_fill([run, run], seq_len, vocab, special, gen, shift=b) for b in range(batch_size)])
     pixels = torch.randn(2 * batch_size, vision.num_channels, vision.image_size, vision.image_size, generator=gen)
     return {
         "input_ids": ids,
@@ -99,7 +103,8 @@ def _gemma3_rows(config: object, seq_len: int, batch_size: int, gen: torch.Gener
 def generated_multimodal_batch(config: object, seq_len: int, batch_size: int, seed: int) -> dict[str, torch.Tensor]:
     """Whole rows of text and images, as the family's processor and chat template lay them out, random pixels.
 
-    Each row holds two images of different sizes (Qwen-VL) or two images (Gemma 3) between text; the model is
+    Each row holds two images of different sizes (Qwen-VL) or two images, in each row at other tokens (Gemma 3:
+    its image blocks then differ by row), between text; the model is
     called with these whole rows on every rank (the contract of ``seqpar.doctor`` for multimodal batches).
 
     Args:

@@ -81,9 +81,9 @@ def visible_area(mask: SequenceMask, seq_len: int, causal: bool = True) -> torch
         ends = torch.searchsorted(mask.starts.contiguous(), mask.starts.contiguous(), right=True)  # next document
         lo, hi = torch.maximum(lo, mask.starts), torch.minimum(hi, ends - 1)
     if mask.blocks is not None:  # keys of this block and earlier ones: up to the end of the query's block
-        block_start = mask.blocks.starts(query)
-        after = torch.searchsorted(block_start.flatten().contiguous(), block_start.flatten(), right=True)
-        hi = torch.minimum(hi, after[None] - 1)
+        block_start = mask.blocks.starts(query[0])  # [S], or [B, S] when the rows' blocks differ
+        after = torch.searchsorted(block_start.contiguous(), block_start.contiguous(), right=True)
+        hi = torch.minimum(hi, after - 1)
     elif causal:
         hi = torch.minimum(hi, query)
     if mask.window is not None:

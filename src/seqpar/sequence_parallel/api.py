@@ -98,7 +98,7 @@ def attention(
     window: int | None = None,
     position_ids: torch.Tensor | None = None,
     mask: SequenceMask | None = None,
-    blocks: int | Sequence[tuple[int, int]] | None = None,
+    blocks: int | Sequence[tuple[int, int]] | Sequence[Sequence[tuple[int, int]]] | None = None,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
@@ -130,8 +130,9 @@ def attention(
         mask: a prebuilt ``seqpar.sequence_mask`` (build it once per batch and pass it to every layer
             instead of ``position_ids``); ``window``, when given, replaces its window.
         blocks: block-causal attention (Note [block-causal ranges]): a block size (video frames) or global
-            ``(start, stop)`` token ranges (images in a text stream); a token sees all of its own block and
-            of earlier blocks. Needs ``causal=True``; with a prebuilt mask, pass it to ``sequence_mask``.
+            ``(start, stop)`` token ranges (images in a text stream), or one sequence of ranges per batch row
+            (rows with their images at different tokens); a token sees all of its own block and of earlier
+            blocks. Needs ``causal=True``; with a prebuilt mask, pass it to ``sequence_mask``.
         sinks: ``[heads]`` learned attention-sink logits (gpt-oss): each joins every query's softmax
             denominator of its head with value 0 (Note [attention sinks]); gets a gradient, summed over this
             rank's queries (sum it over the SP ranks like any replicated parameter's).
@@ -167,7 +168,7 @@ def attention(
         raise SeqparInputError("blocks= goes to seqpar.sequence_mask when a prebuilt mask is passed")
     elif window is not None:
         mask = mask.with_window(window)
-    _check_blocks(mask, causal, q.shape[2] * sp.sp_size)
+    _check_blocks(mask, causal, q.shape[2] * sp.sp_size, q.shape[0])
     if mask.starts is not None and mask.starts.shape[1] != q.shape[2] * sp.sp_size:
         raise SeqparInputError(
             f"the sequence mask covers {mask.starts.shape[1]} tokens but the sequence has "
@@ -206,11 +207,14 @@ def _same_head_width(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple
     return tuple(t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
 
 
-def _check_blocks(mask: SequenceMask, causal: bool, seq_len: int) -> None:
-    """Block-causal ranges need ``causal=True`` and must lie inside the sequence (same answer on every rank)."""
+def _check_blocks(mask: SequenceMask, causal: bool, seq_len: int, batch: int) -> None:
+    """Block-causal ranges need ``causal=True``, must lie inside the sequence and, given per row, name every
+    row of the batch (same answer on every rank)."""
     if mask.blocks is None:
         return
     if not causal:
         raise SeqparInputError("block-causal blocks need causal=True (causal=False is already fully bidirectional)")
     if mask.blocks.end > seq_len:
         raise SeqparInputError(f"block ranges reach token {mask.blocks.end} but the sequence has {seq_len} tokens")
+    if mask.blocks.per_row and len(mask.blocks.rows) != batch:
+        raise SeqparInputError(f"block ranges are given for {len(mask.blocks.rows)} rows but the batch has {batch}")

@@ -82,9 +82,10 @@ class WholeRow:
 
     layout: Layout
     """The layout the call's shard was made with (``shard_batch``'s)."""
-    blocks: tuple[tuple[int, int], ...] | None
-    """Global token ranges of image blocks that see themselves both ways (Gemma 3), or None; under the placed
-    layout, ranges of the placed row."""
+    blocks: tuple[tuple[int, int], ...] | tuple[tuple[tuple[int, int], ...], ...] | None
+    """Global token ranges of image blocks that see themselves both ways (Gemma 3), or None; one set of ranges
+    per row when the rows hold their images at different tokens; under the placed layout, ranges of the placed
+    row."""
     placement: Placement | None = None
     """Under the placed layout: the order of the placed row (``shard.placement``), else None."""
 
@@ -154,7 +155,6 @@ class _RowSignature(Signature):
     broken_text_positions: bool
     image_across_documents: bool
     left_padding: bool
-    rows_differ: bool
     reordering_layout: bool
     wrong_placement: bool
     placement_cuts_block: bool
@@ -182,8 +182,6 @@ _ROW_PROBLEMS = {
     "image_across_documents": "a run of image or video tokens crosses a document start (the text positions "
     "restart inside it): each image belongs to one document",
     "left_padding": "attention_mask has padding before real tokens; only right padding is supported",
-    "rows_differ": "the rows of this batch hold image blocks (token_type_ids) at different tokens; seqpar's "
-    "block mask is one per batch: use one row per batch, or rows with the images at the same tokens",
     "no_layout": "a model prepared with a per-batch layout needs each batch's layout: pass "
     "seqpar_layout=shard.layout with the shard of seqpar.shard_batch of the same rows",
     "bad_layout": "seqpar_layout must be 'contiguous', 'zigzag' or the ChunkLayout of seqpar.shard_batch "
@@ -193,8 +191,7 @@ _ROW_PROBLEMS = {
     "wrong_placement": "seqpar_placement is not the placement of these rows under this layout: pass "
     "shard.placement and shard.layout of seqpar.shard_batch of the same rows and text positions",
     "placement_cuts_block": "the placed layout cut an image block (token_type_ids) into pieces that are not "
-    "next to each other in the placed row, or moved the rows' blocks differently; use the 'balanced' layout for "
-    "this batch",
+    "next to each other in the placed row; use the 'balanced' layout for this batch",
 }
 
 
@@ -236,11 +233,11 @@ def agree_on_whole_row(
     length = ids.shape[-1] if ids is not None else None
     mask = kwargs.get("attention_mask")
     keep = torch.as_tensor(mask).bool() if mask is not None and not isinstance(mask, dict) else None
-    blocks, rows_differ = None, False
+    blocks = None
     if family.image_blocks and kwargs.get(family.image_blocks) is not None:
         runs = _image_runs(torch.as_tensor(kwargs[family.image_blocks]))
-        rows_differ = any(r != runs[0] for r in runs)
-        blocks = runs[0] or None
+        if any(runs):  # one set of ranges when every row holds its images at the same tokens
+            blocks = runs[0] if all(r == runs[0] for r in runs) else tuple(runs)
     types = kwargs.get(family.image_blocks) if family.image_blocks else None
     types = kwargs.get("mm_token_type_ids") if types is None else types
     marks = torch.as_tensor(types) != 0 if types is not None else None
@@ -264,7 +261,6 @@ def agree_on_whole_row(
         broken_text_positions=broken,
         image_across_documents=split,
         left_padding=keep is not None and keep.dim() == 2 and bool((keep[:, 1:] & ~keep[:, :-1]).any()),
-        rows_differ=rows_differ,
         reordering_layout=reorders and placement is None,
         wrong_placement=wrong_placement,
         placement_cuts_block=cut,
@@ -305,15 +301,15 @@ def _fits(placement: object, layout: Layout, ids: torch.Tensor | None, positions
     return bool((placed[real] == placement.position_ids.to(order.device)[real]).all())
 
 
-def _placed_blocks(
-    blocks: tuple[tuple[int, int], ...], placement: Placement
-) -> tuple[tuple[tuple[int, int], ...], bool]:
-    """The image blocks as ranges of the placed row, and whether the placement cut one apart (or moved the rows'
-    blocks to different places)."""
+def _placed_blocks(blocks: tuple, placement: Placement) -> tuple[tuple, bool]:
+    """The image blocks (one set of ranges, or one per row) as ranges of the placed row (per row where they
+    differ), and whether the placement cut one apart."""
+    per_row = any(not row or isinstance(row[0], tuple) for row in blocks)  # ranges are pairs of ints
+    row_blocks = blocks if per_row else (blocks,) * len(placement.order)
     per_row = []
-    for order in placement.order:
+    for order, ranges in zip(placement.order, row_blocks, strict=True):
         moved = []
-        for start, stop in blocks:
+        for start, stop in ranges:
             where = ((order >= start) & (order < stop)).nonzero().flatten()
             steps = order[where]
             whole = where.numel() == stop - start and bool((torch.diff(where) == 1).all())
@@ -321,7 +317,7 @@ def _placed_blocks(
                 return blocks, True
             moved.append((int(where[0]), int(where[0]) + stop - start))
         per_row.append(tuple(sorted(moved)))  # the placed row may hold documents in another order
-    return per_row[0], any(row != per_row[0] for row in per_row)
+    return (per_row[0] if all(row == per_row[0] for row in per_row) else tuple(per_row)), False
 
 
 def padded_row_length(length: int, sp_size: int, layout: Layout) -> int:

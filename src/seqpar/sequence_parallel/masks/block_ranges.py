@@ -36,36 +36,59 @@ class BlockCausal:
     """Tokens per block when all blocks are equal, else None."""
     ranges: tuple[tuple[int, int], ...] = ()
     """Sorted, disjoint global ``(start, stop)`` ranges; tokens outside them are blocks of one token."""
+    rows: tuple[tuple[tuple[int, int], ...], ...] = ()
+    """When the batch rows' blocks differ: each row's ranges (as ``ranges``, which is then empty), else ()."""
+
+    @property
+    def per_row(self) -> bool:
+        """Whether the rows hold different blocks (``starts`` then has a leading row dimension)."""
+        return bool(self.rows)
 
     def starts(self, index: torch.Tensor) -> torch.Tensor:
-        """First token of the block of each global token index in ``index`` (any shape, int64)."""
+        """First token of the block of each global token index in ``index`` (any shape, int64); per row, with
+        a leading row dimension, when ``per_row``."""
         if self.size is not None:
             return index - index % self.size
-        if not self.ranges:
-            return index
-        table = torch.tensor(self.ranges, dtype=torch.long)  # [R, 2]
-        j = torch.searchsorted(table[:, 0].contiguous(), index, right=True) - 1
-        inside = (j >= 0) & (index < table[j.clamp(min=0), 1])
-        return torch.where(inside, table[j.clamp(min=0), 0], index)
-
-    def start(self, i: int) -> int:
-        """``starts`` of one index."""
-        return int(self.starts(torch.tensor([i]))[0])
+        if self.rows:
+            return torch.stack([_range_starts(row, index) for row in self.rows])
+        return _range_starts(self.ranges, index)
 
     @property
     def end(self) -> int:
-        """One past the last token the ranges name (0 for a block size)."""
-        return self.ranges[-1][1] if self.ranges else 0
+        """One past the last token the ranges name, in any row (0 for a block size)."""
+        return max((row[-1][1] for row in (self.ranges, *self.rows) if row), default=0)
+
+    @property
+    def edges(self) -> tuple[int, ...]:
+        """Every range's start and stop, of every row, sorted (none for a block size)."""
+        return tuple(sorted({x for row in (self.ranges, *self.rows) for pair in row for x in pair}))
 
 
-def block_causal(blocks: int | Sequence[tuple[int, int]]) -> BlockCausal:
+def _range_starts(ranges: tuple[tuple[int, int], ...], index: torch.Tensor) -> torch.Tensor:
+    """``BlockCausal.starts`` of one set of ranges."""
+    if not ranges:
+        return index
+    table = torch.tensor(ranges, dtype=torch.long)  # [R, 2]
+    j = torch.searchsorted(table[:, 0].contiguous(), index, right=True) - 1
+    inside = (j >= 0) & (index < table[j.clamp(min=0), 1])
+    return torch.where(inside, table[j.clamp(min=0), 0], index)
+
+
+def _is_pair(item: object) -> bool:
+    return isinstance(item, Sequence | torch.Tensor) and len(item) == 2 and not isinstance(item[0], Sequence)
+
+
+def block_causal(
+    blocks: int | Sequence[tuple[int, int]] | Sequence[Sequence[tuple[int, int]]],
+) -> BlockCausal:
     """Check and normalise the ``blocks=`` argument of ``seqpar.sequence_mask`` / ``seqpar.attention``.
 
     Args:
-        blocks: a block size (equal blocks from token 0), or global ``(start, stop)`` token ranges.
+        blocks: a block size (equal blocks from token 0), global ``(start, stop)`` token ranges, or one
+            sequence of such ranges per batch row (rows whose blocks differ; a row may have none).
 
     Returns:
-        The ``BlockCausal`` description.
+        The ``BlockCausal`` description (per-row ranges that are all equal become plain ranges).
 
     Raises:
         SeqparInputError: a size below 1, ranges that are empty, negative, unsorted or overlapping.
@@ -76,6 +99,14 @@ def block_causal(blocks: int | Sequence[tuple[int, int]]) -> BlockCausal:
         if blocks < 1:
             raise SeqparInputError(f"block size must be a positive integer, got {blocks}")
         return BlockCausal(size=blocks)
+    if isinstance(blocks, Sequence) and blocks and all(isinstance(r, Sequence) and not _is_pair(r) for r in blocks):
+        rows = tuple(_ranges(row) for row in blocks)  # one set of ranges per row
+        return BlockCausal(ranges=rows[0]) if all(r == rows[0] for r in rows) else BlockCausal(rows=rows)
+    return BlockCausal(ranges=_ranges(blocks))
+
+
+def _ranges(blocks: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Checked sorted, disjoint ``(start, stop)`` ranges."""
     try:
         ranges = tuple((int(a), int(b)) for a, b in blocks)
     except (TypeError, ValueError) as err:
@@ -88,4 +119,4 @@ def block_causal(blocks: int | Sequence[tuple[int, int]]) -> BlockCausal:
                 f"after a range ending at {previous}"
             )
         previous = b
-    return BlockCausal(ranges=ranges)
+    return ranges

@@ -104,7 +104,7 @@ def sequence_mask(
     layout: Layout = "zigzag",
     window: int | None = None,
     batch_size: int | None = None,
-    blocks: int | Sequence[tuple[int, int]] | None = None,
+    blocks: int | Sequence[tuple[int, int]] | Sequence[Sequence[tuple[int, int]]] | None = None,
 ) -> SequenceMask:
     """Build the mask of packed documents (Note [documents from position ids]), an optional window and blocks.
 
@@ -118,8 +118,9 @@ def sequence_mask(
         layout: the layout the ids were sharded with ("contiguous", "zigzag" or the batch's ``ChunkLayout``).
         window: sliding-window size, or None.
         batch_size: expected batch size of the ids (checked when given).
-        blocks: block-causal blocks (Note [block-causal ranges]): a block size, or global ``(start, stop)``
-            token ranges (tokens outside them are causal); the same on every rank. None: plain causal.
+        blocks: block-causal blocks (Note [block-causal ranges]): a block size, global ``(start, stop)``
+            token ranges (tokens outside them are causal), or one such sequence of ranges per batch row; the
+            same on every rank. None: plain causal.
 
     Returns:
         A ``SequenceMask``; its ``starts`` is None when no row holds more than one document.
@@ -131,6 +132,8 @@ def sequence_mask(
     if window is not None and (not isinstance(window, int) or window < 1):
         raise SeqparInputError(f"sliding window must be a positive integer or None, got {window!r}")
     spec = None if blocks is None else block_causal(blocks)
+    if spec is not None and spec.per_row and batch_size is not None and len(spec.rows) != batch_size:
+        raise SeqparInputError(f"blocks are given for {len(spec.rows)} rows but the batch has {batch_size}")
     if position_ids is None:
         return SequenceMask(None, window, blocks=spec)
     if position_ids.is_floating_point() or position_ids.dtype == torch.bool:

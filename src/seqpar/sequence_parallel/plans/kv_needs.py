@@ -49,7 +49,7 @@ def _query_bounds(mask: SequenceMask, causal: bool, seq_len: int) -> tuple[torch
         ends = torch.searchsorted(mask.starts.contiguous(), mask.starts.contiguous(), right=True)  # [B, S]
         lo, hi = torch.maximum(lo, mask.starts), torch.minimum(hi, ends - 1)
     if mask.blocks is not None:
-        lo = torch.maximum(lo, mask.blocks.starts(key))
+        lo = torch.maximum(lo, mask.blocks.starts(key[0]))  # [S], or [B, S] when the rows' blocks differ
     elif causal:
         lo = torch.maximum(lo, key)
     if mask.window is not None:

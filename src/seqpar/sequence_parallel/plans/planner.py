@@ -205,9 +205,9 @@ def _dense_mask(
         keep &= ki <= qi
     if mask.window is not None:
         keep &= qi - ki < mask.window
-    if mask.blocks is not None:
-        keep &= mask.blocks.starts(ki) <= mask.blocks.starts(qi)
-    keep = keep[None, None]
+    if mask.blocks is not None:  # [q, kv], or [B, q, kv] when the rows' blocks differ
+        keep = keep & (mask.blocks.starts(ki) <= mask.blocks.starts(qi))
+    keep = keep[:, None] if keep.dim() == 3 else keep[None, None]
     if mask.starts is not None:
         same = mask.starts[:, q[0] : q[1], None] == mask.starts[:, None, kv[0] : kv[1]]  # [B, q, kv]
         keep = keep & same[:, None]

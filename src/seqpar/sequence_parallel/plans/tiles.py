@@ -127,9 +127,11 @@ def tile_kinds(
         skip |= ((kv_last < q_first) | (kv_first > q_last)).all(0)
         one_document = (q_first == q_last) & (kv_first == kv_last) & (q_first == kv_first)
         mixed |= ~one_document.all(0)
-    if mask.blocks is not None:  # Note [block-causal ranges]
-        skip |= mask.blocks.starts(kl) > mask.blocks.starts(qh)
-        mixed |= mask.blocks.starts(kh) > mask.blocks.starts(ql)
+    if mask.blocks is not None:  # Note [block-causal ranges]; per row: skipped by all rows, whole in all rows
+        later = mask.blocks.starts(kl) > mask.blocks.starts(qh)
+        partial = mask.blocks.starts(kh) > mask.blocks.starts(ql)
+        skip |= later.all(0) if mask.blocks.per_row else later
+        mixed |= partial.any(0) if mask.blocks.per_row else partial
     square = (ql == kl) & (qh == kh) if causal else torch.zeros_like(skip)
     if causal:
         mixed |= (kh > ql) & ~square
@@ -176,7 +178,7 @@ def _block_cuts(mask: SequenceMask, lo: int, hi: int) -> list[int]:
         return []
     if mask.blocks.size is not None:
         return []  # the grid of ``run_tiles`` cuts at every multiple of the tile, a divisor or multiple of it
-    return sorted({x for pair in mask.blocks.ranges for x in pair if lo < x < hi})
+    return [x for x in mask.blocks.edges if lo < x < hi]
 
 
 def run_tiles(runs: Sequence[tuple[int, int, int]], edges: set[int], chunk_len: int, mask: SequenceMask) -> RunTiles:
