@@ -161,9 +161,9 @@ CASES = {
     "vlm_sp2": Case(2, kind="qwen2_5_vl", collator="vlm", eval_batch=2, extra=ONE_MICRO_BATCH, layout="placed"),
     "vlm_gemma3_dp2_sp2": Case(4, kind="gemma3", collator="vlm", batch=1, extra=ONE_MICRO_BATCH),
     # TRL's VLM SFT as documented: messages + images, the processor as processing_class (TRL's vision collator),
-    # its defaults otherwise (gradient checkpointing on, max_length 1024); one row per batch: Gemma 3 rows with
-    # images at different tokens are refused (one block mask per batch)
-    "sft_vlm_sp2": Case(2, kind="gemma3", collator="sft_vlm", batch=1, eval_batch=1, extra=ONE_MICRO_BATCH),
+    # its defaults otherwise (gradient checkpointing on, max_length 1024); at sp 2 two rows a batch, right-padded
+    # by TRL's collator, their images at other tokens (per-row image blocks)
+    "sft_vlm_sp2": Case(2, kind="gemma3", collator="sft_vlm", batch=2, eval_batch=2, extra=ONE_MICRO_BATCH),
     "sft_vlm_dp2_sp2": Case(4, kind="gemma3", collator="sft_vlm", batch=1, extra=ONE_MICRO_BATCH),
 }
 METRICS = ("accuracy", "rows", "width", "label_checksum", "pred_checksum", "padded_preds")
