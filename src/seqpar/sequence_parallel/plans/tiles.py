@@ -130,6 +130,10 @@ def tile_kinds(
     if mask.blocks is not None:  # Note [block-causal ranges]
         skip |= mask.blocks.starts(kl) > mask.blocks.starts(qh)
         mixed |= mask.blocks.starts(kh) > mask.blocks.starts(ql)
+    if mask.predicate is not None:  # Note [blockwise masks]: from its block table
+        hidden, masked = mask.predicate.tile_rules(q_lo, q_hi, kv_lo, kv_hi)
+        skip |= hidden
+        mixed |= masked
     square = (ql == kl) & (qh == kh) if causal else torch.zeros_like(skip)
     if causal:
         mixed |= (kh > ql) & ~square
