@@ -241,17 +241,44 @@ def _block_kinds(m: torch_flex.BlockMask, lengths: tuple[int, int]) -> torch.Ten
     return kinds
 
 
+def _broadcast(mask_mod: Callable, rows: int, q: tuple[int, int], kv: tuple[int, int], device) -> torch.Tensor:
+    """``mask_mod`` called once on broadcast index grids: ``[rows, q, kv]`` bool (elementwise mask_mods)."""
+    index = dict(dtype=torch.int32, device=device)
+    b = torch.arange(rows, **index)[:, None, None]
+    q_idx, kv_idx = torch.arange(*q, **index)[None, :, None], torch.arange(*kv, **index)[None, None, :]
+    seen = mask_mod(b, torch.zeros((), **index), q_idx, kv_idx)
+    return torch.as_tensor(seen, device=device).bool().expand(rows, q[1] - q[0], kv[1] - kv[0])
+
+
 def _blockwise(shard: ShardMaskMod, batch: int) -> BlockwiseMask:
-    """The whole-sequence mask of ``shard`` as a ``BlockwiseMask`` for ``batch`` query rows."""
+    """The whole-sequence mask of ``shard`` as a ``BlockwiseMask`` for ``batch`` query rows.
+
+    Each masked tile is evaluated by one call of the mask_mod on broadcast index grids, once it has given
+    ``create_mask``'s answer (torch's vmap over every index) on the first tile; otherwise by ``create_mask``.
+    """
     m, mask_mod = shard.block_mask, shard.original
     device = m.kv_num_blocks.device
     rows = batch if m.kv_num_blocks.shape[0] == 1 else m.kv_num_blocks.shape[0]  # flex calls mask_mod per row
+    fast: list[bool] = []  # decided on the first tile: whether the broadcast call gives create_mask's answer
 
-    def evaluate(q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+    def exact(q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
         def shifted(b, h, q_idx, kv_idx):
             return mask_mod(b, h, q_idx + q0, kv_idx + k0)
 
         return torch_flex.create_mask(shifted, rows, 1, q1 - q0, k1 - k0, device=device)[:, 0]
+
+    def evaluate(q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        if fast and not fast[0]:
+            return exact(q0, q1, k0, k1)
+        try:
+            seen = _broadcast(mask_mod, rows, (q0, q1), (k0, k1), device)
+        except Exception:  # Python control flow on index values, or a shape broadcasting cannot give
+            seen = None
+        if not fast:
+            reference = exact(q0, q1, k0, k1)
+            fast.append(seen is not None and seen.shape == reference.shape and torch.equal(seen, reference))
+            return reference
+        return seen if seen is not None else exact(q0, q1, k0, k1)
 
     return BlockwiseMask(shard.seq_lengths[0], tuple(m.BLOCK_SIZE), _block_kinds(m, shard.seq_lengths), evaluate)
 
