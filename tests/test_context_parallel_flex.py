@@ -20,8 +20,8 @@ from torch.nn.attention.flex_attention import flex_attention as torch_flex_atten
 
 import seqpar
 from seqpar import context_parallel, context_parallel_unshard
+from seqpar.sequence_parallel.context_parallel.flex_mode import blockwise_mask, flex_attention, softcap_score_mod
 from seqpar.sequence_parallel.masks import BlockwiseMask, SequenceMask
-from seqpar.sequence_parallel.context_parallel.flex_mode import flex_attention, softcap_score_mod
 from tests._dist import run_ranks, shard_index
 from tests._sdpa_models import apply_rope, rope_table
 
@@ -113,7 +113,10 @@ def _check_model(rank, world, cases):
     grads_ref = {n: p.grad.clone() for n, p in model.named_parameters()}
     for strategy, mesh, layout in cases:
         model.zero_grad(set_to_none=True)
-        masks = {kind: create_block_mask(mod, 2, None, SEQ, SEQ, device="cpu", BLOCK_SIZE=BLOCK) for kind, mod in mods.items()}
+        masks = {
+            kind: create_block_mask(mod, 2, None, SEQ, SEQ, device="cpu", BLOCK_SIZE=BLOCK)
+            for kind, mod in mods.items()
+        }
         ids, labels = tokens[:, :-1], tokens[:, 1:]
         buffers = (ids, labels, model.rope, *masks.values())
         with context_parallel(mesh, buffers=buffers, buffer_seq_dims=(1, 1, 0, 0, 0), strategy=strategy, layout=layout):
@@ -160,7 +163,9 @@ def _check_mask_mods(rank, world, cases):
             q, k, v = (t.float().requires_grad_() for t in full)
             mask = create_block_mask(mod, None, None, SEQ, SEQ, device="cpu", BLOCK_SIZE=BLOCK)
             local_dout = dout[:, :, shard_index(layout, world, rank, SEQ)].float()
-            with context_parallel(mesh, buffers=(q, k, v, mask), buffer_seq_dims=(2, 2, 2, 0), strategy=strategy, layout=layout):
+            with context_parallel(
+                mesh, buffers=(q, k, v, mask), buffer_seq_dims=(2, 2, 2, 0), strategy=strategy, layout=layout
+            ):
                 out = flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, enable_gqa=True)
                 out.backward(local_dout)
             got = [context_parallel_unshard(mesh, [out], [2], layout=layout)[0], q.grad, k.grad, v.grad]
@@ -175,9 +180,9 @@ def _check_torch_door(rank, world, mesh):
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(2, 6, SEQ, 8, generator=gen) for _ in range(3))
     mask = create_block_mask(_mask_mods()["sliding"], 2, None, SEQ, SEQ, device="cpu", BLOCK_SIZE=BLOCK)
-    with pytest.raises(Exception, match="from seqpar import flex_attention"):
-        with torch.no_grad(), context_parallel(mesh, buffers=(q, k, v, mask), buffer_seq_dims=(2, 2, 2, 0)):
-            torch_flex_attention(q, k, v, block_mask=mask, scale=0.3)
+    block = context_parallel(mesh, buffers=(q, k, v, mask), buffer_seq_dims=(2, 2, 2, 0))
+    with pytest.raises(Exception, match="from seqpar import flex_attention"), torch.no_grad(), block:
+        torch_flex_attention(q, k, v, block_mask=mask, scale=0.3)
     assert q.shape[2] == SEQ and mask.shape[-1] == SEQ, "not restored"
     out = torch_flex_attention(q, k, v, block_mask=mask, scale=0.3)  # outside the block: torch's, untouched
     assert out.shape == q.shape
@@ -196,10 +201,10 @@ def _check_negative_control(rank, world, mesh):
     with context_parallel(mesh, buffers=(block,), buffer_seq_dims=(0,)):
         served = flex_attention(*local, block_mask=block)
     torch.testing.assert_close(served, reference[:, :, index], **FP32, msg="served")
-    from seqpar.sequence_parallel.context_parallel.flex_mode import ShardMaskMod, _blockwise
-
-    rule = _blockwise(ShardMaskMod(block), 1)
-    off = BlockwiseMask(rule.length, rule.block, rule.kinds, lambda q0, q1, k0, k1: torch.ones(1, q1 - q0, k1 - k0, dtype=torch.bool))
+    rule = blockwise_mask(block, 1)
+    off = BlockwiseMask(
+        rule.length, rule.block, rule.kinds, lambda q0, q1, k0, k1: torch.ones(1, q1 - q0, k1 - k0, dtype=torch.bool)
+    )
     broken = seqpar.attention(*local, mesh=mesh, causal=False, mask=SequenceMask(predicate=off), strategy="allgather")
     assert not torch.allclose(broken, reference[:, :, index], **FP32), "the check cannot see the rule"
 
@@ -217,7 +222,9 @@ def _worker(rank, world, part):
         _check_negative_control(rank, world, mesh)
 
 
-@pytest.mark.parametrize(("world", "part"), [pytest.param(w, p, id=f"P{w}-{p}") for w in (2, 3) for p in ("model", "masks")])
+@pytest.mark.parametrize(
+    ("world", "part"), [pytest.param(w, p, id=f"P{w}-{p}") for w in (2, 3) for p in ("model", "masks")]
+)
 def test_flex_matches_one_process(world, part):
     run_ranks(world, _worker, part)
 
@@ -226,34 +233,39 @@ def _alibi(score, b, h, q_idx, kv_idx):
     return score - (q_idx - kv_idx).abs()
 
 
+def _flex_in_block(mesh, buffers, dims, qkv=None, **kwargs) -> None:
+    with context_parallel(mesh, buffers=buffers, buffer_seq_dims=dims):
+        if qkv is not None:
+            flex_attention(*qkv, **kwargs)
+
+
+def _local_mask_in_block(mesh, q, k, v) -> None:
+    with context_parallel(mesh, buffers=(q, k, v), buffer_seq_dims=(2, 2, 2)):
+        local = create_block_mask(_chunked, None, None, q.shape[2], q.shape[2], device="cpu", BLOCK_SIZE=BLOCK)
+        flex_attention(q, k, v, block_mask=local)
+
+
 def _bad_worker(rank, world):
     mesh = init_device_mesh("cpu", (world,))
     gen = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(1, 2, SEQ, 8, generator=gen) for _ in range(3))
     block = create_block_mask(_chunked, None, None, SEQ, SEQ, device="cpu", BLOCK_SIZE=BLOCK)
+    held = dict(buffers=(q, k, v, block), dims=(2, 2, 2, 0))
     # an unsupported score_mod on one rank only (soft-capping on the other): every rank raises, nothing hangs
     score_mod = _alibi if rank == 0 else softcap_score_mod(5.0)
     with pytest.raises(seqpar.SeqparInputError, match="score_mod is not served"):
-        with context_parallel(mesh, buffers=(q, k, v, block), buffer_seq_dims=(2, 2, 2, 0)):
-            flex_attention(q, k, v, score_mod=score_mod, block_mask=block)
+        _flex_in_block(mesh, **held, qkv=(q, k, v), score_mod=score_mod, block_mask=block)
     assert q.shape[2] == SEQ and block.shape[-1] == SEQ and block.mask_mod is _chunked, "not restored"
-    # a BlockMask built inside the block, on the shards' local indices
-    with pytest.raises(seqpar.SeqparInputError, match="built on the shards"):
-        with context_parallel(mesh, buffers=(q, k, v), buffer_seq_dims=(2, 2, 2)):
-            local = create_block_mask(_chunked, None, None, q.shape[2], q.shape[2], device="cpu", BLOCK_SIZE=BLOCK)
-            flex_attention(q, k, v, block_mask=local)
-    # a head-dependent BlockMask, and one that does not cover the buffers' sequence
+    with pytest.raises(seqpar.SeqparInputError, match="built on the shards"):  # on the shards' local indices
+        _local_mask_in_block(mesh, q, k, v)
     per_head = create_block_mask(_chunked, None, 2, SEQ, SEQ, device="cpu", BLOCK_SIZE=BLOCK)
     with pytest.raises(seqpar.SeqparInputError, match="depends on the head"):
-        with context_parallel(mesh, buffers=(q, per_head), buffer_seq_dims=(2, 0)):
-            pass
+        _flex_in_block(mesh, (q, per_head), (2, 0))
     short = create_block_mask(_chunked, None, None, SEQ // 2, SEQ // 2, device="cpu", BLOCK_SIZE=BLOCK)
     with pytest.raises(seqpar.SeqparInputError, match="does not cover"):
-        with context_parallel(mesh, buffers=(q, short), buffer_seq_dims=(2, 0)):
-            pass
+        _flex_in_block(mesh, (q, short), (2, 0))
     with pytest.raises(seqpar.SeqparInputError, match="return_lse"):
-        with context_parallel(mesh, buffers=(q, k, v, block), buffer_seq_dims=(2, 2, 2, 0)):
-            flex_attention(q, k, v, block_mask=block, return_lse=True)
+        _flex_in_block(mesh, **held, qkv=(q, k, v), block_mask=block, return_lse=True)
     assert q.shape[2] == SEQ and block.shape[-1] == SEQ, "not restored after the refusals"
 
 

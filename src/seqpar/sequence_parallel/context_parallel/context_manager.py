@@ -211,8 +211,9 @@ def context_parallel(
         mesh: a 1-D DeviceMesh (``init_device_mesh("cpu" | "cuda", (P,))``), a seqpar mesh
             (``seqpar.make_mesh``, hybrid included) or the sequence-parallel ProcessGroup.
         buffers: full-sequence tensors, identical on every rank, to shard in place; leaves that require
-            grad included (q/k/v, latents), parameters and other tensors that require grad excluded.
-        buffer_seq_dims: the sequence dim of each buffer.
+            grad included (q/k/v, latents), parameters and other tensors that require grad excluded;
+            FlexAttention BlockMasks built on the whole sequence (held as the shard's inside, always restored).
+        buffer_seq_dims: the sequence dim of each buffer (ignored for a BlockMask).
         no_restore_buffers: buffers to leave sharded on exit (a subset of ``buffers``); their ``.grad``
             stays this rank's shard.
         strategy: "auto", "ring", "ulysses", "allgather" or "hybrid".
@@ -229,8 +230,9 @@ def context_parallel(
             1-D or seqpar's, mismatched buffers/dims, buffers of different sequence lengths, a length that
             does not divide into the layout, an ``nn.Parameter``, a non-leaf that requires grad, a
             ``no_restore_buffers`` that is not a subset, a leaf that an enclosing block holds sharded, or a
-            ``no_restore_buffers`` leaf sharded again while the earlier block's graph lives; inside the
-            block, for an SDPA call with ``attn_mask`` or ``dropout_p > 0``.
+            ``no_restore_buffers`` leaf sharded again while the earlier block's graph lives, a BlockMask
+            that does not cover the sequence or depends on the head; inside the block, for an SDPA call with
+            ``attn_mask`` or ``dropout_p > 0``, a flex call that the block cannot serve (flex_mode).
         RuntimeError: from a backward, as torch's "modified by an inplace operation", if a buffer saved by
             the graph was changed in place inside the block after it was saved.
     """

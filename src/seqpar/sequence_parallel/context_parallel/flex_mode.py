@@ -1,16 +1,20 @@
-"""FlexAttention under ``seqpar.context_parallel``: ``flex_attention`` calls on the shards served by ``seqpar.attention``.
+"""FlexAttention under ``seqpar.context_parallel``: ``seqpar.flex_attention`` on the shards, by ``seqpar.attention``.
 
-The BlockMask (built on the whole sequence) becomes a blockwise ``SequenceMask``; tanh soft-capping is the one score_mod.
+A BlockMask built on the whole sequence becomes a blockwise ``SequenceMask``; tanh soft-capping is the one score_mod.
 
 Note [flex under context_parallel]
     Where the call is met. torch's ``flex_attention`` is a Python function, not a torch function, so a
-    TorchFunctionMode (Note [SDPA interception]) first meets it at the FlexAttention higher-order operator
-    it ends in, after torch's own checks: those need a BlockMask whose lengths are the shards' and, on
-    the CPU, refuse inputs that require grad (torch has no CPU flex backward). So there are two doors,
-    both served alike: torch's ``flex_attention`` (on CUDA, or without grad), met at the operator, and
-    ``seqpar.flex_attention``, the same signature, which is an overridable torch function (``torch.overrides``)
-    that the block serves before any torch check (on every device, with grad) and that runs torch's
-    ``flex_attention`` outside a block.
+    TorchFunctionMode (Note [SDPA interception]) never sees the call itself; it first meets the
+    FlexAttention operator the function ends in, and torch reaches that operator inside a region it
+    compiles with dynamo (eagerly too, and under ``torch.compile(flex_attention)``), which traces the mode
+    instead of running it: no collective can run there. Before that, on the CPU, torch refuses inputs that
+    require grad (it has no CPU flex backward). So the served door is ``seqpar.flex_attention``: torch's
+    signature, an overridable torch function (``torch.overrides.handle_torch_function``) that the block
+    serves before any torch check, eagerly, on every device and with grad, and that is torch's
+    ``flex_attention`` outside a block; models change one import, as for ``context_parallel``. torch's own
+    ``flex_attention`` reaching the operator inside a block is refused with a message naming that import
+    (raised while dynamo traces, so it surfaces as dynamo's ``Unsupported`` carrying it), on every rank
+    alike, before any collective.
 
     The mask contract. The model builds its BlockMask once per batch, before the block, on the whole
     sequence: ``create_block_mask(mask_mod, B or None, None, S, S)`` with global ``q_idx`` / ``kv_idx``
@@ -35,8 +39,8 @@ Note [flex under context_parallel]
     softcap)`` (Gemma 2, ``softcap_score_mod``) runs as ``seqpar.attention(softcap=)``, the identity as no
     score_mod, anything else (ALiBi, relative biases, index-dependent mods) is refused. Refusals are
     ``SeqparInputError`` on every rank, agreed before any collective. The log-sum-exp and max scores are
-    not returned (``return_lse`` / ``return_aux`` through ``seqpar.flex_attention`` are refused; torch's
-    door on CUDA gets None for them); attention dropout does not exist in flex.
+    not returned (``return_lse`` / ``return_aux`` are refused); ``kernel_options`` are torch's kernel
+    settings and are ignored (seqpar picks its kernels).
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ __all__ = [
     "SequenceParallelFlex",
     "ShardMaskMod",
     "block_mask_problem",
+    "blockwise_mask",
     "flex_attention",
     "shard_block_masks",
     "softcap_score_mod",
@@ -151,9 +156,7 @@ def flex_attention(
     """
     args = (query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options)
     if torch.overrides.has_torch_function((query, key, value)):
-        return torch.overrides.handle_torch_function(
-            flex_attention, (query, key, value), *args, return_aux=return_aux
-        )
+        return torch.overrides.handle_torch_function(flex_attention, (query, key, value), *args, return_aux=return_aux)
     return torch_flex.flex_attention(*args, return_aux=return_aux)
 
 
@@ -283,6 +286,19 @@ def _blockwise(shard: ShardMaskMod, batch: int) -> BlockwiseMask:
     return BlockwiseMask(shard.seq_lengths[0], tuple(m.BLOCK_SIZE), _block_kinds(m, shard.seq_lengths), evaluate)
 
 
+def blockwise_mask(block_mask: torch_flex.BlockMask, batch: int) -> BlockwiseMask:
+    """The ``BlockwiseMask`` (Note [blockwise masks]) of a whole-sequence BlockMask, for ``batch`` query rows.
+
+    Args:
+        block_mask: built with ``create_block_mask`` on the whole sequence, not held sharded by a block.
+        batch: the query batch size.
+
+    Returns:
+        Its block table (head 0) and its ``mask_mod`` over global indices.
+    """
+    return _blockwise(ShardMaskMod(block_mask), batch)
+
+
 def _softcap_of(score_mod: Callable | None) -> tuple[bool, float | None]:
     """``(served, softcap)``: probe ``score_mod`` on sample scores and indices (Note [flex under context_parallel])."""
     if score_mod is None:
@@ -304,9 +320,9 @@ def _softcap_of(score_mod: Callable | None) -> tuple[bool, float | None]:
     if torch.allclose(got, score.float().double(), rtol=1e-6, atol=1e-6):
         return True, None
     capped = cap * torch.tanh(score / cap) if 0 < cap < 1e3 else None
-    if capped is not None and torch.allclose(far, torch.full_like(far, cap), rtol=1e-5, atol=1e-5):
-        if torch.allclose(got, capped, rtol=1e-5, atol=1e-5 * cap):
-            return True, cap
+    flat = capped is not None and torch.allclose(far, torch.full_like(far, cap), rtol=1e-5, atol=1e-5)
+    if flat and torch.allclose(got, capped, rtol=1e-5, atol=1e-5 * cap):
+        return True, cap
     return False, None
 
 
@@ -352,7 +368,7 @@ class SequenceParallelFlex(SequenceParallelSDPA):
         wants = bool(return_lse) or return_aux is not None
         return self._serve(query, key, value, score_mod, mask_mod, block_mask, scale, enable_gqa, wants)
 
-    def _mask(self, mask_mod: object, block_mask: object, seq: int) -> ShardMaskMod | None | int:
+    def _mask(self, mask_mod: object, block_mask: object, seq: int) -> ShardMaskMod | int | None:
         """The whole-sequence mask of a call: a ``ShardMaskMod``, None (no mask) or a problem code."""
         if mask_mod is None or mask_mod is torch_flex.noop_mask:
             return None

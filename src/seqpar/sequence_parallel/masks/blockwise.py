@@ -1,6 +1,6 @@
 """Arbitrary masks over the global sequence as a block table plus an elementwise rule (FlexAttention's BlockMask).
 
-A ``SequenceMask`` carries one as ``predicate``: the planner reads its table to skip or keep tiles, its rule for masked ones.
+A ``SequenceMask`` carries one as ``predicate``: its table skips or keeps tiles, its rule masks the others.
 
 Note [blockwise masks]
     A mask that no document, window or block range describes (prefix-LM, chunked attention, any
