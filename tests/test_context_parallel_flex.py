@@ -211,7 +211,10 @@ def _check_negative_control(rank, world, mesh):
 
 def _worker(rank, world, part):
     mesh = init_device_mesh("cpu", (world,))
-    hybrid = seqpar.make_mesh(ulysses_size=world if world == 2 else 1)
+    if part == "hybrid":  # the two-axis hybrid: ulysses 2 x ring 2
+        _check_mask_mods(rank, world, [("hybrid", seqpar.make_mesh(ulysses_size=2), "zigzag")])
+        return
+    hybrid = seqpar.make_mesh(ulysses_size=world if world == 2 else 1)  # one axis of size 1 at P = 2, 3
     cases = [(s, mesh, "zigzag") for s in ("ring", "allgather", "ulysses")]
     cases += [("hybrid", hybrid, "zigzag"), ("ring", mesh, "contiguous")]
     if part == "model":
@@ -222,9 +225,11 @@ def _worker(rank, world, part):
         _check_negative_control(rank, world, mesh)
 
 
-@pytest.mark.parametrize(
-    ("world", "part"), [pytest.param(w, p, id=f"P{w}-{p}") for w in (2, 3) for p in ("model", "masks")]
-)
+PARTS = [pytest.param(w, p, id=f"P{w}-{p}") for w in (2, 3) for p in ("model", "masks")]
+PARTS.append(pytest.param(4, "hybrid", id="P4-hybrid"))
+
+
+@pytest.mark.parametrize(("world", "part"), PARTS)
 def test_flex_matches_one_process(world, part):
     run_ranks(world, _worker, part)
 
