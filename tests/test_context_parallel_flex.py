@@ -20,7 +20,8 @@ from torch.nn.attention.flex_attention import flex_attention as torch_flex_atten
 
 import seqpar
 from seqpar import context_parallel, context_parallel_unshard
-from seqpar.sequence_parallel.context_parallel.flex_mode import blockwise_mask, flex_attention, softcap_score_mod
+from seqpar.sequence_parallel.context_parallel.flex_masks import blockwise_mask, sequence_mask_of
+from seqpar.sequence_parallel.context_parallel.flex_mode import flex_attention, softcap_score_mod
 from seqpar.sequence_parallel.masks import BlockwiseMask, SequenceMask
 from tests._dist import run_ranks, shard_index
 from tests._sdpa_models import apply_rope, rope_table
@@ -138,6 +139,35 @@ def _chunked(b, h, q_idx, kv_idx):
     return (q_idx >= kv_idx) & (q_idx // 12 == kv_idx // 12)  # causal inside chunks of 12 (Llama 4)
 
 
+def _dilated(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & ((q_idx - kv_idx) % 3 != 1)  # causal, no documents or window: blockwise
+
+
+def _check_recognition():
+    """Which seqpar mask each BlockMask becomes: documents and windows where exact, else blockwise."""
+    lengths = [torch.tensor(row) for row in DOCS]
+    positions = torch.stack([torch.cat([torch.arange(int(n)) for n in row]) for row in lengths])
+    documents = seqpar.sequence_mask(positions).starts  # seqpar's own reading of the packed rows
+    mods = _mask_mods()
+    for mod, window, starts in (
+        (mods["full"], None, documents),
+        (mods["sliding"], WINDOW, documents),
+        (_chunked, None, (torch.arange(SEQ) - torch.arange(SEQ) % 12).expand(2, -1)),
+    ):
+        block = create_block_mask(mod, None if mod is _chunked else 2, None, SEQ, SEQ, device="cpu", BLOCK_SIZE=BLOCK)
+        mask, causal = sequence_mask_of(blockwise_mask(block, 2))
+        assert causal and mask.predicate is None and mask.window == window, mod.__name__
+        torch.testing.assert_close(mask.starts, starts, rtol=0, atol=0, msg=mod.__name__)
+
+    def almost(b, h, q_idx, kv_idx):  # the document mask but for one pair: the check must see it
+        return mods["full"](b, h, q_idx, kv_idx) & ~((q_idx == 20) & (kv_idx == 15))
+
+    for mod, within in ((_dilated, True), (_prefix_lm, False), (almost, True)):
+        block = create_block_mask(mod, 2, None, SEQ, SEQ, device="cpu", BLOCK_SIZE=BLOCK)
+        mask, causal = sequence_mask_of(blockwise_mask(block, 2))
+        assert mask.predicate is not None and causal == within, mod.__name__
+
+
 def _softmax_reference(q, k, v, keep, softcap):
     """Plain softmax attention in float64 with a ``[B or 1, 1, S, S]`` mask and optional soft-capping."""
     k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
@@ -152,7 +182,7 @@ def _check_mask_mods(rank, world, cases):
     gen = torch.Generator().manual_seed(3)
     full = [torch.randn(2, h, SEQ, 8, generator=gen, dtype=torch.float64) for h in (6, 1, 1)]  # MQA
     dout = torch.randn(2, 6, SEQ, 8, generator=gen, dtype=torch.float64)
-    for mod, softcap in ((_prefix_lm, None), (_chunked, 2.0)):
+    for mod, softcap in ((_prefix_lm, None), (_chunked, 2.0), (_dilated, None)):
         keep = create_mask(mod, 1, 1, SEQ, SEQ, device="cpu")
         leaves = [t.clone().requires_grad_() for t in full]
         out_ref = _softmax_reference(*leaves, keep, softcap)
@@ -221,6 +251,7 @@ def _worker(rank, world, part):
         _check_model(rank, world, cases[:4])
     else:
         _check_mask_mods(rank, world, cases)
+        _check_recognition()
         _check_torch_door(rank, world, mesh)
         _check_negative_control(rank, world, mesh)
 

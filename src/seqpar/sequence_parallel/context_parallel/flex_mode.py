@@ -27,13 +27,14 @@ Note [flex under context_parallel]
     (lengths ``(S, S)``). A BlockMask built inside the block (on the shards' local indices) is refused: a
     local index says nothing about where a token is in the sequence under the zigzag layout.
 
-    What runs. The whole-sequence mask becomes a blockwise ``SequenceMask`` (Note [blockwise masks]): its
-    block table (BLOCK_SIZE of the BlockMask, head 0) decides which tiles every strategy skips or runs
-    unmasked, and inside partial blocks the ``mask_mod`` is evaluated (``create_mask``) on the global
-    ``(q_idx, kv_idx)`` grid of each masked tile the strategy computes, once per batch (the plans are kept
-    with the mask, which the block keeps per BlockMask). When no key after its query is visible the call
-    runs with ``causal=True`` as well (zigzag balance, the causal chunk plan). A call without a
-    ``block_mask`` is full (non-causal) attention over the whole sequence, as on one process. The mask
+    What runs. The whole-sequence mask becomes a ``SequenceMask`` (``flex_masks``), once per batch (kept
+    with the BlockMask for the block's lifetime, so the layers that share it share its plans): causal
+    packed documents with or without a sliding window where the mask is exactly that (Note [flex masks
+    recognised]), otherwise a blockwise mask (Note [blockwise masks]) whose block table (BLOCK_SIZE of the
+    BlockMask, head 0) decides which tiles every strategy skips or runs unmasked and whose ``mask_mod`` is
+    evaluated on the global ``(q_idx, kv_idx)`` grid of each masked tile the strategy computes; when it
+    shows nothing above the diagonal the call also runs with ``causal=True`` (zigzag balance, the causal
+    chunk plan). A call without a ``block_mask`` is full (non-causal) attention over the whole sequence. The mask
     must not depend on the head (a BlockMask with more than one head is refused): one table serves every
     strategy's head split. ``score_mod``: probed on sample scores and indices; ``softcap * tanh(score /
     softcap)`` (Gemma 2, ``softcap_score_mod``) runs as ``seqpar.attention(softcap=)``, the identity as no
@@ -56,8 +57,8 @@ from torch.nn.attention import flex_attention as torch_flex
 from seqpar.errors import SeqparInputError
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.api import attention
+from seqpar.sequence_parallel.context_parallel.flex_masks import blockwise_mask, sequence_mask_of
 from seqpar.sequence_parallel.context_parallel.sdpa_mode import SequenceParallelSDPA, agree_or_raise
-from seqpar.sequence_parallel.masks.blockwise import EMPTY, FULL_BLOCK, PARTIAL, BlockwiseMask
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
 
 __all__ = [
@@ -65,7 +66,6 @@ __all__ = [
     "SequenceParallelFlex",
     "ShardMaskMod",
     "block_mask_problem",
-    "blockwise_mask",
     "flex_attention",
     "shard_block_masks",
     "softcap_score_mod",
@@ -226,79 +226,6 @@ def shard_block_masks(masks: Sequence[torch_flex.BlockMask], sp: SequenceParalle
             shard.block_mask.seq_lengths, shard.block_mask.mask_mod = shard.seq_lengths, shard.original
 
 
-def _block_kinds(m: torch_flex.BlockMask, lengths: tuple[int, int]) -> torch.Tensor:
-    """``[B, nQ, nK]`` int8 ``EMPTY`` / ``PARTIAL`` / ``FULL_BLOCK`` table of a BlockMask (head 0), on the CPU."""
-    n_q, n_k = (-(-n // b) for n, b in zip(lengths, m.BLOCK_SIZE))
-    kinds = torch.full((m.kv_num_blocks.shape[0], n_q, n_k), EMPTY, dtype=torch.int8)
-
-    def mark(num: torch.Tensor | None, indices: torch.Tensor | None, kind: int) -> None:
-        if num is None:
-            return
-        num, indices = num[:, 0, :n_q].long().cpu(), indices[:, 0, :n_q].long().cpu()  # [B, nQ], [B, nQ, K]
-        listed = torch.arange(indices.shape[-1])[None, None] < num[..., None]
-        b, q, slot = listed.nonzero(as_tuple=True)
-        kinds[b, q, indices[b, q, slot]] = kind
-
-    mark(m.kv_num_blocks, m.kv_indices, PARTIAL)
-    mark(m.full_kv_num_blocks, m.full_kv_indices, FULL_BLOCK)
-    return kinds
-
-
-def _broadcast(mask_mod: Callable, rows: int, q: tuple[int, int], kv: tuple[int, int], device) -> torch.Tensor:
-    """``mask_mod`` called once on broadcast index grids: ``[rows, q, kv]`` bool (elementwise mask_mods)."""
-    index = dict(dtype=torch.int32, device=device)
-    b = torch.arange(rows, **index)[:, None, None]
-    q_idx, kv_idx = torch.arange(*q, **index)[None, :, None], torch.arange(*kv, **index)[None, None, :]
-    seen = mask_mod(b, torch.zeros((), **index), q_idx, kv_idx)
-    return torch.as_tensor(seen, device=device).bool().expand(rows, q[1] - q[0], kv[1] - kv[0])
-
-
-def _blockwise(shard: ShardMaskMod, batch: int) -> BlockwiseMask:
-    """The whole-sequence mask of ``shard`` as a ``BlockwiseMask`` for ``batch`` query rows.
-
-    Each masked tile is evaluated by one call of the mask_mod on broadcast index grids, once it has given
-    ``create_mask``'s answer (torch's vmap over every index) on the first tile; otherwise by ``create_mask``.
-    """
-    m, mask_mod = shard.block_mask, shard.original
-    device = m.kv_num_blocks.device
-    rows = batch if m.kv_num_blocks.shape[0] == 1 else m.kv_num_blocks.shape[0]  # flex calls mask_mod per row
-    fast: list[bool] = []  # decided on the first tile: whether the broadcast call gives create_mask's answer
-
-    def exact(q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
-        def shifted(b, h, q_idx, kv_idx):
-            return mask_mod(b, h, q_idx + q0, kv_idx + k0)
-
-        return torch_flex.create_mask(shifted, rows, 1, q1 - q0, k1 - k0, device=device)[:, 0]
-
-    def evaluate(q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
-        if fast and not fast[0]:
-            return exact(q0, q1, k0, k1)
-        try:
-            seen = _broadcast(mask_mod, rows, (q0, q1), (k0, k1), device)
-        except Exception:  # Python control flow on index values, or a shape broadcasting cannot give
-            seen = None
-        if not fast:
-            reference = exact(q0, q1, k0, k1)
-            fast.append(seen is not None and seen.shape == reference.shape and torch.equal(seen, reference))
-            return reference
-        return seen if seen is not None else exact(q0, q1, k0, k1)
-
-    return BlockwiseMask(shard.seq_lengths[0], tuple(m.BLOCK_SIZE), _block_kinds(m, shard.seq_lengths), evaluate)
-
-
-def blockwise_mask(block_mask: torch_flex.BlockMask, batch: int) -> BlockwiseMask:
-    """The ``BlockwiseMask`` (Note [blockwise masks]) of a whole-sequence BlockMask, for ``batch`` query rows.
-
-    Args:
-        block_mask: built with ``create_block_mask`` on the whole sequence, not held sharded by a block.
-        batch: the query batch size.
-
-    Returns:
-        Its block table (head 0) and its ``mask_mod`` over global indices.
-    """
-    return _blockwise(ShardMaskMod(block_mask), batch)
-
-
 def _softcap_of(score_mod: Callable | None) -> tuple[bool, float | None]:
     """``(served, softcap)``: probe ``score_mod`` on sample scores and indices (Note [flex under context_parallel])."""
     if score_mod is None:
@@ -407,8 +334,8 @@ class SequenceParallelFlex(SequenceParallelSDPA):
         else:
             key_ = (query.shape[0], str(query.device))
             if key_ not in shard.masks:
-                whole = _blockwise(shard, query.shape[0])
-                shard.masks[key_] = (SequenceMask(predicate=whole), whole.within_causal())
+                whole = blockwise_mask(shard.block_mask, query.shape[0], shard.original, shard.seq_lengths)
+                shard.masks[key_] = sequence_mask_of(whole)
             mask, causal = shard.masks[key_]
         return attention(
             query,
