@@ -36,9 +36,12 @@ Note [flex under context_parallel]
     shows nothing above the diagonal the call also runs with ``causal=True`` (zigzag balance, the causal
     chunk plan). A call without a ``block_mask`` is full (non-causal) attention over the whole sequence. The mask
     must not depend on the head (a BlockMask with more than one head is refused): one table serves every
-    strategy's head split. ``score_mod``: probed on sample scores and indices; ``softcap * tanh(score /
-    softcap)`` (Gemma 2, ``softcap_score_mod``) runs as ``seqpar.attention(softcap=)``, the identity as no
-    score_mod, anything else (ALiBi, relative biases, index-dependent mods) is refused. Refusals are
+    strategy's head split. ``score_mod``: ``softcap_score_mod(c)`` runs as ``seqpar.attention(softcap=c)``; any
+    other is probed on sample scores at sample indices (1024 draws over the batch, heads and sequence, both
+    ends included): ``softcap * tanh(score / softcap)`` written by hand (Gemma 2) runs the same way, the
+    identity as no score_mod, anything else (ALiBi, relative biases) is refused. A probe is a sample: a
+    score_mod that departs from soft-capping at a few index pairs only could pass it (use the factory, or
+    seqpar.attention, for certainty). Refusals are
     ``SeqparInputError`` on every rank, agreed before any collective. The log-sum-exp and max scores are
     not returned (``return_lse`` / ``return_aux`` are refused); ``kernel_options`` are torch's kernel
     settings and are ignored (seqpar picks its kernels).
@@ -90,7 +93,7 @@ BLOCK_MASK_PROBLEMS = (
 
 _FLEX_PROBLEMS = (
     "score_mod is not served under seqpar.context_parallel: only tanh soft-capping (softcap * tanh(score / "
-    "softcap), e.g. seqpar.flex_attention's softcap_score_mod) has a seqpar equivalent",
+    "softcap), e.g. seqpar.sequence_parallel.context_parallel.softcap_score_mod(c)) has a seqpar equivalent",
     "block_mask was built on the shards, not on the whole sequence: build it before the block with "
     "create_block_mask on the global sequence (Q_LEN = KV_LEN = the global length) and pass it in buffers",
     "block_mask depends on the head (built with H > 1); build it with H=None",
@@ -103,6 +106,8 @@ _FLEX_PROBLEMS = (
 def softcap_score_mod(softcap: float) -> Callable:
     """The ``score_mod`` of tanh logit soft-capping (Gemma 2), which the block serves as ``softcap=``.
 
+    Recognised by its origin, without probing (Note [flex under context_parallel]).
+
     Args:
         softcap: the cap; scores become ``softcap * tanh(score / softcap)``.
 
@@ -113,6 +118,7 @@ def softcap_score_mod(softcap: float) -> Callable:
     def score_mod(score, batch, head, q_idx, kv_idx):
         return softcap * torch.tanh(score / softcap)
 
+    score_mod.seqpar_softcap = float(softcap)
     return score_mod
 
 
@@ -226,13 +232,18 @@ def shard_block_masks(masks: Sequence[torch_flex.BlockMask], sp: SequenceParalle
             shard.block_mask.seq_lengths, shard.block_mask.mask_mod = shard.seq_lengths, shard.original
 
 
-def _softcap_of(score_mod: Callable | None) -> tuple[bool, float | None]:
-    """``(served, softcap)``: probe ``score_mod`` on sample scores and indices (Note [flex under context_parallel])."""
+def _softcap_of(score_mod: Callable | None, sizes: tuple[int, int, int]) -> tuple[bool, float | None]:
+    """``(served, softcap)`` of a ``score_mod``: seqpar's own, or probed on sample scores at sample indices
+    over ``sizes`` = (batch, heads, sequence) (Note [flex under context_parallel])."""
     if score_mod is None:
         return True, None
+    if isinstance(getattr(score_mod, "seqpar_softcap", None), float):
+        return True, score_mod.seqpar_softcap
     gen = torch.Generator().manual_seed(0)
-    n = 257
-    index = [torch.randint(0, 64, (n,), generator=gen, dtype=torch.int32) for _ in range(4)]
+    n = 1024
+    index = [torch.randint(0, max(size, 1), (n,), generator=gen, dtype=torch.int32) for size in (*sizes, sizes[2])]
+    for i, size in zip(index, (*sizes, sizes[2])):  # both ends of every range
+        i[0], i[-1] = 0, max(size, 1) - 1
     try:
         with torch.no_grad():
             far = score_mod(torch.full((n,), 1e4), *index).double()
@@ -310,7 +321,7 @@ class SequenceParallelFlex(SequenceParallelSDPA):
     def _serve(self, query, key, value, score_mod, mask_mod, block_mask, scale, enable_gqa, wants_lse):
         seq = query.shape[-2] * self.mesh.sp_size
         shard = self._mask(mask_mod, block_mask, seq)
-        served, softcap = _softcap_of(score_mod)
+        served, softcap = _softcap_of(score_mod, (query.shape[0], query.shape[1], seq))
         problem = None
         if not served:
             problem = 0, _FLEX_PROBLEMS[0]
