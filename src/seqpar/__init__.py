@@ -2,7 +2,8 @@
 
 Attention: ``make_mesh``, ``shard_sequence``, ``attention``.
 Models: ``parallelize`` (tp -> sp -> memory features -> dp on a ``ParallelDims`` mesh), ``prepare_model``,
-``shard_batch``, ``cross_entropy``, ``router_aux_loss``; SDPA code: ``context_parallel``.
+``shard_batch``, ``cross_entropy``, ``router_aux_loss``; SDPA and FlexAttention code: ``context_parallel``,
+``flex_attention``.
 Why a sharded run differs from one process: ``doctor``.
 """
 
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from seqpar.planning import Cluster, Plan, plan
     from seqpar.sequence_parallel.api import AttentionChoice, attention, choose_attention
     from seqpar.sequence_parallel.context_parallel.context_manager import context_parallel, context_parallel_unshard
+    from seqpar.sequence_parallel.context_parallel.flex_mode import flex_attention
     from seqpar.sequence_parallel.kernels import select_kernel
     from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask, sequence_mask
     from seqpar.sequence_parallel.prepare import attention_choice, prepare_model
@@ -84,6 +86,7 @@ _NAMES = {
     "choose_attention": "seqpar.sequence_parallel.api",
     "context_parallel": "seqpar.sequence_parallel.context_parallel.context_manager",
     "context_parallel_unshard": "seqpar.sequence_parallel.context_parallel.context_manager",
+    "flex_attention": "seqpar.sequence_parallel.context_parallel.flex_mode",
     "select_kernel": "seqpar.sequence_parallel.kernels",
     "SequenceMask": "seqpar.sequence_parallel.masks.sequence_mask",
     "sequence_mask": "seqpar.sequence_parallel.masks.sequence_mask",
@@ -131,6 +134,7 @@ __all__ = [
     "data_parallel_group",
     "doctor",
     "estimate_memory",
+    "flex_attention",
     "gather_sequence",
     "layout_balance",
     "lm_head_cross_entropy",

@@ -49,7 +49,15 @@ from seqpar.sequence_parallel.context_parallel.autograd import (
     restore_in_place,
     shard_in_place,
 )
-from seqpar.sequence_parallel.context_parallel.sdpa_mode import SequenceParallelSDPA, agree_or_raise
+from seqpar.sequence_parallel.context_parallel.flex_mode import (
+    BLOCK_MASK_PROBLEMS,
+    SequenceParallelFlex,
+    block_mask_problem,
+    block_mask_signature,
+    shard_block_masks,
+    split_block_masks,
+)
+from seqpar.sequence_parallel.context_parallel.sdpa_mode import agree_or_raise
 from seqpar.sequence_parallel.strategies import STRATEGIES
 
 __all__ = ["context_parallel", "context_parallel_unshard"]
@@ -70,6 +78,8 @@ _BUFFER_PROBLEMS = (
     "a leaf that requires grad, left sharded by no_restore_buffers, would be sharded again while a graph of the "
     "earlier block is alive: unshard it, pass a fresh leaf (t.detach().requires_grad_()) or free that graph",
 )
+_MASK_PROBLEMS = len(_BUFFER_PROBLEMS)  # codes of the BlockMasks' problems (Note [flex under context_parallel])
+_BUFFER_PROBLEMS += BLOCK_MASK_PROBLEMS
 
 
 def _sp_mesh(mesh: object, where: str) -> SequenceParallelMesh:
@@ -140,6 +150,18 @@ def _buffer_problem(
     return None
 
 
+def _masks_problem(masks: list, buffers: list, dims: list, sp: SequenceParallelMesh, layout: str) -> tuple | None:
+    """Problems of the BlockMasks among the buffers (Note [flex under context_parallel])."""
+    lengths = [b.shape[d] for b, d in zip(buffers, dims)]
+    found = block_mask_problem(masks, lengths[0] if lengths else None)
+    if found is not None:
+        return _MASK_PROBLEMS + found[0], found[1]
+    chunks = sp.sp_size * chunks_per_rank(layout)
+    if masks and masks[0].seq_lengths[0] % chunks:
+        return 8, f"BlockMask length {masks[0].seq_lengths[0]} does not divide into the {layout} layout ({chunks})"
+    return None
+
+
 def _signature(buffers: list, dims: list, strategy: str, layout: str) -> list[int]:
     """Integers every rank must agree on: the options, the buffers' number, sequence length and shapes.
 
@@ -158,7 +180,8 @@ def _signature(buffers: list, dims: list, strategy: str, layout: str) -> list[in
 def _describe(row: list[int]) -> str:
     strategy = STRATEGIES[row[0]] if row[0] >= 0 else "?"
     layout = LAYOUTS[row[1]] if row[1] >= 0 else "?"
-    return f"{row[2]} buffers, sequence length {row[3]}, {strategy}/{layout}, shapes/dtypes hash {row[4]}"
+    masks = f", BlockMasks hash {row[5]}" if len(row) > 5 else ""
+    return f"{row[2]} buffers, sequence length {row[3]}, {strategy}/{layout}, shapes/dtypes hash {row[4]}{masks}"
 
 
 @contextlib.contextmanager
@@ -188,8 +211,9 @@ def context_parallel(
         mesh: a 1-D DeviceMesh (``init_device_mesh("cpu" | "cuda", (P,))``), a seqpar mesh
             (``seqpar.make_mesh``, hybrid included) or the sequence-parallel ProcessGroup.
         buffers: full-sequence tensors, identical on every rank, to shard in place; leaves that require
-            grad included (q/k/v, latents), parameters and other tensors that require grad excluded.
-        buffer_seq_dims: the sequence dim of each buffer.
+            grad included (q/k/v, latents), parameters and other tensors that require grad excluded;
+            FlexAttention BlockMasks built on the whole sequence (held as the shard's inside, always restored).
+        buffer_seq_dims: the sequence dim of each buffer (ignored for a BlockMask).
         no_restore_buffers: buffers to leave sharded on exit (a subset of ``buffers``); their ``.grad``
             stays this rank's shard.
         strategy: "auto", "ring", "ulysses", "allgather" or "hybrid".
@@ -206,8 +230,9 @@ def context_parallel(
             1-D or seqpar's, mismatched buffers/dims, buffers of different sequence lengths, a length that
             does not divide into the layout, an ``nn.Parameter``, a non-leaf that requires grad, a
             ``no_restore_buffers`` that is not a subset, a leaf that an enclosing block holds sharded, or a
-            ``no_restore_buffers`` leaf sharded again while the earlier block's graph lives; inside the
-            block, for an SDPA call with ``attn_mask`` or ``dropout_p > 0``.
+            ``no_restore_buffers`` leaf sharded again while the earlier block's graph lives, a BlockMask
+            that does not cover the sequence or depends on the head; inside the block, for an SDPA call with
+            ``attn_mask`` or ``dropout_p > 0``, a flex call that the block cannot serve (flex_mode).
         RuntimeError: from a backward, as torch's "modified by an inplace operation", if a buffer saved by
             the graph was changed in place inside the block after it was saved.
     """
@@ -215,8 +240,11 @@ def context_parallel(
     buffers = list(buffers) if buffers is not None else []
     dims = list(buffer_seq_dims) if buffer_seq_dims is not None else []
     skip = list(no_restore_buffers) if no_restore_buffers is not None else []
+    buffers, dims, masks = split_block_masks(buffers, dims)  # BlockMasks are always restored
+    skip = [s for s in skip if not any(s is m for m in masks)]
     problem = _buffer_problem(buffers, dims, skip, sp, strategy, layout)
-    signature = _signature(buffers, dims, strategy, layout)
+    problem = problem if problem is not None or not masks else _masks_problem(masks, buffers, dims, sp, layout)
+    signature = [*_signature(buffers, dims, strategy, layout), block_mask_signature(masks)]
     agree_or_raise(sp.sp_group, "seqpar.context_parallel", problem, _BUFFER_PROBLEMS, signature, _describe)
     specs = [ShardSpec.of(b, d, sp, layout) for b, d in zip(buffers, dims)]
     restored = [_index_of(b, skip) < 0 for b in buffers]
@@ -228,7 +256,7 @@ def context_parallel(
             if b.requires_grad:
                 record = LeafGradients.of(b)
                 leaves.append((record, *record.enter(b, spec, restore)))
-        with saved, SequenceParallelSDPA(sp, strategy, layout):
+        with saved, shard_block_masks(masks, sp), SequenceParallelFlex(sp, strategy, layout):
             yield
         finished = True
     finally:

@@ -4,6 +4,7 @@
 """
 
 from seqpar.sequence_parallel.masks.block_ranges import BlockCausal, block_causal
+from seqpar.sequence_parallel.masks.blockwise import BlockwiseMask
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask, check_packed_positions, sequence_mask
 
-__all__ = ["BlockCausal", "SequenceMask", "block_causal", "check_packed_positions", "sequence_mask"]
+__all__ = ["BlockCausal", "BlockwiseMask", "SequenceMask", "block_causal", "check_packed_positions", "sequence_mask"]

@@ -25,6 +25,7 @@ from seqpar.layouts.chunks import Layout, chunks_per_rank, natural_order_index, 
 from seqpar.mesh import as_sp_mesh
 from seqpar.sequence_parallel.comm.collectives import all_gather_first_dim, collective_device
 from seqpar.sequence_parallel.masks.block_ranges import BlockCausal, block_causal
+from seqpar.sequence_parallel.masks.blockwise import BlockwiseMask
 
 __all__ = ["SequenceMask", "check_packed_positions", "sequence_mask"]
 
@@ -48,6 +49,8 @@ class SequenceMask:
     """Largest position id in the sequence (0 when built without position ids)."""
     blocks: BlockCausal | None = None
     """Block-causal ranges (Note [block-causal ranges]), or None for the plain causal rule."""
+    predicate: BlockwiseMask | None = None
+    """Any other head-independent mask over the global sequence (Note [blockwise masks]), or None."""
     plans: dict = field(default_factory=dict, compare=False, repr=False)
     """Tile plans already made with this mask (Note [masked tiles]): every layer of one forward asks for
     the same ones, so they are made once per batch."""
@@ -59,13 +62,13 @@ class SequenceMask:
         if window == self.window:
             return self
         if window not in self.windowed:
-            self.windowed[window] = SequenceMask(self.starts, window, self.max_position, self.blocks)
+            self.windowed[window] = SequenceMask(self.starts, window, self.max_position, self.blocks, self.predicate)
         return self.windowed[window]
 
     @property
     def trivial(self) -> bool:
         """True when the mask adds nothing to the causal rule."""
-        return self.starts is None and self.window is None and self.blocks is None
+        return self.starts is None and self.window is None and self.blocks is None and self.predicate is None
 
 
 def _gather_positions(local: torch.Tensor, mesh: object, layout: Layout) -> torch.Tensor:

@@ -208,6 +208,8 @@ def _dense_mask(
     if mask.blocks is not None:  # [q, kv], or [B, q, kv] when the rows' blocks differ
         keep = keep & (mask.blocks.starts(ki) <= mask.blocks.starts(qi))
     keep = keep[:, None] if keep.dim() == 3 else keep[None, None]
+    if mask.predicate is not None:  # Note [blockwise masks]
+        keep = keep & mask.predicate.dense(q, kv)
     if mask.starts is not None:
         same = mask.starts[:, q[0] : q[1], None] == mask.starts[:, None, kv[0] : kv[1]]  # [B, q, kv]
         keep = keep & same[:, None]

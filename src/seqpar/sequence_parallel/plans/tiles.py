@@ -132,6 +132,10 @@ def tile_kinds(
         partial = mask.blocks.starts(kh) > mask.blocks.starts(ql)
         skip |= later.all(0) if mask.blocks.per_row else later
         mixed |= partial.any(0) if mask.blocks.per_row else partial
+    if mask.predicate is not None:  # Note [blockwise masks]: from its block table
+        hidden, masked = mask.predicate.tile_rules(q_lo, q_hi, kv_lo, kv_hi)
+        skip |= hidden
+        mixed |= masked
     square = (ql == kl) & (qh == kh) if causal else torch.zeros_like(skip)
     if causal:
         mixed |= (kh > ql) & ~square
