@@ -46,6 +46,7 @@ from seqpar.layouts.placed import Placement
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.models.families import Family
 from seqpar.sequence_parallel.checks import Signature, by_rank, exchange_signatures
+from seqpar.sequence_parallel.masks.block_ranges import image_runs
 
 __all__ = ["ROW_KEY", "WHOLE_ROW_KEYS", "WholeRow", "agree_on_whole_row", "is_whole_row_call", "shard_decoder_inputs"]
 
@@ -110,15 +111,6 @@ def _digest(tensors: list[object]) -> int:
         crc = zlib.crc32(repr((tuple(data.shape), str(data.dtype))).encode(), crc)
         crc = zlib.crc32(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"", crc)
     return crc
-
-
-def _image_runs(token_types: torch.Tensor) -> list[tuple[tuple[int, int], ...]]:
-    """Each row's runs of image tokens (``token_types == 1``) as ``(start, stop)`` ranges."""
-    runs = []
-    for row in (token_types == 1).long():
-        edges = torch.diff(torch.nn.functional.pad(row, (1, 1))).nonzero().flatten().tolist()
-        runs.append(tuple(zip(edges[0::2], edges[1::2], strict=True)))
-    return runs
 
 
 def _document_faults(
@@ -235,7 +227,7 @@ def agree_on_whole_row(
     keep = torch.as_tensor(mask).bool() if mask is not None and not isinstance(mask, dict) else None
     blocks = None
     if family.image_blocks and kwargs.get(family.image_blocks) is not None:
-        runs = _image_runs(torch.as_tensor(kwargs[family.image_blocks]))
+        runs = image_runs(kwargs[family.image_blocks])
         if any(runs):  # one set of ranges when every row holds its images at the same tokens
             blocks = runs[0] if all(r == runs[0] for r in runs) else tuple(runs)
     types = kwargs.get(family.image_blocks) if family.image_blocks else None

@@ -25,7 +25,7 @@ import torch
 
 from seqpar.errors import SeqparInputError
 
-__all__ = ["BlockCausal", "block_causal"]
+__all__ = ["BlockCausal", "block_causal", "image_runs"]
 
 
 @dataclass(frozen=True)
@@ -120,3 +120,19 @@ def _ranges(blocks: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
             )
         previous = b
     return ranges
+
+
+def image_runs(token_types: torch.Tensor) -> list[tuple[tuple[int, int], ...]]:
+    """Each row's runs of image tokens (``token_types == 1``, Gemma 3's ``token_type_ids``) as ``(start, stop)``.
+
+    Args:
+        token_types: ``[B, S]`` token types.
+
+    Returns:
+        One tuple of sorted, disjoint ranges per row (empty for a row without images).
+    """
+    runs = []
+    for row in (torch.as_tensor(token_types) == 1).long().cpu():
+        edges = torch.diff(torch.nn.functional.pad(row, (1, 1))).nonzero().flatten().tolist()
+        runs.append(tuple(zip(edges[0::2], edges[1::2], strict=True)))
+    return runs
