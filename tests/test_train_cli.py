@@ -143,6 +143,7 @@ def test_run_directory_evaluation_and_sp_degrees_agree(tmp_path):
     for name in ("config.json", "metrics.jsonl", "loss.png", "tokens_per_s.png", "memory.png", "eval.json"):
         assert (full / name).is_file(), name
     assert any((full / "tensorboard").iterdir())
+    assert sorted(os.listdir(full / "hf")) == ["config.json", "generation_config.json", "model.safetensors"]
     assert (full / "checkpoints" / "step_0000006" / "seqpar_complete.json").is_file()
     curve = losses(full)
     assert sorted(curve) == [1, 2, 3, 4, 5, 6] and curve[6] < curve[1]
@@ -156,7 +157,8 @@ def test_run_directory_evaluation_and_sp_degrees_agree(tmp_path):
     # model's argmax still varies along the sequence (after six it is one letter everywhere), so an
     # evaluation reading the prediction one position off would be caught: that count differs
     early = tmp_path / "early"
-    assert seqpar_train(*TINY, "--steps", "1", "--run-dir", str(early)).returncode == 0
+    assert seqpar_train(*TINY, "--steps", "1", "--run-dir", str(early), "--no-export-hf").returncode == 0
+    assert not (early / "hf").exists() and not (early / "hf.partial").exists()
     plain, one_off = _plain_accuracy(early / "checkpoints" / "step_0000001", 1)
     assert abs(plain - one_off) > 1 / (4 * 63)
     reported = json.loads((early / "eval.json").read_text())["accuracy"]["192"]
@@ -546,3 +548,16 @@ def test_a_local_hybrid_model_trains_at_sp_2_as_at_sp_1(tmp_path):
         assert done.returncode == 0, done.stderr
     for key, rel in (("loss", 1e-4), ("grad_norm", 1e-4)):
         assert losses(runs[2], key) == pytest.approx(losses(runs[1], key), rel=rel), key
+    # its tied embeddings in the Hugging Face directory as transformers keeps them: saved once, tied on loading
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    hf = runs[2] / "hf"
+    assert_export_is_the_run(
+        hf, runs[2] / "checkpoints" / "step_0000003", runs[2], {"model.embed_tokens.weight": "columns"}
+    )
+    with safe_open(str(hf / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    exported = AutoModelForCausalLM.from_pretrained(str(hf))
+    assert exported.lm_head.weight is exported.model.embed_tokens.weight

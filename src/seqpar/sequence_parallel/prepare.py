@@ -62,7 +62,6 @@ ORIGINAL_ATTENTION_ATTR = "_seqpar_original_attention"  # the implementation the
 UNSHARDED_ATTR = "_seqpar_unsharded"  # True while the model runs its own attention on whole sequences
 
 
-
 def _seqpar_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function: ``[B, H, S/P, D]`` in, ``([B, S/P, H, D], None)`` out."""
     ctx = kwargs.get(_CONTEXT_KEY)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -167,7 +168,9 @@ def _model_tensors(checkpoint: str) -> dict[str, torch.Tensor]:
         raise SeqparInputError(f"checkpoint {checkpoint} holds no model tensors")
     loaded = {"model": state}
     try:
-        dcp.load(loaded, storage_reader=SafeFileSystemReader(checkpoint), planner=SafeLoadPlanner(), no_dist=True)
+        with warnings.catch_warnings():  # no process group is what this reader is for
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load(loaded, storage_reader=SafeFileSystemReader(checkpoint), planner=SafeLoadPlanner(), no_dist=True)
     except Exception as error:
         raise SeqparInputError(f"cannot read checkpoint {checkpoint}: {str(error).splitlines()[0][:300]}") from error
     return loaded["model"]

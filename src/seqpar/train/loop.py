@@ -1,8 +1,9 @@
 """The training loop one rank runs: set-up, then per step an optimizer step, a log record and maybe a checkpoint,
-then the evaluation.
+then the evaluation and the Hugging Face model directory.
 
 ``train_rank`` expects an initialised default process group (``seqpar.train.launch`` sets it up). The steps it
-calls live in ``state`` (set-up), ``step`` (one optimizer step) and ``evaluate`` (passkey accuracy).
+calls live in ``state`` (set-up), ``step`` (one optimizer step), ``evaluate`` (passkey accuracy) and ``export``
+(``<run_dir>/hf``).
 
 Note [stopping on a signal]
     SIGTERM or SIGINT on any rank only sets a flag there (``seqpar.runtime.StopSignals``). The flag rides
