@@ -125,9 +125,10 @@ def assert_export_is_the_run(hf, checkpoint, run_dir, stale: dict[str, str]) -> 
 
 
 def assert_same_export(one, other) -> None:
-    """Two Hugging Face model directories with the same config and the same tensors."""
+    """Two Hugging Face model directories with the same files, the same config and the same tensors."""
     from safetensors.torch import load_file
 
+    assert sorted(os.listdir(one)) == sorted(os.listdir(other))
     assert json.loads((one / "config.json").read_text()) == json.loads((other / "config.json").read_text())
     mine, theirs = load_file(one / "model.safetensors"), load_file(other / "model.safetensors")
     assert sorted(mine) == sorted(theirs)
