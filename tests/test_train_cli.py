@@ -10,6 +10,7 @@ import io
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -67,6 +68,74 @@ def _plain_accuracy(checkpoint, step: int) -> tuple[float, float]:
     return float(right.double().mean()), float(off.double().mean())
 
 
+def _checkpoint_model(checkpoint, run_dir) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The run's model with the weights of ``checkpoint`` read here by torch's own DCP converter (not seqpar's
+    reader), and the same model as the run initialised it (its seed)."""
+    from dataclasses import fields
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from seqpar.train.config import TrainConfig
+    from seqpar.train.data import load_tokenizer
+    from seqpar.train.model import build_model
+
+    values = json.loads((run_dir / "config.json").read_text())
+    config = TrainConfig(**{f.name: values[f.name] for f in fields(TrainConfig)})
+    tokenizer = load_tokenizer(values["tokenizer_used"])
+    vocab = getattr(tokenizer, "vocab_size", None) or len(tokenizer)
+    whole = run_dir / f"{checkpoint.name}.pt"
+    dcp_to_torch_save(str(checkpoint), str(whole))
+    saved = torch.load(whole, weights_only=False)["model"]
+    trained, initial = build_model(config, vocab), build_model(config, vocab)
+    trained.load_state_dict(saved)  # strict: every tensor of the model is in the checkpoint
+    trained.tie_weights()
+    return trained.eval(), initial.eval()
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def assert_export_is_the_run(hf, checkpoint, run_dir, stale: dict[str, str]) -> None:
+    """``from_pretrained(hf)`` in this process gives the logits of the run's model with the weights of its
+    ``checkpoint`` (rel 1e-6); with the tensors named in ``stale`` partly left at their initial values (``"rows"``,
+    ``"columns"``: the second half, as a shard not gathered; ``"all"``: as a pipeline stage not sent) the same
+    comparison fails."""
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(str(hf)).eval()
+    trained, initial = _checkpoint_model(checkpoint, run_dir)
+    got, want = _logits(exported), _logits(trained)
+    tolerance = {"rtol": 1e-6, "atol": 1e-6 * float(want.abs().max())}
+    torch.testing.assert_close(got, want, **tolerance)
+    state, start = trained.state_dict(), initial.state_dict()
+    assert stale
+    for name, part in stale.items():
+        half = slice(state[name].shape[part == "columns"] // 2, None) if part != "all" else slice(None)
+        index = (slice(None), half) if part == "columns" else (half,)
+        kept = state[name].clone()
+        with torch.no_grad():
+            state[name][index] = start[name][index]
+        with pytest.raises(AssertionError):
+            torch.testing.assert_close(got, _logits(trained), **tolerance)
+        with torch.no_grad():
+            state[name].copy_(kept)
+
+
+def assert_same_export(one, other) -> None:
+    """Two Hugging Face model directories with the same files, the same config and the same tensors."""
+    from safetensors.torch import load_file
+
+    assert sorted(os.listdir(one)) == sorted(os.listdir(other))
+    assert json.loads((one / "config.json").read_text()) == json.loads((other / "config.json").read_text())
+    mine, theirs = load_file(one / "model.safetensors"), load_file(other / "model.safetensors")
+    assert sorted(mine) == sorted(theirs)
+    for name, tensor in mine.items():
+        assert torch.equal(tensor, theirs[name]), name
+
+
 def test_run_directory_evaluation_and_sp_degrees_agree(tmp_path):
     full, single = tmp_path / "full", tmp_path / "single"
     done = seqpar_train(*TINY, "--steps", "6", "--run-dir", str(full))
@@ -75,6 +144,7 @@ def test_run_directory_evaluation_and_sp_degrees_agree(tmp_path):
     for name in ("config.json", "metrics.jsonl", "loss.png", "tokens_per_s.png", "memory.png", "eval.json"):
         assert (full / name).is_file(), name
     assert any((full / "tensorboard").iterdir())
+    assert sorted(os.listdir(full / "hf")) == ["config.json", "generation_config.json", "model.safetensors"]
     assert (full / "checkpoints" / "step_0000006" / "seqpar_complete.json").is_file()
     curve = losses(full)
     assert sorted(curve) == [1, 2, 3, 4, 5, 6] and curve[6] < curve[1]
@@ -88,7 +158,8 @@ def test_run_directory_evaluation_and_sp_degrees_agree(tmp_path):
     # model's argmax still varies along the sequence (after six it is one letter everywhere), so an
     # evaluation reading the prediction one position off would be caught: that count differs
     early = tmp_path / "early"
-    assert seqpar_train(*TINY, "--steps", "1", "--run-dir", str(early)).returncode == 0
+    assert seqpar_train(*TINY, "--steps", "1", "--run-dir", str(early), "--no-export-hf").returncode == 0
+    assert not (early / "hf").exists() and not (early / "hf.partial").exists()
     plain, one_off = _plain_accuracy(early / "checkpoints" / "step_0000001", 1)
     assert abs(plain - one_off) > 1 / (4 * 63)
     reported = json.loads((early / "eval.json").read_text())["accuracy"]["192"]
@@ -232,13 +303,22 @@ def test_real_data_files_and_local_model_config(tmp_path):
         str(parquet)
     )
     settings = tmp_path / "settings.yaml"
-    settings.write_text("dp: 2\nsp: 1\nprecision: bf16\nactivation_checkpointing: true\nsteps: 2\n")
+    settings.write_text("dp: 2\nsp: 2\nprecision: bf16\nactivation_checkpointing: true\nsteps: 2\n")
     run2 = tmp_path / "run2"
     done = seqpar_train(*TINY, "--config", str(settings), "--data", str(parquet), "--run-dir", str(run2))
     assert done.returncode == 0, done.stderr
     resolved = json.loads((run2 / "config.json").read_text())
     assert (resolved["dp"], resolved["precision"], resolved["activation_checkpointing"]) == (2, "bf16", True)
     assert sorted(losses(run2)) == [1, 2]
+    # the trained models as Hugging Face directories: dp 2 x sp 2, and the mixture of experts with its tokenizer
+    stale = {"model.layers.0.self_attn.q_proj.weight": "rows"}
+    assert_export_is_the_run(run2 / "hf", run2 / "checkpoints" / "step_0000002", run2, stale)
+    assert_export_is_the_run(run / "hf", run / "checkpoints" / "step_0000003", run, stale)
+    from transformers import AutoTokenizer
+
+    text = "Document 7. Long context matters."
+    exported, given = (AutoTokenizer.from_pretrained(str(where)) for where in (run / "hf", model))
+    assert exported(text)["input_ids"] == given(text)["input_ids"] != []
 
 
 def test_tensor_and_data_parallel_runs_match_the_sequence_parallel_run(tmp_path):
@@ -286,6 +366,17 @@ def test_tensor_and_data_parallel_runs_match_the_sequence_parallel_run(tmp_path)
     )
     assert launched.returncode == 0, launched.stderr
     assert json.loads((tmp_path / "torchrun" / "config.json").read_text())["launcher"] == "torchrun"
+    # the Hugging Face directories of the tensor-parallel run and of the FSDP2 run (resumed, host-offloaded):
+    # gathered from tp shards (q_proj by rows, o_proj by columns) and FSDP2 shards (by rows); seqpar export of the
+    # final checkpoint writes the same directory
+    tp_stale = {"model.layers.0.self_attn.q_proj.weight": "rows", "model.layers.0.self_attn.o_proj.weight": "columns"}
+    tp_dir = tmp_path / "tp"
+    assert_export_is_the_run(tp_dir / "hf", tp_dir / "checkpoints" / "step_0000002", tp_dir, tp_stale)
+    fsdp_stale = {"model.layers.0.mlp.down_proj.weight": "rows", "model.embed_tokens.weight": "rows"}
+    assert_export_is_the_run(part / "hf", part / "checkpoints" / "step_0000002", part, fsdp_stale)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert cli_main(["export", str(part / "checkpoints" / "step_0000002"), str(tmp_path / "exported")]) == 0
+    assert_same_export(tmp_path / "exported", part / "hf")
     sp_losses = losses(tmp_path / "sp")
     # gradient accumulation 2 (TINY): the gradient norm before clipping sees a micro-batch counted twice, which
     # Adam's first updates would hide from the loss
@@ -307,6 +398,12 @@ def test_pipeline_runs_match_one_process_and_resume_across_layouts(tmp_path):
     gpipe = seqpar_train(*common, "--sp", "1", "--pp", "2", "--pp-schedule", "gpipe", "--run-dir", str(tmp_path / "gp"))
     assert gpipe.returncode == 0, gpipe.stderr
     assert "mesh: pp 2 (gpipe, 2 micro-batches) x dp 1 x sp 1" in gpipe.stdout
+    # the Hugging Face directory of a pipeline run: each stage's parameters under the whole model's names (the
+    # second stage holds layer 1, the final norm and the head)
+    stage = {name: "all" for name in ("model.layers.1.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight")}
+    stage["lm_head.weight"] = "all"
+    gp = tmp_path / "gp"
+    assert_export_is_the_run(gp / "hf", gp / "checkpoints" / "step_0000002", gp, stage)
     split = tmp_path / "split"
     for extra in (
         ["--pp", "2", "--sp", "2", "--pp-microbatches", "2", "--stop-at", "1"],
@@ -314,6 +411,12 @@ def test_pipeline_runs_match_one_process_and_resume_across_layouts(tmp_path):
     ):
         done = seqpar_train(*common, *extra, "--run-dir", str(split))
         assert done.returncode == 0, done.stderr
+        if "--pp" in extra:  # pp 2 x sp 2, stopped at step 1: the directory then, and seqpar export's of step 1
+            first = split / "checkpoints" / "step_0000001"
+            assert_export_is_the_run(split / "hf", first, split, stage)
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                assert cli_main(["export", str(first), str(tmp_path / "exported")]) == 0
+            assert_same_export(tmp_path / "exported", split / "hf")
     assert "written at pp 2 x dp 1 x sp 2 x tp 1, replicate; resharded to pp 1 x dp 1 x sp 1" in done.stdout
     for key in ("loss", "grad_norm"):
         want = losses(tmp_path / "one", key)
@@ -395,6 +498,30 @@ def test_damaged_and_half_written_checkpoints_are_refused(tmp_path):
     broken = seqpar_train(*TINY, "--steps", "4", "--run-dir", str(run), "--resume", str(target))
     assert broken.returncode != 0
     assert "is damaged" in broken.stderr
+    # seqpar export refuses the same checkpoints, a missing one, one without its run's settings, and an output
+    # directory that holds files
+    moved = tmp_path / "moved"
+    shutil.copytree(ckpts / "step_0000001", moved / "step_0000001")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("mine")
+    cases = [
+        ([str(ckpts / "step_0000002.partial"), str(tmp_path / "out")], "is not a complete seqpar checkpoint"),
+        ([str(target), str(tmp_path / "out")], "is damaged"),
+        ([str(ckpts / "step_0000009"), str(tmp_path / "out")], "checkpoint directory not found"),
+        ([str(moved / "step_0000001"), str(tmp_path / "out")], "run settings not found"),
+        ([str(ckpts / "step_0000001"), str(tmp_path / "full")], "exists and is not an empty directory"),
+    ]
+    for args, message in cases:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            assert cli_main(["export", *args]) == 2, args
+        assert message in err.getvalue(), (args, err.getvalue())
+        assert not (tmp_path / "out").exists()
+    from seqpar.train.export import export_checkpoint
+
+    with pytest.raises(SeqparInputError, match="exists and is not an empty directory"):
+        export_checkpoint(str(ckpts / "step_0000001"), str(tmp_path / "full"))
+    assert (tmp_path / "full" / "notes.txt").read_text() == "mine"
 
 
 def test_a_local_hybrid_model_trains_at_sp_2_as_at_sp_1(tmp_path):
@@ -422,3 +549,16 @@ def test_a_local_hybrid_model_trains_at_sp_2_as_at_sp_1(tmp_path):
         assert done.returncode == 0, done.stderr
     for key, rel in (("loss", 1e-4), ("grad_norm", 1e-4)):
         assert losses(runs[2], key) == pytest.approx(losses(runs[1], key), rel=rel), key
+    # its tied embeddings in the Hugging Face directory as transformers keeps them: saved once, tied on loading
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    hf = runs[2] / "hf"
+    assert_export_is_the_run(
+        hf, runs[2] / "checkpoints" / "step_0000003", runs[2], {"model.embed_tokens.weight": "columns"}
+    )
+    with safe_open(str(hf / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    exported = AutoModelForCausalLM.from_pretrained(str(hf))
+    assert exported.lm_head.weight is exported.model.embed_tokens.weight

@@ -6,6 +6,7 @@ seqpar demo                                    # every attention strategy on 2 C
 seqpar estimate --seq-len 65536 --sp 4         # predicted per-rank memory of a training step
 seqpar plan --model llama-8b --seq-len 1M --gpus 64   # which degrees, strategy and memory features
 seqpar doctor --model ./my-llama --sp 2        # does a sharded step differ from one process, and why
+seqpar export runs/x/checkpoints/step_0000300 ./my-model   # a checkpoint as a Hugging Face model directory
 seqpar bench attention                         # benchmarks: attention, strategies, masks, placement, llama_step,
                                                # cuda, context_parallel
 """
@@ -48,6 +49,13 @@ _COMMANDS = {
         "position ids, shifted labels, attention outside seqpar, token mixing outside attention, dropout, left "
         "padding) and a verdict. Exit code 0 when everything agrees and no pitfall is found, else 1.",
     ),
+    "export": (
+        "write a Hugging Face model directory from a seqpar train checkpoint",
+        "Read a complete seqpar train checkpoint (written at any dp/sp/tp/pp layout, FSDP2 included) in one "
+        "process and write the model as a Hugging Face directory (config.json, model.safetensors, generation "
+        "config, the run's tokenizer) that AutoModelForCausalLM.from_pretrained loads. The model comes from the "
+        "run's config.json; OUT must be new or empty.",
+    ),
     "bench": (
         "run a benchmark (ratios measured side by side in one run)",
         "Benchmarks: " + ", ".join(BENCHMARKS) + ". `seqpar bench NAME --help` explains each.",
@@ -82,6 +90,10 @@ def _add_flags(command: str, parser: argparse.ArgumentParser) -> None:
         from seqpar.planning.cli import add_plan_flags
 
         add_plan_flags(parser)
+    elif command == "export":
+        from seqpar.cli.export import add_export_flags
+
+        add_export_flags(parser)
     elif command == "estimate":
         from seqpar.cli.estimate import add_estimate_flags
 
@@ -113,12 +125,16 @@ def main(argv: list[str] | None = None) -> int:
         from seqpar.planning.cli import run_plan
 
         return run_plan(args)
-    if args.command in ("estimate", "doctor"):  # bad input: a message and exit code 2
+    if args.command in ("estimate", "doctor", "export"):  # bad input: a message and exit code 2
         try:
             if args.command == "estimate":
                 from seqpar.cli.estimate import run_estimate
 
                 return run_estimate(args)
+            if args.command == "export":
+                from seqpar.cli.export import run_export
+
+                return run_export(args)
             from seqpar.cli.doctor import run_doctor
 
             return run_doctor(args)

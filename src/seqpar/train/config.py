@@ -144,6 +144,10 @@ class TrainConfig:
     """Sequence lengths to evaluate at; default: seq_len and 2 x seq_len (never trained on)."""
     progress: bool = True
     """Show a progress bar on rank 0."""
+    export_hf: bool = True
+    """At the end of the run, write the trained model as a Hugging Face model directory, <run_dir>/hf
+    (config.json, model.safetensors, generation config, the --data tokenizer), gathered from every rank's
+    shards and pipeline stages (Note [hf export]); ``seqpar export`` writes one from any checkpoint."""
     plan: bool = False
     """Print the predicted per-rank memory and step time of these settings, and the ranked layouts of
     ``seqpar plan`` for the same model, length and device count (H100-class devices), then exit."""

@@ -1,8 +1,9 @@
 """The training loop one rank runs: set-up, then per step an optimizer step, a log record and maybe a checkpoint,
-then the evaluation.
+then the evaluation and the Hugging Face model directory.
 
 ``train_rank`` expects an initialised default process group (``seqpar.train.launch`` sets it up). The steps it
-calls live in ``state`` (set-up), ``step`` (one optimizer step) and ``evaluate`` (passkey accuracy).
+calls live in ``state`` (set-up), ``step`` (one optimizer step), ``evaluate`` (passkey accuracy) and ``export``
+(``<run_dir>/hf``).
 
 Note [stopping on a signal]
     SIGTERM or SIGINT on any rank only sets a flag there (``seqpar.runtime.StopSignals``). The flag rides
@@ -30,6 +31,7 @@ from seqpar.runtime.signals import StopSignals
 from seqpar.train.checkpoint import save_checkpoint
 from seqpar.train.config import TrainConfig
 from seqpar.train.evaluate import evaluate_passkey
+from seqpar.train.export import export_run
 from seqpar.train.metrics import MetricsWriter, plot_metrics
 from seqpar.train.state import RunState, banner, checkpoint_state, run_layout, set_up_run
 from seqpar.train.step import StepResult, optimizer_step
@@ -189,7 +191,8 @@ def train_rank(config: TrainConfig, run_dir: str) -> signal.Signals | None:
     """Train on this rank, then evaluate (collective: every rank of the default group calls it alike).
 
     SIGTERM and SIGINT stop the run cleanly after the current optimizer step (Note [stopping on a signal]):
-    one checkpoint is written there, rank 0 prints how to resume, and the evaluation is skipped.
+    one checkpoint is written there, rank 0 prints how to resume, and the evaluation is skipped. A run that
+    ends otherwise (``--stop-at`` included) writes ``<run_dir>/hf`` unless ``--no-export-hf`` (Note [hf export]).
 
     Args:
         config: the run's settings, the same on every rank.
@@ -216,6 +219,11 @@ def train_rank(config: TrainConfig, run_dir: str) -> signal.Signals | None:
         if stopped is None and (config.stop_at or config.steps) == config.steps and run.source.passkey is not None:
             with _doing(run.config, progress, "evaluating"):
                 evaluate_passkey(run, writer)
+        if stopped is None and config.export_hf:
+            with _doing(run.config, progress, "writing the Hugging Face model"):
+                exported = export_run(run)
+            if exported is not None:
+                print(f"hugging face model: {exported}", flush=True)
         if writer is not None:
             writer.close()
             for path in plot_metrics(run_dir):
