@@ -106,7 +106,7 @@ def test_dtype_strategy_and_sharding():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"sp_size": 3, "strategy": "ulysses"}, "divisible by the degree 3"),
+        ({"sp_size": 16, "strategy": "ulysses"}, "over 16 ranks needs at least 16 query heads"),
         ({"sp_size": 2, "features": ("tiled_mlps",)}, "unknown feature 'tiled_mlps'"),
         ({"sp_size": 0}, "sp_size must be a positive integer"),
         ({"sp_size": 2, "optimizer": "lion"}, "unknown optimizer"),
