@@ -183,11 +183,12 @@ def _qwen2_training(rank, world_size):
         loss.backward()
         seqpar.reduce_gradients(model.parameters(), mesh)
         what = f"step {step} P={world_size}"
-        torch.testing.assert_close(logits, want.logits[:, idx], atol=2e-5, rtol=1e-4, msg=lambda m: f"{what}: {m}")
+        torch.testing.assert_close(logits, want.logits[:, idx], atol=2e-5, rtol=1e-4, msg=lambda m, w=what: f"{w}: {m}")
         total = seqpar.sum_over(loss.detach(), mesh)
         torch.testing.assert_close(total, want.loss.detach(), atol=1e-6, rtol=1e-5)
         for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
-            torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-4, msg=lambda m, n=name: f"{what} {n}: {m}")
+            message = f"{what} {name}"
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-4, msg=lambda m, w=message: f"{w}: {m}")
         for opt in opts:
             opt.step()
             opt.zero_grad()

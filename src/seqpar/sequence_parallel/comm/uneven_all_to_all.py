@@ -128,7 +128,7 @@ def head_to_seq_ranges(
     ranges: tuple[tuple[int, int], ...],
     heads: int,
 ) -> torch.Tensor:
-    """``[B, n_r, S, D]`` heads ``ranges[r]`` -> ``[B, heads, S/P, D]`` sequence shard (adjoint of ``seq_to_head_ranges``).
+    """``[B, n_r, S, D]`` heads ``ranges[r]`` -> ``[B, heads, S/P, D]`` shard, the adjoint of ``seq_to_head_ranges``.
 
     Args:
         y: this rank's heads for the whole sequence, in global order.
