@@ -2,7 +2,8 @@
 
 Outputs and gradients at P = 3, 4 and 8 (5 heads at 3, 6 and 14 at 4, 28 query / 4 KV heads at 8; MHA and GQA,
 ranges that straddle KV groups), causal and not, both layouts, packed documents and windows, hybrid meshes with
-an uneven ulysses axis; negative controls; a Qwen2 model with 14 heads trained at sp 4 equals one process.
+an uneven ulysses axis, attention sinks and soft-capping; negative controls; a Qwen2 model with 14 heads
+trained at sp 4 equals one process.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from seqpar.sequence_parallel.strategies.heads import HeadSplit, head_split
 from tests._cases import check_case, check_mask_case, packed_positions
 from tests._dist import run_ranks, shard_index
 from tests._models import SEQ, VOCAB, tokens
+from tests._sink_cases import SOFTCAP, check_sinks_softcap
 
 # (query heads, KV heads) per world size, none split evenly by it (Note [uneven heads])
 UNEVEN = {
@@ -47,6 +49,10 @@ def _masks(rank, world_size, heads, runs=(("zigzag", None, True), ("contiguous",
         check_mask_case(rank, world_size, mesh, "ulysses", layout, 1, h, kv, positions, window, prebuilt)
     two = torch.cat([positions, packed_positions(8 * world_size, (9, 3, 22))[None]])
     check_mask_case(rank, world_size, mesh, "ulysses", "zigzag", 2, h, kv, two, None, prebuilt=False)
+    # attention sinks (each rank applies those of its own range of heads) and soft-capping
+    for causal, window, packed in ((True, 5, True), (False, None, False)):
+        options = dict(sinks=True, softcap=SOFTCAP, window=window, packed=packed)
+        check_sinks_softcap(rank, world_size, mesh, "ulysses", "zigzag", causal, h, kv, **options)
 
 
 def _hybrid(rank, world_size, ulysses_size, heads, combos=None):
@@ -58,6 +64,7 @@ def _hybrid(rank, world_size, ulysses_size, heads, combos=None):
     positions = packed_positions(8 * world_size)[None]
     check_mask_case(rank, world_size, mesh, "hybrid", "zigzag", 1, h, kv, positions, None, prebuilt=True)
     check_mask_case(rank, world_size, mesh, "hybrid", "zigzag", 1, h, kv, positions, 6, prebuilt=False)
+    check_sinks_softcap(rank, world_size, mesh, "hybrid", "zigzag", True, h, kv, sinks=True, softcap=SOFTCAP)
 
 
 def _eight(rank, world_size):
