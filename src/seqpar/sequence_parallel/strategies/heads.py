@@ -139,11 +139,11 @@ def head_split(heads: int, kv_heads: int, degree: int) -> HeadSplit | None:
 
 
 def kv_head_repeats(heads: int, kv_heads: int, degree: int) -> int | None:
-    """Copies of each key/value head an all-to-all over ``degree`` ranks needs (Note [ulysses heads]).
+    """Copies of each key/value head the even all-to-all over ``degree`` ranks needs (Note [ulysses heads]).
 
-    The heads split when the degree divides the query heads and either divides the KV heads (no copies)
-    or is a multiple of them (each KV head is copied ``degree // kv_heads`` times, so every rank receives
-    the one KV head its query heads read).
+    The heads split evenly when the degree divides the query heads and either divides the KV heads (no
+    copies) or is a multiple of them (each KV head is copied ``degree // kv_heads`` times, so every rank
+    receives the one KV head its query heads read). Other degrees take the uneven split (``head_split``).
 
     Args:
         heads: query heads.
@@ -151,7 +151,7 @@ def kv_head_repeats(heads: int, kv_heads: int, degree: int) -> int | None:
         degree: ranks of the all-to-all.
 
     Returns:
-        1 or ``degree // kv_heads``; None when these heads cannot be split over ``degree`` ranks.
+        1 or ``degree // kv_heads``; None when these heads do not split evenly over ``degree`` ranks.
     """
     if degree < 1 or heads % degree:
         return None
