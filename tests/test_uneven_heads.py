@@ -136,6 +136,35 @@ def test_negative_controls():
     run_ranks(4, _controls)
 
 
+def _exchange(rank, world_size):
+    """The uneven all-to-all on its own: every rank gets its heads of the whole sequence in global order, and the
+    way back is the adjoint, summing a head that went to several ranks (Note [uneven all-to-all])."""
+    from seqpar.layouts.chunks import natural_order_index, owner_order_index
+    from seqpar.sequence_parallel.comm import head_to_seq_ranges, seq_to_head_ranges
+
+    group = seqpar.make_mesh().sp_group
+    for layout, ranges in itertools.product(
+        ("zigzag", "contiguous"), (((0, 1), (0, 2), (1, 2)), ((0, 3), (3, 5), (5, 7)))
+    ):
+        heads, seq = ranges[-1][1], 12 * world_size
+        gen = torch.Generator().manual_seed(len(ranges) + heads)
+        whole, back = torch.randn(2, heads, seq, 4, generator=gen), torch.randn(2, heads, seq, 4, generator=gen)
+        idx = shard_index(layout, world_size, rank, seq)
+        orders = (natural_order_index(layout, world_size), owner_order_index(layout, world_size))
+        start, stop = ranges[rank]
+        got = seq_to_head_ranges(whole[:, :, idx].transpose(1, 2).contiguous().transpose(1, 2), group, *orders, ranges)
+        torch.testing.assert_close(got, whole[:, start:stop], rtol=0, atol=0)  # a copy: bit-exact
+        # what rank r sends back for heads [a_r, b_r) sums, per head, over the ranks that hold it
+        returned = head_to_seq_ranges(back[:, start:stop] * (rank + 1), group, *orders, ranges, heads)
+        weight = torch.tensor([sum(r + 1 for r, (a, b) in enumerate(ranges) if a <= h < b) for h in range(heads)])
+        want = back[:, :, idx] * weight.view(1, -1, 1, 1).float()
+        torch.testing.assert_close(returned, want, atol=1e-6, rtol=1e-6, msg=lambda m, w=(layout, ranges): f"{w}: {m}")
+
+
+def test_uneven_exchange_and_its_adjoint():
+    run_ranks(3, _exchange)
+
+
 def test_head_split_ranges_and_costs():
     """The split itself, worked out by hand: ceil shares first, each rank's KV heads, the busiest rank's bytes."""
     split = head_split(28, 4, 8)
