@@ -66,8 +66,12 @@ def attention_table(records: list[dict]) -> str:
 
 
 def _strategy_label(r: dict) -> str:
+    shares = r.get("heads_per_rank") or []
+    uneven = f" (heads {', '.join(map(str, shares))})" if len(set(shares)) > 1 else ""  # Note [uneven heads]
     if r["strategy"] == "hybrid":
-        return f"hybrid {r['ranks'] // r['ulysses']}x{r['ulysses']}"
+        return f"hybrid {r['ranks'] // r['ulysses']}x{r['ulysses']}{uneven}"
+    if uneven:  # all heads at once, no head groups
+        return f"ulysses{uneven}"
     if r["strategy"] == "ulysses":  # KV heads below the degree are copied up to it; above, one group per KV head a rank
         kv = r["kv_heads"] if r["kv_heads"] % r["ranks"] == 0 else r["ranks"]
         return f"ulysses ({kv // r['ranks']} head groups)" if kv > r["ranks"] else "ulysses"

@@ -24,8 +24,8 @@ def _cases(rank):
         ("zigzag needs 2P chunks", lambda: dict(zip("qkv", _qkv(seq=7))), "multiple of 4 (2P for zigzag)"),
         (
             "heads vs ulysses degree",
-            lambda: {**dict(zip("qkv", _qkv(heads=3, kv_heads=3))), "strategy": "ulysses"},
-            "query heads (3) divisible by the degree 2; valid degrees: [1, 3]",
+            lambda: {**dict(zip("qkv", _qkv(heads=1, kv_heads=1))), "strategy": "ulysses"},
+            "ulysses over 2 ranks needs at least 2 query heads (one per rank); the model has 1",
         ),
         (
             "kv heads vs query heads",
@@ -98,15 +98,15 @@ def test_bad_input_raises_everywhere(index):
     run_ranks(2, _bad_input_worker, index)
 
 
-def _ulysses_kv_worker(rank, world_size):
+def _ulysses_few_heads_worker(rank, world_size):
     mesh = seqpar.make_mesh()
-    with pytest.raises(SeqparInputError, match=r"key/value heads \(2\) divisible by the degree 3 or dividing it"):
-        seqpar.attention(*_qkv(heads=6, kv_heads=2, seq=12), mesh=mesh, strategy="ulysses")
-    seqpar.attention(*_qkv(heads=6, kv_heads=2, seq=12), mesh=mesh, strategy="ring")
+    with pytest.raises(SeqparInputError, match=r"ulysses over 3 ranks needs at least 3 query heads.*has 2"):
+        seqpar.attention(*_qkv(heads=2, kv_heads=1, seq=12), mesh=mesh, strategy="ulysses")
+    seqpar.attention(*_qkv(heads=2, kv_heads=1, seq=12), mesh=mesh, strategy="ring")
 
 
-def test_ulysses_kv_heads_that_cannot_be_split():
-    run_ranks(3, _ulysses_kv_worker)
+def test_ulysses_refuses_fewer_heads_than_ranks():
+    run_ranks(3, _ulysses_few_heads_worker)
 
 
 def test_single_process_checks_without_a_group():

@@ -1,5 +1,7 @@
 """Bytes each rank writes to its sockets in one step equal each strategy's analytical volume (within 1%).
 
+Uneven head splits (Note [uneven heads]) are checked rank by rank.
+
 Read from /proc/self/io (the kernel's count), so an extra or larger transfer anywhere fails this test. The
 expected volumes are worked out here from the algorithms, independently of the code under test.
 """
@@ -14,6 +16,7 @@ import torch.distributed as dist
 
 import seqpar
 from seqpar.runtime.memory import written_bytes
+from seqpar.sequence_parallel.strategies.registry import strategy_row
 from tests._dist import run_ranks
 
 RANKS, ULYSSES, SEQ, HEADS, HEAD_DIM = 4, 2, 2048, 8, 64
@@ -61,17 +64,44 @@ def _analytical_bytes(strategy: str, kv_heads: int) -> float:
     raise ValueError(strategy)
 
 
-def _bytes_worker(rank, world_size, kv_heads, strategy):
+def _uneven_bytes(strategy: str, heads: int, kv_heads: int, rank: int) -> float:
+    """Bytes ``rank`` sends when the all-to-all's degree does not split the heads evenly (Note [uneven heads])."""
+    degree = RANKS if strategy == "ulysses" else ULYSSES
+    base, extra = divmod(heads, degree)
+    group = heads // kv_heads  # query heads per KV head
+    shares, start = [], 0  # per all-to-all rank: (query heads, KV heads, KV heads held after the exchange)
+    for r in range(degree):
+        n = base + (r < extra)  # the first heads % degree ranks take one more
+        reads = [(start + i) // group for i in range(n)]
+        kv = len(set(reads))
+        even = len({reads.count(j) for j in set(reads)}) == 1  # every KV head read by as many of its heads
+        shares.append((n, kv, kv if even else n))  # else copied up to one per query head after the exchange
+        start += n
+    n, m, held = shares[rank % degree]
+    wire = sum(kv for _, kv, _ in shares)  # a KV head read by two ranks goes to both
+    # q and out, dout and dq: the shard's other ranks' heads out, then P - 1 chunks of its own heads back; k, v
+    # out and dk, dv back alike
+    heads_sent = 2 * (heads - n) + 2 * (degree - 1) * n + 2 * (wire - m) + 2 * (degree - 1) * m
+    local = SEQ // RANKS
+    total = (RANKS - 1) * SIGNATURE_INTS * 8 + heads_sent * local * HEAD_DIM * FLOAT32
+    if strategy == "hybrid":  # the ring over R carries the KV heads the rank holds, for U x its tokens
+        r, kv_tensor = RANKS // degree, held * degree * local * HEAD_DIM * FLOAT32
+        total += (r - 1) * 4 * kv_tensor + r * 2 * kv_tensor
+    return total
+
+
+def _bytes_worker(rank, world_size, kv_heads, strategy, heads=HEADS):
     mesh = seqpar.make_mesh(ulysses_size=ULYSSES) if strategy == "hybrid" else seqpar.make_mesh()
     s = SEQ // world_size
-    q = torch.randn(1, HEADS, s, HEAD_DIM, requires_grad=True)
+    q = torch.randn(1, heads, s, HEAD_DIM, requires_grad=True)
     k, v = (torch.randn(1, kv_heads, s, HEAD_DIM, requires_grad=True) for _ in "kv")
     dist.barrier()
     before = written_bytes()
     seqpar.attention(q, k, v, mesh=mesh, strategy=strategy).sum().backward()
     sent = written_bytes() - before
-    want = _analytical_bytes(strategy, kv_heads)
-    assert abs(sent / want - 1) < 0.01, f"{strategy} kv_heads={kv_heads}: sent {sent} bytes, expected {want}"
+    want = _analytical_bytes(strategy, kv_heads) if heads == HEADS else _uneven_bytes(strategy, heads, kv_heads, rank)
+    what = f"{strategy} heads={heads} kv_heads={kv_heads} rank {rank}"
+    assert abs(sent / want - 1) < 0.01, f"{what}: sent {sent} bytes, expected {want}"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/io")
@@ -79,3 +109,14 @@ def _bytes_worker(rank, world_size, kv_heads, strategy):
 @pytest.mark.parametrize("kv_heads", [2, 8])
 def test_bytes_sent_match_analytical_volume(kv_heads, strategy):
     run_ranks(RANKS, _bytes_worker, kv_heads, strategy)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/io")
+@pytest.mark.parametrize(("strategy", "heads", "kv_heads"), [("ulysses", 6, 2), ("ulysses", 14, 2), ("hybrid", 6, 3)])
+def test_uneven_heads_bytes_sent_match_analytical_volume(strategy, heads, kv_heads):
+    """Every rank's own bytes: ceil(H/P) heads on some, KV heads shared between neighbours, copies for the ring; the
+    registry's bytes model (what "auto" and the planner read) is the busiest rank's."""
+    run_ranks(RANKS, _bytes_worker, kv_heads, strategy, heads)
+    busiest = max(_uneven_bytes(strategy, heads, kv_heads, r) for r in range(RANKS)) - (RANKS - 1) * SIGNATURE_INTS * 8
+    model = strategy_row(strategy).bytes_sent(heads, kv_heads, RANKS, ULYSSES, SEQ // RANKS, HEAD_DIM, FLOAT32)
+    assert model == pytest.approx(busiest, rel=1e-12)

@@ -94,6 +94,15 @@ def test_dtype_strategy_and_sharding():
     assert seqpar.estimate_memory(LLAMA, 8192, sp_size=2, dtype=torch.float32, features=LADDER[2]) == fp32
     assert seqpar.estimate_memory(LLAMA, 8192, sp_size=2).strategy == "ulysses"
     assert seqpar.estimate_memory(LLAMA, 8192, sp_size=16).strategy == "ring"  # 8 heads cannot split 16 ways
+    # 8 / 4 heads over 3 ranks (Note [uneven heads]): query heads 3, 3, 2 reading KV heads {0, 1}, {1, 2}, {3}; the
+    # busiest receiver takes 3 x (3 + 2 x 2) heads' worth of its tokens, plus K and V copied up to its 3 query
+    # heads, and every rank sends 8 + 2 x 5 (KV heads 1 and 2 go to two ranks each): 57 heads of 32 per token,
+    # against the ring's 8 KV widths (4 heads of 32); the tiled MLP lets the attention's buffers set the transient
+    assert seqpar.estimate_memory(LLAMA, 12288, sp_size=3).strategy == "ulysses"  # 3 heads against 2.67: 1.125x
+    tiled = dict(sp_size=3, features=LADDER[3], loss_chunk=128)
+    uneven = seqpar.estimate_memory(LLAMA, 61440, strategy="ulysses", **tiled).communication
+    ring = seqpar.estimate_memory(LLAMA, 61440, strategy="ring", **tiled).communication
+    assert ring > 0 and uneven / ring == pytest.approx(57 * 32 / (8 * 4 * 32), rel=1e-6)
     # with the MLP tiled, the attention's buffers set the layer's transient
     ring = seqpar.estimate_memory(LLAMA, 65536, sp_size=8, strategy="ring", features=LADDER[3], loss_chunk=128)
     gather = seqpar.estimate_memory(LLAMA, 65536, sp_size=8, strategy="allgather", features=LADDER[3], loss_chunk=128)
@@ -106,7 +115,7 @@ def test_dtype_strategy_and_sharding():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"sp_size": 3, "strategy": "ulysses"}, "divisible by the degree 3"),
+        ({"sp_size": 16, "strategy": "ulysses"}, "over 16 ranks needs at least 16 query heads"),
         ({"sp_size": 2, "features": ("tiled_mlps",)}, "unknown feature 'tiled_mlps'"),
         ({"sp_size": 0}, "sp_size must be a positive integer"),
         ({"sp_size": 2, "optimizer": "lion"}, "unknown optimizer"),

@@ -43,12 +43,12 @@ def test_hybrid_meshes_match_single_device(ulysses_size, case):
 
 def _indivisible_heads_worker(rank, world_size):
     mesh = _hybrid_mesh(world_size, 2)
-    # 3 heads cannot be split over the ulysses axis: a clear error on every rank, naming valid degrees
-    with pytest.raises(SeqparInputError, match=r"hybrid's ulysses axis needs query heads \(3\).*\[1, 3\]"):
-        seqpar.attention(*qkv_case(3, 3, 32), mesh=mesh, strategy="hybrid")
-    # ... while auto falls back to ring for them
+    # 1 head cannot be split over a ulysses axis of 2: a clear error on every rank, naming the alternatives
+    with pytest.raises(SeqparInputError, match=r"hybrid's ulysses axis over 2 ranks needs at least 2 query heads"):
+        seqpar.attention(*qkv_case(1, 1, 32), mesh=mesh, strategy="hybrid")
+    # 3 heads split 2 + 1 (tests/test_uneven_heads.py), but auto takes the ring for them: 1.33x the mean heads
     assert seqpar.resolve_strategy("auto", 3, 3, mesh) == "ring"
 
 
-def test_hybrid_refuses_heads_the_ulysses_axis_cannot_split():
+def test_hybrid_refuses_fewer_heads_than_the_ulysses_axis():
     run_ranks(4, _indivisible_heads_worker)  # the same local check on every rank, before any communication

@@ -17,7 +17,7 @@ from seqpar.memory import FEATURES
 from seqpar.planning import Cluster, Layout, ModelShape, load_model_shape, max_seq_len, model_flops, plan, step_time
 from seqpar.planning.cli import parse_tokens
 from seqpar.planning.cluster import Calibration, load_calibration, save_calibration
-from seqpar.sequence_parallel.strategies.registry import kv_head_repeats
+from seqpar.sequence_parallel.strategies.registry import head_split
 
 TINY = ModelShape(256, 768, 4, 8, 4, 4096)  # seqpar bench llama_step's model
 
@@ -35,7 +35,7 @@ def test_every_layout_is_valid_and_ranked():
         assert model.num_attention_heads % lay.tp == 0 and model.num_key_value_heads % lay.tp == 0
         assert lay.sp % lay.ulysses == 0 and lay.ulysses * lay.tp <= cluster.gpus_per_node
         per_tp = (model.num_attention_heads // lay.tp, model.num_key_value_heads // lay.tp)
-        assert kv_head_repeats(*per_tp, lay.ulysses) is not None
+        assert head_split(*per_tp, lay.ulysses) is not None
         want = {"ulysses": lay.sp, "ring": 1, "allgather": 1, "local": 1}.get(lay.strategy)
         assert lay.ulysses == want if want is not None else 1 < lay.ulysses < lay.sp
         assert c.peak_bytes <= cluster.memory_bytes
@@ -70,16 +70,32 @@ def test_enumeration_is_complete_on_a_small_cluster():
 
 
 def test_rejection_reasons():
-    odd_heads = ModelShape(384, 1024, 2, 6, 2, 1000)  # 6 query / 2 KV heads: ulysses 4 cannot split them
-    result = plan(odd_heads, 8192, Cluster(gpus=4, gpus_per_node=4), dp_modes=("fsdp",))
+    few_heads = ModelShape(384, 1024, 2, 3, 1, 1000)  # 3 query heads: ulysses over 4 ranks would leave one idle
+    result = plan(few_heads, 8192, Cluster(gpus=4, gpus_per_node=4), dp_modes=("fsdp",))
     reasons = {r.family: r.reason for r in result.rejected}
-    assert "ulysses at tp 1 needs query heads (6) divisible by the degree 4" in reasons["dp 1 sp 4 tp 1 ulysses fsdp"]
-    assert "do not divide by 4" in reasons["tp 4"]
+    assert "ulysses at tp 1 over 4 ranks needs at least 4 query heads" in reasons["dp 1 sp 4 tp 1 ulysses fsdp"]
+    assert "do not divide by 2" in reasons["tp 2"]
     tight = plan("llama-8b", 2**20, Cluster(gpus=8, gpu_memory_gb=16))
     assert not tight.candidates
     assert all("does not fit" in r.reason for r in tight.rejected if r.family.startswith("dp 1 sp 8 tp 1"))
     odd_length = plan(TINY, 1000, Cluster(gpus=16, gpus_per_node=16), dp_modes=("fsdp",))
     assert "does not divide by sp 16" in {r.family: r.reason for r in odd_length.rejected}["sp 16 tp 1"]
+
+
+def test_uneven_ulysses_time_counts_the_busiest_rank():
+    # 6 query / 2 KV heads over 4 ranks: query heads 2, 2, 1, 1, KV heads {0}, {0, 1}, {1}, {1} (Note [uneven heads])
+    p, seq, e = 4, 8192, 4
+    model = ModelShape(384, 1536, 1, 6, 2, 1000)  # head dim 64
+    local, link = seq // p, 1e9
+    cluster = Cluster(gpus=p, gpus_per_node=p, gpu_tflops=1e9, intra_node_gbps=2.0, link_efficiency=1.0)
+    ulysses = step_time(model, seq, Layout(1, p, p, 1, "ulysses"), cluster, dtype_bytes=e)
+    # rank 1 sends 2 (6 - 2) + 2 * 3 * 2 query heads' and 2 (5 - 2) + 2 * 3 * 2 KV heads' worth of its tokens
+    assert ulysses.all_to_all * link == pytest.approx((8 + 12 + 6 + 12) * local * 64 * e, rel=1e-9)
+    # with free links the slowest rank's attention is 2 heads against the ring's even 1.5
+    fast = Cluster(gpus=p, gpus_per_node=p, intra_node_gbps=1e9)
+    uneven = step_time(model, seq, Layout(1, p, p, 1, "ulysses"), fast, dtype_bytes=e).attention
+    ring = step_time(model, seq, Layout(1, p, 1, 1, "ring"), fast, dtype_bytes=e).attention
+    assert uneven == pytest.approx(ring * 2 / 1.5, rel=1e-6)
 
 
 def test_wire_time_is_the_analytical_volume():
@@ -284,9 +300,9 @@ def test_bad_input(tmp_path, capsys):
         plan("llama-8b", 0, Cluster(gpus=8))
     with pytest.raises(err, match="dtype"):
         plan("llama-8b", 1024, Cluster(gpus=8), dtype="int8")
-    odd_heads = ModelShape(384, 1024, 2, 6, 2, 1000)
-    with pytest.raises(err, match=r"needs query heads \(6\) divisible by the degree 4"):
-        step_time(odd_heads, 8192, Layout(1, 4, 4, 1, "ulysses"), Cluster(gpus=4, gpus_per_node=4))
+    few_heads = ModelShape(384, 1024, 2, 3, 1, 1000)
+    with pytest.raises(err, match=r"over 4 ranks needs at least 4 query heads"):
+        step_time(few_heads, 8192, Layout(1, 4, 4, 1, "ulysses"), Cluster(gpus=4, gpus_per_node=4))
     with pytest.raises(err, match="do not fill nodes"):
         Cluster(gpus=12, gpus_per_node=8)
     with pytest.raises(err, match="must be positive"):

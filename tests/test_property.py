@@ -25,9 +25,8 @@ def problems(draw):
     strategy = draw(st.sampled_from(["ring", "allgather", "ulysses", "auto"]))
     kv_heads = draw(st.integers(1, 3))
     group = draw(st.integers(1, 3))
-    if strategy == "ulysses":  # only shapes ulysses can serve
-        kv_heads = draw(st.sampled_from([d for d in (1, 2, 4) if d % size == 0 or size % d == 0]))
-        group = draw(st.sampled_from([g for g in (1, 2, 3, 4) if (g * kv_heads) % size == 0]))
+    if strategy == "ulysses":  # any shape ulysses can serve: a query head per rank at least, evenly split or not
+        kv_heads, group = draw(st.sampled_from([(kv, g) for kv in (1, 2, 3, 4) for g in (1, 2, 3) if kv * g >= size]))
     return {
         "size": size,
         "strategy": strategy,

@@ -82,14 +82,18 @@ CASES = [
     (("auto", 8, 8, 4, 1, None), "ulysses"),
     (("auto", 8, 2, 4, 1, None), "ulysses"),  # GQA: 2 KV heads copied up to 4
     (("auto", 8, 1, 8, 1, None), "ulysses"),  # MQA
-    (("auto", 12, 3, 4, 1, None), "ring"),  # 3 KV heads neither divide nor are divided by 4
+    (("auto", 12, 3, 4, 1, None), "ulysses"),  # 3 KV heads over 4 ranks: shared by neighbours (Note [uneven heads])
+    (("auto", 14, 2, 4, 1, None), "ulysses"),  # 4, 4, 3, 3 heads: the slowest rank 1.14x the mean
+    (("auto", 28, 4, 8, 1, None), "ulysses"),
+    (("auto", 5, 5, 4, 1, None), "ring"),  # 2, 1, 1, 1 heads: 1.6x
+    (("auto", 14, 2, 8, 4, None), "hybrid"),  # an uneven ulysses axis, 1.14x
     (("auto", 12, 3, 6, 1, None), "ulysses"),
-    (("auto", 6, 6, 4, 1, None), "ring"),  # 6 heads do not split over 4
+    (("auto", 6, 6, 4, 1, None), "ring"),  # 6 heads over 4: 2 against 1.5, 1.33x the mean
     (("auto", 4, 4, 8, 1, None), "ring"),
     (("auto", 8, 2, 4, 2, None), "hybrid"),
     (("auto", 6, 6, 4, 2, None), "hybrid"),
     (("auto", 4, 4, 8, 4, None), "hybrid"),
-    (("auto", 3, 3, 4, 2, None), "ring"),  # not even the ulysses axis splits 3 heads
+    (("auto", 3, 3, 4, 2, None), "ring"),  # 3 heads over the ulysses axis: 2 against 1.5; fewer than sp
     (("auto", 8, 8, 8, 8, None), "ulysses"),  # an ulysses axis as large as sp is plain ulysses
     (("auto", 8, 8, 1, 1, None), "ulysses"),  # (seqpar.attention runs "local" on one rank)
     (("auto", 8, 2, 4, 1, "docs"), "ring"),  # the mask-aware ring sends far fewer bytes
@@ -141,10 +145,12 @@ def test_select_strategy_refuses_unknown_names_and_heads_the_row_cannot_split():
         select_strategy("spiral", 8, 8, 4)
     with pytest.raises(SeqparInputError, match="unknown strategy 'local'"):  # chosen, never asked for
         select_strategy("local", 8, 8, 4)
-    with pytest.raises(SeqparInputError, match=r"ulysses needs query heads \(6\) divisible by the degree 4"):
-        select_strategy("ulysses", 6, 6, 4)
-    with pytest.raises(SeqparInputError, match="hybrid's ulysses axis needs key/value heads"):
-        select_strategy("hybrid", 12, 3, 8, 4)
+    with pytest.raises(SeqparInputError, match=r"ulysses over 4 ranks needs at least 4 query heads.* has 3"):
+        select_strategy("ulysses", 3, 3, 4)
+    with pytest.raises(SeqparInputError, match="hybrid's ulysses axis over 4 ranks needs at least 4 query heads"):
+        select_strategy("hybrid", 2, 1, 8, 4)
+    assert select_strategy("ulysses", 6, 6, 4) == "ulysses"  # uneven heads run (Note [uneven heads])
+    assert select_strategy("hybrid", 12, 3, 8, 4) == "hybrid"
     with pytest.raises(SeqparInputError, match="unknown strategy 'spiral'"):
         strategy_row("spiral")
 

@@ -3,12 +3,14 @@
     seqpar bench strategies                    # 4 ranks, causal fwd+bwd, seq 8192, 8/2 heads, fp32
     seqpar bench strategies --ranks 4 --ulysses 2 --seq 16384 --kv-heads 8
     seqpar bench strategies --kv-heads 8 --json strategies.json   # also save the rows, with provenance
+    seqpar bench strategies --heads 6 --kv-heads 2             # uneven heads: 2, 2, 1, 1 per rank
 
 All strategies run in one set of spawned gloo ranks (one thread each), so their times are comparable with
 each other; with more ranks than cores the absolute times are not meaningful, only the ratios. Bytes sent
 are read from the kernel's count of bytes this process wrote to its sockets (/proc/self/io, wchar) across
 one step, and compared with each strategy's analytical volume (``expected_bytes``); gloo's message headers
-are the only difference.
+are the only difference. Bytes are the busiest rank's: under an uneven head split (Note [uneven heads]) the
+ranks with ceil(H/P) heads; each row records the query heads each all-to-all rank attends.
 """
 
 from __future__ import annotations
@@ -42,6 +44,23 @@ def expected_bytes(strategy: str, cfg: dict) -> float:
     p, u = cfg["ranks"], cfg["ulysses"] if row.two_d else 1
     sent = row.bytes_sent(cfg["heads"], cfg["kv_heads"], p, u, cfg["seq"] // p, cfg["head_dim"], 4)
     return (p - 1) * _SIGNATURE_BYTES + sent
+
+
+def heads_per_rank(strategy: str, cfg: dict) -> list[int] | None:
+    """Query heads each rank of the strategy's all-to-all attends (Note [uneven heads]); None without one.
+
+    Args:
+        strategy: a registry name.
+        cfg: the bench's settings (ranks, ulysses, heads, kv_heads).
+
+    Returns:
+        One count per all-to-all rank, or None.
+    """
+    row = strategy_row(strategy)
+    if row.all_to_all is None:
+        return None
+    split = row.split(cfg["heads"], cfg["kv_heads"], cfg["ranks"], cfg["ulysses"])
+    return None if split is None else [b - a for a, b in split.q_ranges]
 
 
 def _rank(rank: int, _world_size: int, cfg: dict, results: str) -> None:
@@ -107,20 +126,26 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.ranks} ranks (hybrid {args.ranks // args.ulysses} ring x {args.ulysses} ulysses), causal zigzag "
         f"fwd+bwd, seq {args.seq}, heads {args.heads}/{args.kv_heads}, head_dim {args.head_dim}, fp32\n"
     )
-    print("| strategy | step (s) | time vs ring | bytes sent per rank | analytical | measured / analytical |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| strategy | heads per rank | step (s) | time vs ring | bytes sent per rank (busiest) | analytical "
+        "| measured / analytical |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for strategy, seconds, sent, expected in rows:
         seconds, sent, expected = float(seconds), float(sent), float(expected)
         vs_ring = f"{seconds / ring_time:.2f}x" if ring_time else "-"
+        split = heads_per_rank(strategy, cfg)
+        shares = "-" if split is None else ", ".join(map(str, split))
         print(
-            f"| {strategy} | {seconds:.2f} | {vs_ring} | {sent / 2**20:.2f} MiB | {expected / 2**20:.2f} MiB | "
-            f"{sent / expected:.4f} |"
+            f"| {strategy} | {shares} | {seconds:.2f} | {vs_ring} | {sent / 2**20:.2f} MiB | "
+            f"{expected / 2**20:.2f} MiB | {sent / expected:.4f} |"
         )
     if args.json:
         keys = ("ranks", "ulysses", "seq", "heads", "kv_heads", "head_dim", "repeats")
         records = [
             {"strategy": strategy, **{k: cfg[k] for k in keys}, "step_s": float(seconds)}
             | {"sent_bytes_per_rank": float(sent), "analytical_bytes": float(expected)}
+            | {"heads_per_rank": heads_per_rank(strategy, cfg)}
             | provenance("strategies", argv)
             for strategy, seconds, sent, expected in rows
         ]

@@ -16,10 +16,16 @@ def comm_elements(strategy: str, d: ModelSizes, sp: int, ulysses: int) -> float:
     if sp == 1:
         return 0.0
     row = strategy_row(strategy)
-    repeats = row.kv_repeats(d.num_attention_heads, d.num_key_value_heads, sp, ulysses) or 1
+    heads, kv = d.num_attention_heads // d.tp_size, max(1, d.num_key_value_heads // d.tp_size)
+    split = row.split(heads, kv, sp, ulysses)
     elements = 0.0
-    if row.all_to_all is not None:  # contiguous sends of q, k, v and their head-sharded receipts
-        elements += 2.0 * (d.q_width + 2 * d.kv_width * repeats)
+    if row.all_to_all is not None and split is not None:  # contiguous sends of q, k, v, head-sharded receipts
+        degree = split.degree  # the busiest receiver: ceil(H/P) heads, KV copied up where they fall unevenly
+        received = max(
+            degree * (b - a + 2 * (kb - ka) + (2 * (b - a) if split.local_kv_index(r) is not None else 0))
+            for r, ((a, b), (ka, kb)) in enumerate(zip(split.q_ranges, split.kv_ranges, strict=True))
+        )
+        elements += d.dim * (heads + 2 * split.wire_kv_heads + received)
     if row.kv_exchange == "ring":  # after an all-to-all a ring rank holds as many k, v elements as before it
         elements += 8.0 * d.kv_width
     if row.kv_exchange == "gather":

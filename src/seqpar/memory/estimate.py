@@ -27,7 +27,9 @@ Note [memory estimate]
     Attention is a flash kernel (no [S, S] scores). Its communication buffers live during the attention's
     forward and backward, when the layer's MLP tensors are not alive, so a layer's transient is the larger of
     the MLP moment and the attention moment (its saved tensors plus these buffers). Per layer: ulysses sends
-    contiguous copies of q, k, v and receives them head-sharded (Hq + 2Hkv per token, each way); ring keeps
+    contiguous copies of q, k, v and receives them head-sharded (Hq + 2Hkv per token, each way; under an
+    uneven head split, Note [uneven heads], the busiest rank receives P ceil(H/P) query heads' worth, its
+    shared KV heads, and their copies up to its query heads where they fall unevenly); ring keeps
     a receive buffer for k and v and, in the backward, for dk and dv (4 Hkv per token, double-buffered);
     allgather gathers the whole sequence's k and v (2 Hkv x sp per token, twice in the backward). The gradient
     all-reduce over dp x sp copies the small gradients into buckets of ``reduce_gradients``'s bucket size

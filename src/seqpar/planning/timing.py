@@ -15,7 +15,7 @@ from seqpar.mesh import ParallelDims
 from seqpar.models import ModelSizes
 from seqpar.planning.cluster import Cluster
 from seqpar.planning.documents import check_doc_len, placed_kv_fraction, visible_fraction
-from seqpar.sequence_parallel.strategies.registry import kv_head_repeats, strategy_row, ulysses_heads_problem
+from seqpar.sequence_parallel.strategies.registry import HeadSplit, head_split, strategy_row, ulysses_heads_problem
 
 __all__ = ["FEATURES", "OFFLOAD_OPTIMIZER", "Layout", "StepTime", "model_flops", "step_time"]
 
@@ -34,11 +34,14 @@ FEATURES = (*MEMORY_FEATURES, OFFLOAD_OPTIMIZER)
 #   its logits again in backward. All at ``Cluster.matmul_flops``.
 # - Attention: causal, 2 S^2 H d FLOPs forward per sequence (half of the full 4 S^2 H d), 2.5x that in
 #   backward (flash-style: five matmuls against two), shared evenly by the sp x tp ranks (zigzag
-#   layout), plus one more forward under checkpointing; at ``Cluster.attention_flops``.
+#   layout), plus one more forward under checkpointing; at ``Cluster.attention_flops``. An uneven head
+#   split over the ulysses axis (Note [uneven heads]) makes the slowest rank attend ceil(H/U) heads, so the
+#   attention time is the even share times ``HeadSplit.imbalance``.
 # - Bytes on the wire are the analytical volumes ``seqpar bench strategies`` checks against the kernel's
 #   socket count (tests/test_bytes_sent.py): Ulysses sends (U-1)/U of q, k, v, out forward and dout, dq,
 #   dk, dv backward (six of each, not four, when more than one KV head per rank stays after the
-#   exchange); the ring sends K and V P-1 hops forward and again backward and the float32 dK, dV P hops;
+#   exchange; the busiest rank's ``HeadSplit.sent_heads`` under an uneven split); the ring sends K and V
+#   P-1 hops forward and again backward and the float32 dK, dV P hops;
 #   hybrid does both, the ring on the head-sharded tensors. Under checkpointing the forward exchanges
 #   happen again. The all-gather strategy reduce-scatters dK, dV as NCCL does ((P-1)/P of the P-fold
 #   tensor, half of what gloo's ring all-reduce sends).
@@ -193,12 +196,12 @@ def _matmul_seconds(model: ModelSizes, tokens: float, layout: Layout, cluster: C
     return 2.0 * tokens * (layers + head) / cluster.matmul_flops
 
 
-def _sent_kv_heads(heads: int, kv_heads: int, degree: int) -> int:
-    """KV heads on the wire around an all-to-all over ``degree`` ranks (too few to divide are copied up)."""
-    repeats = kv_head_repeats(heads, kv_heads, degree)
-    if repeats is None:
+def _split(heads: int, kv_heads: int, degree: int) -> HeadSplit:
+    """The head split of the layout's all-to-all over ``degree`` ranks (Note [uneven heads])."""
+    split = head_split(heads, kv_heads, degree)
+    if split is None:
         raise SeqparInputError(ulysses_heads_problem(heads, kv_heads, degree, "the layout's ulysses axis"))
-    return kv_heads * repeats
+    return split
 
 
 def step_time(
@@ -226,7 +229,7 @@ def step_time(
         The seconds by part.
 
     Raises:
-        SeqparInputError: heads (per tp rank) that the layout's ulysses degree cannot split; optimizer offload
+        SeqparInputError: heads (per tp rank) fewer than the layout's ulysses degree; optimizer offload
             in a layout whose dp mode is not fsdp; a ``doc_len`` that is not a positive integer.
     """
     check_doc_len(doc_len)
@@ -239,28 +242,31 @@ def step_time(
     tokens = micro_batch * seq_len / layout.sp  # on this rank
     d, e, u, r = model.dim, dtype_bytes, layout.ulysses, layout.sp // layout.ulysses
     heads, kv = model.num_attention_heads // layout.tp, max(1, model.num_key_value_heads // layout.tp)
-    q_bytes = heads * tokens * d * e
+    split = _split(heads, kv, u)
+    # K/V heads' worth of this rank's tokens a ring carries after the all-to-all (the busiest rank's)
+    ring_heads = kv if u == 1 else u * max(split.ring_kv_heads(j) for j in range(u))
 
-    def kv_bytes(degree: int, elem: int = e) -> float:
-        return _sent_kv_heads(heads, kv, degree) * tokens * d * elem
+    def kv_bytes(elem: int = e) -> float:
+        return ring_heads * tokens * d * elem
 
     forward = _attention_flops(model, seq_len, micro_batch) / (layout.sp * layout.tp) / layers
+    forward *= split.imbalance  # the slowest rank's heads (Note [uneven heads])
     forward *= visible_fraction(seq_len, doc_len)
     placed = placed_kv_fraction(seq_len, doc_len, r)  # K/V a ring or all-gather still moves
     attention = forward * (3.5 + ckpt) / cluster.attention_flops  # per layer
     a2a = gather = 0.0
     if u > 1:
         # head groups (more than one KV head per rank after the exchange) resend q, k, v, out; hybrid has none
-        tensors = 6 if row.head_groups and _sent_kv_heads(heads, kv, u) > u else 4
-        moved = (u - 1) / u * (tensors + 2 * ckpt) * (q_bytes + kv_bytes(u))
+        tensors = 6 if row.head_groups and split.even and split.wire_kv_heads > u else 4
+        moved = (tensors + 2 * ckpt) * split.sent_heads() * tokens * d * e
         a2a = moved / cluster.link(u * layout.tp)
     if r > 1 and row.kv_exchange == "gather":
-        moved = (2 + ckpt) * (r - 1) * 2 * kv_bytes(1) + (r - 1) * 2 * kv_bytes(1, 4)
+        moved = (2 + ckpt) * (r - 1) * 2 * kv_bytes() + (r - 1) * 2 * kv_bytes(4)
         gather = placed * moved / cluster.link(layout.sp * layout.tp)
     elif r > 1:
         link = cluster.link(layout.sp * layout.tp)
-        ring = placed * ((r - 1) * (4 + 2 * ckpt) * kv_bytes(u) + r * 2 * kv_bytes(u, 4)) / link
-        attention = max(attention, ring) + placed * 2 * kv_bytes(u) / link
+        ring = placed * ((r - 1) * (4 + 2 * ckpt) * kv_bytes() + r * 2 * kv_bytes(4)) / link
+        attention = max(attention, ring) + placed * 2 * kv_bytes() / link
     tp = 0.0
     if layout.tp > 1:
         tp = (4 + 2 * ckpt) * 2 * (layout.tp - 1) / layout.tp * tokens * model.hidden_size * e

@@ -5,7 +5,13 @@
 Note [auto strategy]
     Without a mask (or with one that adds nothing to causal) "auto" is the static rule: hybrid on a 2-D
     mesh whose ulysses axis the heads split over, else ulysses when the heads split over P (one all-to-all
-    hop, no sequential ring steps), else ring, which serves any head count.
+    hop, no sequential ring steps), else ring, which serves any head count. "Split" includes the uneven
+    split of Note [uneven heads] as long as its slowest rank attends at most ``MAX_HEAD_IMBALANCE`` (5/4)
+    times the mean heads: 28 heads at P = 8 (4 against 3.5, 1.14x) or 14 at P = 4 (1.14x) take Ulysses,
+    6 heads at P = 4 (2 against 1.5, 1.33x) the ring, whose zigzag layout evens the work. The bound is not
+    measured on GPUs: it caps the attention time the head imbalance adds at a quarter, where the
+    ring's sequential steps and exposed hop begin to be the cheaper cost; ``seqpar plan`` weighs the
+    imbalance in time (Note [plan time model]) for a chosen layout.
     Under a mask the ring and the all-gather move only the K/V some peer query sees (Note [mask-aware ring]),
     while Ulysses moves every head shard whatever the mask. So when the static rule says ulysses and the
     call has a mask, "auto" compares the bytes the busiest rank sends in one forward + backward:
@@ -14,7 +20,7 @@ Note [auto strategy]
       in float32), both counted from the ``kv_needs`` table; without a table (nothing spared) the plain
       ring's ``2 Hkv d (S/P) (2 (P-1) e + 4 P)``;
     - ulysses: ``(P-1)/P T (H + Hkv') (S/P) d e`` (``Hkv'`` after copying KV heads up to P, ``T`` = 4
-      tensors, 6 in head groups: Note [strategy bytes]);
+      tensors, 6 in head groups: Note [strategy bytes]), its busiest rank's under an uneven split;
     and picks the ring when its bytes are at most ``RING_BYTES_RATIO`` (a quarter) of Ulysses'. Every
     input is the same on every rank (the global mask, every rank's chunk ids, the shapes the input check
     compares), and the maximum over ranks is taken, so every rank picks the same and no rank waits on a
@@ -65,6 +71,7 @@ if TYPE_CHECKING:
 # memory estimate and the planner ask without torch (Note [torch-free planning] in seqpar.planning)
 
 __all__ = [
+    "MAX_HEAD_IMBALANCE",
     "RING_BYTES_RATIO",
     "auto_strategy",
     "auto_strategy_for",
@@ -77,6 +84,9 @@ __all__ = [
 
 RING_BYTES_RATIO = 0.25
 """"auto" takes the mask-aware ring when its busiest rank sends at most this fraction of Ulysses' bytes."""
+
+MAX_HEAD_IMBALANCE = 1.25
+""""auto" takes an uneven head split when its slowest rank attends at most this many times the mean heads."""
 
 
 def select_strategy(
@@ -131,9 +141,14 @@ def select_strategy(
 
 def _static_auto(heads: int, kv_heads: int, sp_size: int, ulysses_size: int) -> StrategyRow:
     """Note [auto strategy], without a mask: hybrid on a 2-D mesh the heads allow, else ulysses, else ring."""
-    if 1 < ulysses_size < sp_size and HYBRID.kv_repeats(heads, kv_heads, sp_size, ulysses_size) is not None:
+
+    def balanced(row: StrategyRow) -> bool:  # the heads split, and not too unevenly
+        split = row.split(heads, kv_heads, sp_size, ulysses_size)
+        return split is not None and split.imbalance <= MAX_HEAD_IMBALANCE
+
+    if 1 < ulysses_size < sp_size and balanced(HYBRID):
         return HYBRID
-    if ULYSSES.kv_repeats(heads, kv_heads, sp_size) is not None:
+    if balanced(ULYSSES):
         return ULYSSES
     return RING
 

@@ -12,6 +12,7 @@ from seqpar.sequence_parallel.comm.all_to_all import (
 from seqpar.sequence_parallel.comm.collectives import all_gather_first_dim, collective_device, reduce_scatter_first_dim
 from seqpar.sequence_parallel.comm.ring import RingExchange
 from seqpar.sequence_parallel.comm.sparse import SparseExchange
+from seqpar.sequence_parallel.comm.uneven_all_to_all import head_to_seq_ranges, seq_to_head_ranges
 
 __all__ = [
     "RingExchange",
@@ -19,8 +20,10 @@ __all__ = [
     "all_gather_first_dim",
     "collective_device",
     "head_group_to_seq",
+    "head_to_seq_ranges",
     "head_to_seq_shards",
     "reduce_scatter_first_dim",
     "seq_to_head_group",
+    "seq_to_head_ranges",
     "seq_to_head_shards",
 ]

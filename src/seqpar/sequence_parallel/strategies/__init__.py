@@ -11,7 +11,9 @@ from seqpar.lazy import module_getattr
 from seqpar.sequence_parallel.strategies.registry import (
     STRATEGIES,
     STRATEGY_ROWS,
+    HeadSplit,
     StrategyRow,
+    head_split,
     strategy_row,
     ulysses_degrees,
 )
@@ -27,8 +29,10 @@ __all__ = [
     "STRATEGIES",
     "STRATEGY_FUNCTIONS",
     "STRATEGY_ROWS",
+    "HeadSplit",
     "StrategyRow",
     "allgather_attention",
+    "head_split",
     "hybrid_attention",
     "local_attention",
     "resolve_strategy",

@@ -9,6 +9,8 @@ Note [hybrid layout]
     attention runs over those chunk ids (Note [block plan]). With the zigzag layout the union is two
     contiguous runs, a zigzag at the ring level, so causal work stays balanced. KV heads fewer than U are
     replicated for the all-to-all only (Note [ulysses heads]); the ring carries what each rank then holds.
+    A ulysses axis that does not split the heads evenly takes the uneven split (Note [uneven heads]); the
+    ring members of one ulysses rank hold the same head range, so the ring runs on it unchanged.
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ import torch.distributed as dist
 from seqpar.errors import SeqparInputError
 from seqpar.layouts.chunks import rank_chunk_ids
 from seqpar.mesh import SequenceParallelMesh
-from seqpar.sequence_parallel.comm import head_to_seq_shards, seq_to_head_shards
+from seqpar.sequence_parallel.comm import head_to_seq_ranges, head_to_seq_shards, seq_to_head_shards
 from seqpar.sequence_parallel.kernels import AttentionKernel
 from seqpar.sequence_parallel.kernels.sinks import head_slice
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
+from seqpar.sequence_parallel.strategies.heads import head_split
 from seqpar.sequence_parallel.strategies.ring import ring_attention_on_chunks
-from seqpar.sequence_parallel.strategies.ulysses import repeat_kv_heads
+from seqpar.sequence_parallel.strategies.ulysses import repeat_kv_heads, uneven_head_exchange
 
 __all__ = ["hybrid_attention"]
 
@@ -52,7 +55,7 @@ def hybrid_attention(
         layout, causal, scale: as in ``seqpar.attention``.
         kernel: the local kernel.
         mask: packed documents and sliding window (Note [masked tiles]), or None.
-        sinks: ``[H]`` sink logits (Note [attention sinks]); the ring runs those of this rank's H/U heads.
+        sinks: ``[H]`` sink logits (Note [attention sinks]); the ring runs those of this rank's heads.
 
     Returns:
         ``[B, H, S/P, D]`` local output.
@@ -83,6 +86,12 @@ def hybrid_attention(
     mine = torch.tensor(members(ring_rank))
     to_natural = mine.argsort().to(q.device)
     to_owner = to_natural.argsort()
+    split = head_split(q.shape[1], k.shape[1], u_size)
+    if not split.even:  # Note [uneven heads]
+        start, stop = split.q_ranges[u_rank]
+        qh, kh, vh = uneven_head_exchange(q, k, v, split, ulysses_group, u_rank, to_natural, to_owner)
+        out = ring_attention_on_chunks(qh, kh, vh, sinks=None if sinks is None else sinks[start:stop], **options)
+        return head_to_seq_ranges(out, ulysses_group, to_natural, to_owner, split.q_ranges, q.shape[1])
     k, v = repeat_kv_heads(q, k, v, u_size)
     qh, kh, vh = (seq_to_head_shards(t, ulysses_group, to_natural, to_owner) for t in (q, k, v))  # [B, H/U, S/R, D]
     out = ring_attention_on_chunks(qh, kh, vh, sinks=head_slice(sinks, u_rank, u_size), **options)

@@ -14,7 +14,13 @@ from typing import TYPE_CHECKING
 
 from seqpar.errors import SeqparInputError
 from seqpar.lazy import module_getattr
-from seqpar.sequence_parallel.strategies.heads import kv_head_repeats, ulysses_degrees, ulysses_heads_problem
+from seqpar.sequence_parallel.strategies.heads import (
+    HeadSplit,
+    head_split,
+    kv_head_repeats,
+    ulysses_degrees,
+    ulysses_heads_problem,
+)
 from seqpar.sequence_parallel.strategies.volumes import (
     allgather_bytes,
     hybrid_bytes,
@@ -35,8 +41,10 @@ __all__ = [
     "STRATEGIES",
     "STRATEGY_ROWS",
     "ULYSSES",
+    "HeadSplit",
     "StrategyRow",
     "check_strategy_name",
+    "head_split",
     "kv_head_repeats",
     "strategy_options",
     "strategy_row",
@@ -91,8 +99,22 @@ class StrategyRow:
         """
         return {"sp": sp_size, "ulysses": ulysses_size}.get(self.all_to_all, 1)
 
+    def split(self, heads: int, kv_heads: int, sp_size: int, ulysses_size: int = 1) -> HeadSplit | None:
+        """How the all-to-all splits the heads (Note [uneven heads]); None when it cannot (fewer heads than ranks).
+
+        Args:
+            heads: query heads.
+            kv_heads: key/value heads.
+            sp_size: the sequence-parallel degree.
+            ulysses_size: the mesh's ulysses degree.
+
+        Returns:
+            ``head_split`` over ``degree`` (one range of all heads without an all-to-all).
+        """
+        return head_split(heads, kv_heads, self.degree(sp_size, ulysses_size))
+
     def kv_repeats(self, heads: int, kv_heads: int, sp_size: int, ulysses_size: int = 1) -> int | None:
-        """Copies of each KV head the all-to-all needs (Note [ulysses heads]); None when the heads do not split.
+        """Copies of each KV head the even all-to-all needs (Note [ulysses heads]); None when the split is uneven.
 
         Args:
             heads: query heads.

@@ -30,12 +30,19 @@ import torch
 
 from seqpar.layouts.chunks import natural_order_index, owner_order_index
 from seqpar.mesh import SequenceParallelMesh
-from seqpar.sequence_parallel.comm import head_group_to_seq, head_to_seq_shards, seq_to_head_group, seq_to_head_shards
+from seqpar.sequence_parallel.comm import (
+    head_group_to_seq,
+    head_to_seq_ranges,
+    head_to_seq_shards,
+    seq_to_head_group,
+    seq_to_head_ranges,
+    seq_to_head_shards,
+)
 from seqpar.sequence_parallel.kernels import AttentionKernel
 from seqpar.sequence_parallel.kernels.sinks import head_slice, sink_grad
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
 from seqpar.sequence_parallel.plans.planner import Block
-from seqpar.sequence_parallel.strategies.heads import kv_head_repeats
+from seqpar.sequence_parallel.strategies.heads import HeadSplit, head_split, kv_head_repeats
 from seqpar.sequence_parallel.strategies.local import (
     local_backward,
     local_forward,
@@ -43,7 +50,7 @@ from seqpar.sequence_parallel.strategies.local import (
     whole_sequence_attention,
 )
 
-__all__ = ["repeat_kv_heads", "ulysses_attention"]
+__all__ = ["repeat_kv_heads", "ulysses_attention", "uneven_head_exchange"]
 
 
 def repeat_kv_heads(
@@ -72,6 +79,39 @@ def repeat_kv_heads(
     return k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
 
 
+def uneven_head_exchange(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    split: HeadSplit,
+    group,
+    rank: int,
+    to_natural: torch.Tensor,
+    to_owner: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's heads of ``split`` for the whole sequence, K/V paired for the kernels (Note [uneven heads]).
+
+    Args:
+        q: ``[B, H, S/P, D]``; k, v: ``[B, Hkv, S/P, D]``, this rank's sequence shard.
+        split: ``head_split(H, Hkv, P)``.
+        group: the all-to-all group (size P); ``rank`` is this rank in it.
+        rank: this rank's index in ``group``.
+        to_natural, to_owner: the chunk orders of the exchange (Note [uneven all-to-all]).
+
+    Returns:
+        ``(q, k, v)``: ``[B, n, S, D]`` and ``[B, m, S, D]`` twice, where query head i reads KV head
+        i // (n/m) (KV heads copied up to n where the range falls unevenly on them); autograd returns
+        every gradient to its sequence shard, summed over the ranks that shared a KV head.
+    """
+    qh = seq_to_head_ranges(q, group, to_natural, to_owner, split.q_ranges)  # [B, n, S, D]
+    kh, vh = (seq_to_head_ranges(t, group, to_natural, to_owner, split.kv_ranges) for t in (k, v))  # [B, m, S, D]
+    index = split.local_kv_index(rank)
+    if index is not None:
+        pick = torch.tensor(index, device=q.device)
+        kh, vh = kh.index_select(1, pick), vh.index_select(1, pick)  # [B, n, S, D]
+    return qh, kh, vh
+
+
 def ulysses_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -93,16 +133,23 @@ def ulysses_attention(
         layout, causal, scale: as in ``seqpar.attention``.
         kernel: the local kernel.
         mask: packed documents and sliding window (Note [masked tiles]), or None.
-        sinks: ``[H]`` sink logits (Note [attention sinks]); this rank applies those of its H/P heads.
+        sinks: ``[H]`` sink logits (Note [attention sinks]); this rank applies those of its heads.
 
     Returns:
         ``[B, H, S/P, D]`` local output.
     """
     group, size = mesh.sp_group, mesh.sp_size
-    sinks = head_slice(sinks, mesh.sp_rank, size)  # [H/P]: the heads this rank attends
-    k, v = repeat_kv_heads(q, k, v, size)
     to_natural = natural_order_index(layout, size, q.device)
     to_owner = owner_order_index(layout, size, q.device)
+    split = head_split(q.shape[1], k.shape[1], size)
+    if not split.even:  # Note [uneven heads]: this rank's range of heads, all at once
+        start, stop = split.q_ranges[mesh.sp_rank]
+        qh, kh, vh = uneven_head_exchange(q, k, v, split, group, mesh.sp_rank, to_natural, to_owner)
+        sinks = None if sinks is None else sinks[start:stop]
+        out = whole_sequence_attention(qh, kh, vh, causal=causal, scale=scale, kernel=kernel, mask=mask, sinks=sinks)
+        return head_to_seq_ranges(out, group, to_natural, to_owner, split.q_ranges, q.shape[1])
+    sinks = head_slice(sinks, mesh.sp_rank, size)  # [H/P]: the heads this rank attends
+    k, v = repeat_kv_heads(q, k, v, size)
     groups = k.shape[1] // size  # one KV head per rank in each group (Note [ulysses memory])
     if groups > 1:
         blocks = local_plan(q.shape[2] * size, causal, mask, q.device)

@@ -8,18 +8,21 @@ Note [strategy bytes]
     bytes per element of q, k, v; accumulated gradients that travel go in float32 (4 bytes).
     - ulysses over P ranks: (P-1)/P of q, k, v, out forward and of dout, dq, dk, dv backward leave each
       rank, with the KV heads copied up to P when there are fewer (Note [ulysses heads]); in head groups
-      (more than one KV head per rank after the exchange) q, k, v and out go once more backward.
+      (more than one KV head per rank after the exchange) q, k, v and out go once more backward. An uneven
+      split (Note [uneven heads]) counts the busiest rank: ``HeadSplit.sent_heads`` per tensor, which is
+      (P-1)/P (H + Hkv') when even, more when a rank holds ceil(H/P) heads or neighbours share a KV head.
     - ring over R ranks: K and V go R-1 hops forward and again backward; the float32 dK, dV go R hops home.
     - allgather over P ranks: K and V are all-gathered forward and again backward (P-1 chunks each); the
       float32 dK, dV of the whole sequence are reduce-scattered, which gloo runs as a ring all-reduce
       (2 (P-1)/P of the P-fold tensor).
     - hybrid, U x R: the all-to-all of ulysses over U ranks (no head groups), then the ring over R ranks on
-      the head-sharded tensors (each rank holds as many K/V elements as before the exchange).
+      the head-sharded tensors (each rank holds as many K/V elements as before the exchange; under an uneven
+      split the busiest rank's KV heads, copied up to its query heads where they fall unevenly).
 """
 
 from __future__ import annotations
 
-from seqpar.sequence_parallel.strategies.heads import kv_head_repeats
+from seqpar.sequence_parallel.strategies.heads import HeadSplit, head_split
 
 __all__ = ["GRAD_BYTES", "allgather_bytes", "hybrid_bytes", "local_bytes", "ring_bytes", "ulysses_bytes"]
 
@@ -27,12 +30,12 @@ GRAD_BYTES = 4
 """Bytes per element of the dK/dV partials that travel (float32, Note [mask-aware ring schedule])."""
 
 
-def _copied_kv_heads(heads: int, kv_heads: int, degree: int) -> int:
-    """KV heads on the wire of an all-to-all over ``degree`` ranks (copied up when fewer than the degree)."""
-    repeats = kv_head_repeats(heads, kv_heads, degree)
-    if repeats is None:
+def _split(heads: int, kv_heads: int, degree: int) -> HeadSplit:
+    """The head split of an all-to-all over ``degree`` ranks (Note [uneven heads])."""
+    split = head_split(heads, kv_heads, degree)
+    if split is None:
         raise ValueError(f"{heads}/{kv_heads} heads do not split over {degree} ranks")
-    return kv_heads * repeats
+    return split
 
 
 def ulysses_bytes(heads: int, kv_heads: int, sp_size: int, local_tokens: int, head_dim: int, itemsize: int) -> float:
@@ -40,7 +43,7 @@ def ulysses_bytes(heads: int, kv_heads: int, sp_size: int, local_tokens: int, he
 
     Args:
         heads: query heads.
-        kv_heads: key/value heads (must split over ``sp_size``: ``kv_head_repeats``).
+        kv_heads: key/value heads (dividing ``heads``).
         sp_size: the all-to-all degree P.
         local_tokens: tokens per rank, S/P.
         head_dim: head dimension.
@@ -50,11 +53,12 @@ def ulysses_bytes(heads: int, kv_heads: int, sp_size: int, local_tokens: int, he
         The bytes.
 
     Raises:
-        ValueError: heads that do not split over ``sp_size``.
+        ValueError: fewer query heads than ``sp_size``.
     """
-    copied = _copied_kv_heads(heads, kv_heads, sp_size)
-    tensors = 6 if copied > sp_size else 4  # head groups exchange q, k, v, out again backward
-    return (sp_size - 1) / sp_size * tensors * (heads + copied) * local_tokens * head_dim * itemsize
+    split = _split(heads, kv_heads, sp_size)
+    # head groups (even splits only) exchange q, k, v, out again backward
+    tensors = 6 if split.even and split.wire_kv_heads > sp_size else 4
+    return tensors * split.sent_heads() * local_tokens * head_dim * itemsize
 
 
 def ring_bytes(kv_heads: int, ring_size: int, local_tokens: int, head_dim: int, itemsize: int) -> float:
@@ -99,7 +103,7 @@ def hybrid_bytes(
 
     Args:
         heads: query heads.
-        kv_heads: key/value heads (must split over ``ulysses_size``).
+        kv_heads: key/value heads (dividing ``heads``).
         ulysses_size: the all-to-all degree U.
         ring_size: the ring degree R.
         local_tokens: tokens per rank, S/(U R).
@@ -110,12 +114,13 @@ def hybrid_bytes(
         The bytes (Note [strategy bytes]).
 
     Raises:
-        ValueError: heads that do not split over ``ulysses_size``.
+        ValueError: fewer query heads than ``ulysses_size``.
     """
-    copied = _copied_kv_heads(heads, kv_heads, ulysses_size)
-    u = ulysses_size
-    exchange = (u - 1) / u * 4 * (heads + copied) * local_tokens * head_dim * itemsize
-    return exchange + ring_bytes(copied, ring_size, local_tokens, head_dim, itemsize)
+    split = _split(heads, kv_heads, ulysses_size)
+    exchange = 4 * split.sent_heads() * local_tokens * head_dim * itemsize
+    # the busiest ring rank holds its KV heads for U times the tokens (U x its share of the wire's heads)
+    held = ulysses_size * max(split.ring_kv_heads(r) for r in range(ulysses_size))
+    return exchange + ring_bytes(held, ring_size, local_tokens, head_dim, itemsize)
 
 
 def local_bytes(*_sizes: int) -> float:
