@@ -12,6 +12,7 @@ hybrid mesh; over 3 AdamW steps; without the exchanges the same checks fail; bad
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -229,6 +230,14 @@ def _bad_input(rank, world_size):
     model = seqpar.prepare_model(_model("lfm2"), mesh)
     with pytest.raises(SeqparInputError, match="runs inside a prepared model's call"):  # a mixer called alone
         model.model.layers[0].conv(torch.randn(1, 4, 48))
+    # an entry that does not declare a layer's token mixer (Falcon-H1's Mamba2 beside attention in every layer, the
+    # entry edited to omit it) is refused, naming the module, its class and its layer: not run on each shard alone
+    register_family(dataclasses.replace(FAMILIES["falcon_h1"], mixers=()), replace=True)
+    try:
+        with pytest.raises(SeqparInputError, match=r"model\.layers\.0\.mamba \(FalconH1Mixer\) in layer 0; model"):
+            seqpar.prepare_model(_model("falcon_h1"), mesh)
+    finally:
+        register_family(dataclasses.replace(FAMILIES["falcon_h1"], mixers=("mamba",)), replace=True)
     # a hybrid whose mixer has no adapter (Jamba's Mamba1) is refused with the mixer's name, before anything runs
     config = transformers.JambaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

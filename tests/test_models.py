@@ -114,7 +114,7 @@ def test_every_family_resolves_its_anatomy(kind):
     assert len(parts.moe_mlps) == EXPERT_LAYERS.get(kind, 0)
     assert all("Norm" in type(m).__name__ for m in parts.norms)
     assert len(parts.layer_norms) == len(parts.family.layer_norms) * len(decoder.layers)
-    assert parts.mixers == ()
+    assert parts.mixers == () and parts.undeclared() == []  # the entry accounts for every part of its layers
     assert decoder_blocks(model) == list(decoder.layers)
     bare = anatomy(model.model)  # the decoder without its head
     assert bare.head is None and bare.layers is decoder.layers
@@ -135,6 +135,28 @@ def test_a_hybrid_family_resolves_attention_where_layers_have_it_and_its_mixers(
     final = {"lfm2": "embedding_norm", "bamba": "final_layernorm", "falcon_h1": "final_layernorm"}.get(kind, "norm")
     assert len(parts.mixers) == (4 if kind == "falcon_h1" else 3) and parts.norm is getattr(model.model, final)
     assert parts.rotary is (None if kind == "granitemoehybrid" else model.model.rotary_emb)
+    assert parts.undeclared() == []
+
+
+def test_a_module_outside_the_declared_parts_is_refused_by_name():
+    """Note [declared layer parts]: GraniteMoeHybrid's experts beside its shared MLP are declared per_token; the entry
+    without them is refused naming the router, while a parameter-free module (dropout) is let through."""
+    config = tiny_config("granitemoehybrid")
+    config.num_local_experts, config.num_experts_per_tok = 4, 2
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.model.layers[0].dropout = torch.nn.Dropout(0.0)
+    assert anatomy(model).undeclared() == []
+    entry = FAMILIES["granitemoehybrid"]
+    register_family(dataclasses.replace(entry, per_token=()), replace=True)
+    try:
+        assert anatomy(model).undeclared()[:2] == [
+            "model.layers.0.block_sparse_moe (GraniteMoeHybridMoE) in layer 0",
+            "model.layers.1.block_sparse_moe (GraniteMoeHybridMoE) in layer 1",
+        ]
+        with pytest.raises(SeqparInputError, match=r"hold model\.layers\.0\.block_sparse_moe \(GraniteMoeHybridMoE\)"):
+            seqpar.prepare_model(model, None)
+    finally:
+        register_family(entry, replace=True)
 
 
 def test_an_unknown_family_gets_the_clear_message():

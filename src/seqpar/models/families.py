@@ -14,6 +14,16 @@ Note [model families]
     ``Family("qwen2")``. One generic resolver (``seqpar.models.anatomy``) reads every entry, and every
     consumer (prepare_model, data, tensor and pipeline parallel, the tiled MLP, activation offload, the doctor)
     asks it, so a new family is one entry here (or one ``register_family`` call) and nothing else.
+
+Note [declared layer parts]
+    seqpar makes exact across ranks only the token mixing it knows of: attention, and the declared ``mixers``
+    (each with an adapter). Anything else in a decoder layer runs on each rank's shard alone, which is right
+    only for what acts on each token by itself. So an entry accounts for every module of its layers: the
+    attention, the mixers, the MLP, the ``per_token`` blocks and the norms, with all their submodules. A module
+    outside them that holds parameters of its own (or the layer's own parameters, or a convolution or pooling
+    module) could mix tokens, and ``prepare_model`` refuses the model, naming the module, its class and its
+    layer, rather than run it silently wrong. Modules without parameters (dropout, activations, rotary
+    tables) are let through: they act on each token, or are read by the declared parts.
 """
 
 from __future__ import annotations
@@ -67,7 +77,16 @@ class Family:
     """Paths from a decoder layer to its norms."""
     mixers: tuple[str, ...] = ()
     """Paths from a decoder layer to its token mixers other than attention: a hybrid's layers each hold attention
-    or one of these, and each mixer's class needs a seqpar adapter (Note [mixer adapters])."""
+    or one of these (and an MLP or not), and each mixer's class needs a seqpar adapter (Note [mixer adapters])."""
+    per_token: tuple[str, ...] = ()
+    """Paths from a decoder layer to further blocks that act on each token alone (GraniteMoeHybrid's experts beside
+    its shared MLP, Zamba2's per-layer projection): what a layer holds outside its declared parts is refused
+    when it has parameters (Note [declared layer parts])."""
+    layer_kind: str | None = None
+    """Path from a decoder layer to the name of its kind, for a family whose layers keep attention, a token mixer
+    or an MLP under one path (Nemotron-H's ``block_type`` of the module at ``mixer``); None: the paths tell."""
+    kinds: tuple[tuple[str, str], ...] = ()
+    """(a ``layer_kind`` value, "attention", "mixer" or "mlp"): which part a layer of that kind holds."""
     tp_plan: tuple[tuple[str, str], ...] | None = LLAMA_TP_PLAN
     """(path from a layer, "colwise" or "rowwise") for tensor parallel; None: the family has no plan."""
     vision: str | None = None
@@ -92,6 +111,12 @@ class Family:
             raise SeqparInputError(f"a model family needs its model_type (a non-empty string), got {self.model_type!r}")
         if self.positions not in ("text", "mrope"):
             raise SeqparInputError(f"a family's positions must be 'text' or 'mrope', got {self.positions!r}")
+        parts = [part for _, part in self.kinds if part not in ("attention", "mixer", "mlp")]
+        if parts or bool(self.kinds) != (self.layer_kind is not None):
+            raise SeqparInputError(
+                f"a family's kinds map layer kinds to 'attention', 'mixer' or 'mlp' and come with its layer_kind "
+                f"path, got layer_kind={self.layer_kind!r}, kinds={self.kinds!r}"
+            )
         bad = [style for _, style in self.tp_plan or () if style not in _TP_STYLES]
         if bad:
             raise SeqparInputError(f"tp_plan styles must be {' or '.join(_TP_STYLES)}, got {bad}")
@@ -163,7 +188,14 @@ FAMILIES: dict[str, Family] = {
             tp_plan=None,
         ),
         # Mamba2 (SSD) layers between attention layers, no rotary embedding, experts and a shared MLP
-        Family("granitemoehybrid", mlp="shared_mlp", mixers=("mamba",), rotary=None, tp_plan=None),
+        Family(
+            "granitemoehybrid",
+            mlp="shared_mlp",
+            per_token=("block_sparse_moe",),
+            mixers=("mamba",),
+            rotary=None,
+            tp_plan=None,
+        ),
         Family(  # each layer runs attention and Mamba2 side by side
             "falcon_h1",
             norm="final_layernorm",

@@ -62,7 +62,6 @@ ORIGINAL_ATTENTION_ATTR = "_seqpar_original_attention"  # the implementation the
 UNSHARDED_ATTR = "_seqpar_unsharded"  # True while the model runs its own attention on whole sequences
 
 
-
 def _seqpar_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function: ``[B, H, S/P, D]`` in, ``([B, S/P, H, D], None)`` out."""
     ctx = kwargs.get(_CONTEXT_KEY)
@@ -114,6 +113,15 @@ def _served(model: torch.nn.Module) -> ModelAnatomy | str:
     found = find_anatomy(model)
     if isinstance(found, str):
         return found
+    undeclared = found.undeclared()
+    if undeclared:  # it may mix tokens, and would run on each shard alone (Note [declared layer parts])
+        shown = "; ".join(undeclared[:3]) + (f" and {len(undeclared) - 3} more" if len(undeclared) > 3 else "")
+        return (
+            f"its decoder layers hold {shown}, which the {found.family.model_type!r} family entry does not "
+            "account for (attention, mixers, MLP, per_token blocks, norms): a module with parameters there may mix "
+            "tokens, and each rank would run it on its own shard alone; declare it in the entry (mixers= for a "
+            "token mixer seqpar has an adapter for, per_token= for one that acts on each token alone)"
+        )
     unknown = unknown_mixers(found.mixers)
     if unknown:  # each rank would run them on its shard alone: wrong, not merely slow (Note [mixer adapters])
         return (
