@@ -142,6 +142,54 @@ def tiny_config(kind: str):
             mamba_n_groups=1,
             mamba_chunk_size=16,
         )
+    if kind == "nemotron_h":  # Mamba2, attention (no rotary), experts and an MLP, each a layer of its own at "mixer"
+        return transformers.NemotronHConfig(
+            **{**common, "num_hidden_layers": 5, "initializer_range": 0.2},
+            layers_block_type=["linear_attention", "full_attention", "moe", "linear_attention", "mlp"],
+            head_dim=12,
+            mamba_num_heads=4,
+            mamba_head_dim=24,
+            ssm_state_size=8,
+            n_groups=1,
+            chunk_size=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=32,
+        )
+    if kind == "mamba2":  # Mamba2 (SSD) in every layer, no attention at all
+        return transformers.Mamba2Config(
+            vocab_size=VOCAB,
+            hidden_size=48,
+            num_hidden_layers=3,
+            num_heads=4,
+            head_dim=24,
+            state_size=8,
+            n_groups=1,
+            chunk_size=16,
+            initializer_range=0.2,
+            tie_word_embeddings=False,
+        )
+    if kind == "zamba2":  # Mamba2 in every layer; layers 1 and 3 first run one shared attention block (tied weights)
+        return transformers.Zamba2Config(
+            vocab_size=VOCAB,
+            hidden_size=48,
+            intermediate_size=96,
+            num_hidden_layers=4,
+            layers_block_type=["linear_attention", "hybrid", "linear_attention", "hybrid"],
+            num_attention_heads=4,
+            n_mamba_heads=4,
+            mamba_d_state=8,
+            mamba_ngroups=1,
+            chunk_size=16,
+            num_mem_blocks=1,
+            use_shared_attention_adapter=True,
+            adapter_rank=8,
+            use_mem_rope=True,
+            max_position_embeddings=64,
+            initializer_range=0.1,
+            tie_word_embeddings=False,
+        )
     raise ValueError(kind)
 
 

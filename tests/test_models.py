@@ -73,7 +73,7 @@ def toy_registered():
 def test_every_built_in_family_has_a_tiny_model_here():
     from tests import _vlm_models
 
-    hybrids = {tiny_config(kind).model_type for kind in HYBRIDS}
+    hybrids = {tiny_config(kind).model_type for kind in HYBRIDS + OTHER_HYBRIDS}
     covered = {_config(kind).model_type for kind in KINDS} | set(_vlm_models.FAMILIES) | hybrids
     assert set(FAMILIES) - {TOY.model_type} == covered
 
@@ -121,6 +121,49 @@ def test_every_family_resolves_its_anatomy(kind):
 
 
 HYBRIDS = ("lfm2", "qwen3_next", "qwen3_5", "olmo_hybrid", "granitemoehybrid", "bamba", "falcon_h1")
+# families whose layers keep their parts elsewhere: by layer kind at one path, no attention, a shared block
+OTHER_HYBRIDS = ("nemotron_h", "mamba2", "zamba2")
+
+
+@pytest.mark.parametrize("kind", OTHER_HYBRIDS)
+def test_a_family_with_layer_kinds_shared_blocks_or_no_attention_resolves_every_part(kind):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind))
+    parts = anatomy(model)
+    layers = parts.layers
+    if kind == "nemotron_h":  # Mamba2, attention, experts, Mamba2, MLP: each at "mixer"
+        assert parts.attention == (None, layers[1].mixer, None, None, None)
+        assert parts.mixers == (layers[0].mixer, layers[3].mixer)
+        assert parts.mlps == (layers[2].mixer, layers[4].mixer) and parts.moe_mlps == (layers[2].mixer,)
+        assert parts.norm is model.model.norm_f and parts.embedding is model.model.embeddings
+    elif kind == "mamba2":
+        assert parts.attention == (None,) * 3 and parts.mlps == () and parts.decoder is model.backbone
+        assert parts.mixers == tuple(layer.mixer for layer in layers)
+    else:  # Zamba2: layers 1 and 3 run the shared attention block, then their own projection and Mamba2
+        assert parts.attention == (
+            None,
+            layers[1].shared_transformer.self_attn,
+            None,
+            layers[3].shared_transformer.self_attn,
+        )
+        assert parts.mixers == (
+            layers[0].mamba,
+            layers[1].mamba_decoder.mamba,
+            layers[2].mamba,
+            layers[3].mamba_decoder.mamba,
+        )
+        assert parts.per_token == (layers[1].linear, layers[3].linear)
+    assert parts.rotary is None and parts.undeclared() == []
+
+
+def test_a_layer_of_unknown_kind_is_named():
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("nemotron_h"))
+    model.model.layers[2].block_type = "retention"
+    assert "layers[2].block_type of a known kind (full_attention, linear_attention, moe, mlp; it is 'retention')" in (
+        find_anatomy(model)
+    )
+    with pytest.raises(SeqparInputError, match="kinds map layer kinds to 'attention', 'mixer' or 'mlp'"):
+        Family("x", layer_kind="block_type", kinds=(("moe", "experts"),))
 
 
 @pytest.mark.parametrize("kind", HYBRIDS)

@@ -128,7 +128,8 @@ def _served(model: torch.nn.Module) -> ModelAnatomy | str:
             f"its token mixers {', '.join(unknown)} (besides attention) have no seqpar adapter: each rank would run "
             f"them on its own shard alone; seqpar serves {', '.join(sorted(ADAPTERS))}"
         )
-    if not getattr(model, "_supports_attention_backend", False) and not found.family.attention_interface:
+    attends = any(m is not None for m in found.attention)  # a pure state-space model (Mamba2) has no attention
+    if attends and not getattr(model, "_supports_attention_backend", False) and not found.family.attention_interface:
         return (
             f"{type(model).__name__} does not route attention through transformers' AttentionInterface "
             "(its _supports_attention_backend is False)"

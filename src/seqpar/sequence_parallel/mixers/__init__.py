@@ -35,6 +35,9 @@ ADAPTERS = {
     "GraniteMoeHybridMambaLayer": mamba2_forward,
     "BambaMixer": mamba2_forward,
     "FalconH1Mixer": mamba2_forward,
+    "NemotronHMamba2Mixer": mamba2_forward,
+    "Mamba2Mixer": mamba2_forward,
+    "Zamba2MambaMixer": mamba2_forward,
 }
 """Mixer class name -> the ``forward`` of its adapter."""
 
