@@ -190,6 +190,23 @@ def tiny_config(kind: str):
             initializer_range=0.1,
             tie_word_embeddings=False,
         )
+    if kind == "kimi_linear":  # KDA in layers 0, 2, 3, MLA attention (no rotary) in layer 1, dense MLPs
+        return transformers.KimiLinearConfig(
+            **{**common, "num_hidden_layers": 4, "num_key_value_heads": 4, "initializer_range": 0.1},
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+            mlp_layer_types=["dense"] * 4,  # experts flip their routing under bf16 (and take no float64)
+            linear_num_heads=4,
+            linear_head_dim=8,
+            linear_conv_kernel_dim=4,
+            kv_lora_rank=16,
+            q_lora_rank=24,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
     raise ValueError(kind)
 
 

@@ -122,7 +122,7 @@ def test_every_family_resolves_its_anatomy(kind):
 
 HYBRIDS = ("lfm2", "qwen3_next", "qwen3_5", "olmo_hybrid", "granitemoehybrid", "bamba", "falcon_h1")
 # families whose layers keep their parts elsewhere: by layer kind at one path, no attention, a shared block
-OTHER_HYBRIDS = ("nemotron_h", "mamba2", "zamba2")
+OTHER_HYBRIDS = ("nemotron_h", "mamba2", "zamba2", "kimi_linear")
 
 
 @pytest.mark.parametrize("kind", OTHER_HYBRIDS)
@@ -139,6 +139,10 @@ def test_a_family_with_layer_kinds_shared_blocks_or_no_attention_resolves_every_
     elif kind == "mamba2":
         assert parts.attention == (None,) * 3 and parts.mlps == () and parts.decoder is model.backbone
         assert parts.mixers == tuple(layer.mixer for layer in layers)
+    elif kind == "kimi_linear":  # KDA or MLA attention at self_attn, by block_type; an MLP in every layer
+        assert parts.attention == (None, layers[1].self_attn, None, None)
+        assert parts.mixers == (layers[0].self_attn, layers[2].self_attn, layers[3].self_attn)
+        assert parts.mlps == tuple(layer.mlp for layer in layers)
     else:  # Zamba2: layers 1 and 3 run the shared attention block, then their own projection and Mamba2
         assert parts.attention == (
             None,

@@ -168,12 +168,14 @@ def _layer_parts(family: Family, layers: nn.ModuleList, missing: list[str]) -> d
     """The per-layer parts: attention, MLPs, per-token blocks, norms and other mixers (missing paths noted).
 
     A family with other token mixers is a hybrid: each layer holds its attention or one of its mixers (or
-    both), and an MLP or not, so a layer misses a part only when it has neither attention nor a mixer. A family
-    with ``kinds`` takes from each layer only the part its kind names.
+    both), and an MLP or not, so a layer misses a part only when it has none of them. Where one path names
+    several parts (Nemotron-H's ``mixer``), the layer's kind (``kinds``) says which it holds.
     """
     from torch import nn
 
     kinds = dict(family.kinds)
+    paths = [family.attention, family.mlp, *family.mixers]
+    shared = {path for path in paths if paths.count(path) > 1}  # the paths whose part the layer's kind decides
     attention, mlps, per_token, norms, mixers = [], [], [], [], []
     for i, layer in enumerate(layers):
         where = f"layers[{i}]."
@@ -181,7 +183,7 @@ def _layer_parts(family: Family, layers: nn.ModuleList, missing: list[str]) -> d
 
         def at(path: str, part: str, layer: nn.Module = layer, kind: object = kind) -> nn.Module | None:
             found = _get(layer, path)
-            return found if isinstance(found, nn.Module) and (not kinds or kinds.get(kind) == part) else None
+            return found if isinstance(found, nn.Module) and (path not in shared or kinds.get(kind) == part) else None
 
         if kinds and kind not in kinds:
             missing.append(f"{where}{family.layer_kind} of a known kind ({', '.join(kinds)}; it is {kind!r})")

@@ -84,9 +84,11 @@ class Family:
     when it has parameters (Note [declared layer parts])."""
     layer_kind: str | None = None
     """Path from a decoder layer to the name of its kind, for a family whose layers keep attention, a token mixer
-    or an MLP under one path (Nemotron-H's ``block_type`` of the module at ``mixer``); None: the paths tell."""
+    or an MLP under one path (Nemotron-H's ``block_type`` of the module at ``mixer``, Kimi Linear's at
+    ``self_attn``); None: the paths tell."""
     kinds: tuple[tuple[str, str], ...] = ()
-    """(a ``layer_kind`` value, "attention", "mixer" or "mlp"): which part a layer of that kind holds."""
+    """(a ``layer_kind`` value, "attention", "mixer" or "mlp"): which part a layer of that kind holds at a path
+    the entry names for more than one part."""
     tp_plan: tuple[tuple[str, str], ...] | None = LLAMA_TP_PLAN
     """(path from a layer, "colwise" or "rowwise") for tensor parallel; None: the family has no plan."""
     vision: str | None = None
@@ -229,6 +231,15 @@ FAMILIES: dict[str, Family] = {
             layer_norms=("norm",),
             mixers=("mixer",),
             tp_plan=None,
+        ),
+        Family(  # KDA (gated delta rule, decay per channel) or MLA attention without rotary at self_attn, experts
+            "kimi_linear",
+            rotary=None,
+            mixers=("self_attn",),
+            layer_kind="block_type",
+            kinds=(("full_attention", "attention"), ("linear_attention", "mixer")),
+            attention_interface=True,
+            **_MOE,
         ),
         Family(  # Mamba2 in every layer; some layers first run a shared attention block and a per-layer projection
             "zamba2",
