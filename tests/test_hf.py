@@ -193,7 +193,17 @@ def test_pipeline_parallel_models_are_refused():
 
 
 @pytest.mark.parametrize(
-    "name", ["sp2", "sp2_balanced", "sp2_placed", "sp2_padded", "sft_packing", "sft_padding_free", "sft_gpt_oss"]
+    "name",
+    [
+        "sp2",
+        "sp2_balanced",
+        "sp2_placed",
+        "sp2_padded",
+        "sft_packing",
+        "sft_padding_free",
+        "sft_gpt_oss",
+        "sft_hybrid_qwen3_next",
+    ],
 )
 def test_two_ranks_equal_one_process(two_ranks, name):
     found = _compare(two_ranks, name)

@@ -264,6 +264,8 @@ def _bad_input(rank, world_size):
         mamba_d_state=8, mamba_dt_rank=4, use_mamba_kernels=False,
     )  # fmt: skip
     jamba = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(SeqparInputError, match=r"does not serve 'jamba' models \(JambaForCausalLM\): its Mamba1"):
+        seqpar.prepare_model(jamba, mesh)  # no entry: refused with the reason
     norms = ("input_layernorm", "pre_ff_layernorm")
     parts = dict(norm="final_layernorm", rotary=None, mlp="feed_forward", layer_norms=norms)
     entry = Family("jamba", mixers=("mamba",), **parts)

@@ -21,7 +21,7 @@ from seqpar.data_parallel import decoder_blocks
 from seqpar.diagnosis.pitfalls import decoder_layers, token_mixing_suspects
 from seqpar.errors import SeqparInputError
 from seqpar.memory.shapes import ModelDims, model_dims
-from seqpar.models import FAMILIES, Family, ModelSizes, anatomy, find_anatomy, register_family
+from seqpar.models import FAMILIES, Family, ModelSizes, anatomy, family_of, find_anatomy, register_family
 from seqpar.pipeline_parallel.stages import find_parts, original_names, split_model
 from seqpar.planning import Cluster, ModelShape, load_model_shape, plan
 from tests._dist import run_ranks, shard_index
@@ -223,6 +223,15 @@ def test_an_unknown_family_gets_the_clear_message():
     assert find_parts(gpt2).startswith("the decoder layers of GPT2LMHeadModel cannot be found: seqpar knows")
     assert decoder_blocks(gpt2) == []  # FSDP2 then shards the root only
     assert "has no config.model_type" in find_anatomy(torch.nn.Linear(2, 2))
+
+
+def test_hybrids_seqpar_does_not_serve_are_refused_with_the_reason():
+    for config, mixer in (
+        (transformers.MiniMaxConfig(), "lightning attention"),
+        (transformers.MambaConfig(), "Mamba1"),
+    ):
+        reason = family_of(config)
+        assert isinstance(reason, str) and f"does not serve {config.model_type!r} models" in reason and mixer in reason
 
 
 def test_the_toy_family_is_refused_until_registered():

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from seqpar.errors import SeqparInputError
-from seqpar.models.families import FAMILIES, Family
+from seqpar.models.families import FAMILIES, UNSERVED, Family
 
 if TYPE_CHECKING:
     from torch import nn
@@ -145,6 +145,8 @@ def family_of(model: object) -> Family | str:
     if not isinstance(model_type, str) or not model_type:
         return f"{name} has no config.model_type: seqpar knows model families by it (not a transformers model)"
     family = FAMILIES.get(model_type)
+    if family is None and model_type in UNSERVED:
+        return f"seqpar does not serve {model_type!r} models ({name}): {UNSERVED[model_type]}"
     if family is None:
         return (
             f"seqpar knows no model family {model_type!r} ({name}; known: {', '.join(sorted(FAMILIES))}); describe "

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from seqpar.errors import SeqparInputError
 
-__all__ = ["FAMILIES", "LLAMA_TP_PLAN", "Family", "register_family"]
+__all__ = ["FAMILIES", "LLAMA_TP_PLAN", "UNSERVED", "Family", "register_family"]
 
 LLAMA_TP_PLAN = (
     ("self_attn.q_proj", "colwise"),
@@ -270,6 +270,24 @@ FAMILIES: dict[str, Family] = {
     )
 }
 """The registry: ``model_type`` -> ``Family``. The documented extension point (``register_family``)."""
+
+
+_MAMBA1 = (
+    "its Mamba1 mixers' selective scan (a decay per channel and state entry, so affine in its state like the "
+    "mixers seqpar serves) has no transformers kernel that starts from a given state, which seqpar's state passing "
+    "needs (Note [state passing]); each rank would run it on its own shard alone"
+)
+UNSERVED: dict[str, str] = {
+    "jamba": _MAMBA1,
+    "mamba": _MAMBA1,
+    "falcon_mamba": _MAMBA1,
+    "minimax": (
+        "its lightning attention runs its recurrence inline in the layer's forward, starting from zeros or a cache, "
+        "with no kernel that takes a given state, which seqpar's state passing needs (Note [state passing]); each "
+        "rank would run it on its own shard alone"
+    ),
+}
+"""``model_type`` -> why seqpar does not serve that family (hybrids whose token mixers have no adapter yet)."""
 
 
 def register_family(family: Family, *, replace: bool = False) -> Family:
