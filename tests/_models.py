@@ -142,10 +142,10 @@ def tiny_config(kind: str):
             mamba_n_groups=1,
             mamba_chunk_size=16,
         )
-    if kind == "nemotron_h":  # Mamba2, attention (no rotary), experts and an MLP, each a layer of its own at "mixer"
+    if kind == "nemotron_h":  # Mamba2, experts, attention (no rotary) and an MLP, each a layer of its own at "mixer"
         return transformers.NemotronHConfig(
-            **{**common, "num_hidden_layers": 5, "initializer_range": 0.2},
-            layers_block_type=["linear_attention", "full_attention", "moe", "linear_attention", "mlp"],
+            **{**common, "num_hidden_layers": 4, "initializer_range": 0.2},
+            layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
             head_dim=12,
             mamba_num_heads=4,
             mamba_head_dim=24,
@@ -161,7 +161,7 @@ def tiny_config(kind: str):
         return transformers.Mamba2Config(
             vocab_size=VOCAB,
             hidden_size=48,
-            num_hidden_layers=3,
+            num_hidden_layers=2,
             num_heads=4,
             head_dim=24,
             state_size=8,
@@ -170,13 +170,13 @@ def tiny_config(kind: str):
             initializer_range=0.2,
             tie_word_embeddings=False,
         )
-    if kind == "zamba2":  # Mamba2 in every layer; layers 1 and 3 first run one shared attention block (tied weights)
+    if kind == "zamba2":  # Mamba2 in every layer; layers 0 and 2 first run one shared attention block (tied weights)
         return transformers.Zamba2Config(
             vocab_size=VOCAB,
             hidden_size=48,
             intermediate_size=96,
-            num_hidden_layers=4,
-            layers_block_type=["linear_attention", "hybrid", "linear_attention", "hybrid"],
+            num_hidden_layers=3,
+            layers_block_type=["hybrid", "linear_attention", "hybrid"],
             num_attention_heads=4,
             n_mamba_heads=4,
             mamba_d_state=8,
@@ -190,11 +190,11 @@ def tiny_config(kind: str):
             initializer_range=0.1,
             tie_word_embeddings=False,
         )
-    if kind == "kimi_linear":  # KDA in layers 0, 2, 3, MLA attention (no rotary) in layer 1, dense MLPs
+    if kind == "kimi_linear":  # KDA in layers 0 and 2, MLA attention (no rotary) in layer 1, dense MLPs
         return transformers.KimiLinearConfig(
-            **{**common, "num_hidden_layers": 4, "num_key_value_heads": 4, "initializer_range": 0.1},
-            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
-            mlp_layer_types=["dense"] * 4,  # experts flip their routing under bf16 (and take no float64)
+            **{**common, "num_hidden_layers": 3, "num_key_value_heads": 4, "initializer_range": 0.1},
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            mlp_layer_types=["dense"] * 3,  # experts flip their routing under bf16 (and take no float64)
             linear_num_heads=4,
             linear_head_dim=8,
             linear_conv_kernel_dim=4,

@@ -131,32 +131,22 @@ def test_a_family_with_layer_kinds_shared_blocks_or_no_attention_resolves_every_
     model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind))
     parts = anatomy(model)
     layers = parts.layers
-    if kind == "nemotron_h":  # Mamba2, attention, experts, Mamba2, MLP: each at "mixer"
-        assert parts.attention == (None, layers[1].mixer, None, None, None)
-        assert parts.mixers == (layers[0].mixer, layers[3].mixer)
-        assert parts.mlps == (layers[2].mixer, layers[4].mixer) and parts.moe_mlps == (layers[2].mixer,)
+    if kind == "nemotron_h":  # Mamba2, experts, attention, MLP: each at "mixer"
+        assert parts.attention == (None, None, layers[2].mixer, None) and parts.mixers == (layers[0].mixer,)
+        assert parts.mlps == (layers[1].mixer, layers[3].mixer) and parts.moe_mlps == (layers[1].mixer,)
         assert parts.norm is model.model.norm_f and parts.embedding is model.model.embeddings
     elif kind == "mamba2":
-        assert parts.attention == (None,) * 3 and parts.mlps == () and parts.decoder is model.backbone
+        assert parts.attention == (None,) * 2 and parts.mlps == () and parts.decoder is model.backbone
         assert parts.mixers == tuple(layer.mixer for layer in layers)
     elif kind == "kimi_linear":  # KDA or MLA attention at self_attn, by block_type; an MLP in every layer
-        assert parts.attention == (None, layers[1].self_attn, None, None)
-        assert parts.mixers == (layers[0].self_attn, layers[2].self_attn, layers[3].self_attn)
+        assert parts.attention == (None, layers[1].self_attn, None)
+        assert parts.mixers == (layers[0].self_attn, layers[2].self_attn)
         assert parts.mlps == tuple(layer.mlp for layer in layers)
-    else:  # Zamba2: layers 1 and 3 run the shared attention block, then their own projection and Mamba2
-        assert parts.attention == (
-            None,
-            layers[1].shared_transformer.self_attn,
-            None,
-            layers[3].shared_transformer.self_attn,
-        )
-        assert parts.mixers == (
-            layers[0].mamba,
-            layers[1].mamba_decoder.mamba,
-            layers[2].mamba,
-            layers[3].mamba_decoder.mamba,
-        )
-        assert parts.per_token == (layers[1].linear, layers[3].linear)
+    else:  # Zamba2: layers 0 and 2 run the shared attention block, then their own projection and Mamba2
+        shared = (layers[0].shared_transformer.self_attn, layers[2].shared_transformer.self_attn)
+        assert parts.attention == (shared[0], None, shared[1])
+        assert parts.mixers == (layers[0].mamba_decoder.mamba, layers[1].mamba, layers[2].mamba_decoder.mamba)
+        assert parts.per_token == (layers[0].linear, layers[2].linear)
     assert parts.rotary is None and parts.undeclared() == []
 
 
