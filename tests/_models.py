@@ -142,6 +142,71 @@ def tiny_config(kind: str):
             mamba_n_groups=1,
             mamba_chunk_size=16,
         )
+    if kind == "nemotron_h":  # Mamba2, experts, attention (no rotary) and an MLP, each a layer of its own at "mixer"
+        return transformers.NemotronHConfig(
+            **{**common, "num_hidden_layers": 4, "initializer_range": 0.2},
+            layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
+            head_dim=12,
+            mamba_num_heads=4,
+            mamba_head_dim=24,
+            ssm_state_size=8,
+            n_groups=1,
+            chunk_size=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=32,
+        )
+    if kind == "mamba2":  # Mamba2 (SSD) in every layer, no attention at all
+        return transformers.Mamba2Config(
+            vocab_size=VOCAB,
+            hidden_size=48,
+            num_hidden_layers=2,
+            num_heads=4,
+            head_dim=24,
+            state_size=8,
+            n_groups=1,
+            chunk_size=16,
+            initializer_range=0.2,
+            tie_word_embeddings=False,
+        )
+    if kind == "zamba2":  # Mamba2 in every layer; layers 0 and 2 first run one shared attention block (tied weights)
+        return transformers.Zamba2Config(
+            vocab_size=VOCAB,
+            hidden_size=48,
+            intermediate_size=96,
+            num_hidden_layers=3,
+            layers_block_type=["hybrid", "linear_attention", "hybrid"],
+            num_attention_heads=4,
+            n_mamba_heads=4,
+            mamba_d_state=8,
+            mamba_ngroups=1,
+            chunk_size=16,
+            num_mem_blocks=1,
+            use_shared_attention_adapter=True,
+            adapter_rank=8,
+            use_mem_rope=True,
+            max_position_embeddings=64,
+            initializer_range=0.1,
+            tie_word_embeddings=False,
+        )
+    if kind == "kimi_linear":  # KDA in layers 0 and 2, MLA attention (no rotary) in layer 1, dense MLPs
+        return transformers.KimiLinearConfig(
+            **{**common, "num_hidden_layers": 3, "num_key_value_heads": 4, "initializer_range": 0.1},
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            mlp_layer_types=["dense"] * 3,  # experts flip their routing under bf16 (and take no float64)
+            linear_num_heads=4,
+            linear_head_dim=8,
+            linear_conv_kernel_dim=4,
+            kv_lora_rank=16,
+            q_lora_rank=24,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
     raise ValueError(kind)
 
 

@@ -193,7 +193,17 @@ def test_pipeline_parallel_models_are_refused():
 
 
 @pytest.mark.parametrize(
-    "name", ["sp2", "sp2_balanced", "sp2_placed", "sp2_padded", "sft_packing", "sft_padding_free", "sft_gpt_oss"]
+    "name",
+    [
+        "sp2",
+        "sp2_balanced",
+        "sp2_placed",
+        "sp2_padded",
+        "sft_packing",
+        "sft_padding_free",
+        "sft_gpt_oss",
+        "sft_hybrid_qwen3_next",
+    ],
 )
 def test_two_ranks_equal_one_process(two_ranks, name):
     found = _compare(two_ranks, name)
@@ -209,7 +219,8 @@ def test_two_ranks_equal_one_process(two_ranks, name):
         assert layouts == [None] * len(layouts)
     want = _load(two_ranks / "reference" / f"{CASES[name].reference or name}.pt")
     # TRL's metrics (Note [SFT metrics over shards]); the packing case evaluates, so its eval metrics too
-    expected = {"sft_packing": 5, "sft_padding_free": 3, "sft_gpt_oss": 7}.get(name, 0)  # gpt-oss: TRL's aux_loss
+    expected = {"sft_packing": 5, "sft_padding_free": 3, "sft_gpt_oss": 7, "sft_hybrid_qwen3_next": 7}.get(name, 0)
+    # the MoE cases (gpt-oss, Qwen3-Next): TRL's aux_loss
     assert sum(bool(v) for v in want["metrics"].values()) == expected, want["metrics"]
     assert found["metrics"].keys() == want["metrics"].keys()
     for key, rows in want["metrics"].items():

@@ -12,6 +12,7 @@ hybrid mesh; over 3 AdamW steps; without the exchanges the same checks fail; bad
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -20,7 +21,7 @@ import transformers
 
 import seqpar
 from seqpar.errors import SeqparInputError
-from seqpar.models import FAMILIES, Family, register_family
+from seqpar.models import FAMILIES, Family, anatomy, register_family
 from seqpar.sequence_parallel.mixers import conv, scan
 from tests._dist import run_ranks, shard_index
 from tests._models import tiny_config
@@ -33,16 +34,18 @@ GRAD_RTOL = 1e-5  # of each tensor's largest entry
 DOCUMENTS = (1, 2, 5, 6, 26, 8)
 
 
-KINDS = ("lfm2", "qwen3_next", "qwen3_5", "olmo_hybrid", "granitemoehybrid", "bamba", "falcon_h1")
+KINDS = (
+    "lfm2", "qwen3_next", "qwen3_5", "olmo_hybrid", "granitemoehybrid", "bamba", "falcon_h1", "nemotron_h", "mamba2",
+    "zamba2", "kimi_linear",
+)  # fmt: skip
 
 
 def _model(kind: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind), attn_implementation="eager").eval()
-    for layer in model.model.layers:  # weak decay: the state a chunk hands on matters, so a missing exchange shows
-        for recurrence in (getattr(layer, name, None) for name in ("linear_attn", "mamba")):
-            if recurrence is not None:
-                recurrence.A_log.data.fill_(math.log(0.02))
+    for module in model.modules():  # weak decay: the state a chunk hands on matters, so a missing exchange shows
+        if isinstance(getattr(module, "A_log", None), torch.nn.Parameter):
+            module.A_log.data.fill_(math.log(0.02))
     return model
 
 
@@ -118,14 +121,31 @@ def _exact(rank, world_size):
             _check(rank, world_size, mesh, kind, "placed", True)
 
 
+# MLA attention only (values of another head size): SDPA runs the same arithmetic as eager on the CPU (measured: equal)
+_SDPA_SUMS_AS_EAGER = ("kimi_linear",)
+
+
+def _rounding_twin(ref: torch.nn.Module, kind: str) -> torch.nn.Module:
+    """One process again, summing in another order: SDPA instead of eager attention, for a model without attention
+    (Mamba2) the scan's own chunks halved, and where SDPA sums as eager does, the model in float64."""
+    other = copy.deepcopy(ref)
+    if kind in _SDPA_SUMS_AS_EAGER:
+        other.double()
+    elif any(m is not None for m in anatomy(other).attention):
+        other.set_attn_implementation("sdpa")
+    else:
+        for mixer in anatomy(other).mixers:
+            mixer.chunk_size //= 2
+    return other
+
+
 def _autocast(rank, world_size, kind):
     """Under bf16 autocast (the kernels keep their states in fp32) the logits are one process's under autocast to
-    within 4 times the bf16 floor: how far a second one-process run with SDPA instead of eager attention is (measured
+    within 4 times the bf16 floor: how far a second one-process run (``_rounding_twin``) is (measured
     0.6-1.1% of the largest logit, seqpar 0.4-2.1% on either rank)."""
     mesh = seqpar.make_mesh()
     ref, ids = _model(kind), _ids(2, 3)
-    other = copy.deepcopy(ref)
-    other.set_attn_implementation("sdpa")
+    other = _rounding_twin(ref, kind)
     model = seqpar.prepare_model(copy.deepcopy(ref), mesh, strategy="ring")
     shard = seqpar.shard_batch({"input_ids": ids}, mesh)
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
@@ -158,16 +178,15 @@ def _worst_relative(model: torch.nn.Module, ref: torch.nn.Module) -> float:
 
 def _adamw(rank, world_size):
     """3 AdamW steps on fresh unpacked rows: every step's loss within 1e-5 of one process's, and the parameters
-    within 10 times the rounding floor: a second one-process run that differs only in how its attention sums
-    (SDPA instead of eager). Adam moves every entry by about lr whatever its gradient's size, so rounding in a tiny
+    within 10 times the rounding floor: a second one-process run that differs only in how it sums
+    (``_rounding_twin``). Adam moves every entry by about lr whatever its gradient's size, so rounding in a tiny
     gradient becomes a step. Measured (floor / seqpar, of a tensor's largest entry): LFM2 3.4e-5 / 2.1e-5, Qwen3-Next
     2.9e-5 / 3.2e-5, Qwen3.5 3.1e-5 / 2.0e-5, GraniteMoeHybrid 3.1e-5 / 3.2e-5, so a 1e-5 target is below what fp32
     gives here."""
     mesh = seqpar.make_mesh()
     for kind in KINDS:
         ref = _model(kind).train()
-        floor = copy.deepcopy(ref)
-        floor.set_attn_implementation("sdpa")
+        floor = _rounding_twin(ref, kind)
         model = seqpar.prepare_model(copy.deepcopy(ref), mesh, strategy="ring")
         opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (ref, floor, model)]
         for step in range(3):
@@ -214,10 +233,11 @@ def _control(rank, world_size):
             off = torch.tensor(float((logits - want[:, idx]).abs().max()))
             seqpar.sum_over(off, mesh)
             assert float(off) > 1e-2, (kind, float(off))
+            mixers = tuple(f"{anatomy(model).name(m)}." for m in anatomy(model).mixers)
             worst = max(
                 float((p.grad - q.grad).abs().max() / q.grad.abs().max())
                 for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True)
-                if ".conv." in n or "linear_attn" in n or ".mamba." in n
+                if n.startswith(mixers)
             )
             assert worst > 0.1, (kind, worst)
     finally:
@@ -229,6 +249,14 @@ def _bad_input(rank, world_size):
     model = seqpar.prepare_model(_model("lfm2"), mesh)
     with pytest.raises(SeqparInputError, match="runs inside a prepared model's call"):  # a mixer called alone
         model.model.layers[0].conv(torch.randn(1, 4, 48))
+    # an entry that does not declare a layer's token mixer (Falcon-H1's Mamba2 beside attention in every layer, the
+    # entry edited to omit it) is refused, naming the module, its class and its layer: not run on each shard alone
+    register_family(dataclasses.replace(FAMILIES["falcon_h1"], mixers=()), replace=True)
+    try:
+        with pytest.raises(SeqparInputError, match=r"model\.layers\.0\.mamba \(FalconH1Mixer\) in layer 0; model"):
+            seqpar.prepare_model(_model("falcon_h1"), mesh)
+    finally:
+        register_family(dataclasses.replace(FAMILIES["falcon_h1"], mixers=("mamba",)), replace=True)
     # a hybrid whose mixer has no adapter (Jamba's Mamba1) is refused with the mixer's name, before anything runs
     config = transformers.JambaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -236,6 +264,8 @@ def _bad_input(rank, world_size):
         mamba_d_state=8, mamba_dt_rank=4, use_mamba_kernels=False,
     )  # fmt: skip
     jamba = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(SeqparInputError, match=r"does not serve 'jamba' models \(JambaForCausalLM\): its Mamba1"):
+        seqpar.prepare_model(jamba, mesh)  # no entry: refused with the reason
     norms = ("input_layernorm", "pre_ff_layernorm")
     parts = dict(norm="final_layernorm", rotary=None, mlp="feed_forward", layer_norms=norms)
     entry = Family("jamba", mixers=("mamba",), **parts)

@@ -21,7 +21,7 @@ from seqpar.data_parallel import decoder_blocks
 from seqpar.diagnosis.pitfalls import decoder_layers, token_mixing_suspects
 from seqpar.errors import SeqparInputError
 from seqpar.memory.shapes import ModelDims, model_dims
-from seqpar.models import FAMILIES, Family, ModelSizes, anatomy, find_anatomy, register_family
+from seqpar.models import FAMILIES, Family, ModelSizes, anatomy, family_of, find_anatomy, register_family
 from seqpar.pipeline_parallel.stages import find_parts, original_names, split_model
 from seqpar.planning import Cluster, ModelShape, load_model_shape, plan
 from tests._dist import run_ranks, shard_index
@@ -73,7 +73,7 @@ def toy_registered():
 def test_every_built_in_family_has_a_tiny_model_here():
     from tests import _vlm_models
 
-    hybrids = {tiny_config(kind).model_type for kind in HYBRIDS}
+    hybrids = {tiny_config(kind).model_type for kind in HYBRIDS + OTHER_HYBRIDS}
     covered = {_config(kind).model_type for kind in KINDS} | set(_vlm_models.FAMILIES) | hybrids
     assert set(FAMILIES) - {TOY.model_type} == covered
 
@@ -114,13 +114,50 @@ def test_every_family_resolves_its_anatomy(kind):
     assert len(parts.moe_mlps) == EXPERT_LAYERS.get(kind, 0)
     assert all("Norm" in type(m).__name__ for m in parts.norms)
     assert len(parts.layer_norms) == len(parts.family.layer_norms) * len(decoder.layers)
-    assert parts.mixers == ()
+    assert parts.mixers == () and parts.undeclared() == []  # the entry accounts for every part of its layers
     assert decoder_blocks(model) == list(decoder.layers)
     bare = anatomy(model.model)  # the decoder without its head
     assert bare.head is None and bare.layers is decoder.layers
 
 
 HYBRIDS = ("lfm2", "qwen3_next", "qwen3_5", "olmo_hybrid", "granitemoehybrid", "bamba", "falcon_h1")
+# families whose layers keep their parts elsewhere: by layer kind at one path, no attention, a shared block
+OTHER_HYBRIDS = ("nemotron_h", "mamba2", "zamba2", "kimi_linear")
+
+
+@pytest.mark.parametrize("kind", OTHER_HYBRIDS)
+def test_a_family_with_layer_kinds_shared_blocks_or_no_attention_resolves_every_part(kind):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind))
+    parts = anatomy(model)
+    layers = parts.layers
+    if kind == "nemotron_h":  # Mamba2, experts, attention, MLP: each at "mixer"
+        assert parts.attention == (None, None, layers[2].mixer, None) and parts.mixers == (layers[0].mixer,)
+        assert parts.mlps == (layers[1].mixer, layers[3].mixer) and parts.moe_mlps == (layers[1].mixer,)
+        assert parts.norm is model.model.norm_f and parts.embedding is model.model.embeddings
+    elif kind == "mamba2":
+        assert parts.attention == (None,) * 2 and parts.mlps == () and parts.decoder is model.backbone
+        assert parts.mixers == tuple(layer.mixer for layer in layers)
+    elif kind == "kimi_linear":  # KDA or MLA attention at self_attn, by block_type; an MLP in every layer
+        assert parts.attention == (None, layers[1].self_attn, None)
+        assert parts.mixers == (layers[0].self_attn, layers[2].self_attn)
+        assert parts.mlps == tuple(layer.mlp for layer in layers)
+    else:  # Zamba2: layers 0 and 2 run the shared attention block, then their own projection and Mamba2
+        shared = (layers[0].shared_transformer.self_attn, layers[2].shared_transformer.self_attn)
+        assert parts.attention == (shared[0], None, shared[1])
+        assert parts.mixers == (layers[0].mamba_decoder.mamba, layers[1].mamba, layers[2].mamba_decoder.mamba)
+        assert parts.per_token == (layers[0].linear, layers[2].linear)
+    assert parts.rotary is None and parts.undeclared() == []
+
+
+def test_a_layer_of_unknown_kind_is_named():
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("nemotron_h"))
+    model.model.layers[2].block_type = "retention"
+    assert "layers[2].block_type of a known kind (full_attention, linear_attention, moe, mlp; it is 'retention')" in (
+        find_anatomy(model)
+    )
+    with pytest.raises(SeqparInputError, match="kinds map layer kinds to 'attention', 'mixer' or 'mlp'"):
+        Family("x", layer_kind="block_type", kinds=(("moe", "experts"),))
 
 
 @pytest.mark.parametrize("kind", HYBRIDS)
@@ -135,6 +172,28 @@ def test_a_hybrid_family_resolves_attention_where_layers_have_it_and_its_mixers(
     final = {"lfm2": "embedding_norm", "bamba": "final_layernorm", "falcon_h1": "final_layernorm"}.get(kind, "norm")
     assert len(parts.mixers) == (4 if kind == "falcon_h1" else 3) and parts.norm is getattr(model.model, final)
     assert parts.rotary is (None if kind == "granitemoehybrid" else model.model.rotary_emb)
+    assert parts.undeclared() == []
+
+
+def test_a_module_outside_the_declared_parts_is_refused_by_name():
+    """Note [declared layer parts]: GraniteMoeHybrid's experts beside its shared MLP are declared per_token; the entry
+    without them is refused naming the router, while a parameter-free module (dropout) is let through."""
+    config = tiny_config("granitemoehybrid")
+    config.num_local_experts, config.num_experts_per_tok = 4, 2
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.model.layers[0].dropout = torch.nn.Dropout(0.0)
+    assert anatomy(model).undeclared() == []
+    entry = FAMILIES["granitemoehybrid"]
+    register_family(dataclasses.replace(entry, per_token=()), replace=True)
+    try:
+        assert anatomy(model).undeclared()[:2] == [
+            "model.layers.0.block_sparse_moe (GraniteMoeHybridMoE) in layer 0",
+            "model.layers.1.block_sparse_moe (GraniteMoeHybridMoE) in layer 1",
+        ]
+        with pytest.raises(SeqparInputError, match=r"hold model\.layers\.0\.block_sparse_moe \(GraniteMoeHybridMoE\)"):
+            seqpar.prepare_model(model, None)
+    finally:
+        register_family(entry, replace=True)
 
 
 def test_an_unknown_family_gets_the_clear_message():
@@ -154,6 +213,15 @@ def test_an_unknown_family_gets_the_clear_message():
     assert find_parts(gpt2).startswith("the decoder layers of GPT2LMHeadModel cannot be found: seqpar knows")
     assert decoder_blocks(gpt2) == []  # FSDP2 then shards the root only
     assert "has no config.model_type" in find_anatomy(torch.nn.Linear(2, 2))
+
+
+def test_hybrids_seqpar_does_not_serve_are_refused_with_the_reason():
+    for config, mixer in (
+        (transformers.MiniMaxConfig(), "lightning attention"),
+        (transformers.MambaConfig(), "Mamba1"),
+    ):
+        reason = family_of(config)
+        assert isinstance(reason, str) and f"does not serve {config.model_type!r} models" in reason and mixer in reason
 
 
 def test_the_toy_family_is_refused_until_registered():

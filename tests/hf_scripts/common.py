@@ -111,6 +111,9 @@ CASES = {
     # padding, not packing: transformers' gpt-oss builds its masks without the position ids, so its packed rows
     # would attend across documents where seqpar keeps them apart
     "sft_gpt_oss": Case(2, kind="gpt_oss", collator="sft", extra=SFT_MOE, eval_batch=2),
+    # a hybrid (gated DeltaNet, experts) through TRL's SFT: right padding, since transformers' one process carries
+    # the recurrent state across packed documents, which seqpar keeps apart
+    "sft_hybrid_qwen3_next": Case(2, kind="qwen3_next", collator="sft", extra=SFT_MOE[:2], eval_batch=2),
     "sp3_ring": Case(3, sp_size=3, strategy="ring"),
     # balanced: the replicas' layouts differ; the evaluation's short replica runs a padding batch
     "dp2_sp2": Case(4, batch=1, extra=(("train_sampling_strategy", "random"),), eval_batch=2, layout="balanced"),

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from seqpar.errors import SeqparInputError
-from seqpar.models.families import FAMILIES, Family
+from seqpar.models.families import FAMILIES, UNSERVED, Family
 
 if TYPE_CHECKING:
     from torch import nn
@@ -40,7 +40,9 @@ class ModelAnatomy:
     attention: tuple[nn.Module | None, ...]
     """Each layer's attention module, in layer order (None for a hybrid's layer without attention)."""
     mlps: tuple[nn.Module, ...]
-    """Each layer's MLP (dense or a mixture of experts), in layer order."""
+    """Each layer's MLP (dense or a mixture of experts), in layer order (a hybrid's layer may have none)."""
+    per_token: tuple[nn.Module, ...]
+    """The layers' further blocks that act on each token alone (the entry's ``per_token`` paths)."""
     layer_norms: tuple[nn.Module, ...]
     """Every layer's norms, layer by layer."""
     mixers: tuple[nn.Module, ...]
@@ -75,6 +77,47 @@ class ModelAnatomy:
         """The layers' norms and the final norm."""
         return (*self.layer_norms, *([self.norm] if self.norm is not None else []))
 
+    def undeclared(self) -> list[str]:
+        """The modules of the decoder layers that the family entry does not account for and that could mix tokens
+        (Note [declared layer parts]).
+
+        Returns:
+            One description per module, ``"model.layers.1.gate (Conv1d) in layer 1"``, in layer order.
+        """
+        from torch import nn
+
+        windows = (nn.modules.conv._ConvNd, nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd)
+        declared = set()
+        for part in (*self.attention, *self.mlps, *self.per_token, *self.layer_norms, *self.mixers):
+            if part is not None:
+                declared |= {id(m) for m in part.modules()}
+        inside = set()  # modules that hold a declared part
+        for layer in self.layers:
+            modules = dict(layer.named_modules())
+            for name, module in modules.items():
+                if id(module) in declared and name:
+                    parts = name.split(".")
+                    inside |= {id(modules[".".join(parts[:n])]) for n in range(len(parts))}
+        found = []
+
+        def visit(module: nn.Module, i: int) -> None:  # the outermost undeclared module that has parameters
+            if id(module) in declared:
+                return
+            own = next(module.parameters(recurse=False), None) is not None
+            if (
+                own
+                or isinstance(module, windows)
+                or (id(module) not in inside and next(module.parameters(), None) is not None)
+            ):
+                found.append(f"{self.name(module)} ({type(module).__name__}) in layer {i}")
+                return
+            for child in module.children():
+                visit(child, i)
+
+        for i, layer in enumerate(self.layers):
+            visit(layer, i)
+        return found
+
 
 def _get(root: object, path: str) -> object:
     """``root.a.b`` for the path "a.b", or None where a part is missing."""
@@ -102,6 +145,8 @@ def family_of(model: object) -> Family | str:
     if not isinstance(model_type, str) or not model_type:
         return f"{name} has no config.model_type: seqpar knows model families by it (not a transformers model)"
     family = FAMILIES.get(model_type)
+    if family is None and model_type in UNSERVED:
+        return f"seqpar does not serve {model_type!r} models ({name}): {UNSERVED[model_type]}"
     if family is None:
         return (
             f"seqpar knows no model family {model_type!r} ({name}; known: {', '.join(sorted(FAMILIES))}); describe "
@@ -122,31 +167,51 @@ def _part(owner: nn.Module, path: str | None, kind: type, where: str, missing: l
 
 
 def _layer_parts(family: Family, layers: nn.ModuleList, missing: list[str]) -> dict:
-    """The per-layer parts: attention, MLPs, norms and other mixers (missing paths noted).
+    """The per-layer parts: attention, MLPs, per-token blocks, norms and other mixers (missing paths noted).
 
     A family with other token mixers is a hybrid: each layer holds its attention or one of its mixers (or
-    both), so a layer misses a part only when it has none of them.
+    both), and an MLP or not, so a layer misses a part only when it has none of them. Where one path names
+    several parts (Nemotron-H's ``mixer``), the layer's kind (``kinds``) says which it holds.
     """
     from torch import nn
 
-    attention, mlps, norms, mixers = [], [], [], []
+    kinds = dict(family.kinds)
+    paths = [family.attention, family.mlp, *family.mixers]
+    shared = {path for path in paths if paths.count(path) > 1}  # the paths whose part the layer's kind decides
+    attention, mlps, per_token, norms, mixers = [], [], [], [], []
     for i, layer in enumerate(layers):
         where = f"layers[{i}]."
+        kind = _get(layer, family.layer_kind) if family.layer_kind else None
+
+        def at(path: str, part: str, layer: nn.Module = layer, kind: object = kind) -> nn.Module | None:
+            found = _get(layer, path)
+            return found if isinstance(found, nn.Module) and (path not in shared or kinds.get(kind) == part) else None
+
+        if kinds and kind not in kinds:
+            missing.append(f"{where}{family.layer_kind} of a known kind ({', '.join(kinds)}; it is {kind!r})")
+            continue
         if family.mixers:
-            found = [m for m in (_get(layer, path) for path in family.mixers) if isinstance(m, nn.Module)]
-            own = _get(layer, family.attention)
-            attention.append(own if isinstance(own, nn.Module) else None)
+            found = [m for m in (at(path, "mixer") for path in family.mixers) if m is not None]
+            attention.append(at(family.attention, "attention"))
             mixers += found
-            if attention[-1] is None and not found:
+            mlp = at(family.mlp, "mlp")
+            mlps += [mlp] if mlp is not None else []
+            if attention[-1] is None and not found and mlp is None:
                 missing.append(f"{where}{' or '.join((family.attention, *family.mixers))}")
-        else:
-            attention.append(_part(layer, family.attention, nn.Module, where, missing))
-        mlps.append(_part(layer, family.mlp, nn.Module, where, missing))
-        if family.mixers:  # a hybrid's attention and mixer layers may name their norms differently (Olmo-Hybrid)
+            # a hybrid's attention and mixer layers may name their norms differently (Olmo-Hybrid)
             norms += [m for m in (_get(layer, path) for path in family.layer_norms) if isinstance(m, nn.Module)]
         else:
+            attention.append(_part(layer, family.attention, nn.Module, where, missing))
+            mlps.append(_part(layer, family.mlp, nn.Module, where, missing))
             norms += [_part(layer, path, nn.Module, where, missing) for path in family.layer_norms]
-    return dict(attention=tuple(attention), mlps=tuple(mlps), layer_norms=tuple(norms), mixers=tuple(mixers))
+        per_token += [m for m in (_get(layer, path) for path in family.per_token) if isinstance(m, nn.Module)]
+    return dict(
+        attention=tuple(attention),
+        mlps=tuple(mlps),
+        per_token=tuple(per_token),
+        layer_norms=tuple(norms),
+        mixers=tuple(mixers),
+    )
 
 
 def find_anatomy(model: object) -> ModelAnatomy | str:

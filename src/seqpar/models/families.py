@@ -14,6 +14,16 @@ Note [model families]
     ``Family("qwen2")``. One generic resolver (``seqpar.models.anatomy``) reads every entry, and every
     consumer (prepare_model, data, tensor and pipeline parallel, the tiled MLP, activation offload, the doctor)
     asks it, so a new family is one entry here (or one ``register_family`` call) and nothing else.
+
+Note [declared layer parts]
+    seqpar makes exact across ranks only the token mixing it knows of: attention, and the declared ``mixers``
+    (each with an adapter). Anything else in a decoder layer runs on each rank's shard alone, which is right
+    only for what acts on each token by itself. So an entry accounts for every module of its layers: the
+    attention, the mixers, the MLP, the ``per_token`` blocks and the norms, with all their submodules. A module
+    outside them that holds parameters of its own (or the layer's own parameters, or a convolution or pooling
+    module) could mix tokens, and ``prepare_model`` refuses the model, naming the module, its class and its
+    layer, rather than run it silently wrong. Modules without parameters (dropout, activations, rotary
+    tables) are let through: they act on each token, or are read by the declared parts.
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ from dataclasses import dataclass
 
 from seqpar.errors import SeqparInputError
 
-__all__ = ["FAMILIES", "LLAMA_TP_PLAN", "Family", "register_family"]
+__all__ = ["FAMILIES", "LLAMA_TP_PLAN", "UNSERVED", "Family", "register_family"]
 
 LLAMA_TP_PLAN = (
     ("self_attn.q_proj", "colwise"),
@@ -67,7 +77,18 @@ class Family:
     """Paths from a decoder layer to its norms."""
     mixers: tuple[str, ...] = ()
     """Paths from a decoder layer to its token mixers other than attention: a hybrid's layers each hold attention
-    or one of these, and each mixer's class needs a seqpar adapter (Note [mixer adapters])."""
+    or one of these (and an MLP or not), and each mixer's class needs a seqpar adapter (Note [mixer adapters])."""
+    per_token: tuple[str, ...] = ()
+    """Paths from a decoder layer to further blocks that act on each token alone (GraniteMoeHybrid's experts beside
+    its shared MLP, Zamba2's per-layer projection): what a layer holds outside its declared parts is refused
+    when it has parameters (Note [declared layer parts])."""
+    layer_kind: str | None = None
+    """Path from a decoder layer to the name of its kind, for a family whose layers keep attention, a token mixer
+    or an MLP under one path (Nemotron-H's ``block_type`` of the module at ``mixer``, Kimi Linear's at
+    ``self_attn``); None: the paths tell."""
+    kinds: tuple[tuple[str, str], ...] = ()
+    """(a ``layer_kind`` value, "attention", "mixer" or "mlp"): which part a layer of that kind holds at a path
+    the entry names for more than one part."""
     tp_plan: tuple[tuple[str, str], ...] | None = LLAMA_TP_PLAN
     """(path from a layer, "colwise" or "rowwise") for tensor parallel; None: the family has no plan."""
     vision: str | None = None
@@ -92,6 +113,12 @@ class Family:
             raise SeqparInputError(f"a model family needs its model_type (a non-empty string), got {self.model_type!r}")
         if self.positions not in ("text", "mrope"):
             raise SeqparInputError(f"a family's positions must be 'text' or 'mrope', got {self.positions!r}")
+        parts = [part for _, part in self.kinds if part not in ("attention", "mixer", "mlp")]
+        if parts or bool(self.kinds) != (self.layer_kind is not None):
+            raise SeqparInputError(
+                f"a family's kinds map layer kinds to 'attention', 'mixer' or 'mlp' and come with its layer_kind "
+                f"path, got layer_kind={self.layer_kind!r}, kinds={self.kinds!r}"
+            )
         bad = [style for _, style in self.tp_plan or () if style not in _TP_STYLES]
         if bad:
             raise SeqparInputError(f"tp_plan styles must be {' or '.join(_TP_STYLES)}, got {bad}")
@@ -163,13 +190,71 @@ FAMILIES: dict[str, Family] = {
             tp_plan=None,
         ),
         # Mamba2 (SSD) layers between attention layers, no rotary embedding, experts and a shared MLP
-        Family("granitemoehybrid", mlp="shared_mlp", mixers=("mamba",), rotary=None, tp_plan=None),
+        Family(
+            "granitemoehybrid",
+            mlp="shared_mlp",
+            per_token=("block_sparse_moe",),
+            mixers=("mamba",),
+            rotary=None,
+            tp_plan=None,
+        ),
         Family(  # each layer runs attention and Mamba2 side by side
             "falcon_h1",
             norm="final_layernorm",
             mlp="feed_forward",
             layer_norms=("input_layernorm", "pre_ff_layernorm"),
             mixers=("mamba",),
+            attention_interface=True,
+            tp_plan=None,
+        ),
+        Family(  # each layer holds one of Mamba2, attention (no rotary), experts or an MLP at "mixer"
+            "nemotron_h",
+            embedding="embeddings",
+            norm="norm_f",
+            rotary=None,
+            attention="mixer",
+            mlp="mixer",
+            experts="experts",
+            layer_norms=("norm",),
+            mixers=("mixer",),
+            layer_kind="block_type",
+            kinds=(("full_attention", "attention"), ("linear_attention", "mixer"), ("moe", "mlp"), ("mlp", "mlp")),
+            attention_interface=True,
+            tp_plan=None,
+        ),
+        Family(  # Mamba2 (SSD) in every layer, no attention
+            "mamba2",
+            decoder="backbone",
+            embedding="embeddings",
+            norm="norm_f",
+            rotary=None,
+            layer_norms=("norm",),
+            mixers=("mixer",),
+            tp_plan=None,
+        ),
+        Family(  # KDA (gated delta rule, decay per channel) or MLA attention without rotary at self_attn, experts
+            "kimi_linear",
+            rotary=None,
+            mixers=("self_attn",),
+            layer_kind="block_type",
+            kinds=(("full_attention", "attention"), ("linear_attention", "mixer")),
+            attention_interface=True,
+            **_MOE,
+        ),
+        Family(  # Mamba2 in every layer; some layers first run a shared attention block and a per-layer projection
+            "zamba2",
+            norm="final_layernorm",
+            rotary=None,  # the rotary table exists only with use_mem_rope
+            attention="shared_transformer.self_attn",
+            mlp="shared_transformer.feed_forward",
+            per_token=("linear",),
+            layer_norms=(
+                "input_layernorm",
+                "mamba_decoder.input_layernorm",
+                "shared_transformer.input_layernorm",
+                "shared_transformer.pre_ff_layernorm",
+            ),
+            mixers=("mamba", "mamba_decoder.mamba"),
             attention_interface=True,
             tp_plan=None,
         ),
@@ -185,6 +270,24 @@ FAMILIES: dict[str, Family] = {
     )
 }
 """The registry: ``model_type`` -> ``Family``. The documented extension point (``register_family``)."""
+
+
+_MAMBA1 = (
+    "its Mamba1 mixers' selective scan (a decay per channel and state entry, so affine in its state like the "
+    "mixers seqpar serves) has no transformers kernel that starts from a given state, which seqpar's state passing "
+    "needs (Note [state passing]); each rank would run it on its own shard alone"
+)
+UNSERVED: dict[str, str] = {
+    "jamba": _MAMBA1,
+    "mamba": _MAMBA1,
+    "falcon_mamba": _MAMBA1,
+    "minimax": (
+        "its lightning attention runs its recurrence inline in the layer's forward, starting from zeros or a cache, "
+        "with no kernel that takes a given state, which seqpar's state passing needs (Note [state passing]); each "
+        "rank would run it on its own shard alone"
+    ),
+}
+"""``model_type`` -> why seqpar does not serve that family (hybrids whose token mixers have no adapter yet)."""
 
 
 def register_family(family: Family, *, replace: bool = False) -> Family:

@@ -113,13 +113,23 @@ def _served(model: torch.nn.Module) -> ModelAnatomy | str:
     found = find_anatomy(model)
     if isinstance(found, str):
         return found
+    undeclared = found.undeclared()
+    if undeclared:  # it may mix tokens, and would run on each shard alone (Note [declared layer parts])
+        shown = "; ".join(undeclared[:3]) + (f" and {len(undeclared) - 3} more" if len(undeclared) > 3 else "")
+        return (
+            f"its decoder layers hold {shown}, which the {found.family.model_type!r} family entry does not "
+            "account for (attention, mixers, MLP, per_token blocks, norms): a module with parameters there may mix "
+            "tokens, and each rank would run it on its own shard alone; declare it in the entry (mixers= for a "
+            "token mixer seqpar has an adapter for, per_token= for one that acts on each token alone)"
+        )
     unknown = unknown_mixers(found.mixers)
     if unknown:  # each rank would run them on its shard alone: wrong, not merely slow (Note [mixer adapters])
         return (
             f"its token mixers {', '.join(unknown)} (besides attention) have no seqpar adapter: each rank would run "
             f"them on its own shard alone; seqpar serves {', '.join(sorted(ADAPTERS))}"
         )
-    if not getattr(model, "_supports_attention_backend", False) and not found.family.attention_interface:
+    attends = any(m is not None for m in found.attention)  # a pure state-space model (Mamba2) has no attention
+    if attends and not getattr(model, "_supports_attention_backend", False) and not found.family.attention_interface:
         return (
             f"{type(model).__name__} does not route attention through transformers' AttentionInterface "
             "(its _supports_attention_backend is False)"

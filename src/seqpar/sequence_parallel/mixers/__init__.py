@@ -18,6 +18,7 @@ import functools
 import torch
 
 from seqpar.sequence_parallel.mixers.gated_deltanet import (
+    kimi_delta_attention_forward,
     olmo_hybrid_gated_deltanet_forward,
     qwen3_5_gated_deltanet_forward,
     qwen3_next_gated_deltanet_forward,
@@ -32,9 +33,13 @@ ADAPTERS = {
     "Qwen3NextGatedDeltaNet": qwen3_next_gated_deltanet_forward,
     "Qwen3_5GatedDeltaNet": qwen3_5_gated_deltanet_forward,
     "OlmoHybridGatedDeltaNet": olmo_hybrid_gated_deltanet_forward,
+    "KimiLinearDeltaAttention": kimi_delta_attention_forward,
     "GraniteMoeHybridMambaLayer": mamba2_forward,
     "BambaMixer": mamba2_forward,
     "FalconH1Mixer": mamba2_forward,
+    "NemotronHMamba2Mixer": mamba2_forward,
+    "Mamba2Mixer": mamba2_forward,
+    "Zamba2MambaMixer": mamba2_forward,
 }
 """Mixer class name -> the ``forward`` of its adapter."""
 

@@ -1,4 +1,5 @@
-"""Gated DeltaNet layers (Qwen3-Next, Qwen3.5, Olmo-Hybrid) under sequence parallelism: halo convolution, state passing.
+"""Gated DeltaNet layers (Qwen3-Next, Qwen3.5, Olmo-Hybrid; Kimi Linear's KDA, its decay per channel) under sequence
+parallelism: halo convolution, state passing.
 
 The adapters' ``forward`` (Note [mixer adapters]), with transformers' own chunked kernel (Note [state passing]).
 """
@@ -14,7 +15,12 @@ from seqpar.sequence_parallel.call_context import CallContext, adapter_context
 from seqpar.sequence_parallel.mixers.conv import halo_causal_conv
 from seqpar.sequence_parallel.mixers.scan import chunked_state_scan
 
-__all__ = ["olmo_hybrid_gated_deltanet_forward", "qwen3_5_gated_deltanet_forward", "qwen3_next_gated_deltanet_forward"]
+__all__ = [
+    "kimi_delta_attention_forward",
+    "olmo_hybrid_gated_deltanet_forward",
+    "qwen3_5_gated_deltanet_forward",
+    "qwen3_next_gated_deltanet_forward",
+]
 
 
 def _gated_deltanet(
@@ -143,3 +149,56 @@ def olmo_hybrid_gated_deltanet_forward(
     z = self.g_proj(hidden_states).reshape(batch, length, -1, self.head_v_dim)
     beta = self.b_proj(hidden_states).sigmoid() * (2.0 if self.allow_neg_eigval else 1.0)
     return _gated_deltanet(self, ctx, mixed, z, beta, self.a_proj(hidden_states), (self.o_norm, self.o_proj))
+
+
+def kimi_delta_attention_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    cache: object | None = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: object,
+) -> torch.Tensor:
+    """``KimiLinearDeltaAttention.forward`` (KDA) on this rank's shard, with ``chunk_kimi_delta_attention``.
+
+    KDA is the gated delta rule with a decay per key channel, ``S <- (I - beta k k^T) diag(exp(g)) S + beta k v^T``:
+    still affine in the state, so ``M`` is the final state from the identity with zero values (Note [state
+    passing]).
+
+    Args:
+        self: the ``KimiLinearDeltaAttention`` (q/k/v projections, ``conv1d``, ``forget_gate``, ``b_proj``, the
+            ``g_a_proj`` / ``g_b_proj`` output gate, ``o_norm``, ``o_proj``).
+        hidden_states: ``[B, L, H]`` this rank's tokens.
+        cache: must be None (seqpar trains without a cache).
+        attention_mask: ignored, as seqpar's calls carry none (padding is its own document).
+        **kwargs: the layer's keywords; seqpar's call context among them.
+
+    Returns:
+        ``[B, L, H]``.
+
+    Raises:
+        SeqparInputError: called outside a prepared model's call, with a cache, or another activation than silu.
+    """
+    ctx = adapter_context(self, cache, kwargs)
+    kernel = sys.modules[type(self).__mro__[1].__module__].chunk_kimi_delta_attention
+    batch, length, _ = hidden_states.shape
+    shape = (batch, length, -1, self.head_dim)
+    mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1)
+    conv = halo_causal_conv(
+        mixed.transpose(1, 2), self.conv1d.weight.squeeze(1), self.conv1d.bias, ctx.mesh, ctx.layout, ctx.mask
+    )
+    query, key, value = (t.reshape(shape) for t in torch.split(F.silu(conv).transpose(1, 2), [self.qkv_dim] * 3, -1))
+    g, beta = self.forget_gate(hidden_states), self.b_proj(hidden_states).sigmoid()  # [B, L, heads, dk], [B, L, heads]
+
+    def run(q, k, v, g, beta, initial_state):
+        return kernel(
+            q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=True, use_qk_l2norm_in_kernel=True
+        )
+
+    def through(q, k, v, g, beta):  # M: the state from the identity with zero values (Note [state passing])
+        eye = torch.eye(self.head_dim, device=q.device).expand(1, self.num_heads, -1, -1)
+        return run(q, k, v.new_zeros(*v.shape[:-1], self.head_dim), g, beta, initial_state=eye)[1]
+
+    state = (self.num_heads, self.head_dim, self.head_dim)
+    scanned = chunked_state_scan(run, through, (query, key, value, g, beta), state, ctx.mesh, ctx.layout, ctx.mask)
+    gate = self.g_b_proj(self.g_a_proj(hidden_states)).view(shape)
+    return self.o_proj(self.o_norm(scanned, gate).reshape(batch, length, -1))
