@@ -1,0 +1,207 @@
+"""Diffusers transformers through ``seqpar.prepare_diffusers`` on gloo ranks equal one process, forward and backward.
+
+Tiny Wan 2.x and CogVideoX models from configs: the gathered prediction, every parameter gradient after the sum over
+the group, AdamW steps; per-token timesteps; joint text + video attention; refusals; cross-attention's bytes.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import seqpar
+from seqpar.errors import SeqparInputError
+from seqpar.runtime.memory import written_bytes
+from tests._dist import run_ranks
+
+diffusers = pytest.importorskip("diffusers")
+
+# fp32 on CPU: the prediction within 1e-5 (absolute), each gradient within 1e-5 of its tensor's largest entry,
+# parameters after 3 AdamW steps within 1e-6 of each tensor's largest entry (the acceptance of issue 43)
+PRED_ATOL, GRAD_REL, STEP_REL = 1e-5, 1e-5, 1e-6
+WAN = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=4,
+    attention_head_dim=12,
+    in_channels=4,
+    out_channels=4,
+    text_dim=16,
+    freq_dim=16,
+    ffn_dim=32,
+    num_layers=2,
+    cross_attn_norm=True,
+    rope_max_seq_len=32,
+)
+FRAMES, HEIGHT, WIDTH, TEXT = 2, 12, 12, 8  # 2 x 6 x 6 = 72 tokens after patchify: divides 2P chunks for P = 2, 3, 4
+
+
+def _wan(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = diffusers.WanTransformer3DModel(**WAN)
+    with torch.no_grad():  # the zero-initialised parts would hide a wrong gradient
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return model
+
+
+def _wan_inputs(per_token: bool, seed: int = 1, height: int = HEIGHT) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    latents = torch.randn(1, 4, FRAMES, height, height, generator=gen)
+    tokens = FRAMES * (height // 2) ** 2
+    timestep = torch.randint(0, 1000, (1, tokens) if per_token else (1,), generator=gen).float()
+    text = torch.randn(1, TEXT, 16, generator=gen)
+    target = torch.randn(latents.shape, generator=gen)
+    return dict(hidden_states=latents, timestep=timestep, encoder_hidden_states=text), target
+
+
+def _assert_grads(model, reference, rel: float, what: str) -> None:
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        scale = q.grad.abs().max().item()
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=rel * scale + 1e-12, msg=f"{what}: grad of {name}")
+
+
+def _run_step(model, inputs, target, mesh=None):
+    pred = model(**inputs, return_dict=False)[0]
+    loss = F.mse_loss(pred, target)
+    loss.backward()
+    if mesh is not None:
+        seqpar.reduce_gradients(model.parameters(), mesh)
+    return pred
+
+
+def _wan_worker(rank, world_size, strategy, layout, per_token, ulysses_size):
+    reference = _wan()
+    model = copy.deepcopy(reference)
+    inputs, target = _wan_inputs(per_token)
+    want = _run_step(reference, inputs, target)
+    mesh = seqpar.make_mesh(ulysses_size=ulysses_size)
+    seqpar.prepare_diffusers(model, mesh, strategy=strategy, layout=layout)
+    got = _run_step(model, inputs, target, mesh)
+    torch.testing.assert_close(got, want, rtol=0, atol=PRED_ATOL, msg="gathered prediction")
+    _assert_grads(model, reference, GRAD_REL, f"{strategy}/{layout} P={world_size}")
+
+
+WAN_CASES = [
+    pytest.param(2, "ring", "zigzag", False, 1, id="P2-ring-zigzag"),
+    pytest.param(2, "ulysses", "zigzag", False, 2, id="P2-ulysses-zigzag"),
+    pytest.param(2, "allgather", "contiguous", False, 1, id="P2-allgather-contiguous"),
+    pytest.param(2, "ulysses", "contiguous", True, 2, id="P2-ulysses-per-token-timesteps"),
+    pytest.param(3, "ring", "zigzag", True, 1, id="P3-ring-zigzag-per-token-timesteps"),
+    pytest.param(4, "ring", "zigzag", False, 1, id="P4-ring-zigzag"),
+    pytest.param(4, "hybrid", "contiguous", False, 2, id="P4-hybrid-2x2"),
+]
+
+
+@pytest.mark.parametrize(("world_size", "strategy", "layout", "per_token", "ulysses_size"), WAN_CASES)
+def test_wan_prediction_and_gradients_equal_one_process(world_size, strategy, layout, per_token, ulysses_size):
+    run_ranks(world_size, _wan_worker, strategy, layout, per_token, ulysses_size)
+
+
+def _adamw_worker(rank, world_size):
+    reference = _wan()
+    model = copy.deepcopy(reference)
+    mesh = seqpar.make_mesh()
+    seqpar.prepare_diffusers(model, mesh, strategy="ring")
+    model.enable_gradient_checkpointing()
+    models = (reference, model)
+    # Adam divides by sqrt(v) + eps: with torch's eps (1e-8) an entry whose gradient is at the level of fp32
+    # rounding moves by up to lr either way; eps 1e-5 keeps the step a smooth function of the gradient.
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-5) for m in models]
+    for step in range(3):
+        inputs, target = _wan_inputs(per_token=True, seed=10 + step)
+        for m, opt, group in zip(models, optimizers, (None, mesh)):
+            opt.zero_grad()
+            _run_step(m, inputs, target, group)
+            opt.step()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        scale = q.detach().abs().max().item()
+        torch.testing.assert_close(p, q, rtol=0, atol=STEP_REL * scale, msg=f"after 3 AdamW steps: {name}")
+
+
+def test_wan_three_adamw_steps_with_gradient_checkpointing_equal_one_process():
+    run_ranks(2, _adamw_worker)
+
+
+def _averaged_worker(rank, world_size):
+    # Negative control: averaging the gradients over the group (as DDP over these ranks would) is 1/P off.
+    reference = _wan()
+    model = copy.deepcopy(reference)
+    inputs, target = _wan_inputs(per_token=False)
+    _run_step(reference, inputs, target)
+    mesh = seqpar.make_mesh()
+    seqpar.prepare_diffusers(model, mesh, strategy="ring")
+    _run_step(model, inputs, target, mesh)
+    for p in model.parameters():
+        p.grad /= world_size
+    with pytest.raises(AssertionError, match="grad of"):
+        _assert_grads(model, reference, GRAD_REL, "averaged")
+
+
+def test_negative_control_averaged_gradients_fail():
+    run_ranks(2, _averaged_worker)
+
+
+def _cross_attention_bytes_worker(rank, world_size):
+    model = _wan()
+    mesh = seqpar.make_mesh()
+    seqpar.prepare_diffusers(model, mesh, strategy="ring")
+    spans, attention_spans = [], []
+
+    def measure(module, into):
+        start = []
+        module.register_forward_pre_hook(lambda *a: start.append(written_bytes()))
+        module.register_forward_hook(lambda *a: into.append(written_bytes() - start.pop()))
+        module.register_full_backward_pre_hook(lambda *a: start.append(written_bytes()))
+        module.register_full_backward_hook(lambda *a: into.append(written_bytes() - start.pop()))
+
+    for block in model.blocks:
+        measure(block.attn2, spans)
+        measure(block.attn1, attention_spans)
+    inputs, target = _wan_inputs(per_token=False)
+    _run_step(model, inputs, target, mesh)
+    assert len(spans) == 2 * len(model.blocks) and spans == [0] * len(spans), spans
+    # the same probe sees self-attention's exchange, forward and backward (it is not blind)
+    assert len(attention_spans) == 2 * len(model.blocks) and min(attention_spans) > 0, attention_spans
+
+
+def test_cross_attention_moves_no_bytes():
+    run_ranks(2, _cross_attention_bytes_worker)
+
+
+def _refusals_worker(rank, world_size):
+    mesh = seqpar.make_mesh()
+    with pytest.raises(SeqparInputError, match="no sequence-parallel plan for Linear"):
+        seqpar.prepare_diffusers(torch.nn.Linear(2, 2), mesh)
+    model = seqpar.prepare_diffusers(_wan(), mesh, strategy="ring")
+    inputs, _ = _wan_inputs(per_token=False)
+    # one rank draws another timestep: every rank raises, before the first collective of attention
+    wrong = dict(inputs, timestep=inputs["timestep"] + rank)
+    with pytest.raises(SeqparInputError, match=r"differ across the sequence-parallel ranks \(timestep\)"):
+        model(**wrong)
+    wrong = dict(inputs, encoder_hidden_states=inputs["encoder_hidden_states"][:, : TEXT - rank])
+    with pytest.raises(SeqparInputError, match=r"encoder_hidden_states: rank 0 \[1, 8, 16\], rank 1 \[1, 7, 16\]"):
+        model(**wrong)
+    # 2 x 5 x 5 = 50 tokens do not divide into 4 zigzag chunks
+    odd, _ = _wan_inputs(per_token=False, height=10)
+    with pytest.raises(SeqparInputError, match="has 50 tokens along dim 1, which do not divide into the zigzag"):
+        model(**odd)
+    with pytest.raises(SeqparInputError, match=r"these values differ across the sequence-parallel ranks \(noise\)"):
+        seqpar.check_replicated(mesh, noise=torch.full((2,), float(rank)))
+    seqpar.check_replicated(mesh, noise=torch.ones(2), shift=3.0)  # equal: no error
+    # an attention mask in self-attention cannot be honoured over the global sequence
+    x = torch.randn(1, 36, 48)
+    rope = model.rope(torch.randn(1, 4, FRAMES, HEIGHT, WIDTH))
+    mask = torch.ones(1, 1, 36, 36, dtype=torch.bool)
+    with pytest.raises(SeqparInputError, match="attn_mask is not supported"):
+        model.blocks[0].attn1(x, None, mask, rope)
+    wan = _wan()
+    wan.blocks[0].ffn.net[1].p = 0.1
+    with pytest.raises(SeqparInputError, match=r"blocks\.0\.ffn\.net\.1 has dropout p=0\.1"):
+        seqpar.prepare_diffusers(wan, mesh)
+
+
+def test_bad_input_raises_on_every_rank():
+    run_ranks(2, _refusals_worker)
