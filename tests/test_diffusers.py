@@ -205,3 +205,86 @@ def _refusals_worker(rank, world_size):
 
 def test_bad_input_raises_on_every_rank():
     run_ranks(2, _refusals_worker)
+
+
+COGVIDEOX = dict(
+    num_attention_heads=4,
+    attention_head_dim=16,
+    in_channels=4,
+    out_channels=4,
+    time_embed_dim=16,
+    text_embed_dim=16,
+    num_layers=2,
+    sample_width=WIDTH,
+    sample_height=HEIGHT,
+    sample_frames=5,
+    patch_size=2,
+    max_text_seq_length=24,
+    use_rotary_positional_embeddings=True,
+)
+JOINT_TEXT = 24  # text tokens in the joint attention: divide 2P chunks for P = 2, 3, 4
+
+
+def _cogvideox(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = diffusers.CogVideoXTransformer3DModel(**COGVIDEOX)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return model
+
+
+def _cogvideox_inputs(seed: int = 1) -> tuple[dict, torch.Tensor]:
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed
+
+    gen = torch.Generator().manual_seed(seed)
+    latents = torch.randn(1, FRAMES, 4, HEIGHT, WIDTH, generator=gen)  # CogVideoX takes [B, F, C, H, W]
+    grid = (HEIGHT // 2, WIDTH // 2)
+    rope = get_3d_rotary_pos_embed(16, ((0, 0), grid), grid, FRAMES)  # the pipeline's tables of the whole grid
+    text = torch.randn(1, JOINT_TEXT, 16, generator=gen)
+    inputs = dict(hidden_states=latents, encoder_hidden_states=text, timestep=torch.tensor([421]))
+    return inputs | dict(image_rotary_emb=rope), torch.randn(latents.shape, generator=gen)
+
+
+def _cogvideox_worker(rank, world_size, strategy, layout):
+    reference = _cogvideox()
+    model = copy.deepcopy(reference)
+    inputs, target = _cogvideox_inputs()
+    want = _run_step(reference, inputs, target)
+    mesh = seqpar.make_mesh()
+    seqpar.prepare_diffusers(model, mesh, strategy=strategy, layout=layout)
+    got = _run_step(model, inputs, target, mesh)
+    torch.testing.assert_close(got, want, rtol=0, atol=PRED_ATOL, msg="gathered prediction")
+    _assert_grads(model, reference, GRAD_REL, f"CogVideoX {strategy}/{layout} P={world_size}")
+
+
+COGVIDEOX_CASES = [
+    pytest.param(2, "ring", "zigzag", id="P2-ring-zigzag"),
+    pytest.param(2, "ulysses", "contiguous", id="P2-ulysses-contiguous"),
+    pytest.param(2, "allgather", "zigzag", id="P2-allgather-zigzag"),
+    pytest.param(3, "ring", "contiguous", id="P3-ring-contiguous"),
+    pytest.param(4, "ring", "zigzag", id="P4-ring-zigzag"),
+]
+
+
+@pytest.mark.parametrize(("world_size", "strategy", "layout"), COGVIDEOX_CASES)
+def test_cogvideox_joint_attention_equals_one_process(world_size, strategy, layout):
+    # [text; video] in one attention: the text is cut with the video, so each text key is counted once
+    run_ranks(world_size, _cogvideox_worker, strategy, layout)
+
+
+def _context_parallel_refusal_worker(rank, world_size):
+    mesh = seqpar.make_mesh()
+    gen = torch.Generator().manual_seed(0)
+    tokens, text = torch.randn(1, 4, 16, 8, generator=gen), torch.randn(1, 4, 6, 8, generator=gen)
+    with seqpar.context_parallel(mesh, buffers=[tokens], buffer_seq_dims=[2]):
+        F.scaled_dot_product_attention(tokens, tokens, tokens)  # the shards themselves: served
+        with pytest.raises(SeqparInputError, match=r"not a shard of the sharded buffers.*seqpar\.prepare_diffusers"):
+            F.scaled_dot_product_attention(tokens, text, text)  # cross-attention to a text every rank holds
+        joint = torch.cat([text, tokens], dim=2)  # [text; shard]: the text's keys would count once per rank
+        with pytest.raises(SeqparInputError, match=r"query 14, key 14, value 14 tokens; the shard holds 8"):
+            F.scaled_dot_product_attention(joint, joint, joint)
+
+
+def test_context_parallel_refuses_cross_and_joint_attention_naming_the_door():
+    run_ranks(2, _context_parallel_refusal_worker)

@@ -176,14 +176,20 @@ def _plan_of(model: torch.nn.Module) -> tuple[DiffusionPlan, dict, dict]:
 
 
 def _modules(model: torch.nn.Module, pattern: str) -> list[tuple[str, torch.nn.Module]]:
-    """The submodules a plan names: one exact name (``""`` is the model) or every match of an fnmatch pattern."""
+    """The submodules a plan names: one exact name (``""`` is the model) or every match of a dotted pattern whose
+    segments are fnmatch patterns of one name each ("blocks.*.attn1": the ``attn1`` of every block, not its parts)."""
     if "*" not in pattern:
         try:
             return [(pattern, model.get_submodule(pattern))]
         except AttributeError:
             found = []
     else:
-        found = [(n, m) for n, m in model.named_modules() if n and fnmatch.fnmatchcase(n, pattern)]
+        parts = pattern.split(".")
+        found = [
+            (n, m)
+            for n, m in model.named_modules()
+            if n and len(n.split(".")) == len(parts) and all(map(fnmatch.fnmatchcase, n.split("."), parts))
+        ]
     if not found:
         raise SeqparInputError(f"{_WHERE}: {type(model).__name__} has no module {pattern!r} that its plan names")
     return found

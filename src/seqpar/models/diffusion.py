@@ -57,7 +57,8 @@ class DiffusionPlan:
     model: str
     """The class name (``type(model).__name__``)."""
     self_attention: str
-    """``fnmatch`` pattern of the names of the attention modules that mix the sharded tokens."""
+    """Dotted pattern (each segment an ``fnmatch`` pattern of one name) of the attention modules that mix the
+    sharded tokens."""
     cross_attention: str | None = None
     """Pattern of the attention modules whose keys are the text (left local); None: the model has none."""
     joint_text: bool = False

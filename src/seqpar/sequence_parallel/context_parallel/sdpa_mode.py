@@ -116,7 +116,9 @@ def _sdpa_problem(
 
 def _length_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int | None) -> tuple[int, str] | None:
     """Keys, values or queries that are not as long as the sharded buffers' shard (Note [foreign keys])."""
-    if seq_len is None or q.dim() < 3 or q.shape[-2] == k.shape[-2] == v.shape[-2] == seq_len:
+    if seq_len is None or q.dim() < 3:
+        return None
+    if q.shape[-2] == k.shape[-2] == v.shape[-2] and q.shape[-2] % seq_len == 0:
         return None
     lengths = f"query {q.shape[-2]}, key {k.shape[-2]}, value {v.shape[-2]} tokens; the shard holds {seq_len}"
     return 5, f"{_SDPA_PROBLEMS[5]} ({lengths})"
@@ -133,11 +135,13 @@ class SequenceParallelSDPA(TorchFunctionMode):
 
     Note [foreign keys]
         The mode cannot see where a key came from, only how long it is. Every tensor the block shards covers
-        one sequence, so an attention over those shards has ``seq_len`` queries, keys and values. A key of
-        another length is not a shard: cross-attention to a text every rank holds whole (a shape error
-        otherwise), or joint attention over [text; shard], where each rank would hold the whole text and the
-        text keys would be counted once per rank (silently wrong). Both are refused, naming the diffusers
-        door, which shards the text with the video or keeps cross-attention local.
+        one sequence, so an attention over those shards has as many queries as keys and values, a multiple of
+        the buffers' local length ``seq_len`` (equal for token buffers; frames x patches for latents cut by
+        frame). Keys of another length are not a shard: cross-attention to a text every rank holds whole (a
+        shape error otherwise). Queries and keys over [text; shard] whose length is no such multiple are joint
+        attention, where each rank would hold the whole text and its keys would count once per rank (silently
+        wrong). Both are refused, naming the diffusers door, which shards the text with the video or keeps
+        cross-attention local. A text whose length happens to be a multiple of ``seq_len`` is not caught.
     """
 
     def __init__(
