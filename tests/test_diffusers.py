@@ -7,6 +7,7 @@ the group, AdamW steps; per-token timesteps; joint text + video attention; refus
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 
 import seqpar
 from seqpar.errors import SeqparInputError
+from seqpar.models import DIFFUSION_PLANS, register_diffusion_plan
 from seqpar.runtime.memory import written_bytes
 from tests._dist import run_ranks
 
@@ -271,6 +273,80 @@ COGVIDEOX_CASES = [
 def test_cogvideox_joint_attention_equals_one_process(world_size, strategy, layout):
     # [text; video] in one attention: the text is cut with the video, so each text key is counted once
     run_ranks(world_size, _cogvideox_worker, strategy, layout)
+
+
+def _replicated_text_worker(rank, world_size):
+    # Negative control: a plan that leaves the text whole on every rank inside the joint attention counts each
+    # text key once per rank (what seqpar.context_parallel would do around CogVideoX): the prediction is off.
+    name = "CogVideoXTransformer3DModel"
+    kept = DIFFUSION_PLANS[name]
+    shards = dict(kept.shards) | {
+        "transformer_blocks.0": {"hidden_states": kept.shards["transformer_blocks.0"]["hidden_states"]}
+    }
+    register_diffusion_plan(dataclasses.replace(kept, shards=shards))
+    try:
+        reference = _cogvideox()
+        model = copy.deepcopy(reference)
+        inputs, target = _cogvideox_inputs()
+        want = _run_step(reference, inputs, target)
+        seqpar.prepare_diffusers(model, seqpar.make_mesh(), strategy="ring")
+        got = _run_step(model, inputs, target, seqpar.make_mesh())
+    finally:
+        register_diffusion_plan(kept)
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
+        torch.testing.assert_close(got, want, rtol=0, atol=PRED_ATOL)
+
+
+def test_negative_control_replicated_text_in_joint_attention_fails():
+    run_ranks(2, _replicated_text_worker)
+
+
+FLUX = dict(
+    patch_size=1,
+    in_channels=4,
+    num_layers=1,
+    num_single_layers=1,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=16,
+    pooled_projection_dim=8,
+    guidance_embeds=False,
+    axes_dims_rope=(4, 6, 6),
+)
+
+
+def _flux_worker(rank, world_size, strategy, layout):
+    torch.manual_seed(0)
+    reference = diffusers.FluxTransformer2DModel(**FLUX)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model = copy.deepcopy(reference)
+    gen = torch.Generator().manual_seed(1)
+    grid = torch.meshgrid(torch.zeros(1), torch.arange(6.0), torch.arange(12.0), indexing="ij")
+    inputs = dict(
+        hidden_states=torch.randn(1, 72, 4, generator=gen),  # 6 x 12 packed latent patches
+        encoder_hidden_states=torch.randn(1, JOINT_TEXT, 16, generator=gen),
+        pooled_projections=torch.randn(1, 8, generator=gen),
+        timestep=torch.tensor([0.37]),
+        img_ids=torch.stack(grid, dim=-1).reshape(-1, 3),
+        txt_ids=torch.zeros(JOINT_TEXT, 3),
+    )
+    target = torch.randn(1, 72, 4, generator=gen)
+    want = _run_step(reference, inputs, target)
+    mesh = seqpar.make_mesh()
+    seqpar.prepare_diffusers(model, mesh, strategy=strategy, layout=layout)  # diffusers' _cp_plan of Flux
+    got = _run_step(model, inputs, target, mesh)
+    torch.testing.assert_close(got, want, rtol=0, atol=PRED_ATOL, msg="gathered prediction")
+    _assert_grads(model, reference, GRAD_REL, f"Flux {strategy}/{layout} P={world_size}")
+
+
+@pytest.mark.parametrize(
+    ("world_size", "strategy", "layout"),
+    [pytest.param(2, "ulysses", "zigzag", id="P2-ulysses-zigzag"), pytest.param(3, "ring", "zigzag", id="P3-ring")],
+)
+def test_flux_joint_attention_equals_one_process(world_size, strategy, layout):
+    run_ranks(world_size, _flux_worker, strategy, layout)
 
 
 def _context_parallel_refusal_worker(rank, world_size):
