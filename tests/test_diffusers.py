@@ -127,6 +127,61 @@ def test_wan_three_adamw_steps_with_gradient_checkpointing_equal_one_process():
     run_ranks(2, _adamw_worker)
 
 
+def _lora_worker(rank, world_size):
+    from peft import LoraConfig
+
+    reference = _wan()
+    lora = LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
+    reference.add_adapter(lora)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # lora_B starts at zero: give it values, so that lora_A's gradient is not zero
+        for name, p in reference.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    model = copy.deepcopy(reference)
+    inputs, target = _wan_inputs(per_token=False)
+    want = _run_step(reference, inputs, target)
+    mesh = seqpar.make_mesh()
+    seqpar.prepare_diffusers(model, mesh, strategy="ring")
+    got = _run_step(model, inputs, target, mesh)
+    torch.testing.assert_close(got, want, rtol=0, atol=PRED_ATOL, msg="gathered prediction")
+    trained = [(n, p, q) for (n, p), q in zip(model.named_parameters(), reference.parameters()) if p.requires_grad]
+    assert trained and all("lora" in n for n, _, _ in trained), [n for n, _, _ in trained]
+    for name, p, q in trained:
+        scale = q.grad.abs().max().item()
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=GRAD_REL * scale, msg=f"LoRA grad of {name}")
+
+
+def test_wan_lora_through_peft_equals_one_process():
+    run_ranks(2, _lora_worker)
+
+
+def _bf16_worker(rank, world_size):
+    # bf16 autocast: the sharded run is as close to the fp32 run as one process under autocast is (within 2x,
+    # or one bf16 rounding step, 2^-8, of the tensor's largest entry)
+    exact, reference = _wan(), _wan()
+    model = copy.deepcopy(reference)
+    inputs, target = _wan_inputs(per_token=True)
+    want = _run_step(exact, inputs, target)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        one = _run_step(reference, inputs, target)
+        mesh = seqpar.make_mesh()
+        seqpar.prepare_diffusers(model, mesh, strategy="ulysses")
+        got = _run_step(model, inputs, target, mesh)
+    pairs = [("prediction", got, one, want)]
+    pairs += [
+        (f"grad of {n}", p.grad, q.grad, r.grad)
+        for (n, p), q, r in zip(model.named_parameters(), reference.parameters(), exact.parameters())
+    ]
+    for what, sharded, single, fp32 in pairs:
+        bound = max(2 * (single.float() - fp32).abs().max().item(), 2**-8 * fp32.abs().max().item())
+        torch.testing.assert_close(sharded.float(), fp32, rtol=0, atol=bound, msg=f"bf16 autocast: {what}")
+
+
+def test_wan_bf16_autocast_is_as_close_to_fp32_as_one_process():
+    run_ranks(2, _bf16_worker)
+
+
 def _averaged_worker(rank, world_size):
     # Negative control: averaging the gradients over the group (as DDP over these ranks would) is 1/P off.
     reference = _wan()
@@ -199,6 +254,11 @@ def _refusals_worker(rank, world_size):
     mask = torch.ones(1, 1, 36, 36, dtype=torch.bool)
     with pytest.raises(SeqparInputError, match="attn_mask is not supported"):
         model.blocks[0].attn1(x, None, mask, rope)
+    skewed = _wan()
+    with torch.no_grad():
+        skewed.proj_out.bias.add_(rank)
+    with pytest.raises(SeqparInputError, match=r"the model's parameters differ .*\(proj_out\.bias\)"):
+        seqpar.prepare_diffusers(skewed, mesh)
     wan = _wan()
     wan.blocks[0].ffn.net[1].p = 0.1
     with pytest.raises(SeqparInputError, match=r"blocks\.0\.ffn\.net\.1 has dropout p=0\.1"):

@@ -67,7 +67,11 @@ def _digest(value: object) -> list[int]:
     return [1, value.dim(), *dims, int(words.sum()), int((words * weights).sum())]
 
 
-def _agree(named: dict[str, object], group: dist.ProcessGroup | None, what: str) -> None:
+_SAME_DRAWS = "draw noise and timesteps from the same seed on every rank"
+_SAME_WEIGHTS = "load or initialise the weights alike on every rank (torch.manual_seed before building the model)"
+
+
+def _agree(named: dict[str, object], group: dist.ProcessGroup | None, what: str, hint: str = _SAME_DRAWS) -> None:
     """Raise the same ``SeqparInputError`` on every rank if the ranks hold different ``named`` values.
 
     One small all-gather of a few integers per value (Note [agreeing on errors]); every rank must pass the same
@@ -89,8 +93,7 @@ def _agree(named: dict[str, object], group: dist.ProcessGroup | None, what: str)
         )
         raise SeqparInputError(
             f"{_WHERE}: {what} differ across the sequence-parallel ranks ({', '.join(names[i] for i in differ)}); "
-            f"every rank of the group must pass the same values (draw noise and timesteps from the same seed on "
-            f"every rank): {told}"
+            f"every rank of the group must hold the same values ({hint}): {told}"
         )
 
 
@@ -327,7 +330,8 @@ def prepare_diffusers(
         The same model object.
 
     Raises:
-        SeqparInputError: a model class without a plan (naming it), dropout, an unknown strategy or layout;
+        SeqparInputError: a model class without a plan (naming it), dropout, an unknown strategy or layout,
+            parameters that differ across ranks (on every rank);
             at a call, on every rank: arguments that differ across ranks, a token or text length that does
             not divide into the layout, an attention mask or dropout in self-attention, a non-native
             attention backend.
@@ -340,6 +344,9 @@ def prepare_diffusers(
     if layout not in LAYOUTS:
         raise SeqparInputError(f"{_WHERE}: layout must be one of {LAYOUTS}, not {layout!r}")
     sp = as_sp_mesh(mesh)
+    # one small all-gather: ranks with different weights would mix them in one forward (a DTensor is skipped)
+    weights = {n: p for n, p in model.named_parameters() if not hasattr(p, "_local_tensor")}
+    _agree(weights, sp.sp_group, "the model's parameters", _SAME_WEIGHTS)
     for handle in getattr(model, _HOOKS_ATTR, ()):
         handle.remove()
     handles = [model.register_forward_pre_hook(_call_check(model, sp, f"{strategy}/{layout}"), with_kwargs=True)]
