@@ -264,6 +264,21 @@ def _refusals_worker(rank, world_size):
     with pytest.raises(SeqparInputError, match=r"blocks\.0\.ffn\.net\.1 has dropout p=0\.1"):
         seqpar.prepare_diffusers(wan, mesh)
 
+    # a processor that does not call SDPA (another attention backend) would attend to this rank's tokens alone
+    wan = seqpar.prepare_diffusers(_wan(), mesh)
+    wan.blocks[1].attn1.set_processor(_NoSDPA())
+    with pytest.raises(SeqparInputError, match=r"blocks\.1\.attn1 did not call torch's scaled_dot_product_attention"):
+        wan(**inputs)
+
+
+class _NoSDPA:
+    """An attention processor that attends without ``F.scaled_dot_product_attention`` (as a non-native backend)."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        weights = torch.softmax(q @ k.transpose(1, 2) / q.shape[-1] ** 0.5, dim=-1)
+        return attn.to_out[0](weights @ v)
+
 
 def test_bad_input_raises_on_every_rank():
     run_ranks(2, _refusals_worker)

@@ -130,6 +130,10 @@ class _ReplicatedGather(torch.autograd.Function):
 class _ServedSDPA(SequenceParallelSDPA):
     """The SDPA mode of one self-attention call; counts the calls it served (none: a non-native backend)."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.served = 0
+
     def attention(self, *args, **kwargs) -> torch.Tensor:
         self.served += 1
         return super().attention(*args, **kwargs)
@@ -281,7 +285,6 @@ def _attention_hooks(name: str, sp: SequenceParallelMesh, strategy: str, layout:
 
     def enter(module, args, kwargs):
         mode = _ServedSDPA(sp, strategy, layout, where=_WHERE)
-        mode.served = 0
         mode.__enter__()
         active.append(mode)
 
