@@ -102,6 +102,27 @@ def test_wan_prediction_and_gradients_equal_one_process(world_size, strategy, la
     run_ranks(world_size, _wan_worker, strategy, layout, per_token, ulysses_size)
 
 
+def _dp_sp_worker(rank, world_size):
+    # dp 2 x sp 2: each replica's sp group shares one batch; the mean loss over the replicas' batches, its
+    # gradients summed over dp x sp, equals one process on both batches
+    mesh = seqpar.make_mesh(sp_size=2, dp_size=2)
+    replica = mesh.device_mesh["dp"].get_local_rank()
+    reference = _wan()
+    model = copy.deepcopy(reference)
+    batches = [_wan_inputs(per_token=True, seed=20 + r) for r in range(2)]
+    for inputs, target in batches:
+        F.mse_loss(reference(**inputs, return_dict=False)[0], target).div(2).backward()
+    seqpar.prepare_diffusers(model, mesh, strategy="ring")
+    inputs, target = batches[replica]
+    F.mse_loss(model(**inputs, return_dict=False)[0], target).div(2).backward()
+    seqpar.reduce_gradients(model.parameters(), seqpar.data_parallel_group(mesh))
+    _assert_grads(model, reference, GRAD_REL, f"dp 2 x sp 2, replica {replica}")
+
+
+def test_wan_dp2_x_sp2_equals_one_process_on_both_batches():
+    run_ranks(4, _dp_sp_worker)
+
+
 def _adamw_worker(rank, world_size):
     reference = _wan()
     model = copy.deepcopy(reference)
