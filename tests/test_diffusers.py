@@ -397,6 +397,58 @@ def test_negative_control_replicated_text_in_joint_attention_fails():
     run_ranks(2, _replicated_text_worker)
 
 
+LTX = dict(
+    in_channels=4,
+    out_channels=4,
+    num_attention_heads=2,
+    attention_head_dim=16,
+    cross_attention_dim=32,
+    num_layers=2,
+    caption_channels=16,
+)
+
+
+def _ltx_worker(rank, world_size, strategy, per_token):
+    torch.manual_seed(0)
+    reference = diffusers.LTXVideoTransformer3DModel(**LTX)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model = copy.deepcopy(reference)
+    gen = torch.Generator().manual_seed(1)
+    tokens = FRAMES * 6 * 6  # LTX-Video takes the latent already patchified: [B, F * H * W, C]
+    text_mask = torch.ones(1, TEXT)
+    text_mask[:, -3:] = 0  # padded prompt tokens, masked in the (local) cross-attention
+    inputs = dict(
+        hidden_states=torch.randn(1, tokens, 4, generator=gen),
+        encoder_hidden_states=torch.randn(1, TEXT, 16, generator=gen),
+        timestep=torch.randint(0, 1000, (1, tokens) if per_token else (1,), generator=gen).float(),
+        encoder_attention_mask=text_mask,
+        num_frames=FRAMES,
+        height=6,
+        width=6,
+    )
+    target = torch.randn(1, tokens, 4, generator=gen)
+    want = _run_step(reference, inputs, target)
+    mesh = seqpar.make_mesh()
+    seqpar.prepare_diffusers(model, mesh, strategy=strategy)
+    got = _run_step(model, inputs, target, mesh)
+    torch.testing.assert_close(got, want, rtol=0, atol=PRED_ATOL, msg="gathered prediction")
+    _assert_grads(model, reference, GRAD_REL, f"LTX-Video {strategy} P={world_size}")
+
+
+@pytest.mark.parametrize(
+    ("world_size", "strategy", "per_token"),
+    [
+        pytest.param(2, "ulysses", False, id="P2-ulysses"),
+        pytest.param(2, "allgather", True, id="P2-allgather-per-token-timesteps"),
+        pytest.param(4, "ring", True, id="P4-ring-per-token-timesteps"),
+    ],
+)
+def test_ltx_video_equals_one_process(world_size, strategy, per_token):
+    run_ranks(world_size, _ltx_worker, strategy, per_token)
+
+
 FLUX = dict(
     patch_size=1,
     in_channels=4,

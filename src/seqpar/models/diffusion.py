@@ -92,6 +92,19 @@ DIFFUSION_PLANS: dict[str, DiffusionPlan] = {
             notes=("CogVideoX 1.0 / 1.5: seqpar's plan (diffusers declares none)",),
         ),
         DiffusionPlan(
+            "LTXVideoTransformer3DModel",
+            self_attention="transformer_blocks.*.attn1",
+            cross_attention="transformer_blocks.*.attn2",
+            # diffusers' _cp_plan also cuts the text and its mask, which seqpar's local cross-attention keeps
+            # whole; per-token timesteps ([B, S], LTX-Video 0.9.5 and later) are cut with the tokens
+            shards={
+                "": {"hidden_states": Split(1, 3), "timestep": Split(1, 2)},
+                "rope": {0: Split(1, 3, output=True), 1: Split(1, 3, output=True)},
+            },
+            gathers={"proj_out": (Gather(1, 3),)},
+            notes=("LTX-Video: seqpar's plan (the text whole for the local cross-attention)",),
+        ),
+        DiffusionPlan(
             "FluxTransformer2DModel",
             self_attention="*transformer_blocks.*.attn",
             joint_text=True,
