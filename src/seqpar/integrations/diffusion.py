@@ -324,7 +324,8 @@ def prepare_diffusers(
     again replaces the settings.
 
     Args:
-        model: a diffusers transformer with an entry in ``seqpar.models.DIFFUSION_PLANS`` (Wan, CogVideoX, Flux).
+        model: a diffusers transformer with an entry in ``seqpar.models.DIFFUSION_PLANS`` (Wan, LTX-Video,
+            CogVideoX, Flux, Qwen-Image).
         mesh: a ``SequenceParallelMesh`` (``seqpar.make_mesh``), the SP ProcessGroup, or None.
         strategy: as in ``seqpar.attention`` ("ulysses", "ring", "allgather", "hybrid", "auto").
         layout: "zigzag" or "contiguous": how the tokens (and timesteps, position tables, text) are cut.

@@ -105,6 +105,12 @@ DIFFUSION_PLANS: dict[str, DiffusionPlan] = {
             notes=("LTX-Video: seqpar's plan (the text whole for the local cross-attention)",),
         ),
         DiffusionPlan(
+            "QwenImageTransformer2DModel",
+            self_attention="transformer_blocks.*.attn",
+            joint_text=True,
+            notes=("Qwen-Image: diffusers' _cp_plan (text and its RoPE table cut with the image tokens)",),
+        ),
+        DiffusionPlan(
             "FluxTransformer2DModel",
             self_attention="*transformer_blocks.*.attn",
             joint_text=True,
