@@ -1,7 +1,8 @@
 """Diffusers transformers through ``seqpar.prepare_diffusers`` on gloo ranks equal one process, forward and backward.
 
-Tiny Wan 2.x and CogVideoX models from configs: the gathered prediction, every parameter gradient after the sum over
-the group, AdamW steps; per-token timesteps; joint text + video attention; refusals; cross-attention's bytes.
+Tiny Wan 2.x, LTX-Video, CogVideoX, Flux and Qwen-Image models from configs (tests/_dit_models.py): the gathered
+prediction, every parameter gradient after the sum over the group, 3 AdamW steps with activation checkpointing;
+per-token timesteps; joint text + video attention; LoRA, bf16, dp x sp; refusals; cross-attention's bytes.
 """
 
 from __future__ import annotations
@@ -18,45 +19,13 @@ from seqpar.errors import SeqparInputError
 from seqpar.models import DIFFUSION_PLANS, register_diffusion_plan
 from seqpar.runtime.memory import written_bytes
 from tests._dist import run_ranks
+from tests._dit_models import CLASSES, FRAMES, HEIGHT, PER_TOKEN_TIMESTEPS, TEXT, WIDTH, dit_batch, dit_model
 
 diffusers = pytest.importorskip("diffusers")
 
 # fp32 on CPU: the prediction within 1e-5 (absolute), each gradient within 1e-5 of its tensor's largest entry,
 # parameters after 3 AdamW steps within 1e-6 of each tensor's largest entry (the acceptance of issue 43)
 PRED_ATOL, GRAD_REL, STEP_REL = 1e-5, 1e-5, 1e-6
-WAN = dict(
-    patch_size=(1, 2, 2),
-    num_attention_heads=4,
-    attention_head_dim=12,
-    in_channels=4,
-    out_channels=4,
-    text_dim=16,
-    freq_dim=16,
-    ffn_dim=32,
-    num_layers=2,
-    cross_attn_norm=True,
-    rope_max_seq_len=32,
-)
-FRAMES, HEIGHT, WIDTH, TEXT = 2, 12, 12, 8  # 2 x 6 x 6 = 72 tokens after patchify: divides 2P chunks for P = 2, 3, 4
-
-
-def _wan(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    model = diffusers.WanTransformer3DModel(**WAN)
-    with torch.no_grad():  # the zero-initialised parts would hide a wrong gradient
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    return model
-
-
-def _wan_inputs(per_token: bool, seed: int = 1, height: int = HEIGHT) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    latents = torch.randn(1, 4, FRAMES, height, height, generator=gen)
-    tokens = FRAMES * (height // 2) ** 2
-    timestep = torch.randint(0, 1000, (1, tokens) if per_token else (1,), generator=gen).float()
-    text = torch.randn(1, TEXT, 16, generator=gen)
-    target = torch.randn(latents.shape, generator=gen)
-    return dict(hidden_states=latents, timestep=timestep, encoder_hidden_states=text), target
 
 
 def _assert_grads(model, reference, rel: float, what: str) -> None:
@@ -77,32 +46,66 @@ def _run_step(model, inputs, target, mesh=None):
     return pred
 
 
-def _wan_worker(rank, world_size, strategy, layout, per_token, ulysses_size):
-    reference = _wan()
+def _exact_worker(rank, world_size, family, strategy, layout, per_token, ulysses_size):
+    reference = dit_model(family)
     model = copy.deepcopy(reference)
-    inputs, target = _wan_inputs(per_token)
+    inputs, target = dit_batch(family, per_token)
     want = _run_step(reference, inputs, target)
     mesh = seqpar.make_mesh(ulysses_size=ulysses_size)
     seqpar.prepare_diffusers(model, mesh, strategy=strategy, layout=layout)
     got = _run_step(model, inputs, target, mesh)
     torch.testing.assert_close(got, want, rtol=0, atol=PRED_ATOL, msg="gathered prediction")
-    _assert_grads(model, reference, GRAD_REL, f"{strategy}/{layout} P={world_size}")
+    _assert_grads(model, reference, GRAD_REL, f"{family} {strategy}/{layout} P={world_size}")
 
 
-WAN_CASES = [
-    pytest.param(2, "ring", "zigzag", False, 1, id="P2-ring-zigzag"),
-    pytest.param(2, "ulysses", "zigzag", False, 2, id="P2-ulysses-zigzag"),
-    pytest.param(2, "allgather", "contiguous", False, 1, id="P2-allgather-contiguous"),
-    pytest.param(2, "ulysses", "contiguous", True, 2, id="P2-ulysses-per-token-timesteps"),
-    pytest.param(3, "ring", "zigzag", True, 1, id="P3-ring-zigzag-per-token-timesteps"),
-    pytest.param(4, "ring", "zigzag", False, 1, id="P4-ring-zigzag"),
-    pytest.param(4, "hybrid", "contiguous", False, 2, id="P4-hybrid-2x2"),
-]
+def _exact_cases() -> list:
+    """Every family at P = 2 (ring, ulysses, allgather), 3 (ring) and 4 (ring); Wan also hybrid 2 x 2."""
+    cases = []
+    for family in CLASSES:
+        per_token = family in PER_TOKEN_TIMESTEPS
+        runs = [
+            (2, "ring", "zigzag", False),
+            (2, "ulysses", "contiguous", per_token),
+            (2, "allgather", "zigzag", False),
+        ]
+        runs += [(3, "ring", "contiguous", per_token), (4, "ring", "zigzag", per_token)]
+        for world_size, strategy, layout, token_steps in runs:
+            name = f"{family}-P{world_size}-{strategy}-{layout}{'-per-token-timesteps' if token_steps else ''}"
+            cases.append(pytest.param(family, world_size, strategy, layout, token_steps, 1, id=name))
+    cases.append(pytest.param("wan", 4, "hybrid", "contiguous", True, 2, id="wan-P4-hybrid-2x2-per-token-timesteps"))
+    return cases
 
 
-@pytest.mark.parametrize(("world_size", "strategy", "layout", "per_token", "ulysses_size"), WAN_CASES)
-def test_wan_prediction_and_gradients_equal_one_process(world_size, strategy, layout, per_token, ulysses_size):
-    run_ranks(world_size, _wan_worker, strategy, layout, per_token, ulysses_size)
+@pytest.mark.parametrize(("family", "world_size", "strategy", "layout", "per_token", "ulysses_size"), _exact_cases())
+def test_prediction_and_gradients_equal_one_process(family, world_size, strategy, layout, per_token, ulysses_size):
+    run_ranks(world_size, _exact_worker, family, strategy, layout, per_token, ulysses_size)
+
+
+def _adamw_worker(rank, world_size, family):
+    reference = dit_model(family)
+    model = copy.deepcopy(reference)
+    mesh = seqpar.make_mesh()
+    seqpar.prepare_diffusers(model, mesh, strategy="ring")
+    model.enable_gradient_checkpointing()
+    models = (reference, model)
+    # Adam divides by sqrt(v) + eps, so a gradient's rounding error dg moves a step by up to lr * dg / eps: with
+    # torch's eps (1e-8) an entry whose gradient is at the level of fp32 rounding (about 1e-6 of the tensor's
+    # largest here, in one process too) steps by up to lr either way. eps 1e-4 bounds that by 1e-2 * dg.
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-4) for m in models]
+    for step in range(3):
+        inputs, target = dit_batch(family, per_token=family in PER_TOKEN_TIMESTEPS, seed=10 + step)
+        for m, opt, group in zip(models, optimizers, (None, mesh)):
+            opt.zero_grad()
+            _run_step(m, inputs, target, group)
+            opt.step()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        scale = q.detach().abs().max().item()
+        torch.testing.assert_close(p, q, rtol=0, atol=STEP_REL * scale, msg=f"after 3 AdamW steps: {name}")
+
+
+@pytest.mark.parametrize("family", list(CLASSES))
+def test_three_adamw_steps_with_gradient_checkpointing_equal_one_process(family):
+    run_ranks(2, _adamw_worker, family)
 
 
 def _dp_sp_worker(rank, world_size):
@@ -110,9 +113,9 @@ def _dp_sp_worker(rank, world_size):
     # gradients summed over dp x sp, equals one process on both batches
     mesh = seqpar.make_mesh(sp_size=2, dp_size=2)
     replica = mesh.device_mesh["dp"].get_local_rank()
-    reference = _wan()
+    reference = dit_model("wan")
     model = copy.deepcopy(reference)
-    batches = [_wan_inputs(per_token=True, seed=20 + r) for r in range(2)]
+    batches = [dit_batch("wan", per_token=True, seed=20 + r) for r in range(2)]
     for inputs, target in batches:
         F.mse_loss(reference(**inputs, return_dict=False)[0], target).div(2).backward()
     seqpar.prepare_diffusers(model, mesh, strategy="ring")
@@ -126,35 +129,10 @@ def test_wan_dp2_x_sp2_equals_one_process_on_both_batches():
     run_ranks(4, _dp_sp_worker)
 
 
-def _adamw_worker(rank, world_size):
-    reference = _wan()
-    model = copy.deepcopy(reference)
-    mesh = seqpar.make_mesh()
-    seqpar.prepare_diffusers(model, mesh, strategy="ring")
-    model.enable_gradient_checkpointing()
-    models = (reference, model)
-    # Adam divides by sqrt(v) + eps: with torch's eps (1e-8) an entry whose gradient is at the level of fp32
-    # rounding moves by up to lr either way; eps 1e-5 keeps the step a smooth function of the gradient.
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-5) for m in models]
-    for step in range(3):
-        inputs, target = _wan_inputs(per_token=True, seed=10 + step)
-        for m, opt, group in zip(models, optimizers, (None, mesh)):
-            opt.zero_grad()
-            _run_step(m, inputs, target, group)
-            opt.step()
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        scale = q.detach().abs().max().item()
-        torch.testing.assert_close(p, q, rtol=0, atol=STEP_REL * scale, msg=f"after 3 AdamW steps: {name}")
-
-
-def test_wan_three_adamw_steps_with_gradient_checkpointing_equal_one_process():
-    run_ranks(2, _adamw_worker)
-
-
 def _lora_worker(rank, world_size):
     from peft import LoraConfig
 
-    reference = _wan()
+    reference = dit_model("wan")
     lora = LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
     reference.add_adapter(lora)
     gen = torch.Generator().manual_seed(3)
@@ -163,7 +141,7 @@ def _lora_worker(rank, world_size):
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
     model = copy.deepcopy(reference)
-    inputs, target = _wan_inputs(per_token=False)
+    inputs, target = dit_batch("wan", per_token=False)
     want = _run_step(reference, inputs, target)
     mesh = seqpar.make_mesh()
     seqpar.prepare_diffusers(model, mesh, strategy="ring")
@@ -183,9 +161,9 @@ def test_wan_lora_through_peft_equals_one_process():
 def _bf16_worker(rank, world_size):
     # bf16 autocast: the sharded run is as close to the fp32 run as one process under autocast is (within 2x,
     # or one bf16 rounding step, 2^-8, of the tensor's largest entry)
-    exact, reference = _wan(), _wan()
+    exact, reference = dit_model("wan"), dit_model("wan")
     model = copy.deepcopy(reference)
-    inputs, target = _wan_inputs(per_token=True)
+    inputs, target = dit_batch("wan", per_token=True)
     want = _run_step(exact, inputs, target)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         one = _run_step(reference, inputs, target)
@@ -208,9 +186,9 @@ def test_wan_bf16_autocast_is_as_close_to_fp32_as_one_process():
 
 def _averaged_worker(rank, world_size):
     # Negative control: averaging the gradients over the group (as DDP over these ranks would) is 1/P off.
-    reference = _wan()
+    reference = dit_model("wan")
     model = copy.deepcopy(reference)
-    inputs, target = _wan_inputs(per_token=False)
+    inputs, target = dit_batch("wan", per_token=False)
     _run_step(reference, inputs, target)
     mesh = seqpar.make_mesh()
     seqpar.prepare_diffusers(model, mesh, strategy="ring")
@@ -226,7 +204,7 @@ def test_negative_control_averaged_gradients_fail():
 
 
 def _cross_attention_bytes_worker(rank, world_size):
-    model = _wan()
+    model = dit_model("wan")
     mesh = seqpar.make_mesh()
     seqpar.prepare_diffusers(model, mesh, strategy="ring")
     spans, attention_spans = [], []
@@ -241,7 +219,7 @@ def _cross_attention_bytes_worker(rank, world_size):
     for block in model.blocks:
         measure(block.attn2, spans)
         measure(block.attn1, attention_spans)
-    inputs, target = _wan_inputs(per_token=False)
+    inputs, target = dit_batch("wan", per_token=False)
     _run_step(model, inputs, target, mesh)
     assert len(spans) == 2 * len(model.blocks) and spans == [0] * len(spans), spans
     # the same probe sees self-attention's exchange, forward and backward (it is not blind)
@@ -256,8 +234,8 @@ def _refusals_worker(rank, world_size):
     mesh = seqpar.make_mesh()
     with pytest.raises(SeqparInputError, match="no sequence-parallel plan for Linear"):
         seqpar.prepare_diffusers(torch.nn.Linear(2, 2), mesh)
-    model = seqpar.prepare_diffusers(_wan(), mesh, strategy="ring")
-    inputs, _ = _wan_inputs(per_token=False)
+    model = seqpar.prepare_diffusers(dit_model("wan"), mesh, strategy="ring")
+    inputs, _ = dit_batch("wan", per_token=False)
     # one rank draws another timestep: every rank raises, before the first collective of attention
     wrong = dict(inputs, timestep=inputs["timestep"] + rank)
     with pytest.raises(SeqparInputError, match=r"differ across the sequence-parallel ranks \(timestep\)"):
@@ -266,7 +244,7 @@ def _refusals_worker(rank, world_size):
     with pytest.raises(SeqparInputError, match=r"encoder_hidden_states: rank 0 \[1, 8, 16\], rank 1 \[1, 7, 16\]"):
         model(**wrong)
     # 2 x 5 x 5 = 50 tokens do not divide into 4 zigzag chunks
-    odd, _ = _wan_inputs(per_token=False, height=10)
+    odd, _ = dit_batch("wan", per_token=False, height=10)
     with pytest.raises(SeqparInputError, match="has 50 tokens along dim 1, which do not divide into the zigzag"):
         model(**odd)
     with pytest.raises(SeqparInputError, match=r"these values differ across the sequence-parallel ranks \(noise\)"):
@@ -278,18 +256,18 @@ def _refusals_worker(rank, world_size):
     mask = torch.ones(1, 1, 36, 36, dtype=torch.bool)
     with pytest.raises(SeqparInputError, match="attn_mask is not supported"):
         model.blocks[0].attn1(x, None, mask, rope)
-    skewed = _wan()
+    skewed = dit_model("wan")
     with torch.no_grad():
         skewed.proj_out.bias.add_(rank)
     with pytest.raises(SeqparInputError, match=r"the model's parameters differ .*\(proj_out\.bias\)"):
         seqpar.prepare_diffusers(skewed, mesh)
-    wan = _wan()
+    wan = dit_model("wan")
     wan.blocks[0].ffn.net[1].p = 0.1
     with pytest.raises(SeqparInputError, match=r"blocks\.0\.ffn\.net\.1 has dropout p=0\.1"):
         seqpar.prepare_diffusers(wan, mesh)
 
     # a processor that does not call SDPA (another attention backend) would attend to this rank's tokens alone
-    wan = seqpar.prepare_diffusers(_wan(), mesh)
+    wan = seqpar.prepare_diffusers(dit_model("wan"), mesh)
     wan.blocks[1].attn1.set_processor(_NoSDPA())
     with pytest.raises(SeqparInputError, match=r"blocks\.1\.attn1 did not call torch's scaled_dot_product_attention"):
         wan(**inputs)
@@ -308,72 +286,6 @@ def test_bad_input_raises_on_every_rank():
     run_ranks(2, _refusals_worker)
 
 
-COGVIDEOX = dict(
-    num_attention_heads=4,
-    attention_head_dim=16,
-    in_channels=4,
-    out_channels=4,
-    time_embed_dim=16,
-    text_embed_dim=16,
-    num_layers=2,
-    sample_width=WIDTH,
-    sample_height=HEIGHT,
-    sample_frames=5,
-    patch_size=2,
-    max_text_seq_length=24,
-    use_rotary_positional_embeddings=True,
-)
-JOINT_TEXT = 24  # text tokens in the joint attention: divide 2P chunks for P = 2, 3, 4
-
-
-def _cogvideox(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    model = diffusers.CogVideoXTransformer3DModel(**COGVIDEOX)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    return model
-
-
-def _cogvideox_inputs(seed: int = 1) -> tuple[dict, torch.Tensor]:
-    from diffusers.models.embeddings import get_3d_rotary_pos_embed
-
-    gen = torch.Generator().manual_seed(seed)
-    latents = torch.randn(1, FRAMES, 4, HEIGHT, WIDTH, generator=gen)  # CogVideoX takes [B, F, C, H, W]
-    grid = (HEIGHT // 2, WIDTH // 2)
-    rope = get_3d_rotary_pos_embed(16, ((0, 0), grid), grid, FRAMES)  # the pipeline's tables of the whole grid
-    text = torch.randn(1, JOINT_TEXT, 16, generator=gen)
-    inputs = dict(hidden_states=latents, encoder_hidden_states=text, timestep=torch.tensor([421]))
-    return inputs | dict(image_rotary_emb=rope), torch.randn(latents.shape, generator=gen)
-
-
-def _cogvideox_worker(rank, world_size, strategy, layout):
-    reference = _cogvideox()
-    model = copy.deepcopy(reference)
-    inputs, target = _cogvideox_inputs()
-    want = _run_step(reference, inputs, target)
-    mesh = seqpar.make_mesh()
-    seqpar.prepare_diffusers(model, mesh, strategy=strategy, layout=layout)
-    got = _run_step(model, inputs, target, mesh)
-    torch.testing.assert_close(got, want, rtol=0, atol=PRED_ATOL, msg="gathered prediction")
-    _assert_grads(model, reference, GRAD_REL, f"CogVideoX {strategy}/{layout} P={world_size}")
-
-
-COGVIDEOX_CASES = [
-    pytest.param(2, "ring", "zigzag", id="P2-ring-zigzag"),
-    pytest.param(2, "ulysses", "contiguous", id="P2-ulysses-contiguous"),
-    pytest.param(2, "allgather", "zigzag", id="P2-allgather-zigzag"),
-    pytest.param(3, "ring", "contiguous", id="P3-ring-contiguous"),
-    pytest.param(4, "ring", "zigzag", id="P4-ring-zigzag"),
-]
-
-
-@pytest.mark.parametrize(("world_size", "strategy", "layout"), COGVIDEOX_CASES)
-def test_cogvideox_joint_attention_equals_one_process(world_size, strategy, layout):
-    # [text; video] in one attention: the text is cut with the video, so each text key is counted once
-    run_ranks(world_size, _cogvideox_worker, strategy, layout)
-
-
 def _replicated_text_worker(rank, world_size):
     # Negative control: a plan that leaves the text whole on every rank inside the joint attention counts each
     # text key once per rank (what seqpar.context_parallel would do around CogVideoX): the prediction is off.
@@ -384,9 +296,9 @@ def _replicated_text_worker(rank, world_size):
     }
     register_diffusion_plan(dataclasses.replace(kept, shards=shards))
     try:
-        reference = _cogvideox()
+        reference = dit_model("cogvideox")
         model = copy.deepcopy(reference)
-        inputs, target = _cogvideox_inputs()
+        inputs, target = dit_batch("cogvideox")
         want = _run_step(reference, inputs, target)
         seqpar.prepare_diffusers(model, seqpar.make_mesh(), strategy="ring")
         got = _run_step(model, inputs, target, seqpar.make_mesh())
@@ -398,149 +310,6 @@ def _replicated_text_worker(rank, world_size):
 
 def test_negative_control_replicated_text_in_joint_attention_fails():
     run_ranks(2, _replicated_text_worker)
-
-
-LTX = dict(
-    in_channels=4,
-    out_channels=4,
-    num_attention_heads=2,
-    attention_head_dim=16,
-    cross_attention_dim=32,
-    num_layers=2,
-    caption_channels=16,
-)
-
-
-def _ltx_worker(rank, world_size, strategy, per_token):
-    torch.manual_seed(0)
-    reference = diffusers.LTXVideoTransformer3DModel(**LTX)
-    with torch.no_grad():
-        for p in reference.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    model = copy.deepcopy(reference)
-    gen = torch.Generator().manual_seed(1)
-    tokens = FRAMES * 6 * 6  # LTX-Video takes the latent already patchified: [B, F * H * W, C]
-    text_mask = torch.ones(1, TEXT)
-    text_mask[:, -3:] = 0  # padded prompt tokens, masked in the (local) cross-attention
-    inputs = dict(
-        hidden_states=torch.randn(1, tokens, 4, generator=gen),
-        encoder_hidden_states=torch.randn(1, TEXT, 16, generator=gen),
-        timestep=torch.randint(0, 1000, (1, tokens) if per_token else (1,), generator=gen).float(),
-        encoder_attention_mask=text_mask,
-        num_frames=FRAMES,
-        height=6,
-        width=6,
-    )
-    target = torch.randn(1, tokens, 4, generator=gen)
-    want = _run_step(reference, inputs, target)
-    mesh = seqpar.make_mesh()
-    seqpar.prepare_diffusers(model, mesh, strategy=strategy)
-    got = _run_step(model, inputs, target, mesh)
-    torch.testing.assert_close(got, want, rtol=0, atol=PRED_ATOL, msg="gathered prediction")
-    _assert_grads(model, reference, GRAD_REL, f"LTX-Video {strategy} P={world_size}")
-
-
-@pytest.mark.parametrize(
-    ("world_size", "strategy", "per_token"),
-    [
-        pytest.param(2, "ulysses", False, id="P2-ulysses"),
-        pytest.param(2, "allgather", True, id="P2-allgather-per-token-timesteps"),
-        pytest.param(4, "ring", True, id="P4-ring-per-token-timesteps"),
-    ],
-)
-def test_ltx_video_equals_one_process(world_size, strategy, per_token):
-    run_ranks(world_size, _ltx_worker, strategy, per_token)
-
-
-FLUX = dict(
-    patch_size=1,
-    in_channels=4,
-    num_layers=1,
-    num_single_layers=1,
-    attention_head_dim=16,
-    num_attention_heads=2,
-    joint_attention_dim=16,
-    pooled_projection_dim=8,
-    guidance_embeds=False,
-    axes_dims_rope=(4, 6, 6),
-)
-
-
-def _flux_worker(rank, world_size, strategy, layout):
-    torch.manual_seed(0)
-    reference = diffusers.FluxTransformer2DModel(**FLUX)
-    with torch.no_grad():
-        for p in reference.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    model = copy.deepcopy(reference)
-    gen = torch.Generator().manual_seed(1)
-    grid = torch.meshgrid(torch.zeros(1), torch.arange(6.0), torch.arange(12.0), indexing="ij")
-    inputs = dict(
-        hidden_states=torch.randn(1, 72, 4, generator=gen),  # 6 x 12 packed latent patches
-        encoder_hidden_states=torch.randn(1, JOINT_TEXT, 16, generator=gen),
-        pooled_projections=torch.randn(1, 8, generator=gen),
-        timestep=torch.tensor([0.37]),
-        img_ids=torch.stack(grid, dim=-1).reshape(-1, 3),
-        txt_ids=torch.zeros(JOINT_TEXT, 3),
-    )
-    target = torch.randn(1, 72, 4, generator=gen)
-    want = _run_step(reference, inputs, target)
-    mesh = seqpar.make_mesh()
-    seqpar.prepare_diffusers(model, mesh, strategy=strategy, layout=layout)  # diffusers' _cp_plan of Flux
-    got = _run_step(model, inputs, target, mesh)
-    torch.testing.assert_close(got, want, rtol=0, atol=PRED_ATOL, msg="gathered prediction")
-    _assert_grads(model, reference, GRAD_REL, f"Flux {strategy}/{layout} P={world_size}")
-
-
-@pytest.mark.parametrize(
-    ("world_size", "strategy", "layout"),
-    [pytest.param(2, "ulysses", "zigzag", id="P2-ulysses-zigzag"), pytest.param(3, "ring", "zigzag", id="P3-ring")],
-)
-def test_flux_joint_attention_equals_one_process(world_size, strategy, layout):
-    run_ranks(world_size, _flux_worker, strategy, layout)
-
-
-QWEN_IMAGE = dict(
-    patch_size=2,
-    in_channels=16,
-    out_channels=4,
-    num_layers=2,
-    attention_head_dim=16,
-    num_attention_heads=2,
-    joint_attention_dim=16,
-    axes_dims_rope=(4, 6, 6),
-)
-
-
-def _qwen_image_worker(rank, world_size, strategy, layout):
-    torch.manual_seed(0)
-    reference = diffusers.QwenImageTransformer2DModel(**QWEN_IMAGE)
-    with torch.no_grad():
-        for p in reference.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    model = copy.deepcopy(reference)
-    gen = torch.Generator().manual_seed(1)
-    inputs = dict(
-        hidden_states=torch.randn(1, 72, 16, generator=gen),  # 6 x 12 packed 2 x 2 patches of 4 channels
-        encoder_hidden_states=torch.randn(1, JOINT_TEXT, 16, generator=gen),
-        timestep=torch.tensor([0.37]),
-        img_shapes=[[(1, 6, 12)]],
-    )
-    target = torch.randn(1, 72, 16, generator=gen)
-    want = _run_step(reference, inputs, target)
-    mesh = seqpar.make_mesh()
-    seqpar.prepare_diffusers(model, mesh, strategy=strategy, layout=layout)
-    got = _run_step(model, inputs, target, mesh)
-    torch.testing.assert_close(got, want, rtol=0, atol=PRED_ATOL, msg="gathered prediction")
-    _assert_grads(model, reference, GRAD_REL, f"Qwen-Image {strategy}/{layout} P={world_size}")
-
-
-@pytest.mark.parametrize(
-    ("world_size", "strategy", "layout"),
-    [pytest.param(2, "ring", "zigzag", id="P2-ring"), pytest.param(3, "allgather", "contiguous", id="P3-allgather")],
-)
-def test_qwen_image_joint_attention_equals_one_process(world_size, strategy, layout):
-    run_ranks(world_size, _qwen_image_worker, strategy, layout)
 
 
 def _context_parallel_refusal_worker(rank, world_size):
