@@ -243,6 +243,17 @@ def _refusals_worker(rank, world_size):
     wrong = dict(inputs, encoder_hidden_states=inputs["encoder_hidden_states"][:, : TEXT - rank])
     with pytest.raises(SeqparInputError, match=r"encoder_hidden_states: rank 0 \[1, 8, 16\], rank 1 \[1, 7, 16\]"):
         model(**wrong)
+    # return_dict=True (diffusers' default) returns the same gathered sample
+    whole = model(**inputs).sample
+    torch.testing.assert_close(whole, model(**inputs, return_dict=False)[0], rtol=0, atol=0)
+    assert whole.shape == inputs["hidden_states"].shape
+    # a joint attention's text that does not divide into the layout: 22 tokens, 4 zigzag chunks
+    joint = seqpar.prepare_diffusers(dit_model("cogvideox"), mesh)
+    inputs, _ = dit_batch("cogvideox")
+    inputs["encoder_hidden_states"] = inputs["encoder_hidden_states"][:, :22]
+    with pytest.raises(SeqparInputError, match="input encoder_hidden_states has 22 tokens along dim 1"):
+        joint(**inputs)
+    inputs, _ = dit_batch("wan", per_token=False)
     # 2 x 5 x 5 = 50 tokens do not divide into 4 zigzag chunks
     odd, _ = dit_batch("wan", per_token=False, height=10)
     with pytest.raises(SeqparInputError, match="has 50 tokens along dim 1, which do not divide into the zigzag"):

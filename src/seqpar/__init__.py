@@ -2,7 +2,8 @@
 
 Attention: ``make_mesh``, ``shard_sequence``, ``attention``.
 Models: ``parallelize`` (tp -> sp -> memory features -> dp on a ``ParallelDims`` mesh), ``prepare_model``,
-``shard_batch``, ``cross_entropy``, ``router_aux_loss``; SDPA code: ``context_parallel``.
+``shard_batch``, ``cross_entropy``, ``router_aux_loss``; diffusers DiTs: ``prepare_diffusers``; SDPA code:
+``context_parallel``.
 Why a sharded run differs from one process: ``doctor``.
 """
 
