@@ -243,6 +243,9 @@ def _refusals_worker(rank, world_size):
     wrong = dict(inputs, encoder_hidden_states=inputs["encoder_hidden_states"][:, : TEXT - rank])
     with pytest.raises(SeqparInputError, match=r"encoder_hidden_states: rank 0 \[1, 8, 16\], rank 1 \[1, 7, 16\]"):
         model(**wrong)
+    # an argument passed on one rank only (the others take its default): equal on every rank after all
+    wrong = dict(inputs, encoder_hidden_states_image=None) if rank else inputs
+    model(**wrong)
     # return_dict=True (diffusers' default) returns the same gathered sample
     whole = model(**inputs).sample
     torch.testing.assert_close(whole, model(**inputs, return_dict=False)[0], rtol=0, atol=0)
@@ -258,7 +261,9 @@ def _refusals_worker(rank, world_size):
     odd, _ = dit_batch("wan", per_token=False, height=10)
     with pytest.raises(SeqparInputError, match="has 50 tokens along dim 1, which do not divide into the zigzag"):
         model(**odd)
-    with pytest.raises(SeqparInputError, match=r"these values differ across the sequence-parallel ranks \(noise\)"):
+    with pytest.raises(SeqparInputError, match="the ranks passed different sets of values"):
+        seqpar.check_replicated(mesh, **{f"noise{rank}": torch.ones(2)})
+    with pytest.raises(SeqparInputError, match=r"values differ across the sequence-parallel ranks \(noise\)"):
         seqpar.check_replicated(mesh, noise=torch.full((2,), float(rank)))
     seqpar.check_replicated(mesh, noise=torch.ones(2), shift=3.0)  # equal: no error
     # an attention mask in self-attention cannot be honoured over the global sequence

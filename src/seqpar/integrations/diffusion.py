@@ -74,13 +74,21 @@ _SAME_WEIGHTS = "load or initialise the weights alike on every rank (torch.manua
 def _agree(named: dict[str, object], group: dist.ProcessGroup | None, what: str, hint: str = _SAME_DRAWS) -> None:
     """Raise the same ``SeqparInputError`` on every rank if the ranks hold different ``named`` values.
 
-    One small all-gather of a few integers per value (Note [agreeing on errors]); every rank must pass the same
-    names, in any order.
+    Two small all-gathers (Note [agreeing on errors]): the names first (ranks that name different values get
+    the same error, not rows of different widths), then a few integers per value.
     """
     if group is None or dist.get_world_size(group) == 1:
         return
     names = sorted(named)
-    mine = torch.tensor([_digest(named[n]) for n in names], dtype=torch.int64, device=collective_device(group))
+    device = collective_device(group)
+    header = torch.tensor([[len(names), zlib.crc32("\0".join(names).encode())]], dtype=torch.int64, device=device)
+    headers = all_gather_first_dim(header, group).tolist()
+    if any(h != headers[0] for h in headers):
+        raise SeqparInputError(
+            f"{_WHERE}: the ranks passed different sets of {what} (this rank: {', '.join(names)}); every rank of the "
+            "sequence-parallel group must pass the same arguments"
+        )
+    mine = torch.tensor([_digest(named[n]) for n in names], dtype=torch.int64, device=device)
     rows = all_gather_first_dim(mine[None], group).tolist()  # [P][names][digest]
     differ = [i for i in range(len(names)) if any(row[i] != rows[0][i] for row in rows)]
     if differ:
@@ -110,7 +118,7 @@ def check_replicated(mesh: object, **tensors: object) -> None:
     Raises:
         SeqparInputError: on every rank, naming the values that differ and their shapes on each rank.
     """
-    _agree(tensors, as_sp_mesh(mesh).sp_group, "these values")
+    _agree(tensors, as_sp_mesh(mesh).sp_group, "values")
 
 
 class _ReplicatedGather(torch.autograd.Function):
@@ -307,6 +315,7 @@ def _call_check(model: torch.nn.Module, sp: SequenceParallelMesh, settings: str)
 
     def hook(module, args, kwargs):
         named = dict(zip(parameters, args)) | dict(kwargs)
+        named = {n: named.get(n) for n in parameters} | {k: v for k, v in named.items() if k not in parameters}
         _agree(named | {"seqpar settings": settings}, sp.sp_group, "the model's arguments")
 
     return hook
