@@ -204,6 +204,24 @@ def vlm_memory_table(records: list[dict]) -> str:
     return tables.with_runs("vlm_memory_cpu", records, [*header, "est / measured", "step (s)"], cells)
 
 
+def video_dit_table(records: list[dict]) -> str:
+    """The ``seqpar bench video_dit`` table: a Wan-shaped step's per-rank peak growth and time by sp."""
+    base = min(records, key=lambda r: r["sp"])
+    cells = [
+        [
+            r["sp"],
+            f"{r['tokens'] // r['sp']:,}",
+            f"{r['growth_mb']:.0f}",
+            f"{r['growth_mb'] / base['growth_mb']:.2f}",
+            f"{r['step_s']:.2f}",
+            f"{r['step_s'] / base['step_s']:.2f}",
+        ]
+        for r in records
+    ]
+    header = ["sp", "latent tokens per rank", "per-rank peak growth (MB)", "vs the lowest sp", "step (s)", "vs it"]
+    return tables.with_runs("video_dit_cpu", records, header, cells)
+
+
 def _maxlen_row(maxlen: list[dict]) -> list[str]:
     rungs = list(dict.fromkeys(r["features"] for r in maxlen))
     top = sorted((r for r in maxlen if r["features"] == rungs[-1]), key=lambda r: r["sp"])
@@ -267,6 +285,7 @@ TABLES = {
     "placement": lambda d: placement_table(load("placement_cpu", d)),
     "rl_memory": lambda d: rl_memory_table(load("rl_memory_cpu", d)),
     "vlm_memory": lambda d: vlm_memory_table(load("vlm_memory_cpu", d)),
+    "video_dit": lambda d: video_dit_table(load("video_dit_cpu", d)),
     "maxlen": lambda d: maxlen_table(load("maxlen_cpu", d)),
     "headline": headline_table,
     "attention": lambda d: tables.attention_table(load("attention_cpu", d)),

@@ -2,8 +2,8 @@
 
 Attention: ``make_mesh``, ``shard_sequence``, ``attention``.
 Models: ``parallelize`` (tp -> sp -> memory features -> dp on a ``ParallelDims`` mesh), ``prepare_model``,
-``shard_batch``, ``cross_entropy``, ``router_aux_loss``; SDPA and FlexAttention code: ``context_parallel``,
-``flex_attention``.
+``shard_batch``, ``cross_entropy``, ``router_aux_loss``; diffusers DiTs: ``prepare_diffusers``; SDPA and
+FlexAttention code: ``context_parallel``, ``flex_attention``.
 Why a sharded run differs from one process: ``doctor``.
 """
 
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from seqpar.diagnosis import DoctorReport, doctor
     from seqpar.errors import SeqparInputError
     from seqpar.gradients import clip_grad_norm_, reduce_gradients
+    from seqpar.integrations.diffusion import check_replicated, prepare_diffusers
     from seqpar.integrations.moe import router_aux_loss
     from seqpar.layouts.balanced import LayoutBalance, balanced_layout, layout_balance
     from seqpar.layouts.chunks import LAYOUTS, ChunkLayout, gather_sequence, position_ids, shard_sequence
@@ -51,6 +52,8 @@ _NAMES = {
     "SeqparInputError": "seqpar.errors",
     "clip_grad_norm_": "seqpar.gradients",
     "reduce_gradients": "seqpar.gradients",
+    "check_replicated": "seqpar.integrations.diffusion",
+    "prepare_diffusers": "seqpar.integrations.diffusion",
     "router_aux_loss": "seqpar.integrations.moe",
     "LayoutBalance": "seqpar.layouts.balanced",
     "balanced_layout": "seqpar.layouts.balanced",
@@ -125,6 +128,7 @@ __all__ = [
     "attention",
     "attention_choice",
     "balanced_layout",
+    "check_replicated",
     "choose_attention",
     "clip_grad_norm_",
     "context_parallel",
@@ -144,6 +148,7 @@ __all__ = [
     "placed_layout",
     "plan",
     "position_ids",
+    "prepare_diffusers",
     "prepare_model",
     "reduce_gradients",
     "resolve_strategy",

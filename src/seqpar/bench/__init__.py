@@ -30,6 +30,7 @@ BENCHMARKS = (
     "vision_split",
     "vlm_memory",
     "mixers",
+    "video_dit",
 )
 
 

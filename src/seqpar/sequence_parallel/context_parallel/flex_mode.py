@@ -270,8 +270,8 @@ class SequenceParallelFlex(SequenceParallelSDPA):
     Keeps, for the block's lifetime, the ``SequenceMask`` of each whole-sequence BlockMask it has met.
     """
 
-    def __init__(self, mesh: SequenceParallelMesh, strategy: str, layout: str) -> None:
-        super().__init__(mesh, strategy, layout)
+    def __init__(self, mesh: SequenceParallelMesh, strategy: str, layout: str, *, seq_len: int | None = None) -> None:
+        super().__init__(mesh, strategy, layout, seq_len=seq_len)
         self.unheld: dict[int, ShardMaskMod] = {}  # whole-sequence BlockMasks not in buffers, by id
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):

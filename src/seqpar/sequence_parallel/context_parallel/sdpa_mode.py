@@ -45,7 +45,11 @@ _SDPA_PROBLEMS = (
     "query, key and value need at least 3 dimensions ([..., heads, seq, head_dim])",
     "key/value heads differ from query heads: pass enable_gqa=True for grouped-query attention",
     "query, key and value have different leading (batch) dimensions",
+    "the query, key or value is not a shard of the sharded buffers (cross-attention to a text, or joint attention "
+    "over [text; shard]): each rank would attend to its own copy of the other tokens, not once to the whole "
+    "sequence; train diffusers transformers through seqpar.prepare_diffusers (Note [diffusion plans])",
 )
+_WHERE = "seqpar.context_parallel"
 
 
 def agree_or_raise(
@@ -110,18 +114,43 @@ def _sdpa_problem(
     return None
 
 
+def _length_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int | None) -> tuple[int, str] | None:
+    """Keys, values or queries that are not as long as the sharded buffers' shard (Note [foreign keys])."""
+    if seq_len is None or q.dim() < 3:
+        return None
+    if q.shape[-2] == k.shape[-2] == v.shape[-2] and q.shape[-2] % seq_len == 0:
+        return None
+    lengths = f"query {q.shape[-2]}, key {k.shape[-2]}, value {v.shape[-2]} tokens; the shard holds {seq_len}"
+    return 5, f"{_SDPA_PROBLEMS[5]} ({lengths})"
+
+
 class SequenceParallelSDPA(TorchFunctionMode):
     """While active, ``F.scaled_dot_product_attention`` runs ``seqpar.attention`` over ``mesh``.
 
     Every other torch function passes through unchanged. Inputs are this rank's shards in ``layout``
     order, ``[..., heads, local_seq, head_dim]``; ``is_causal``, ``scale`` and ``enable_gqa`` keep SDPA's
     meaning over the global sequence. ``attn_mask`` and ``dropout_p > 0`` raise ``SeqparInputError`` on
-    every rank (one small all-gather per call, then ``seqpar.attention``'s own agreement check).
+    every rank (one small all-gather per call, then ``seqpar.attention``'s own agreement check), and so does
+    a call whose tokens are not the shard's ``seq_len`` when it is given (Note [foreign keys]).
+
+    Note [foreign keys]
+        The mode cannot see where a key came from, only how long it is. Every tensor the block shards covers
+        one sequence, so an attention over those shards has as many queries as keys and values, a multiple of
+        the buffers' local length ``seq_len`` (equal for token buffers; frames x patches for latents cut by
+        frame). Keys of another length are not a shard: cross-attention to a text every rank holds whole (a
+        shape error otherwise). Queries and keys over [text; shard] whose length is no such multiple are joint
+        attention, where each rank would hold the whole text and its keys would count once per rank (silently
+        wrong). Both are refused, naming the diffusers door, which shards the text with the video or keeps
+        cross-attention local. A text whose length happens to be a multiple of ``seq_len`` is not caught.
     """
 
-    def __init__(self, mesh: SequenceParallelMesh, strategy: str, layout: str) -> None:
+    def __init__(
+        self, mesh: SequenceParallelMesh, strategy: str, layout: str, *, seq_len: int | None = None, where: str = _WHERE
+    ) -> None:
         super().__init__()
         self.mesh, self.strategy, self.layout = mesh, strategy, layout
+        self.seq_len = seq_len  # the sharded buffers' local length; None: not known (any length is served)
+        self.where = where
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -151,9 +180,10 @@ class SequenceParallelSDPA(TorchFunctionMode):
         Raises:
             SeqparInputError: on every rank, if any rank passed a mask, dropout or shapes SDPA would refuse.
         """
-        problem = _sdpa_problem(query, key, value, attn_mask, dropout_p, enable_gqa)
-        where = "seqpar.context_parallel: scaled_dot_product_attention"
-        agree_or_raise(self.mesh.sp_group, where, problem, _SDPA_PROBLEMS)
+        problem = _sdpa_problem(query, key, value, attn_mask, dropout_p, enable_gqa) or _length_problem(
+            query, key, value, self.seq_len
+        )
+        agree_or_raise(self.mesh.sp_group, f"{self.where}: scaled_dot_product_attention", problem, _SDPA_PROBLEMS)
         lead = query.shape[:-3]  # SDPA allows any number of batch dims; seqpar takes exactly one
         q, k, v = (t.reshape(-1, *t.shape[-3:]) for t in (query, key, value))  # [B, H, S/P, D]
         out = attention(

@@ -1,0 +1,138 @@
+"""``seqpar bench video_dit``: per-rank peak memory and step time of one Wan-shaped training step at sp 1 2 4.
+
+Run::
+
+    seqpar bench video_dit                                  # 8K latent tokens, sp 1 2 4, ring
+    seqpar bench video_dit --tokens 16384 --sp 1 2 --json video_dit_cpu.json
+
+Every degree runs in fresh processes, one thread a rank: diffusers' ``WanTransformer3DModel`` (a small config,
+random weights) through ``seqpar.prepare_diffusers``, a warm-up step, then one measured step (forward on the
+whole latent clip, flow-matching loss, backward, gradient sum, SGD update). Memory = growth of the resident-set
+peak (VmHWM) during the step above the resident set before it, in a second run under ``MEMORY_RUN_ENV``
+(``seqpar.runtime.measure``). The first step's loss of every run is checked against sp 1's. There is no
+estimate beside it yet: ``seqpar.estimate_memory`` models transformers decoders, not DiTs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from seqpar.bench import save_records
+
+__all__ = ["main", "wan_model"]
+
+TEXT_LEN, TEXT_DIM, CHANNELS = 64, 64, 16
+
+
+def wan_model(cfg: dict) -> torch.nn.Module:
+    """A Wan 2.x transformer of width ``dim`` (head size 32), ``layers`` blocks, FFN 2x; seed 0."""
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=cfg["dim"] // 32,
+        attention_head_dim=32,
+        in_channels=CHANNELS,
+        out_channels=CHANNELS,
+        text_dim=TEXT_DIM,
+        freq_dim=64,
+        ffn_dim=2 * cfg["dim"],
+        num_layers=cfg["layers"],
+        rope_max_seq_len=1024,
+    )
+
+
+def _grid(tokens: int, frames: int) -> tuple[int, int]:
+    """Latent (frames, side) with ``frames * (side / 2) ** 2 == tokens`` after the 1 x 2 x 2 patchify."""
+    side = 2 * math.isqrt(tokens // frames)
+    if frames * (side // 2) ** 2 != tokens:
+        raise SystemExit(f"--tokens {tokens} is not {frames} frames x a square number of patches")
+    return frames, side
+
+
+def _worker(_rank: int, _world_size: int, cfg: dict, out: str) -> None:
+    import seqpar
+    from seqpar.runtime.measure import write_slowest
+    from seqpar.runtime.memory import reset_resident_peak, resident_mb
+
+    mesh = seqpar.make_mesh()
+    model = seqpar.prepare_diffusers(wan_model(cfg), mesh, strategy=cfg["strategy"])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    frames, side = _grid(cfg["tokens"], cfg["frames"])
+    gen = torch.Generator().manual_seed(1)
+    latents = torch.randn(1, CHANNELS, frames, side, side, generator=gen)
+    noise = torch.randn(latents.shape, generator=gen)
+    text = torch.randn(1, TEXT_LEN, TEXT_DIM, generator=gen)
+    t = torch.tensor([0.6])
+
+    def step() -> float:
+        pred = model((1 - t) * latents + t * noise, t * 1000, text, return_dict=False)[0]
+        loss = F.mse_loss(pred, noise - latents)
+        del pred
+        loss.backward()
+        seqpar.reduce_gradients(model.parameters(), mesh)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    first_loss = step()  # warm-up
+    dist.barrier()
+    before = resident_mb("VmRSS")
+    reset_resident_peak()
+    start = time.perf_counter()
+    step()
+    seconds = time.perf_counter() - start
+    write_slowest(out, seconds, resident_mb("VmHWM") - before, first_loss=first_loss)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="seqpar bench video_dit", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4], help="sequence-parallel degrees")
+    parser.add_argument("--tokens", type=int, default=8192, help="latent tokens after patchify")
+    parser.add_argument("--frames", type=int, default=8, help="latent frames")
+    parser.add_argument("--dim", type=int, default=128, help="model width (head size 32)")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--strategy", default="ring")
+    parser.add_argument("--json", metavar="FILE", help="write one record per degree here")
+    args = parser.parse_args(argv)
+    from seqpar.runtime.measure import time_and_memory
+
+    cfg = {k: getattr(args, k) for k in ("tokens", "frames", "dim", "layers", "strategy")}
+    _grid(args.tokens, args.frames)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for sp in args.sp:
+            out = os.path.join(tmp, f"{sp}.json")
+            result = time_and_memory(_worker, lambda memory, out=out: (cfg, out), sp, out)
+            rows.append({"sp": sp, **result})
+            print(f"sp {sp}: {rows[-1]}", flush=True)
+    base = rows[0]
+    for r in rows:
+        if abs(r["first_loss"] - base["first_loss"]) > 1e-5 * abs(base["first_loss"]):
+            raise SystemExit(f"sp {r['sp']} loss {r['first_loss']} differs from sp {base['sp']} {base['first_loss']}")
+    print(f"\nWan-shaped ({args.layers} blocks of width {args.dim}), {args.tokens} latent tokens, {args.strategy}")
+    print("| sp | tokens per rank | per-rank peak growth (MB) | vs sp 1 | step (s) | vs sp 1 |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['sp']} | {args.tokens // r['sp']} | {r['growth_mb']:.0f} | {r['growth_mb'] / base['growth_mb']:.2f} "
+            f"| {r['seconds']:.2f} | {r['seconds'] / base['seconds']:.2f} |"
+        )
+    if args.json:
+        records = [
+            {**cfg, "sp": r["sp"], "growth_mb": r["growth_mb"], "step_s": r["seconds"], "first_loss": r["first_loss"]}
+            for r in rows
+        ]
+        save_records(args.json, "video_dit", argv, records)
+    return 0

@@ -1,0 +1,139 @@
+"""Where each diffusers transformer (a DiT) is sharded, gathered and attends: one declarative entry per class.
+
+``DIFFUSION_PLANS`` is the registry ``seqpar.prepare_diffusers`` reads; ``register_diffusion_plan`` extends it.
+
+Note [diffusion plans]
+    A DiT turns latents into tokens (patchify), adds positions (RoPE from the frame x height x width grid),
+    runs blocks of self-attention, cross-attention to the text and MLPs, and turns the tokens back into a
+    latent (output projection, unpatchify). Only attention mixes tokens. An entry says, by module names:
+    which inputs or outputs of which modules are cut along the sequence (``shards``: after patchify and the
+    position tables, before the first block), which outputs are gathered back (``gathers``: the output
+    projection, so unpatchify sees whole rows), which attention modules mix the sharded tokens
+    (``self_attention``: served by seqpar) and which attend to the text (``cross_attention``: left local,
+    this rank's queries against the whole text). Where the class declares diffusers' ``_cp_plan`` the
+    entry leaves ``shards`` and ``gathers`` as None and the door reads that plan. A joint-attention model
+    ([text; video] in one attention: CogVideoX, Flux) shards the text with the video (``joint_text``), so
+    each text key is held by one rank and counted once, as in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from seqpar.errors import SeqparInputError
+
+__all__ = ["DIFFUSION_PLANS", "DiffusionPlan", "Gather", "Split", "register_diffusion_plan"]
+
+
+@dataclass(frozen=True)
+class Split:
+    """One tensor cut along the sequence: diffusers' ``ContextParallelInput`` in seqpar's terms."""
+
+    dim: int
+    """The sequence dimension of the tensor."""
+    ndim: int | None = None
+    """Only a tensor with this many dimensions is cut (a per-sample timestep ``[B]`` passes whole, a per-token
+    one ``[B, S]`` is cut); None: any."""
+    output: bool = False
+    """Cut the module's output at this index (the position tables a RoPE module returns) instead of an input."""
+
+
+@dataclass(frozen=True)
+class Gather:
+    """One module output gathered back along the sequence: diffusers' ``ContextParallelOutput``."""
+
+    dim: int
+    ndim: int | None = None
+
+
+Entry = Mapping[str | int, Split | tuple[Split, ...]]
+
+
+@dataclass(frozen=True)
+class DiffusionPlan:
+    """How one diffusers transformer class runs sequence-parallel (Note [diffusion plans])."""
+
+    model: str
+    """The class name (``type(model).__name__``)."""
+    self_attention: str
+    """Dotted pattern (each segment an ``fnmatch`` pattern of one name) of the attention modules that mix the
+    sharded tokens."""
+    cross_attention: str | None = None
+    """Pattern of the attention modules whose keys are the text (left local); None: the model has none."""
+    joint_text: bool = False
+    """Self-attention holds the text too ([text; video]), sharded with the video."""
+    shards: Mapping[str, Entry] | None = None
+    """Module name (``""`` the model) -> input name or output index -> ``Split``; None: read ``_cp_plan``."""
+    gathers: Mapping[str, tuple[Gather, ...]] | None = None
+    """Module name -> one ``Gather`` per output; None: read ``_cp_plan``."""
+    notes: tuple[str, ...] = field(default=())
+    """What the entry was checked against (models and variants), for the guide."""
+
+
+DIFFUSION_PLANS: dict[str, DiffusionPlan] = {
+    plan.model: plan
+    for plan in (
+        DiffusionPlan(
+            "WanTransformer3DModel",
+            self_attention="blocks.*.attn1",
+            cross_attention="blocks.*.attn2",
+            notes=("Wan 2.1 / 2.2 (per-token timesteps), diffusers' _cp_plan",),
+        ),
+        DiffusionPlan(
+            "CogVideoXTransformer3DModel",
+            self_attention="transformer_blocks.*.attn1",
+            joint_text=True,
+            shards={
+                "transformer_blocks.0": {"hidden_states": Split(1, 3), "encoder_hidden_states": Split(1, 3)},
+                "transformer_blocks.*": {"image_rotary_emb": (Split(0, 2), Split(0, 2))},
+            },
+            gathers={"proj_out": (Gather(1, 3),)},
+            notes=("CogVideoX 1.0 / 1.5: seqpar's plan (diffusers declares none)",),
+        ),
+        DiffusionPlan(
+            "LTXVideoTransformer3DModel",
+            self_attention="transformer_blocks.*.attn1",
+            cross_attention="transformer_blocks.*.attn2",
+            # diffusers' _cp_plan also cuts the text and its mask, which seqpar's local cross-attention keeps
+            # whole; per-token timesteps ([B, S], LTX-Video 0.9.5 and later) are cut with the tokens
+            shards={
+                "": {"hidden_states": Split(1, 3), "timestep": Split(1, 2)},
+                "rope": {0: Split(1, 3, output=True), 1: Split(1, 3, output=True)},
+            },
+            gathers={"proj_out": (Gather(1, 3),)},
+            notes=("LTX-Video: seqpar's plan (the text whole for the local cross-attention)",),
+        ),
+        DiffusionPlan(
+            "QwenImageTransformer2DModel",
+            self_attention="transformer_blocks.*.attn",
+            joint_text=True,
+            notes=("Qwen-Image: diffusers' _cp_plan (text and its RoPE table cut with the image tokens)",),
+        ),
+        DiffusionPlan(
+            "FluxTransformer2DModel",
+            self_attention="*transformer_blocks.*.attn",
+            joint_text=True,
+            notes=("Flux.1: diffusers' _cp_plan (text and image ids sharded with the tokens)",),
+        ),
+    )
+}
+"""The diffusers transformers ``seqpar.prepare_diffusers`` serves, by class name."""
+
+
+def register_diffusion_plan(plan: DiffusionPlan) -> DiffusionPlan:
+    """Add (or replace) the entry of one diffusers transformer class.
+
+    Args:
+        plan: the entry; ``plan.model`` is the class name it is for.
+
+    Returns:
+        The entry.
+
+    Raises:
+        SeqparInputError: an entry without a self-attention pattern.
+    """
+    if not plan.self_attention:
+        raise SeqparInputError(f"the diffusion plan of {plan.model} names no self-attention modules")
+    DIFFUSION_PLANS[plan.model] = plan
+    return plan
