@@ -6,6 +6,7 @@ growth of one step with mmap-served allocations), so the JSON records and the ac
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -444,3 +445,49 @@ def test_mla_bad_sizes_and_hybrid_configs_are_refused_not_estimated_wrong():
     for kind, types in (("lfm2", "conv"), ("qwen3_next", "linear_attention"), ("qwen3_5", "linear_attention")):
         with pytest.raises(seqpar.SeqparInputError, match=f"layers of type {types} besides attention"):
             seqpar.estimate_memory(tiny_config(kind), 1024, sp_size=2)
+
+
+DEEPSEEK_V2_LITE = dict(  # the published config's sizes
+    model_type="deepseek_v2",
+    hidden_size=2048,
+    intermediate_size=10944,
+    num_hidden_layers=27,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    vocab_size=102400,
+    q_lora_rank=None,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_routed_experts=64,
+    n_shared_experts=2,
+    num_experts_per_tok=6,
+    moe_intermediate_size=1408,
+    first_k_dense_replace=1,
+)
+
+
+def test_published_mla_models_count_their_parameters_and_plan():
+    """DeepSeek-V2-Lite counts its published 15.7B parameters (2.4B active) and DeepSeek-V3 its 671B (37B active);
+    the planner plans MLA models with the estimate's own sizes (its best layout's peak is ``estimate_memory``'s),
+    and refuses a hybrid with the estimate's reason."""
+    from seqpar.models import ModelSizes
+    from seqpar.planning import Cluster, plan
+    from seqpar.planning.memory import estimate_layout
+    from tests._models import tiny_config
+
+    lite = ModelSizes.from_config(DEEPSEEK_V2_LITE)
+    assert round(lite.num_params / 1e9, 1) == 15.7 and abs(lite.active_params / 1e9 - 2.4) < 0.1  # 2.45
+    v3 = {**DEEPSEEK_V2_LITE, "model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432}
+    v3.update(num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, vocab_size=129280)
+    v3.update(q_lora_rank=1536, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8)
+    v3.update(moe_intermediate_size=2048, first_k_dense_replace=3)
+    v3 = ModelSizes.from_config(v3)
+    assert round(v3.num_params / 1e9) == 671 and abs(v3.active_params / 1e9 - 37) < 0.5  # 671.03, 36.6
+    result = plan(DEEPSEEK_V2_LITE, 2**16, Cluster(gpus=8))
+    assert result.model == dataclasses.replace(lite, source="(dict)") and result.candidates
+    best = result.candidates[0]
+    assert best.peak_bytes == estimate_layout(lite, 2**16, best.layout, dtype="bf16").peak
+    with pytest.raises(seqpar.SeqparInputError, match="layers of type conv besides attention"):
+        plan(tiny_config("lfm2").to_dict(), 4096, Cluster(gpus=8))
