@@ -435,13 +435,17 @@ def test_mla_parameters_exact_and_kept_activations_within_5_percent(kind):
 
 
 def test_mla_bad_sizes_and_hybrid_configs_are_refused_not_estimated_wrong():
-    """MLA sizes that are not positive integers are named; a hybrid's convolution and recurrent layers are not
+    """MLA sizes that are not positive integers are named, MLA of a model type whose layers are not the ones
+    counted is refused; a hybrid's convolution and recurrent layers are not
     what ModelSizes describes: refused, with the reason."""
     from tests._models import tiny_config
 
     bad = {**tiny_config("deepseek_v3").to_dict(), "qk_rope_head_dim": 0}
     with pytest.raises(seqpar.SeqparInputError, match="MLA attention needs positive integer qk_rope_head_dim"):
         seqpar.estimate_memory(bad, 1024, sp_size=2)
+    other = {**tiny_config("deepseek_v3").to_dict(), "model_type": "deepseek_v32"}  # an indexer besides MLA
+    with pytest.raises(seqpar.SeqparInputError, match="MLA attention of model type 'deepseek_v32'"):
+        seqpar.estimate_memory(other, 1024, sp_size=2)
     for kind, types in (("lfm2", "conv"), ("qwen3_next", "linear_attention"), ("qwen3_5", "linear_attention")):
         with pytest.raises(seqpar.SeqparInputError, match=f"layers of type {types} besides attention"):
             seqpar.estimate_memory(tiny_config(kind), 1024, sp_size=2)
@@ -491,3 +495,33 @@ def test_published_mla_models_count_their_parameters_and_plan():
     assert best.peak_bytes == estimate_layout(lite, 2**16, best.layout, dtype="bf16").peak
     with pytest.raises(seqpar.SeqparInputError, match="layers of type conv besides attention"):
         plan(tiny_config("lfm2").to_dict(), 4096, Cluster(gpus=8))
+
+
+def test_deepseek_expert_schema_counts_glm4_moe_exactly():
+    """Note [mixture-of-experts sizes]: GLM-4-MoE's n_routed_experts, ungated shared expert and dense first layer
+    read as DeepSeek's: the parameter count equals the built model's."""
+    from seqpar.models import ModelSizes, parameter_counts
+    from tests._models import tiny_config
+
+    common = {k: v for k, v in tiny_config("llama").to_dict().items() if k in ("vocab_size", "hidden_size")}
+    config = transformers.Glm4MoeConfig(
+        **common,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        use_qk_norm=False,
+        attention_bias=False,
+        tie_word_embeddings=False,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    sizes = ModelSizes.from_config(config)
+    assert parameter_counts(sizes)[0] == sum(p.numel() for p in model.parameters())
+    assert (sizes.moe_layers, sizes.shared_expert_intermediate_size, sizes.shared_expert_gate) == (2, 32, False)

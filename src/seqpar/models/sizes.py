@@ -14,7 +14,8 @@ Note [mixture-of-experts sizes]
     keep ``intermediate_size``; the larger of the two widths is used per token, which over-counts, never
     under-counts. Biases, sinks and q/k norms (a few vectors a layer) are left out. DeepSeek's schema
     (``n_routed_experts``, ``n_shared_experts`` experts of ``moe_intermediate_size`` sharing one ungated
-    shared MLP, dense ``first_k_dense_replace`` first layers) reads into the same fields.
+    shared MLP, dense ``first_k_dense_replace`` first layers; GLM-4-MoE and dots.llm1 share it) reads into the
+    same fields.
 
 Note [MLA sizes]
     MLA attention (DeepSeek-V2/V3, MiniCPM3) projects the queries through a rank-``r_q`` bottleneck
@@ -27,7 +28,9 @@ Note [MLA sizes]
     a plain multi-head attention of ``heads`` heads of ``d_qk``: ``ModelSizes.dim`` is ``d_qk`` and the
     key/value heads are the query heads, which makes the communication sizes and attention FLOPs those of
     the padded tensors seqpar moves. The projections' weights are counted exactly (the two latent norms
-    included), as ``parameter_counts`` of the built model.
+    included), as ``parameter_counts`` of the built model. Only the model types whose layers were checked
+    so are read (DeepSeek-V2/V3, MiniCPM3); other MLA configs (DSA indexers, Kimi Linear's KDA layers) are
+    refused with the reason.
 """
 
 from __future__ import annotations
@@ -301,10 +304,20 @@ def _from_config(config: object, tp: int, source: str) -> ModelSizes:
     )
 
 
+_MLA_TYPES = ("deepseek_v2", "deepseek_v3", "minicpm3")
+"""Model types whose MLA layers Note [MLA sizes] describes (checked against built models)."""
+
+
 def _mla(get) -> dict:
     """The MLA fields of ``ModelSizes`` (Note [MLA sizes]); none when the attention is not MLA."""
     if not get("kv_lora_rank") and not get("v_head_dim"):
         return {}
+    if get("model_type") not in _MLA_TYPES:  # DSA indexers, KDA hybrids, other layer shapes around MLA
+        raise SeqparInputError(
+            f"MLA attention of model type {get('model_type')!r}: seqpar's sizes describe the MLA layers of "
+            f"{', '.join(_MLA_TYPES)} only, so its memory estimate and plans could be wrong for this model; "
+            "training under seqpar is not affected (Note [value head size])"
+        )
     names = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
     fields = {n: get(n) for n in names}
     bad = [n for n, v in fields.items() if not isinstance(v, int) or isinstance(v, bool) or v <= 0]
