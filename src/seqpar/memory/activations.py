@@ -50,9 +50,11 @@ def activation_bytes(d: ModelSizes, tokens: int, b: int, features: tuple[str, ..
     latent_norms = d.q_lora_rank + d.kv_lora_rank  # MLA's two latent RMSNorms (Note [MLA sizes])
     norm_copies = 0 if b >= 4 else 4 * (2 * h + latent_norms)  # 16-bit: each RMSNorm keeps a float32 input copy
     attention = tokens * (b * _attention_elements(d) + norm_copies)
-    saved = attention + (0 if tiled else tokens * b * 4 * i)
+    # experts: the tokens' copies routed to the experts and their weighted outputs (Note [mixture-of-experts sizes])
+    routed = 2 * d.num_experts_per_tok * h if d.num_experts and d.moe_layers else 0
+    saved = attention + (0 if tiled else tokens * b * (4 * i + routed))
     chunk = min(mlp_chunk, tokens)
-    extra = tokens * b * (h if tiled else i + h) + (5 * chunk * i * b if tiled else 0)
+    extra = tokens * b * (h if tiled else i + h) + (chunk * b * (5 * i + routed) if tiled else 0)
     kept_per_layer = tokens * h * b + (0 if "checkpointing" in features else saved)
     kept_layers = d.num_hidden_layers
     if "offload" in features and "checkpointing" in features:

@@ -11,6 +11,7 @@ Note [memory estimate]
     the attention output and its row-major copy for o_proj (3Hq), k and v (2Hkv), and in the MLP gate, up,
     silu(gate) and their product (4I): 4H + 3Hq + 2Hkv + 4I elements (counted with saved-tensor hooks on
     one layer; the check against a real layer is in docs/benchmarks.md, "Longest sequence in a memory budget").
+    An expert layer keeps 2kH more, k the experts a token is routed to (Note [mixture-of-experts sizes]).
     MLA attention (DeepSeek-V2/V3, MiniCPM3; Note [MLA sizes]: Hq = heads x d_qk, the padded head size
     seqpar's attention runs, Hv = heads x d_v, r_q and r_kv the query and key/value latent ranks, d_rope the
     rotary columns) keeps, in place of the Llama attention's terms: 5H (the norms and the residual sum), 4Hq

@@ -10,8 +10,13 @@ Note [mixture-of-experts sizes]
     token *uses* ``3 h I_e k``. Weights, gradients and optimizer states scale with the stored count; FLOPs
     and the MLP's activations with the active one: ``ModelSizes.mlp_width`` is the per-token width
     ``k I_e`` (+ the shared expert) so the activation formulas hold unchanged, and the stored experts are in
-    ``parameter_counts``. Layers that stay dense (Qwen's ``mlp_only_layers`` and ``decoder_sparse_step``)
-    keep ``intermediate_size``; the larger of the two widths is used per token, which over-counts, never
+    ``parameter_counts``. Besides the MLP's activations of that width, an expert layer keeps ``2 k h`` per
+    token: transformers' experts (grouped_mm, the CPU default) keep the ``k`` copies of each token routed to
+    its experts and the ``k`` weighted outputs before they are summed (counted with saved-tensor hooks on
+    Mixtral and DeepSeek-V3 layers, ``tests/test_estimate.py``; the router's float32 scores, about ten
+    ``E``-wide vectors a token, are left out). Layers that stay dense (Qwen's ``mlp_only_layers`` and
+    ``decoder_sparse_step``) keep ``intermediate_size``; the larger of the two widths is used per token, and
+    the routed copies are counted in every layer where some are expert layers, which over-counts, never
     under-counts. Biases, sinks and q/k norms (a few vectors a layer) are left out. DeepSeek's schema
     (``n_routed_experts``, ``n_shared_experts`` experts of ``moe_intermediate_size`` sharing one ungated
     shared MLP, dense ``first_k_dense_replace`` first layers; GLM-4-MoE and dots.llm1 share it) reads into the
