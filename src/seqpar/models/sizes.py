@@ -118,7 +118,8 @@ class ModelSizes:
         Raises:
             SeqparInputError: a config without the sizes of a decoder (positive integers), query heads that do
                 not group over the key/value heads, heads that tp does not divide, bad expert counts, MLA sizes
-                that are not positive integers, or a hybrid's other mixers (which these sizes do not describe).
+                that are not positive integers or MLA of a model type whose layers these sizes do not describe
+                (Note [MLA sizes]), or a hybrid's other mixers (which these sizes do not describe either).
         """
         if isinstance(config, ModelSizes) and not source:  # already read: only the tp view may differ
             return config if config.tp_size == tp_size else config.for_tp(tp_size)
