@@ -76,15 +76,23 @@ def test_active_parameters_count_the_routed_experts_only():
 
 
 def test_estimate_counts_stored_weights_and_active_activations():
-    """Weights, gradients and AdamW states follow the stored experts; the activations follow the routed ones."""
+    """Weights, gradients and AdamW states follow the stored experts; the activations follow the routed ones, plus
+    the routed copies of the tokens and the experts' outputs (2 k h a token, Note [mixture-of-experts sizes])."""
     mixtral = FAMILIES["mixtral"][0]
-    # the dense model whose MLP is as wide as the two experts a token uses: same activations, fewer weights
+    # the dense model whose MLP is as wide as the two experts a token uses: fewer weights, and activations less
+    # the routed copies where the layer's saved tensors exist (a whole layer, or a recomputed one, or a chunk)
     dense = transformers.LlamaConfig(**{**SIZES, "intermediate_size": 2 * SIZES["intermediate_size"]})
     moe_dims, dense_dims = ModelSizes.from_config(mixtral), ModelSizes.from_config(dense)
-    for features in ((), ("checkpointing",), ("checkpointing", "tiled_mlp")):
-        assert activation_bytes(moe_dims, 4096, 4, features, 1024) == activation_bytes(
-            dense_dims, 4096, 4, features, 1024
-        )
+    routed = 2 * 2 * SIZES["hidden_size"] * 4  # bytes a token: two experts, fp32
+    for features, kept, recomputed, extra in (
+        ((), 4096 * routed, 0, 0),
+        (("checkpointing",), 0, 4096 * routed, 0),
+        (("checkpointing", "tiled_mlp"), 0, 0, 1024 * routed),
+    ):
+        moe = activation_bytes(moe_dims, 4096, 4, features, 1024)
+        plain = activation_bytes(dense_dims, 4096, 4, features, 1024)
+        assert moe["kept_per_layer"] - plain["kept_per_layer"] == kept
+        assert moe["recomputed"] - plain["recomputed"] == recomputed and moe["extra"] - plain["extra"] == extra
     settings = dict(sp_size=2, features=("checkpointing",))
     moe = seqpar.estimate_memory(mixtral, 8192, **settings)
     stored = parameter_counts(moe_dims)[0]

@@ -33,15 +33,28 @@ def comm_elements(strategy: str, d: ModelSizes, sp: int, ulysses: int) -> float:
     return elements
 
 
+def _attention_elements(d: ModelSizes) -> int:
+    """Elements one token keeps in a layer for its backward outside the MLP, its input left out (Note [memory
+    estimate], its MLA paragraph for MLA)."""
+    h, hq, hkv = d.hidden_size, d.q_width, d.kv_width
+    if not d.mla:
+        return 4 * h + 3 * hq + 2 * hkv
+    latents = d.q_lora_rank + d.kv_lora_rank + d.qk_rope_head_dim
+    return 5 * h + 4 * hq + d.v_width + 3 * latents
+
+
 def activation_bytes(d: ModelSizes, tokens: int, b: int, features: tuple[str, ...], mlp_chunk: int) -> dict:
     """Kept, recomputed and transient activation bytes of the layers (Note [memory estimate])."""
-    h, hq, hkv, i = d.hidden_size, d.q_width, d.kv_width, d.mlp_width
+    h, i = d.hidden_size, d.mlp_width
     tiled = "tiled_mlp" in features
-    norm_copies = 0 if b >= 4 else 8 * h  # 16-bit: each RMSNorm keeps a float32 copy of its input
-    attention = tokens * (b * (4 * h + 3 * hq + 2 * hkv) + norm_copies)
-    saved = attention + (0 if tiled else tokens * b * 4 * i)
+    latent_norms = d.q_lora_rank + d.kv_lora_rank  # MLA's two latent RMSNorms (Note [MLA sizes])
+    norm_copies = 0 if b >= 4 else 4 * (2 * h + latent_norms)  # 16-bit: each RMSNorm keeps a float32 input copy
+    attention = tokens * (b * _attention_elements(d) + norm_copies)
+    # experts: the tokens' copies routed to the experts and their weighted outputs (Note [mixture-of-experts sizes])
+    routed = 2 * d.num_experts_per_tok * h if d.num_experts and d.moe_layers else 0
+    saved = attention + (0 if tiled else tokens * b * (4 * i + routed))
     chunk = min(mlp_chunk, tokens)
-    extra = tokens * b * (h if tiled else i + h) + (5 * chunk * i * b if tiled else 0)
+    extra = tokens * b * (h if tiled else i + h) + (chunk * b * (5 * i + routed) if tiled else 0)
     kept_per_layer = tokens * h * b + (0 if "checkpointing" in features else saved)
     kept_layers = d.num_hidden_layers
     if "offload" in features and "checkpointing" in features:

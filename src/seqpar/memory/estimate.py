@@ -11,6 +11,17 @@ Note [memory estimate]
     the attention output and its row-major copy for o_proj (3Hq), k and v (2Hkv), and in the MLP gate, up,
     silu(gate) and their product (4I): 4H + 3Hq + 2Hkv + 4I elements (counted with saved-tensor hooks on
     one layer; the check against a real layer is in docs/benchmarks.md, "Longest sequence in a memory budget").
+    An expert layer keeps 2kH more, k the experts a token is routed to (Note [mixture-of-experts sizes]).
+    MLA attention (DeepSeek-V2/V3, MiniCPM3; Note [MLA sizes]: Hq = heads x d_qk, the padded head size
+    seqpar's attention runs, Hv = heads x d_v, r_q and r_kv the query and key/value latent ranks, d_rope the
+    rotary columns) keeps, in place of the Llama attention's terms: 5H (the norms and the residual sum), 4Hq
+    (the attention kernel's queries, expanded keys, padded values and padded output), Hv (o_proj's input)
+    and 3 (r_q + r_kv + d_rope) (each latent projection's output, its normalised and weighted copies, the
+    rotary key columns and their rotation): 5H + 4Hq + Hv + 3 (r_q + r_kv + d_rope) + 4I elements per token
+    (counted with saved-tensor hooks on a dense-MLP DeepSeek-V3 layer under ``prepare_model`` on the CPU;
+    ``tests/test_estimate.py`` checks it within 5% at two widths, with and without the query bottleneck;
+    the log-sum-exp and the norms' statistics, a few elements, are left out). The attention's communication
+    buffers are those of Hq-wide q, k and v (the values padded, Note [value head size]).
     * no checkpointing: every layer keeps input + saved tensors; the backward starts at the loss;
     * checkpointing: each layer keeps its input only; the backward of a layer recomputes its saved tensors
       and, while the MLP's gradients are formed, holds about one more I-sized and one H-sized tensor per

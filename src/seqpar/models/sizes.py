@@ -10,9 +10,32 @@ Note [mixture-of-experts sizes]
     token *uses* ``3 h I_e k``. Weights, gradients and optimizer states scale with the stored count; FLOPs
     and the MLP's activations with the active one: ``ModelSizes.mlp_width`` is the per-token width
     ``k I_e`` (+ the shared expert) so the activation formulas hold unchanged, and the stored experts are in
-    ``parameter_counts``. Layers that stay dense (Qwen's ``mlp_only_layers`` and ``decoder_sparse_step``)
-    keep ``intermediate_size``; the larger of the two widths is used per token, which over-counts, never
-    under-counts. Biases, sinks and q/k norms (a few vectors a layer) are left out.
+    ``parameter_counts``. Besides the MLP's activations of that width, an expert layer keeps ``2 k h`` per
+    token: transformers' experts (grouped_mm, the CPU default) keep the ``k`` copies of each token routed to
+    its experts and the ``k`` weighted outputs before they are summed (counted with saved-tensor hooks on
+    Mixtral and DeepSeek-V3 layers, ``tests/test_estimate.py``; the router's float32 scores, about ten
+    ``E``-wide vectors a token, are left out). Layers that stay dense (Qwen's ``mlp_only_layers`` and
+    ``decoder_sparse_step``) keep ``intermediate_size``; the larger of the two widths is used per token, and
+    the routed copies are counted in every layer where some are expert layers, which over-counts, never
+    under-counts. Biases, sinks and q/k norms (a few vectors a layer) are left out. DeepSeek's schema
+    (``n_routed_experts``, ``n_shared_experts`` experts of ``moe_intermediate_size`` sharing one ungated
+    shared MLP, dense ``first_k_dense_replace`` first layers; GLM-4-MoE and dots.llm1 share it) reads into the
+    same fields.
+
+Note [MLA sizes]
+    MLA attention (DeepSeek-V2/V3, MiniCPM3) projects the queries through a rank-``r_q`` bottleneck
+    (``q_a_proj``, an RMSNorm, ``q_b_proj``; a plain ``q_proj`` when ``q_lora_rank`` is None) and the keys
+    and values through one shared latent: ``kv_a_proj_with_mqa`` makes ``r_kv`` latent plus ``d_rope``
+    rotary key columns, an RMSNorm, ``kv_b_proj`` expands the latent to every head's ``d_nope`` key and
+    ``d_v`` value columns, and ``o_proj`` reads ``heads x d_v``. Queries and keys have
+    ``d_qk = d_nope + d_rope`` columns per head, and every head has its own keys and values after the
+    expansion. seqpar pads the values to ``d_qk`` (Note [value head size]), so the attention seqpar runs is
+    a plain multi-head attention of ``heads`` heads of ``d_qk``: ``ModelSizes.dim`` is ``d_qk`` and the
+    key/value heads are the query heads, which makes the communication sizes and attention FLOPs those of
+    the padded tensors seqpar moves. The projections' weights are counted exactly (the two latent norms
+    included), as ``parameter_counts`` of the built model. Only the model types whose layers were checked
+    so are read (DeepSeek-V2/V3, MiniCPM3); other MLA configs (DSA indexers, Kimi Linear's KDA layers) are
+    refused with the reason.
 """
 
 from __future__ import annotations
@@ -65,6 +88,18 @@ class ModelSizes:
     """Width of the shared expert every token also runs through (Qwen2-MoE); 0 for none."""
     moe_layers: int = 0
     """How many layers are mixture-of-experts layers (the first ``num_hidden_layers - moe_layers`` are dense)."""
+    shared_expert_gate: bool = True
+    """Whether the shared expert has a ``hidden -> 1`` gate (Qwen2-MoE's); DeepSeek's has none."""
+    q_lora_rank: int = 0
+    """MLA: rank of the query bottleneck; 0 for a plain query projection (Note [MLA sizes])."""
+    kv_lora_rank: int = 0
+    """MLA: rank of the shared key/value latent; 0 for an attention that is not MLA."""
+    qk_nope_head_dim: int = 0
+    """MLA: query/key columns per head without the rotary embedding."""
+    qk_rope_head_dim: int = 0
+    """MLA: rotary query/key columns per head (the rotary key columns are one, shared by the heads)."""
+    v_head_dim: int = 0
+    """MLA: value columns per head (padded to ``dim`` inside seqpar's attention)."""
     tp_size: int = 1
     """Tensor-parallel degree the ``*_width`` properties and the parameter counts are of (one rank's share)."""
 
@@ -82,8 +117,9 @@ class ModelSizes:
 
         Raises:
             SeqparInputError: a config without the sizes of a decoder (positive integers), query heads that do
-                not group over the key/value heads, heads that tp does not divide, bad expert counts, MLA
-                attention (whose low-rank projections these sizes do not describe) or a hybrid's other mixers.
+                not group over the key/value heads, heads that tp does not divide, bad expert counts, MLA sizes
+                that are not positive integers or MLA of a model type whose layers these sizes do not describe
+                (Note [MLA sizes]), or a hybrid's other mixers (which these sizes do not describe either).
         """
         if isinstance(config, ModelSizes) and not source:  # already read: only the tp view may differ
             return config if config.tp_size == tp_size else config.for_tp(tp_size)
@@ -123,6 +159,16 @@ class ModelSizes:
     def kv_width(self) -> int:
         """Key (or value) projection width of one tp rank."""
         return self.num_key_value_heads * self.dim // self.tp_size
+
+    @property
+    def mla(self) -> bool:
+        """Whether the attention is MLA (Note [MLA sizes])."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def v_width(self) -> int:
+        """Value columns of one token on one tp rank as the model makes them (unpadded; ``kv_width`` otherwise)."""
+        return self.num_attention_heads * self.v_head_dim // self.tp_size if self.mla else self.kv_width
 
     @property
     def dense_width(self) -> int:
@@ -183,7 +229,23 @@ class ModelSizes:
             "head_dim": self.dim,
             "tie_word_embeddings": self.tie_word_embeddings,
         }
-        if self.num_experts:
+        if self.mla:
+            config.update(
+                q_lora_rank=self.q_lora_rank or None,
+                kv_lora_rank=self.kv_lora_rank,
+                qk_nope_head_dim=self.qk_nope_head_dim,
+                qk_rope_head_dim=self.qk_rope_head_dim,
+                v_head_dim=self.v_head_dim,
+            )
+        if self.num_experts and not self.shared_expert_gate:  # DeepSeek's schema
+            config.update(
+                n_routed_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                n_shared_experts=self.shared_expert_intermediate_size // self.moe_intermediate_size,
+                first_k_dense_replace=self.num_hidden_layers - self.moe_layers,
+            )
+        elif self.num_experts:
             config.update(
                 num_local_experts=self.num_experts,
                 num_experts_per_tok=self.num_experts_per_tok,
@@ -216,12 +278,6 @@ def _from_config(config: object, tp: int, source: str) -> ModelSizes:
     missing = [n for n in names if not isinstance(get(n), int) or isinstance(get(n), bool) or get(n) <= 0]
     if missing:
         raise SeqparInputError(f"the model config lacks positive integer {', '.join(missing)}: not a decoder config")
-    if get("kv_lora_rank") or get("v_head_dim"):  # DeepSeek-V2/V3, Kimi K2, MiniCPM3
-        raise SeqparInputError(
-            "MLA attention (low-rank kv_lora_rank projections, values of v_head_dim): seqpar's sizes count full "
-            "q/k/v projections of one head size, so its memory estimate and plans would be wrong for this model; "
-            "training under seqpar is not affected (Note [value head size])"
-        )
     mixing = sorted({t for t in get("layer_types") or () if t in _NOT_ATTENTION})
     if mixing:  # LFM2, Qwen3-Next, Qwen3.5
         raise SeqparInputError(
@@ -231,6 +287,9 @@ def _from_config(config: object, tp: int, source: str) -> ModelSizes:
         )
     hidden, heads, layers = get("hidden_size"), get("num_attention_heads"), get("num_hidden_layers")
     kv_heads = get("num_key_value_heads") or heads
+    mla = _mla(get)
+    if mla:  # every head has its own keys and values once the latent is expanded (Note [MLA sizes])
+        kv_heads = heads
     if heads % kv_heads:
         raise SeqparInputError(f"{heads} query heads do not divide into {kv_heads} key/value heads")
     _check_tp(heads, kv_heads, tp)
@@ -241,41 +300,86 @@ def _from_config(config: object, tp: int, source: str) -> ModelSizes:
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         vocab_size=get("vocab_size"),
-        head_dim=get("head_dim") or hidden // heads,
+        head_dim=mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"] if mla else get("head_dim") or hidden // heads,
         tie_word_embeddings=bool(get("tie_word_embeddings", False)),
         model_type=str(get("model_type", None) or "llama"),
         source=source,
         tp_size=tp,
         **_experts(get, layers),
+        **mla,
     )
+
+
+_MLA_TYPES = ("deepseek_v2", "deepseek_v3", "minicpm3")
+"""Model types whose MLA layers Note [MLA sizes] describes (checked against built models)."""
+
+
+def _mla(get) -> dict:
+    """The MLA fields of ``ModelSizes`` (Note [MLA sizes]); none when the attention is not MLA."""
+    if not get("kv_lora_rank") and not get("v_head_dim"):
+        return {}
+    if get("model_type") not in _MLA_TYPES:  # DSA indexers, KDA hybrids, other layer shapes around MLA
+        raise SeqparInputError(
+            f"MLA attention of model type {get('model_type')!r}: seqpar's sizes describe the MLA layers of "
+            f"{', '.join(_MLA_TYPES)} only, so its memory estimate and plans could be wrong for this model; "
+            "training under seqpar is not affected (Note [value head size])"
+        )
+    names = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    fields = {n: get(n) for n in names}
+    bad = [n for n, v in fields.items() if not isinstance(v, int) or isinstance(v, bool) or v <= 0]
+    q_rank = get("q_lora_rank") or 0
+    if not isinstance(q_rank, int) or isinstance(q_rank, bool) or q_rank < 0:
+        bad.append("q_lora_rank")
+    if bad:
+        raise SeqparInputError(f"MLA attention needs positive integer {', '.join(bad)} (q_lora_rank may be None)")
+    return {**fields, "q_lora_rank": q_rank}
 
 
 def _experts(get, layers: int) -> dict:
     """The mixture-of-experts fields of ``ModelSizes`` (Note [mixture-of-experts sizes]); none when dense."""
-    experts = get("num_local_experts") or get("num_experts") or 0
+    experts = get("num_local_experts") or get("num_experts") or get("n_routed_experts") or 0
     if not isinstance(experts, int) or experts <= 1:
         return {}
     per_token = get("num_experts_per_tok") or get("experts_per_token") or 0
     if not isinstance(per_token, int) or not 0 < per_token <= experts:
         raise SeqparInputError(f"num_experts_per_tok must be in 1..{experts} (the experts), got {per_token!r}")
+    width = get("moe_intermediate_size") or get("intermediate_size")
+    if get("n_routed_experts"):  # DeepSeek: ungated shared experts, the first layers dense
+        dense = get("first_k_dense_replace") or 0  # transformers' layers read no moe_layer_freq
+        return {
+            "num_experts": experts,
+            "num_experts_per_tok": per_token,
+            "moe_intermediate_size": width,
+            "shared_expert_intermediate_size": (get("n_shared_experts") or 0) * width,
+            "shared_expert_gate": False,
+            "moe_layers": max(0, layers - dense),
+        }
     step, dense_only = get("decoder_sparse_step") or 1, set(get("mlp_only_layers") or ())
     return {
         "num_experts": experts,
         "num_experts_per_tok": per_token,
-        "moe_intermediate_size": get("moe_intermediate_size") or get("intermediate_size"),
+        "moe_intermediate_size": width,
         "shared_expert_intermediate_size": get("shared_expert_intermediate_size") or 0,
         "moe_layers": sum(1 for i in range(layers) if i not in dense_only and (i + 1) % step == 0),
     }
 
 
 def _attention_params(d: ModelSizes) -> int:
-    return d.hidden_size * (2 * d.q_width + 2 * d.kv_width) + 2 * d.hidden_size  # projections and two RMSNorms
+    """The attention's projections and the layer's two RMSNorms (Note [MLA sizes] for MLA)."""
+    h = d.hidden_size
+    if not d.mla:
+        return h * (2 * d.q_width + 2 * d.kv_width) + 2 * h
+    heads = d.num_attention_heads // d.tp_size
+    r_q, r_kv = d.q_lora_rank, d.kv_lora_rank
+    q = h * r_q + r_q + r_q * d.q_width if r_q else h * d.q_width  # bottleneck, its norm, expansion
+    kv = h * (r_kv + d.qk_rope_head_dim) + r_kv + r_kv * heads * (d.qk_nope_head_dim + d.v_head_dim)
+    return q + kv + d.v_width * h + 2 * h
 
 
 def _moe_mlp_params(d: ModelSizes, experts: int) -> int:
     """MLP weights of a mixture-of-experts layer with ``experts`` experts counted, router and shared expert."""
     h = d.hidden_size
-    shared = 3 * h * d.shared_width + (h if d.shared_width else 0)
+    shared = 3 * h * d.shared_width + (h if d.shared_width and d.shared_expert_gate else 0)
     return 3 * h * d.expert_width * experts + h * d.num_experts + shared
 
 
