@@ -109,12 +109,19 @@ def _check(rank, world_size, mesh, kind, layout, packed, strategy="ring", checkp
         torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=lambda m, n=name: f"{what} {n}: {m}")
 
 
+EVERY_LAYOUT = ("lfm2", "qwen3_next", "granitemoehybrid", "kimi_linear")
+"""One family per adapter (short convolution, gated DeltaNet, Mamba2, KDA) runs every layout packed and not: the
+layouts change which chunks a rank's exchange composes, which the adapter does the same for each of its families;
+the other families (their own anatomy on the same adapter) run zigzag both ways and balanced packed."""
+
+
 def _exact(rank, world_size):
     mesh = seqpar.make_mesh()
     for kind in KINDS:
         for layout in ("zigzag", "contiguous", "balanced"):
             for packed in (False, True):
-                _check(rank, world_size, mesh, kind, layout, packed)
+                if kind in EVERY_LAYOUT or layout == "zigzag" or (layout == "balanced" and packed):
+                    _check(rank, world_size, mesh, kind, layout, packed)
         if world_size == 2:  # the mixers exchange over the whole group whatever the attention does
             _check(rank, world_size, mesh, kind, "zigzag", True, strategy="ulysses")
         if world_size > 1:  # packed documents reordered so that short ones stay whole (Note [placed layout])
