@@ -31,6 +31,8 @@ def is_multimodal(config: object) -> bool:
 
 def _text_tokens(count: int, vocab: int, special: set[int], gen: torch.Generator) -> list[int]:
     """``count`` random ordinary tokens: none of the image, video or delimiter ids, nor 0 (padding in most)."""
+    if all(t in special for t in range(1, vocab)):
+        raise SeqparInputError(f"the text vocabulary ({vocab} tokens) holds no token besides the image ids")
     tokens = torch.randint(1, vocab, (count + 8 * len(special) + 8,), generator=gen).tolist()
     kept = [t for t in tokens if t not in special]
     while len(kept) < count:  # a tiny vocabulary that is mostly special ids

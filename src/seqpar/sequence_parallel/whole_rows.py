@@ -296,8 +296,8 @@ def _fits(placement: object, layout: Layout, ids: torch.Tensor | None, positions
 def _placed_blocks(blocks: tuple, placement: Placement) -> tuple[tuple, bool]:
     """The image blocks (one set of ranges, or one per row) as ranges of the placed row (per row where they
     differ), and whether the placement cut one apart."""
-    per_row = any(not row or isinstance(row[0], tuple) for row in blocks)  # ranges are pairs of ints
-    row_blocks = blocks if per_row else (blocks,) * len(placement.order)
+    given_per_row = any(not row or isinstance(row[0], tuple) for row in blocks)  # a range is a pair of ints
+    row_blocks = blocks if given_per_row else (blocks,) * len(placement.order)
     per_row = []
     for order, ranges in zip(placement.order, row_blocks, strict=True):
         moved = []
