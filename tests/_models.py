@@ -87,9 +87,8 @@ def tiny_config(kind: str):
             moe_intermediate_size=32,
             shared_expert_intermediate_size=32,
         )
-    if kind == "qwen3_5":  # Qwen3.5's text model: gated DeltaNet with separate projections, dense MLPs
-        return transformers.Qwen3_5TextConfig(
-            **{**common, "num_hidden_layers": 4},
+    if kind in ("qwen3_5", "qwen3_5_moe"):  # Qwen3.5's text model: gated DeltaNet with separate projections
+        linear = dict(
             head_dim=12,
             layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
             linear_num_key_heads=2,
@@ -97,6 +96,12 @@ def tiny_config(kind: str):
             linear_key_head_dim=8,
             linear_value_head_dim=8,
             linear_conv_kernel_dim=4,
+        )
+        if kind == "qwen3_5":  # dense MLPs
+            return transformers.Qwen3_5TextConfig(**{**common, "num_hidden_layers": 4}, **linear)
+        experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+        return transformers.Qwen3_5MoeTextConfig(
+            **{**common, "num_hidden_layers": 4}, **linear, **experts, shared_expert_intermediate_size=32
         )
     if kind == "granitemoehybrid":  # a hybrid: Mamba2 (SSD) in layers 0, 2, 3, attention in layer 1, no rotary
         return transformers.GraniteMoeHybridConfig(

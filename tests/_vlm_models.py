@@ -28,6 +28,8 @@ FAMILIES = (
     "qwen2_vl",
     "qwen2_5_vl",
     "qwen3_vl",
+    "qwen3_5",
+    "qwen3_5_moe",
     "gemma3",
     "llava",
     "llava_onevision",
@@ -36,6 +38,13 @@ FAMILIES = (
     "smolvlm",
     "internvl",
 )
+_LINEAR = dict(
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+)  # Qwen3.5's gated DeltaNet layers
 _PINPOINTS = [[16, 16], [16, 32], [32, 16]]  # LLaVA's "anyres" grids: an image becomes 1-2 crops and a thumbnail
 
 
@@ -47,14 +56,8 @@ def _qwen_vision(family: str) -> dict:
         return dict(
             common, hidden_size=32, intermediate_size=64, out_hidden_size=32, window_size=16, fullatt_block_indexes=[1]
         )
-    return dict(
-        common,
-        hidden_size=32,
-        intermediate_size=64,
-        out_hidden_size=32,
-        num_position_embeddings=64,
-        deepstack_visual_indexes=[0, 1],
-    )
+    qwen3 = dict(common, hidden_size=32, intermediate_size=64, out_hidden_size=32, num_position_embeddings=64)
+    return dict(qwen3, deepstack_visual_indexes=[0, 1]) if family == "qwen3_vl" else qwen3
 
 
 def config(family: str) -> transformers.PretrainedConfig:
@@ -62,11 +65,15 @@ def config(family: str) -> transformers.PretrainedConfig:
     ids = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
     if family.startswith("qwen"):
         rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
-        if family == "qwen3_vl":
+        qwen3 = family not in ("qwen2_vl", "qwen2_5_vl")
+        if qwen3:
             rope["mrope_interleaved"] = True
-        text = dict(_TEXT, rope_parameters=rope)
-        if family == "qwen3_vl":
-            text["head_dim"] = 8
+        text = dict(_TEXT, rope_parameters=rope, **({"head_dim": 8} if qwen3 else {}))
+        if family.startswith("qwen3_5"):  # a gated DeltaNet layer, then an attention layer
+            text.update(_LINEAR, layer_types=["linear_attention", "full_attention"])
+        if family == "qwen3_5_moe":
+            experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+            text.update(experts, shared_expert_intermediate_size=32)
         cls = transformers.AutoConfig.for_model(family).__class__
         return cls(text_config=text, vision_config=_qwen_vision(family), **ids)
     vision = dict(

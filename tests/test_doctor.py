@@ -248,11 +248,12 @@ def _vision_language(mesh, rank):
 
 def _generated_vision_language(mesh):
     """The rows ``seqpar doctor`` generates for a vision-language model (images between text, random pixels) are
-    taken by the model as its processor's are; the doctor agrees on them (Qwen3-VL's DeepStack, Gemma 3's blocks)."""
+    taken by the model as its processor's are; the doctor agrees on them (Qwen3-VL's DeepStack, Qwen3.5's gated
+    DeltaNet layers, Gemma 3's blocks)."""
     from seqpar.diagnosis.multimodal import generated_multimodal_batch
     from tests._vlm_models import build, config
 
-    for family in ("qwen3_vl", "gemma3"):
+    for family in ("qwen3_vl", "qwen3_5", "gemma3"):
         batch = generated_multimodal_batch(config(family), 48, 2, seed=3)
         assert batch["input_ids"].shape == (2, 48)
         report = seqpar.doctor(build(family), mesh, batch)
@@ -302,7 +303,7 @@ def test_seqpar_doctor_cli_generates_rows_with_images_for_a_vision_language_mode
 @pytest.mark.parametrize(
     ("family", "flags", "message"),
     [
-        ("llava", [], "generates image batches for qwen2_vl, qwen2_5_vl, qwen3_vl, gemma3, not 'llava'"),
+        ("llava", [], "generates image batches for qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_5, qwen3_5_moe, gemma3, not"),
         ("gemma3", ["--data", "README.md"], "--data holds text rows, but this is a vision-language model"),
         ("gemma3", ["--seq-len", "10"], "too short for the generated images"),
     ],

@@ -120,7 +120,7 @@ def test_every_family_resolves_its_anatomy(kind):
     assert bare.head is None and bare.layers is decoder.layers
 
 
-HYBRIDS = ("lfm2", "qwen3_next", "qwen3_5", "olmo_hybrid", "granitemoehybrid", "bamba", "falcon_h1")
+HYBRIDS = ("lfm2", "qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "granitemoehybrid", "bamba", "falcon_h1")
 # families whose layers keep their parts elsewhere: by layer kind at one path, no attention, a shared block
 OTHER_HYBRIDS = ("nemotron_h", "mamba2", "zamba2", "kimi_linear")
 

@@ -13,7 +13,7 @@ from seqpar.errors import SeqparInputError
 
 __all__ = ["GENERATED_FAMILIES", "generated_multimodal_batch", "is_multimodal"]
 
-GENERATED_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3")
+GENERATED_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "gemma3")
 """Model types whose batches ``generated_multimodal_batch`` can lay out from the config."""
 
 

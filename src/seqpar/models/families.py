@@ -156,6 +156,27 @@ FAMILIES: dict[str, Family] = {
         Family("qwen2_vl", text_model="language_model", vision="visual", positions="mrope", vision_units=True),
         Family("qwen2_5_vl", text_model="language_model", vision="visual", positions="mrope", vision_units=True),
         Family("qwen3_vl", text_model="language_model", vision="visual", positions="mrope", vision_units=True),
+        # Qwen3.5: a Qwen3-VL-style vision tower before a gated DeltaNet hybrid decoder (dense or with experts)
+        Family(
+            "qwen3_5",
+            text_model="language_model",
+            vision="visual",
+            positions="mrope",
+            vision_units=True,
+            mixers=("linear_attn",),
+            attention_interface=True,
+            tp_plan=None,
+        ),
+        Family(
+            "qwen3_5_moe",
+            text_model="language_model",
+            vision="visual",
+            positions="mrope",
+            vision_units=True,
+            mixers=("linear_attn",),
+            attention_interface=True,
+            **_MOE,
+        ),
         Family("llava", text_model="language_model", vision="vision_tower", vision_units=True),
         Family("llava_onevision", text_model="language_model", vision="vision_tower", vision_units=True),
         Family("llava_next_video", text_model="language_model", vision="vision_tower", vision_units=True),
@@ -182,6 +203,7 @@ FAMILIES: dict[str, Family] = {
         ),
         Family("qwen3_next", mixers=("linear_attn",), attention_interface=True, **_MOE),  # gated DeltaNet layers
         Family("qwen3_5_text", mixers=("linear_attn",), attention_interface=True, tp_plan=None),  # dense Qwen3.5
+        Family("qwen3_5_moe_text", mixers=("linear_attn",), attention_interface=True, **_MOE),
         Family(  # attention layers normalise after attention and MLP, gated DeltaNet layers before them
             "olmo_hybrid",
             layer_norms=("input_layernorm", "post_attention_layernorm", "post_feedforward_layernorm"),

@@ -32,6 +32,7 @@ ADAPTERS = {
     "Lfm2ShortConv": lfm2_short_conv_forward,
     "Qwen3NextGatedDeltaNet": qwen3_next_gated_deltanet_forward,
     "Qwen3_5GatedDeltaNet": qwen3_5_gated_deltanet_forward,
+    "Qwen3_5MoeGatedDeltaNet": qwen3_5_gated_deltanet_forward,
     "OlmoHybridGatedDeltaNet": olmo_hybrid_gated_deltanet_forward,
     "KimiLinearDeltaAttention": kimi_delta_attention_forward,
     "GraniteMoeHybridMambaLayer": mamba2_forward,
