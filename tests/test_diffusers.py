@@ -7,6 +7,7 @@ per-token timesteps; joint text + video attention; LoRA, bf16, dp x sp; refusals
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 
@@ -106,6 +107,42 @@ def _adamw_worker(rank, world_size, family):
 @pytest.mark.parametrize("family", list(CLASSES))
 def test_three_adamw_steps_with_gradient_checkpointing_equal_one_process(family):
     run_ranks(2, _adamw_worker, family)
+
+
+def _worst_step(model, reference) -> float:
+    """The largest ``|model - reference|`` of a parameter over that tensor's largest ``|reference|``."""
+    return max(
+        float((p - q).abs().max()) / float(q.abs().max())
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True)
+    )
+
+
+def _adamw_floor_worker(rank, world_size, family):
+    # torch's default eps (1e-8): the parameters after 3 steps are as close to one process as a second one-process
+    # run whose attention sums in another order (SDPA's math backend instead of its default one) is
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    reference = dit_model(family)
+    twin, model = copy.deepcopy(reference), copy.deepcopy(reference)
+    mesh = seqpar.make_mesh()
+    seqpar.prepare_diffusers(model, mesh, strategy="ring")
+    model.enable_gradient_checkpointing()
+    runs = ((reference, None, False), (twin, None, True), (model, mesh, False))
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m, _, _ in runs]
+    for step in range(3):
+        inputs, target = dit_batch(family, per_token=family in PER_TOKEN_TIMESTEPS, seed=10 + step)
+        for (m, group, math), opt in zip(runs, optimizers, strict=True):
+            opt.zero_grad()
+            with sdpa_kernel(SDPBackend.MATH) if math else contextlib.nullcontext():
+                _run_step(m, inputs, target, group)
+            opt.step()
+    floor, found = _worst_step(twin, reference), _worst_step(model, reference)
+    assert 0 < found <= 4 * floor, f"{family}: seqpar {found:.2e} of a tensor's largest, one-process floor {floor:.2e}"
+
+
+@pytest.mark.parametrize("family", ["wan", "cogvideox"])
+def test_three_default_adamw_steps_within_four_times_the_rounding_floor(family):
+    run_ranks(2, _adamw_floor_worker, family)
 
 
 def _dp_sp_worker(rank, world_size):
