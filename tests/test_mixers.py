@@ -36,7 +36,7 @@ DOCUMENTS = (1, 2, 5, 6, 26, 8)
 
 KINDS = (
     "lfm2", "qwen3_next", "qwen3_5", "olmo_hybrid", "granitemoehybrid", "bamba", "falcon_h1", "nemotron_h", "mamba2",
-    "zamba2", "kimi_linear",
+    "zamba2", "kimi_linear", "mamba", "falcon_mamba", "jamba",
 )  # fmt: skip
 
 

@@ -105,6 +105,13 @@ def _seqpar_attention(module, query, key, value, attention_mask, scaling=None, d
     return out.transpose(1, 2).contiguous(), None
 
 
+def _context_in_mask(kwargs: dict) -> bool:
+    """The call's mask carries the enclosing call's context (Note [context in the mask])."""
+    mask = kwargs.get("attention_mask")
+    mask = next(iter(mask.values()), None) if isinstance(mask, dict) else mask
+    return isinstance(mask, CallContext)
+
+
 def _served(model: torch.nn.Module) -> ModelAnatomy | str:
     """The model's anatomy (Note [model families]), or why seqpar cannot serve its attention."""
     config = getattr(model, "config", None)
@@ -367,8 +374,8 @@ def prepare_model(
             batch = kwargs["inputs_embeds"].shape[0]
             mask = sequence_mask(text, sp, layout=row.layout, batch_size=batch, blocks=row.blocks)
             return args, inject(kwargs, row.layout, mask)
-        if _CONTEXT_KEY in kwargs:  # checked by the enclosing model, which passes its context down
-            kwargs.pop(LAYOUT_KEYWORD, None)
+        if _CONTEXT_KEY in kwargs or _context_in_mask(kwargs):  # checked by the enclosing model, which passes
+            kwargs.pop(LAYOUT_KEYWORD, None)  # its context down (in the mask: Note [context in the mask])
             return args, kwargs
         call_layout = kwargs.pop(LAYOUT_KEYWORD, None)
         placement = kwargs.pop(PLACEMENT_KEYWORD, None)  # a text call's shard is placed already
@@ -404,7 +411,11 @@ def prepare_model(
                 f"position id {mask.max_position} is beyond the model's max_position_embeddings ({max_positions}); "
                 "use shorter sequences or documents"
             )
-        kwargs[_CONTEXT_KEY] = CallContext(sp, strategy, batch_layout, kernel, mask, choices)
+        ctx = kwargs[_CONTEXT_KEY] = CallContext(sp, strategy, batch_layout, kernel, mask, choices)
+        if served.family.mask_context == "mask":  # Note [context in the mask]
+            kwargs["attention_mask"] = ctx
+        elif served.family.mask_context == "mapping":
+            kwargs["attention_mask"] = {kind: ctx for kind in getattr(model.config, "layer_types", ())}
         return kwargs
 
     # The decoder is hooked too, so that it can be called alone (hidden states for a chunked loss).
