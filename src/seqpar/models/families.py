@@ -117,7 +117,9 @@ class Family:
         if not isinstance(self.model_type, str) or not self.model_type:
             raise SeqparInputError(f"a model family needs its model_type (a non-empty string), got {self.model_type!r}")
         if self.mask_context not in (None, "mask", "mapping"):
-            raise SeqparInputError(f"a family's mask_context must be None, 'mask' or 'mapping', got {self.mask_context!r}")
+            raise SeqparInputError(
+                f"a family's mask_context must be None, 'mask' or 'mapping', got {self.mask_context!r}"
+            )
         if self.positions not in ("text", "mrope"):
             raise SeqparInputError(f"a family's positions must be 'text' or 'mrope', got {self.positions!r}")
         parts = [part for _, part in self.kinds if part not in ("attention", "mixer", "mlp")]

@@ -1,6 +1,6 @@
 """Mamba1 layers (Mamba, Falcon-Mamba, Jamba) under sequence parallelism: halo convolution, then the selective scan.
 
-The adapters' ``forward`` (Note [mixer adapters]): seqpar's own scan of a piece from a given state (Note [Mamba1 state]).
+The adapters' ``forward`` (Note [mixer adapters]): seqpar's scan of a piece from a given state (Note [Mamba1 state]).
 
 Note [Mamba1 state]
     Mamba1's selective scan keeps a state per channel ``d`` and state entry ``n``,
