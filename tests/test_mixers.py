@@ -1,6 +1,7 @@
 """Hybrid models' token mixers other than attention under seqpar (Note [mixer adapters]): LFM2's short convolution,
-the gated DeltaNet of Qwen3-Next, Qwen3.5 and Olmo-Hybrid and the Mamba2 layers of GraniteMoeHybrid, Bamba and
-Falcon-H1 (their convolutions and recurrent states passed between ranks).
+the gated DeltaNet of Qwen3-Next, Qwen3.5 and Olmo-Hybrid, the Mamba2 layers of GraniteMoeHybrid, Bamba and
+Falcon-H1 and the Mamba1 layers of Jamba, Mamba and Falcon-Mamba (their convolutions and recurrent states passed
+between ranks).
 
 Logits, loss and every parameter's gradient equal one process (unpacked rows) and each packed document run alone
 (documents of 1 and 2 tokens, shorter than the convolution, a boundary on a chunk edge, a document starting in
