@@ -112,6 +112,15 @@ def _context_in_mask(kwargs: dict) -> bool:
     return isinstance(mask, CallContext)
 
 
+def _context_to_mask(kwargs: dict, ctx: CallContext, where: str | None, config: object) -> dict:
+    """The call's keywords with the context also in its mask, for a family that asks (Note [context in the mask])."""
+    if where == "mask":
+        kwargs["attention_mask"] = ctx
+    elif where == "mapping":  # every layer type's entry of the mask mapping the decoder takes as it is
+        kwargs["attention_mask"] = {kind: ctx for kind in getattr(config, "layer_types", ())}
+    return kwargs
+
+
 def _served(model: torch.nn.Module) -> ModelAnatomy | str:
     """The model's anatomy (Note [model families]), or why seqpar cannot serve its attention."""
     config = getattr(model, "config", None)
@@ -412,11 +421,7 @@ def prepare_model(
                 "use shorter sequences or documents"
             )
         ctx = kwargs[_CONTEXT_KEY] = CallContext(sp, strategy, batch_layout, kernel, mask, choices)
-        if served.family.mask_context == "mask":  # Note [context in the mask]
-            kwargs["attention_mask"] = ctx
-        elif served.family.mask_context == "mapping":
-            kwargs["attention_mask"] = {kind: ctx for kind in getattr(model.config, "layer_types", ())}
-        return kwargs
+        return _context_to_mask(kwargs, ctx, served.family.mask_context, model.config)
 
     # The decoder is hooked too, so that it can be called alone (hidden states for a chunked loss).
     hooked = [model] + ([served.decoder] if served.decoder is not model else [])
