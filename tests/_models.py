@@ -203,7 +203,7 @@ def tiny_config(kind: str):
         )
     if kind == "jamba":  # Mamba1 with experts in layers 0 and 2, attention (no rotary) with a dense MLP in layer 1
         return transformers.JambaConfig(
-            **{**common, "num_hidden_layers": 3, "initializer_range": 0.2},  # the Mamba1 layers large enough to matter
+            **{**common, "num_hidden_layers": 3, "initializer_range": 0.1},  # the Mamba1 layers large enough to matter
             attn_layer_period=3,
             attn_layer_offset=1,
             expert_layer_period=2,
