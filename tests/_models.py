@@ -195,6 +195,30 @@ def tiny_config(kind: str):
             initializer_range=0.1,
             tie_word_embeddings=False,
         )
+    if kind in ("mamba", "falcon_mamba"):  # Mamba1 in every layer, no attention (Falcon-Mamba: norms on dt, B, C)
+        config = transformers.MambaConfig if kind == "mamba" else transformers.FalconMambaConfig
+        return config(
+            vocab_size=VOCAB,
+            hidden_size=48,
+            num_hidden_layers=2,
+            state_size=8,
+            expand=2,
+            initializer_range=0.2,
+            tie_word_embeddings=False,
+        )
+    if kind == "jamba":  # Mamba1 with experts in layers 0 and 2, attention (no rotary) with a dense MLP in layer 1
+        return transformers.JambaConfig(
+            **{**common, "num_hidden_layers": 3, "initializer_range": 0.1},  # the Mamba1 layers large enough to matter
+            attn_layer_period=3,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=0,
+            num_experts=4,
+            num_experts_per_tok=2,
+            mamba_d_state=8,
+            mamba_dt_rank=4,
+            mamba_expand=2,
+        )
     if kind == "kimi_linear":  # KDA in layers 0 and 2, MLA attention (no rotary) in layer 1, dense MLPs
         return transformers.KimiLinearConfig(
             **{**common, "num_hidden_layers": 3, "num_key_value_heads": 4, "initializer_range": 0.1},

@@ -1,6 +1,7 @@
 """Hybrid models' token mixers other than attention under seqpar (Note [mixer adapters]): LFM2's short convolution,
-the gated DeltaNet of Qwen3-Next, Qwen3.5 and Olmo-Hybrid and the Mamba2 layers of GraniteMoeHybrid, Bamba and
-Falcon-H1 (their convolutions and recurrent states passed between ranks).
+the gated DeltaNet of Qwen3-Next, Qwen3.5 and Olmo-Hybrid, the Mamba2 layers of GraniteMoeHybrid, Bamba and
+Falcon-H1 and the Mamba1 layers of Jamba, Mamba and Falcon-Mamba (their convolutions and recurrent states passed
+between ranks).
 
 Logits, loss and every parameter's gradient equal one process (unpacked rows) and each packed document run alone
 (documents of 1 and 2 tokens, shorter than the convolution, a boundary on a chunk edge, a document starting in
@@ -21,7 +22,9 @@ import transformers
 
 import seqpar
 from seqpar.errors import SeqparInputError
-from seqpar.models import FAMILIES, Family, anatomy, register_family
+from seqpar.models import FAMILIES, anatomy, register_family
+from seqpar.models.families import UNSERVED
+from seqpar.sequence_parallel import mixers
 from seqpar.sequence_parallel.mixers import conv, scan
 from tests._dist import run_ranks, shard_index
 from tests._models import tiny_config
@@ -36,7 +39,7 @@ DOCUMENTS = (1, 2, 5, 6, 26, 8)
 
 KINDS = (
     "lfm2", "qwen3_next", "qwen3_5", "olmo_hybrid", "granitemoehybrid", "bamba", "falcon_h1", "nemotron_h", "mamba2",
-    "zamba2", "kimi_linear",
+    "zamba2", "kimi_linear", "mamba", "falcon_mamba", "jamba",
 )  # fmt: skip
 
 
@@ -134,15 +137,18 @@ _SDPA_SUMS_AS_EAGER = ("kimi_linear",)
 
 def _rounding_twin(ref: torch.nn.Module, kind: str) -> torch.nn.Module:
     """One process again, summing in another order: SDPA instead of eager attention, for a model without attention
-    (Mamba2) the scan's own chunks halved, and where SDPA sums as eager does, the model in float64."""
-    other = copy.deepcopy(ref)
+    the scan's own chunks halved (Mamba2), and where SDPA sums as eager does or the scan has no chunks (Mamba1),
+    the model in float64."""
+    other, mixers = copy.deepcopy(ref), anatomy(ref).mixers
     if kind in _SDPA_SUMS_AS_EAGER:
         other.double()
     elif any(m is not None for m in anatomy(other).attention):
         other.set_attn_implementation("sdpa")
-    else:
+    elif all(hasattr(m, "chunk_size") for m in mixers):
         for mixer in anatomy(other).mixers:
             mixer.chunk_size //= 2
+    else:  # Mamba1's scan runs token by token
+        other.double()
     return other
 
 
@@ -264,24 +270,26 @@ def _bad_input(rank, world_size):
             seqpar.prepare_model(_model("falcon_h1"), mesh)
     finally:
         register_family(dataclasses.replace(FAMILIES["falcon_h1"], mixers=("mamba",)), replace=True)
-    # a hybrid whose mixer has no adapter (Jamba's Mamba1) is refused with the mixer's name, before anything runs
-    config = transformers.JambaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=100, num_experts=1,
-        mamba_d_state=8, mamba_dt_rank=4, use_mamba_kernels=False,
-    )  # fmt: skip
-    jamba = transformers.AutoModelForCausalLM.from_config(config)
-    with pytest.raises(SeqparInputError, match=r"does not serve 'jamba' models \(JambaForCausalLM\): its Mamba1"):
-        seqpar.prepare_model(jamba, mesh)  # no entry: refused with the reason
-    norms = ("input_layernorm", "pre_ff_layernorm")
-    parts = dict(norm="final_layernorm", rotary=None, mlp="feed_forward", layer_norms=norms)
-    entry = Family("jamba", mixers=("mamba",), **parts)
-    register_family(entry)
+    # a model whose mixer class has no adapter (Falcon-Mamba's, its adapter taken out of the registry) is refused
+    # with the mixer's name, before anything runs
+    falcon_mamba = _model("falcon_mamba")
+    adapters = dict(mixers.ADAPTERS)
+    mixers.ADAPTERS.pop("FalconMambaMixer")
     try:
-        with pytest.raises(SeqparInputError, match=r"JambaMambaMixer \(besides attention\) have no seqpar"):
-            seqpar.prepare_model(jamba, mesh)
+        with pytest.raises(SeqparInputError, match=r"FalconMambaMixer \(besides attention\) have no seqpar"):
+            seqpar.prepare_model(falcon_mamba, mesh)
     finally:
-        FAMILIES.pop("jamba")
+        mixers.ADAPTERS.update(adapters)
+    # a family listed as not served (and without an entry) is refused with its reason, before anything runs
+    entry = FAMILIES.pop("falcon_mamba")
+    UNSERVED["falcon_mamba"] = "a reason given here"
+    try:
+        refused = r"does not serve 'falcon_mamba' models \(FalconMambaForCausalLM\): a reason"
+        with pytest.raises(SeqparInputError, match=refused):
+            seqpar.prepare_model(falcon_mamba, mesh)
+    finally:
+        UNSERVED.pop("falcon_mamba")
+        register_family(entry)
 
 
 _PARTS = {"exact": _exact, "composition": _composition, "adamw": _adamw, "control": _control, "bad-input": _bad_input}

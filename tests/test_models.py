@@ -122,7 +122,7 @@ def test_every_family_resolves_its_anatomy(kind):
 
 HYBRIDS = ("lfm2", "qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "granitemoehybrid", "bamba", "falcon_h1")
 # families whose layers keep their parts elsewhere: by layer kind at one path, no attention, a shared block
-OTHER_HYBRIDS = ("nemotron_h", "mamba2", "zamba2", "kimi_linear")
+OTHER_HYBRIDS = ("nemotron_h", "mamba2", "zamba2", "kimi_linear", "mamba", "falcon_mamba", "jamba")
 
 
 @pytest.mark.parametrize("kind", OTHER_HYBRIDS)
@@ -135,9 +135,13 @@ def test_a_family_with_layer_kinds_shared_blocks_or_no_attention_resolves_every_
         assert parts.attention == (None, None, layers[2].mixer, None) and parts.mixers == (layers[0].mixer,)
         assert parts.mlps == (layers[1].mixer, layers[3].mixer) and parts.moe_mlps == (layers[1].mixer,)
         assert parts.norm is model.model.norm_f and parts.embedding is model.model.embeddings
-    elif kind == "mamba2":
+    elif kind in ("mamba2", "mamba", "falcon_mamba"):
         assert parts.attention == (None,) * 2 and parts.mlps == () and parts.decoder is model.backbone
         assert parts.mixers == tuple(layer.mixer for layer in layers)
+    elif kind == "jamba":  # Mamba1 with experts in layers 0 and 2, attention with an MLP in layer 1
+        assert parts.attention == (None, layers[1].self_attn, None)
+        assert parts.mixers == (layers[0].mamba, layers[2].mamba)
+        assert parts.moe_mlps == (layers[0].feed_forward, layers[2].feed_forward)
     elif kind == "kimi_linear":  # KDA or MLA attention at self_attn, by block_type; an MLP in every layer
         assert parts.attention == (None, layers[1].self_attn, None)
         assert parts.mixers == (layers[0].self_attn, layers[2].self_attn)
@@ -216,10 +220,7 @@ def test_an_unknown_family_gets_the_clear_message():
 
 
 def test_hybrids_seqpar_does_not_serve_are_refused_with_the_reason():
-    for config, mixer in (
-        (transformers.MiniMaxConfig(), "lightning attention"),
-        (transformers.MambaConfig(), "Mamba1"),
-    ):
+    for config, mixer in ((transformers.MiniMaxConfig(), "lightning attention"),):
         reason = family_of(config)
         assert isinstance(reason, str) and f"does not serve {config.model_type!r} models" in reason and mixer in reason
 

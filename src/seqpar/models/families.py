@@ -104,6 +104,11 @@ class Family:
     ``_supports_attention_backend = False`` (Qwen3-Next, Qwen3.5, Olmo-Hybrid, Bamba, Falcon-H1: the flag stands
     for more backends there);
     checked for the entries that set it."""
+    mask_context: str | None = None
+    """Where the call context travels for a family whose layers do not hand their keywords down to the mixers
+    (Note [context in the mask]): "mask", as the decoder's ``attention_mask``, which reaches every mixer unchanged
+    (Mamba, Falcon-Mamba); "mapping", as every entry of the mask mapping by layer type, which the decoder takes as
+    it is (Jamba); None: in the keywords."""
     vision_units: bool = False
     """The vision encoder encodes each image, crop, tile or temporal patch on its own, so its work may be split
     over the SP group (Note [vision split]); False: every rank encodes every image (a safe default for new entries)."""
@@ -111,6 +116,10 @@ class Family:
     def __post_init__(self) -> None:
         if not isinstance(self.model_type, str) or not self.model_type:
             raise SeqparInputError(f"a model family needs its model_type (a non-empty string), got {self.model_type!r}")
+        if self.mask_context not in (None, "mask", "mapping"):
+            raise SeqparInputError(
+                f"a family's mask_context must be None, 'mask' or 'mapping', got {self.mask_context!r}"
+            )
         if self.positions not in ("text", "mrope"):
             raise SeqparInputError(f"a family's positions must be 'text' or 'mrope', got {self.positions!r}")
         parts = [part for _, part in self.kinds if part not in ("attention", "mixer", "mlp")]
@@ -254,6 +263,40 @@ FAMILIES: dict[str, Family] = {
             mixers=("mixer",),
             tp_plan=None,
         ),
+        Family(  # Mamba1 in every layer, no attention; the blocks are called with the mask alone
+            "mamba",
+            decoder="backbone",
+            embedding="embeddings",
+            norm="norm_f",
+            rotary=None,
+            layer_norms=("norm",),
+            mixers=("mixer",),
+            mask_context="mask",
+            tp_plan=None,
+        ),
+        Family(  # Mamba's anatomy; its mixer normalises dt, B and C
+            "falcon_mamba",
+            decoder="backbone",
+            embedding="embeddings",
+            norm="norm_f",
+            rotary=None,
+            layer_norms=("norm",),
+            mixers=("mixer",),
+            mask_context="mask",
+            tp_plan=None,
+        ),
+        Family(  # each layer holds Mamba1 or attention (no rotary), then experts or an MLP
+            "jamba",
+            norm="final_layernorm",
+            rotary=None,
+            mlp="feed_forward",
+            experts="experts",
+            layer_norms=("input_layernorm", "pre_ff_layernorm"),
+            mixers=("mamba",),
+            mask_context="mapping",
+            attention_interface=True,
+            tp_plan=None,
+        ),
         Family(  # KDA (gated delta rule, decay per channel) or MLA attention without rotary at self_attn, experts
             "kimi_linear",
             rotary=None,
@@ -294,15 +337,7 @@ FAMILIES: dict[str, Family] = {
 """The registry: ``model_type`` -> ``Family``. The documented extension point (``register_family``)."""
 
 
-_MAMBA1 = (
-    "its Mamba1 mixers' selective scan (a decay per channel and state entry, so affine in its state like the "
-    "mixers seqpar serves) has no transformers kernel that starts from a given state, which seqpar's state passing "
-    "needs (Note [state passing]); each rank would run it on its own shard alone"
-)
 UNSERVED: dict[str, str] = {
-    "jamba": _MAMBA1,
-    "mamba": _MAMBA1,
-    "falcon_mamba": _MAMBA1,
     "minimax": (
         "its lightning attention runs its recurrence inline in the layer's forward, starting from zeros or a cache, "
         "with no kernel that takes a given state, which seqpar's state passing needs (Note [state passing]); each "

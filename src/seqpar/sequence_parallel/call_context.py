@@ -1,6 +1,16 @@
 """What a prepared model's forward hook hands its layers: the mesh, the batch's layout and mask, the strategy.
 
 It travels in the layers' keyword arguments, which transformers passes down to attention and to the mixers.
+
+Note [context in the mask]
+    Some families' layers do not hand their keywords down to the mixers: Mamba's and Falcon-Mamba's model with a
+    head calls its decoder, and that decoder its blocks, with ``attention_mask`` and no other keywords, and
+    Jamba's Mamba layers call the mixer with its mask alone. The one argument that reaches those mixers from
+    the model call, unchanged, is the mask (a mask mapping by layer type, which Jamba's decoder takes as it
+    is), so for such a family (``Family.mask_context``) the prepared model's hook puts the ``CallContext``
+    there, where seqpar's calls carry no mask of their own; the mixers' adapters and the decoder's hook read it
+    back. It is part of the layer's call, so activation checkpointing, which replays the layer's ``forward``
+    with the same arguments, hands the recomputed mixer the same context.
 """
 
 from __future__ import annotations

@@ -105,6 +105,22 @@ def _seqpar_attention(module, query, key, value, attention_mask, scaling=None, d
     return out.transpose(1, 2).contiguous(), None
 
 
+def _context_in_mask(kwargs: dict) -> bool:
+    """The call's mask carries the enclosing call's context (Note [context in the mask])."""
+    mask = kwargs.get("attention_mask")
+    mask = next(iter(mask.values()), None) if isinstance(mask, dict) else mask
+    return isinstance(mask, CallContext)
+
+
+def _context_to_mask(kwargs: dict, ctx: CallContext, where: str | None, config: object) -> dict:
+    """The call's keywords with the context also in its mask, for a family that asks (Note [context in the mask])."""
+    if where == "mask":
+        kwargs["attention_mask"] = ctx
+    elif where == "mapping":  # every layer type's entry of the mask mapping the decoder takes as it is
+        kwargs["attention_mask"] = {kind: ctx for kind in getattr(config, "layer_types", ())}
+    return kwargs
+
+
 def _served(model: torch.nn.Module) -> ModelAnatomy | str:
     """The model's anatomy (Note [model families]), or why seqpar cannot serve its attention."""
     config = getattr(model, "config", None)
@@ -367,8 +383,8 @@ def prepare_model(
             batch = kwargs["inputs_embeds"].shape[0]
             mask = sequence_mask(text, sp, layout=row.layout, batch_size=batch, blocks=row.blocks)
             return args, inject(kwargs, row.layout, mask)
-        if _CONTEXT_KEY in kwargs:  # checked by the enclosing model, which passes its context down
-            kwargs.pop(LAYOUT_KEYWORD, None)
+        if _CONTEXT_KEY in kwargs or _context_in_mask(kwargs):  # checked by the enclosing model, which passes
+            kwargs.pop(LAYOUT_KEYWORD, None)  # its context down (in the mask: Note [context in the mask])
             return args, kwargs
         call_layout = kwargs.pop(LAYOUT_KEYWORD, None)
         placement = kwargs.pop(PLACEMENT_KEYWORD, None)  # a text call's shard is placed already
@@ -404,8 +420,8 @@ def prepare_model(
                 f"position id {mask.max_position} is beyond the model's max_position_embeddings ({max_positions}); "
                 "use shorter sequences or documents"
             )
-        kwargs[_CONTEXT_KEY] = CallContext(sp, strategy, batch_layout, kernel, mask, choices)
-        return kwargs
+        ctx = kwargs[_CONTEXT_KEY] = CallContext(sp, strategy, batch_layout, kernel, mask, choices)
+        return _context_to_mask(kwargs, ctx, served.family.mask_context, model.config)
 
     # The decoder is hooked too, so that it can be called alone (hidden states for a chunked loss).
     hooked = [model] + ([served.decoder] if served.decoder is not model else [])

@@ -23,6 +23,7 @@ from seqpar.sequence_parallel.mixers.gated_deltanet import (
     qwen3_5_gated_deltanet_forward,
     qwen3_next_gated_deltanet_forward,
 )
+from seqpar.sequence_parallel.mixers.mamba1 import mamba1_forward
 from seqpar.sequence_parallel.mixers.mamba2 import mamba2_forward
 from seqpar.sequence_parallel.mixers.short_conv import lfm2_short_conv_forward
 
@@ -41,6 +42,9 @@ ADAPTERS = {
     "NemotronHMamba2Mixer": mamba2_forward,
     "Mamba2Mixer": mamba2_forward,
     "Zamba2MambaMixer": mamba2_forward,
+    "MambaMixer": mamba1_forward,
+    "FalconMambaMixer": mamba1_forward,
+    "JambaMambaMixer": mamba1_forward,
 }
 """Mixer class name -> the ``forward`` of its adapter."""
 
