@@ -23,6 +23,7 @@ from seqpar.sequence_parallel.mixers.gated_deltanet import (
     qwen3_5_gated_deltanet_forward,
     qwen3_next_gated_deltanet_forward,
 )
+from seqpar.sequence_parallel.mixers.lightning import minimax_lightning_attention_forward
 from seqpar.sequence_parallel.mixers.mamba2 import mamba2_forward
 from seqpar.sequence_parallel.mixers.short_conv import lfm2_short_conv_forward
 
@@ -40,6 +41,7 @@ ADAPTERS = {
     "NemotronHMamba2Mixer": mamba2_forward,
     "Mamba2Mixer": mamba2_forward,
     "Zamba2MambaMixer": mamba2_forward,
+    "MiniMaxLightningAttention": minimax_lightning_attention_forward,
 }
 """Mixer class name -> the ``forward`` of its adapter."""
 
