@@ -236,6 +236,14 @@ def tiny_config(kind: str):
             bos_token_id=1,
             eos_token_id=2,
         )
+    if kind == "minimax":  # lightning attention in layers 0 and 2 (blocks of 5 tokens), softmax attention in 1
+        return transformers.MiniMaxConfig(
+            **{**common, "num_hidden_layers": 3},
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            block_size=5,  # blocks cut the chunks (8, 12, 16, 24 tokens) and start mid-chunk
+            num_local_experts=2,
+            num_experts_per_tok=2,  # every token takes both experts: no routing to flip under bf16
+        )
     raise ValueError(kind)
 
 

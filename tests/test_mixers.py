@@ -39,7 +39,7 @@ DOCUMENTS = (1, 2, 5, 6, 26, 8)
 
 KINDS = (
     "lfm2", "qwen3_next", "qwen3_5", "olmo_hybrid", "granitemoehybrid", "bamba", "falcon_h1", "nemotron_h", "mamba2",
-    "zamba2", "kimi_linear", "mamba", "falcon_mamba", "jamba",
+    "zamba2", "kimi_linear", "mamba", "falcon_mamba", "jamba", "minimax",
 )  # fmt: skip
 
 
@@ -112,10 +112,11 @@ def _check(rank, world_size, mesh, kind, layout, packed, strategy="ring", checkp
         torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=lambda m, n=name: f"{what} {n}: {m}")
 
 
-EVERY_LAYOUT = ("lfm2", "qwen3_next", "granitemoehybrid", "kimi_linear")
-"""One family per adapter (short convolution, gated DeltaNet, Mamba2, KDA) runs every layout packed and not: the
-layouts change which chunks a rank's exchange composes, which the adapter does the same for each of its families;
-the other families (their own anatomy on the same adapter) run zigzag both ways and balanced packed."""
+EVERY_LAYOUT = ("lfm2", "qwen3_next", "granitemoehybrid", "kimi_linear", "mamba", "minimax")
+"""One family per adapter (short convolution, gated DeltaNet, Mamba2, KDA, Mamba1, lightning attention) runs every
+layout packed and not: the layouts change which chunks a rank's exchange composes, which the adapter does the same
+for each of its families; the other families (their own anatomy on the same adapter) run zigzag both ways and
+balanced packed."""
 
 
 def _exact(rank, world_size):

@@ -21,7 +21,7 @@ from seqpar.data_parallel import decoder_blocks
 from seqpar.diagnosis.pitfalls import decoder_layers, token_mixing_suspects
 from seqpar.errors import SeqparInputError
 from seqpar.memory.shapes import ModelDims, model_dims
-from seqpar.models import FAMILIES, Family, ModelSizes, anatomy, family_of, find_anatomy, register_family
+from seqpar.models import FAMILIES, Family, ModelSizes, anatomy, find_anatomy, register_family
 from seqpar.pipeline_parallel.stages import find_parts, original_names, split_model
 from seqpar.planning import Cluster, ModelShape, load_model_shape, plan
 from tests._dist import run_ranks, shard_index
@@ -122,7 +122,7 @@ def test_every_family_resolves_its_anatomy(kind):
 
 HYBRIDS = ("lfm2", "qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "granitemoehybrid", "bamba", "falcon_h1")
 # families whose layers keep their parts elsewhere: by layer kind at one path, no attention, a shared block
-OTHER_HYBRIDS = ("nemotron_h", "mamba2", "zamba2", "kimi_linear", "mamba", "falcon_mamba", "jamba")
+OTHER_HYBRIDS = ("nemotron_h", "mamba2", "zamba2", "kimi_linear", "minimax", "mamba", "falcon_mamba", "jamba")
 
 
 @pytest.mark.parametrize("kind", OTHER_HYBRIDS)
@@ -142,16 +142,16 @@ def test_a_family_with_layer_kinds_shared_blocks_or_no_attention_resolves_every_
         assert parts.attention == (None, layers[1].self_attn, None)
         assert parts.mixers == (layers[0].mamba, layers[2].mamba)
         assert parts.moe_mlps == (layers[0].feed_forward, layers[2].feed_forward)
-    elif kind == "kimi_linear":  # KDA or MLA attention at self_attn, by block_type; an MLP in every layer
+    elif kind in ("kimi_linear", "minimax"):  # KDA or MLA, lightning or softmax attention at self_attn, by block_type
         assert parts.attention == (None, layers[1].self_attn, None)
         assert parts.mixers == (layers[0].self_attn, layers[2].self_attn)
-        assert parts.mlps == tuple(layer.mlp for layer in layers)
+        assert parts.mlps == tuple(layer.mlp for layer in layers)  # MiniMax: experts in every layer
     else:  # Zamba2: layers 0 and 2 run the shared attention block, then their own projection and Mamba2
         shared = (layers[0].shared_transformer.self_attn, layers[2].shared_transformer.self_attn)
         assert parts.attention == (shared[0], None, shared[1])
         assert parts.mixers == (layers[0].mamba_decoder.mamba, layers[1].mamba, layers[2].mamba_decoder.mamba)
         assert parts.per_token == (layers[0].linear, layers[2].linear)
-    assert parts.rotary is None and parts.undeclared() == []
+    assert parts.rotary is (model.model.rotary_emb if kind == "minimax" else None) and parts.undeclared() == []
 
 
 def test_a_layer_of_unknown_kind_is_named():
@@ -217,12 +217,6 @@ def test_an_unknown_family_gets_the_clear_message():
     assert find_parts(gpt2).startswith("the decoder layers of GPT2LMHeadModel cannot be found: seqpar knows")
     assert decoder_blocks(gpt2) == []  # FSDP2 then shards the root only
     assert "has no config.model_type" in find_anatomy(torch.nn.Linear(2, 2))
-
-
-def test_hybrids_seqpar_does_not_serve_are_refused_with_the_reason():
-    for config, mixer in ((transformers.MiniMaxConfig(), "lightning attention"),):
-        reason = family_of(config)
-        assert isinstance(reason, str) and f"does not serve {config.model_type!r} models" in reason and mixer in reason
 
 
 def test_the_toy_family_is_refused_until_registered():

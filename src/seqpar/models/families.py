@@ -332,18 +332,19 @@ FAMILIES: dict[str, Family] = {
             attention_interface=True,
             tp_plan=None,
         ),
+        Family(  # lightning attention (Note [lightning blocks]) or softmax attention at self_attn, experts everywhere
+            "minimax",
+            mixers=("self_attn",),
+            layer_kind="block_type",
+            kinds=(("full_attention", "attention"), ("linear_attention", "mixer")),
+            **_MOE,
+        ),
     )
 }
 """The registry: ``model_type`` -> ``Family``. The documented extension point (``register_family``)."""
 
 
-UNSERVED: dict[str, str] = {
-    "minimax": (
-        "its lightning attention runs its recurrence inline in the layer's forward, starting from zeros or a cache, "
-        "with no kernel that takes a given state, which seqpar's state passing needs (Note [state passing]); each "
-        "rank would run it on its own shard alone"
-    ),
-}
+UNSERVED: dict[str, str] = {}
 """``model_type`` -> why seqpar does not serve that family (hybrids whose token mixers have no adapter yet)."""
 
 

@@ -23,6 +23,7 @@ from seqpar.sequence_parallel.mixers.gated_deltanet import (
     qwen3_5_gated_deltanet_forward,
     qwen3_next_gated_deltanet_forward,
 )
+from seqpar.sequence_parallel.mixers.lightning import minimax_lightning_attention_forward
 from seqpar.sequence_parallel.mixers.mamba1 import mamba1_forward
 from seqpar.sequence_parallel.mixers.mamba2 import mamba2_forward
 from seqpar.sequence_parallel.mixers.short_conv import lfm2_short_conv_forward
@@ -45,6 +46,7 @@ ADAPTERS = {
     "MambaMixer": mamba1_forward,
     "FalconMambaMixer": mamba1_forward,
     "JambaMambaMixer": mamba1_forward,
+    "MiniMaxLightningAttention": minimax_lightning_attention_forward,
 }
 """Mixer class name -> the ``forward`` of its adapter."""
 
