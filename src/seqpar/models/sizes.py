@@ -482,16 +482,16 @@ def _from_config(config: object, tp: int, source: str) -> ModelSizes:
     else:
         config = getattr(config, "text_config", None) or config
     get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    model_type = str(get("model_type", None) or "llama")
+    if model_type in _UNMODELLED:
+        raise SeqparInputError(
+            f"a model of type {model_type!r}: {_UNMODELLED[model_type]}, so seqpar's memory estimate and plans "
+            "would be wrong for it (Note [hybrid sizes])"
+        )
     names = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "num_hidden_layers")
     missing = [n for n in names if not isinstance(get(n), int) or isinstance(get(n), bool) or get(n) <= 0]
     if missing:
         raise SeqparInputError(f"the model config lacks positive integer {', '.join(missing)}: not a decoder config")
-    model_type = str(get("model_type", None) or "llama")
-    if model_type in _UNMODELLED:
-        raise SeqparInputError(
-            f"a {model_type} model: {_UNMODELLED[model_type]}, so seqpar's memory estimate and plans would be "
-            "wrong for it (Note [hybrid sizes])"
-        )
     types = _layer_types(get)
     mixing = sorted({t for t in types if t in _NOT_ATTENTION})
     if mixing and model_type not in _HYBRID_MIXERS:
