@@ -5,6 +5,7 @@ The formulas are explained once, in Note [memory estimate] (estimate.py).
 
 from __future__ import annotations
 
+from seqpar.memory.mixers import mixer_elements
 from seqpar.models import ModelSizes
 from seqpar.sequence_parallel.strategies.registry import strategy_row
 
@@ -43,19 +44,40 @@ def _attention_elements(d: ModelSizes) -> int:
     return 5 * h + 4 * hq + d.v_width + 3 * latents
 
 
-def activation_bytes(d: ModelSizes, tokens: int, b: int, features: tuple[str, ...], mlp_chunk: int) -> dict:
-    """Kept, recomputed and transient activation bytes of the layers (Note [memory estimate])."""
+def _mixer_bytes(d: ModelSizes, tokens: int, b: int, sp: int) -> dict[str, int]:
+    """Bytes a layer of each kind keeps outside its MLP, its input left out (Note [memory estimate]; a hybrid's
+    layers, Note [hybrid memory])."""
+    latent_norms = d.q_lora_rank + d.kv_lora_rank  # MLA's two latent RMSNorms (Note [MLA sizes])
+    norm_copies = 0 if b >= 4 else 4 * (2 * d.hidden_size + latent_norms)  # 16-bit: float32 RMSNorm input copies
+    if not d.layer_kinds:
+        return {"attention": tokens * (b * _attention_elements(d) + norm_copies)}
+    kinds = {}
+    for kind in d.kind_counts:
+        own, float32 = mixer_elements(d, kind, sp, b)
+        kinds[kind] = int(tokens * (b * own + 4 * float32 + norm_copies))
+    return kinds
+
+
+def activation_bytes(
+    d: ModelSizes, tokens: int, b: int, features: tuple[str, ...], mlp_chunk: int, sp: int = 1
+) -> dict:
+    """Kept, recomputed and transient activation bytes of the layers (Note [memory estimate]; hybrids: Note
+    [hybrid memory], ``kept_per_layer`` the layers' mean)."""
     h, i = d.hidden_size, d.mlp_width
     tiled = "tiled_mlp" in features
-    latent_norms = d.q_lora_rank + d.kv_lora_rank  # MLA's two latent RMSNorms (Note [MLA sizes])
-    norm_copies = 0 if b >= 4 else 4 * (2 * h + latent_norms)  # 16-bit: each RMSNorm keeps a float32 input copy
-    attention = tokens * (b * _attention_elements(d) + norm_copies)
+    mixers = _mixer_bytes(d, tokens, b, sp)
+    attention = max(mixers.values())
     # experts: the tokens' copies routed to the experts and their weighted outputs (Note [mixture-of-experts sizes])
     routed = 2 * d.num_experts_per_tok * h if d.num_experts and d.moe_layers else 0
-    saved = attention + (0 if tiled else tokens * b * (4 * i + routed))
+    if routed and d.shared_width and d.shared_expert_gate:  # the gated shared expert's output, kept for its gate
+        routed += h
+    mlp = 0 if tiled else tokens * b * (4 * i + routed)
+    saved = attention + mlp
     chunk = min(mlp_chunk, tokens)
     extra = tokens * b * (h if tiled else i + h) + (chunk * b * (5 * i + routed) if tiled else 0)
-    kept_per_layer = tokens * h * b + (0 if "checkpointing" in features else saved)
+    layers = d.num_hidden_layers
+    every = sum(n * mixers[kind] for kind, n in d.kind_counts.items()) + layers * mlp  # what all layers save
+    kept_per_layer = tokens * h * b + (0 if "checkpointing" in features else every // max(1, layers))
     kept_layers = d.num_hidden_layers
     if "offload" in features and "checkpointing" in features:
         kept_layers = min(2, d.num_hidden_layers)  # the rest waits in host memory

@@ -245,6 +245,7 @@ def _stage_estimates(model_config: object, seq_len: int, settings: dict) -> list
         features=features,
         sizes=sizes,
         vision=vision,
+        rows=s.micro_batch,
         **{k: settings[k] for k in _RANK_SETTINGS},
     )
     views = stage_views(d.num_hidden_layers, s.pp_size, s.pp_schedule, s.pp_microbatches)

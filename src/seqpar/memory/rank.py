@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from seqpar.gradients import BUCKET_MB
 from seqpar.memory.activations import activation_bytes, comm_elements
+from seqpar.memory.mixers import exchange_bytes
 from seqpar.memory.pipeline import StageView, held_logits_bytes
 from seqpar.memory.result import MemoryEstimate
 from seqpar.models import ModelSizes, parameter_counts
@@ -73,6 +74,7 @@ def estimate_rank(
     keep_gradients: bool,
     offload_optimizer: bool,
     vision: tuple[int, int] = (0, 0),
+    rows: int = 1,
 ) -> MemoryEstimate:
     """One rank's estimate (Note [memory estimate] in ``seqpar.memory.estimate``).
 
@@ -92,6 +94,7 @@ def estimate_rank(
         keep_gradients: gradients live between steps.
         offload_optimizer: parameters, gradients and state in host memory.
         vision: the vision tower's (parameters, activation bytes kept on this rank): Note [vision tower memory].
+        rows: rows of one micro-batch (a hybrid's mixers exchange per row and chunk, Note [hybrid memory]).
 
     Returns:
         The rank's ``MemoryEstimate``.
@@ -105,10 +108,11 @@ def estimate_rank(
     shards = dp_size * sp_size if dp_mode == "fsdp" else 1
     params = -(-total * b // shards) + (2 * layer_params * b if shards > 1 else 0)  # fsdp: one layer gathered
     states = OPTIMIZER_STATES[optimizer] * -(-total * b // shards)
-    act = activation_bytes(d, tokens, b, features, mlp_chunk)
+    act = activation_bytes(d, tokens, b, features, mlp_chunk, sp_size)
+    state, sent = _mixer_exchange(d, sp_size, rows, b)
     if act["kept_layers"] == layers:  # offloaded checkpoints wait on the host, whichever micro-batch they are
         act["kept"] = int(act["kept"] * view.in_flight)  # Note [pipeline memory and time]
-    comm = int(comm_elements(chosen, d, sp_size, ulysses_size) * tokens * b)
+    comm = max(int(comm_elements(chosen, d, sp_size, ulysses_size) * tokens * b), state)
     chunk = min(loss_chunk, tokens) if "chunked_loss" in features else tokens
     loss = (3 * chunk * vocab * 4 + (tokens * hidden * b if "chunked_loss" in features else 0)) * view.last
     # Note [pipeline memory and time]: torch's receive buffers, one per micro-batch and stage boundary, kept
@@ -174,4 +178,19 @@ def estimate_rank(
         offload_optimizer=offload_optimizer,
         pipeline_buffers=recv,
         vision_activations=vision[1],
+        mixer_state=state,
+        mixer_exchange=sent,
     )
+
+
+def _mixer_exchange(d: ModelSizes, sp: int, rows: int, b: int) -> tuple[int, int]:
+    """(the largest mixer layer's gathered halos and state summaries, the bytes all mixer layers send in a step)
+    on one rank, under the zigzag layout (two chunks a rank; Note [hybrid memory])."""
+    if sp == 1 or not d.hybrid:
+        return 0, 0
+    held, sent = 0, 0
+    for kind, layers in d.kind_counts.items():
+        halo, summaries = exchange_bytes(d, kind, rows, 2, b)
+        held = max(held, sp * (halo + summaries))
+        sent += layers * 2 * (sp - 1) * (halo + summaries)  # the all-gather and its reduce-scatter
+    return held, sent

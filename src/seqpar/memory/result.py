@@ -62,6 +62,12 @@ class MemoryEstimate:
     vision_activations: int = 0
     """Of ``checkpointed_activations``, what the vision tower's patches keep on this rank (Note [vision tower
     memory]); its parameters are in ``parameters``."""
+    mixer_state: int = 0
+    """A hybrid's largest mixer layer's exchange buffers: the halos and state summaries its all-gathers hand this
+    rank, held while the layer's backward runs (Note [hybrid memory]); a candidate for ``communication``."""
+    mixer_exchange: int = 0
+    """Bytes this rank sends in one step for a hybrid's mixers: every mixer layer's all-gathers and their
+    reduce-scatters (Note [hybrid memory]); not memory, reported with it."""
 
     @property
     def step_peak(self) -> int:
@@ -85,6 +91,9 @@ class MemoryEstimate:
         ]
         if self.host:
             rows.append(("host memory (offloaded, not in the peak)", self.host))
+        if self.mixer_exchange:
+            rows.append(("mixer state exchange, one layer's buffers", self.mixer_state))
+            rows.append(("mixer exchange sent per step (not in the peak)", self.mixer_exchange))
         offload = "; optimizer offloaded to the host" if self.offload_optimizer else ""
         head = (
             f"per-rank memory: {self.tokens_per_rank} tokens/rank, strategy {self.strategy}, "

@@ -107,6 +107,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def _tp_problem(model: ModelSizes, tp: int, cluster: Cluster) -> str | None:
+    if tp > 1 and model.hybrid:  # Note [hybrid sizes]
+        return f"a hybrid model's layers are planned at tp 1 (no tensor-parallel plan for its mixers), not {tp}"
     if tp > cluster.gpus_per_node and not cluster.ulysses_across_nodes:
         return f"tensor parallel of {tp} spans nodes of {cluster.gpus_per_node}"
     if model.num_attention_heads % tp or model.intermediate_size % tp:

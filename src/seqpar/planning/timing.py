@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from seqpar.errors import SeqparInputError
 from seqpar.memory import FEATURES as MEMORY_FEATURES
+from seqpar.memory.mixers import exchange_bytes
 from seqpar.memory.pipeline import bubble_fraction, p2p_bytes, stage_views
 from seqpar.mesh import ParallelDims
 from seqpar.models import ModelSizes
@@ -67,6 +68,10 @@ FEATURES = (*MEMORY_FEATURES, OFFLOAD_OPTIMIZER)
 #   the point-to-point activations and gradients between stages (not overlapped) over the slowest link (pp
 #   is the outermost axis), plus the stage's gradient reduction over dp x sp once.
 # - Packed documents (``doc_len``, placed): Note [planned documents] scales the attention work and ring K/V.
+# - Hybrids (Note [hybrid sizes]): attention FLOPs and exchanges are those of the attention layers; each
+#   mixer layer adds its all-gathers of halos and state summaries and their reduce-scatters (Note [hybrid
+#   memory], gloo's (P-1) pieces each; again under checkpointing), not overlapped, in ``gather``. The mixers'
+#   projections are in the matmul FLOPs; their scans' own arithmetic is left out.
 
 
 @dataclass(frozen=True)
@@ -166,8 +171,10 @@ class StepTime:
 
 
 def _attention_flops(model: ModelSizes, seq_len: int, micro_batch: int) -> float:
-    """Causal attention FLOPs of one forward over whole sequences (all ranks together)."""
-    return 2.0 * micro_batch * seq_len**2 * model.num_attention_heads * model.dim * model.num_hidden_layers
+    """Causal attention FLOPs of one forward over whole sequences (all ranks together; a hybrid's attention
+    layers only, Note [hybrid sizes])."""
+    layers = model.kind_counts.get("attention", 0)
+    return 2.0 * micro_batch * seq_len**2 * model.num_attention_heads * model.dim * layers
 
 
 def model_flops(model: ModelSizes, seq_len: int, micro_batch: int = 1, doc_len: int | None = None) -> float:
@@ -249,7 +256,8 @@ def step_time(
     def kv_bytes(elem: int = e) -> float:
         return ring_heads * tokens * d * elem
 
-    forward = _attention_flops(model, seq_len, micro_batch) / (layout.sp * layout.tp) / layers
+    attention_layers = model.kind_counts.get("attention", 0)
+    forward = _attention_flops(model, seq_len, micro_batch) / (layout.sp * layout.tp) / max(1, attention_layers)
     forward *= split.imbalance  # the slowest rank's heads (Note [uneven heads])
     forward *= visible_fraction(seq_len, doc_len)
     placed = placed_kv_fraction(seq_len, doc_len, r)  # K/V a ring or all-gather still moves
@@ -272,16 +280,26 @@ def step_time(
         tp = (4 + 2 * ckpt) * 2 * (layout.tp - 1) / layout.tp * tokens * model.hidden_size * e
         tp /= cluster.link(layout.tp)
     matmul = _matmul_seconds(model, tokens, layout, cluster)
-    compute = matmul + attention * layers
+    compute = matmul + attention * attention_layers
     return StepTime(
         matmul=matmul,
-        attention=attention * layers,
-        all_to_all=a2a * layers,
-        gather=gather * layers,
+        attention=attention * attention_layers,
+        all_to_all=a2a * attention_layers,
+        gather=gather * attention_layers + _mixer_seconds(model, layout, cluster, e, micro_batch),
         tensor_parallel=tp * layers,
         gradients=_gradient_seconds(model, layout, cluster, e, compute),
         offload=_offload_seconds(model, layout, cluster, e, compute),
     )
+
+
+def _mixer_seconds(model: ModelSizes, layout: Layout, cluster: Cluster, e: int, rows: int) -> float:
+    """Seconds of a hybrid's mixer exchanges: each mixer layer's all-gathers of halos and state summaries and
+    their reduce-scatters, again when checkpointing recomputes the layer (Note [hybrid memory]; zigzag chunks)."""
+    if layout.sp == 1 or not model.hybrid:
+        return 0.0
+    passes = 2 + ("checkpointing" in layout.features)
+    moved = sum(n * sum(exchange_bytes(model, kind, rows, 2, e)) for kind, n in model.kind_counts.items())
+    return passes * (layout.sp - 1) * moved / cluster.link(layout.sp * layout.tp)
 
 
 def _offload_seconds(model: ModelSizes, layout: Layout, cluster: Cluster, e: int, compute: float) -> float:

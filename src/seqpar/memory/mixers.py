@@ -1,0 +1,144 @@
+"""A hybrid model's layers in the memory estimate: what each kind of layer keeps per token, and its mixer's exchange.
+
+``activations.py`` asks this for models with gated DeltaNet, Mamba2 or short-convolution layers (Note [hybrid memory]).
+
+Note [hybrid memory]
+    Per token, in elements, a hybrid's layer keeps for its backward (its input left out, as in Note [memory
+    estimate]) its norms' and residuals' tensors and the mixer's input (5H; in a Mamba2 layer the input
+    multiplier's copy of it), its MLP's (4I, as Llama's, or the experts' with a gated shared expert's output,
+    Note [mixture-of-experts sizes]), and its token mixer's:
+    * attention: Llama's ``3 Hq + 2 Hkv``; ``2 Hq + 2 Hkv`` without a rotary embedding (GraniteMoeHybrid);
+      ``5 Hq + 3 Hkv`` with per-head q/k norms (LFM2: q and k before and after their norms);
+      ``8 Hq + 4 Hkv`` with those norms and Qwen3-Next's output gate (the gate half of ``q_proj``, its
+      sigmoid, the gated output, the norms' extra copies).
+    * gated DeltaNet (Hv value heads, dk, dv, ``V_k = Hv dk``, ``V_v = Hv dv``, conv width K over
+      ``C_conv = 2 Hk dk + Hv dv`` channels): around the kernel, the convolution's input and output
+      (``2 C_conv``), the gated norm's five ``V_v``-wide tensors and ``out_proj``'s input (``6 V_v``), beta,
+      a and the decay (3 Hv); inside ``torch_chunk_gated_delta_rule``, which computes in float32 whatever
+      the dtype, ``G(dv) = 5 Hv c + 12 V_k + 3 V_v + 7 Hv + Hv dk dv / c`` with its chunk length c = 64:
+      five ``c x c`` matrices a head per chunk (the pairwise decays, the UT system, the intra-chunk
+      attention, their products), the keys and queries repeated to the value heads, normalised, scaled and
+      decayed (12 ``V_k``), and one state a chunk.
+    * Mamba2 / SSD (Hm heads of d_head, ``I_m = Hm d_head``, G groups of state size N, the SSD chunk
+      length c): around the kernel, ``in_proj``'s output (``2 I_m + 2 G N + Hm``), the convolution's input,
+      output and activation (``3 C_conv``, ``C_conv = I_m + 2 G N``), the gated norm's and ``out_proj``'s
+      tensors (``5 I_m``) and 3 Hm; inside
+      ``mamba2_chunk_scan`` (float32) ``S = 4 I_m + 3 Hm c + 5 Hm N + 2 Hm d_head N / c + 5 Hm``: the
+      discretised inputs, the ``c x c`` decays and scores a head, B and C repeated to the heads, two states
+      a chunk.
+    * LFM2's short convolution: ``in_proj``'s output (3H), the convolution's input and output, and
+      ``out_proj``'s input (3H): 6H, so an LFM2 conv layer keeps ``11 H + 4 I`` besides its input.
+    Under sp > 1 a rank's chunks continue the state of chunks on other ranks (Note [state passing]): the
+    kernel's first run (its final state feeds the exchange), the run that finds ``M`` (gated DeltaNet only:
+    the kernel again with dk-wide zero values, ``G(dk)``; SSD's ``M`` is a decay) and the rerun of the
+    chunk's opening piece from the state that reaches it all keep their tensors, so the busiest rank keeps
+    ``2 G(dv) + G(dk)`` (``2 S`` for SSD) where one process keeps one. Packed documents cut the reruns short;
+    the estimate keeps the unpacked, larger count. The convolution of a 16-bit model sums in float32: each
+    of its K taps keeps a float32 copy (``K C_conv`` at 4 bytes in place of ``C_conv``); the kernels'
+    tensors are counted at 4 bytes (an upper bound: at bf16 some are bf16).
+    Counted with saved-tensor hooks on real layers under ``prepare_model`` (float32, one process and sp 2):
+    ``tests/test_estimate.py`` checks each kind within 5% at two widths.
+    Exchange, per mixer layer and rank, forward (its backward, a reduce-scatter, moves as much): the halo's
+    tails, ``chunks x rows x C_conv x (K - 1)`` in the dtype, and the state summaries (gated DeltaNet and
+    SSD), ``chunks x rows x heads x dk x (dk + dv)`` float32 (``M`` next to ``S_loc``; SSD's ``M`` is a
+    decay times the identity but seqpar sends it as a ``d_head x d_head`` matrix, its dk being d_head and its
+    dv N); the all-gather hands every rank sp of each, which the layer holds while its backward runs. Gloo's
+    ring all-gather sends ``(sp - 1)`` pieces of a rank's size, as does the reduce-scatter.
+"""
+
+from __future__ import annotations
+
+from seqpar.models import ModelSizes
+
+__all__ = ["exchange_bytes", "mixer_elements"]
+
+GDN_CHUNK = 64
+"""``torch_chunk_gated_delta_rule``'s default chunk length, the one seqpar's adapters run it with."""
+
+
+def _attention(d: ModelSizes) -> int:
+    """A hybrid's attention layer's mixer elements per token (Note [hybrid memory])."""
+    hq, hkv = d.q_width, d.kv_width
+    if d.attention_gate:
+        return 8 * hq + 4 * hkv
+    if d.qk_norm:
+        return 5 * hq + 3 * hkv
+    return (2 if d.model_type == "granitemoehybrid" else 3) * hq + 2 * hkv
+
+
+def _conv_channels(d: ModelSizes, kind: str) -> tuple[int, int]:
+    """(channels, width) of the short convolution of a ``kind`` layer."""
+    if kind == "gated_deltanet":
+        keys = d.linear_num_key_heads * d.linear_key_head_dim
+        return 2 * keys + d.linear_num_value_heads * d.linear_value_head_dim, d.linear_conv_kernel_dim
+    if kind == "mamba2":
+        return d.mamba_n_heads * d.mamba_d_head + 2 * d.mamba_n_groups * d.mamba_d_state, d.mamba_d_conv
+    return d.hidden_size, d.conv_L_cache
+
+
+def _gdn_kernel(d: ModelSizes, dv: int) -> float:
+    """``G(dv)`` of Note [hybrid memory]: float32 elements per token inside the gated delta rule's kernel."""
+    hv, dk, c = d.linear_num_value_heads, d.linear_key_head_dim, GDN_CHUNK
+    return 5 * hv * c + 12 * hv * dk + 3 * hv * dv + 7 * hv + hv * dk * dv / c
+
+
+def _ssd_kernel(d: ModelSizes) -> float:
+    """``S`` of Note [hybrid memory]: float32 elements per token inside ``mamba2_chunk_scan``."""
+    hm, n, c = d.mamba_n_heads, d.mamba_d_state, d.mamba_chunk_size
+    return 4 * hm * d.mamba_d_head + 3 * hm * c + 5 * hm * n + 2 * hm * d.mamba_d_head * n / c + 5 * hm
+
+
+def mixer_elements(d: ModelSizes, kind: str, sp: int, b: int) -> tuple[float, float]:
+    """Elements one token keeps in a hybrid's layer of ``kind`` for its backward, its MLP and input left out.
+
+    Args:
+        d: the model's sizes (a hybrid's, Note [hybrid sizes]).
+        kind: "attention" or one of ``seqpar.models.sizes.MIXER_KINDS``.
+        sp: sequence-parallel degree (the state passing's reruns when above 1).
+        b: bytes per element of the model's dtype.
+
+    Returns:
+        (elements in the model's dtype, float32 elements), per token (Note [hybrid memory]).
+    """
+    norms = 5 * d.hidden_size
+    if kind == "attention":
+        return float(norms + _attention(d)), 0.0
+    channels, width = _conv_channels(d, kind)
+    taps = (float(channels) if b >= 4 else 0.0, 0.0 if b >= 4 else float(width * channels))  # Note [hybrid memory]
+    if kind == "short_conv":
+        return norms + 5.0 * d.hidden_size + taps[0], taps[1]
+    if kind == "gated_deltanet":
+        dv, dk = d.linear_value_head_dim, d.linear_key_head_dim
+        around = norms + channels + 6 * d.linear_num_value_heads * dv + 3 * d.linear_num_value_heads
+        kernel = _gdn_kernel(d, dv) if sp == 1 else 2 * _gdn_kernel(d, dv) + _gdn_kernel(d, dk)
+        return around + taps[0], kernel + taps[1]
+    inner, hm = d.mamba_n_heads * d.mamba_d_head, d.mamba_n_heads
+    projected = 2 * inner + 2 * d.mamba_n_groups * d.mamba_d_state + hm
+    around = norms + projected + 2 * channels + 5 * inner + 3 * hm
+    return around + taps[0], (1 if sp == 1 else 2) * _ssd_kernel(d) + taps[1]
+
+
+def exchange_bytes(d: ModelSizes, kind: str, rows: int, chunks: int, b: int) -> tuple[int, int]:
+    """What one rank hands the all-gathers of one ``kind`` layer's forward (Note [hybrid memory]).
+
+    Args:
+        d: the model's sizes.
+        kind: one of ``MIXER_KINDS`` ("attention" exchanges nothing here).
+        rows: rows of the micro-batch.
+        chunks: layout chunks each rank holds.
+        b: bytes per element of the model's dtype.
+
+    Returns:
+        (halo tail bytes, state summary bytes) of this rank's pieces; each all-gather returns sp times as many.
+    """
+    if kind == "attention":
+        return 0, 0
+    channels, width = _conv_channels(d, kind)
+    halo = chunks * rows * channels * (width - 1) * b
+    if kind == "gated_deltanet":
+        heads, dk, dv = d.linear_num_value_heads, d.linear_key_head_dim, d.linear_value_head_dim
+    elif kind == "mamba2":
+        heads, dk, dv = d.mamba_n_heads, d.mamba_d_head, d.mamba_d_state
+    else:
+        return halo, 0
+    return halo, chunks * rows * heads * dk * (dk + dv) * 4
