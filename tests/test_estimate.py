@@ -436,8 +436,8 @@ def test_mla_parameters_exact_and_kept_activations_within_5_percent(kind):
 
 def test_mla_bad_sizes_and_hybrid_configs_are_refused_not_estimated_wrong():
     """MLA sizes that are not positive integers are named, MLA of a model type whose layers are not the ones
-    counted is refused; a hybrid's convolution and recurrent layers are not
-    what ModelSizes describes: refused, with the reason."""
+    counted is refused; hybrids whose layers ModelSizes does not describe (Note [hybrid sizes]) are refused, with
+    the reason."""
     from tests._models import tiny_config
 
     bad = {**tiny_config("deepseek_v3").to_dict(), "qk_rope_head_dim": 0}
@@ -446,9 +446,48 @@ def test_mla_bad_sizes_and_hybrid_configs_are_refused_not_estimated_wrong():
     other = {**tiny_config("deepseek_v3").to_dict(), "model_type": "deepseek_v32"}  # an indexer besides MLA
     with pytest.raises(seqpar.SeqparInputError, match="MLA attention of model type 'deepseek_v32'"):
         seqpar.estimate_memory(other, 1024, sp_size=2)
-    for kind, types in (("lfm2", "conv"), ("qwen3_next", "linear_attention"), ("qwen3_5", "linear_attention")):
-        with pytest.raises(seqpar.SeqparInputError, match=f"layers of type {types} besides attention"):
+    for kind, reason in (("falcon_h1", "side by side"), ("kimi_linear", "KDA layers"), ("jamba", "Mamba1 layers")):
+        with pytest.raises(seqpar.SeqparInputError, match=f"'{kind}': its .*{reason}.*Note \\[hybrid sizes\\]"):
             seqpar.estimate_memory(tiny_config(kind), 1024, sp_size=2)
+
+
+HYBRID_ESTIMATED = ("lfm2", "qwen3_5", "qwen3_5_moe", "qwen3_next", "granitemoehybrid", "bamba")
+
+
+@pytest.mark.parametrize("kind", HYBRID_ESTIMATED)
+def test_hybrid_parameters_exact_kept_activations_within_6_percent_and_planned(kind):
+    """Note [hybrid sizes], Note [hybrid memory]: a hybrid's parameters (all, the largest layer's, the head's)
+    equal the built model's; each layer, attention or mixer (short convolution, gated DeltaNet, Mamba2), keeps
+    under ``prepare_model`` within 6% of the predicted elements per token (saved-tensor hooks, one process,
+    64 tokens); at sp 2 the estimate holds the mixers' exchange buffers, of the sizes the summaries have, and the
+    planner plans the model with the estimate's sizes."""
+    from seqpar.memory.activations import _mixer_bytes, activation_bytes
+    from seqpar.memory.mixers import exchange_bytes
+    from seqpar.models import ModelSizes, parameter_counts
+    from seqpar.planning import Cluster, plan
+    from tests._models import tiny_config
+
+    config = tiny_config(kind)
+    sizes = ModelSizes.from_config(config)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    layers = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
+    head = model.lm_head.weight.numel()
+    assert parameter_counts(sizes) == (sum(p.numel() for p in model.parameters()), max(layers), head)
+    seqpar.prepare_model(model, None)
+    tokens, n = 64, sizes.num_hidden_layers
+    mixers = _mixer_bytes(sizes, tokens, 4, 1)
+    every = activation_bytes(sizes, tokens, 4, (), 1)["kept_per_layer"] * n - tokens * sizes.hidden_size * 4 * n
+    mlp = (every - sum(count * mixers[k] for k, count in sizes.kind_counts.items())) / n  # each layer's MLP
+    for index, layer in enumerate(model.model.layers):
+        counted = _kept_elements_per_token(model, layer, tokens)
+        predicted = (mixers[sizes.layer_kinds[index]] + mlp) / 4 / tokens
+        assert abs(predicted / counted - 1) < 0.06, (index, sizes.layer_kinds[index], predicted, counted)
+    estimate = seqpar.estimate_memory(config, 4096, sp_size=2)
+    mixer_kinds = [k for k in sizes.kind_counts if k != "attention"]
+    held = max(2 * sum(exchange_bytes(sizes, k, 1, 2, 4)) for k in mixer_kinds)  # two ranks' pieces gathered
+    assert estimate.mixer_state == held > 0 and estimate.mixer_exchange > 0
+    assert plan(config.to_dict(), 4096, Cluster(gpus=4)).candidates
 
 
 DEEPSEEK_V2_LITE = dict(  # the published config's sizes
@@ -475,7 +514,7 @@ DEEPSEEK_V2_LITE = dict(  # the published config's sizes
 def test_published_mla_models_count_their_parameters_and_plan():
     """DeepSeek-V2-Lite counts its published 15.7B parameters (2.4B active) and DeepSeek-V3 its 671B (37B active);
     the planner plans MLA models with the estimate's own sizes (its best layout's peak is ``estimate_memory``'s),
-    and refuses a hybrid with the estimate's reason."""
+    and refuses a hybrid it does not describe with the estimate's reason."""
     from seqpar.models import ModelSizes
     from seqpar.planning import Cluster, plan
     from seqpar.planning.memory import estimate_layout
@@ -493,8 +532,8 @@ def test_published_mla_models_count_their_parameters_and_plan():
     assert result.model == dataclasses.replace(lite, source="(dict)") and result.candidates
     best = result.candidates[0]
     assert best.peak_bytes == estimate_layout(lite, 2**16, best.layout, dtype="bf16").peak
-    with pytest.raises(seqpar.SeqparInputError, match="layers of type conv besides attention"):
-        plan(tiny_config("lfm2").to_dict(), 4096, Cluster(gpus=8))
+    with pytest.raises(seqpar.SeqparInputError, match="'falcon_h1': its layers run attention and Mamba2"):
+        plan(tiny_config("falcon_h1").to_dict(), 4096, Cluster(gpus=8))
 
 
 def test_deepseek_expert_schema_counts_glm4_moe_exactly():

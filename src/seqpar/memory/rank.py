@@ -118,11 +118,9 @@ def estimate_rank(
     # Note [pipeline memory and time]: torch's receive buffers, one per micro-batch and stage boundary, kept
     recv = view.recv_buffers * tokens * hidden * b if pipelined else 0
     act["kept"] += view.sends_held * tokens * hidden * b + vision[1]  # interleaved: sends held to the step's end
-    held_logits = 0  # Note [pipeline memory and time]: torch's last stage keeps outputs until their backward
-    if pipelined and "chunked_loss" not in features:
-        held_logits = held_logits_bytes(view, tokens, vocab, b)
-    head_grad = head_params * b // shards
-    all_grads = -(-total * b // shards)
+    # Note [pipeline memory and time]: torch's last stage keeps outputs until their backward
+    held_logits = held_logits_bytes(view, tokens, vocab, b) if pipelined and "chunked_loss" not in features else 0
+    head_grad, all_grads = head_params * b // shards, -(-total * b // shards)
     kept_grads = all_grads if keep_gradients else 0
     host = (layers - act["kept_layers"]) * act["kept_per_layer"] * view.in_flight  # inputs the offload moved
     gathered_head = 0

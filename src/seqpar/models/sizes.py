@@ -22,48 +22,6 @@ Note [mixture-of-experts sizes]
     shared MLP, dense ``first_k_dense_replace`` first layers; GLM-4-MoE and dots.llm1 share it) reads into the
     same fields.
 
-Note [MLA sizes]
-    MLA attention (DeepSeek-V2/V3, MiniCPM3) projects the queries through a rank-``r_q`` bottleneck
-    (``q_a_proj``, an RMSNorm, ``q_b_proj``; a plain ``q_proj`` when ``q_lora_rank`` is None) and the keys
-    and values through one shared latent: ``kv_a_proj_with_mqa`` makes ``r_kv`` latent plus ``d_rope``
-    rotary key columns, an RMSNorm, ``kv_b_proj`` expands the latent to every head's ``d_nope`` key and
-    ``d_v`` value columns, and ``o_proj`` reads ``heads x d_v``. Queries and keys have
-    ``d_qk = d_nope + d_rope`` columns per head, and every head has its own keys and values after the
-    expansion. seqpar pads the values to ``d_qk`` (Note [value head size]), so the attention seqpar runs is
-    a plain multi-head attention of ``heads`` heads of ``d_qk``: ``ModelSizes.dim`` is ``d_qk`` and the
-    key/value heads are the query heads, which makes the communication sizes and attention FLOPs those of
-    the padded tensors seqpar moves. The projections' weights are counted exactly (the two latent norms
-    included), as ``parameter_counts`` of the built model. Only the model types whose layers were checked
-    so are read (DeepSeek-V2/V3, MiniCPM3); other MLA configs (DSA indexers, Kimi Linear's KDA layers) are
-    refused with the reason.
-
-Note [hybrid sizes]
-    A hybrid model's layers each hold attention or another token mixer (``ModelSizes.layer_kinds``, read from
-    the config's ``layer_types``, or Bamba's ``attn_layer_indices``), and an MLP or experts as in the rest of
-    this module. The mixers counted, each with the layer's two RMSNorms (2H), H the hidden size:
-    * gated DeltaNet (Qwen3-Next, Qwen3.5; ``linear_*`` fields): key heads Hk of dk, value heads Hv of dv,
-      ``key_dim = Hk dk``, ``value_dim = Hv dv``, conv width K: the q/k/v/z projections
-      ``H (2 key_dim + 2 value_dim)`` (one fused matrix in Qwen3-Next, four in Qwen3.5), b and a ``2 H Hv``,
-      the depthwise convolution ``(2 key_dim + value_dim) K`` (no bias), ``A_log`` and ``dt_bias`` (2 Hv),
-      the gated norm (dv) and ``out_proj`` (``value_dim H``).
-    * Mamba2 / SSD (Bamba, GraniteMoeHybrid; ``mamba_*`` fields): Hm heads of d_head, ``I_m = Hm d_head``,
-      G groups of state size N, conv width K: ``in_proj`` ``H (2 I_m + 2 G N + Hm)`` (its bias with
-      ``mamba_proj_bias``), the convolution ``(I_m + 2 G N) K`` (its bias with ``mamba_conv_bias``),
-      ``A_log``, ``D``, ``dt_bias`` (3 Hm), the gated norm (I_m) and ``out_proj`` (``I_m H``, biased with
-      ``mamba_proj_bias``).
-    * LFM2's gated short convolution (``conv_L_cache`` = K): ``in_proj`` ``3 H^2``, the convolution ``H K``,
-      ``out_proj`` ``H^2`` (each with a bias under ``conv_bias``). LFM2's MLP width is the one its layers
-      build: with ``block_auto_adjust_ff_dim``, ``2/3`` of ``intermediate_size``, times
-      ``block_ffn_dim_multiplier``, rounded up to ``block_multiple_of``; ``intermediate_size`` holds that.
-    Their attention layers are Llama's plus, where the family has them, per-head q/k RMSNorms
-    (``qk_norm``: 2 head_dim) and Qwen3-Next's output gate (``attention_gate``: ``q_proj`` twice as wide).
-    GraniteMoeHybrid's dense ``shared_mlp`` (``shared_intermediate_size``) is the MLP; with experts it is an
-    ungated shared expert beside them. A pipeline stage of ``n`` of the model's ``L`` layers holds the kinds
-    in proportion (``ModelSizes.kind_counts``). Hybrids are counted at tp 1 (their families have no tensor-
-    parallel plan in seqpar). Families whose layers differ from these are refused with the reason
-    (``_UNMODELLED``): Nemotron-H, Falcon-H1, Zamba2, Mamba2 alone, Olmo-Hybrid, Kimi Linear, and the
-    families seqpar does not serve (Mamba1, MiniMax). ``tests/test_estimate.py`` checks every count against
-    the built tiny models.
 """
 
 from __future__ import annotations
@@ -72,8 +30,19 @@ import dataclasses
 from dataclasses import dataclass
 
 from seqpar.errors import SeqparInputError
+from seqpar.models.hybrid_sizes import (
+    HYBRID_MIXERS,
+    MIXER_KINDS,
+    NOT_ATTENTION,
+    UNMODELLED,
+    hybrid_config,
+    hybrid_fields,
+    layer_types,
+    mixer_params,
+)
+from seqpar.models.mla_sizes import mla_fields
 
-__all__ = ["MIXER_KINDS", "ModelSizes", "active_parameters", "mixer_params", "parameter_counts"]
+__all__ = ["MIXER_KINDS", "ModelSizes", "active_parameters", "parameter_counts"]
 
 
 @dataclass(frozen=True)
@@ -325,7 +294,7 @@ class ModelSizes:
                 v_head_dim=self.v_head_dim,
             )
         if self.hybrid:
-            config.update(_hybrid_config(self))
+            config.update(hybrid_config(self))
         if self.num_experts and self.model_type == "granitemoehybrid":
             config.update(
                 num_local_experts=self.num_experts,
@@ -359,122 +328,6 @@ def _check_tp(heads: int, kv_heads: int, tp: int) -> None:
         raise SeqparInputError(f"tp_size {tp} must divide the heads ({heads}) and key/value heads ({kv_heads})")
 
 
-_NOT_ATTENTION = ("conv", "linear_attention", "mamba", "mamba2", "recurrent", "linear")
-"""``layer_types`` entries of token mixers other than attention."""
-
-MIXER_KINDS = ("gated_deltanet", "mamba2", "short_conv")
-"""The token mixers other than attention whose sizes ``ModelSizes`` counts (Note [hybrid sizes])."""
-
-_HYBRID_MIXERS = {
-    "qwen3_next": "gated_deltanet",
-    "qwen3_5_text": "gated_deltanet",
-    "bamba": "mamba2",
-    "granitemoehybrid": "mamba2",
-    "lfm2": "short_conv",
-}
-"""Model types whose hybrid layers Note [hybrid sizes] describes -> the kind of their non-attention layers."""
-
-_UNMODELLED = {
-    "nemotron_h": "its layers each hold one of Mamba2, attention, experts or an MLP, which seqpar's sizes of "
-    "a layer (a token mixer and an MLP) do not describe yet",
-    "falcon_h1": "its layers run attention and Mamba2 side by side with muP multipliers, which seqpar's sizes "
-    "do not describe yet",
-    "zamba2": "its shared attention block (one set of weights run in several layers, with per-layer adapters) "
-    "is not described by seqpar's sizes yet",
-    "mamba2": "a Mamba2 model without attention or MLPs is not described by seqpar's sizes yet",
-    "olmo_hybrid": "its gated DeltaNet layers (norms after the mixer, separate gate projection) are not "
-    "described by seqpar's sizes yet",
-    "kimi_linear": "its KDA layers (a decay per channel, low-rank gates) beside MLA attention are not "
-    "described by seqpar's sizes yet",
-    "jamba": "seqpar does not serve its Mamba1 layers",
-    "mamba": "seqpar does not serve its Mamba1 layers",
-    "falcon_mamba": "seqpar does not serve its Mamba1 layers",
-    "minimax": "seqpar does not serve its lightning attention layers",
-}
-"""Model types of hybrids whose sizes seqpar does not model -> why (Note [hybrid sizes])."""
-
-_GDN_FIELDS = (
-    "linear_num_key_heads",
-    "linear_num_value_heads",
-    "linear_key_head_dim",
-    "linear_value_head_dim",
-    "linear_conv_kernel_dim",
-)
-_MAMBA_FIELDS = ("mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_d_conv", "mamba_chunk_size")
-
-
-def _layer_types(get) -> list[str]:
-    """The config's ``layer_types`` (Bamba's from ``attn_layer_indices`` in a config.json)."""
-    types = get("layer_types") or get("layers_block_type")
-    if not types and get("model_type") == "bamba" and get("attn_layer_indices") is not None:
-        attention = set(get("attn_layer_indices"))
-        types = ["attention" if i in attention else "mamba" for i in range(get("num_hidden_layers") or 0)]
-    return list(types or ())
-
-
-def _positive(get, names: tuple[str, ...], what: str) -> dict:
-    """``names`` read with ``get``, each a positive integer, or one ``SeqparInputError`` naming the others."""
-    fields = {n: get(n) for n in names}
-    bad = [n for n, v in fields.items() if not isinstance(v, int) or isinstance(v, bool) or v <= 0]
-    if bad:
-        raise SeqparInputError(f"{what} layers need positive integer {', '.join(bad)}")
-    return fields
-
-
-def _hybrid(get, model_type: str, types: list[str], tp: int) -> dict:
-    """The hybrid fields of ``ModelSizes`` (Note [hybrid sizes])."""
-    if tp != 1:
-        raise SeqparInputError(f"hybrid models are counted at tp_size 1 (their families have no tp plan), not {tp}")
-    mixer = _HYBRID_MIXERS[model_type]
-    kinds = tuple(mixer if t in _NOT_ATTENTION else "attention" for t in types)
-    fields: dict = {"layer_kinds": kinds}
-    if mixer == "gated_deltanet":
-        fields.update(_positive(get, _GDN_FIELDS, "gated DeltaNet"), attention_gate=True, qk_norm=True)
-    elif mixer == "mamba2":
-        hidden, heads = get("hidden_size"), get("mamba_n_heads")
-        if not get("mamba_d_head") and isinstance(heads, int) and heads > 0:  # as the configs derive it
-            fields["mamba_d_head"] = (get("mamba_expand") or 2) * hidden // heads
-        read = {n: fields.get(n) or get(n) for n in _MAMBA_FIELDS}
-        fields.update(_positive(read.get, _MAMBA_FIELDS, "Mamba2"))
-        fields.update(mamba_conv_bias=bool(get("mamba_conv_bias", True)), mamba_proj_bias=bool(get("mamba_proj_bias")))
-    else:  # LFM2: the MLP width its layers build
-        fields.update(_positive(get, ("conv_L_cache",), "LFM2 convolution"), conv_bias=bool(get("conv_bias")))
-        fields.update(qk_norm=True, intermediate_size=_lfm2_width(get))
-    return fields
-
-
-def _lfm2_width(get) -> int:
-    """LFM2's MLP width as ``Lfm2MLP`` builds it (Note [hybrid sizes])."""
-    width = get("intermediate_size")
-    if get("block_auto_adjust_ff_dim", True):
-        width = int(2 * width / 3)
-        if get("block_ffn_dim_multiplier") is not None:
-            multiple = get("block_multiple_of") or 1
-            width = multiple * -(-int(get("block_ffn_dim_multiplier") * width) // multiple)
-    return width
-
-
-def _hybrid_config(d: ModelSizes) -> dict:
-    """The config fields that read back to ``d``'s hybrid sizes."""
-    if d.model_type == "lfm2":
-        types = ["conv" if k == "short_conv" else "full_attention" for k in d.layer_kinds]
-        return {"layer_types": types, "conv_L_cache": d.conv_L_cache, "conv_bias": d.conv_bias,
-                "block_auto_adjust_ff_dim": False}  # fmt: skip
-    types = ["linear_attention" if k != "attention" else "full_attention" for k in d.layer_kinds]
-    if d.model_type == "bamba":
-        types = None
-        config = {"attn_layer_indices": [i for i, k in enumerate(d.layer_kinds) if k == "attention"]}
-    else:
-        config = {"layer_types": types}
-    names = _GDN_FIELDS if d.linear_num_value_heads else _MAMBA_FIELDS
-    config.update({n: getattr(d, n) for n in names})
-    if d.mamba_n_heads:
-        config.update(mamba_conv_bias=d.mamba_conv_bias, mamba_proj_bias=d.mamba_proj_bias)
-    if d.model_type == "granitemoehybrid" and not d.num_experts:
-        config.update(shared_intermediate_size=d.intermediate_size, num_local_experts=0)
-    return config
-
-
 def _from_config(config: object, tp: int, source: str) -> ModelSizes:
     """``ModelSizes.from_config`` without the source in its errors."""
     if isinstance(config, dict):
@@ -483,28 +336,28 @@ def _from_config(config: object, tp: int, source: str) -> ModelSizes:
         config = getattr(config, "text_config", None) or config
     get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
     model_type = str(get("model_type", None) or "llama")
-    if model_type in _UNMODELLED:
+    if model_type in UNMODELLED:
         raise SeqparInputError(
-            f"a model of type {model_type!r}: {_UNMODELLED[model_type]}, so seqpar's memory estimate and plans "
+            f"a model of type {model_type!r}: {UNMODELLED[model_type]}, so seqpar's memory estimate and plans "
             "would be wrong for it (Note [hybrid sizes])"
         )
     names = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "num_hidden_layers")
     missing = [n for n in names if not isinstance(get(n), int) or isinstance(get(n), bool) or get(n) <= 0]
     if missing:
         raise SeqparInputError(f"the model config lacks positive integer {', '.join(missing)}: not a decoder config")
-    types = _layer_types(get)
-    mixing = sorted({t for t in types if t in _NOT_ATTENTION})
-    if mixing and model_type not in _HYBRID_MIXERS:
+    types = layer_types(get)
+    mixing = sorted({t for t in types if t in NOT_ATTENTION})
+    if mixing and model_type not in HYBRID_MIXERS:
         raise SeqparInputError(
             f"a hybrid model (layers of type {', '.join(mixing)} besides attention) of model type {model_type!r}: "
-            f"seqpar's sizes describe the hybrid layers of {', '.join(_HYBRID_MIXERS)} only, so its memory "
+            f"seqpar's sizes describe the hybrid layers of {', '.join(HYBRID_MIXERS)} only, so its memory "
             "estimate and plans would be wrong for this model; training under seqpar is not affected "
             "(Note [hybrid sizes])"
         )
-    hybrid = _hybrid(get, model_type, types, tp) if mixing else {}
+    hybrid = hybrid_fields(get, model_type, types, tp) if mixing else {}
     hidden, heads, layers = get("hidden_size"), get("num_attention_heads"), get("num_hidden_layers")
     kv_heads = get("num_key_value_heads") or heads
-    mla = _mla(get)
+    mla = mla_fields(get)
     if mla:  # every head has its own keys and values once the latent is expanded (Note [MLA sizes])
         kv_heads = heads
     if heads % kv_heads:
@@ -534,31 +387,6 @@ def _from_config(config: object, tp: int, source: str) -> ModelSizes:
         **mla,
         **hybrid,
     )
-
-
-_MLA_TYPES = ("deepseek_v2", "deepseek_v3", "minicpm3")
-"""Model types whose MLA layers Note [MLA sizes] describes (checked against built models)."""
-
-
-def _mla(get) -> dict:
-    """The MLA fields of ``ModelSizes`` (Note [MLA sizes]); none when the attention is not MLA."""
-    if not get("kv_lora_rank") and not get("v_head_dim"):
-        return {}
-    if get("model_type") not in _MLA_TYPES:  # DSA indexers, KDA hybrids, other layer shapes around MLA
-        raise SeqparInputError(
-            f"MLA attention of model type {get('model_type')!r}: seqpar's sizes describe the MLA layers of "
-            f"{', '.join(_MLA_TYPES)} only, so its memory estimate and plans could be wrong for this model; "
-            "training under seqpar is not affected (Note [value head size])"
-        )
-    names = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-    fields = {n: get(n) for n in names}
-    bad = [n for n, v in fields.items() if not isinstance(v, int) or isinstance(v, bool) or v <= 0]
-    q_rank = get("q_lora_rank") or 0
-    if not isinstance(q_rank, int) or isinstance(q_rank, bool) or q_rank < 0:
-        bad.append("q_lora_rank")
-    if bad:
-        raise SeqparInputError(f"MLA attention needs positive integer {', '.join(bad)} (q_lora_rank may be None)")
-    return {**fields, "q_lora_rank": q_rank}
 
 
 def _experts(get, layers: int) -> dict:
@@ -610,45 +438,13 @@ def _moe_mlp_params(d: ModelSizes, experts: int) -> int:
     return 3 * h * d.expert_width * experts + h * d.num_experts + shared
 
 
-def mixer_params(d: ModelSizes, kind: str) -> int:
-    """Parameters of one layer's token mixer of ``kind`` and the layer's two RMSNorms (Note [hybrid sizes]).
-
-    Args:
-        d: the model's sizes.
-        kind: "attention" or one of ``MIXER_KINDS``.
-
-    Returns:
-        The parameter count (the MLP left out).
-    """
-    h = d.hidden_size
-    if kind == "attention":
-        return _attention_params(d)
-    if kind == "gated_deltanet":
-        keys = d.linear_num_key_heads * d.linear_key_head_dim
-        values = d.linear_num_value_heads * d.linear_value_head_dim
-        heads = d.linear_num_value_heads
-        projections = h * (2 * keys + 2 * values + 2 * heads) + values * h
-        return projections + (2 * keys + values) * d.linear_conv_kernel_dim + 2 * heads + d.linear_value_head_dim + 2 * h
-    if kind == "mamba2":
-        inner, heads = d.mamba_n_heads * d.mamba_d_head, d.mamba_n_heads
-        conv = inner + 2 * d.mamba_n_groups * d.mamba_d_state
-        projected = inner + conv + heads
-        bias = (projected + h) if d.mamba_proj_bias else 0
-        conv_params = conv * d.mamba_d_conv + (conv if d.mamba_conv_bias else 0)
-        return h * projected + inner * h + bias + conv_params + 3 * heads + inner + 2 * h
-    if kind == "short_conv":
-        bias = 5 * h if d.conv_bias else 0
-        return 4 * h * h + h * d.conv_L_cache + bias + 2 * h
-    raise SeqparInputError(f"unknown layer kind {kind!r}; choose from attention, {', '.join(MIXER_KINDS)}")
-
-
 def _layer_params(d: ModelSizes, experts: int) -> tuple[int, int, int, int, int]:
     """(sparse layers, a dense layer's MLP parameters, a sparse layer's, all layers' token mixers and norms,
     the largest layer's) with ``experts`` experts counted."""
     sparse_layers = min(d.moe_layers, d.num_hidden_layers)  # a pipeline stage's view keeps the whole model's count
     dense = 3 * d.hidden_size * d.dense_width
     sparse = _moe_mlp_params(d, experts) if sparse_layers else 0
-    mixers = {kind: mixer_params(d, kind) for kind in d.kind_counts}
+    mixers = {kind: _attention_params(d) if kind == "attention" else mixer_params(d, kind) for kind in d.kind_counts}
     total = sum(n * mixers[kind] for kind, n in d.kind_counts.items())
     mlp = max(dense if sparse_layers < d.num_hidden_layers else 0, sparse)
     return sparse_layers, dense, sparse, total, max(mixers.values(), default=0) + mlp

@@ -1,0 +1,201 @@
+"""The sizes of a hybrid model's token mixers read from its config: which layers hold which mixer, and its fields.
+
+``ModelSizes`` (``sizes.py``) reads these for the families the memory estimate models (Note [hybrid sizes]).
+
+Note [hybrid sizes]
+    A hybrid model's layers each hold attention or another token mixer (``ModelSizes.layer_kinds``, read from
+    the config's ``layer_types``, or Bamba's ``attn_layer_indices``), and an MLP or experts as in the rest of
+    this module. The mixers counted, each with the layer's two RMSNorms (2H), H the hidden size:
+    * gated DeltaNet (Qwen3-Next, Qwen3.5; ``linear_*`` fields): key heads Hk of dk, value heads Hv of dv,
+      ``key_dim = Hk dk``, ``value_dim = Hv dv``, conv width K: the q/k/v/z projections
+      ``H (2 key_dim + 2 value_dim)`` (one fused matrix in Qwen3-Next, four in Qwen3.5), b and a ``2 H Hv``,
+      the depthwise convolution ``(2 key_dim + value_dim) K`` (no bias), ``A_log`` and ``dt_bias`` (2 Hv),
+      the gated norm (dv) and ``out_proj`` (``value_dim H``).
+    * Mamba2 / SSD (Bamba, GraniteMoeHybrid; ``mamba_*`` fields): Hm heads of d_head, ``I_m = Hm d_head``,
+      G groups of state size N, conv width K: ``in_proj`` ``H (2 I_m + 2 G N + Hm)`` (its bias with
+      ``mamba_proj_bias``), the convolution ``(I_m + 2 G N) K`` (its bias with ``mamba_conv_bias``),
+      ``A_log``, ``D``, ``dt_bias`` (3 Hm), the gated norm (I_m) and ``out_proj`` (``I_m H``, biased with
+      ``mamba_proj_bias``).
+    * LFM2's gated short convolution (``conv_L_cache`` = K): ``in_proj`` ``3 H^2``, the convolution ``H K``,
+      ``out_proj`` ``H^2`` (each with a bias under ``conv_bias``). LFM2's MLP width is the one its layers
+      build: with ``block_auto_adjust_ff_dim``, ``2/3`` of ``intermediate_size``, times
+      ``block_ffn_dim_multiplier``, rounded up to ``block_multiple_of``; ``intermediate_size`` holds that.
+    Their attention layers are Llama's plus, where the family has them, per-head q/k RMSNorms
+    (``qk_norm``: 2 head_dim) and Qwen3-Next's output gate (``attention_gate``: ``q_proj`` twice as wide).
+    GraniteMoeHybrid's dense ``shared_mlp`` (``shared_intermediate_size``) is the MLP; with experts it is an
+    ungated shared expert beside them. A pipeline stage of ``n`` of the model's ``L`` layers holds the kinds
+    in proportion (``ModelSizes.kind_counts``). Hybrids are counted at tp 1 (their families have no tensor-
+    parallel plan in seqpar). Families whose layers differ from these are refused with the reason
+    (``UNMODELLED``): Nemotron-H, Falcon-H1, Zamba2, Mamba2 alone, Olmo-Hybrid, Kimi Linear, and the
+    Mamba1 (Mamba, Falcon-Mamba, Jamba) and MiniMax families. ``tests/test_estimate.py`` checks every count against
+    the built tiny models.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from seqpar.errors import SeqparInputError
+
+# A ``seqpar.models.sizes.ModelSizes``; named loosely so that this module stays below ``sizes.py``
+# in the import order (sizes.py imports it).
+ModelSizes = Any
+
+__all__ = [
+    "HYBRID_MIXERS",
+    "MIXER_KINDS",
+    "NOT_ATTENTION",
+    "UNMODELLED",
+    "hybrid_config",
+    "hybrid_fields",
+    "layer_types",
+    "mixer_params",
+]
+
+
+NOT_ATTENTION = ("conv", "linear_attention", "mamba", "mamba2", "recurrent", "linear")
+"""``layer_types`` entries of token mixers other than attention."""
+
+MIXER_KINDS = ("gated_deltanet", "mamba2", "short_conv")
+"""The token mixers other than attention whose sizes ``ModelSizes`` counts (Note [hybrid sizes])."""
+
+HYBRID_MIXERS = {
+    "qwen3_next": "gated_deltanet",
+    "qwen3_5_text": "gated_deltanet",
+    "qwen3_5_moe_text": "gated_deltanet",
+    "bamba": "mamba2",
+    "granitemoehybrid": "mamba2",
+    "lfm2": "short_conv",
+}
+"""Model types whose hybrid layers Note [hybrid sizes] describes -> the kind of their non-attention layers."""
+
+UNMODELLED = {
+    "nemotron_h": "its layers each hold one of Mamba2, attention, experts or an MLP, which seqpar's sizes of "
+    "a layer (a token mixer and an MLP) do not describe yet",
+    "falcon_h1": "its layers run attention and Mamba2 side by side with muP multipliers, which seqpar's sizes "
+    "do not describe yet",
+    "zamba2": "its shared attention block (one set of weights run in several layers, with per-layer adapters) "
+    "is not described by seqpar's sizes yet",
+    "mamba2": "a Mamba2 model without attention or MLPs is not described by seqpar's sizes yet",
+    "olmo_hybrid": "its gated DeltaNet layers (norms after the mixer, separate gate projection) are not "
+    "described by seqpar's sizes yet",
+    "kimi_linear": "its KDA layers (a decay per channel, low-rank gates) beside MLA attention are not "
+    "described by seqpar's sizes yet",
+    "jamba": "its Mamba1 layers (and experts beside them) are not described by seqpar's sizes yet",
+    "mamba": "its Mamba1 layers are not described by seqpar's sizes yet",
+    "falcon_mamba": "its Mamba1 layers are not described by seqpar's sizes yet",
+    "minimax": "its lightning attention layers are not described by seqpar's sizes yet",
+}
+"""Model types of hybrids whose sizes seqpar does not model -> why (Note [hybrid sizes])."""
+
+_GDN_FIELDS = (
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+)
+_MAMBA_FIELDS = ("mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_d_conv", "mamba_chunk_size")
+
+
+def layer_types(get) -> list[str]:
+    """The config's ``layer_types`` (Bamba's from ``attn_layer_indices`` in a config.json)."""
+    types = get("layer_types") or get("layers_block_type")
+    if not types and get("model_type") == "bamba" and get("attn_layer_indices") is not None:
+        attention = set(get("attn_layer_indices"))
+        types = ["attention" if i in attention else "mamba" for i in range(get("num_hidden_layers") or 0)]
+    return list(types or ())
+
+
+def _positive(get, names: tuple[str, ...], what: str) -> dict:
+    """``names`` read with ``get``, each a positive integer, or one ``SeqparInputError`` naming the others."""
+    fields = {n: get(n) for n in names}
+    bad = [n for n, v in fields.items() if not isinstance(v, int) or isinstance(v, bool) or v <= 0]
+    if bad:
+        raise SeqparInputError(f"{what} layers need positive integer {', '.join(bad)}")
+    return fields
+
+
+def hybrid_fields(get, model_type: str, types: list[str], tp: int) -> dict:
+    """The hybrid fields of ``ModelSizes`` (Note [hybrid sizes])."""
+    if tp != 1:
+        raise SeqparInputError(f"hybrid models are counted at tp_size 1 (their families have no tp plan), not {tp}")
+    mixer = HYBRID_MIXERS[model_type]
+    kinds = tuple(mixer if t in NOT_ATTENTION else "attention" for t in types)
+    fields: dict = {"layer_kinds": kinds}
+    if mixer == "gated_deltanet":
+        fields.update(_positive(get, _GDN_FIELDS, "gated DeltaNet"), attention_gate=True, qk_norm=True)
+    elif mixer == "mamba2":
+        hidden, heads = get("hidden_size"), get("mamba_n_heads")
+        if not get("mamba_d_head") and isinstance(heads, int) and heads > 0:  # as the configs derive it
+            fields["mamba_d_head"] = (get("mamba_expand") or 2) * hidden // heads
+        read = {n: fields.get(n) or get(n) for n in _MAMBA_FIELDS}
+        fields.update(_positive(read.get, _MAMBA_FIELDS, "Mamba2"))
+        fields.update(mamba_conv_bias=bool(get("mamba_conv_bias", True)), mamba_proj_bias=bool(get("mamba_proj_bias")))
+    else:  # LFM2: the MLP width its layers build
+        fields.update(_positive(get, ("conv_L_cache",), "LFM2 convolution"), conv_bias=bool(get("conv_bias")))
+        fields.update(qk_norm=True, intermediate_size=_lfm2_width(get))
+    return fields
+
+
+def _lfm2_width(get) -> int:
+    """LFM2's MLP width as ``Lfm2MLP`` builds it (Note [hybrid sizes])."""
+    width = get("intermediate_size")
+    if get("block_auto_adjust_ff_dim", True):
+        width = int(2 * width / 3)
+        if get("block_ffn_dim_multiplier") is not None:
+            multiple = get("block_multiple_of") or 1
+            width = multiple * -(-int(get("block_ffn_dim_multiplier") * width) // multiple)
+    return width
+
+
+def hybrid_config(d: ModelSizes) -> dict:
+    """The config fields that read back to ``d``'s hybrid sizes."""
+    if d.model_type == "lfm2":
+        types = ["conv" if k == "short_conv" else "full_attention" for k in d.layer_kinds]
+        return {"layer_types": types, "conv_L_cache": d.conv_L_cache, "conv_bias": d.conv_bias,
+                "block_auto_adjust_ff_dim": False}  # fmt: skip
+    types = ["linear_attention" if k != "attention" else "full_attention" for k in d.layer_kinds]
+    if d.model_type == "bamba":
+        types = None
+        config = {"attn_layer_indices": [i for i, k in enumerate(d.layer_kinds) if k == "attention"]}
+    else:
+        config = {"layer_types": types}
+    names = _GDN_FIELDS if d.linear_num_value_heads else _MAMBA_FIELDS
+    config.update({n: getattr(d, n) for n in names})
+    if d.mamba_n_heads:
+        config.update(mamba_conv_bias=d.mamba_conv_bias, mamba_proj_bias=d.mamba_proj_bias)
+    if d.model_type == "granitemoehybrid" and not d.num_experts:
+        config.update(shared_intermediate_size=d.intermediate_size, num_local_experts=0)
+    return config
+
+
+def mixer_params(d: ModelSizes, kind: str) -> int:
+    """Parameters of one layer's token mixer of ``kind`` and the layer's two RMSNorms (Note [hybrid sizes]).
+
+    Args:
+        d: the model's sizes.
+        kind: one of ``MIXER_KINDS`` (attention is counted in ``sizes.py``).
+
+    Returns:
+        The parameter count (the MLP left out).
+    """
+    h = d.hidden_size
+    if kind == "gated_deltanet":
+        keys = d.linear_num_key_heads * d.linear_key_head_dim
+        values = d.linear_num_value_heads * d.linear_value_head_dim
+        heads = d.linear_num_value_heads
+        projections = h * (2 * keys + 2 * values + 2 * heads) + values * h
+        conv = (2 * keys + values) * d.linear_conv_kernel_dim
+        return projections + conv + 2 * heads + d.linear_value_head_dim + 2 * h
+    if kind == "mamba2":
+        inner, heads = d.mamba_n_heads * d.mamba_d_head, d.mamba_n_heads
+        conv = inner + 2 * d.mamba_n_groups * d.mamba_d_state
+        projected = inner + conv + heads
+        bias = (projected + h) if d.mamba_proj_bias else 0
+        conv_params = conv * d.mamba_d_conv + (conv if d.mamba_conv_bias else 0)
+        return h * projected + inner * h + bias + conv_params + 3 * heads + inner + 2 * h
+    if kind == "short_conv":
+        bias = 5 * h if d.conv_bias else 0
+        return 4 * h * h + h * d.conv_L_cache + bias + 2 * h
+    raise SeqparInputError(f"unknown mixer kind {kind!r}; choose from {', '.join(MIXER_KINDS)}")
