@@ -10,6 +10,7 @@ import torch
 
 FRAMES, HEIGHT, WIDTH, TEXT = 2, 12, 12, 8  # 2 x 6 x 6 = 72 tokens after patchify: divides 2P chunks for P = 2, 3, 4
 JOINT_TEXT = 24  # text tokens in a joint attention: divide 2P chunks for P = 2, 3, 4
+TEXT_PADDING = 7  # of them, padding (HunyuanVideo, Qwen-Image): the last shard's text is padding at P = 4
 TOKENS = FRAMES * (HEIGHT // 2) * (WIDTH // 2)
 
 CONFIGS = {
@@ -50,6 +51,19 @@ CONFIGS = {
         max_text_seq_length=JOINT_TEXT,
         use_rotary_positional_embeddings=True,
     ),
+    "hunyuan_video": dict(
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        num_layers=1,
+        num_single_layers=1,
+        num_refiner_layers=1,
+        patch_size=2,
+        text_embed_dim=16,
+        pooled_projection_dim=8,
+        rope_axes_dim=(4, 6, 6),
+    ),
     "flux": dict(
         patch_size=1,
         in_channels=4,
@@ -77,6 +91,7 @@ CLASSES = {
     "wan": "WanTransformer3DModel",
     "ltx": "LTXVideoTransformer3DModel",
     "cogvideox": "CogVideoXTransformer3DModel",
+    "hunyuan_video": "HunyuanVideoTransformer3DModel",
     "flux": "FluxTransformer2DModel",
     "qwen_image": "QwenImageTransformer2DModel",
 }
@@ -131,6 +146,19 @@ def dit_batch(family: str, per_token: bool = False, seed: int = 1, height: int =
         inputs = dict(hidden_states=latents, encoder_hidden_states=text, timestep=torch.tensor([421]))
         return inputs | dict(image_rotary_emb=rope), torch.randn(latents.shape, generator=gen)
     text = torch.randn(1, JOINT_TEXT, 16, generator=gen)
+    padding = torch.ones(1, JOINT_TEXT, dtype=torch.long)
+    padding[:, -TEXT_PADDING:] = 0  # a prompt shorter than the text length: its padding hidden from every query
+    if family == "hunyuan_video":
+        latents = torch.randn(1, 4, FRAMES, HEIGHT, WIDTH, generator=gen)
+        inputs = dict(
+            hidden_states=latents,
+            timestep=torch.tensor([421]),
+            encoder_hidden_states=text,
+            encoder_attention_mask=padding,
+            pooled_projections=torch.randn(1, 8, generator=gen),
+            guidance=torch.tensor([5000.0]),
+        )
+        return inputs, torch.randn(latents.shape, generator=gen)
     if family == "flux":  # 6 x 12 packed latent patches
         grid = torch.meshgrid(torch.zeros(1), torch.arange(6.0), torch.arange(12.0), indexing="ij")
         inputs = dict(
@@ -148,5 +176,6 @@ def dit_batch(family: str, per_token: bool = False, seed: int = 1, height: int =
         encoder_hidden_states=text,
         timestep=torch.tensor([0.37]),
         img_shapes=[[(1, 6, 12)]],
+        encoder_hidden_states_mask=padding,
     )
     return inputs, torch.randn(1, TOKENS, 16, generator=gen)

@@ -421,7 +421,10 @@ def _bad_worker(rank, world):
     mask = dict(attn_mask=one) if rank == 1 else {}
     param = torch.nn.Parameter(torch.randn(1, 8))
     cases = [
-        ("attn_mask is not supported.*is_causal=True.*position_ids", lambda: _sdpa_in_block(mesh, [q, k, v], **mask)),
+        (
+            "attn_mask is served only as a boolean key-padding mask.*is_causal=True.*position_ids",
+            lambda: _sdpa_in_block(mesh, [q, k, v], **mask),
+        ),
         ("dropout_p", lambda: _sdpa_in_block(mesh, [q, k, v], dropout_p=0.1)),
         ("enable_gqa=True", lambda: _sdpa_in_block(mesh, [q, kv2, kv2.clone()])),
         ("different sequence lengths", lambda: _enter(mesh, buffers=[ids, rope], buffer_seq_dims=[1, 0])),

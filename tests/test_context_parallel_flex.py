@@ -20,6 +20,7 @@ from torch.nn.attention.flex_attention import flex_attention as torch_flex_atten
 
 import seqpar
 from seqpar import context_parallel, context_parallel_unshard
+from seqpar.errors import SeqparInputError
 from seqpar.sequence_parallel.context_parallel.flex_masks import blockwise_mask, sequence_mask_of
 from seqpar.sequence_parallel.context_parallel.flex_mode import flex_attention, softcap_score_mod
 from seqpar.sequence_parallel.masks import BlockwiseMask, SequenceMask
@@ -243,10 +244,67 @@ def _check_negative_control(rank, world, mesh):
     assert not torch.allclose(broken, reference[:, :, index], **FP32), "the check cannot see the rule"
 
 
+def _key_padding() -> torch.Tensor:
+    """``[2, SEQ]`` keys seen: row 0 loses its last 9 (a text's padding), row 1 scattered keys and a whole
+    zigzag chunk at P = 2 and 3 (tokens 16-23), so some ranks hold chunks with no key seen."""
+    valid = torch.ones(2, SEQ, dtype=torch.bool)
+    valid[0, -9:] = False
+    valid[1, torch.tensor([0, 3, 5, 11, 30, 31, 47])] = False
+    valid[1, 16:24] = False
+    return valid
+
+
+def _check_key_padding(rank, world, cases):
+    """SDPA with a boolean key-padding ``attn_mask`` over the shard's keys (the mask a buffer sharded with the
+    tokens), GQA, non-causal: outputs and q/k/v gradients against float64 masked softmax."""
+    gen = torch.Generator().manual_seed(7)
+    full = [torch.randn(2, h, SEQ, 8, generator=gen, dtype=torch.float64) for h in (6, 2, 2)]
+    dout = torch.randn(2, 6, SEQ, 8, generator=gen, dtype=torch.float64)
+    keep = _key_padding()[:, None, None, :]
+    leaves = [t.clone().requires_grad_() for t in full]
+    out_ref = _softmax_reference(*leaves, keep, None)
+    out_ref.backward(dout)
+    exact = [out_ref.detach(), *(t.grad for t in leaves)]
+    for strategy, mesh, layout in cases:
+        q, k, v = (t.float().requires_grad_() for t in full)
+        valid = _key_padding()
+        local_dout = dout[:, :, shard_index(layout, world, rank, SEQ)].float()
+        with context_parallel(
+            mesh, buffers=(q, k, v, valid), buffer_seq_dims=(2, 2, 2, 1), strategy=strategy, layout=layout
+        ):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], enable_gqa=True)
+            out.backward(local_dout)
+        got = [context_parallel_unshard(mesh, [out], [2], layout=layout)[0], q.grad, k.grad, v.grad]
+        for name, g, e in zip(("out", "dq", "dk", "dv"), got, exact):
+            what = f"key padding P={world} {strategy} {layout} {name}"
+            torch.testing.assert_close(g, e.float(), **FP32, msg=what)
+
+
+def _check_key_padding_control(rank, world, mesh):
+    """Without the gathered mask (each rank's keys all seen) the same call differs from the reference; a row
+    whose keys are all hidden is refused on every rank."""
+    gen = torch.Generator().manual_seed(8)
+    full = [torch.randn(2, 2, SEQ, 8, generator=gen) for _ in range(3)]
+    valid = _key_padding()
+    reference = _softmax_reference(*(t.double() for t in full), valid[:, None, None, :], None).float()
+    index = shard_index("zigzag", world, rank, SEQ)
+    local = [t[:, :, index] for t in full]
+    unmasked = seqpar.attention(*local, mesh=mesh, causal=False, strategy="ring")
+    assert not torch.allclose(unmasked, reference[:, :, index], **FP32), "the check cannot see the mask"
+    hidden = valid.clone()
+    hidden[1] = False
+    with (
+        pytest.raises(SeqparInputError, match=r"hides every key of batch rows \[1\]"),
+        context_parallel(mesh, buffers=(hidden,), buffer_seq_dims=(1,)),
+    ):
+        F.scaled_dot_product_attention(*local, attn_mask=hidden[:, None, None, :])
+
+
 def _worker(rank, world, part):
     mesh = init_device_mesh("cpu", (world,))
     if part == "hybrid":  # the two-axis hybrid: ulysses 2 x ring 2
         _check_mask_mods(rank, world, [("hybrid", seqpar.make_mesh(ulysses_size=2), "zigzag")])
+        _check_key_padding(rank, world, [("hybrid", seqpar.make_mesh(ulysses_size=2), "zigzag")])
         return
     hybrid = seqpar.make_mesh(ulysses_size=world if world == 2 else 1)  # one axis of size 1 at P = 2, 3
     cases = [(s, mesh, "zigzag") for s in ("ring", "allgather", "ulysses")]
@@ -258,6 +316,8 @@ def _worker(rank, world, part):
         _check_recognition()
         _check_torch_door(rank, world, mesh)
         _check_negative_control(rank, world, mesh)
+        _check_key_padding(rank, world, [*cases, ("allgather", mesh, "contiguous"), ("ulysses", mesh, "contiguous")])
+        _check_key_padding_control(rank, world, mesh)
 
 
 PARTS = [pytest.param(w, p, id=f"P{w}-{p}") for w in (2, 3) for p in ("model", "masks")]

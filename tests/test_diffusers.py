@@ -1,8 +1,9 @@
 """Diffusers transformers through ``seqpar.prepare_diffusers`` on gloo ranks equal one process, forward and backward.
 
-Tiny Wan 2.x, LTX-Video, CogVideoX, Flux and Qwen-Image models from configs (tests/_dit_models.py): the gathered
-prediction, every parameter gradient after the sum over the group, 3 AdamW steps with activation checkpointing;
-per-token timesteps; joint text + video attention; LoRA, bf16, dp x sp; refusals; cross-attention's bytes.
+Tiny Wan 2.x, LTX-Video, CogVideoX, HunyuanVideo, Flux and Qwen-Image models from configs (tests/_dit_models.py):
+the gathered prediction, every parameter gradient after the sum over the group, 3 AdamW steps with activation
+checkpointing; per-token timesteps; joint text + video attention, with text padding hidden from every query
+(HunyuanVideo, Qwen-Image); LoRA, bf16, dp x sp; refusals; cross-attention's bytes.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import torch.nn.functional as F
 
 import seqpar
 from seqpar.errors import SeqparInputError
-from seqpar.models import DIFFUSION_PLANS, register_diffusion_plan
+from seqpar.models import DIFFUSION_PLANS, Split, register_diffusion_plan
 from seqpar.runtime.memory import written_bytes
 from tests._dist import run_ranks
-from tests._dit_models import CLASSES, FRAMES, HEIGHT, PER_TOKEN_TIMESTEPS, TEXT, WIDTH, dit_batch, dit_model
+from tests._dit_models import CLASSES, CONFIGS, FRAMES, HEIGHT, PER_TOKEN_TIMESTEPS, TEXT, WIDTH, dit_batch, dit_model
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -307,13 +308,18 @@ def _refusals_worker(rank, world_size):
     x = torch.randn(1, 36, 48)
     rope = model.rope(torch.randn(1, 4, FRAMES, HEIGHT, WIDTH))
     mask = torch.ones(1, 1, 36, 36, dtype=torch.bool)
-    with pytest.raises(SeqparInputError, match="attn_mask is not supported"):
+    with pytest.raises(SeqparInputError, match="attn_mask is served only as a boolean key-padding mask"):
         model.blocks[0].attn1(x, None, mask, rope)
     skewed = dit_model("wan")
     with torch.no_grad():
         skewed.proj_out.bias.add_(rank)
     with pytest.raises(SeqparInputError, match=r"the model's parameters differ .*\(proj_out\.bias\)"):
         seqpar.prepare_diffusers(skewed, mesh)
+    token_replace = diffusers.HunyuanVideoTransformer3DModel(
+        **CONFIGS["hunyuan_video"] | dict(image_condition_type="token_replace")
+    )
+    with pytest.raises(SeqparInputError, match=r"transformer_blocks\.0 is a HunyuanVideoTokenReplaceTransformerBlock"):
+        seqpar.prepare_diffusers(token_replace, mesh)
     wan = dit_model("wan")
     wan.blocks[0].ffn.net[1].p = 0.1
     with pytest.raises(SeqparInputError, match=r"blocks\.0\.ffn\.net\.1 has dropout p=0\.1"):
@@ -363,6 +369,30 @@ def _replicated_text_worker(rank, world_size):
 
 def test_negative_control_replicated_text_in_joint_attention_fails():
     run_ranks(2, _replicated_text_worker)
+
+
+def _misaligned_mask_worker(rank, world_size):
+    # Negative control: HunyuanVideo's key mask over [video; text] cut as one sequence (not part by part) still
+    # has the shard's length, but hides other keys than the text padding: the prediction is off.
+    name = "HunyuanVideoTransformer3DModel"
+    kept = DIFFUSION_PLANS[name]
+    shards = dict(kept.shards) | {"*transformer_blocks.*": {"attention_mask": Split(3, 4)}}
+    register_diffusion_plan(dataclasses.replace(kept, shards=shards))
+    try:
+        reference = dit_model("hunyuan_video")
+        model = copy.deepcopy(reference)
+        inputs, target = dit_batch("hunyuan_video")
+        want = _run_step(reference, inputs, target)
+        seqpar.prepare_diffusers(model, seqpar.make_mesh(), strategy="ring")
+        got = _run_step(model, inputs, target, seqpar.make_mesh())
+    finally:
+        register_diffusion_plan(kept)
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
+        torch.testing.assert_close(got, want, rtol=0, atol=PRED_ATOL)
+
+
+def test_negative_control_misaligned_text_padding_mask_fails():
+    run_ranks(2, _misaligned_mask_worker)
 
 
 def _context_parallel_refusal_worker(rank, world_size):

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from seqpar.errors import SeqparInputError
 from seqpar.layouts.chunks import LAYOUTS, gather_sequence, shard_sequence
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
-from seqpar.models.diffusion import DIFFUSION_PLANS, DiffusionPlan, Gather, Split
+from seqpar.models.diffusion import DIFFUSION_PLANS, DiffusionPlan, Gather, JointSplit, Split
 from seqpar.sequence_parallel.comm.collectives import all_gather_first_dim, collective_device
 from seqpar.sequence_parallel.context_parallel.sdpa_mode import SequenceParallelSDPA
 from seqpar.sequence_parallel.strategies.registry import check_strategy_name
@@ -210,14 +210,17 @@ def _modules(model: torch.nn.Module, pattern: str) -> list[tuple[str, torch.nn.M
     return found
 
 
-def _refusals(model: torch.nn.Module) -> list[str]:
-    """What the model holds that seqpar cannot serve exactly (each rank would draw its own dropout masks)."""
-    return [
+def _refusals(model: torch.nn.Module, plan: DiffusionPlan) -> list[str]:
+    """What the model holds that seqpar cannot serve exactly: dropout (each rank would draw its own masks) and
+    the module classes its plan refuses."""
+    found = [
         f"{name or type(model).__name__} has dropout p={m.p}: each rank would draw the masks of its own tokens, "
         "not one process's draw over the sequence (set it to 0)"
         for name, m in model.named_modules()
         if isinstance(m, _DROPOUTS) and m.p > 0
     ]
+    classes = {type(m).__name__: name for name, m in model.named_modules()}
+    return found + [f"{classes[c]} is a {c}: {why}" for c, why in plan.refused.items() if c in classes]
 
 
 def _cut(value: object, split: Split | tuple[Split, ...], sp: SequenceParallelMesh, layout: str, where: str):
@@ -238,20 +241,47 @@ def _cut(value: object, split: Split | tuple[Split, ...], sp: SequenceParallelMe
         ) from None
 
 
+def _cut_joint(value: object, split: JointSplit, lengths: list, sp: SequenceParallelMesh, layout: str, where: str):
+    """This rank's [part 0 shard; part 1 shard; ...] of a tensor over the joint sequence (``JointSplit``)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if any(n is None for n in lengths) or value.shape[split.dim] != sp.sp_size * sum(lengths):
+        raise SeqparInputError(
+            f"{_WHERE}: {where} has {value.shape[split.dim]} tokens along dim {split.dim}, not the joint sequence "
+            f"of {' + '.join(split.parts)} ({sp.sp_size} ranks x {lengths} tokens) that the plan cuts it as"
+        )
+    pieces = value.split([sp.sp_size * n for n in lengths], dim=split.dim)
+    return torch.cat([shard_sequence(piece, sp, dim=split.dim, layout=layout) for piece in pieces], dim=split.dim)
+
+
+def _cut_any(value: object, split: object, lengths: list, sp: SequenceParallelMesh, layout: str, where: str):
+    if isinstance(split, JointSplit):
+        return _cut_joint(value, split, lengths, sp, layout, where)
+    return _cut(value, split, sp, layout, where)
+
+
 def _input_hook(entry: dict, sp: SequenceParallelMesh, layout: str, module_name: str) -> Callable:
     """A forward pre-hook cutting the inputs ``entry`` names (by keyword or by their position)."""
 
     def hook(module, args, kwargs):
         names = list(inspect.signature(module.forward).parameters)
         args = list(args)
+
+        def get(key: str) -> object:
+            if key in kwargs:
+                return kwargs[key]
+            return args[names.index(key)] if key in names and names.index(key) < len(args) else None
+
         for key, split in entry.items():
             if not isinstance(key, str) or (isinstance(split, Split) and split.output):
                 continue
             where = f"{module_name or 'the model'}'s input {key}"
+            # a JointSplit reads its parts' lengths as this module receives them (cut by the entries before)
+            lengths = [getattr(get(p), "shape", (None, None))[1] for p in getattr(split, "parts", ())]
             if key in kwargs:
-                kwargs[key] = _cut(kwargs[key], split, sp, layout, where)
+                kwargs[key] = _cut_any(kwargs[key], split, lengths, sp, layout, where)
             elif key in names and names.index(key) < len(args):
-                args[names.index(key)] = _cut(args[names.index(key)], split, sp, layout, where)
+                args[names.index(key)] = _cut_any(args[names.index(key)], split, lengths, sp, layout, where)
         return tuple(args), kwargs
 
     return hook
@@ -334,7 +364,7 @@ def prepare_diffusers(
 
     Args:
         model: a diffusers transformer with an entry in ``seqpar.models.DIFFUSION_PLANS`` (Wan, LTX-Video,
-            CogVideoX, Flux, Qwen-Image).
+            CogVideoX, HunyuanVideo, Flux, Qwen-Image).
         mesh: a ``SequenceParallelMesh`` (``seqpar.make_mesh``), the SP ProcessGroup, or None.
         strategy: as in ``seqpar.attention`` ("ulysses", "ring", "allgather", "hybrid", "auto").
         layout: "zigzag" or "contiguous": how the tokens (and timesteps, position tables, text) are cut.
@@ -343,14 +373,16 @@ def prepare_diffusers(
         The same model object.
 
     Raises:
-        SeqparInputError: a model class without a plan (naming it), dropout, an unknown strategy or layout,
+        SeqparInputError: a model class without a plan (naming it), dropout, a module class the plan refuses
+            (HunyuanVideo's token-replace blocks), an unknown strategy or layout,
             parameters that differ across ranks (on every rank);
             at a call, on every rank: arguments that differ across ranks, a token or text length that does
-            not divide into the layout, an attention mask or dropout in self-attention, a non-native
+            not divide into the layout, an attention mask in self-attention other than a key-padding mask
+            (Note [key-padding masks]), dropout in self-attention, a non-native
             attention backend.
     """
     plan, shards, gathers = _plan_of(model)
-    problems = _refusals(model)
+    problems = _refusals(model, plan)
     if problems:
         raise SeqparInputError(f"{_WHERE}: seqpar cannot serve {type(model).__name__} exactly: " + " | ".join(problems))
     check_strategy_name(strategy)

@@ -6,7 +6,7 @@ parts through ``anatomy(model)``; the memory estimate and the planner read sizes
 """
 
 from seqpar.models.anatomy import ModelAnatomy, anatomy, family_of, find_anatomy
-from seqpar.models.diffusion import DIFFUSION_PLANS, DiffusionPlan, Gather, Split, register_diffusion_plan
+from seqpar.models.diffusion import DIFFUSION_PLANS, DiffusionPlan, Gather, JointSplit, Split, register_diffusion_plan
 from seqpar.models.families import FAMILIES, LLAMA_TP_PLAN, Family, register_family
 from seqpar.models.sizes import ModelSizes, active_parameters, parameter_counts
 
@@ -17,6 +17,7 @@ __all__ = [
     "DiffusionPlan",
     "Family",
     "Gather",
+    "JointSplit",
     "ModelAnatomy",
     "ModelSizes",
     "Split",

@@ -13,7 +13,10 @@ Note [diffusion plans]
     this rank's queries against the whole text). Where the class declares diffusers' ``_cp_plan`` the
     entry leaves ``shards`` and ``gathers`` as None and the door reads that plan. A joint-attention model
     ([text; video] in one attention: CogVideoX, Flux) shards the text with the video (``joint_text``), so
-    each text key is held by one rank and counted once, as in one process.
+    each text key is held by one rank and counted once, as in one process. A key mask over the joint
+    sequence (HunyuanVideo's text padding, built over [video; text] before the blocks) is cut part by part
+    (``JointSplit``), so each rank holds the mask of its own [video shard; text shard] keys, which the
+    attention serves as a key-padding mask (Note [key-padding masks]).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dataclasses import dataclass, field
 
 from seqpar.errors import SeqparInputError
 
-__all__ = ["DIFFUSION_PLANS", "DiffusionPlan", "Gather", "Split", "register_diffusion_plan"]
+__all__ = ["DIFFUSION_PLANS", "DiffusionPlan", "Gather", "JointSplit", "Split", "register_diffusion_plan"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,17 @@ class Split:
 
 
 @dataclass(frozen=True)
+class JointSplit:
+    """A tensor over a joint sequence (the concatenation of ``parts`` in one process) cut part by part, so that
+    this rank holds [part 0's shard; part 1's shard; ...], the order of its joint attention's keys."""
+
+    dim: int
+    """The joint sequence dimension of the tensor."""
+    parts: tuple[str, ...] = ("hidden_states", "encoder_hidden_states")
+    """The module's inputs (already cut, ``[B, S/P, ...]``) whose lengths make up the joint sequence, in order."""
+
+
+@dataclass(frozen=True)
 class Gather:
     """One module output gathered back along the sequence: diffusers' ``ContextParallelOutput``."""
 
@@ -47,7 +61,7 @@ class Gather:
     ndim: int | None = None
 
 
-Entry = Mapping[str | int, Split | tuple[Split, ...]]
+Entry = Mapping[str | int, Split | JointSplit | tuple[Split, ...]]
 
 
 @dataclass(frozen=True)
@@ -67,6 +81,8 @@ class DiffusionPlan:
     """Module name (``""`` the model) -> input name or output index -> ``Split``; None: read ``_cp_plan``."""
     gathers: Mapping[str, tuple[Gather, ...]] | None = None
     """Module name -> one ``Gather`` per output; None: read ``_cp_plan``."""
+    refused: Mapping[str, str] = field(default_factory=dict)
+    """Module class name -> why seqpar cannot serve a model holding one (a variant of the class)."""
     notes: tuple[str, ...] = field(default=())
     """What the entry was checked against (models and variants), for the guide."""
 
@@ -105,10 +121,34 @@ DIFFUSION_PLANS: dict[str, DiffusionPlan] = {
             notes=("LTX-Video: seqpar's plan (the text whole for the local cross-attention)",),
         ),
         DiffusionPlan(
+            "HunyuanVideoTransformer3DModel",
+            self_attention="*transformer_blocks.*.attn",
+            joint_text=True,
+            # the text refiner attends over the whole text on every rank, before the cut; the blocks' key mask
+            # over [video; text] (text padding) is built in the model's forward and cut into each rank's keys
+            shards={
+                "transformer_blocks.0": {"hidden_states": Split(1, 3), "encoder_hidden_states": Split(1, 3)},
+                "rope": {0: Split(0, 2, output=True), 1: Split(0, 2, output=True)},
+                "*transformer_blocks.*": {"attention_mask": JointSplit(3)},
+            },
+            gathers={"proj_out": (Gather(1, 3),)},
+            refused={
+                block: "its first frame's tokens (token_replace image conditioning) are found by position in the "
+                "block's local tokens"
+                for block in (
+                    "HunyuanVideoTokenReplaceTransformerBlock",
+                    "HunyuanVideoTokenReplaceSingleTransformerBlock",
+                )
+            },
+            notes=("HunyuanVideo (text-to-video, latent_concat image-to-video): seqpar's plan",),
+        ),
+        DiffusionPlan(
             "QwenImageTransformer2DModel",
             self_attention="transformer_blocks.*.attn",
             joint_text=True,
-            notes=("Qwen-Image: diffusers' _cp_plan (text and its RoPE table cut with the image tokens)",),
+            notes=(
+                "Qwen-Image: diffusers' _cp_plan (text, its padding mask and RoPE table cut with the image tokens)",
+            ),
         ),
         DiffusionPlan(
             "FluxTransformer2DModel",

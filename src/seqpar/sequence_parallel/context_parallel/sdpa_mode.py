@@ -26,10 +26,12 @@ import torch.overrides
 from torch.overrides import TorchFunctionMode
 
 from seqpar.errors import SeqparInputError
+from seqpar.layouts.chunks import gather_sequence
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.api import attention
+from seqpar.sequence_parallel.masks import SequenceMask, key_mask
 
-__all__ = ["SequenceParallelSDPA", "agree_or_raise"]
+__all__ = ["SequenceParallelSDPA", "agree_or_raise", "global_key_mask"]
 
 # The one builtin behind every spelling: F.scaled_dot_product_attention, torch.nn.functional's attribute,
 # or the name imported from it before the block began all refer to this object.
@@ -38,9 +40,10 @@ _REDISPATCH = getattr(torch.overrides, "redispatch_function", None)  # torch >= 
 _REENTERED = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad, F.multi_head_attention_forward)
 
 _SDPA_PROBLEMS = (
-    "attn_mask is not supported under seqpar.context_parallel (a mask over local shards cannot express a mask "
-    "over the global sequence): pass is_causal=True for causal attention, or call seqpar.attention with "
-    "position_ids= (packed documents) or window= (sliding window) for other masks",
+    "attn_mask is served only as a boolean key-padding mask over this rank's keys ([B, 1, 1, S/P], the same for "
+    "every query and head, no is_causal; Note [key-padding masks]): a mask over query-key pairs of local shards "
+    "cannot express a mask over the global sequence; pass is_causal=True for causal attention, or call "
+    "seqpar.attention with position_ids= (packed documents) or window= (sliding window) for other masks",
     "dropout_p > 0 is not supported: attention dropout is not implemented; pass dropout_p=0.0",
     "query, key and value need at least 3 dimensions ([..., heads, seq, head_dim])",
     "key/value heads differ from query heads: pass enable_gqa=True for grouped-query attention",
@@ -98,11 +101,30 @@ def agree_or_raise(
         raise SeqparInputError(f"{where}: ranks disagree (every rank must pass the same): {described}")
 
 
+def _key_padding(
+    q: torch.Tensor, k: torch.Tensor, attn_mask: object, is_causal: bool
+) -> tuple[torch.Tensor | None, tuple[int, str] | None]:
+    """``([B, S/P] bool, None)`` from a key-padding ``attn_mask`` (Note [key-padding masks]), or a problem."""
+    if attn_mask is None:
+        return None, None
+    m = attn_mask
+    if not isinstance(m, torch.Tensor) or m.dtype != torch.bool or m.dim() < 2 or q.dim() < 3:
+        told = m.dtype if isinstance(m, torch.Tensor) else type(m).__name__
+        return None, (0, f"{_SDPA_PROBLEMS[0]}; got {told}")
+    heads = m.shape[-3] if m.dim() >= 3 else 1
+    if is_causal or m.shape[-2] != 1 or heads != 1 or m.shape[-1] != k.shape[-2]:
+        shape = f"{tuple(m.shape)} with is_causal={is_causal}, keys {k.shape[-2]}"
+        return None, (0, f"{_SDPA_PROBLEMS[0]}; got a mask of shape {shape}")
+    try:
+        rows = torch.broadcast_to(m, (*q.shape[:-3], 1, 1, m.shape[-1])).reshape(-1, m.shape[-1])
+    except RuntimeError:
+        return None, (0, f"{_SDPA_PROBLEMS[0]}; its batch dims {tuple(m.shape[:-3])} do not fit {tuple(q.shape)}")
+    return rows, None
+
+
 def _sdpa_problem(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: object, dropout_p: float, enable_gqa: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, enable_gqa: bool
 ) -> tuple[int, str] | None:
-    if attn_mask is not None:
-        return 0, _SDPA_PROBLEMS[0]
     if dropout_p:
         return 1, f"dropout_p={dropout_p}: {_SDPA_PROBLEMS[1]}"
     if min(q.dim(), k.dim(), v.dim()) < 3:
@@ -129,9 +151,22 @@ class SequenceParallelSDPA(TorchFunctionMode):
 
     Every other torch function passes through unchanged. Inputs are this rank's shards in ``layout``
     order, ``[..., heads, local_seq, head_dim]``; ``is_causal``, ``scale`` and ``enable_gqa`` keep SDPA's
-    meaning over the global sequence. ``attn_mask`` and ``dropout_p > 0`` raise ``SeqparInputError`` on
-    every rank (one small all-gather per call, then ``seqpar.attention``'s own agreement check), and so does
-    a call whose tokens are not the shard's ``seq_len`` when it is given (Note [foreign keys]).
+    meaning over the global sequence. A boolean ``attn_mask`` over this rank's keys alone is a key-padding
+    mask and is served (Note [key-padding masks]); any other ``attn_mask`` and ``dropout_p > 0`` raise
+    ``SeqparInputError`` on every rank (one small all-gather per call, then ``seqpar.attention``'s own
+    agreement check), and so does a call whose tokens are not the shard's ``seq_len`` when it is given
+    (Note [foreign keys]).
+
+    Note [key-padding masks]
+        A mask that hides some keys from every query (``[B, 1, 1, S/P]`` bool, True where a key is seen:
+        the text padding of a joint [video; text] attention, HunyuanVideo and Qwen-Image) is a property of
+        the keys, not of query-key pairs, so each rank's share of it is the mask of its own keys and means
+        the same wherever those keys travel. The mode all-gathers the shares in the layout's global order
+        (``B x S`` bytes per call) and runs ``seqpar.attention`` with it as a blockwise predicate (Note
+        [blockwise masks], ``key_mask``): tiles over padding only are skipped, tiles of valid keys run
+        unmasked, every strategy and layout serves it. Queries at padded positions still see every valid
+        key, as in one process. A row whose keys are all hidden (NaN in SDPA) is refused; masks that vary
+        over queries or heads, float (additive) masks and a mask with ``is_causal`` stay refused.
 
     Note [foreign keys]
         The mode cannot see where a key came from, only how long it is. Every tensor the block shards covers
@@ -180,13 +215,57 @@ class SequenceParallelSDPA(TorchFunctionMode):
         Raises:
             SeqparInputError: on every rank, if any rank passed a mask, dropout or shapes SDPA would refuse.
         """
-        problem = _sdpa_problem(query, key, value, attn_mask, dropout_p, enable_gqa) or _length_problem(
-            query, key, value, self.seq_len
+        keys, problem = _key_padding(query, key, attn_mask, bool(is_causal))
+        problem = (
+            problem
+            or _sdpa_problem(query, key, value, dropout_p, enable_gqa)
+            or _length_problem(query, key, value, self.seq_len)
         )
-        agree_or_raise(self.mesh.sp_group, f"{self.where}: scaled_dot_product_attention", problem, _SDPA_PROBLEMS)
+        detail = [-1 if keys is None else keys.shape[0]]  # every rank passes a mask of the same rows, or none
+        agree_or_raise(
+            self.mesh.sp_group,
+            f"{self.where}: scaled_dot_product_attention",
+            problem,
+            _SDPA_PROBLEMS,
+            detail,
+            lambda d: "no attn_mask" if d[0] < 0 else f"a key-padding mask of {d[0]} rows",
+        )
         lead = query.shape[:-3]  # SDPA allows any number of batch dims; seqpar takes exactly one
         q, k, v = (t.reshape(-1, *t.shape[-3:]) for t in (query, key, value))  # [B, H, S/P, D]
+        mask = None if keys is None else global_key_mask(keys, self.mesh, self.layout, self.where)
         out = attention(
-            q, k, v, mesh=self.mesh, strategy=self.strategy, causal=bool(is_causal), layout=self.layout, scale=scale
+            q,
+            k,
+            v,
+            mesh=self.mesh,
+            strategy=self.strategy,
+            causal=bool(is_causal),
+            layout=self.layout,
+            scale=scale,
+            mask=mask,
         )
         return out.reshape(*lead, *out.shape[1:])
+
+
+def global_key_mask(keys: torch.Tensor, mesh: SequenceParallelMesh, layout: str, where: str) -> SequenceMask:
+    """The ``SequenceMask`` of every rank's key-padding rows, gathered in global order (Note [key-padding masks]).
+
+    Collective over the SP group (one all-gather of ``B x S/P`` bytes).
+
+    Args:
+        keys: ``[B, S/P]`` bool, this rank's keys (True: seen by every query).
+        mesh: the sequence-parallel mesh.
+        layout: the layout of the shards.
+        where: the calling API, for the error.
+
+    Returns:
+        A ``SequenceMask`` whose predicate is the gathered key mask.
+
+    Raises:
+        SeqparInputError: a batch row with no valid key anywhere (SDPA would return NaN), on every rank.
+    """
+    whole = gather_sequence(keys.to(torch.uint8), mesh, dim=1, layout=layout).bool()  # [B, S]
+    if not whole.any(-1).all():
+        empty = (~whole.any(-1)).nonzero().flatten().tolist()
+        raise SeqparInputError(f"{where}: the attn_mask hides every key of batch rows {empty}")
+    return SequenceMask(predicate=key_mask(whole))

@@ -4,7 +4,15 @@
 """
 
 from seqpar.sequence_parallel.masks.block_ranges import BlockCausal, block_causal
-from seqpar.sequence_parallel.masks.blockwise import BlockwiseMask
+from seqpar.sequence_parallel.masks.blockwise import BlockwiseMask, key_mask
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask, check_packed_positions, sequence_mask
 
-__all__ = ["BlockCausal", "BlockwiseMask", "SequenceMask", "block_causal", "check_packed_positions", "sequence_mask"]
+__all__ = [
+    "BlockCausal",
+    "BlockwiseMask",
+    "SequenceMask",
+    "block_causal",
+    "check_packed_positions",
+    "key_mask",
+    "sequence_mask",
+]

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["EMPTY", "FULL_BLOCK", "PARTIAL", "BlockwiseMask"]
+__all__ = ["EMPTY", "FULL_BLOCK", "PARTIAL", "BlockwiseMask", "key_mask"]
 
 EMPTY, PARTIAL, FULL_BLOCK = 0, 1, 2
 """Kinds of the blocks of a ``BlockwiseMask``'s table."""
@@ -104,3 +104,35 @@ class BlockwiseMask:
             if (seen & (k[None] > q[:, None])[None]).any():
                 return False
         return True
+
+
+def key_mask(valid: torch.Tensor, block: int | None = None) -> BlockwiseMask:
+    """The ``BlockwiseMask`` of a key-padding mask: every query sees exactly the valid keys of its row.
+
+    A key block is FULL when all its keys are valid, EMPTY when none is, PARTIAL otherwise (the same for
+    every query block), so tiles over padding are skipped and wholly valid ones run unmasked.
+
+    Args:
+        valid: ``[B or 1, S]`` bool over the global sequence (True: the key is seen by every query).
+        block: tokens per block along both axes; default ``max(16, ceil(S / 512))`` (tables of at most
+            512 x 512 blocks per row).
+
+    Returns:
+        The mask over the square ``S x S`` plane.
+    """
+    valid = valid.detach().bool().cpu()
+    rows, length = valid.shape
+    block = block or max(16, -(-length // 512))
+    n = -(-length // block)
+    padded = torch.zeros(rows, n * block, dtype=torch.bool)
+    padded[:, :length] = valid
+    seen = padded.view(rows, n, block).sum(-1)  # [R, nK] valid keys per block
+    width = torch.full((n,), block)
+    width[-1] = length - (n - 1) * block  # the last block may be short
+    per_block = torch.where(seen == 0, EMPTY, torch.where(seen == width, FULL_BLOCK, PARTIAL))
+    kinds = per_block.to(torch.int8)[:, None, :].expand(rows, n, n).contiguous()
+
+    def evaluate(q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        return valid[:, None, k0:k1].expand(rows, q1 - q0, k1 - k0)
+
+    return BlockwiseMask(length, (block, block), kinds, evaluate)
