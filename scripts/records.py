@@ -205,21 +205,28 @@ def vlm_memory_table(records: list[dict]) -> str:
 
 
 def video_dit_table(records: list[dict]) -> str:
-    """The ``seqpar bench video_dit`` table: a Wan-shaped step's per-rank peak growth and time by sp."""
-    base = min(records, key=lambda r: r["sp"])
-    cells = [
-        [
-            r["sp"],
-            f"{r['tokens'] // r['sp']:,}",
-            f"{r['growth_mb']:.0f}",
-            f"{r['growth_mb'] / base['growth_mb']:.2f}",
-            f"{r['step_s']:.2f}",
-            f"{r['step_s'] / base['step_s']:.2f}",
+    """The ``seqpar bench video_dit`` table: a Wan-shaped step's per-rank peak growth, its estimate and time by sp,
+    for each clip size."""
+    cells = []
+    for tokens in sorted({r["tokens"] for r in records}):
+        rows = sorted((r for r in records if r["tokens"] == tokens), key=lambda r: r["sp"])
+        base = rows[0]
+        cells += [
+            [
+                f"{tokens:,}",
+                r["sp"],
+                f"{r['tokens'] // r['sp']:,}",
+                f"{r['growth_mb']:.0f}",
+                f"{r['growth_mb'] / base['growth_mb']:.2f}",
+                f"{r['estimate_mb']:.0f}" if "estimate_mb" in r else "-",
+                f"{r['estimate_mb'] / r['growth_mb']:.2f}" if "estimate_mb" in r else "-",
+                f"{r['step_s']:.2f}",
+                f"{r['step_s'] / base['step_s']:.2f}",
+            ]
+            for r in rows
         ]
-        for r in records
-    ]
-    header = ["sp", "latent tokens per rank", "per-rank peak growth (MB)", "vs the lowest sp", "step (s)", "vs it"]
-    return tables.with_runs("video_dit_cpu", records, header, cells)
+    header = ["latent tokens", "sp", "per rank", "per-rank peak growth (MB)", "vs the lowest sp", "estimate (MB)"]
+    return tables.with_runs("video_dit_cpu", records, [*header, "est / measured", "step (s)", "vs it"], cells)
 
 
 def _maxlen_row(maxlen: list[dict]) -> list[str]:

@@ -149,7 +149,7 @@ def dit_batch(family: str, per_token: bool = False, seed: int = 1, height: int =
     padding = torch.ones(1, JOINT_TEXT, dtype=torch.long)
     padding[:, -TEXT_PADDING:] = 0  # a prompt shorter than the text length: its padding hidden from every query
     if family == "hunyuan_video":
-        latents = torch.randn(1, 4, FRAMES, HEIGHT, WIDTH, generator=gen)
+        latents = torch.randn(1, 4, FRAMES, height, height if height != HEIGHT else WIDTH, generator=gen)
         inputs = dict(
             hidden_states=latents,
             timestep=torch.tensor([421]),

@@ -3,14 +3,15 @@
 Run::
 
     seqpar bench video_dit                                  # 8K latent tokens, sp 1 2 4, ring
-    seqpar bench video_dit --tokens 16384 --sp 1 2 --json video_dit_cpu.json
+    seqpar bench video_dit --tokens 8192 16384 --sp 1 2 4 --json video_dit_cpu.json
 
 Every degree runs in fresh processes, one thread a rank: diffusers' ``WanTransformer3DModel`` (a small config,
 random weights) through ``seqpar.prepare_diffusers``, a warm-up step, then one measured step (forward on the
 whole latent clip, flow-matching loss, backward, gradient sum, SGD update). Memory = growth of the resident-set
 peak (VmHWM) during the step above the resident set before it, in a second run under ``MEMORY_RUN_ENV``
-(``seqpar.runtime.measure``). The first step's loss of every run is checked against sp 1's. There is no
-estimate beside it yet: ``seqpar.estimate_memory`` models transformers decoders, not DiTs.
+(``seqpar.runtime.measure``). The first step's loss of every run is checked against sp 1's. Beside it,
+``seqpar.memory.estimate_dit_memory``'s step growth from a profile traced on the same model at two small clips
+(Note [DiT memory]). Several ``--tokens`` run one after another, each with every degree.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 
 from seqpar.bench import save_records
 
-__all__ = ["main", "wan_model"]
+__all__ = ["estimate_mb", "main", "wan_model"]
 
 TEXT_LEN, TEXT_DIM, CHANNELS = 64, 64, 16
 
@@ -59,6 +60,27 @@ def _grid(tokens: int, frames: int) -> tuple[int, int]:
     return frames, side
 
 
+def _clip(tokens: int, frames: int) -> tuple[dict, torch.Tensor]:
+    """The model's arguments for a clip of ``tokens`` latent tokens and its flow-matching target (seed 1)."""
+    frames, side = _grid(tokens, frames)
+    gen = torch.Generator().manual_seed(1)
+    latents = torch.randn(1, CHANNELS, frames, side, side, generator=gen)
+    noise = torch.randn(latents.shape, generator=gen)
+    text = torch.randn(1, TEXT_LEN, TEXT_DIM, generator=gen)
+    t = torch.tensor([0.6])
+    inputs = dict(hidden_states=(1 - t) * latents + t * noise, timestep=t * 1000, encoder_hidden_states=text)
+    return inputs, noise - latents
+
+
+def estimate_mb(cfg: dict, tokens: int, sp: int) -> float:
+    """``estimate_dit_memory``'s step growth (MiB) of the step ``_worker`` measures, from a traced profile."""
+    from seqpar.memory import estimate_dit_memory, profile_dit_memory
+
+    frames = cfg["frames"]
+    profile = profile_dit_memory(wan_model(cfg), lambda n: _clip(n, frames), (frames * 64, frames * 256))
+    return estimate_dit_memory(profile, tokens, sp, cfg["strategy"]).step_growth / 2**20
+
+
 def _worker(_rank: int, _world_size: int, cfg: dict, out: str) -> None:
     import seqpar
     from seqpar.runtime.measure import write_slowest
@@ -67,16 +89,11 @@ def _worker(_rank: int, _world_size: int, cfg: dict, out: str) -> None:
     mesh = seqpar.make_mesh()
     model = seqpar.prepare_diffusers(wan_model(cfg), mesh, strategy=cfg["strategy"])
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    frames, side = _grid(cfg["tokens"], cfg["frames"])
-    gen = torch.Generator().manual_seed(1)
-    latents = torch.randn(1, CHANNELS, frames, side, side, generator=gen)
-    noise = torch.randn(latents.shape, generator=gen)
-    text = torch.randn(1, TEXT_LEN, TEXT_DIM, generator=gen)
-    t = torch.tensor([0.6])
+    inputs, target = _clip(cfg["tokens"], cfg["frames"])
 
     def step() -> float:
-        pred = model((1 - t) * latents + t * noise, t * 1000, text, return_dict=False)[0]
-        loss = F.mse_loss(pred, noise - latents)
+        pred = model(**inputs, return_dict=False)[0]
+        loss = F.mse_loss(pred, target)
         del pred
         loss.backward()
         seqpar.reduce_gradients(model.parameters(), mesh)
@@ -99,40 +116,46 @@ def main(argv: list[str] | None = None) -> int:
         prog="seqpar bench video_dit", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4], help="sequence-parallel degrees")
-    parser.add_argument("--tokens", type=int, default=8192, help="latent tokens after patchify")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[8192], help="latent tokens after patchify")
     parser.add_argument("--frames", type=int, default=8, help="latent frames")
     parser.add_argument("--dim", type=int, default=128, help="model width (head size 32)")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--strategy", default="ring")
-    parser.add_argument("--json", metavar="FILE", help="write one record per degree here")
+    parser.add_argument("--json", metavar="FILE", help="write one record per clip size and degree here")
     args = parser.parse_args(argv)
+    for tokens in args.tokens:
+        _grid(tokens, args.frames)
+    records = []
+    for tokens in args.tokens:
+        records += _run_size(args, tokens)
+    if args.json:
+        save_records(args.json, "video_dit", argv, records)
+    return 0
+
+
+def _run_size(args: argparse.Namespace, tokens: int) -> list[dict]:
+    """Every degree at one clip size: measured, checked against sp 1's loss, printed with the estimate."""
     from seqpar.runtime.measure import time_and_memory
 
-    cfg = {k: getattr(args, k) for k in ("tokens", "frames", "dim", "layers", "strategy")}
-    _grid(args.tokens, args.frames)
+    cfg = {"tokens": tokens, **{k: getattr(args, k) for k in ("frames", "dim", "layers", "strategy")}}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for sp in args.sp:
             out = os.path.join(tmp, f"{sp}.json")
             result = time_and_memory(_worker, lambda memory, out=out: (cfg, out), sp, out)
-            rows.append({"sp": sp, **result})
+            rows.append({"sp": sp, **result, "estimate_mb": estimate_mb(cfg, tokens, sp)})
             print(f"sp {sp}: {rows[-1]}", flush=True)
     base = rows[0]
     for r in rows:
         if abs(r["first_loss"] - base["first_loss"]) > 1e-5 * abs(base["first_loss"]):
             raise SystemExit(f"sp {r['sp']} loss {r['first_loss']} differs from sp {base['sp']} {base['first_loss']}")
-    print(f"\nWan-shaped ({args.layers} blocks of width {args.dim}), {args.tokens} latent tokens, {args.strategy}")
-    print("| sp | tokens per rank | per-rank peak growth (MB) | vs sp 1 | step (s) | vs sp 1 |")
-    print("|---|---|---|---|---|---|")
+    print(f"\nWan-shaped ({args.layers} blocks of width {args.dim}), {tokens} latent tokens, {args.strategy}")
+    print("| sp | tokens per rank | per-rank peak growth (MB) | vs sp 1 | estimate (MB) | est / measured | step (s) |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['sp']} | {args.tokens // r['sp']} | {r['growth_mb']:.0f} | {r['growth_mb'] / base['growth_mb']:.2f} "
-            f"| {r['seconds']:.2f} | {r['seconds'] / base['seconds']:.2f} |"
+            f"| {r['sp']} | {tokens // r['sp']} | {r['growth_mb']:.0f} | {r['growth_mb'] / base['growth_mb']:.2f} "
+            f"| {r['estimate_mb']:.0f} | {r['estimate_mb'] / r['growth_mb']:.2f} | {r['seconds']:.2f} |"
         )
-    if args.json:
-        records = [
-            {**cfg, "sp": r["sp"], "growth_mb": r["growth_mb"], "step_s": r["seconds"], "first_loss": r["first_loss"]}
-            for r in rows
-        ]
-        save_records(args.json, "video_dit", argv, records)
-    return 0
+    keys = ("growth_mb", "estimate_mb", "first_loss")
+    return [{**cfg, "sp": r["sp"], **{k: r[k] for k in keys}, "step_s": r["seconds"]} for r in rows]

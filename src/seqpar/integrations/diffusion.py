@@ -43,7 +43,7 @@ from seqpar.sequence_parallel.comm.collectives import all_gather_first_dim, coll
 from seqpar.sequence_parallel.context_parallel.sdpa_mode import SequenceParallelSDPA
 from seqpar.sequence_parallel.strategies.registry import check_strategy_name
 
-__all__ = ["check_replicated", "prepare_diffusers"]
+__all__ = ["check_replicated", "prepare_diffusers", "resolve_plan"]
 
 _WHERE = "seqpar.prepare_diffusers"
 _HOOKS_ATTR = "_seqpar_diffusion_hooks"
@@ -172,8 +172,18 @@ def _read_cp_plan(model: torch.nn.Module) -> tuple[dict, dict]:
     return shards, gathers
 
 
-def _plan_of(model: torch.nn.Module) -> tuple[DiffusionPlan, dict, dict]:
-    """The model's entry with its shards and gathers resolved, or a ``SeqparInputError`` naming the class."""
+def resolve_plan(model: torch.nn.Module) -> tuple[DiffusionPlan, dict, dict]:
+    """The model's entry with its shards and gathers resolved (``_cp_plan`` read where the entry defers to it).
+
+    Args:
+        model: a diffusers transformer.
+
+    Returns:
+        ``(plan, shards, gathers)``: the entry, module pattern -> cuts, module pattern -> gathered outputs.
+
+    Raises:
+        SeqparInputError: a class without an entry (naming it and the classes served).
+    """
     name = type(model).__name__
     plan = DIFFUSION_PLANS.get(name)
     if plan is None:
@@ -381,7 +391,7 @@ def prepare_diffusers(
             (Note [key-padding masks]), dropout in self-attention, a non-native
             attention backend.
     """
-    plan, shards, gathers = _plan_of(model)
+    plan, shards, gathers = resolve_plan(model)
     problems = _refusals(model, plan)
     if problems:
         raise SeqparInputError(f"{_WHERE}: seqpar cannot serve {type(model).__name__} exactly: " + " | ".join(problems))

@@ -232,9 +232,9 @@ def context_parallel(
             ``no_restore_buffers`` that is not a subset, a leaf that an enclosing block holds sharded, or a
             ``no_restore_buffers`` leaf sharded again while the earlier block's graph lives, a BlockMask
             that does not cover the sequence or depends on the head; inside the block, for an SDPA call with
-            ``attn_mask``, ``dropout_p > 0``, or tokens that are not the buffers' shard (cross-attention to a
-            text, joint [text; shard] attention: Note [foreign keys]), a flex call that the block cannot serve
-            (flex_mode).
+            an ``attn_mask`` other than a key-padding mask (Note [key-padding masks]), ``dropout_p > 0``, or
+            tokens that are not the buffers' shard (cross-attention to a text, joint [text; shard] attention:
+            Note [foreign keys]), a flex call that the block cannot serve (flex_mode).
         RuntimeError: from a backward, as torch's "modified by an inplace operation", if a buffer saved by
             the graph was changed in place inside the block after it was saved.
     """
