@@ -451,5 +451,6 @@ def _dit_estimate_worker(rank, world_size, family):
 @pytest.mark.parametrize("family", ["wan", "hunyuan_video"])
 def test_dit_memory_estimate_predicts_each_ranks_kept_activations(family):
     """Note [DiT memory]: a profile traced at 32 and 128 latent tokens predicts what one process keeps at 288
-    within 2% and what each of 2 ranks keeps under prepare_diffusers within 5% (measured: 0.6% Wan, 1.8% HunyuanVideo)."""
+    within 2% and what each of 2 ranks keeps under prepare_diffusers within 5% (measured: 0.6% Wan, 1.8%
+    HunyuanVideo)."""
     run_ranks(2, _dit_estimate_worker, family)
