@@ -52,19 +52,21 @@ def wan_model(cfg: dict) -> torch.nn.Module:
     )
 
 
-def _grid(tokens: int, frames: int) -> tuple[int, int]:
-    """Latent (frames, side) with ``frames * (side / 2) ** 2 == tokens`` after the 1 x 2 x 2 patchify."""
-    side = 2 * math.isqrt(tokens // frames)
-    if frames * (side // 2) ** 2 != tokens:
-        raise SystemExit(f"--tokens {tokens} is not {frames} frames x a square number of patches")
-    return frames, side
+def _grid(tokens: int, frames: int) -> tuple[int, int, int]:
+    """Latent (frames, height, width) with ``frames * (height / 2) * (width / 2) == tokens`` after the 1 x 2 x 2
+    patchify, the patch grid as square as the count allows."""
+    if tokens % frames:
+        raise SystemExit(f"--tokens {tokens} is not a multiple of {frames} frames")
+    per_frame = tokens // frames
+    rows = max(d for d in range(1, math.isqrt(per_frame) + 1) if per_frame % d == 0)
+    return frames, 2 * rows, 2 * (per_frame // rows)
 
 
 def _clip(tokens: int, frames: int) -> tuple[dict, torch.Tensor]:
     """The model's arguments for a clip of ``tokens`` latent tokens and its flow-matching target (seed 1)."""
-    frames, side = _grid(tokens, frames)
+    frames, height, width = _grid(tokens, frames)
     gen = torch.Generator().manual_seed(1)
-    latents = torch.randn(1, CHANNELS, frames, side, side, generator=gen)
+    latents = torch.randn(1, CHANNELS, frames, height, width, generator=gen)
     noise = torch.randn(latents.shape, generator=gen)
     text = torch.randn(1, TEXT_LEN, TEXT_DIM, generator=gen)
     t = torch.tensor([0.6])
