@@ -14,7 +14,7 @@ __all__ = ["activation_bytes", "comm_elements"]
 
 def comm_elements(strategy: str, d: ModelSizes, sp: int, ulysses: int) -> float:
     """Attention communication buffers of one layer's forward and backward, elements per local token."""
-    if sp == 1:
+    if sp == 1 or (d.layer_kinds and "attention" not in d.layer_kinds):  # a state-space model has no attention
         return 0.0
     row = strategy_row(strategy)
     heads, kv = d.num_attention_heads // d.tp_size, max(1, d.num_key_value_heads // d.tp_size)

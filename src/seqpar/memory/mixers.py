@@ -1,6 +1,7 @@
 """A hybrid model's layers in the memory estimate: what each kind of layer keeps per token, and its mixer's exchange.
 
-``activations.py`` asks this for models with gated DeltaNet, Mamba2 or short-convolution layers (Note [hybrid memory]).
+``activations.py`` asks this for models with gated DeltaNet, Mamba2, Mamba1 or short-convolution layers (Note [hybrid
+memory]).
 
 Note [hybrid memory]
     Per token, in elements, a hybrid's layer keeps for its backward (its input left out, as in Note [memory
@@ -26,6 +27,12 @@ Note [hybrid memory]
       ``mamba2_chunk_scan`` (float32) ``S = 4 I_m + 3 Hm c + 5 Hm N + 2 Hm d_head N / c + 5 Hm``: the
       discretised inputs, the ``c x c`` decays and scores a head, B and C repeated to the heads, two states
       a chunk.
+    * Mamba1 (I channels, state N, dt rank R; seqpar's own sequential scan, Note [Mamba1 state]): around
+      the scan, ``in_proj``'s output (2I), the convolution's input, output and activation, the read-out's
+      and gate's tensors (7 I with the convolution's input), ``x_proj``'s output (``R + 2N``, twice and 3
+      more with Falcon-Mamba's norms on dt, B and C); the scan's decay, drive and each step's state
+      (``3 I N``, float32) and dt's three float32 I-wide tensors. A layer of a pure state-space model (one
+      norm, no MLP) keeps 2H for its norm and residual instead of 5H.
     * LFM2's short convolution: ``in_proj``'s output (3H), the convolution's input and output, and
       ``out_proj``'s input (3H): 6H, so an LFM2 conv layer keeps ``11 H + 4 I`` besides its input.
     Under sp > 1 a rank's chunks continue the state of chunks on other ranks (Note [state passing]): the
@@ -39,8 +46,9 @@ Note [hybrid memory]
     Counted with saved-tensor hooks on real layers under ``prepare_model`` (float32, one process and sp 2):
     ``tests/test_estimate.py`` checks each kind within 5% at two widths.
     Exchange, per mixer layer and rank, forward (its backward, a reduce-scatter, moves as much): the halo's
-    tails, ``chunks x rows x C_conv x (K - 1)`` in the dtype, and the state summaries (gated DeltaNet and
-    SSD), ``chunks x rows x heads x dk x (dk + dv)`` float32 (``M`` next to ``S_loc``; SSD's ``M`` is a
+    tails, ``chunks x rows x C_conv x (K - 1)`` in the dtype, and the state summaries (gated DeltaNet,
+    SSD and Mamba1, whose ``I N`` heads each have a 1 x 1 state), ``chunks x rows x heads x dk x (dk + dv)``
+    float32 (``M`` next to ``S_loc``; SSD's ``M`` is a
     decay times the identity but seqpar sends it as a ``d_head x d_head`` matrix, its dk being d_head and its
     dv N); the all-gather hands every rank sp of each, which the layer holds while its backward runs. Gloo's
     ring all-gather sends ``(sp - 1)`` pieces of a rank's size, as does the reduce-scatter.
@@ -73,6 +81,8 @@ def _conv_channels(d: ModelSizes, kind: str) -> tuple[int, int]:
         return 2 * keys + d.linear_num_value_heads * d.linear_value_head_dim, d.linear_conv_kernel_dim
     if kind == "mamba2":
         return d.mamba_n_heads * d.mamba_d_head + 2 * d.mamba_n_groups * d.mamba_d_state, d.mamba_d_conv
+    if kind == "mamba1":
+        return d.mamba_d_inner, d.mamba_d_conv
     return d.hidden_size, d.conv_L_cache
 
 
@@ -100,7 +110,7 @@ def mixer_elements(d: ModelSizes, kind: str, sp: int, b: int) -> tuple[float, fl
     Returns:
         (elements in the model's dtype, float32 elements), per token (Note [hybrid memory]).
     """
-    norms = 5 * d.hidden_size
+    norms = (5 if d.layer_norms == 2 else 2) * d.hidden_size  # one norm: its output and the residual's input
     if kind == "attention":
         return float(norms + _attention(d)), 0.0
     channels, width = _conv_channels(d, kind)
@@ -112,6 +122,11 @@ def mixer_elements(d: ModelSizes, kind: str, sp: int, b: int) -> tuple[float, fl
         around = norms + channels + 6 * d.linear_num_value_heads * dv + 3 * d.linear_num_value_heads
         kernel = _gdn_kernel(d, dv) if sp == 1 else 2 * _gdn_kernel(d, dv) + _gdn_kernel(d, dk)
         return around + taps[0], kernel + taps[1]
+    if kind == "mamba1":  # Note [hybrid memory]: seqpar's sequential scan keeps each step's state
+        inner, n, low = d.mamba_d_inner, d.mamba_d_state, d.mamba_dt_rank + 2 * d.mamba_d_state
+        around = norms + 6 * inner + low + (low + 3 if d.mamba_dt_norms else 0)
+        scan = 3 * inner * n + 3 * inner  # decay, drive, the states; dt and its float32 copies
+        return around + taps[0], (1 if sp == 1 else 2) * scan + taps[1]
     inner, hm = d.mamba_n_heads * d.mamba_d_head, d.mamba_n_heads
     projected = 2 * inner + 2 * d.mamba_n_groups * d.mamba_d_state + hm
     around = norms + projected + 2 * channels + 5 * inner + 3 * hm
@@ -139,6 +154,8 @@ def exchange_bytes(d: ModelSizes, kind: str, rows: int, chunks: int, b: int) -> 
         heads, dk, dv = d.linear_num_value_heads, d.linear_key_head_dim, d.linear_value_head_dim
     elif kind == "mamba2":
         heads, dk, dv = d.mamba_n_heads, d.mamba_d_head, d.mamba_d_state
+    elif kind == "mamba1":  # Note [Mamba1 state]: a 1 x 1 state per channel and entry
+        heads, dk, dv = d.mamba_d_inner * d.mamba_d_state, 1, 1
     else:
         return halo, 0
     return halo, chunks * rows * heads * dk * (dk + dv) * 4

@@ -16,6 +16,11 @@ Note [hybrid sizes]
       ``mamba_proj_bias``), the convolution ``(I_m + 2 G N) K`` (its bias with ``mamba_conv_bias``),
       ``A_log``, ``D``, ``dt_bias`` (3 Hm), the gated norm (I_m) and ``out_proj`` (``I_m H``, biased with
       ``mamba_proj_bias``).
+    * Mamba1 (Mamba, Falcon-Mamba; ``intermediate_size`` I channels, state N, dt rank R, conv width K):
+      ``in_proj`` ``2 H I``, the convolution ``I K`` (+ I bias), ``x_proj`` ``I (R + 2N)``, ``dt_proj``
+      ``R I + I``, ``A_log`` ``I N``, ``D`` I, ``out_proj`` ``I H`` (biases with ``use_bias``). Pure
+      state-space models (``SSM_MIXERS``: Mamba2, Mamba, Falcon-Mamba) have one RMSNorm per layer
+      (``layer_norms``), no attention and no MLP, and tie the head by default.
     * LFM2's gated short convolution (``conv_L_cache`` = K): ``in_proj`` ``3 H^2``, the convolution ``H K``,
       ``out_proj`` ``H^2`` (each with a bias under ``conv_bias``). LFM2's MLP width is the one its layers
       build: with ``block_auto_adjust_ff_dim``, ``2/3`` of ``intermediate_size``, times
@@ -26,8 +31,8 @@ Note [hybrid sizes]
     ungated shared expert beside them. A pipeline stage of ``n`` of the model's ``L`` layers holds the kinds
     in proportion (``ModelSizes.kind_counts``). Hybrids are counted at tp 1 (their families have no tensor-
     parallel plan in seqpar). Families whose layers differ from these are refused with the reason
-    (``UNMODELLED``): Nemotron-H, Falcon-H1, Zamba2, Mamba2 alone, Olmo-Hybrid, Kimi Linear, and the
-    Mamba1 (Mamba, Falcon-Mamba, Jamba) and MiniMax families. ``tests/test_estimate.py`` checks every count against
+    (``UNMODELLED``): Nemotron-H, Falcon-H1, Zamba2, Olmo-Hybrid, Kimi Linear, Jamba (Mamba1 with norms
+    of weights on dt, B and C, and experts) and MiniMax. ``tests/test_estimate.py`` checks every count against
     the built tiny models.
 """
 
@@ -45,18 +50,20 @@ __all__ = [
     "HYBRID_MIXERS",
     "MIXER_KINDS",
     "NOT_ATTENTION",
+    "SSM_MIXERS",
     "UNMODELLED",
     "hybrid_config",
     "hybrid_fields",
     "layer_types",
     "mixer_params",
+    "ssm_fields",
 ]
 
 
 NOT_ATTENTION = ("conv", "linear_attention", "mamba", "mamba2", "recurrent", "linear")
 """``layer_types`` entries of token mixers other than attention."""
 
-MIXER_KINDS = ("gated_deltanet", "mamba2", "short_conv")
+MIXER_KINDS = ("gated_deltanet", "mamba1", "mamba2", "short_conv")
 """The token mixers other than attention whose sizes ``ModelSizes`` counts (Note [hybrid sizes])."""
 
 HYBRID_MIXERS = {
@@ -69,6 +76,9 @@ HYBRID_MIXERS = {
 }
 """Model types whose hybrid layers Note [hybrid sizes] describes -> the kind of their non-attention layers."""
 
+SSM_MIXERS = {"mamba2": "mamba2", "mamba": "mamba1", "falcon_mamba": "mamba1"}
+"""State-space model types (a norm and a mixer per layer, no attention, no MLP) -> their mixer's kind."""
+
 UNMODELLED = {
     "nemotron_h": "its layers each hold one of Mamba2, attention, experts or an MLP, which seqpar's sizes of "
     "a layer (a token mixer and an MLP) do not describe yet",
@@ -76,14 +86,11 @@ UNMODELLED = {
     "do not describe yet",
     "zamba2": "its shared attention block (one set of weights run in several layers, with per-layer adapters) "
     "is not described by seqpar's sizes yet",
-    "mamba2": "a Mamba2 model without attention or MLPs is not described by seqpar's sizes yet",
     "olmo_hybrid": "its gated DeltaNet layers (norms after the mixer, separate gate projection) are not "
     "described by seqpar's sizes yet",
     "kimi_linear": "its KDA layers (a decay per channel, low-rank gates) beside MLA attention are not "
     "described by seqpar's sizes yet",
     "jamba": "its Mamba1 layers (and experts beside them) are not described by seqpar's sizes yet",
-    "mamba": "its Mamba1 layers are not described by seqpar's sizes yet",
-    "falcon_mamba": "its Mamba1 layers are not described by seqpar's sizes yet",
     "minimax": "its lightning attention layers are not described by seqpar's sizes yet",
 }
 """Model types of hybrids whose sizes seqpar does not model -> why (Note [hybrid sizes])."""
@@ -138,6 +145,60 @@ def hybrid_fields(get, model_type: str, types: list[str], tp: int) -> dict:
     return fields
 
 
+def ssm_fields(get, model_type: str, tp: int) -> dict:
+    """``ModelSizes``' fields of a state-space model (Mamba2, Mamba, Falcon-Mamba; Note [hybrid sizes]): one
+    RMSNorm and a mixer per layer; no attention (one nominal head) and no MLP (width 0)."""
+    if tp != 1:
+        raise SeqparInputError(f"state-space models are counted at tp_size 1 (no tp plan), not {tp}")
+    base = _positive(get, ("hidden_size", "num_hidden_layers", "vocab_size"), f"{model_type} model")
+    kind = SSM_MIXERS[model_type]
+    hidden = base["hidden_size"]
+    if kind == "mamba2":
+        names = dict(
+            mamba_n_heads="num_heads",
+            mamba_d_head="head_dim",
+            mamba_d_state="state_size",
+            mamba_n_groups="n_groups",
+            mamba_d_conv="conv_kernel",
+            mamba_chunk_size="chunk_size",
+        )
+    else:
+        names = dict(
+            mamba_d_inner="intermediate_size",
+            mamba_d_state="state_size",
+            mamba_d_conv="conv_kernel",
+            mamba_dt_rank="time_step_rank",
+        )
+    fields = {ours: get(theirs) for ours, theirs in names.items()}
+    if fields.get("mamba_dt_rank") == "auto":  # as MambaConfig derives it
+        fields["mamba_dt_rank"] = -(-hidden // 16)
+    fields = _positive(fields.get, tuple(fields), f"{model_type} mixer")
+    return dict(
+        **base,
+        **fields,
+        intermediate_size=0,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=hidden,
+        tie_word_embeddings=bool(get("tie_word_embeddings", True)),
+        layer_kinds=(kind,) * base["num_hidden_layers"],
+        layer_norms=1,
+        mamba_conv_bias=bool(get("use_conv_bias", True)),
+        mamba_proj_bias=bool(get("use_bias", False)),
+        mamba_dt_norms=model_type == "falcon_mamba",
+    )
+
+
+def _ssm_config(d: ModelSizes) -> dict:
+    """The config fields of a state-space model that read back to ``d`` (``ssm_fields``' inverse)."""
+    shared = dict(state_size=d.mamba_d_state, conv_kernel=d.mamba_d_conv, use_conv_bias=d.mamba_conv_bias,
+                  use_bias=d.mamba_proj_bias)  # fmt: skip
+    if d.mamba_n_heads:
+        return shared | dict(num_heads=d.mamba_n_heads, head_dim=d.mamba_d_head, n_groups=d.mamba_n_groups,
+                             chunk_size=d.mamba_chunk_size)  # fmt: skip
+    return shared | dict(intermediate_size=d.mamba_d_inner, time_step_rank=d.mamba_dt_rank)
+
+
 def _lfm2_width(get) -> int:
     """LFM2's MLP width as ``Lfm2MLP`` builds it (Note [hybrid sizes])."""
     width = get("intermediate_size")
@@ -151,6 +212,8 @@ def _lfm2_width(get) -> int:
 
 def hybrid_config(d: ModelSizes) -> dict:
     """The config fields that read back to ``d``'s hybrid sizes."""
+    if d.model_type in SSM_MIXERS:
+        return _ssm_config(d)
     if d.model_type == "lfm2":
         types = ["conv" if k == "short_conv" else "full_attention" for k in d.layer_kinds]
         return {"layer_types": types, "conv_L_cache": d.conv_L_cache, "conv_bias": d.conv_bias,
@@ -194,7 +257,13 @@ def mixer_params(d: ModelSizes, kind: str) -> int:
         projected = inner + conv + heads
         bias = (projected + h) if d.mamba_proj_bias else 0
         conv_params = conv * d.mamba_d_conv + (conv if d.mamba_conv_bias else 0)
-        return h * projected + inner * h + bias + conv_params + 3 * heads + inner + 2 * h
+        return h * projected + inner * h + bias + conv_params + 3 * heads + inner + d.layer_norms * h
+    if kind == "mamba1":  # in_proj, conv, x_proj, dt_proj (biased), A_log, D, out_proj (Note [hybrid sizes])
+        inner, n, rank = d.mamba_d_inner, d.mamba_d_state, d.mamba_dt_rank
+        bias = 2 * inner + h if d.mamba_proj_bias else 0
+        conv = inner * d.mamba_d_conv + (inner if d.mamba_conv_bias else 0)
+        scan = inner * (rank + 2 * n) + rank * inner + inner + inner * n + inner
+        return 2 * h * inner + conv + scan + inner * h + bias + d.layer_norms * h
     if kind == "short_conv":
         bias = 5 * h if d.conv_bias else 0
         return 4 * h * h + h * d.conv_L_cache + bias + 2 * h

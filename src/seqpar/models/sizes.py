@@ -34,11 +34,13 @@ from seqpar.models.hybrid_sizes import (
     HYBRID_MIXERS,
     MIXER_KINDS,
     NOT_ATTENTION,
+    SSM_MIXERS,
     UNMODELLED,
     hybrid_config,
     hybrid_fields,
     layer_types,
     mixer_params,
+    ssm_fields,
 )
 from seqpar.models.mla_sizes import mla_fields
 
@@ -131,7 +133,15 @@ class ModelSizes:
     mamba_conv_bias: bool = False
     """Mamba2: the convolution has a bias."""
     mamba_proj_bias: bool = False
-    """Mamba2: ``in_proj`` and ``out_proj`` have biases."""
+    """Mamba2 and Mamba1: ``in_proj`` and ``out_proj`` have biases."""
+    mamba_d_inner: int = 0
+    """Mamba1: the scan's channels (``intermediate_size``; Mamba1 reuses ``mamba_d_state`` and ``mamba_d_conv``)."""
+    mamba_dt_rank: int = 0
+    """Mamba1: the rank of the time-step projection."""
+    mamba_dt_norms: bool = False
+    """Mamba1: weightless RMSNorms on dt, B and C (Falcon-Mamba)."""
+    layer_norms: int = 2
+    """RMSNorms per layer: 2, or 1 in a state-space model whose layers are a norm and a mixer (Mamba, Mamba2)."""
     conv_L_cache: int = 0
     """LFM2: the short convolution's width."""
     conv_bias: bool = False
@@ -336,6 +346,8 @@ def _from_config(config: object, tp: int, source: str) -> ModelSizes:
         config = getattr(config, "text_config", None) or config
     get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
     model_type = str(get("model_type", None) or "llama")
+    if model_type in SSM_MIXERS:  # a norm and a mixer per layer, no attention, no MLP
+        return ModelSizes(**ssm_fields(get, model_type, tp), model_type=model_type, source=source, tp_size=tp)
     if model_type in UNMODELLED:
         raise SeqparInputError(
             f"a model of type {model_type!r}: {UNMODELLED[model_type]}, so seqpar's memory estimate and plans "
