@@ -345,19 +345,14 @@ def test_bad_input_raises_on_every_rank():
     run_ranks(2, _refusals_worker)
 
 
-def _replicated_text_worker(rank, world_size):
-    # Negative control: a plan that leaves the text whole on every rank inside the joint attention counts each
-    # text key once per rank (what seqpar.context_parallel would do around CogVideoX): the prediction is off.
-    name = "CogVideoXTransformer3DModel"
+def _off_under_plan(family: str, name: str, shards: dict) -> None:
+    """Prepared with the class's plan but for ``shards``, the prediction is not one process's."""
     kept = DIFFUSION_PLANS[name]
-    shards = dict(kept.shards) | {
-        "transformer_blocks.0": {"hidden_states": kept.shards["transformer_blocks.0"]["hidden_states"]}
-    }
-    register_diffusion_plan(dataclasses.replace(kept, shards=shards))
+    register_diffusion_plan(dataclasses.replace(kept, shards=dict(kept.shards) | shards))
     try:
-        reference = dit_model("cogvideox")
+        reference = dit_model(family)
         model = copy.deepcopy(reference)
-        inputs, target = dit_batch("cogvideox")
+        inputs, target = dit_batch(family)
         want = _run_step(reference, inputs, target)
         seqpar.prepare_diffusers(model, seqpar.make_mesh(), strategy="ring")
         got = _run_step(model, inputs, target, seqpar.make_mesh())
@@ -365,6 +360,14 @@ def _replicated_text_worker(rank, world_size):
         register_diffusion_plan(kept)
     with pytest.raises(AssertionError, match="Tensor-likes are not close"):
         torch.testing.assert_close(got, want, rtol=0, atol=PRED_ATOL)
+
+
+def _replicated_text_worker(rank, world_size):
+    # Negative control: a plan that leaves the text whole on every rank inside the joint attention counts each
+    # text key once per rank (what seqpar.context_parallel would do around CogVideoX): the prediction is off.
+    name = "CogVideoXTransformer3DModel"
+    first = DIFFUSION_PLANS[name].shards["transformer_blocks.0"]
+    _off_under_plan("cogvideox", name, {"transformer_blocks.0": {"hidden_states": first["hidden_states"]}})
 
 
 def test_negative_control_replicated_text_in_joint_attention_fails():
@@ -374,21 +377,8 @@ def test_negative_control_replicated_text_in_joint_attention_fails():
 def _misaligned_mask_worker(rank, world_size):
     # Negative control: HunyuanVideo's key mask over [video; text] cut as one sequence (not part by part) still
     # has the shard's length, but hides other keys than the text padding: the prediction is off.
-    name = "HunyuanVideoTransformer3DModel"
-    kept = DIFFUSION_PLANS[name]
-    shards = dict(kept.shards) | {"*transformer_blocks.*": {"attention_mask": Split(3, 4)}}
-    register_diffusion_plan(dataclasses.replace(kept, shards=shards))
-    try:
-        reference = dit_model("hunyuan_video")
-        model = copy.deepcopy(reference)
-        inputs, target = dit_batch("hunyuan_video")
-        want = _run_step(reference, inputs, target)
-        seqpar.prepare_diffusers(model, seqpar.make_mesh(), strategy="ring")
-        got = _run_step(model, inputs, target, seqpar.make_mesh())
-    finally:
-        register_diffusion_plan(kept)
-    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
-        torch.testing.assert_close(got, want, rtol=0, atol=PRED_ATOL)
+    shards = {"*transformer_blocks.*": {"attention_mask": Split(3, 4)}}
+    _off_under_plan("hunyuan_video", "HunyuanVideoTransformer3DModel", shards)
 
 
 def test_negative_control_misaligned_text_padding_mask_fails():
