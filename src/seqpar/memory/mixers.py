@@ -71,7 +71,7 @@ def _attention(d: ModelSizes) -> int:
         return 8 * hq + 4 * hkv
     if d.qk_norm:
         return 5 * hq + 3 * hkv
-    return (2 if d.model_type == "granitemoehybrid" else 3) * hq + 2 * hkv
+    return (2 if d.model_type in ("granitemoehybrid", "jamba") else 3) * hq + 2 * hkv  # no rotary embedding
 
 
 def _conv_channels(d: ModelSizes, kind: str) -> tuple[int, int]:

@@ -31,8 +31,9 @@ Note [hybrid sizes]
     ungated shared expert beside them. A pipeline stage of ``n`` of the model's ``L`` layers holds the kinds
     in proportion (``ModelSizes.kind_counts``). Hybrids are counted at tp 1 (their families have no tensor-
     parallel plan in seqpar). Families whose layers differ from these are refused with the reason
-    (``UNMODELLED``): Nemotron-H, Falcon-H1, Zamba2, Olmo-Hybrid, Kimi Linear, Jamba (Mamba1 with norms
-    of weights on dt, B and C, and experts) and MiniMax. ``tests/test_estimate.py`` checks every count against
+    (``UNMODELLED``): Nemotron-H, Falcon-H1, Zamba2, Olmo-Hybrid, Kimi Linear and MiniMax. Jamba's Mamba1
+    layers add weighted RMSNorms on dt, B and C (``R + 2N``); its experts sit in every ``expert_layer_period``-th
+    layer from ``expert_layer_offset``. ``tests/test_estimate.py`` checks every count against
     the built tiny models.
 """
 
@@ -73,6 +74,7 @@ HYBRID_MIXERS = {
     "bamba": "mamba2",
     "granitemoehybrid": "mamba2",
     "lfm2": "short_conv",
+    "jamba": "mamba1",
 }
 """Model types whose hybrid layers Note [hybrid sizes] describes -> the kind of their non-attention layers."""
 
@@ -90,7 +92,6 @@ UNMODELLED = {
     "described by seqpar's sizes yet",
     "kimi_linear": "its KDA layers (a decay per channel, low-rank gates) beside MLA attention are not "
     "described by seqpar's sizes yet",
-    "jamba": "its Mamba1 layers (and experts beside them) are not described by seqpar's sizes yet",
     "minimax": "its lightning attention layers are not described by seqpar's sizes yet",
 }
 """Model types of hybrids whose sizes seqpar does not model -> why (Note [hybrid sizes])."""
@@ -108,6 +109,9 @@ _MAMBA_FIELDS = ("mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_grou
 def layer_types(get) -> list[str]:
     """The config's ``layer_types`` (Bamba's from ``attn_layer_indices`` in a config.json)."""
     types = get("layer_types") or get("layers_block_type")
+    if not types and get("model_type") == "jamba" and get("attn_layer_period"):  # a config.json's fields
+        period, offset = get("attn_layer_period"), get("attn_layer_offset") or 0
+        types = ["attention" if i % period == offset else "mamba" for i in range(get("num_hidden_layers") or 0)]
     if not types and get("model_type") == "bamba" and get("attn_layer_indices") is not None:
         attention = set(get("attn_layer_indices"))
         types = ["attention" if i in attention else "mamba" for i in range(get("num_hidden_layers") or 0)]
@@ -138,6 +142,17 @@ def hybrid_fields(get, model_type: str, types: list[str], tp: int) -> dict:
             fields["mamba_d_head"] = (get("mamba_expand") or 2) * hidden // heads
         read = {n: fields.get(n) or get(n) for n in _MAMBA_FIELDS}
         fields.update(_positive(read.get, _MAMBA_FIELDS, "Mamba2"))
+        fields.update(mamba_conv_bias=bool(get("mamba_conv_bias", True)), mamba_proj_bias=bool(get("mamba_proj_bias")))
+    elif mixer == "mamba1":  # Jamba: Mamba1 with weighted norms on dt, B and C
+        hidden = get("hidden_size")
+        rank = get("mamba_dt_rank")
+        read = dict(
+            mamba_d_inner=(get("mamba_expand") or 2) * hidden,
+            mamba_d_state=get("mamba_d_state"),
+            mamba_d_conv=get("mamba_d_conv"),
+            mamba_dt_rank=-(-hidden // 16) if rank == "auto" else rank,
+        )
+        fields.update(_positive(read.get, tuple(read), "Mamba1"), mamba_dt_norms=True)
         fields.update(mamba_conv_bias=bool(get("mamba_conv_bias", True)), mamba_proj_bias=bool(get("mamba_proj_bias")))
     else:  # LFM2: the MLP width its layers build
         fields.update(_positive(get, ("conv_L_cache",), "LFM2 convolution"), conv_bias=bool(get("conv_bias")))
@@ -224,8 +239,11 @@ def hybrid_config(d: ModelSizes) -> dict:
         config = {"attn_layer_indices": [i for i, k in enumerate(d.layer_kinds) if k == "attention"]}
     else:
         config = {"layer_types": types}
-    names = _GDN_FIELDS if d.linear_num_value_heads else _MAMBA_FIELDS
-    config.update({n: getattr(d, n) for n in names})
+    if d.mamba_d_inner:  # Jamba
+        config.update(mamba_expand=d.mamba_d_inner // d.hidden_size, mamba_d_state=d.mamba_d_state,
+                      mamba_d_conv=d.mamba_d_conv, mamba_dt_rank=d.mamba_dt_rank)  # fmt: skip
+    else:
+        config.update({n: getattr(d, n) for n in (_GDN_FIELDS if d.linear_num_value_heads else _MAMBA_FIELDS)})
     if d.mamba_n_heads:
         config.update(mamba_conv_bias=d.mamba_conv_bias, mamba_proj_bias=d.mamba_proj_bias)
     if d.model_type == "granitemoehybrid" and not d.num_experts:
@@ -263,7 +281,8 @@ def mixer_params(d: ModelSizes, kind: str) -> int:
         bias = 2 * inner + h if d.mamba_proj_bias else 0
         conv = inner * d.mamba_d_conv + (inner if d.mamba_conv_bias else 0)
         scan = inner * (rank + 2 * n) + rank * inner + inner + inner * n + inner
-        return 2 * h * inner + conv + scan + inner * h + bias + d.layer_norms * h
+        norms = rank + 2 * n if d.model_type == "jamba" else 0  # Jamba's norms on dt, B and C have weights
+        return 2 * h * inner + conv + scan + inner * h + bias + norms + d.layer_norms * h
     if kind == "short_conv":
         bias = 5 * h if d.conv_bias else 0
         return 4 * h * h + h * d.conv_L_cache + bias + 2 * h

@@ -421,6 +421,9 @@ def _experts(get, layers: int) -> dict:
             "moe_layers": max(0, layers - dense),
         }
     step, dense_only = get("decoder_sparse_step") or 1, set(get("mlp_only_layers") or ())
+    if get("expert_layer_period"):  # Jamba: experts in every period-th layer from the offset
+        period, offset = get("expert_layer_period"), get("expert_layer_offset") or 0
+        dense_only = {i for i in range(layers) if i % period != offset}
     return {
         "num_experts": experts,
         "num_experts_per_tok": per_token,
