@@ -453,20 +453,24 @@ def test_mla_bad_sizes_and_hybrid_configs_are_refused_not_estimated_wrong():
     other = {**tiny_config("deepseek_v3").to_dict(), "model_type": "deepseek_v32"}  # an indexer besides MLA
     with pytest.raises(seqpar.SeqparInputError, match="MLA attention of model type 'deepseek_v32'"):
         seqpar.estimate_memory(other, 1024, sp_size=2)
-    for kind, reason in (("falcon_h1", "side by side"), ("kimi_linear", "KDA layers"), ("minimax", "lightning")):
+    for kind, reason in (
+        ("falcon_h1", "side by side"),
+        ("kimi_linear", "KDA layers"),
+        ("olmo_hybrid", "norms after the mixer"),
+    ):
         with pytest.raises(seqpar.SeqparInputError, match=f"'{kind}': its .*{reason}.*Note \\[hybrid sizes\\]"):
             seqpar.estimate_memory(tiny_config(kind), 1024, sp_size=2)
 
 
-HYBRID_ESTIMATED = ("lfm2", "qwen3_5", "qwen3_5_moe", "qwen3_next", "granitemoehybrid", "bamba")
+HYBRID_ESTIMATED = ("lfm2", "qwen3_5", "qwen3_5_moe", "qwen3_next", "granitemoehybrid", "bamba", "minimax")
 
 
 @pytest.mark.parametrize("kind", HYBRID_ESTIMATED)
 def test_hybrid_parameters_exact_kept_activations_within_7_percent_and_planned(kind):
     """Note [hybrid sizes], Note [hybrid memory]: a hybrid's parameters (all, the largest layer's, the head's)
-    equal the built model's; each layer, attention or mixer (short convolution, gated DeltaNet, Mamba2), keeps
-    under ``prepare_model`` within 7% of the predicted elements per token (saved-tensor hooks, one process,
-    64 tokens); at sp 2 the estimate holds the mixers' exchange buffers, of the sizes the summaries have, and the
+    equal the built model's; each layer, attention or mixer (short convolution, gated DeltaNet, Mamba2, MiniMax's
+    lightning attention), keeps under ``prepare_model`` within 7% of the predicted elements per token
+    (saved-tensor hooks, one process, 64 tokens); at sp 2 the estimate holds the mixers' exchange buffers, of the sizes the summaries have, and the
     planner plans the model with the estimate's sizes."""
     from seqpar.memory.activations import _mixer_bytes, activation_bytes
     from seqpar.memory.mixers import exchange_bytes

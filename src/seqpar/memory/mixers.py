@@ -33,6 +33,10 @@ Note [hybrid memory]
       more with Falcon-Mamba's norms on dt, B and C); the scan's decay, drive and each step's state
       (``3 I N``, float32) and dt's three float32 I-wide tensors. A layer of a pure state-space model (one
       norm, no MLP) keeps 2H for its norm and residual instead of 5H.
+    * MiniMax's lightning attention (h heads of d, seqpar's blocked recurrence over blocks of b tokens, Note
+      [lightning blocks]): around it ``qkv_proj``'s output, q, k and v, the norm's, gate's and output's tensors
+      (``12 H + 1``); inside, per block, the keys transposed, the queries, the decayed ``b x b`` scores and the
+      state entering the block: ``h (2 d + b + d^2 / b)`` per token, float32.
     * LFM2's short convolution: ``in_proj``'s output (3H), the convolution's input and output, and
       ``out_proj``'s input (3H): 6H, so an LFM2 conv layer keeps ``11 H + 4 I`` besides its input.
     Under sp > 1 a rank's chunks continue the state of chunks on other ranks (Note [state passing]): the
@@ -83,6 +87,8 @@ def _conv_channels(d: ModelSizes, kind: str) -> tuple[int, int]:
         return d.mamba_n_heads * d.mamba_d_head + 2 * d.mamba_n_groups * d.mamba_d_state, d.mamba_d_conv
     if kind == "mamba1":
         return d.mamba_d_inner, d.mamba_d_conv
+    if kind == "lightning":  # no convolution, no halo
+        return 0, 1
     return d.hidden_size, d.conv_L_cache
 
 
@@ -122,6 +128,10 @@ def mixer_elements(d: ModelSizes, kind: str, sp: int, b: int) -> tuple[float, fl
         around = norms + channels + 6 * d.linear_num_value_heads * dv + 3 * d.linear_num_value_heads
         kernel = _gdn_kernel(d, dv) if sp == 1 else 2 * _gdn_kernel(d, dv) + _gdn_kernel(d, dk)
         return around + taps[0], kernel + taps[1]
+    if kind == "lightning":  # Note [hybrid memory]: per block of b tokens, k^T, q, the decayed scores, the state
+        heads, dim, block = d.num_attention_heads, d.head_dim, d.block_size
+        kernel = heads * (2 * dim + block + dim * dim / block)
+        return norms + 12 * d.hidden_size + 1 + taps[0], (1 if sp == 1 else 2) * kernel + taps[1]
     if kind == "mamba1":  # Note [hybrid memory]: seqpar's sequential scan keeps each step's state
         inner, n, low = d.mamba_d_inner, d.mamba_d_state, d.mamba_dt_rank + 2 * d.mamba_d_state
         around = norms + 6 * inner + low + (low + 3 if d.mamba_dt_norms else 0)
@@ -154,6 +164,8 @@ def exchange_bytes(d: ModelSizes, kind: str, rows: int, chunks: int, b: int) -> 
         heads, dk, dv = d.linear_num_value_heads, d.linear_key_head_dim, d.linear_value_head_dim
     elif kind == "mamba2":
         heads, dk, dv = d.mamba_n_heads, d.mamba_d_head, d.mamba_d_state
+    elif kind == "lightning":  # Note [lightning blocks]: M is a decay times the identity, sent as a matrix
+        heads, dk, dv = d.num_attention_heads, d.head_dim, d.head_dim
     elif kind == "mamba1":  # Note [Mamba1 state]: a 1 x 1 state per channel and entry
         heads, dk, dv = d.mamba_d_inner * d.mamba_d_state, 1, 1
     else:

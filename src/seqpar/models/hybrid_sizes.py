@@ -31,7 +31,9 @@ Note [hybrid sizes]
     ungated shared expert beside them. A pipeline stage of ``n`` of the model's ``L`` layers holds the kinds
     in proportion (``ModelSizes.kind_counts``). Hybrids are counted at tp 1 (their families have no tensor-
     parallel plan in seqpar). Families whose layers differ from these are refused with the reason
-    (``UNMODELLED``): Nemotron-H, Falcon-H1, Zamba2, Olmo-Hybrid, Kimi Linear and MiniMax. Jamba's Mamba1
+    (``UNMODELLED``): Nemotron-H, Falcon-H1, Zamba2, Olmo-Hybrid and Kimi Linear. MiniMax's lightning
+    attention layers hold ``qkv_proj`` ``3 H^2``, ``out_proj`` and ``output_gate`` ``H^2`` each and an RMSNorm
+    (H), with experts in every layer. Jamba's Mamba1
     layers add weighted RMSNorms on dt, B and C (``R + 2N``); its experts sit in every ``expert_layer_period``-th
     layer from ``expert_layer_offset``. ``tests/test_estimate.py`` checks every count against
     the built tiny models.
@@ -64,7 +66,7 @@ __all__ = [
 NOT_ATTENTION = ("conv", "linear_attention", "mamba", "mamba2", "recurrent", "linear")
 """``layer_types`` entries of token mixers other than attention."""
 
-MIXER_KINDS = ("gated_deltanet", "mamba1", "mamba2", "short_conv")
+MIXER_KINDS = ("gated_deltanet", "lightning", "mamba1", "mamba2", "short_conv")
 """The token mixers other than attention whose sizes ``ModelSizes`` counts (Note [hybrid sizes])."""
 
 HYBRID_MIXERS = {
@@ -75,6 +77,7 @@ HYBRID_MIXERS = {
     "granitemoehybrid": "mamba2",
     "lfm2": "short_conv",
     "jamba": "mamba1",
+    "minimax": "lightning",
 }
 """Model types whose hybrid layers Note [hybrid sizes] describes -> the kind of their non-attention layers."""
 
@@ -92,7 +95,6 @@ UNMODELLED = {
     "described by seqpar's sizes yet",
     "kimi_linear": "its KDA layers (a decay per channel, low-rank gates) beside MLA attention are not "
     "described by seqpar's sizes yet",
-    "minimax": "its lightning attention layers are not described by seqpar's sizes yet",
 }
 """Model types of hybrids whose sizes seqpar does not model -> why (Note [hybrid sizes])."""
 
@@ -143,6 +145,8 @@ def hybrid_fields(get, model_type: str, types: list[str], tp: int) -> dict:
         read = {n: fields.get(n) or get(n) for n in _MAMBA_FIELDS}
         fields.update(_positive(read.get, _MAMBA_FIELDS, "Mamba2"))
         fields.update(mamba_conv_bias=bool(get("mamba_conv_bias", True)), mamba_proj_bias=bool(get("mamba_proj_bias")))
+    elif mixer == "lightning":  # MiniMax: the recurrence's block length
+        fields.update(_positive(get, ("block_size",), "lightning attention"))
     elif mixer == "mamba1":  # Jamba: Mamba1 with weighted norms on dt, B and C
         hidden = get("hidden_size")
         rank = get("mamba_dt_rank")
@@ -239,7 +243,9 @@ def hybrid_config(d: ModelSizes) -> dict:
         config = {"attn_layer_indices": [i for i, k in enumerate(d.layer_kinds) if k == "attention"]}
     else:
         config = {"layer_types": types}
-    if d.mamba_d_inner:  # Jamba
+    if d.block_size:  # MiniMax
+        config.update(block_size=d.block_size)
+    elif d.mamba_d_inner:  # Jamba
         config.update(mamba_expand=d.mamba_d_inner // d.hidden_size, mamba_d_state=d.mamba_d_state,
                       mamba_d_conv=d.mamba_d_conv, mamba_dt_rank=d.mamba_dt_rank)  # fmt: skip
     else:
@@ -283,6 +289,8 @@ def mixer_params(d: ModelSizes, kind: str) -> int:
         scan = inner * (rank + 2 * n) + rank * inner + inner + inner * n + inner
         norms = rank + 2 * n if d.model_type == "jamba" else 0  # Jamba's norms on dt, B and C have weights
         return 2 * h * inner + conv + scan + inner * h + bias + norms + d.layer_norms * h
+    if kind == "lightning":  # qkv_proj, out_proj and output_gate over H = heads x head_dim, its RMSNorm
+        return 5 * h * h + h + d.layer_norms * h
     if kind == "short_conv":
         bias = 5 * h if d.conv_bias else 0
         return 4 * h * h + h * d.conv_L_cache + bias + 2 * h

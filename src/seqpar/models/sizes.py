@@ -142,6 +142,8 @@ class ModelSizes:
     """Mamba1: weightless RMSNorms on dt, B and C (Falcon-Mamba)."""
     layer_norms: int = 2
     """RMSNorms per layer: 2, or 1 in a state-space model whose layers are a norm and a mixer (Mamba, Mamba2)."""
+    block_size: int = 0
+    """MiniMax: the lightning attention's block length."""
     conv_L_cache: int = 0
     """LFM2: the short convolution's width."""
     conv_bias: bool = False
