@@ -470,8 +470,8 @@ def test_hybrid_parameters_exact_kept_activations_within_7_percent_and_planned(k
     """Note [hybrid sizes], Note [hybrid memory]: a hybrid's parameters (all, the largest layer's, the head's)
     equal the built model's; each layer, attention or mixer (short convolution, gated DeltaNet, Mamba2, MiniMax's
     lightning attention), keeps under ``prepare_model`` within 7% of the predicted elements per token
-    (saved-tensor hooks, one process, 64 tokens); at sp 2 the estimate holds the mixers' exchange buffers, of the sizes the summaries have, and the
-    planner plans the model with the estimate's sizes."""
+    (saved-tensor hooks, one process, 64 tokens); at sp 2 the estimate holds the mixers' exchange buffers, of the
+    sizes the summaries have, and the planner plans the model with the estimate's sizes."""
     from seqpar.memory.activations import _mixer_bytes, activation_bytes
     from seqpar.memory.mixers import exchange_bytes
     from seqpar.models import ModelSizes, parameter_counts
