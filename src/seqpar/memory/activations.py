@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from seqpar.memory.mixers import mixer_elements
 from seqpar.models import ModelSizes
+from seqpar.models.hybrid_sizes import MLP_KINDS
 from seqpar.sequence_parallel.strategies.registry import strategy_row
 
 __all__ = ["activation_bytes", "comm_elements"]
@@ -14,7 +15,7 @@ __all__ = ["activation_bytes", "comm_elements"]
 
 def comm_elements(strategy: str, d: ModelSizes, sp: int, ulysses: int) -> float:
     """Attention communication buffers of one layer's forward and backward, elements per local token."""
-    if sp == 1 or (d.layer_kinds and "attention" not in d.layer_kinds):  # a state-space model has no attention
+    if sp == 1 or not d.attention_layers:  # a state-space model has no attention
         return 0.0
     row = strategy_row(strategy)
     heads, kv = d.num_attention_heads // d.tp_size, max(1, d.num_key_value_heads // d.tp_size)
@@ -72,6 +73,8 @@ def activation_bytes(
     if routed and d.shared_width and d.shared_expert_gate:  # the gated shared expert's output, kept for its gate
         routed += h
     mlp = 0 if tiled else tokens * b * (4 * i + routed)
+    if any(kind in MLP_KINDS for kind in d.layer_kinds):  # Nemotron-H: MLPs are layers of their own, in ``mixers``
+        mlp = 0
     saved = attention + mlp
     chunk = min(mlp_chunk, tokens)
     extra = tokens * b * (h if tiled else i + h) + (chunk * b * (5 * i + routed) if tiled else 0)

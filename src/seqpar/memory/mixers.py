@@ -62,8 +62,9 @@ Note [hybrid memory]
 from __future__ import annotations
 
 from seqpar.models import ModelSizes
+from seqpar.models.hybrid_sizes import MLP_KINDS
 
-__all__ = ["exchange_bytes", "mixer_elements"]
+__all__ = ["exchange_bytes", "mixer_elements", "mlp_elements"]
 
 GDN_CHUNK = 64
 """``torch_chunk_gated_delta_rule``'s default chunk length, the one seqpar's adapters run it with."""
@@ -76,7 +77,7 @@ def _attention(d: ModelSizes) -> int:
         return 8 * hq + 4 * hkv
     if d.qk_norm:
         return 5 * hq + 3 * hkv
-    return (2 if d.model_type in ("granitemoehybrid", "jamba") else 3) * hq + 2 * hkv  # no rotary embedding
+    return (2 if d.model_type in ("granitemoehybrid", "jamba", "nemotron_h") else 3) * hq + 2 * hkv  # no rotary
 
 
 def _conv_channels(d: ModelSizes, kind: str) -> tuple[int, int]:
@@ -84,7 +85,7 @@ def _conv_channels(d: ModelSizes, kind: str) -> tuple[int, int]:
     if kind == "gated_deltanet":
         keys = d.linear_num_key_heads * d.linear_key_head_dim
         return 2 * keys + d.linear_num_value_heads * d.linear_value_head_dim, d.linear_conv_kernel_dim
-    if kind == "mamba2":
+    if kind in ("mamba2", "attention_mamba2"):
         return d.mamba_n_heads * d.mamba_d_head + 2 * d.mamba_n_groups * d.mamba_d_state, d.mamba_d_conv
     if kind == "mamba1":
         return d.mamba_d_inner, d.mamba_d_conv
@@ -120,6 +121,11 @@ def mixer_elements(d: ModelSizes, kind: str, sp: int, b: int) -> tuple[float, fl
     norms = (5 if d.layer_norms == 2 else 2) * d.hidden_size  # one norm: its output and the residual's input
     if kind == "attention":
         return float(norms + _attention(d)), 0.0
+    if kind in MLP_KINDS:  # Nemotron-H: an MLP or experts alone in a layer
+        return float(norms + mlp_elements(d, kind)), 0.0
+    if kind == "attention_mamba2":  # Falcon-H1: the attention's own, and its input's scaled copy, beside SSD's
+        own, float32 = mixer_elements(d, "mamba2", sp, b)
+        return own + _attention(d) + d.hidden_size, float32
     channels, width = _conv_channels(d, kind)
     taps = (float(channels) if b >= 4 else 0.0, 0.0 if b >= 4 else float(width * channels))  # Note [hybrid memory]
     if kind == "short_conv":
@@ -140,8 +146,19 @@ def mixer_elements(d: ModelSizes, kind: str, sp: int, b: int) -> tuple[float, fl
         return around + taps[0], (1 if sp == 1 else 2) * scan + taps[1]
     inner, hm = d.mamba_n_heads * d.mamba_d_head, d.mamba_n_heads
     projected = 2 * inner + 2 * d.mamba_n_groups * d.mamba_d_state + hm
-    around = norms + projected + 2 * channels + 5 * inner + 3 * hm
+    gated = 5 if d.mamba_gated_norm else 2  # the gated norm's tensors, or the plain gate's product
+    around = norms + projected + 2 * channels + gated * inner + 3 * hm
     return around + taps[0], (1 if sp == 1 else 2) * _ssd_kernel(d) + taps[1]
+
+
+def mlp_elements(d: ModelSizes, kind: str) -> int:
+    """Elements one token keeps in an MLP ("mlp") or experts ("moe") for its backward (Note [hybrid memory])."""
+    per_width = 4 if d.mlp_gated else 2  # SwiGLU's gate, up, activation and product; ReLU^2's up and square
+    if kind == "mlp":
+        return per_width * d.dense_width
+    routed = 2 * d.num_experts_per_tok * d.hidden_size  # the routed copies and weighted outputs
+    gate = d.hidden_size if d.shared_width and d.shared_expert_gate else 0
+    return per_width * (d.num_experts_per_tok * d.expert_width + d.shared_width) + routed + gate
 
 
 def exchange_bytes(d: ModelSizes, kind: str, rows: int, chunks: int, b: int) -> tuple[int, int]:
@@ -157,13 +174,13 @@ def exchange_bytes(d: ModelSizes, kind: str, rows: int, chunks: int, b: int) -> 
     Returns:
         (halo tail bytes, state summary bytes) of this rank's pieces; each all-gather returns sp times as many.
     """
-    if kind == "attention":
+    if kind == "attention" or kind in MLP_KINDS:
         return 0, 0
     channels, width = _conv_channels(d, kind)
     halo = chunks * rows * channels * (width - 1) * b
     if kind == "gated_deltanet":
         heads, dk, dv = d.linear_num_value_heads, d.linear_key_head_dim, d.linear_value_head_dim
-    elif kind == "mamba2":
+    elif kind in ("mamba2", "attention_mamba2"):
         heads, dk, dv = d.mamba_n_heads, d.mamba_d_head, d.mamba_d_state
     elif kind == "lightning":  # Note [lightning blocks]: M is a decay times the identity, sent as a matrix
         heads, dk, dv = d.num_attention_heads, d.head_dim, d.head_dim

@@ -52,6 +52,7 @@ ModelSizes = Any
 __all__ = [
     "HYBRID_MIXERS",
     "MIXER_KINDS",
+    "MLP_KINDS",
     "NOT_ATTENTION",
     "SSM_MIXERS",
     "UNMODELLED",
@@ -63,11 +64,15 @@ __all__ = [
 ]
 
 
-NOT_ATTENTION = ("conv", "linear_attention", "mamba", "mamba2", "recurrent", "linear")
-"""``layer_types`` entries of token mixers other than attention."""
+NOT_ATTENTION = ("conv", "linear_attention", "mamba", "mamba2", "recurrent", "linear", "attention_mamba2")
+"""``layer_types`` entries of token mixers other than attention (the last: Falcon-H1's, as ``layer_types`` reads
+its layers)."""
 
-MIXER_KINDS = ("gated_deltanet", "lightning", "mamba1", "mamba2", "short_conv")
+MIXER_KINDS = ("attention_mamba2", "gated_deltanet", "lightning", "mamba1", "mamba2", "short_conv")
 """The token mixers other than attention whose sizes ``ModelSizes`` counts (Note [hybrid sizes])."""
+
+MLP_KINDS = ("mlp", "moe")
+"""Kinds of Nemotron-H's layers that hold an MLP or experts alone, no token mixer (Note [hybrid sizes])."""
 
 HYBRID_MIXERS = {
     "qwen3_next": "gated_deltanet",
@@ -78,6 +83,9 @@ HYBRID_MIXERS = {
     "lfm2": "short_conv",
     "jamba": "mamba1",
     "minimax": "lightning",
+    "olmo_hybrid": "gated_deltanet",
+    "nemotron_h": "mamba2",
+    "falcon_h1": "attention_mamba2",
 }
 """Model types whose hybrid layers Note [hybrid sizes] describes -> the kind of their non-attention layers."""
 
@@ -85,14 +93,8 @@ SSM_MIXERS = {"mamba2": "mamba2", "mamba": "mamba1", "falcon_mamba": "mamba1"}
 """State-space model types (a norm and a mixer per layer, no attention, no MLP) -> their mixer's kind."""
 
 UNMODELLED = {
-    "nemotron_h": "its layers each hold one of Mamba2, attention, experts or an MLP, which seqpar's sizes of "
-    "a layer (a token mixer and an MLP) do not describe yet",
-    "falcon_h1": "its layers run attention and Mamba2 side by side with muP multipliers, which seqpar's sizes "
-    "do not describe yet",
     "zamba2": "its shared attention block (one set of weights run in several layers, with per-layer adapters) "
     "is not described by seqpar's sizes yet",
-    "olmo_hybrid": "its gated DeltaNet layers (norms after the mixer, separate gate projection) are not "
-    "described by seqpar's sizes yet",
     "kimi_linear": "its KDA layers (a decay per channel, low-rank gates) beside MLA attention are not "
     "described by seqpar's sizes yet",
 }
@@ -106,11 +108,28 @@ _GDN_FIELDS = (
     "linear_conv_kernel_dim",
 )
 _MAMBA_FIELDS = ("mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_d_conv", "mamba_chunk_size")
+_NEMOTRON_MAMBA = dict(  # our Mamba2 field -> Nemotron-H's name for it
+    mamba_n_heads="mamba_num_heads",
+    mamba_d_head="mamba_head_dim",
+    mamba_d_state="ssm_state_size",
+    mamba_n_groups="n_groups",
+    mamba_d_conv="conv_kernel",
+    mamba_chunk_size="chunk_size",
+)
+_NEMOTRON_KINDS = {"M": "mamba", "*": "attention", "E": "moe", "-": "mlp"}  # its config.json's pattern
+_UNCOUNTED_BIASES = {  # model type -> the biases its sizes leave out (refused when set)
+    "nemotron_h": ("mlp_bias",),
+    "falcon_h1": ("attention_bias", "mlp_bias", "mamba_proj_bias", "projectors_bias"),
+}
 
 
 def layer_types(get) -> list[str]:
     """The config's ``layer_types`` (Bamba's from ``attn_layer_indices`` in a config.json)."""
     types = get("layer_types") or get("layers_block_type")
+    if not types and get("hybrid_override_pattern"):  # Nemotron-H's config.json
+        types = [_NEMOTRON_KINDS.get(c, c) for c in get("hybrid_override_pattern")]
+    if get("model_type") == "falcon_h1":  # attention and Mamba2 side by side in every layer
+        types = ["attention_mamba2"] * (get("num_hidden_layers") or 0)
     if not types and get("model_type") == "jamba" and get("attn_layer_period"):  # a config.json's fields
         period, offset = get("attn_layer_period"), get("attn_layer_offset") or 0
         types = ["attention" if i % period == offset else "mamba" for i in range(get("num_hidden_layers") or 0)]
@@ -134,17 +153,27 @@ def hybrid_fields(get, model_type: str, types: list[str], tp: int) -> dict:
     if tp != 1:
         raise SeqparInputError(f"hybrid models are counted at tp_size 1 (their families have no tp plan), not {tp}")
     mixer = HYBRID_MIXERS[model_type]
-    kinds = tuple(mixer if t in NOT_ATTENTION else "attention" for t in types)
+    kinds = tuple(t if t in MLP_KINDS else mixer if t in NOT_ATTENTION else "attention" for t in types)
     fields: dict = {"layer_kinds": kinds}
-    if mixer == "gated_deltanet":
+    biased = [n for n in _UNCOUNTED_BIASES.get(model_type, ()) if get(n)]
+    if biased:
+        raise SeqparInputError(f"{model_type} with {', '.join(biased)}: seqpar's sizes leave these biases out")
+    if model_type == "nemotron_h":  # MLPs and experts are layers of their own (Note [hybrid sizes])
+        return fields | _nemotron_fields(get, kinds)
+    if model_type == "olmo_hybrid":  # q/k norms over all heads, no output gate
+        fields.update(_positive(get, _GDN_FIELDS, "gated DeltaNet"), qk_norm=True, qk_norm_whole=True)
+    elif mixer == "gated_deltanet":
         fields.update(_positive(get, _GDN_FIELDS, "gated DeltaNet"), attention_gate=True, qk_norm=True)
-    elif mixer == "mamba2":
+    elif mixer in ("mamba2", "attention_mamba2"):
         hidden, heads = get("hidden_size"), get("mamba_n_heads")
         if not get("mamba_d_head") and isinstance(heads, int) and heads > 0:  # as the configs derive it
             fields["mamba_d_head"] = (get("mamba_expand") or 2) * hidden // heads
         read = {n: fields.get(n) or get(n) for n in _MAMBA_FIELDS}
         fields.update(_positive(read.get, _MAMBA_FIELDS, "Mamba2"))
         fields.update(mamba_conv_bias=bool(get("mamba_conv_bias", True)), mamba_proj_bias=bool(get("mamba_proj_bias")))
+        if mixer == "attention_mamba2":  # Falcon-H1: its SSD width must be the heads' (the kernel's reshape)
+            fields.update(mamba_gated_norm=bool(get("mamba_rms_norm")))
+            _check_ssm_width(get, fields)
     elif mixer == "lightning":  # MiniMax: the recurrence's block length
         fields.update(_positive(get, ("block_size",), "lightning attention"))
     elif mixer == "mamba1":  # Jamba: Mamba1 with weighted norms on dt, B and C
@@ -162,6 +191,27 @@ def hybrid_fields(get, model_type: str, types: list[str], tp: int) -> dict:
         fields.update(_positive(get, ("conv_L_cache",), "LFM2 convolution"), conv_bias=bool(get("conv_bias")))
         fields.update(qk_norm=True, intermediate_size=_lfm2_width(get))
     return fields
+
+
+def _nemotron_fields(get, kinds: tuple[str, ...]) -> dict:
+    """Nemotron-H's fields: one norm a layer, Mamba2 under its names, ungated MLPs and experts in layers of
+    their own (Note [hybrid sizes])."""
+    if get("moe_latent_size"):
+        raise SeqparInputError("nemotron_h with moe_latent_size: seqpar's sizes do not count latent experts")
+    fields = _positive(lambda n: get(_NEMOTRON_MAMBA[n]), tuple(_NEMOTRON_MAMBA), "Mamba2")
+    fields.update(mamba_conv_bias=bool(get("use_conv_bias", True)), mamba_proj_bias=bool(get("use_bias")))
+    fields.update(layer_kinds=kinds, layer_norms=1, mlp_gated=False)
+    if "moe" in kinds:
+        fields.update(moe_layers=kinds.count("moe"), shared_expert_gate=False)
+        fields.update(shared_expert_intermediate_size=get("moe_shared_expert_intermediate_size") or 0)
+    return fields
+
+
+def _check_ssm_width(get, fields: dict) -> None:
+    """Falcon-H1's ``mamba_d_ssm`` (when set) must be its heads' width: the scan reshapes it into them."""
+    width = get("mamba_d_ssm")
+    if width is not None and width != fields["mamba_n_heads"] * fields["mamba_d_head"]:
+        raise SeqparInputError(f"falcon_h1: mamba_d_ssm {width} is not mamba_n_heads x mamba_d_head")
 
 
 def ssm_fields(get, model_type: str, tp: int) -> dict:
@@ -237,6 +287,12 @@ def hybrid_config(d: ModelSizes) -> dict:
         types = ["conv" if k == "short_conv" else "full_attention" for k in d.layer_kinds]
         return {"layer_types": types, "conv_L_cache": d.conv_L_cache, "conv_bias": d.conv_bias,
                 "block_auto_adjust_ff_dim": False}  # fmt: skip
+    if d.model_type == "nemotron_h":
+        config = {theirs: getattr(d, ours) for ours, theirs in _NEMOTRON_MAMBA.items()}
+        config.update(use_conv_bias=d.mamba_conv_bias, use_bias=d.mamba_proj_bias)
+        config.update(moe_shared_expert_intermediate_size=d.shared_expert_intermediate_size)
+        kinds = {"mamba2": "linear_attention", "attention": "full_attention"}
+        return config | {"layers_block_type": [kinds.get(k, k) for k in d.layer_kinds]}
     types = ["linear_attention" if k != "attention" else "full_attention" for k in d.layer_kinds]
     if d.model_type == "bamba":
         types = None
@@ -252,6 +308,8 @@ def hybrid_config(d: ModelSizes) -> dict:
         config.update({n: getattr(d, n) for n in (_GDN_FIELDS if d.linear_num_value_heads else _MAMBA_FIELDS)})
     if d.mamba_n_heads:
         config.update(mamba_conv_bias=d.mamba_conv_bias, mamba_proj_bias=d.mamba_proj_bias)
+    if d.model_type == "falcon_h1":
+        config.update(mamba_rms_norm=d.mamba_gated_norm, mamba_d_ssm=d.mamba_n_heads * d.mamba_d_head)
     if d.model_type == "granitemoehybrid" and not d.num_experts:
         config.update(shared_intermediate_size=d.intermediate_size, num_local_experts=0)
     return config
@@ -281,7 +339,8 @@ def mixer_params(d: ModelSizes, kind: str) -> int:
         projected = inner + conv + heads
         bias = (projected + h) if d.mamba_proj_bias else 0
         conv_params = conv * d.mamba_d_conv + (conv if d.mamba_conv_bias else 0)
-        return h * projected + inner * h + bias + conv_params + 3 * heads + inner + d.layer_norms * h
+        norm = inner if d.mamba_gated_norm else 0
+        return h * projected + inner * h + bias + conv_params + 3 * heads + norm + d.layer_norms * h
     if kind == "mamba1":  # in_proj, conv, x_proj, dt_proj (biased), A_log, D, out_proj (Note [hybrid sizes])
         inner, n, rank = d.mamba_d_inner, d.mamba_d_state, d.mamba_dt_rank
         bias = 2 * inner + h if d.mamba_proj_bias else 0

@@ -39,10 +39,10 @@ from seqpar.models.hybrid_sizes import (
     hybrid_config,
     hybrid_fields,
     layer_types,
-    mixer_params,
     ssm_fields,
 )
 from seqpar.models.mla_sizes import mla_fields
+from seqpar.models.parameters import active_parameters, parameter_counts
 
 __all__ = ["MIXER_KINDS", "ModelSizes", "active_parameters", "parameter_counts"]
 
@@ -148,6 +148,12 @@ class ModelSizes:
     """LFM2: the short convolution's width."""
     conv_bias: bool = False
     """LFM2: the short convolution's projections and convolution have biases."""
+    mlp_gated: bool = True
+    """The MLPs and experts have a gate projection (SwiGLU); False: an up and a down projection (Nemotron-H)."""
+    mamba_gated_norm: bool = True
+    """Mamba2: the gated RMSNorm before ``out_proj`` (False: Falcon-H1 without ``mamba_rms_norm``)."""
+    qk_norm_whole: bool = False
+    """The q/k RMSNorms span every head's columns (Olmo-Hybrid) rather than one head's."""
 
     @classmethod
     def from_config(cls, config: object, tp_size: int = 1, *, source: str = "") -> ModelSizes:
@@ -239,6 +245,12 @@ class ModelSizes:
         return {"attention": rest, **counts} if rest > 0 else counts
 
     @property
+    def attention_layers(self) -> int:
+        """Layers among ``num_hidden_layers`` that run attention (Falcon-H1's run it beside Mamba2)."""
+        counts = self.kind_counts
+        return counts.get("attention", 0) + counts.get("attention_mamba2", 0)
+
+    @property
     def dense_width(self) -> int:
         """Width of a dense MLP's gate and up projections on one tp rank."""
         return self.intermediate_size // self.tp_size
@@ -305,8 +317,6 @@ class ModelSizes:
                 qk_rope_head_dim=self.qk_rope_head_dim,
                 v_head_dim=self.v_head_dim,
             )
-        if self.hybrid:
-            config.update(hybrid_config(self))
         if self.num_experts and self.model_type == "granitemoehybrid":
             config.update(
                 num_local_experts=self.num_experts,
@@ -330,6 +340,8 @@ class ModelSizes:
                 shared_expert_intermediate_size=self.shared_expert_intermediate_size,
                 mlp_only_layers=list(range(self.num_hidden_layers - self.moe_layers)),
             )
+        if self.hybrid:  # after the experts: a hybrid's own names for them win
+            config.update(hybrid_config(self))
         return config
 
 
@@ -348,6 +360,8 @@ def _from_config(config: object, tp: int, source: str) -> ModelSizes:
         config = getattr(config, "text_config", None) or config
     get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
     model_type = str(get("model_type", None) or "llama")
+    if model_type == "nemotron_h" and get("num_hidden_layers") is None:  # its config derives them from the types
+        get = _with_layers(get, len(layer_types(get)))
     if model_type in SSM_MIXERS:  # a norm and a mixer per layer, no attention, no MLP
         return ModelSizes(**ssm_fields(get, model_type, tp), model_type=model_type, source=source, tp_size=tp)
     if model_type in UNMODELLED:
@@ -397,10 +411,17 @@ def _from_config(config: object, tp: int, source: str) -> ModelSizes:
         model_type=model_type,
         source=source,
         tp_size=tp,
-        **experts,
-        **mla,
-        **hybrid,
+        **(experts | mla | hybrid),  # a hybrid's own reading of its experts wins
     )
+
+
+def _with_layers(get, layers: int):
+    """``get`` that answers ``num_hidden_layers`` with ``layers``."""
+
+    def read(name: str, default=None):
+        return layers if name == "num_hidden_layers" else get(name, default)
+
+    return read
 
 
 def _experts(get, layers: int) -> dict:
@@ -433,66 +454,3 @@ def _experts(get, layers: int) -> dict:
         "shared_expert_intermediate_size": get("shared_expert_intermediate_size") or 0,
         "moe_layers": sum(1 for i in range(layers) if i not in dense_only and (i + 1) % step == 0),
     }
-
-
-def _attention_params(d: ModelSizes) -> int:
-    """The attention's projections and the layer's two RMSNorms (Note [MLA sizes] for MLA)."""
-    h = d.hidden_size
-    if not d.mla:  # Note [hybrid sizes]: the output gate doubles q_proj, the q/k norms add a head each
-        gate, norms = d.q_width * h if d.attention_gate else 0, 2 * d.dim if d.qk_norm else 0
-        return h * (2 * d.q_width + 2 * d.kv_width) + gate + norms + 2 * h
-    heads = d.num_attention_heads // d.tp_size
-    r_q, r_kv = d.q_lora_rank, d.kv_lora_rank
-    q = h * r_q + r_q + r_q * d.q_width if r_q else h * d.q_width  # bottleneck, its norm, expansion
-    kv = h * (r_kv + d.qk_rope_head_dim) + r_kv + r_kv * heads * (d.qk_nope_head_dim + d.v_head_dim)
-    return q + kv + d.v_width * h + 2 * h
-
-
-def _moe_mlp_params(d: ModelSizes, experts: int) -> int:
-    """MLP weights of a mixture-of-experts layer with ``experts`` experts counted, router and shared expert."""
-    h = d.hidden_size
-    shared = 3 * h * d.shared_width + (h if d.shared_width and d.shared_expert_gate else 0)
-    return 3 * h * d.expert_width * experts + h * d.num_experts + shared
-
-
-def _layer_params(d: ModelSizes, experts: int) -> tuple[int, int, int, int, int]:
-    """(sparse layers, a dense layer's MLP parameters, a sparse layer's, all layers' token mixers and norms,
-    the largest layer's) with ``experts`` experts counted."""
-    sparse_layers = min(d.moe_layers, d.num_hidden_layers)  # a pipeline stage's view keeps the whole model's count
-    dense = 3 * d.hidden_size * d.dense_width
-    sparse = _moe_mlp_params(d, experts) if sparse_layers else 0
-    mixers = {kind: _attention_params(d) if kind == "attention" else mixer_params(d, kind) for kind in d.kind_counts}
-    total = sum(n * mixers[kind] for kind, n in d.kind_counts.items())
-    mlp = max(dense if sparse_layers < d.num_hidden_layers else 0, sparse)
-    return sparse_layers, dense, sparse, total, max(mixers.values(), default=0) + mlp
-
-
-def parameter_counts(d: ModelSizes) -> tuple[int, int, int]:
-    """Stored parameters of a Llama-style model (gated MLPs or experts, two RMSNorms per layer) on one tp rank,
-    or of a hybrid's layers (Note [hybrid sizes]).
-
-    Args:
-        d: the model's sizes (Note [mixture-of-experts sizes] for experts).
-
-    Returns:
-        (all parameters, the largest decoder layer's, the output head's ``vocab x hidden``).
-    """
-    sparse_layers, dense, sparse, mixers, largest = _layer_params(d, d.num_experts)
-    head = d.vocab_size * d.hidden_size
-    total = mixers + (d.num_hidden_layers - sparse_layers) * dense + sparse_layers * sparse
-    total += head * (1 if d.tie_word_embeddings else 2) + d.hidden_size
-    return total, largest, head
-
-
-def active_parameters(d: ModelSizes) -> int:
-    """Parameters one token runs through (the experts it is routed to; the embedding row left out), one tp rank.
-
-    Args:
-        d: the model's sizes.
-
-    Returns:
-        The active parameter count; ``parameter_counts(d)[0] - vocab x hidden`` for a dense model.
-    """
-    sparse_layers, dense, sparse, mixers, _ = _layer_params(d, d.num_experts_per_tok)
-    total = mixers + (d.num_hidden_layers - sparse_layers) * dense + sparse_layers * sparse
-    return total + d.vocab_size * d.hidden_size + d.hidden_size

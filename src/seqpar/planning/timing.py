@@ -173,7 +173,7 @@ class StepTime:
 def _attention_flops(model: ModelSizes, seq_len: int, micro_batch: int) -> float:
     """Causal attention FLOPs of one forward over whole sequences (all ranks together; a hybrid's attention
     layers only, Note [hybrid sizes])."""
-    layers = model.kind_counts.get("attention", 0)
+    layers = model.attention_layers
     return 2.0 * micro_batch * seq_len**2 * model.num_attention_heads * model.dim * layers
 
 
@@ -256,7 +256,7 @@ def step_time(
     def kv_bytes(elem: int = e) -> float:
         return ring_heads * tokens * d * elem
 
-    attention_layers = model.kind_counts.get("attention", 0)
+    attention_layers = model.attention_layers
     forward = _attention_flops(model, seq_len, micro_batch) / (layout.sp * layout.tp) / max(1, attention_layers)
     forward *= split.imbalance  # the slowest rank's heads (Note [uneven heads])
     forward *= visible_fraction(seq_len, doc_len)
