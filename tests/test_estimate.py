@@ -453,9 +453,8 @@ def test_mla_bad_sizes_and_hybrid_configs_are_refused_not_estimated_wrong():
     other = {**tiny_config("deepseek_v3").to_dict(), "model_type": "deepseek_v32"}  # an indexer besides MLA
     with pytest.raises(seqpar.SeqparInputError, match="MLA attention of model type 'deepseek_v32'"):
         seqpar.estimate_memory(other, 1024, sp_size=2)
-    for kind, reason in (("kimi_linear", "KDA layers"), ("zamba2", "shared attention block")):
-        with pytest.raises(seqpar.SeqparInputError, match=f"'{kind}': its .*{reason}.*Note \\[hybrid sizes\\]"):
-            seqpar.estimate_memory(tiny_config(kind), 1024, sp_size=2)
+    with pytest.raises(seqpar.SeqparInputError, match=r"'zamba2': its shared attention block.*Note \[hybrid sizes\]"):
+        seqpar.estimate_memory(tiny_config("zamba2"), 1024, sp_size=2)
     for kind, field, value, reason in (
         ("falcon_h1", "attention_bias", True, "with attention_bias: seqpar's sizes leave these biases out"),
         ("falcon_h1", "mamba_d_ssm", 64, "mamba_d_ssm 64 is not mamba_n_heads x mamba_d_head"),
@@ -475,6 +474,7 @@ HYBRID_ESTIMATED = (
     "bamba",
     "nemotron_h",
     "falcon_h1",
+    "kimi_linear",
     "minimax",
 )
 
@@ -483,11 +483,11 @@ HYBRID_ESTIMATED = (
 def test_hybrid_parameters_exact_kept_activations_within_7_percent_and_planned(kind):
     """Note [hybrid sizes], Note [hybrid memory]: a hybrid's parameters (all, the largest layer's, the head's)
     equal the built model's, and the sizes read back from the config's dict and ``as_config``; each layer,
-    attention or mixer (short convolution, gated DeltaNet, Mamba2, Falcon-H1's attention beside Mamba2, MiniMax's
-    lightning attention) or Nemotron-H's MLP and experts alone, keeps under ``prepare_model`` within 7% of the
-    predicted elements per token (saved-tensor hooks, one process, 64 tokens); at sp 2 the estimate holds the
-    mixers' exchange buffers, of the sizes the summaries have, and the planner plans the model with the estimate's
-    sizes."""
+    attention (MLA in Kimi Linear) or mixer (short convolution, gated DeltaNet, KDA, Mamba2, Falcon-H1's attention
+    beside Mamba2, MiniMax's lightning attention) or Nemotron-H's MLP and experts alone, keeps under
+    ``prepare_model`` within 7% of the predicted elements per token (saved-tensor hooks, one process, 64 tokens);
+    at sp 2 the estimate holds the mixers' exchange buffers, of the sizes the summaries have, and the planner plans
+    the model with the estimate's sizes."""
     from seqpar.memory.activations import _mixer_bytes, activation_bytes
     from seqpar.memory.mixers import exchange_bytes
     from seqpar.models import ModelSizes, parameter_counts
@@ -517,6 +517,25 @@ def test_hybrid_parameters_exact_kept_activations_within_7_percent_and_planned(k
     held = max(2 * sum(exchange_bytes(sizes, k, 1, 2, 4)) for k in mixer_kinds)  # two ranks' pieces gathered
     assert estimate.mixer_state == held > 0 and estimate.mixer_exchange > 0
     assert plan(config.to_dict(), 4096, Cluster(gpus=4)).candidates
+
+
+def test_kimi_linear_with_experts_counts_the_built_models_parameters():
+    """Note [hybrid sizes]: Kimi Linear's KDA and MLA layers with experts in its "sparse" ``mlp_layer_types`` (two
+    ungated shared experts beside them) count the built model's parameters, read back from the config's dict
+    (whose names for the experts differ) and from ``as_config``."""
+    from seqpar.models import ModelSizes, parameter_counts
+    from tests._models import tiny_config
+
+    config = tiny_config("kimi_linear")
+    config.mlp_layer_types, config.num_local_experts, config.num_experts_per_tok = ["dense", "sparse", "sparse"], 4, 2
+    config.moe_intermediate_size, config.n_shared_experts = 32, 2
+    sizes = ModelSizes.from_config(config)
+    assert (sizes.moe_layers, sizes.num_experts, sizes.shared_expert_intermediate_size) == (2, 4, 64)
+    assert ModelSizes.from_config(config.to_dict()) == ModelSizes.from_config(sizes.as_config()) == sizes
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    layers = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
+    head = model.lm_head.weight.numel()
+    assert parameter_counts(sizes) == (sum(p.numel() for p in model.parameters()), max(layers), head)
 
 
 @pytest.mark.parametrize("kind", ["mamba2", "mamba", "falcon_mamba"])
@@ -625,8 +644,8 @@ def test_published_mla_models_count_their_parameters_and_plan():
     assert result.model == dataclasses.replace(lite, source="(dict)") and result.candidates
     best = result.candidates[0]
     assert best.peak_bytes == estimate_layout(lite, 2**16, best.layout, dtype="bf16").peak
-    with pytest.raises(seqpar.SeqparInputError, match="'kimi_linear': its KDA layers"):
-        plan(tiny_config("kimi_linear").to_dict(), 4096, Cluster(gpus=8))
+    with pytest.raises(seqpar.SeqparInputError, match="'zamba2': its shared attention block"):
+        plan(tiny_config("zamba2").to_dict(), 4096, Cluster(gpus=8))
 
 
 def test_deepseek_expert_schema_counts_glm4_moe_exactly():

@@ -73,6 +73,8 @@ GDN_CHUNK = 64
 def _attention(d: ModelSizes) -> int:
     """A hybrid's attention layer's mixer elements per token (Note [hybrid memory])."""
     hq, hkv = d.q_width, d.kv_width
+    if d.mla:  # Kimi Linear: Note [memory estimate]'s MLA terms
+        return 4 * hq + d.v_width + 3 * (d.q_lora_rank + d.kv_lora_rank + d.qk_rope_head_dim)
     if d.attention_gate:
         return 8 * hq + 4 * hkv
     if d.qk_norm:
@@ -82,6 +84,8 @@ def _attention(d: ModelSizes) -> int:
 
 def _conv_channels(d: ModelSizes, kind: str) -> tuple[int, int]:
     """(channels, width) of the short convolution of a ``kind`` layer."""
+    if kind == "kda":  # its q, k and v
+        return 3 * d.linear_num_value_heads * d.linear_key_head_dim, d.linear_conv_kernel_dim
     if kind == "gated_deltanet":
         keys = d.linear_num_key_heads * d.linear_key_head_dim
         return 2 * keys + d.linear_num_value_heads * d.linear_value_head_dim, d.linear_conv_kernel_dim
@@ -98,6 +102,13 @@ def _gdn_kernel(d: ModelSizes, dv: int) -> float:
     """``G(dv)`` of Note [hybrid memory]: float32 elements per token inside the gated delta rule's kernel."""
     hv, dk, c = d.linear_num_value_heads, d.linear_key_head_dim, GDN_CHUNK
     return 5 * hv * c + 12 * hv * dk + 3 * hv * dv + 7 * hv + hv * dk * dv / c
+
+
+def _kda_kernel(d: ModelSizes, dv: int) -> float:
+    """``K(dv)`` of Note [hybrid memory]: float32 elements per token inside ``chunk_kimi_delta_attention``."""
+    heads, dk, c = d.linear_num_value_heads, d.linear_key_head_dim, GDN_CHUNK
+    per_head = c * c / 3 + 2 * c + dk * (3 * c + 12) + 3 * dv + 7 + dk * dv / c
+    return heads * per_head
 
 
 def _ssd_kernel(d: ModelSizes) -> float:
@@ -130,10 +141,11 @@ def mixer_elements(d: ModelSizes, kind: str, sp: int, b: int) -> tuple[float, fl
     taps = (float(channels) if b >= 4 else 0.0, 0.0 if b >= 4 else float(width * channels))  # Note [hybrid memory]
     if kind == "short_conv":
         return norms + 5.0 * d.hidden_size + taps[0], taps[1]
-    if kind == "gated_deltanet":
+    if kind in ("gated_deltanet", "kda"):
         dv, dk = d.linear_value_head_dim, d.linear_key_head_dim
         around = norms + channels + 6 * d.linear_num_value_heads * dv + 3 * d.linear_num_value_heads
-        kernel = _gdn_kernel(d, dv) if sp == 1 else 2 * _gdn_kernel(d, dv) + _gdn_kernel(d, dk)
+        run = _gdn_kernel if kind == "gated_deltanet" else _kda_kernel
+        kernel = run(d, dv) if sp == 1 else 2 * run(d, dv) + run(d, dk)
         return around + taps[0], kernel + taps[1]
     if kind == "lightning":  # Note [hybrid memory]: per block of b tokens, k^T, q, the decayed scores, the state
         heads, dim, block = d.num_attention_heads, d.head_dim, d.block_size
@@ -178,7 +190,7 @@ def exchange_bytes(d: ModelSizes, kind: str, rows: int, chunks: int, b: int) -> 
         return 0, 0
     channels, width = _conv_channels(d, kind)
     halo = chunks * rows * channels * (width - 1) * b
-    if kind == "gated_deltanet":
+    if kind in ("gated_deltanet", "kda"):
         heads, dk, dv = d.linear_num_value_heads, d.linear_key_head_dim, d.linear_value_head_dim
     elif kind in ("mamba2", "attention_mamba2"):
         heads, dk, dv = d.mamba_n_heads, d.mamba_d_head, d.mamba_d_state

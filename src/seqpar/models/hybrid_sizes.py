@@ -68,7 +68,7 @@ NOT_ATTENTION = ("conv", "linear_attention", "mamba", "mamba2", "recurrent", "li
 """``layer_types`` entries of token mixers other than attention (the last: Falcon-H1's, as ``layer_types`` reads
 its layers)."""
 
-MIXER_KINDS = ("attention_mamba2", "gated_deltanet", "lightning", "mamba1", "mamba2", "short_conv")
+MIXER_KINDS = ("attention_mamba2", "gated_deltanet", "kda", "lightning", "mamba1", "mamba2", "short_conv")
 """The token mixers other than attention whose sizes ``ModelSizes`` counts (Note [hybrid sizes])."""
 
 MLP_KINDS = ("mlp", "moe")
@@ -86,6 +86,7 @@ HYBRID_MIXERS = {
     "olmo_hybrid": "gated_deltanet",
     "nemotron_h": "mamba2",
     "falcon_h1": "attention_mamba2",
+    "kimi_linear": "kda",
 }
 """Model types whose hybrid layers Note [hybrid sizes] describes -> the kind of their non-attention layers."""
 
@@ -95,8 +96,6 @@ SSM_MIXERS = {"mamba2": "mamba2", "mamba": "mamba1", "falcon_mamba": "mamba1"}
 UNMODELLED = {
     "zamba2": "its shared attention block (one set of weights run in several layers, with per-layer adapters) "
     "is not described by seqpar's sizes yet",
-    "kimi_linear": "its KDA layers (a decay per channel, low-rank gates) beside MLA attention are not "
-    "described by seqpar's sizes yet",
 }
 """Model types of hybrids whose sizes seqpar does not model -> why (Note [hybrid sizes])."""
 
@@ -160,6 +159,8 @@ def hybrid_fields(get, model_type: str, types: list[str], tp: int) -> dict:
         raise SeqparInputError(f"{model_type} with {', '.join(biased)}: seqpar's sizes leave these biases out")
     if model_type == "nemotron_h":  # MLPs and experts are layers of their own (Note [hybrid sizes])
         return fields | _nemotron_fields(get, kinds)
+    if model_type == "kimi_linear":  # KDA: as many key as value heads, of one width
+        return fields | _kimi_fields(get)
     if model_type == "olmo_hybrid":  # q/k norms over all heads, no output gate
         fields.update(_positive(get, _GDN_FIELDS, "gated DeltaNet"), qk_norm=True, qk_norm_whole=True)
     elif mixer == "gated_deltanet":
@@ -205,6 +206,25 @@ def _nemotron_fields(get, kinds: tuple[str, ...]) -> dict:
         fields.update(moe_layers=kinds.count("moe"), shared_expert_gate=False)
         fields.update(shared_expert_intermediate_size=get("moe_shared_expert_intermediate_size") or 0)
     return fields
+
+
+def _kimi_fields(get) -> dict:
+    """Kimi Linear's KDA sizes under the gated DeltaNet fields, and its experts: ``mlp_layer_types``'
+    "sparse" layers (or those from ``first_k_dense_replace`` on), each with ``n_shared_experts`` ungated
+    shared experts beside them (Note [hybrid sizes])."""
+    read = _positive(get, ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim"), "KDA")
+    heads, width = read["linear_num_heads"], read["linear_head_dim"]
+    fields = dict(linear_num_key_heads=heads, linear_num_value_heads=heads, linear_key_head_dim=width)
+    fields.update(linear_value_head_dim=width, linear_conv_kernel_dim=read["linear_conv_kernel_dim"])
+    mlp_types = get("mlp_layer_types")
+    if mlp_types is None:  # as KimiLinearConfig derives them
+        dense = get("first_k_dense_replace", 1)
+        mlp_types = ["dense" if i < dense else "sparse" for i in range(get("num_hidden_layers") or 0)]
+    sparse = list(mlp_types).count("sparse")
+    if not sparse:
+        return fields | dict(num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, moe_layers=0)
+    shared = (get("n_shared_experts") or get("num_shared_experts") or 0) * (get("moe_intermediate_size") or 0)
+    return fields | dict(moe_layers=sparse, shared_expert_intermediate_size=shared, shared_expert_gate=False)
 
 
 def _check_ssm_width(get, fields: dict) -> None:
@@ -294,6 +314,13 @@ def hybrid_config(d: ModelSizes) -> dict:
         kinds = {"mamba2": "linear_attention", "attention": "full_attention"}
         return config | {"layers_block_type": [kinds.get(k, k) for k in d.layer_kinds]}
     types = ["linear_attention" if k != "attention" else "full_attention" for k in d.layer_kinds]
+    if d.model_type == "kimi_linear":
+        mlp_types = ["dense"] * (d.num_hidden_layers - d.moe_layers) + ["sparse"] * d.moe_layers
+        config = dict(layer_types=types, mlp_layer_types=mlp_types, linear_num_heads=d.linear_num_value_heads)
+        config.update(linear_head_dim=d.linear_key_head_dim, linear_conv_kernel_dim=d.linear_conv_kernel_dim)
+        if d.num_experts:
+            config.update(num_local_experts=d.num_experts, n_shared_experts=d.shared_width // d.expert_width)
+        return config
     if d.model_type == "bamba":
         types = None
         config = {"attn_layer_indices": [i for i, k in enumerate(d.layer_kinds) if k == "attention"]}
@@ -348,6 +375,11 @@ def mixer_params(d: ModelSizes, kind: str) -> int:
         scan = inner * (rank + 2 * n) + rank * inner + inner + inner * n + inner
         norms = rank + 2 * n if d.model_type == "jamba" else 0  # Jamba's norms on dt, B and C have weights
         return 2 * h * inner + conv + scan + inner * h + bias + norms + d.layer_norms * h
+    if kind == "kda":  # q, k, v, their convolution, the low-rank decay and gate, beta, A_log, o_norm, o_proj
+        heads, width = d.linear_num_value_heads, d.linear_key_head_dim
+        inner = heads * width
+        gates = 2 * (h * width + width * inner) + inner + heads  # f_a, f_b, g_a, g_b, dt_bias, A_log
+        return 4 * h * inner + 3 * inner * d.linear_conv_kernel_dim + gates + h * heads + width + 2 * h
     if kind == "lightning":  # qkv_proj, out_proj and output_gate over H = heads x head_dim, its RMSNorm
         return 5 * h * h + h + d.layer_norms * h
     if kind == "short_conv":

@@ -14,8 +14,8 @@ Note [MLA sizes]
     key/value heads are the query heads, which makes the communication sizes and attention FLOPs those of
     the padded tensors seqpar moves. The projections' weights are counted exactly (the two latent norms
     included), as ``parameter_counts`` of the built model. Only the model types whose layers were checked
-    so are read (DeepSeek-V2/V3, MiniCPM3); other MLA configs (DSA indexers, Kimi Linear's KDA layers) are
-    refused with the reason.
+    so are read (DeepSeek-V2/V3, MiniCPM3, and Kimi Linear's MLA layers beside its KDA layers, Note [hybrid
+    sizes]); other MLA configs (DSA indexers) are refused with the reason.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from seqpar.errors import SeqparInputError
 
 __all__ = ["mla_fields"]
 
-_MLA_TYPES = ("deepseek_v2", "deepseek_v3", "minicpm3")
+_MLA_TYPES = ("deepseek_v2", "deepseek_v3", "minicpm3", "kimi_linear")
 """Model types whose MLA layers Note [MLA sizes] describes (checked against built models)."""
 
 

@@ -429,7 +429,7 @@ def _experts(get, layers: int) -> dict:
     experts = get("num_local_experts") or get("num_experts") or get("n_routed_experts") or 0
     if not isinstance(experts, int) or experts <= 1:
         return {}
-    per_token = get("num_experts_per_tok") or get("experts_per_token") or 0
+    per_token = get("num_experts_per_tok") or get("experts_per_token") or get("num_experts_per_token") or 0
     if not isinstance(per_token, int) or not 0 < per_token <= experts:
         raise SeqparInputError(f"num_experts_per_tok must be in 1..{experts} (the experts), got {per_token!r}")
     width = get("moe_intermediate_size") or get("intermediate_size")
