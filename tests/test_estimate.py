@@ -453,8 +453,9 @@ def test_mla_bad_sizes_and_hybrid_configs_are_refused_not_estimated_wrong():
     other = {**tiny_config("deepseek_v3").to_dict(), "model_type": "deepseek_v32"}  # an indexer besides MLA
     with pytest.raises(seqpar.SeqparInputError, match="MLA attention of model type 'deepseek_v32'"):
         seqpar.estimate_memory(other, 1024, sp_size=2)
-    with pytest.raises(seqpar.SeqparInputError, match=r"'zamba2': its shared attention block.*Note \[hybrid sizes\]"):
-        seqpar.estimate_memory(tiny_config("zamba2"), 1024, sp_size=2)
+    unknown = {**tiny_config("qwen3_next").to_dict(), "model_type": "my_hybrid"}  # a mixer in its layer types
+    with pytest.raises(seqpar.SeqparInputError, match=r"of model type 'my_hybrid': seqpar's sizes describe the hybr"):
+        seqpar.estimate_memory(unknown, 1024, sp_size=2)
     for kind, field, value, reason in (
         ("falcon_h1", "attention_bias", True, "with attention_bias: seqpar's sizes leave these biases out"),
         ("falcon_h1", "mamba_d_ssm", 64, "mamba_d_ssm 64 is not mamba_n_heads x mamba_d_head"),
@@ -475,6 +476,7 @@ HYBRID_ESTIMATED = (
     "nemotron_h",
     "falcon_h1",
     "kimi_linear",
+    "zamba2",
     "minimax",
 )
 
@@ -484,7 +486,8 @@ def test_hybrid_parameters_exact_kept_activations_within_7_percent_and_planned(k
     """Note [hybrid sizes], Note [hybrid memory]: a hybrid's parameters (all, the largest layer's, the head's)
     equal the built model's, and the sizes read back from the config's dict and ``as_config``; each layer,
     attention (MLA in Kimi Linear) or mixer (short convolution, gated DeltaNet, KDA, Mamba2, Falcon-H1's attention
-    beside Mamba2, MiniMax's lightning attention) or Nemotron-H's MLP and experts alone, keeps under
+    beside Mamba2, Zamba2's shared block before Mamba2, MiniMax's lightning attention) or Nemotron-H's MLP and
+    experts alone, keeps under
     ``prepare_model`` within 7% of the predicted elements per token (saved-tensor hooks, one process, 64 tokens);
     at sp 2 the estimate holds the mixers' exchange buffers, of the sizes the summaries have, and the planner plans
     the model with the estimate's sizes."""
@@ -536,6 +539,31 @@ def test_kimi_linear_with_experts_counts_the_built_models_parameters():
     layers = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
     head = model.lm_head.weight.numel()
     assert parameter_counts(sizes) == (sum(p.numel() for p in model.parameters()), max(layers), head)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_zamba2_shared_blocks_count_the_built_models_parameters(tied):
+    """Note [hybrid sizes]: Zamba2's shared blocks (one or two, with and without the attention adapters) count the
+    built model's parameters: stored once each when transformers ties them (with ``tie_word_embeddings``), a copy
+    in every layer that runs one otherwise; the largest layer holds a whole block with its adapters."""
+    from seqpar.models import ModelSizes, parameter_counts
+    from tests._models import tiny_config
+
+    for types, blocks, adapters in (
+        (["hybrid", "mamba", "hybrid"], 1, True),
+        (["hybrid", "hybrid", "mamba", "hybrid", "hybrid", "hybrid"], 2, False),
+        (["hybrid"] * 5, 2, True),
+    ):
+        config = tiny_config("zamba2")
+        config.layers_block_type, config.num_hidden_layers, config.num_mem_blocks = types, len(types), blocks
+        config.use_shared_attention_adapter, config.tie_word_embeddings = adapters, tied
+        config.hybrid_layer_ids = [i for i, t in enumerate(types) if t == "hybrid"]
+        sizes = ModelSizes.from_config(config)
+        assert ModelSizes.from_config(config.to_dict()) == ModelSizes.from_config(sizes.as_config()) == sizes
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        layers = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
+        head = model.lm_head.weight.numel()
+        assert parameter_counts(sizes) == (sum(p.numel() for p in model.parameters()), max(layers), head)
 
 
 @pytest.mark.parametrize("kind", ["mamba2", "mamba", "falcon_mamba"])
@@ -644,8 +672,9 @@ def test_published_mla_models_count_their_parameters_and_plan():
     assert result.model == dataclasses.replace(lite, source="(dict)") and result.candidates
     best = result.candidates[0]
     assert best.peak_bytes == estimate_layout(lite, 2**16, best.layout, dtype="bf16").peak
-    with pytest.raises(seqpar.SeqparInputError, match="'zamba2': its shared attention block"):
-        plan(tiny_config("zamba2").to_dict(), 4096, Cluster(gpus=8))
+    unknown = {**tiny_config("qwen3_next").to_dict(), "model_type": "my_hybrid"}
+    with pytest.raises(seqpar.SeqparInputError, match=r"layers of type linear_attention .* type 'my_hybrid'"):
+        plan(unknown, 4096, Cluster(gpus=8))
 
 
 def test_deepseek_expert_schema_counts_glm4_moe_exactly():

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from seqpar.memory.mixers import mixer_elements
 from seqpar.models import ModelSizes
-from seqpar.models.hybrid_sizes import MLP_KINDS
+from seqpar.models.hybrid_sizes import OWN_MLP_KINDS
 from seqpar.sequence_parallel.strategies.registry import strategy_row
 
 __all__ = ["activation_bytes", "comm_elements"]
@@ -73,7 +73,7 @@ def activation_bytes(
     if routed and d.shared_width and d.shared_expert_gate:  # the gated shared expert's output, kept for its gate
         routed += h
     mlp = 0 if tiled else tokens * b * (4 * i + routed)
-    if any(kind in MLP_KINDS for kind in d.layer_kinds):  # Nemotron-H: MLPs are layers of their own, in ``mixers``
+    if any(kind in OWN_MLP_KINDS for kind in d.layer_kinds):  # Nemotron-H's, Zamba2's MLPs: in ``mixers``
         mlp = 0
     saved = attention + mlp
     chunk = min(mlp_chunk, tokens)

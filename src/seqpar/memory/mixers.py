@@ -1,14 +1,15 @@
 """A hybrid model's layers in the memory estimate: what each kind of layer keeps per token, and its mixer's exchange.
 
-``activations.py`` asks this for models with gated DeltaNet, Mamba2, Mamba1 or short-convolution layers (Note [hybrid
-memory]).
+``activations.py`` asks this for models with gated DeltaNet, KDA, Mamba2, Mamba1, lightning or short-convolution
+layers (Note [hybrid memory]).
 
 Note [hybrid memory]
     Per token, in elements, a hybrid's layer keeps for its backward (its input left out, as in Note [memory
     estimate]) its norms' and residuals' tensors and the mixer's input (5H; in a Mamba2 layer the input
     multiplier's copy of it), its MLP's (4I, as Llama's, or the experts' with a gated shared expert's output,
     Note [mixture-of-experts sizes]), and its token mixer's:
-    * attention: Llama's ``3 Hq + 2 Hkv``; ``2 Hq + 2 Hkv`` without a rotary embedding (GraniteMoeHybrid);
+    * attention: Llama's ``3 Hq + 2 Hkv``; ``2 Hq + 2 Hkv`` without a rotary embedding (GraniteMoeHybrid,
+      Jamba, Nemotron-H); MLA's terms of Note [memory estimate] (Kimi Linear);
       ``5 Hq + 3 Hkv`` with per-head q/k norms (LFM2: q and k before and after their norms);
       ``8 Hq + 4 Hkv`` with those norms and Qwen3-Next's output gate (the gate half of ``q_proj``, its
       sigmoid, the gated output, the norms' extra copies).
@@ -20,10 +21,15 @@ Note [hybrid memory]
       five ``c x c`` matrices a head per chunk (the pairwise decays, the UT system, the intra-chunk
       attention, their products), the keys and queries repeated to the value heads, normalised, scaled and
       decayed (12 ``V_k``), and one state a chunk.
+    * KDA (Kimi Linear; h heads of d = dk = dv, ``C_conv = 3 h d``): around the kernel as gated DeltaNet;
+      inside ``chunk_kimi_delta_attention`` (float32), whose decay is a vector a key channel, per head
+      ``K(dv) = c^2 / 3 + 2 c + dk (3 c + 12) + 3 dv + 7 + dk dv / c``: the UT system's row-by-row updates
+      (``c^3 / 3`` elements a chunk), the ``c x c`` system and scores, the pairwise decays a channel and
+      their two products with the keys (``3 c dk``), as ``G`` otherwise.
     * Mamba2 / SSD (Hm heads of d_head, ``I_m = Hm d_head``, G groups of state size N, the SSD chunk
       length c): around the kernel, ``in_proj``'s output (``2 I_m + 2 G N + Hm``), the convolution's input,
       output and activation (``3 C_conv``, ``C_conv = I_m + 2 G N``), the gated norm's and ``out_proj``'s
-      tensors (``5 I_m``) and 3 Hm; inside
+      tensors (``5 I_m``; ``2 I_m`` for Falcon-H1's plain gate, no norm) and 3 Hm; inside
       ``mamba2_chunk_scan`` (float32) ``S = 4 I_m + 3 Hm c + 5 Hm N + 2 Hm d_head N / c + 5 Hm``: the
       discretised inputs, the ``c x c`` decays and scores a head, B and C repeated to the heads, two states
       a chunk.
@@ -39,19 +45,28 @@ Note [hybrid memory]
       state entering the block: ``h (2 d + b + d^2 / b)`` per token, float32.
     * LFM2's short convolution: ``in_proj``'s output (3H), the convolution's input and output, and
       ``out_proj``'s input (3H): 6H, so an LFM2 conv layer keeps ``11 H + 4 I`` besides its input.
+    * Falcon-H1's layer: SSD's, the attention's (Llama's) and the attention input's scaled copy (H).
+    * Nemotron-H's layers hold one norm (2H) and one of Mamba2, attention (no rotary), an MLP (ReLU^2: its
+      up projection's output and its square, 2I) or experts (the routed copies and outputs, ``2 k H``, and
+      2 of each expert's and the shared expert's width).
+    * Zamba2's shared block (before its layer's Mamba2): the hidden state joined with the embeddings and its
+      norm (4H), the attention over the ``2 H`` inputs (``4 Hq + 2 Hkv``: the adapted queries add a copy),
+      the adapters' rank-r tensors (4r, r without the attention adapters), the MLP's norm, its 4I, the
+      projection's input and the Mamba2 norm's input (4H).
     Under sp > 1 a rank's chunks continue the state of chunks on other ranks (Note [state passing]): the
-    kernel's first run (its final state feeds the exchange), the run that finds ``M`` (gated DeltaNet only:
-    the kernel again with dk-wide zero values, ``G(dk)``; SSD's ``M`` is a decay) and the rerun of the
+    kernel's first run (its final state feeds the exchange), the run that finds ``M`` (gated DeltaNet and
+    KDA: the kernel again with dk-wide zero values, ``G(dk)``; SSD's ``M`` is a decay) and the rerun of the
     chunk's opening piece from the state that reaches it all keep their tensors, so the busiest rank keeps
-    ``2 G(dv) + G(dk)`` (``2 S`` for SSD) where one process keeps one. Packed documents cut the reruns short;
-    the estimate keeps the unpacked, larger count. The convolution of a 16-bit model sums in float32: each
-    of its K taps keeps a float32 copy (``K C_conv`` at 4 bytes in place of ``C_conv``); the kernels'
-    tensors are counted at 4 bytes (an upper bound: at bf16 some are bf16).
+    ``2 G(dv) + G(dk)`` (``2 K(dv) + K(dk)``, ``2 S`` for SSD) where one process keeps one. Packed
+    documents cut the reruns short; the estimate keeps the unpacked, larger count. The convolution of a
+    16-bit model sums in float32: each of its K taps keeps a float32 copy (``K C_conv`` at 4 bytes in place
+    of ``C_conv``); the kernels' tensors are counted at 4 bytes (an upper bound: at bf16 some are bf16).
     Counted with saved-tensor hooks on real layers under ``prepare_model`` (float32, one process; the tensors
     the graph still holds after the forward): ``tests/test_estimate.py`` checks each kind of layer within 7%
-    (pure state-space models within 5%, at two lengths; Jamba's layers together within 6%).
+    (measured -5.2% to +6.6%; pure state-space models within 5%, at two lengths; Jamba's layers together
+    within 6%).
     Exchange, per mixer layer and rank, forward (its backward, a reduce-scatter, moves as much): the halo's
-    tails, ``chunks x rows x C_conv x (K - 1)`` in the dtype, and the state summaries (gated DeltaNet,
+    tails, ``chunks x rows x C_conv x (K - 1)`` in the dtype, and the state summaries (gated DeltaNet, KDA,
     SSD and Mamba1, whose ``I N`` heads each have a 1 x 1 state), ``chunks x rows x heads x dk x (dk + dv)``
     float32 (``M`` next to ``S_loc``; SSD's ``M`` is a
     decay times the identity but seqpar sends it as a ``d_head x d_head`` matrix, its dk being d_head and its
@@ -82,6 +97,14 @@ def _attention(d: ModelSizes) -> int:
     return (2 if d.model_type in ("granitemoehybrid", "jamba", "nemotron_h") else 3) * hq + 2 * hkv  # no rotary
 
 
+def _shared_block(d: ModelSizes) -> int:
+    """Elements per token a Zamba2 shared block keeps (Note [hybrid memory]): its input joined with the embeddings
+    and their norm (``4 H``), the attention over them (``4 Hq + 2 Hkv``), the adapters' low-rank tensors, the
+    MLP's norm and tensors, the projection's input and the Mamba2 norm's input (``4 H + 4 I``)."""
+    rank = d.adapter_rank * (4 if d.shared_attention_adapters else 1)
+    return 8 * d.hidden_size + 4 * d.q_width + 2 * d.kv_width + rank + 4 * d.dense_width
+
+
 def _conv_channels(d: ModelSizes, kind: str) -> tuple[int, int]:
     """(channels, width) of the short convolution of a ``kind`` layer."""
     if kind == "kda":  # its q, k and v
@@ -89,7 +112,7 @@ def _conv_channels(d: ModelSizes, kind: str) -> tuple[int, int]:
     if kind == "gated_deltanet":
         keys = d.linear_num_key_heads * d.linear_key_head_dim
         return 2 * keys + d.linear_num_value_heads * d.linear_value_head_dim, d.linear_conv_kernel_dim
-    if kind in ("mamba2", "attention_mamba2"):
+    if kind in ("mamba2", "attention_mamba2", "shared_mamba2"):
         return d.mamba_n_heads * d.mamba_d_head + 2 * d.mamba_n_groups * d.mamba_d_state, d.mamba_d_conv
     if kind == "mamba1":
         return d.mamba_d_inner, d.mamba_d_conv
@@ -134,6 +157,9 @@ def mixer_elements(d: ModelSizes, kind: str, sp: int, b: int) -> tuple[float, fl
         return float(norms + _attention(d)), 0.0
     if kind in MLP_KINDS:  # Nemotron-H: an MLP or experts alone in a layer
         return float(norms + mlp_elements(d, kind)), 0.0
+    if kind == "shared_mamba2":  # Zamba2: the shared block, then its Mamba2 layer
+        own, float32 = mixer_elements(d, "mamba2", sp, b)
+        return own + _shared_block(d), float32
     if kind == "attention_mamba2":  # Falcon-H1: the attention's own, and its input's scaled copy, beside SSD's
         own, float32 = mixer_elements(d, "mamba2", sp, b)
         return own + _attention(d) + d.hidden_size, float32
@@ -192,7 +218,7 @@ def exchange_bytes(d: ModelSizes, kind: str, rows: int, chunks: int, b: int) -> 
     halo = chunks * rows * channels * (width - 1) * b
     if kind in ("gated_deltanet", "kda"):
         heads, dk, dv = d.linear_num_value_heads, d.linear_key_head_dim, d.linear_value_head_dim
-    elif kind in ("mamba2", "attention_mamba2"):
+    elif kind in ("mamba2", "attention_mamba2", "shared_mamba2"):
         heads, dk, dv = d.mamba_n_heads, d.mamba_d_head, d.mamba_d_state
     elif kind == "lightning":  # Note [lightning blocks]: M is a decay times the identity, sent as a matrix
         heads, dk, dv = d.num_attention_heads, d.head_dim, d.head_dim

@@ -6,16 +6,16 @@ Note [hybrid sizes]
     A hybrid model's layers each hold attention or another token mixer (``ModelSizes.layer_kinds``, read from
     the config's ``layer_types``, or Bamba's ``attn_layer_indices``), and an MLP or experts as in the rest of
     this module. The mixers counted, each with the layer's two RMSNorms (2H), H the hidden size:
-    * gated DeltaNet (Qwen3-Next, Qwen3.5; ``linear_*`` fields): key heads Hk of dk, value heads Hv of dv,
+    * gated DeltaNet (Qwen3-Next, Qwen3.5, Olmo-Hybrid; ``linear_*`` fields): key heads Hk of dk, value heads Hv of dv,
       ``key_dim = Hk dk``, ``value_dim = Hv dv``, conv width K: the q/k/v/z projections
       ``H (2 key_dim + 2 value_dim)`` (one fused matrix in Qwen3-Next, four in Qwen3.5), b and a ``2 H Hv``,
       the depthwise convolution ``(2 key_dim + value_dim) K`` (no bias), ``A_log`` and ``dt_bias`` (2 Hv),
       the gated norm (dv) and ``out_proj`` (``value_dim H``).
-    * Mamba2 / SSD (Bamba, GraniteMoeHybrid; ``mamba_*`` fields): Hm heads of d_head, ``I_m = Hm d_head``,
-      G groups of state size N, conv width K: ``in_proj`` ``H (2 I_m + 2 G N + Hm)`` (its bias with
-      ``mamba_proj_bias``), the convolution ``(I_m + 2 G N) K`` (its bias with ``mamba_conv_bias``),
-      ``A_log``, ``D``, ``dt_bias`` (3 Hm), the gated norm (I_m) and ``out_proj`` (``I_m H``, biased with
-      ``mamba_proj_bias``).
+    * Mamba2 / SSD (Bamba, GraniteMoeHybrid, Nemotron-H, Falcon-H1, Zamba2; ``mamba_*`` fields): Hm heads of
+      d_head, ``I_m = Hm d_head``, G groups of state size N, conv width K: ``in_proj``
+      ``H (2 I_m + 2 G N + Hm)`` (its bias with ``mamba_proj_bias``), the convolution ``(I_m + 2 G N) K``
+      (its bias with ``mamba_conv_bias``), ``A_log``, ``D``, ``dt_bias`` (3 Hm), the gated norm (I_m; not
+      in Falcon-H1 by default) and ``out_proj`` (``I_m H``, biased with ``mamba_proj_bias``).
     * Mamba1 (Mamba, Falcon-Mamba; ``intermediate_size`` I channels, state N, dt rank R, conv width K):
       ``in_proj`` ``2 H I``, the convolution ``I K`` (+ I bias), ``x_proj`` ``I (R + 2N)``, ``dt_proj``
       ``R I + I``, ``A_log`` ``I N``, ``D`` I, ``out_proj`` ``I H`` (biases with ``use_bias``). Pure
@@ -25,18 +25,43 @@ Note [hybrid sizes]
       ``out_proj`` ``H^2`` (each with a bias under ``conv_bias``). LFM2's MLP width is the one its layers
       build: with ``block_auto_adjust_ff_dim``, ``2/3`` of ``intermediate_size``, times
       ``block_ffn_dim_multiplier``, rounded up to ``block_multiple_of``; ``intermediate_size`` holds that.
+    * KDA (Kimi Linear; ``linear_num_heads`` h of ``linear_head_dim`` d, ``D = h d``): q, k, v ``3 H D``,
+      their convolution ``3 D K`` (no bias), the low-rank decay and output gate (``f_a``/``g_a`` ``H d``,
+      ``f_b``/``g_b`` ``d D``), ``dt_bias`` D, ``A_log`` h, ``b_proj`` ``H h``, the gated norm (d) and
+      ``o_proj`` (``D H``); read into the gated DeltaNet fields with as many key as value heads.
+    * MiniMax's lightning attention: ``qkv_proj`` ``3 H^2``, ``out_proj`` and ``output_gate`` ``H^2`` each
+      and an RMSNorm (H), with experts in every layer. Jamba's Mamba1 layers add weighted RMSNorms on dt, B
+      and C (``R + 2N``); its experts sit in every ``expert_layer_period``-th layer from
+      ``expert_layer_offset``.
     Their attention layers are Llama's plus, where the family has them, per-head q/k RMSNorms
-    (``qk_norm``: 2 head_dim) and Qwen3-Next's output gate (``attention_gate``: ``q_proj`` twice as wide).
+    (``qk_norm``: 2 head_dim; Olmo-Hybrid's span all heads, ``qk_norm_whole``), Qwen3-Next's output gate
+    (``attention_gate``: ``q_proj`` twice as wide), or MLA (Kimi Linear, Note [MLA sizes]).
     GraniteMoeHybrid's dense ``shared_mlp`` (``shared_intermediate_size``) is the MLP; with experts it is an
-    ungated shared expert beside them. A pipeline stage of ``n`` of the model's ``L`` layers holds the kinds
-    in proportion (``ModelSizes.kind_counts``). Hybrids are counted at tp 1 (their families have no tensor-
-    parallel plan in seqpar). Families whose layers differ from these are refused with the reason
-    (``UNMODELLED``): Nemotron-H, Falcon-H1, Zamba2, Olmo-Hybrid and Kimi Linear. MiniMax's lightning
-    attention layers hold ``qkv_proj`` ``3 H^2``, ``out_proj`` and ``output_gate`` ``H^2`` each and an RMSNorm
-    (H), with experts in every layer. Jamba's Mamba1
-    layers add weighted RMSNorms on dt, B and C (``R + 2N``); its experts sit in every ``expert_layer_period``-th
-    layer from ``expert_layer_offset``. ``tests/test_estimate.py`` checks every count against
-    the built tiny models.
+    ungated shared expert beside them. Kimi Linear's experts sit in its "sparse" ``mlp_layer_types``, with
+    ``n_shared_experts`` ungated shared experts (its config's dict names them ``num_experts``,
+    ``num_experts_per_token``, ``num_shared_experts``). Three families lay their layers out otherwise:
+    * Nemotron-H: one RMSNorm a layer, and each layer holds one of Mamba2 (its own field names), attention
+      (no rotary), an MLP or experts (``MLP_KINDS``), both ungated (``up_proj``, ReLU^2, ``down_proj``:
+      ``mlp_gated`` False) with an ungated shared expert; a config.json's ``hybrid_override_pattern`` reads
+      as the layer types, and ``num_hidden_layers`` is their count. Latent experts (``moe_latent_size``)
+      are refused.
+    * Falcon-H1: attention and Mamba2 side by side after one norm in every layer (``attention_mamba2``),
+      then the MLP; its Mamba2 has no gated norm unless ``mamba_rms_norm`` (``mamba_gated_norm``); the muP
+      multipliers are scalars and a buffer, no parameters. Its biases (``attention_bias``, ``mlp_bias``,
+      ``mamba_proj_bias``, ``projectors_bias``) are refused.
+    * Zamba2: every layer is one RMSNorm and Mamba2; its "hybrid" layers (``shared_mamba2``) first run one of
+      ``num_mem_blocks`` shared blocks (``shared_blocks``, taken in turn) and a projection ``H^2``. A block
+      is an attention over the hidden state joined with the embeddings (``2 H`` inputs, ``head_dim`` ``2 H /
+      heads``: q, k, v ``2 H`` wide each, ``o_proj`` to H), a gated MLP and two norms (2H and H), and holds,
+      for every layer that runs it, low-rank adapters of rank r: a gate/up one (``H r + 2 r I``) and, with
+      ``use_shared_attention_adapter``, q/k/v ones (``3 x 2 (2H) r``). transformers 5 ties the blocks only
+      when ``tie_word_embeddings`` is set (its weight tying is switched off with the embeddings'); untied,
+      every hybrid layer holds its own copy of its block with all that block's adapters, and the counts
+      follow. MLPs held this way (``OWN_MLP_KINDS``) are not counted again per layer.
+    A pipeline stage of ``n`` of the model's ``L`` layers holds the kinds in proportion
+    (``ModelSizes.kind_counts``). Hybrids are counted at tp 1 (their families have no tensor-parallel plan
+    in seqpar). A hybrid of another model type (its ``layer_types`` name a mixer) is refused with the reason.
+    ``tests/test_estimate.py`` checks every count against the built tiny models.
 """
 
 from __future__ import annotations
@@ -54,25 +79,39 @@ __all__ = [
     "MIXER_KINDS",
     "MLP_KINDS",
     "NOT_ATTENTION",
+    "OWN_MLP_KINDS",
     "SSM_MIXERS",
-    "UNMODELLED",
     "hybrid_config",
     "hybrid_fields",
     "layer_types",
     "mixer_params",
+    "shared_block_params",
     "ssm_fields",
 ]
 
 
-NOT_ATTENTION = ("conv", "linear_attention", "mamba", "mamba2", "recurrent", "linear", "attention_mamba2")
-"""``layer_types`` entries of token mixers other than attention (the last: Falcon-H1's, as ``layer_types`` reads
-its layers)."""
+NOT_ATTENTION = ("conv", "linear_attention", "mamba", "mamba2", "recurrent", "linear", "attention_mamba2", "hybrid")
+"""``layer_types`` entries of token mixers other than attention (Falcon-H1's, as ``layer_types`` reads its layers;
+Zamba2's "hybrid" layers hold Mamba2 after the shared block)."""
 
-MIXER_KINDS = ("attention_mamba2", "gated_deltanet", "kda", "lightning", "mamba1", "mamba2", "short_conv")
+MIXER_KINDS = (
+    "attention_mamba2",
+    "gated_deltanet",
+    "kda",
+    "lightning",
+    "mamba1",
+    "mamba2",
+    "shared_mamba2",
+    "short_conv",
+)
 """The token mixers other than attention whose sizes ``ModelSizes`` counts (Note [hybrid sizes])."""
 
 MLP_KINDS = ("mlp", "moe")
 """Kinds of Nemotron-H's layers that hold an MLP or experts alone, no token mixer (Note [hybrid sizes])."""
+
+OWN_MLP_KINDS = (*MLP_KINDS, "shared_mamba2")
+"""Kinds of layers that hold a model's MLPs when the other layers have none (Nemotron-H's; Zamba2's layers that
+run the shared block, whose MLP it is)."""
 
 HYBRID_MIXERS = {
     "qwen3_next": "gated_deltanet",
@@ -87,17 +126,12 @@ HYBRID_MIXERS = {
     "nemotron_h": "mamba2",
     "falcon_h1": "attention_mamba2",
     "kimi_linear": "kda",
+    "zamba2": "mamba2",
 }
 """Model types whose hybrid layers Note [hybrid sizes] describes -> the kind of their non-attention layers."""
 
 SSM_MIXERS = {"mamba2": "mamba2", "mamba": "mamba1", "falcon_mamba": "mamba1"}
 """State-space model types (a norm and a mixer per layer, no attention, no MLP) -> their mixer's kind."""
-
-UNMODELLED = {
-    "zamba2": "its shared attention block (one set of weights run in several layers, with per-layer adapters) "
-    "is not described by seqpar's sizes yet",
-}
-"""Model types of hybrids whose sizes seqpar does not model -> why (Note [hybrid sizes])."""
 
 _GDN_FIELDS = (
     "linear_num_key_heads",
@@ -119,6 +153,7 @@ _NEMOTRON_KINDS = {"M": "mamba", "*": "attention", "E": "moe", "-": "mlp"}  # it
 _UNCOUNTED_BIASES = {  # model type -> the biases its sizes leave out (refused when set)
     "nemotron_h": ("mlp_bias",),
     "falcon_h1": ("attention_bias", "mlp_bias", "mamba_proj_bias", "projectors_bias"),
+    "zamba2": ("add_bias_linear",),
 }
 
 
@@ -153,12 +188,16 @@ def hybrid_fields(get, model_type: str, types: list[str], tp: int) -> dict:
         raise SeqparInputError(f"hybrid models are counted at tp_size 1 (their families have no tp plan), not {tp}")
     mixer = HYBRID_MIXERS[model_type]
     kinds = tuple(t if t in MLP_KINDS else mixer if t in NOT_ATTENTION else "attention" for t in types)
+    if model_type == "zamba2":  # every layer a Mamba2 layer; its "hybrid" ones first run a shared block
+        kinds = tuple("shared_mamba2" if t == "hybrid" else "mamba2" for t in types)
     fields: dict = {"layer_kinds": kinds}
     biased = [n for n in _UNCOUNTED_BIASES.get(model_type, ()) if get(n)]
     if biased:
         raise SeqparInputError(f"{model_type} with {', '.join(biased)}: seqpar's sizes leave these biases out")
     if model_type == "nemotron_h":  # MLPs and experts are layers of their own (Note [hybrid sizes])
         return fields | _nemotron_fields(get, kinds)
+    if model_type == "zamba2":
+        return fields | _zamba_fields(get)
     if model_type == "kimi_linear":  # KDA: as many key as value heads, of one width
         return fields | _kimi_fields(get)
     if model_type == "olmo_hybrid":  # q/k norms over all heads, no output gate
@@ -225,6 +264,37 @@ def _kimi_fields(get) -> dict:
         return fields | dict(num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, moe_layers=0)
     shared = (get("n_shared_experts") or get("num_shared_experts") or 0) * (get("moe_intermediate_size") or 0)
     return fields | dict(moe_layers=sparse, shared_expert_intermediate_size=shared, shared_expert_gate=False)
+
+
+def _zamba_fields(get) -> dict:
+    """Zamba2's fields: one norm and Mamba2 a layer (its own names), the shared blocks' attention over twice the
+    hidden width and their MLP, their adapters (Note [hybrid sizes])."""
+    hidden, heads = get("hidden_size"), get("num_attention_heads")
+    read = dict(
+        mamba_n_heads=get("n_mamba_heads"),
+        mamba_d_state=get("mamba_d_state"),
+        mamba_n_groups=get("mamba_ngroups"),
+        mamba_d_conv=get("mamba_d_conv"),
+        mamba_chunk_size=get("chunk_size"),
+        shared_blocks=get("num_mem_blocks") or 1,
+        adapter_rank=get("adapter_rank"),
+    )
+    fields = _positive(read.get, tuple(read), "Zamba2")
+    fields.update(
+        mamba_d_head=(get("mamba_expand") or 2) * hidden // fields["mamba_n_heads"], head_dim=2 * hidden // heads
+    )
+    fields.update(layer_norms=1, mamba_conv_bias=True, intermediate_size=get("intermediate_size") or 4 * hidden)
+    return fields | dict(shared_attention_adapters=bool(get("use_shared_attention_adapter")))
+
+
+def shared_block_params(d: ModelSizes) -> tuple[int, int]:
+    """(one of Zamba2's shared blocks without adapters, the adapters each layer that runs it adds): the attention
+    over ``2 H`` inputs, the MLP, the two norms; low-rank q/k/v adapters (with ``shared_attention_adapters``) and
+    a gate/up adapter (Note [hybrid sizes])."""
+    h, wide, rank, width = d.hidden_size, 2 * d.hidden_size, d.adapter_rank, d.intermediate_size
+    base = wide * (d.q_width + 2 * d.kv_width) + d.q_width * h + 3 * h * width + wide + h
+    adapters = (6 * wide * rank if d.shared_attention_adapters else 0) + h * rank + rank * 2 * width
+    return base, adapters
 
 
 def _check_ssm_width(get, fields: dict) -> None:
@@ -314,6 +384,12 @@ def hybrid_config(d: ModelSizes) -> dict:
         kinds = {"mamba2": "linear_attention", "attention": "full_attention"}
         return config | {"layers_block_type": [kinds.get(k, k) for k in d.layer_kinds]}
     types = ["linear_attention" if k != "attention" else "full_attention" for k in d.layer_kinds]
+    if d.model_type == "zamba2":
+        config = dict(n_mamba_heads=d.mamba_n_heads, mamba_d_state=d.mamba_d_state, mamba_ngroups=d.mamba_n_groups)
+        config.update(mamba_d_conv=d.mamba_d_conv, chunk_size=d.mamba_chunk_size, num_mem_blocks=d.shared_blocks)
+        config.update(adapter_rank=d.adapter_rank, use_shared_attention_adapter=d.shared_attention_adapters)
+        types = ["hybrid" if k == "shared_mamba2" else "mamba" for k in d.layer_kinds]
+        return config | dict(layers_block_type=types, mamba_expand=d.mamba_n_heads * d.mamba_d_head // d.hidden_size)
     if d.model_type == "kimi_linear":
         mlp_types = ["dense"] * (d.num_hidden_layers - d.moe_layers) + ["sparse"] * d.moe_layers
         config = dict(layer_types=types, mlp_layer_types=mlp_types, linear_num_heads=d.linear_num_value_heads)
@@ -375,6 +451,8 @@ def mixer_params(d: ModelSizes, kind: str) -> int:
         scan = inner * (rank + 2 * n) + rank * inner + inner + inner * n + inner
         norms = rank + 2 * n if d.model_type == "jamba" else 0  # Jamba's norms on dt, B and C have weights
         return 2 * h * inner + conv + scan + inner * h + bias + norms + d.layer_norms * h
+    if kind == "shared_mamba2":  # Zamba2: its Mamba2 layer, the projection after the shared block, the adapters
+        return mixer_params(d, "mamba2") + h * h + shared_block_params(d)[1]
     if kind == "kda":  # q, k, v, their convolution, the low-rank decay and gate, beta, A_log, o_norm, o_proj
         heads, width = d.linear_num_value_heads, d.linear_key_head_dim
         inner = heads * width

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from seqpar.models.hybrid_sizes import MLP_KINDS, mixer_params
+from seqpar.models.hybrid_sizes import MLP_KINDS, OWN_MLP_KINDS, mixer_params, shared_block_params
 
 # A ``seqpar.models.sizes.ModelSizes``; named loosely so that this module stays below ``sizes.py``
 # in the import order (sizes.py imports it).
@@ -57,7 +57,16 @@ def _layer_params(d: ModelSizes, experts: int) -> tuple[int, int, int, int, int]
     sparse = _moe_mlp_params(d, experts) if sparse_layers else 0
     mixers = {kind: _kind_params(d, kind, dense, sparse) for kind in d.kind_counts}
     total = sum(n * mixers[kind] for kind, n in d.kind_counts.items())
-    if any(kind in MLP_KINDS for kind in d.layer_kinds):
+    runs = d.kind_counts.get("shared_mamba2", 0)
+    if runs:  # Zamba2 (Note [hybrid sizes]): a layer that runs a block holds it whole, with the adapters of each run
+        base, adapters = shared_block_params(d)
+        per_block = [len(range(block, runs, d.shared_blocks)) for block in range(min(d.shared_blocks, runs))]
+        if d.tie_word_embeddings:  # transformers ties the blocks only then: each stored once
+            total += len(per_block) * base
+        else:  # a copy in every layer that runs it
+            total += runs * base + (sum(n * n for n in per_block) - runs) * adapters
+        mixers["shared_mamba2"] += base + (per_block[0] - 1) * adapters
+    if any(kind in OWN_MLP_KINDS for kind in d.layer_kinds):
         return 0, 0, 0, total, max(mixers.values())
     mlp = max(dense if sparse_layers < d.num_hidden_layers else 0, sparse)
     return sparse_layers, dense, sparse, total, max(mixers.values(), default=0) + mlp

@@ -35,7 +35,6 @@ from seqpar.models.hybrid_sizes import (
     MIXER_KINDS,
     NOT_ATTENTION,
     SSM_MIXERS,
-    UNMODELLED,
     hybrid_config,
     hybrid_fields,
     layer_types,
@@ -154,6 +153,12 @@ class ModelSizes:
     """Mamba2: the gated RMSNorm before ``out_proj`` (False: Falcon-H1 without ``mamba_rms_norm``)."""
     qk_norm_whole: bool = False
     """The q/k RMSNorms span every head's columns (Olmo-Hybrid) rather than one head's."""
+    shared_blocks: int = 0
+    """Zamba2: the shared attention blocks (``num_mem_blocks``) its "hybrid" layers take in turn."""
+    adapter_rank: int = 0
+    """Zamba2: the rank of the shared blocks' per-layer adapters."""
+    shared_attention_adapters: bool = False
+    """Zamba2: the shared attention has per-layer q/k/v adapters (``use_shared_attention_adapter``)."""
 
     @classmethod
     def from_config(cls, config: object, tp_size: int = 1, *, source: str = "") -> ModelSizes:
@@ -361,14 +366,11 @@ def _from_config(config: object, tp: int, source: str) -> ModelSizes:
     get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
     model_type = str(get("model_type", None) or "llama")
     if model_type == "nemotron_h" and get("num_hidden_layers") is None:  # its config derives them from the types
-        get = _with_layers(get, len(layer_types(get)))
+        get = _answering(get, "num_hidden_layers", len(layer_types(get)))
+    if model_type == "zamba2" and get("intermediate_size") is None:  # its config derives 4 H
+        get = _answering(get, "intermediate_size", 4 * (get("hidden_size") or 0))
     if model_type in SSM_MIXERS:  # a norm and a mixer per layer, no attention, no MLP
         return ModelSizes(**ssm_fields(get, model_type, tp), model_type=model_type, source=source, tp_size=tp)
-    if model_type in UNMODELLED:
-        raise SeqparInputError(
-            f"a model of type {model_type!r}: {UNMODELLED[model_type]}, so seqpar's memory estimate and plans "
-            "would be wrong for it (Note [hybrid sizes])"
-        )
     names = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "num_hidden_layers")
     missing = [n for n in names if not isinstance(get(n), int) or isinstance(get(n), bool) or get(n) <= 0]
     if missing:
@@ -406,7 +408,9 @@ def _from_config(config: object, tp: int, source: str) -> ModelSizes:
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         vocab_size=get("vocab_size"),
-        head_dim=mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"] if mla else get("head_dim") or hidden // heads,
+        head_dim=mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
+        if mla
+        else hybrid.pop("head_dim", None) or get("head_dim") or hidden // heads,
         tie_word_embeddings=bool(get("tie_word_embeddings", False)),
         model_type=model_type,
         source=source,
@@ -415,11 +419,11 @@ def _from_config(config: object, tp: int, source: str) -> ModelSizes:
     )
 
 
-def _with_layers(get, layers: int):
-    """``get`` that answers ``num_hidden_layers`` with ``layers``."""
+def _answering(get, field: str, value: int):
+    """``get`` that answers ``field`` with ``value`` (a field a config derives but its dict lacks)."""
 
     def read(name: str, default=None):
-        return layers if name == "num_hidden_layers" else get(name, default)
+        return value if name == field else get(name, default)
 
     return read
 
