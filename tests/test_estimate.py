@@ -541,6 +541,25 @@ def test_kimi_linear_with_experts_counts_the_built_models_parameters():
     assert parameter_counts(sizes) == (sum(p.numel() for p in model.parameters()), max(layers), head)
 
 
+def test_a_pipeline_stage_holds_a_hybrids_layer_kinds_in_proportion():
+    """``ModelSizes.kind_counts`` of a stage's share of the layers: each kind in proportion, the largest remainders
+    rounded up, ties in the model's order, every layer counted once (Nemotron-H's four kinds, Olmo-Hybrid's 3:1)."""
+    from seqpar.models import ModelSizes
+    from tests._models import tiny_config
+
+    nemotron = ModelSizes.from_config(tiny_config("nemotron_h"))  # Mamba2, experts, attention, MLP
+    olmo = ModelSizes.from_config(tiny_config("olmo_hybrid"))  # gated DeltaNet, attention, gated DeltaNet x 2
+    expected = (
+        (nemotron, 2, {"mamba2": 1, "moe": 1}),
+        (nemotron, 3, {"mamba2": 1, "moe": 1, "attention": 1}),
+        (nemotron, 8, {"mamba2": 2, "moe": 2, "attention": 2, "mlp": 2}),
+        (olmo, 2, {"gated_deltanet": 2}),
+        (olmo, 8, {"gated_deltanet": 6, "attention": 2}),
+    )
+    for sizes, layers, counts in expected:
+        assert dataclasses.replace(sizes, num_hidden_layers=layers).kind_counts == counts, (sizes.model_type, layers)
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_zamba2_shared_blocks_count_the_built_models_parameters(tied):
     """Note [hybrid sizes]: Zamba2's shared blocks (one or two, with and without the attention adapters) count the

@@ -235,19 +235,19 @@ class ModelSizes:
     @property
     def kind_counts(self) -> dict[str, int]:
         """Layers of each kind among ``num_hidden_layers``: the config's own, or in proportion for a pipeline
-        stage's share of them (Note [hybrid sizes])."""
+        stage's share of them, the largest remainders rounded up (ties in the model's order; Note [hybrid
+        sizes])."""
         if not self.layer_kinds:
             return {"attention": self.num_hidden_layers}
         whole = {kind: self.layer_kinds.count(kind) for kind in dict.fromkeys(self.layer_kinds)}
         if self.num_hidden_layers == len(self.layer_kinds):
             return whole
-        scale = self.num_hidden_layers / len(self.layer_kinds)
-        counts = {kind: round(n * scale) for kind, n in whole.items() if kind != "attention"}
-        counts = {k: n for k, n in counts.items() if n}
-        while sum(counts.values()) > self.num_hidden_layers:  # rounded up past the stage's layers
-            counts[max(counts, key=counts.get)] -= 1
-        rest = self.num_hidden_layers - sum(counts.values())
-        return {"attention": rest, **counts} if rest > 0 else counts
+        shares = {kind: n * self.num_hidden_layers / len(self.layer_kinds) for kind, n in whole.items()}
+        counts = {kind: int(share) for kind, share in shares.items()}
+        by_remainder = sorted(shares, key=lambda kind: counts[kind] - shares[kind])  # stable: model order on ties
+        for kind in by_remainder[: self.num_hidden_layers - sum(counts.values())]:  # the largest remainders
+            counts[kind] += 1
+        return {kind: n for kind, n in counts.items() if n}
 
     @property
     def attention_layers(self) -> int:
