@@ -229,6 +229,28 @@ def video_dit_table(records: list[dict]) -> str:
     return tables.with_runs("video_dit_cpu", records, [*header, "est / measured", "step (s)", "vs it"], cells)
 
 
+MIXER_NAMES = {"gated_deltanet": "gated DeltaNet", "mamba2": "Mamba2 (SSD)", "kda": "KDA", "short_conv": "short conv"}
+
+
+def mixers_table(records: list[dict]) -> str:
+    """The ``seqpar bench mixers`` table: each mixer layer's bytes a rank sent (measured, analytical, what a
+    head-parallel all-to-all would move) and its adapted step against the shard alone, by sp."""
+    cells = [
+        [
+            MIXER_NAMES[r["mixer"]],
+            r["sp"],
+            f"{r['sent_bytes'] / 2**10:.0f} KiB",
+            f"{r['exchange_bytes_gloo'] / 2**10:.0f} / {r['exchange_bytes'] / 2**10:.0f} KiB",
+            f"{r['all_to_all_bytes'] / 2**10:.0f} KiB ({r['all_to_all_bytes'] / r['exchange_bytes']:.0f}x)",
+            f"{r['adapted_s']:.3f} s / {r['local_s']:.3f} s ({r['adapted_s'] / r['local_s']:.2f}x)",
+        ]
+        for r in records
+    ]
+    header = ["mixer", "sp", "bytes a rank sent (gloo, measured)", "analytical on gloo / on NCCL"]
+    header += ["a head-parallel all-to-all would send", "adapted step / the shard alone"]
+    return tables.with_runs("mixers_cpu", records, header, cells)
+
+
 def _maxlen_row(maxlen: list[dict]) -> list[str]:
     rungs = list(dict.fromkeys(r["features"] for r in maxlen))
     top = sorted((r for r in maxlen if r["features"] == rungs[-1]), key=lambda r: r["sp"])
@@ -293,6 +315,7 @@ TABLES = {
     "rl_memory": lambda d: rl_memory_table(load("rl_memory_cpu", d)),
     "vlm_memory": lambda d: vlm_memory_table(load("vlm_memory_cpu", d)),
     "video_dit": lambda d: video_dit_table(load("video_dit_cpu", d)),
+    "mixers": lambda d: mixers_table(load("mixers_cpu", d)),
     "maxlen": lambda d: maxlen_table(load("maxlen_cpu", d)),
     "headline": headline_table,
     "attention": lambda d: tables.attention_table(load("attention_cpu", d)),

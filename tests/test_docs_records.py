@@ -202,6 +202,7 @@ MEASURED = {
     "hf_trainer": ("hf_trainer_cpu", lambda r: f"| {r['step_s']:.2f} | {r['growth_mb']:.0f} |"),
     "context_parallel_overhead": ("context_parallel_cpu", lambda r: f"| {r['step_s']:.4f} | {r['vs_direct']:.3f} |"),
     "context_parallel_memory": ("context_parallel_cpu", lambda r: f"| {r['tokens']} | {r['single_s']:.3f} |"),
+    "mixers": ("mixers_cpu", lambda r: f"| {r['sp']} | {r['sent_bytes'] / 2**10:.0f} KiB |"),
 }
 
 

@@ -1,18 +1,19 @@
-"""``seqpar bench mixers``: one gated DeltaNet layer's exchange under sequence parallelism, its bytes and its time.
+"""``seqpar bench mixers``: one token-mixer layer's exchange under sequence parallelism, its bytes and its time.
 
 Run::
 
-    seqpar bench mixers                           # Qwen3-Next-shaped layer, 8192 tokens, sp 2 and 4
-    seqpar bench mixers --seq 16384 --sp 2 --json mixers_cpu.json
+    seqpar bench mixers                           # four mixers, 8192 tokens, sp 2 and 4
+    seqpar bench mixers --mixers mamba2 --seq 16384 --sp 2 --json mixers_cpu.json
 
-Each degree runs in fresh spawned ranks (one thread each). On every rank the layer (Qwen3-Next's
-``Qwen3NextGatedDeltaNet`` built from a config) runs forward and backward on its zigzag shard twice, taking turns:
-adapted (the halo convolution and the state passing, Note [state passing]: exact) and as the model's own layer
-on the shard alone (what a rank computes when nothing is exchanged: wrong, the local cost only). Bytes are what
-the rank wrote to its sockets during the adapted step (``/proc/self/io``), beside the analytical volume of the
-two all-gathers and their reduce-scatters (on gloo, which runs a reduce-scatter as an all-reduce, and on NCCL),
-and beside what a head-parallel all-to-all (q, k, v, gates and decays
-in, outputs back, forward and backward) would move for the same layer. Times are medians; read the ratios.
+Each mixer and degree runs in fresh spawned ranks (one thread each). The layers are transformers' own, built from a
+config: Qwen3-Next's gated DeltaNet, Mamba2's SSD mixer, Kimi Linear's KDA and LFM2's short convolution. On every
+rank the layer runs forward and backward on its zigzag shard twice, taking turns: adapted (the halo convolution
+and the state passing, Note [state passing]: exact) and as the model's own layer on the shard alone (what a rank
+computes when nothing is exchanged: wrong, the local cost only). Bytes are what the rank wrote to its sockets
+during the adapted step (``/proc/self/io``), beside the analytical volume of the all-gathers and their
+reduce-scatters (``seqpar.memory.mixers.exchange_bytes``, Note [hybrid memory]; on gloo, which runs a
+reduce-scatter as an all-reduce, and on NCCL), and beside what a head-parallel all-to-all (the scan's inputs in,
+its outputs back, forward and backward) would move for the same layer. Times are medians; read the ratios.
 """
 
 from __future__ import annotations
@@ -31,36 +32,84 @@ from seqpar.bench import save_records
 
 __all__ = ["main"]
 
+MIXERS = ("gated_deltanet", "mamba2", "kda", "short_conv")
+"""The mixers benchmarked, by their kind in ``seqpar.models.sizes.MIXER_KINDS``."""
 
-def _layer(cfg: dict) -> torch.nn.Module:
+
+def _config(mixer: str, cfg: dict):
+    """The one-layer transformers config whose layer is ``mixer`` (hidden width, heads of ``head_dim``)."""
     import transformers
 
-    config = transformers.Qwen3NextConfig(
-        vocab_size=256,
-        hidden_size=cfg["hidden"],
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        layer_types=["linear_attention"],
-        linear_num_key_heads=cfg["key_heads"],
-        linear_num_value_heads=cfg["value_heads"],
-        linear_key_head_dim=cfg["head_dim"],
-        linear_value_head_dim=cfg["head_dim"],
-        linear_conv_kernel_dim=4,
-        num_experts=2,
-        num_experts_per_tok=1,
+    hidden, heads, dim = cfg["hidden"], cfg["value_heads"], cfg["head_dim"]
+    common = dict(vocab_size=256, hidden_size=hidden, num_hidden_layers=1, tie_word_embeddings=False)
+    if mixer == "gated_deltanet":
+        return transformers.Qwen3NextConfig(
+            **common,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            layer_types=["linear_attention"],
+            linear_num_key_heads=cfg["key_heads"],
+            linear_num_value_heads=heads,
+            linear_key_head_dim=dim,
+            linear_value_head_dim=dim,
+            linear_conv_kernel_dim=4,
+            num_experts=2,
+            num_experts_per_tok=1,
+        )
+    if mixer == "mamba2":  # heads x head_dim = 2 x hidden, the Mamba2 default expansion
+        return transformers.Mamba2Config(
+            **common, num_heads=2 * hidden // dim, head_dim=dim, state_size=cfg["state"], n_groups=1, expand=2
+        )
+    if mixer == "kda":
+        return transformers.KimiLinearConfig(
+            **common,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            layer_types=["linear_attention"],
+            mlp_layer_types=["dense"],
+            linear_num_heads=heads,
+            linear_head_dim=dim,
+            linear_conv_kernel_dim=4,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+    return transformers.Lfm2Config(
+        **common, num_attention_heads=4, num_key_value_heads=2, layer_types=["conv"], conv_L_cache=3
     )
+
+
+def _layer(mixer: str, cfg: dict) -> torch.nn.Module:
+    """The mixer module of the one-layer model of ``_config``."""
+    import transformers
+
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config).model.layers[0].linear_attn.float()
+    model = transformers.AutoModelForCausalLM.from_config(_config(mixer, cfg)).float()
+    layer = (model.backbone if mixer == "mamba2" else model.model).layers[0]
+    return getattr(layer, {"gated_deltanet": "linear_attn", "mamba2": "mixer", "kda": "self_attn"}.get(mixer, "conv"))
 
 
-def _volumes(cfg: dict, sp: int) -> dict:
+def _all_to_all_elements(mixer: str, d) -> int:
+    """Elements per token a head-parallel all-to-all would move each way: the scan's inputs in, its output back."""
+    if mixer == "gated_deltanet":  # q, k, v, beta and the decay in; the output back
+        keys = d.linear_num_key_heads * d.linear_key_head_dim
+        return 2 * keys + 2 * d.linear_num_value_heads * d.linear_value_head_dim + 2 * d.linear_num_value_heads
+    if mixer == "mamba2":  # x, B, C and dt in; y back
+        inner = d.mamba_n_heads * d.mamba_d_head
+        return 2 * inner + 2 * d.mamba_n_groups * d.mamba_d_state + d.mamba_n_heads
+    if mixer == "kda":  # q, k, v, the decay per channel and beta in; the output back
+        return 5 * d.linear_num_value_heads * d.linear_key_head_dim + d.linear_num_value_heads
+    return 2 * d.hidden_size  # the gated input's channels in, the convolution's output back
+
+
+def _volumes(mixer: str, cfg: dict, sp: int) -> dict:
     """Analytical bytes one rank sends per forward + backward (fp32)."""
-    chunks, dk, dv = 2, cfg["head_dim"], cfg["head_dim"]  # zigzag: two chunks a rank
-    conv_channels = 2 * cfg["key_heads"] * dk + cfg["value_heads"] * dv
-    local = (3 * conv_channels + cfg["value_heads"] * (dk + dv) * dk) * chunks * 4  # tails (K - 1 = 3), summaries
-    per_token = 2 * cfg["key_heads"] * dk + 2 * cfg["value_heads"] * dv + 2 * cfg["value_heads"]  # in and out
-    all_to_all = 2 * per_token * 4 * (cfg["seq"] // sp) * (sp - 1) / sp  # forward and backward
+    from seqpar.memory.mixers import exchange_bytes
+    from seqpar.models import ModelSizes
+
+    d = ModelSizes.from_config(_config(mixer, cfg))
+    local = sum(exchange_bytes(d, mixer, 1, 2, 4))  # zigzag: two chunks a rank
+    all_to_all = 2 * _all_to_all_elements(mixer, d) * 4 * (cfg["seq"] // sp) * (sp - 1) / sp  # fwd and bwd
     # an all-gather sends (P - 1) x its piece, as does a reduce-scatter; gloo runs the reduce-scatter as an
     # all-reduce of the gathered size, 2 (P - 1) x the piece
     return {
@@ -78,7 +127,7 @@ def _worker(rank: int, world_size: int, cfg: dict, out: str) -> None:
     from seqpar.sequence_parallel.mixers import adapt
 
     mesh = seqpar.make_mesh()
-    own, adapted = _layer(cfg), _layer(cfg)
+    own, adapted = _layer(cfg["mixer"], cfg), _layer(cfg["mixer"], cfg)
     adapt((adapted,))
     ctx = CallContext(mesh, "ring", "zigzag", "auto", sequence_mask(None, mesh, batch_size=1), {})
     g = torch.Generator().manual_seed(1)
@@ -113,39 +162,44 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="seqpar bench mixers", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--mixers", nargs="+", choices=MIXERS, default=list(MIXERS), help="the layers to run")
     parser.add_argument("--seq", type=int, default=8192, help="tokens of the whole sequence")
     parser.add_argument("--sp", type=int, nargs="+", default=[2, 4], help="sequence-parallel degrees")
     parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--key-heads", type=int, default=4)
-    parser.add_argument("--value-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--key-heads", type=int, default=4, help="gated DeltaNet's query/key heads")
+    parser.add_argument("--value-heads", type=int, default=8, help="gated DeltaNet's value heads, KDA's heads")
+    parser.add_argument("--head-dim", type=int, default=64, help="every mixer's head width")
+    parser.add_argument("--state", type=int, default=64, help="Mamba2's state size")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--json", metavar="FILE", help="write one record per degree here")
+    parser.add_argument("--json", metavar="FILE", help="write one record per mixer and degree here")
     args = parser.parse_args(argv)
     from seqpar.runtime.spawn import spawn_ranks
 
-    cfg = {k: getattr(args, k) for k in ("seq", "hidden", "key_heads", "value_heads", "head_dim", "rounds")}
+    names = ("seq", "hidden", "key_heads", "value_heads", "head_dim", "state", "rounds")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for sp in args.sp:
-            out = os.path.join(tmp, f"{sp}.json")
-            spawn_ranks(_worker, sp, cfg, out)
-            with open(out) as f:
-                rows.append({"sp": sp, **json.load(f), **_volumes(cfg, sp)})
+        for mixer in args.mixers:
+            cfg = {"mixer": mixer, **{k: getattr(args, k) for k in names}}
+            for sp in args.sp:
+                out = os.path.join(tmp, f"{mixer}-{sp}.json")
+                spawn_ranks(_worker, sp, cfg, out)
+                with open(out) as f:
+                    rows.append({**cfg, "sp": sp, **json.load(f), **_volumes(mixer, cfg, sp)})
     print(
-        f"gated DeltaNet layer (Qwen3-Next-shaped: hidden {args.hidden}, {args.key_heads} key / {args.value_heads} "
-        f"value heads of {args.head_dim}), {args.seq} tokens, zigzag, fp32, fwd+bwd, medians of {args.rounds}"
+        f"one mixer layer (hidden {args.hidden}; gated DeltaNet {args.key_heads} key / {args.value_heads} value heads, "
+        f"KDA {args.value_heads} heads, Mamba2 {2 * args.hidden // args.head_dim} heads, all of {args.head_dim}; "
+        f"Mamba2 state {args.state}), {args.seq} tokens, zigzag, fp32, fwd+bwd, medians of {args.rounds}"
     )
-    print("| sp | bytes sent (measured, gloo) | analytical on gloo | analytical (NCCL) | head-parallel all-to-all |"
-          " all-to-all / exchange | adapted step (s) | shard alone (s) | adapted / alone |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| mixer | sp | bytes sent (measured, gloo) | analytical on gloo | analytical (NCCL) | head-parallel "
+          "all-to-all | all-to-all / exchange | adapted step (s) | shard alone (s) | adapted / alone |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['sp']} | {r['sent_bytes'] / 2**10:.0f} KiB | {r['exchange_bytes_gloo'] / 2**10:.0f} KiB | "
-            f"{r['exchange_bytes'] / 2**10:.0f} KiB | "
+            f"| {r['mixer']} | {r['sp']} | {r['sent_bytes'] / 2**10:.0f} KiB | "
+            f"{r['exchange_bytes_gloo'] / 2**10:.0f} KiB | {r['exchange_bytes'] / 2**10:.0f} KiB | "
             f"{r['all_to_all_bytes'] / 2**10:.0f} KiB | {r['all_to_all_bytes'] / r['exchange_bytes']:.0f}x | "
             f"{r['adapted_s']:.3f} | {r['local_s']:.3f} | {r['adapted_s'] / r['local_s']:.2f} |"
         )
     if args.json:
-        save_records(args.json, "mixers", argv, [{**cfg, **r} for r in rows])
+        save_records(args.json, "mixers", argv, rows)
     return 0
