@@ -66,12 +66,12 @@ Note [hybrid memory]
     (measured -5.2% to +6.6%; pure state-space models within 5%, at two lengths; Jamba's layers together
     within 6%).
     Exchange, per mixer layer and rank, forward (its backward, a reduce-scatter, moves as much): the halo's
-    tails, ``chunks x rows x C_conv x (K - 1)`` in the dtype, and the state summaries (gated DeltaNet, KDA,
-    SSD and Mamba1, whose ``I N`` heads each have a 1 x 1 state), ``chunks x rows x heads x dk x (dk + dv)``
-    float32 (``M`` next to ``S_loc``; SSD's ``M`` is a
-    decay times the identity but seqpar sends it as a ``d_head x d_head`` matrix, its dk being d_head and its
-    dv N); the all-gather hands every rank sp of each, which the layer holds while its backward runs. Gloo's
-    ring all-gather sends ``(sp - 1)`` pieces of a rank's size, as does the reduce-scatter.
+    tails, ``chunks x rows x C_conv x (K - 1)`` in the dtype, and the state summaries (gated DeltaNet, KDA
+    and Mamba1, whose ``I N`` heads each have a 1 x 1 state), ``chunks x rows x heads x dk x (dk + dv)``
+    float32 (``M`` next to ``S_loc``); SSD's and lightning attention's ``M`` is a decay times the identity,
+    and only the decay travels: ``chunks x rows x heads x (1 + dk dv)`` (SSD's dk is d_head, its dv N). The
+    all-gather hands every rank sp of each, which the layer holds while its backward runs. Gloo's ring
+    all-gather sends ``(sp - 1)`` pieces of a rank's size, as does the reduce-scatter.
 """
 
 from __future__ import annotations
@@ -218,10 +218,10 @@ def exchange_bytes(d: ModelSizes, kind: str, rows: int, chunks: int, b: int) -> 
     halo = chunks * rows * channels * (width - 1) * b
     if kind in ("gated_deltanet", "kda"):
         heads, dk, dv = d.linear_num_value_heads, d.linear_key_head_dim, d.linear_value_head_dim
-    elif kind in ("mamba2", "attention_mamba2", "shared_mamba2"):
-        heads, dk, dv = d.mamba_n_heads, d.mamba_d_head, d.mamba_d_state
-    elif kind == "lightning":  # Note [lightning blocks]: M is a decay times the identity, sent as a matrix
-        heads, dk, dv = d.num_attention_heads, d.head_dim, d.head_dim
+    elif kind in ("mamba2", "attention_mamba2", "shared_mamba2"):  # M: a decay per head, sent alone
+        return halo, chunks * rows * d.mamba_n_heads * (1 + d.mamba_d_head * d.mamba_d_state) * 4
+    elif kind == "lightning":  # Note [lightning blocks]: M is a decay times the identity, sent alone
+        return halo, chunks * rows * d.num_attention_heads * (1 + d.head_dim * d.head_dim) * 4
     elif kind == "mamba1":  # Note [Mamba1 state]: a 1 x 1 state per channel and entry
         heads, dk, dv = d.mamba_d_inner * d.mamba_d_state, 1, 1
     else:

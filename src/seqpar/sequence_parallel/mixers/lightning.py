@@ -12,7 +12,8 @@ Note [lightning blocks]
     sequence, so the blocks may start anywhere: run from any token with the state before it, they give the
     same recurrence. seqpar's pieces (a rank's chunk, or its part after a document start) therefore start
     their own blocks at the piece's first token, with the layer's own decay tables, and a piece of ``n`` tokens
-    maps the state that enters it to ``lambda^n S_in + S_loc``: ``M = lambda^n I``. Only the rounding differs
+    maps the state that enters it to ``lambda^n S_in + S_loc``: ``M = lambda^n I``, of which ``lambda^n``
+    alone travels (``decay_only``, Note [state passing]). Only the rounding differs
     from one process, whose blocks follow the whole row's grid.
 """
 
@@ -89,11 +90,11 @@ def minimax_lightning_attention_forward(
     def run(q, k, v, initial_state):
         return _lightning(self, q, k, v, initial_state)
 
-    def through(q, k, v):  # M = exp(-slope n) I over a piece of n tokens (Note [lightning blocks])
-        eye = torch.eye(self.head_dim, device=q.device)
-        return (torch.exp(-self.slope_rate.float() * q.shape[1]) * eye)[None]
+    def through(q, k, v):  # M = exp(-slope n) I over a piece of n tokens (Note [lightning blocks]): its decay
+        return torch.exp(-self.slope_rate.float() * q.shape[1]).reshape(1, -1, 1, 1)
 
     state = (self.num_attention_heads, self.head_dim, self.head_dim)
-    out = chunked_state_scan(run, through, (query, key, value), state, ctx.mesh, ctx.layout, ctx.mask)
+    inputs = (query, key, value)
+    out = chunked_state_scan(run, through, inputs, state, ctx.mesh, ctx.layout, ctx.mask, decay_only=True)
     out = self.norm(out.reshape(batch, length, self.num_attention_heads * self.head_dim))
     return self.out_proj(F.sigmoid(self.output_gate(hidden_states)) * out), None

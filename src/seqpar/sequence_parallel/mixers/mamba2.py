@@ -29,7 +29,8 @@ def mamba2_forward(
     scan's state exchanged.
 
     The SSD state ``[heads, head_dim, d_state]`` decays by one number per head over a piece, ``exp(A sum(dt))``,
-    so ``M`` is that number times the identity (Note [state passing]).
+    so ``M`` is that number times the identity, and the number alone travels (``decay_only``, Note [state
+    passing]).
 
     Args:
         self: the layer (``in_proj``, ``conv1d``, ``A_log``, ``D``, ``dt_bias``, ``norm``, ``out_proj``).
@@ -68,13 +69,12 @@ def mamba2_forward(
             initial_states=initial_state, dt_limit=self.time_step_limit, return_final_states=True,
         )  # fmt: skip
 
-    def through(x, dt, b, c):  # one decay per head over the piece, exp(A sum(dt)), times the identity
+    def through(x, dt, b, c):  # one decay per head over the piece, exp(A sum(dt)): M is it times the identity
         steps = torch.clamp(F.softplus(dt + self.dt_bias), min=low, max=high).sum(1)  # [1, heads]
-        eye = torch.eye(self.head_dim, device=x.device)
-        return torch.exp(decay * steps)[..., None, None] * eye
+        return torch.exp(decay * steps)[..., None, None]
 
     state = (self.num_heads, self.head_dim, self.ssm_state_size)
-    out = chunked_state_scan(run, through, (x, dt, b, c), state, ctx.mesh, ctx.layout, ctx.mask)
+    out = chunked_state_scan(run, through, (x, dt, b, c), state, ctx.mesh, ctx.layout, ctx.mask, decay_only=True)
     out = out.reshape(batch, length, -1)
     out = self.norm(out, gate) if getattr(self, "mamba_rms_norm", True) else out * F.silu(gate)
     return self.out_proj(out.to(dtype))

@@ -20,7 +20,9 @@ Note [state passing]
     Backward: autograd through the kernel calls and the all-gather, whose backward is a reduce-scatter; every
     rank runs it for every layer, so no rank waits on another that skipped it (Note [symmetric exchange]).
     Cost: the kernel runs about twice per chunk plus once per extra piece (the identity run is ``dk`` wide),
-    and the exchange moves ``(dk + dv) dk`` numbers per head and chunk.
+    and the exchange moves ``(dk + dv) dk`` numbers per head and chunk. Where ``M`` is a decay times the
+    identity (SSD, lightning attention: one number per head over a piece), ``through`` gives that number alone
+    (``decay_only``) and the exchange moves ``1 + dk dv`` numbers per head and chunk.
 
 Note [symmetric exchange]
     A collective with autograd must be entered by every rank in the backward as in the forward. A rank whose
@@ -48,7 +50,8 @@ __all__ = ["Recurrence", "chunked_state_scan"]
 Recurrence = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 """``run(*inputs, initial_state)`` on one piece of one row: (output ``[1, T, ...]``, final state ``[1, H, dk, dv]``)."""
 Passage = Callable[..., torch.Tensor]
-"""``through(*inputs)`` on one piece of one row: ``M`` ``[1, H, dk, dk]`` with ``S_out = M S_in + S_loc``."""
+"""``through(*inputs)`` on one piece of one row: ``M`` ``[1, H, dk, dk]`` with ``S_out = M S_in + S_loc`` (its
+decay ``[1, H, 1, 1]`` where ``M`` is that times the identity)."""
 
 
 def _pieces(starts: torch.Tensor, first: bool) -> list[tuple[int, int, bool]]:
@@ -65,6 +68,7 @@ def chunked_state_scan(
     sp: SequenceParallelMesh,
     layout: Layout,
     mask: SequenceMask | None,
+    decay_only: bool = False,
 ) -> torch.Tensor:
     """A linear recurrence over the whole sequence, on this rank's chunks (Note [state passing]).
 
@@ -76,12 +80,14 @@ def chunked_state_scan(
         sp: the sequence-parallel mesh.
         layout: the layout of the shards.
         mask: the batch's mask (its ``starts`` restart the state at packed documents).
+        decay_only: ``M`` is a decay per head times the identity, and ``through`` gives the decay alone.
 
     Returns:
         The outputs for this rank's tokens, concatenated along the sequence as ``run`` gives them.
     """
     batch, local = inputs[0].shape[:2]
     heads, dk, dv = state
+    width = 1 if decay_only else dk  # M's rows and columns as they travel
     device = inputs[0].device
     chunks = chunks_per_rank(layout) if sp.sp_size > 1 else 1
     size = local // chunks
@@ -104,21 +110,23 @@ def chunked_state_scan(
             if len(pieces) == 1 and not restart:  # the state passes through the chunk
                 passes = through(*[t[b : b + 1, span][:, opening:stop] for t in inputs])
             else:  # a document starts in the chunk: what leaves it is its last piece's own state
-                passes = torch.zeros(1, heads, dk, dk, dtype=torch.float32, device=device)
+                passes = torch.zeros(1, heads, width, width, dtype=torch.float32, device=device)
             row_summary.append((passes, final))
             row_out.append(outs)
             first_pieces.append((b, c, restart, stop))
         outputs.append(row_out)
         summaries.append(row_summary)
-    passing = torch.stack([torch.cat([s[c][0] for s in summaries]) for c in range(chunks)])  # [chunks, B, H, dk, dk]
+    passing = torch.stack([torch.cat([s[c][0] for s in summaries]) for c in range(chunks)])  # [chunks, B, H, m, m]
     final = torch.stack([torch.cat([s[c][1] for s in summaries]) for c in range(chunks)])  # [chunks, B, H, dk, dv]
-    summaries = torch.cat([passing, final.to(passing.dtype)], dim=-1)  # one exchange (Note [symmetric exchange])
+    flat = (passing.flatten(-2), final.to(passing.dtype).flatten(-2))
+    summaries = torch.cat(flat, dim=-1)  # one exchange (Note [symmetric exchange])
     every = gather_sequence(summaries, sp, dim=0, layout=layout) if sp.sp_size > 1 else summaries  # chunk order
-    every_through, every_final = every[..., :dk], every[..., dk:]
+    every_through = every[..., : width * width].unflatten(-1, (width, width))
+    every_final = every[..., width * width :].unflatten(-1, (dk, dv))
     incoming, entering = [], every_final.new_zeros(batch, heads, dk, dv)
     for passes, final_state in zip(every_through, every_final, strict=True):  # S_in(c + 1) = M_c S_in(c) + S_loc_c
         incoming.append(entering)
-        entering = passes @ entering + final_state
+        entering = (passes * entering if decay_only else passes @ entering) + final_state
     rows = []
     for b in range(batch):
         pieces_out = []
