@@ -26,7 +26,7 @@ from seqpar.errors import SeqparInputError
 from seqpar.layouts.chunks import ChunkLayout, Layout
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.comm.collectives import collective_device
-from seqpar.sequence_parallel.prepare import LAYOUT_KEYWORD
+from seqpar.sequence_parallel.prepare import LAYOUT_KEYWORD, PACKING_KEYS
 from seqpar.sequence_parallel.whole_rows import PLACEMENT_KEYWORD, SHARD_REFUSED
 
 __all__ = [
@@ -39,8 +39,6 @@ __all__ = [
     "to_shard",
 ]
 
-# Keys that carry packed-document boundaries for varlen kernels: seqpar reads the same from position_ids.
-PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 SEQUENCE_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask")
 DROPPED_KEYS = ("use_cache", "return_loss", "num_items_in_batch")
 MULTIMODAL_KEYS = SHARD_REFUSED

@@ -28,9 +28,9 @@ from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
 from seqpar.models import ModelAnatomy, find_anatomy
 from seqpar.sequence_parallel.api import AttentionChoice, attention, choose_attention
 from seqpar.sequence_parallel.call_context import CONTEXT_KEY, CallContext
-from seqpar.sequence_parallel.checks import Signature, by_rank, exchange_signatures
+from seqpar.sequence_parallel.checks import Signature, by_rank, config_digest, config_disagreement, exchange_signatures
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask, sequence_mask
-from seqpar.sequence_parallel.mixers import ADAPTERS, adapt, unknown_mixers
+from seqpar.sequence_parallel.mixers import ADAPTERS, adapt, mismatched_mixers, unknown_mixers
 from seqpar.sequence_parallel.strategies.registry import check_strategy_name
 from seqpar.sequence_parallel.vision_split import encode_over_group
 from seqpar.sequence_parallel.whole_rows import (
@@ -46,6 +46,7 @@ __all__ = [
     "ATTENTION_NAME",
     "LAYOUT_KEYWORD",
     "ORIGINAL_ATTENTION_ATTR",
+    "PACKING_KEYS",
     "UNSHARDED_ATTR",
     "attention_choice",
     "prepare_model",
@@ -55,6 +56,9 @@ ATTENTION_NAME = "seqpar"
 LAYOUT_KEYWORD = "seqpar_layout"
 """The model-call keyword that carries a batch's own layout (``shard.layout`` of ``shard_batch``); the
 forward pre-hook takes it out before the model sees its arguments."""
+PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+"""Keywords that give varlen kernels a whole row's packed documents; seqpar reads the documents of a shard from
+its position ids, so a prepared model's call refuses them (the Trainer doors drop them from their batches)."""
 _CONTEXT_KEY = CONTEXT_KEY
 _HOOK_ATTR = "_seqpar_forward_hook"
 _CHOICE_ATTR = "_seqpar_attention_choices"
@@ -144,6 +148,14 @@ def _served(model: torch.nn.Module) -> ModelAnatomy | str:
             f"its token mixers {', '.join(unknown)} (besides attention) have no seqpar adapter: each rank would run "
             f"them on its own shard alone; seqpar serves {', '.join(sorted(ADAPTERS))}"
         )
+    mismatched = mismatched_mixers(found.mixers)
+    if mismatched:  # built by another transformers version than the adapters follow (Note [mixer adapters])
+        import transformers
+
+        return (
+            f"its token mixers do not have what seqpar's adapters read: {'; '.join(mismatched)} (transformers "
+            f"{transformers.__version__}; seqpar's adapters follow the mixers of the versions it declares)"
+        )
     attends = any(m is not None for m in found.attention)  # a pure state-space model (Mamba2) has no attention
     if attends and not getattr(model, "_supports_attention_backend", False) and not found.family.attention_interface:
         return (
@@ -173,6 +185,8 @@ _CALL_PROBLEMS = {
     "attention_mask": "seqpar reads documents and padding from position_ids and shift_labels; drop attention_mask "
     "(shard_batch already masks padding out of the loss)",
     "use_cache": "seqpar-prepared models train without a KV cache; pass use_cache=False",
+    "packing_keys": f"{' / '.join(PACKING_KEYS)} describe a whole row's packed documents, not this rank's shard: "
+    "drop them, seqpar reads the documents from position_ids (restarting at 0 at each document start)",
     "no_layout": f"a model prepared with layout='balanced' needs each batch's layout: call it as "
     f"model(input_ids=..., position_ids=..., {LAYOUT_KEYWORD}=shard.layout) with the shard from seqpar.shard_batch",
     "bad_layout": f"{LAYOUT_KEYWORD} must be 'contiguous', 'zigzag' or the ChunkLayout of seqpar.shard_batch "
@@ -203,11 +217,13 @@ class _CallSignature(Signature):
     labels: bool
     attention_mask: bool  # one that masks something out (an all-ones mask is harmless)
     use_cache: bool
+    packing_keys: bool
     no_layout: bool
     bad_layout: bool
     multimodal_keys: bool
     mrope_embeds: bool
     placeholders: bool
+    config_digest: int  # config_digest of the model's config: every rank must have built the same model
     layout_digest: int  # _layout_digest of the call's layout keyword: every rank must pass the same one
     positions_ndim: int
     positions_dims: tuple[int, int]  # the first two sizes, zero-padded
@@ -267,11 +283,13 @@ def _agree_on_call(
         labels=kwargs.get("labels") is not None,
         attention_mask=attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()),
         use_cache=bool(kwargs.get("use_cache")),
+        packing_keys=any(kwargs.get(k) is not None for k in PACKING_KEYS),
         no_layout=no_layout,
         bad_layout=bad_layout,
         multimodal_keys=any(kwargs.get(k) is not None for k in SHARD_REFUSED),
         mrope_embeds=family.positions == "mrope" and kwargs.get("inputs_embeds") is not None,
         placeholders=held,
+        config_digest=config_digest(config),
         layout_digest=_layout_digest(call_layout),
         positions_ndim=len(shape),
         positions_dims=tuple([*shape, 0, 0][:2]),
@@ -282,6 +300,9 @@ def _agree_on_call(
     if not problems and any((row.positions_ndim, row.positions_dims) != same for row in table):
         shapes = "; ".join(f"rank {r}: {row.positions_shape}" for r, row in enumerate(table))
         problems.append(f"position_ids shapes differ across ranks (every rank holds one equal shard): {shapes}")
+    differing = config_disagreement([row.config_digest for row in table])
+    if not problems and differing:
+        problems.append(differing)
     if not problems and any(row.layout_digest != table[0].layout_digest for row in table):
         problems.append(f"the ranks passed different {LAYOUT_KEYWORD} values; pass every rank its shard's layout")
     if problems:
@@ -398,6 +419,7 @@ def prepare_model(
                 served.family,
                 batch_layout,
                 layout_digest=_layout_digest(call_layout),
+                config_digest=config_digest(model.config),
                 no_layout=no_layout,
                 bad_layout=bad_layout,
                 placeholders=tuple(_placeholder_ids(model.config)),

@@ -45,7 +45,7 @@ from seqpar.layouts.chunks import NAMED_LAYOUTS, ChunkLayout, Layout, named_layo
 from seqpar.layouts.placed import Placement
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.models.families import Family
-from seqpar.sequence_parallel.checks import Signature, by_rank, exchange_signatures
+from seqpar.sequence_parallel.checks import Signature, by_rank, config_disagreement, exchange_signatures
 from seqpar.sequence_parallel.masks.block_ranges import image_runs
 
 __all__ = ["ROW_KEY", "WHOLE_ROW_KEYS", "WholeRow", "agree_on_whole_row", "is_whole_row_call", "shard_decoder_inputs"]
@@ -153,6 +153,7 @@ class _RowSignature(Signature):
     no_layout: bool
     bad_layout: bool
     layout_digest: int
+    config_digest: int
     data_digest: int
 
 
@@ -195,6 +196,7 @@ def agree_on_whole_row(
     layout: Layout,
     *,
     layout_digest: int,
+    config_digest: int,
     no_layout: bool,
     bad_layout: bool,
     placeholders: tuple[int, ...] = (),
@@ -209,6 +211,7 @@ def agree_on_whole_row(
         family: the model's family entry.
         layout: the layout the call's rows were sharded with by ``shard_batch``.
         layout_digest: the number the ranks compare to agree on that layout.
+        config_digest: the number the ranks compare to agree on the model's config (``checks.config_digest``).
         no_layout: the model was prepared with a per-batch layout and the call brought none.
         bad_layout: the call's layout does not fit the mesh.
         placeholders: the model's image and video placeholder token ids (their runs must not cross documents).
@@ -259,6 +262,7 @@ def agree_on_whole_row(
         no_layout=no_layout,
         bad_layout=bad_layout,
         layout_digest=layout_digest ^ (_digest([placement.order]) if placement is not None else 0),
+        config_digest=config_digest,
         data_digest=_digest([kwargs.get(k) for k in _ROW_DATA]),
     )
     table = [signature] if sp.sp_size == 1 else exchange_signatures(signature, sp.sp_group)
@@ -270,6 +274,9 @@ def agree_on_whole_row(
             "token types, positions): a multimodal model takes the same whole rows on every rank of the group "
             "(Note [whole-row calls])"
         )
+    differing = config_disagreement([row.config_digest for row in table])
+    if not problems and differing:
+        problems.append(differing)
     if not problems and any(row.layout_digest != table[0].layout_digest for row in table):
         problems.append("the ranks passed different seqpar_layout values; pass every rank its shard's layout")
     if problems:

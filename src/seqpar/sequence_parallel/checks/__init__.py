@@ -4,7 +4,13 @@
 rules for ``seqpar.attention``'s inputs.
 """
 
-from seqpar.sequence_parallel.checks.agreement import Signature, by_rank, exchange_signatures
+from seqpar.sequence_parallel.checks.agreement import (
+    Signature,
+    by_rank,
+    config_digest,
+    config_disagreement,
+    exchange_signatures,
+)
 from seqpar.sequence_parallel.checks.attention import (
     DTYPES,
     MAX_HEAD_DIM,
@@ -23,5 +29,7 @@ __all__ = [
     "TensorSignature",
     "by_rank",
     "check_attention_inputs",
+    "config_digest",
+    "config_disagreement",
     "exchange_signatures",
 ]

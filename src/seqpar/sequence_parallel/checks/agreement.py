@@ -17,7 +17,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import json
 import typing
+import zlib
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -25,7 +27,7 @@ import torch.distributed as dist
 
 from seqpar.sequence_parallel.comm.collectives import all_gather_first_dim, collective_device
 
-__all__ = ["Signature", "by_rank", "exchange_signatures"]
+__all__ = ["Signature", "by_rank", "config_digest", "config_disagreement", "exchange_signatures"]
 
 _S = typing.TypeVar("_S", bound="Signature")
 
@@ -122,3 +124,36 @@ def exchange_signatures(sig: _S, group: dist.ProcessGroup) -> list[_S]:
     """
     mine = torch.tensor(sig.to_ints(), dtype=torch.int64, device=collective_device(group))
     return [type(sig).from_ints(row) for row in all_gather_first_dim(mine[None], group).tolist()]
+
+
+def config_digest(config: object) -> int:
+    """A number the ranks compare to agree on a model's config: a checksum of its settings (less where it was
+    loaded from; a value that is not JSON counts by its type).
+
+    Args:
+        config: a transformers config (or any object with plain attributes).
+
+    Returns:
+        A 32-bit checksum.
+    """
+    settings = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    settings.pop("_name_or_path", None)
+    return zlib.crc32(json.dumps(settings, sort_keys=True, default=lambda v: f"<{type(v).__qualname__}>").encode())
+
+
+def config_disagreement(digests: Sequence[int]) -> str | None:
+    """The problem to raise when the ranks' ``config_digest`` values differ, or None when they agree.
+
+    Args:
+        digests: each rank's digest, in rank order.
+
+    Returns:
+        The message, naming each rank's digest, or None.
+    """
+    if len(set(digests)) <= 1:
+        return None
+    shown = ", ".join(f"rank {r}: {d:08x}" for r, d in enumerate(digests))
+    return (
+        f"the ranks' models have different configs (digests {shown}): build the model from one config on every "
+        "rank, since the exchanges' sizes and every layer's arithmetic follow it"
+    )

@@ -8,12 +8,17 @@ Note [mixer adapters]
     that overrides ``forward`` only and exchanges across the SP group what its layer needs (Note [halo
     convolution], Note [state passing]). ``prepare_model`` sets each mixer's ``__class__`` to it, so
     parameters, their names, the state dict, hooks and wrappers (FSDP2, PEFT) are those of the model as built.
-    A mixer class with no adapter stops ``prepare_model`` with its name: it would run silently wrong.
+    A mixer class with no adapter stops ``prepare_model`` with its name: it would run silently wrong. An
+    adapter lists the attributes (and the kernel function of the class's module) that its ``forward`` reads;
+    a mixer that lacks one, as another transformers version may build it, is refused naming what it lacks.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -28,33 +33,95 @@ from seqpar.sequence_parallel.mixers.mamba1 import mamba1_forward
 from seqpar.sequence_parallel.mixers.mamba2 import mamba2_forward
 from seqpar.sequence_parallel.mixers.short_conv import lfm2_short_conv_forward
 
-__all__ = ["ADAPTERS", "adapt", "unknown_mixers"]
+__all__ = ["ADAPTERS", "MixerAdapter", "adapt", "mismatched_mixers", "unknown_mixers"]
+
+
+@dataclass(frozen=True)
+class MixerAdapter:
+    """seqpar's adapter of one transformers mixer class (Note [mixer adapters])."""
+
+    forward: Callable[..., object]
+    """The ``forward`` that replaces the class's own."""
+    reads: tuple[str, ...]
+    """The module's attributes that ``forward`` reads: a mixer lacking one (another transformers version) is
+    refused by ``prepare_model``, not left to fail inside a forward."""
+    kernel: str | None = None
+    """The function of the class's own transformers module that ``forward`` calls, if any (checked likewise)."""
+
+
+_GATED_DELTANET = ("conv1d", "A_log", "dt_bias", "key_dim", "value_dim", "head_k_dim", "head_v_dim", "num_v_heads")
+_GATED_DELTANET_KERNEL = "torch_chunk_gated_delta_rule"
+_QWEN3_5 = MixerAdapter(
+    qwen3_5_gated_deltanet_forward,
+    (*_GATED_DELTANET, "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "norm", "out_proj"),
+    _GATED_DELTANET_KERNEL,
+)
+# Falcon-H1 builds ``norm`` only with ``mamba_rms_norm``, which the adapter reads first
+_MAMBA2 = MixerAdapter(
+    mamba2_forward,
+    (
+        *("in_proj", "conv1d", "intermediate_size", "conv_dim", "num_heads", "head_dim", "n_groups"),
+        *("ssm_state_size", "A_log", "D", "dt_bias", "time_step_limit", "chunk_size", "out_proj"),
+    ),
+    "mamba2_chunk_scan",
+)
+_MAMBA1 = MixerAdapter(
+    mamba1_forward,
+    (
+        *("in_proj", "conv1d", "use_conv_bias", "act", "x_proj", "dt_proj", "time_step_rank"),
+        *("ssm_state_size", "intermediate_size", "A_log", "D", "out_proj"),
+    ),
+)
 
 ADAPTERS = {
-    "Lfm2ShortConv": lfm2_short_conv_forward,
-    "Qwen3NextGatedDeltaNet": qwen3_next_gated_deltanet_forward,
-    "Qwen3_5GatedDeltaNet": qwen3_5_gated_deltanet_forward,
-    "Qwen3_5MoeGatedDeltaNet": qwen3_5_gated_deltanet_forward,
-    "OlmoHybridGatedDeltaNet": olmo_hybrid_gated_deltanet_forward,
-    "KimiLinearDeltaAttention": kimi_delta_attention_forward,
-    "GraniteMoeHybridMambaLayer": mamba2_forward,
-    "BambaMixer": mamba2_forward,
-    "FalconH1Mixer": mamba2_forward,
-    "NemotronHMamba2Mixer": mamba2_forward,
-    "Mamba2Mixer": mamba2_forward,
-    "Zamba2MambaMixer": mamba2_forward,
-    "MambaMixer": mamba1_forward,
-    "FalconMambaMixer": mamba1_forward,
-    "JambaMambaMixer": mamba1_forward,
-    "MiniMaxLightningAttention": minimax_lightning_attention_forward,
+    "Lfm2ShortConv": MixerAdapter(lfm2_short_conv_forward, ("in_proj", "conv", "out_proj")),
+    "Qwen3NextGatedDeltaNet": MixerAdapter(
+        qwen3_next_gated_deltanet_forward,
+        (*_GATED_DELTANET, "in_proj_qkvz", "in_proj_ba", "fix_query_key_value_ordering", "norm", "out_proj"),
+        _GATED_DELTANET_KERNEL,
+    ),
+    "Qwen3_5GatedDeltaNet": _QWEN3_5,
+    "Qwen3_5MoeGatedDeltaNet": _QWEN3_5,
+    "OlmoHybridGatedDeltaNet": MixerAdapter(
+        olmo_hybrid_gated_deltanet_forward,
+        (
+            *_GATED_DELTANET,
+            *("q_proj", "k_proj", "v_proj", "g_proj", "b_proj", "a_proj", "allow_neg_eigval", "o_norm", "o_proj"),
+        ),
+        _GATED_DELTANET_KERNEL,
+    ),
+    "KimiLinearDeltaAttention": MixerAdapter(
+        kimi_delta_attention_forward,
+        (
+            *("q_proj", "k_proj", "v_proj", "conv1d", "qkv_dim", "head_dim", "num_heads", "forget_gate", "b_proj"),
+            *("g_a_proj", "g_b_proj", "o_norm", "o_proj"),
+        ),
+        "chunk_kimi_delta_attention",
+    ),
+    "GraniteMoeHybridMambaLayer": _MAMBA2,
+    "BambaMixer": _MAMBA2,
+    "FalconH1Mixer": _MAMBA2,
+    "NemotronHMamba2Mixer": _MAMBA2,
+    "Mamba2Mixer": _MAMBA2,
+    "Zamba2MambaMixer": _MAMBA2,
+    "MambaMixer": _MAMBA1,
+    "FalconMambaMixer": _MAMBA1,
+    "JambaMambaMixer": _MAMBA1,
+    "MiniMaxLightningAttention": MixerAdapter(
+        minimax_lightning_attention_forward,
+        (
+            *("qkv_proj", "act_fn", "num_attention_heads", "head_dim", "block_size", "slope_rate", "query_decay"),
+            *("key_decay", "diagonal_decay", "norm", "output_gate", "out_proj"),
+        ),
+    ),
 }
-"""Mixer class name -> the ``forward`` of its adapter."""
+"""Mixer class name -> its adapter."""
 
 
 @functools.cache
 def _adapter_class(cls: type) -> type:
     """The adapter subclass of ``cls`` (made once per class, so every prepared model shares it)."""
-    return type(f"Seqpar{cls.__name__}", (cls,), {"forward": ADAPTERS[cls.__name__], "__module__": __name__})
+    return type(f"Seqpar{cls.__name__}", (cls,), {"forward": ADAPTERS[cls.__name__].forward, "__module__": __name__})
 
 
 def unknown_mixers(mixers: tuple[torch.nn.Module, ...]) -> list[str]:
@@ -68,6 +135,38 @@ def unknown_mixers(mixers: tuple[torch.nn.Module, ...]) -> list[str]:
     """
     names = {type(m).__name__ for m in mixers if not type(m).__name__.startswith("Seqpar")}
     return sorted(n for n in names if n not in ADAPTERS)
+
+
+def _built_class(mixer: torch.nn.Module) -> type:
+    """The transformers class of ``mixer``, adapted or not."""
+    cls = type(mixer)
+    return cls.__mro__[1] if cls.__name__.startswith("Seqpar") and cls.__module__ == __name__ else cls
+
+
+def mismatched_mixers(mixers: tuple[torch.nn.Module, ...]) -> list[str]:
+    """What each adapted mixer class lacks of what its adapter reads (Note [mixer adapters]).
+
+    A transformers version whose mixer renamed or dropped an attribute or its kernel function would otherwise
+    fail inside the first forward (or, worse, run on with a default).
+
+    Args:
+        mixers: token mixers whose classes all have adapters (``unknown_mixers`` is empty).
+
+    Returns:
+        One line per class that lacks something, naming the class and what it lacks; empty when all fit.
+    """
+    found: dict[str, list[str]] = {}
+    for mixer in mixers:
+        cls = _built_class(mixer)
+        adapter = ADAPTERS.get(cls.__name__)
+        if adapter is None or cls.__name__ in found:
+            continue
+        lacks = [name for name in adapter.reads if not hasattr(mixer, name)]
+        module = sys.modules.get(cls.__module__)
+        if adapter.kernel is not None and not callable(getattr(module, adapter.kernel, None)):
+            lacks.append(f"{cls.__module__}.{adapter.kernel}")
+        found[cls.__name__] = lacks
+    return [f"{name} lacks {', '.join(lacks)}" for name, lacks in sorted(found.items()) if lacks]
 
 
 def adapt(mixers: tuple[torch.nn.Module, ...]) -> None:
