@@ -156,8 +156,8 @@ def _exact(rank, world_size):
             for packed in (False, True):
                 if kind in EVERY_LAYOUT or layout == "zigzag" or (layout == "balanced" and packed):
                     _check(rank, world_size, mesh, kind, layout, packed)
-        if world_size == 2:  # the mixers exchange over the whole group whatever the attention does
-            _check(rank, world_size, mesh, kind, "zigzag", True, strategy="ulysses")
+        if world_size > 1:  # the mixers exchange over the whole group whatever the attention does
+            _check(rank, world_size, mesh, kind, "zigzag", True, strategy="ulysses" if world_size == 2 else "allgather")
         if world_size > 1:  # packed documents reordered so that short ones stay whole (Note [placed layout])
             _check(rank, world_size, mesh, kind, "placed", True)
 

@@ -53,12 +53,12 @@ Note [hybrid memory]
       norm (4H), the attention over the ``2 H`` inputs (``4 Hq + 2 Hkv``: the adapted queries add a copy),
       the adapters' rank-r tensors (4r, r without the attention adapters), the MLP's norm, its 4I, the
       projection's input and the Mamba2 norm's input (4H).
-    Under sp > 1 a rank's chunks continue the state of chunks on other ranks (Note [state passing]): the
-    kernel's first run (its final state feeds the exchange), the run that finds ``M`` (gated DeltaNet and
-    KDA: the kernel again with dk-wide zero values, ``G(dk)``; SSD's ``M`` is a decay) and the rerun of the
-    chunk's opening piece from the state that reaches it all keep their tensors, so the busiest rank keeps
-    ``2 G(dv) + G(dk)`` (``2 K(dv) + K(dk)``, ``2 S`` for SSD) where one process keeps one. Packed
-    documents cut the reruns short; the estimate keeps the unpacked, larger count. The convolution of a
+    Under sp > 1 a rank's chunks continue the state of chunks on other ranks (Note [state passing]): a chunk's
+    opening piece runs once and keeps what reads the state that reaches it. The gated delta rule runs it with
+    ``dk`` more value columns, ``G(dv + dk) + Hv dk`` (``K(dv + dk) + Hv dk``; the identity's reads kept); SSD
+    keeps ``S + Hm N + I_m + 4 Hm`` (C repeated to the heads, the read, the decays), Mamba1 ``2 I N`` more (the
+    decays' running product, the decayed state), lightning attention ``h d`` more (the decayed queries). The
+    busiest rank (every chunk opening) is counted; packed documents shorten the opening pieces. The convolution of a
     16-bit model sums in float32: each of its K taps keeps a float32 copy (``K C_conv`` at 4 bytes in place
     of ``C_conv``); the kernels' tensors are counted at 4 bytes (an upper bound: at bf16 some are bf16).
     Counted with saved-tensor hooks on real layers under ``prepare_model`` (float32, one process; the tensors
@@ -146,7 +146,7 @@ def mixer_elements(d: ModelSizes, kind: str, sp: int, b: int) -> tuple[float, fl
     Args:
         d: the model's sizes (a hybrid's, Note [hybrid sizes]).
         kind: "attention" or one of ``seqpar.models.sizes.MIXER_KINDS``.
-        sp: sequence-parallel degree (the state passing's reruns when above 1).
+        sp: sequence-parallel degree (the state passing's opening pieces when above 1).
         b: bytes per element of the model's dtype.
 
     Returns:
@@ -171,22 +171,26 @@ def mixer_elements(d: ModelSizes, kind: str, sp: int, b: int) -> tuple[float, fl
         dv, dk = d.linear_value_head_dim, d.linear_key_head_dim
         around = norms + channels + 6 * d.linear_num_value_heads * dv + 3 * d.linear_num_value_heads
         run = _gdn_kernel if kind == "gated_deltanet" else _kda_kernel
-        kernel = run(d, dv) if sp == 1 else 2 * run(d, dv) + run(d, dk)
+        # sp > 1: the opening run is dv + dk wide, and its reads of the identity stay for the state's term
+        kernel = run(d, dv) if sp == 1 else run(d, dv + dk) + d.linear_num_value_heads * dk
         return around + taps[0], kernel + taps[1]
     if kind == "lightning":  # Note [hybrid memory]: per block of b tokens, k^T, q, the decayed scores, the state
         heads, dim, block = d.num_attention_heads, d.head_dim, d.block_size
         kernel = heads * (2 * dim + block + dim * dim / block)
-        return norms + 12 * d.hidden_size + 1 + taps[0], (1 if sp == 1 else 2) * kernel + taps[1]
+        reads = 0 if sp == 1 else heads * dim  # the decayed queries that read the entering state
+        return norms + 12 * d.hidden_size + 1 + taps[0], kernel + reads + taps[1]
     if kind == "mamba1":  # Note [hybrid memory]: seqpar's sequential scan keeps each step's state
         inner, n, low = d.mamba_d_inner, d.mamba_d_state, d.mamba_dt_rank + 2 * d.mamba_d_state
         around = norms + 6 * inner + low + (low + 3 if d.mamba_dt_norms else 0)
         scan = 3 * inner * n + 3 * inner  # decay, drive, the states; dt and its float32 copies
-        return around + taps[0], (1 if sp == 1 else 2) * scan + taps[1]
+        entering = 0 if sp == 1 else 2 * inner * n  # the decays' running product and the decayed entering state
+        return around + taps[0], scan + entering + taps[1]
     inner, hm = d.mamba_n_heads * d.mamba_d_head, d.mamba_n_heads
     projected = 2 * inner + 2 * d.mamba_n_groups * d.mamba_d_state + hm
     gated = 5 if d.mamba_gated_norm else 2  # the gated norm's tensors, or the plain gate's product
     around = norms + projected + 2 * channels + gated * inner + 3 * hm
-    return around + taps[0], (1 if sp == 1 else 2) * _ssd_kernel(d) + taps[1]
+    entering = 0 if sp == 1 else hm * d.mamba_d_state + inner + 4 * hm  # C per head, the read, the decays
+    return around + taps[0], _ssd_kernel(d) + entering + taps[1]
 
 
 def mlp_elements(d: ModelSizes, kind: str) -> int:

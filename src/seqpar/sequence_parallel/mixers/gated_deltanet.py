@@ -7,20 +7,53 @@ The adapters' ``forward`` (Note [mixer adapters]), with transformers' own chunke
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from seqpar.sequence_parallel.call_context import CallContext, adapter_context
 from seqpar.sequence_parallel.mixers.conv import halo_causal_conv
-from seqpar.sequence_parallel.mixers.scan import chunked_state_scan
+from seqpar.sequence_parallel.mixers.scan import Opening, Recurrence, chunked_state_scan
 
 __all__ = [
+    "delta_rule_opening",
     "kimi_delta_attention_forward",
     "olmo_hybrid_gated_deltanet_forward",
     "qwen3_5_gated_deltanet_forward",
     "qwen3_next_gated_deltanet_forward",
 ]
+
+
+def delta_rule_opening(run: Recurrence, state: tuple[int, int, int]) -> Callable[..., Opening]:
+    """A chunk's opening piece for a gated delta rule kernel, in one call (Note [state passing]).
+
+    The kernel is linear column by column in the values and the initial state, so the values get ``dk`` zero
+    columns and the run starts from ``[0 | I]``: the first ``dv`` columns are the zero-start output and ``S_loc``,
+    the last ``dk`` the reads ``q_t^T A_t`` of the identity and ``M = A_T``.
+
+    Args:
+        run: ``run(q, k, v, g, beta, initial_state)``, the layer's kernel from a given state.
+        state: the state's ``(heads, dk, dv)``.
+
+    Returns:
+        ``opening(q, k, v, g, beta)`` for ``chunked_state_scan``.
+    """
+    heads, dk, dv = state
+
+    def opening(q, k, v, g, beta):
+        eye = torch.eye(dk, device=q.device).expand(1, heads, dk, dk)
+        start = torch.cat([eye.new_zeros(1, heads, dk, dv), eye], dim=-1)  # [1, H, dk, dv + dk]
+        out, last = run(q, k, torch.cat([v, v.new_zeros(*v.shape[:-1], dk)], dim=-1), g, beta, initial_state=start)
+        out, reads = out.split([dv, dk], dim=-1)  # [1, T, H, dv], [1, T, H, dk]: q_t^T A_t
+        local, passes = last.split([dv, dk], dim=-1)  # S_loc [1, H, dk, dv], M [1, H, dk, dk]
+
+        def respond(entering: torch.Tensor) -> torch.Tensor:  # [1, H, dk, dv] -> [1, T, H, dv]
+            return torch.einsum("bthk,bhkv->bthv", reads.float(), entering.float())
+
+        return Opening(out, local, passes, respond)
+
+    return opening
 
 
 def _gated_deltanet(
@@ -50,12 +83,9 @@ def _gated_deltanet(
             q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=True, use_qk_l2norm_in_kernel=True
         )
 
-    def through(q, k, v, g, beta):  # M: the state from the identity with zero values (Note [state passing])
-        eye = torch.eye(self.head_k_dim, device=q.device).expand(1, self.num_v_heads, -1, -1)
-        return run(q, k, v.new_zeros(*v.shape[:-1], self.head_k_dim), g, beta, initial_state=eye)[1]
-
     state = (self.num_v_heads, self.head_k_dim, self.head_v_dim)
-    scanned = chunked_state_scan(run, through, (query, key, value, g, beta), state, ctx.mesh, ctx.layout, ctx.mask)
+    opening = delta_rule_opening(run, state)
+    scanned = chunked_state_scan(run, opening, (query, key, value, g, beta), state, ctx.mesh, ctx.layout, ctx.mask)
     norm, projection = out
     gated = norm(scanned.reshape(-1, scanned.shape[-1]), z.reshape(-1, z.shape[-1])).reshape(z.shape)
     return projection(gated.reshape(gated.shape[0], gated.shape[1], -1))
@@ -161,8 +191,8 @@ def kimi_delta_attention_forward(
     """``KimiLinearDeltaAttention.forward`` (KDA) on this rank's shard, with ``chunk_kimi_delta_attention``.
 
     KDA is the gated delta rule with a decay per key channel, ``S <- (I - beta k k^T) diag(exp(g)) S + beta k v^T``:
-    still affine in the state, so ``M`` is the final state from the identity with zero values (Note [state
-    passing]).
+    still affine in the state, and linear column by column in the values and the state, so a chunk's opening piece
+    is one kernel call as for gated DeltaNet (Note [state passing]).
 
     Args:
         self: the ``KimiLinearDeltaAttention`` (q/k/v projections, ``conv1d``, ``forget_gate``, ``b_proj``, the
@@ -194,11 +224,8 @@ def kimi_delta_attention_forward(
             q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=True, use_qk_l2norm_in_kernel=True
         )
 
-    def through(q, k, v, g, beta):  # M: the state from the identity with zero values (Note [state passing])
-        eye = torch.eye(self.head_dim, device=q.device).expand(1, self.num_heads, -1, -1)
-        return run(q, k, v.new_zeros(*v.shape[:-1], self.head_dim), g, beta, initial_state=eye)[1]
-
     state = (self.num_heads, self.head_dim, self.head_dim)
-    scanned = chunked_state_scan(run, through, (query, key, value, g, beta), state, ctx.mesh, ctx.layout, ctx.mask)
+    opening = delta_rule_opening(run, state)
+    scanned = chunked_state_scan(run, opening, (query, key, value, g, beta), state, ctx.mesh, ctx.layout, ctx.mask)
     gate = self.g_b_proj(self.g_a_proj(hidden_states)).view(shape)
     return self.o_proj(self.o_norm(scanned, gate).reshape(batch, length, -1))

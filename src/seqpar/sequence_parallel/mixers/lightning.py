@@ -13,7 +13,8 @@ Note [lightning blocks]
     same recurrence. seqpar's pieces (a rank's chunk, or its part after a document start) therefore start
     their own blocks at the piece's first token, with the layer's own decay tables, and a piece of ``n`` tokens
     maps the state that enters it to ``lambda^n S_in + S_loc``: ``M = lambda^n I``, of which ``lambda^n``
-    alone travels (``decay_only``, Note [state passing]). Only the rounding differs
+    alone travels (``decay_only``, Note [state passing]), and the state adds ``lambda^(t + 1) q_t S_in`` to the
+    piece's token ``t``. Only the rounding differs
     from one process, whose blocks follow the whole row's grid.
 """
 
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from seqpar.sequence_parallel.call_context import adapter_context
-from seqpar.sequence_parallel.mixers.scan import chunked_state_scan
+from seqpar.sequence_parallel.mixers.scan import Opening, chunked_state_scan
 
 __all__ = ["minimax_lightning_attention_forward"]
 
@@ -90,11 +91,19 @@ def minimax_lightning_attention_forward(
     def run(q, k, v, initial_state):
         return _lightning(self, q, k, v, initial_state)
 
-    def through(q, k, v):  # M = exp(-slope n) I over a piece of n tokens (Note [lightning blocks]): its decay
-        return torch.exp(-self.slope_rate.float() * q.shape[1]).reshape(1, -1, 1, 1)
+    def opening(q, k, v):  # the state decays by exp(-slope) a token (Note [lightning blocks]): M = exp(-slope n) I
+        out, local = _lightning(self, q, k, v, None)
+        steps = torch.arange(1, q.shape[1] + 1, device=q.device)
+        grown = torch.exp(-self.slope_rate.float() * steps[:, None])  # [H, T, 1]: left of the state that entered
+        reads = q.transpose(1, 2).float() * grown  # [1, H, T, d], as the layer reads its state
+
+        def respond(entering):  # [1, H, d, d] -> [1, T, H, d]
+            return torch.matmul(reads, entering.float()).transpose(1, 2)
+
+        return Opening(out, local, grown[None, :, -1:], respond)
 
     state = (self.num_attention_heads, self.head_dim, self.head_dim)
     inputs = (query, key, value)
-    out = chunked_state_scan(run, through, inputs, state, ctx.mesh, ctx.layout, ctx.mask, decay_only=True)
+    out = chunked_state_scan(run, opening, inputs, state, ctx.mesh, ctx.layout, ctx.mask, decay_only=True)
     out = self.norm(out.reshape(batch, length, self.num_attention_heads * self.head_dim))
     return self.out_proj(F.sigmoid(self.output_gate(hidden_states)) * out), None

@@ -6,9 +6,10 @@ Note [Mamba1 state]
     Mamba1's selective scan keeps a state per channel ``d`` and state entry ``n``,
     ``h <- exp(dt_d A_dn) h + dt_d B_n x_d``, read as ``y_d = C . h_d + D_d x_d``. Its decay is one number per
     (channel, entry), so over a piece of tokens ``S_out = M * S_in + S_loc`` elementwise, with
-    ``M = exp(A sum(dt))`` over the piece. seqpar passes it through ``chunked_state_scan`` as
-    ``d_inner * d_state`` heads of a 1 x 1 state (Note [state passing]): ``M`` is that number, the exchange
-    moves two numbers per channel, entry and chunk, and ``M`` needs no run of the scan. transformers' scan
+    ``M = exp(A sum(dt))`` over the piece (the product of its steps' decays). seqpar passes it through
+    ``chunked_state_scan`` as ``d_inner * d_state`` heads of a 1 x 1 state (Note [state passing]): ``M`` is that
+    number, the exchange moves two numbers per channel, entry and chunk, and the state that enters a piece adds
+    ``C_t . (prod_{s <= t} exp(dt_s A) * S_in)`` to token ``t``'s read, so the piece is scanned once. transformers' scan
     (``mamba_selective_scan``) starts from zeros only, so a piece's scan is seqpar's: transformers' sequential
     recurrence in its dtypes (decay and drive in float32, the read in the input's dtype), from the given state.
     It runs a Python step per token, as transformers' torch path does; the fused CUDA scan is not used.
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 from seqpar.sequence_parallel.call_context import CONTEXT_KEY, CallContext, adapter_context
 from seqpar.sequence_parallel.mixers.conv import halo_causal_conv
-from seqpar.sequence_parallel.mixers.scan import chunked_state_scan
+from seqpar.sequence_parallel.mixers.scan import Opening, chunked_state_scan
 
 __all__ = ["mamba1_forward"]
 
@@ -95,13 +96,20 @@ def mamba1_forward(
     decay = torch.exp(decay_rate * dt[..., None])  # [B, L, D, N]
     drive = dt[..., None] * b[:, :, None, :].float() * u[..., None].float()
 
-    def run(decay, drive, c, dt, initial_state):
+    def run(decay, drive, c, initial_state):
         return _scan_piece(decay, drive, c, initial_state, u.dtype)
 
-    def through(decay, drive, c, dt):  # one decay per channel and entry over the piece, exp(A sum(dt))
-        return torch.exp(decay_rate * dt.float().sum(1)[..., None]).reshape(1, -1, 1, 1)
+    def opening(decay, drive, c):  # the state decays by the product of the steps' decays (Note [Mamba1 state])
+        out, local = run(decay, drive, c, initial_state=None)
+        grown = torch.cumprod(decay, dim=1)  # [1, T, D, N]: left at each token of the state that entered
+
+        def respond(entering):  # [1, D * N, 1, 1] -> [1, T, D]
+            kept = grown * entering.reshape(1, 1, *grown.shape[2:])
+            return torch.matmul(kept.to(u.dtype), c[..., None])[..., 0]
+
+        return Opening(out, local, grown[:, -1].reshape(1, -1, 1, 1), respond)
 
     state = (self.intermediate_size * entries, 1, 1)
-    y = chunked_state_scan(run, through, (decay, drive, c, dt), state, ctx.mesh, ctx.layout, ctx.mask)
+    y = chunked_state_scan(run, opening, (decay, drive, c), state, ctx.mesh, ctx.layout, ctx.mask)
     y = (y + u * self.D.float()) * F.silu(gate)
     return self.out_proj(y.to(dtype))

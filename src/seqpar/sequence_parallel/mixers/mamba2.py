@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from seqpar.sequence_parallel.call_context import adapter_context
 from seqpar.sequence_parallel.mixers.conv import halo_causal_conv
-from seqpar.sequence_parallel.mixers.scan import chunked_state_scan
+from seqpar.sequence_parallel.mixers.scan import Opening, chunked_state_scan
 
 __all__ = ["mamba2_forward"]
 
@@ -30,7 +30,7 @@ def mamba2_forward(
 
     The SSD state ``[heads, head_dim, d_state]`` decays by one number per head over a piece, ``exp(A sum(dt))``,
     so ``M`` is that number times the identity, and the number alone travels (``decay_only``, Note [state
-    passing]).
+    passing]); the state that enters a piece adds ``exp(A cumsum(dt)_t) C_t . S_in`` to token ``t``'s output.
 
     Args:
         self: the layer (``in_proj``, ``conv1d``, ``A_log``, ``D``, ``dt_bias``, ``norm``, ``out_proj``).
@@ -69,12 +69,19 @@ def mamba2_forward(
             initial_states=initial_state, dt_limit=self.time_step_limit, return_final_states=True,
         )  # fmt: skip
 
-    def through(x, dt, b, c):  # one decay per head over the piece, exp(A sum(dt)): M is it times the identity
-        steps = torch.clamp(F.softplus(dt + self.dt_bias), min=low, max=high).sum(1)  # [1, heads]
-        return torch.exp(decay * steps)[..., None, None]
+    def opening(x, dt, b, c):  # the state decays by exp(A cumsum(dt)) per head: M is its last value times I
+        out, local = run(x, dt, b, c, initial_state=None)
+        steps = torch.clamp(F.softplus(dt + self.dt_bias), min=low, max=high).float().cumsum(1)  # [1, T, heads]
+        grown = torch.exp(decay * steps)  # [1, T, heads]: what is left at each token of the state that entered
+        reads = c.float().repeat_interleave(self.num_heads // self.n_groups, dim=2)  # [1, T, heads, N]
+
+        def respond(entering):  # [1, heads, head_dim, N] -> [1, T, heads, head_dim]
+            return grown[..., None] * torch.einsum("bthn,bhpn->bthp", reads, entering.float())
+
+        return Opening(out, local, grown[:, -1, :, None, None], respond)
 
     state = (self.num_heads, self.head_dim, self.ssm_state_size)
-    out = chunked_state_scan(run, through, (x, dt, b, c), state, ctx.mesh, ctx.layout, ctx.mask, decay_only=True)
+    out = chunked_state_scan(run, opening, (x, dt, b, c), state, ctx.mesh, ctx.layout, ctx.mask, decay_only=True)
     out = out.reshape(batch, length, -1)
     out = self.norm(out, gate) if getattr(self, "mamba_rms_norm", True) else out * F.silu(gate)
     return self.out_proj(out.to(dtype))

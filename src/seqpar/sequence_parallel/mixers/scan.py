@@ -5,20 +5,33 @@ Each rank runs the model's own chunked kernel on its pieces; one all-gather of p
 Note [state passing]
     A gated DeltaNet layer keeps a state ``S`` (``[heads, dk, dv]``) that every token updates,
     ``S <- exp(g) (I - beta k k^T) S + beta k v^T``, and reads, ``o = S^T q``. The update is affine in the
-    state, so over one chunk of tokens ``S_out = M S_in + S_loc``: ``S_loc`` is the chunk's final state from
-    a zero start, and ``M`` (``[heads, dk, dk]``) is its final state from the identity with zero values, both
-    from transformers' own kernel (``initial_state=`` and ``output_final_state=True``), unmodified. Every rank
-    summarises each of its layout chunks by ``(M, S_loc)`` (sizes independent of the sequence length), one
-    all-gather shares them, every rank composes them in the sequence's chunk order
-    (``S_in(c + 1) = M_c S_in(c) + S_loc_c``, from zero) and reruns the first piece of each of its chunks from
-    the state that reaches it. This works for any layout and any number of ranks, with no head-divisibility
-    limit.
+    state, so over one chunk of tokens ``S_out = M S_in + S_loc``, and each output is its zero-start value plus
+    a term linear in ``S_in``. Every rank summarises each of its layout chunks by ``(M, S_loc)`` (sizes
+    independent of the sequence length), one all-gather shares them, every rank composes them in the sequence's
+    chunk order (``S_in(c + 1) = M_c S_in(c) + S_loc_c``, from zero) and adds to the first piece of each of its
+    chunks the term of the state that reaches it. This works for any layout and any number of ranks, with no
+    head-divisibility limit.
+    Where the pieces come from: each adapter's ``opening`` runs a chunk's first piece once and returns its
+    zero-start output, ``S_loc``, ``M`` and the map from ``S_in`` to the output's term (``Opening``). For the
+    gated delta rule (gated DeltaNet, KDA) that is one call of transformers' own kernel, unmodified, with
+    ``dk`` zero columns appended to the values and the initial state ``[0 | I]``: the kernel is linear column by
+    column, so the first ``dv`` columns are the zero-start run (output, ``S_loc``) and the last ``dk`` the run
+    from the identity with zero values (``q_t^T A_t`` per token, and ``M = A_T``); the term is then
+    ``(q_t^T A_t) S_in``. The value-independent work (the decays, the triangular solve) is done once for both.
+    For SSD, Mamba1 and lightning attention ``M`` is a decay (per head, or per channel and entry) times the
+    identity, and the term is the read-out of the decayed ``S_in``.
     Packed documents: the state restarts at every document start (``SequenceMask.starts``): a chunk is cut
     into pieces there, pieces after the first start from zero, and a chunk holding a start passes on its last
     piece's state alone (``M = 0``). So each document gives what it gives alone, as it must; transformers'
     one process carries the state from one packed document into the next.
     Backward: autograd through the kernel calls and the all-gather, whose backward is a reduce-scatter; every
     rank runs it for every layer, so no rank waits on another that skipped it (Note [symmetric exchange]).
+    Cost: one kernel run per piece, the opening piece's ``dv + dk`` wide for the delta rule, plus a read-out per
+    token of the opening piece; the exchange moves ``(dk + dv) dk`` numbers per head and chunk, and where
+    ``M`` is a decay times the identity (SSD, lightning attention; ``decay_only``), ``1 + dk dv``. A chunk that
+    opens a document (the sequence's first) needs no ``opening``.
+
+Note [symmetric exchange]).
     Cost: the kernel runs about twice per chunk plus once per extra piece (the identity run is ``dk`` wide),
     and the exchange moves ``(dk + dv) dk`` numbers per head and chunk. Where ``M`` is a decay times the
     identity (SSD, lightning attention: one number per head over a piece), ``through`` gives that number alone
@@ -37,6 +50,7 @@ Note [symmetric exchange]
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -45,13 +59,24 @@ from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.masks import SequenceMask
 from seqpar.sequence_parallel.mixers.conv import token_positions
 
-__all__ = ["Recurrence", "chunked_state_scan"]
+__all__ = ["Opening", "Recurrence", "chunked_state_scan"]
 
 Recurrence = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 """``run(*inputs, initial_state)`` on one piece of one row: (output ``[1, T, ...]``, final state ``[1, H, dk, dv]``)."""
-Passage = Callable[..., torch.Tensor]
-"""``through(*inputs)`` on one piece of one row: ``M`` ``[1, H, dk, dk]`` with ``S_out = M S_in + S_loc`` (its
-decay ``[1, H, 1, 1]`` where ``M`` is that times the identity)."""
+
+
+class Opening(NamedTuple):
+    """A chunk's first piece that continues a document, run once (Note [state passing]): what ``opening(*inputs)``
+    returns for one piece of one row."""
+
+    out: torch.Tensor
+    """``[1, T, ...]`` the output from a zero state, as ``run`` gives it."""
+    final: torch.Tensor
+    """``[1, H, dk, dv]`` the state leaving the piece from a zero state (``S_loc``)."""
+    passes: torch.Tensor
+    """``M`` with ``S_out = M S_in + S_loc``: ``[1, H, dk, dk]``, or its decay ``[1, H, 1, 1]`` (``decay_only``)."""
+    respond: Callable[[torch.Tensor], torch.Tensor]
+    """``S_in`` ``[1, H, dk, dv]`` -> the term it adds to ``out``, of ``out``'s shape."""
 
 
 def _pieces(starts: torch.Tensor, first: bool) -> list[tuple[int, int, bool]]:
@@ -62,7 +87,7 @@ def _pieces(starts: torch.Tensor, first: bool) -> list[tuple[int, int, bool]]:
 
 def chunked_state_scan(
     run: Recurrence,
-    through: Passage,
+    opening: Callable[..., Opening],
     inputs: tuple[torch.Tensor, ...],
     state: tuple[int, int, int],
     sp: SequenceParallelMesh,
@@ -73,14 +98,14 @@ def chunked_state_scan(
     """A linear recurrence over the whole sequence, on this rank's chunks (Note [state passing]).
 
     Args:
-        run: the model's chunked kernel, called on one piece of one row at a time.
-        through: what a piece does to the state that enters it (``M``).
+        run: the model's chunked kernel, called on one piece of one row at a time from a zero state.
+        opening: a chunk's first piece when it continues a document from the chunk before (``Opening``).
         inputs: the per-token tensors the kernel takes, each ``[B, L, ...]``, this rank's chunks in ``layout`` order.
         state: the state's ``(heads, dk, dv)``.
         sp: the sequence-parallel mesh.
         layout: the layout of the shards.
         mask: the batch's mask (its ``starts`` restart the state at packed documents).
-        decay_only: ``M`` is a decay per head times the identity, and ``through`` gives the decay alone.
+        decay_only: ``M`` is a decay per head times the identity, and ``opening`` gives the decay alone.
 
     Returns:
         The outputs for this rank's tokens, concatenated along the sequence as ``run`` gives them.
@@ -94,30 +119,32 @@ def chunked_state_scan(
     ids = rank_chunk_ids(layout, sp.sp_size, sp.sp_rank) if sp.sp_size > 1 else (0,)
     index = token_positions(layout, sp, local)
     starts = mask.starts[:, index] == index if mask is not None and mask.starts is not None else None
-    outputs, summaries, first_pieces = [], [], []
+    outputs, passing, final, responses = [], [], [], {}
     for b in range(batch):
-        row_out, row_summary = [], []
+        row_out = []
         for c in range(chunks):
             span = slice(c * size, (c + 1) * size)
             is_start = starts[b, span] if starts is not None else torch.zeros(size, dtype=torch.bool)
             pieces = _pieces(is_start.cpu(), first=ids[c] == 0)
-            outs, final = [], None
-            for a, z, _ in pieces:
+            outs, passes = [], None
+            for a, z, restart in pieces:
                 part = [t[b : b + 1, span][:, a:z] for t in inputs]
-                out, final = run(*part, initial_state=None)
+                if restart:  # a document starts here: nothing enters the piece
+                    out, last = run(*part, initial_state=None)
+                else:  # the chunk's first piece, continuing a document from the chunk before
+                    opened = opening(*part)
+                    out, last, responses[b, c] = opened.out, opened.final, opened.respond
+                    passes = opened.passes if len(pieces) == 1 else None
                 outs.append(out)
-            opening, stop, restart = pieces[0]
-            if len(pieces) == 1 and not restart:  # the state passes through the chunk
-                passes = through(*[t[b : b + 1, span][:, opening:stop] for t in inputs])
-            else:  # a document starts in the chunk: what leaves it is its last piece's own state
+            if passes is None:  # a document starts in the chunk: what leaves it is its last piece's own state
                 passes = torch.zeros(1, heads, width, width, dtype=torch.float32, device=device)
-            row_summary.append((passes, final))
+            passing.append(passes)
+            final.append(last)
             row_out.append(outs)
-            first_pieces.append((b, c, restart, stop))
         outputs.append(row_out)
-        summaries.append(row_summary)
-    passing = torch.stack([torch.cat([s[c][0] for s in summaries]) for c in range(chunks)])  # [chunks, B, H, m, m]
-    final = torch.stack([torch.cat([s[c][1] for s in summaries]) for c in range(chunks)])  # [chunks, B, H, dk, dv]
+    # [chunks, B, H, m, m] and [chunks, B, H, dk, dv], from the (row, chunk) lists
+    passing = torch.stack([torch.cat(passing[c::chunks]) for c in range(chunks)])
+    final = torch.stack([torch.cat(final[c::chunks]) for c in range(chunks)])
     flat = (passing.flatten(-2), final.to(passing.dtype).flatten(-2))
     summaries = torch.cat(flat, dim=-1)  # one exchange (Note [symmetric exchange])
     every = gather_sequence(summaries, sp, dim=0, layout=layout) if sp.sp_size > 1 else summaries  # chunk order
@@ -127,19 +154,10 @@ def chunked_state_scan(
     for passes, final_state in zip(every_through, every_final, strict=True):  # S_in(c + 1) = M_c S_in(c) + S_loc_c
         incoming.append(entering)
         entering = (passes * entering if decay_only else passes @ entering) + final_state
-    rows = []
-    for b in range(batch):
-        pieces_out = []
-        for c in range(chunks):
-            outs = list(outputs[b][c])
-            _, _, restart, stop = first_pieces[b * chunks + c]
-            if not restart:  # the opening piece continues a document from the chunk before
-                span = slice(c * size, (c + 1) * size)
-                part = [t[b : b + 1, span][:, :stop] for t in inputs]
-                outs[0], _ = run(*part, initial_state=incoming[ids[c]][b : b + 1])
-            pieces_out.append(torch.cat(outs, dim=1))
-        rows.append(torch.cat(pieces_out, dim=1))
-    out = torch.cat(rows, dim=0)
+    for (b, c), respond in responses.items():  # the opening piece's term of the state that reaches it
+        first = outputs[b][c][0]
+        outputs[b][c][0] = (first + respond(incoming[ids[c]][b : b + 1])).to(first.dtype)
+    out = torch.cat([torch.cat([torch.cat(outs, dim=1) for outs in row], dim=1) for row in outputs], dim=0)
     if sp.sp_size > 1:  # Note [symmetric exchange]: the gathered summaries reach the output on every rank
         out = out + 0.0 * every.sum().to(out.dtype)
     return out
