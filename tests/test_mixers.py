@@ -390,7 +390,66 @@ def _bad_input(rank, world_size):
         register_family(entry)
 
 
-_PARTS = {"exact": _exact, "composition": _composition, "adamw": _adamw, "control": _control, "bad-input": _bad_input}
+LORA_TARGETS = {
+    "lfm2": ["in_proj", "out_proj"],
+    "qwen3_next": ["in_proj_qkvz", "in_proj_ba", "out_proj"],
+    "granitemoehybrid": ["in_proj", "out_proj"],
+    "kimi_linear": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "mamba": ["in_proj", "x_proj"],  # PEFT refuses Mamba's out_proj (the fused CUDA path reads its weight)
+    "minimax": ["qkv_proj", "output_gate", "out_proj"],
+}
+"""The projections LoRA adapts in each family of ``EVERY_LAYOUT``: its mixer's own (attention's where the names are
+shared)."""
+
+
+def _lora(rank, world_size):
+    """PEFT LoRA on the mixers' projections (the adapted class keeps the module tree, so the adapters wrap the
+    layers the adapted ``forward`` calls): one family per adapter, a packed row, logits and every LoRA gradient
+    as one process's with the same adapters (within the bounds and float64 fallback of ``_check``)."""
+    from peft import LoraConfig, get_peft_model
+
+    mesh = seqpar.make_mesh()
+    ids, positions = _ids(1, 3), torch.cat([torch.arange(n) for n in DOCUMENTS])[None]
+    idx = shard_index("zigzag", world_size, rank, SEQ)
+    for kind in EVERY_LAYOUT:
+        # PEFT's own entry point: the wrapper's base model is the model itself, adapters injected, the rest frozen
+        lora = LoraConfig(r=4, lora_alpha=4, target_modules=LORA_TARGETS[kind])
+        ref = get_peft_model(_model(kind), lora).base_model.model
+        gen = torch.Generator().manual_seed(5)
+        with torch.no_grad():  # lora_B starts at zero: give it values, so that lora_A's gradient is not zero
+            for name, p in ref.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+        exact, model = _float64(copy.deepcopy(ref)), seqpar.prepare_model(copy.deepcopy(ref), mesh, strategy="ring")
+        want, _ = _one_process(ref, ids, packed=True)
+        truth, _ = _one_process(exact, ids, packed=True)
+        shard = seqpar.shard_batch({"input_ids": ids, "position_ids": positions}, mesh)
+        logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+        seqpar.cross_entropy(logits, shard["shift_labels"], mesh).backward()
+        seqpar.reduce_gradients(model.parameters(), mesh)
+        pairs = [("logits", logits.detach(), want[:, idx], truth[:, idx], LOGITS_RTOL * float(want.abs().max()))]
+        every = zip(model.named_parameters(), ref.parameters(), exact.parameters(), strict=True)
+        trained = [(n, p.grad, q.grad, e.grad) for (n, p), q, e in every if p.requires_grad]
+        mixers = tuple(f"{anatomy(model).name(m)}." for m in anatomy(model).mixers)
+        assert all("lora_" in n for n, *_ in trained) and any(n.startswith(mixers) for n, *_ in trained), kind
+        pairs += [(n, found, one, ex, GRAD_RTOL * float(one.abs().max())) for n, found, one, ex in trained]
+        for name, found, one, ex, bound in pairs:
+            if float((found - one).abs().max()) > bound:  # past fp32's bound: seqpar no further from float64
+                own = float((one.double() - ex).abs().max())
+                atol = FLOOR_FACTOR * own + 1e-8
+                torch.testing.assert_close(
+                    found.double(), ex, atol=atol, rtol=0, msg=lambda m, w=(kind, name): f"{w}: {m}"
+                )
+
+
+_PARTS = {
+    "lora": _lora,
+    "exact": _exact,
+    "composition": _composition,
+    "adamw": _adamw,
+    "control": _control,
+    "bad-input": _bad_input,
+}
 
 
 def _worker(rank, world_size, part):
@@ -398,7 +457,7 @@ def _worker(rank, world_size, part):
 
 
 CASES = [(1, "exact"), (2, "exact"), (3, "exact"), (2, "composition"), (4, "composition"), (3, "adamw")]
-CASES += [(2, "control"), (2, "bad-input")]
+CASES += [(2, "control"), (2, "bad-input"), (2, "lora")]
 
 
 @pytest.mark.parametrize(
