@@ -229,7 +229,14 @@ def video_dit_table(records: list[dict]) -> str:
     return tables.with_runs("video_dit_cpu", records, [*header, "est / measured", "step (s)", "vs it"], cells)
 
 
-MIXER_NAMES = {"gated_deltanet": "gated DeltaNet", "mamba2": "Mamba2 (SSD)", "kda": "KDA", "short_conv": "short conv"}
+MIXER_NAMES = {
+    "gated_deltanet": "gated DeltaNet",
+    "mamba2": "Mamba2 (SSD)",
+    "kda": "KDA",
+    "short_conv": "short conv",
+    "mamba1": "Mamba1",
+    "lightning": "lightning attention",
+}
 
 
 def mixers_table(records: list[dict]) -> str:

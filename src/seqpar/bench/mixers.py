@@ -2,11 +2,12 @@
 
 Run::
 
-    seqpar bench mixers                           # four mixers, 8192 tokens, sp 2 and 4
+    seqpar bench mixers                           # six mixers, 8192 tokens, sp 2 and 4
     seqpar bench mixers --mixers mamba2 --seq 16384 --sp 2 --json mixers_cpu.json
 
 Each mixer and degree runs in fresh spawned ranks (one thread each). The layers are transformers' own, built from a
-config: Qwen3-Next's gated DeltaNet, Mamba2's SSD mixer, Kimi Linear's KDA and LFM2's short convolution. On every
+config: Qwen3-Next's gated DeltaNet, Mamba2's SSD mixer, Kimi Linear's KDA, LFM2's short convolution, Mamba's
+Mamba1 mixer and MiniMax's lightning attention. On every
 rank the layer runs forward and backward on its zigzag shard twice, taking turns: adapted (the halo convolution
 and the state passing, Note [state passing]: exact) and as the model's own layer on the shard alone (what a rank
 computes when nothing is exchanged: wrong, the local cost only). Bytes are what the rank wrote to its sockets
@@ -32,7 +33,7 @@ from seqpar.bench import save_records
 
 __all__ = ["main"]
 
-MIXERS = ("gated_deltanet", "mamba2", "kda", "short_conv")
+MIXERS = ("gated_deltanet", "mamba2", "kda", "short_conv", "mamba1", "lightning")
 """The mixers benchmarked, by their kind in ``seqpar.models.sizes.MIXER_KINDS``."""
 
 
@@ -74,6 +75,19 @@ def _config(mixer: str, cfg: dict):
             bos_token_id=1,
             eos_token_id=2,
         )
+    if mixer == "mamba1":  # d_inner = 2 x hidden, Mamba's default expansion
+        return transformers.MambaConfig(**common, state_size=cfg["mamba1_state"], expand=2, conv_kernel=4)
+    if mixer == "lightning":  # MiniMax's lightning attention: heads of head_dim, blocks of 256 tokens
+        return transformers.MiniMaxConfig(
+            **common,
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            head_dim=dim,
+            layer_types=["linear_attention"],
+            block_size=256,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+        )
     return transformers.Lfm2Config(
         **common, num_attention_heads=4, num_key_value_heads=2, layer_types=["conv"], conv_L_cache=3
     )
@@ -85,8 +99,9 @@ def _layer(mixer: str, cfg: dict) -> torch.nn.Module:
 
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(_config(mixer, cfg)).float()
-    layer = (model.backbone if mixer == "mamba2" else model.model).layers[0]
-    return getattr(layer, {"gated_deltanet": "linear_attn", "mamba2": "mixer", "kda": "self_attn"}.get(mixer, "conv"))
+    layer = (model.backbone if mixer in ("mamba2", "mamba1") else model.model).layers[0]
+    names = {"gated_deltanet": "linear_attn", "mamba2": "mixer", "mamba1": "mixer", "kda": "self_attn"}
+    return getattr(layer, names.get(mixer, "self_attn" if mixer == "lightning" else "conv"))
 
 
 def _all_to_all_elements(mixer: str, d) -> int:
@@ -99,6 +114,10 @@ def _all_to_all_elements(mixer: str, d) -> int:
         return 2 * inner + 2 * d.mamba_n_groups * d.mamba_d_state + d.mamba_n_heads
     if mixer == "kda":  # q, k, v, the decay per channel and beta in; the output back
         return 5 * d.linear_num_value_heads * d.linear_key_head_dim + d.linear_num_value_heads
+    if mixer == "mamba1":  # channels split: x and dt in, B and C (shared by every channel) whole, y back
+        return 3 * d.mamba_d_inner + 2 * d.mamba_d_state
+    if mixer == "lightning":  # q, k and v in; the output back
+        return 4 * d.num_attention_heads * d.head_dim
     return 2 * d.hidden_size  # the gated input's channels in, the convolution's output back
 
 
@@ -140,7 +159,10 @@ def _worker(rank: int, world_size: int, cfg: dict, out: str) -> None:
             dist.barrier()
             before, start = written_bytes(), time.perf_counter()
             kwargs = {CONTEXT_KEY: ctx} if name == "adapted" else {}
-            layer(shard, **kwargs).square().mean().backward()
+            if cfg["mixer"] == "lightning":  # its layer takes these (no rotary, no mask) and returns its state too
+                kwargs.update(position_embeddings=None, attention_mask=None)
+            result = layer(shard, **kwargs)
+            (result[0] if isinstance(result, tuple) else result).square().mean().backward()
             elapsed = time.perf_counter() - start
             if round_:
                 times[name].append(elapsed)
@@ -170,12 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--value-heads", type=int, default=8, help="gated DeltaNet's value heads, KDA's heads")
     parser.add_argument("--head-dim", type=int, default=64, help="every mixer's head width")
     parser.add_argument("--state", type=int, default=64, help="Mamba2's state size")
+    parser.add_argument("--mamba1-state", type=int, default=16, help="Mamba1's state size")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", metavar="FILE", help="write one record per mixer and degree here")
     args = parser.parse_args(argv)
     from seqpar.runtime.spawn import spawn_ranks
 
-    names = ("seq", "hidden", "key_heads", "value_heads", "head_dim", "state", "rounds")
+    names = ("seq", "hidden", "key_heads", "value_heads", "head_dim", "state", "mamba1_state", "rounds")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for mixer in args.mixers:
@@ -187,8 +210,9 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append({**cfg, "sp": sp, **json.load(f), **_volumes(mixer, cfg, sp)})
     print(
         f"one mixer layer (hidden {args.hidden}; gated DeltaNet {args.key_heads} key / {args.value_heads} value heads, "
-        f"KDA {args.value_heads} heads, Mamba2 {2 * args.hidden // args.head_dim} heads, all of {args.head_dim}; "
-        f"Mamba2 state {args.state}), {args.seq} tokens, zigzag, fp32, fwd+bwd, medians of {args.rounds}"
+        f"KDA and lightning {args.value_heads} heads, Mamba2 {2 * args.hidden // args.head_dim} heads, all of "
+        f"{args.head_dim}; Mamba2 state {args.state}; Mamba1 {2 * args.hidden} channels, state {args.mamba1_state}), "
+        f"{args.seq} tokens, zigzag, fp32, fwd+bwd, medians of {args.rounds}"
     )
     print("| mixer | sp | bytes sent (measured, gloo) | analytical on gloo | analytical (NCCL) | head-parallel "
           "all-to-all | all-to-all / exchange | adapted step (s) | shard alone (s) | adapted / alone |")  # fmt: skip
