@@ -242,9 +242,10 @@ def _adamw(rank, world_size):
     ``FLOOR_FACTOR`` times the rounding floor: the largest such gap, over the model's tensors, of two fp32 processes
     that sum in different orders (one process, and ``_rounding_twin``). Adam moves every entry by about lr whatever
     its gradient's size, so rounding in a tiny gradient becomes a step: one fp32 process is itself up to 1.6e-4 of a
-    tensor's largest entry from the float64 model (Mamba2's second convolution bias, where seqpar is 2.2e-6 from
-    it), so a comparison with one fp32 process alone would measure that process's rounding. Measured at P = 3
-    (seqpar's largest gap / the floor): from 0.17 (Mamba2) to 1.71 (Qwen3-Next) times the floor."""
+    tensor's largest entry from the float64 model (Mamba2's second convolution bias, one of whose gradient entries
+    is 4e-7 of the largest 5.6e-2, near Adam's eps), so a comparison with one fp32 process alone would measure that
+    process's rounding. Measured at P = 3 (seqpar's largest gap / the floor): from 0.32 (LFM2) to 2.49 (Mamba2, the
+    same bias: its gradient there 2.3e-9 from float64's, one process's 1e-9)."""
     mesh = seqpar.make_mesh()
     for kind in KINDS:
         ref = _model(kind).train()
