@@ -359,6 +359,9 @@ def _bad_input(rank, world_size):
     video = sample("qwen2_5_vl")
     late = dict(video, second_per_grid_ts=video["second_per_grid_ts"] * (1 + rank))  # other video timing on rank 1
     _raises("passed other rows than rank 0", lambda: timed(**late))
+    drifted = seqpar.prepare_model(build("qwen2_vl"), mesh)
+    drifted.config.text_config.rms_norm_eps *= 1 + rank  # rank 1's model built from another config
+    _raises("models have different configs", lambda: drifted(**batch))
     sharded = dict(batch, input_ids=shard["input_ids"], attention_mask=None, mm_token_type_ids=None)
     _raises("passed other rows than rank 0", lambda: qwen(**sharded))
     _raises("position_ids must cover the whole row", lambda: qwen(**batch, position_ids=shard["position_ids"]))

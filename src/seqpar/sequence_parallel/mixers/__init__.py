@@ -133,8 +133,7 @@ def unknown_mixers(mixers: tuple[torch.nn.Module, ...]) -> list[str]:
     Returns:
         The names, sorted, each once.
     """
-    names = {type(m).__name__ for m in mixers if not type(m).__name__.startswith("Seqpar")}
-    return sorted(n for n in names if n not in ADAPTERS)
+    return sorted({_built_class(m).__name__ for m in mixers} - ADAPTERS.keys())
 
 
 def _built_class(mixer: torch.nn.Module) -> type:

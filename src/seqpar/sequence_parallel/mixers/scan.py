@@ -31,12 +31,6 @@ Note [state passing]
     ``M`` is a decay times the identity (SSD, lightning attention; ``decay_only``), ``1 + dk dv``. A chunk that
     opens a document (the sequence's first) needs no ``opening``.
 
-Note [symmetric exchange]).
-    Cost: the kernel runs about twice per chunk plus once per extra piece (the identity run is ``dk`` wide),
-    and the exchange moves ``(dk + dv) dk`` numbers per head and chunk. Where ``M`` is a decay times the
-    identity (SSD, lightning attention: one number per head over a piece), ``through`` gives that number alone
-    (``decay_only``) and the exchange moves ``1 + dk dv`` numbers per head and chunk.
-
 Note [symmetric exchange]
     A collective with autograd must be entered by every rank in the backward as in the forward. A rank whose
     outputs do not depend on the others' (its chunks all start documents, or it holds the first chunk) still
