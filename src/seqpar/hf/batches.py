@@ -10,7 +10,9 @@ Note [one exchange per step]
     ``SeqparInputError`` if so (the messages travel only then), before any collective that could hang;
     (2) the number of valid tokens of the whole step over every data-parallel replica and micro-batch, the
     normaliser of the exact loss (Note [global token normalisation]); (3) whether the ranks of each
-    sequence-parallel group loaded the same rows, which they must (the dataloader shards by replica).
+    sequence-parallel group loaded the same rows, which they must (the dataloader shards by replica). Asked
+    (``per_micro_batch=True``), the rows also carry each micro-batch's count, so that every rank knows each
+    micro-batch's valid tokens over every rank too (Note [micro-batch means]).
 """
 
 from __future__ import annotations
@@ -88,10 +90,13 @@ class StepShards:
     Attributes:
         shards: one ``SequenceShard`` per micro-batch, in order.
         num_valid_tokens: valid (shifted, not ignored) tokens of the whole step over every rank.
+        micro_batch_tokens: the valid tokens of each micro-batch over every rank (``shard_step(...,
+            per_micro_batch=True)``), else None.
     """
 
     shards: list[SequenceShard]
     num_valid_tokens: int
+    micro_batch_tokens: list[int] | None = None
 
 
 def padding_batch(mesh: SequenceParallelMesh, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
@@ -261,6 +266,7 @@ def shard_step(
     group: dist.ProcessGroup | None = None,
     layout: Layout = "zigzag",
     seq_length: int | None = None,
+    per_micro_batch: bool = False,
 ) -> StepShards:
     """Shard the micro-batches of one optimizer step and count its valid tokens over every rank (collective).
 
@@ -275,9 +281,12 @@ def shard_step(
         layout: the layout the prepared model was told ("balanced": each shard carries its own, see
             ``to_shard``).
         seq_length: the width every batch must have, or None for any.
+        per_micro_batch: also count each micro-batch's valid tokens over every rank (``micro_batch_tokens``), in
+            the same exchange; every rank must then pass as many micro-batches (the Trainer's replicas do: Note
+            [epoch ends]).
 
     Returns:
-        The shards and ``num_valid_tokens`` for ``seqpar.cross_entropy``.
+        The shards and ``num_valid_tokens`` for ``seqpar.cross_entropy`` (and ``micro_batch_tokens``).
 
     Raises:
         SeqparInputError: on every rank, when any rank's batch is bad (naming the rank and the problem) or
@@ -288,20 +297,23 @@ def shard_step(
         shards = [to_shard(b, mesh, layout=layout, seq_length=seq_length) for b in batches]
     except SeqparInputError as error:
         message = str(error)
-    count = sum(int((s["shift_labels"] != IGNORE_INDEX).sum()) for s in shards)
+    counts = [int((s["shift_labels"] != IGNORE_INDEX).sum()) for s in shards]
     fingerprint = sum(_fingerprint(b) for b in batches) % (1 << 62)
-    table = _gather_rows([int(message is not None), count, fingerprint, len(batches)], group)
+    # a rank whose batch was refused has no shard: its counts are zeros, so that every row has the same width
+    own = counts + [0] * (len(batches) - len(counts)) if per_micro_batch else []
+    table = _gather_rows([int(message is not None), sum(counts), fingerprint, len(batches), *own], group)
     if any(row[0] for row in table):
         _raise_agreed(message, group)
     if group is not None and mesh.sp_group is not None:
         peers = dist.get_process_group_ranks(mesh.sp_group)
-        seen = {tuple(table[dist.get_group_rank(group, r)][2:]) for r in peers}
+        seen = {tuple(table[dist.get_group_rank(group, r)][2:4]) for r in peers}  # rows loaded, micro-batches
         if len(seen) > 1:
             raise SeqparInputError(
                 f"the ranks {peers} of one sequence-parallel group loaded different batches; every rank of a group "
                 "must get the same rows (shard the dataset by data-parallel replica, e.g. with replica_sampler)"
             )
-    return StepShards(shards, sum(row[1] for row in table))
+    totals = [sum(row[4 + k] for row in table) for k in range(len(own))] if per_micro_batch else None
+    return StepShards(shards, sum(row[1] for row in table), totals)
 
 
 def replica_of(mesh: SequenceParallelMesh) -> tuple[int, int]:

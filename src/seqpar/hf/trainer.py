@@ -15,6 +15,18 @@ Note [exact loss under the Trainer]
     by the accumulation steps again (``loss_is_scaled_for_ga = True``). The Trainer logs the mean over
     processes of the summed micro-batch losses, i.e. their sum over processes / W: the step's token-mean loss,
     as one process computes it.
+
+Note [micro-batch means]
+    A model that takes no ``num_items_in_batch`` (``accepts_loss_kwargs = False``: Qwen2.5-VL, Qwen3-VL, GLM-4V ...;
+    or a forward without ``**kwargs``) is trained differently by one process's Trainer: it computes each
+    micro-batch's own token-mean loss and divides it by the step's micro-batches, so a step's loss is the mean of
+    its micro-batches' means, not the token mean of the step (the two differ as soon as the micro-batches hold
+    different numbers of valid tokens). The mixin reads that from the Trainer (``model_accepts_loss_kwargs`` as the
+    Trainer set it for the model) before it overrides it, and then normalises each micro-batch by its own valid
+    tokens over every rank (every replica's rows of that micro-batch: one process loads them all as one micro-batch,
+    Note [epoch ends]), counted in the step's one exchange (``shard_step(..., per_micro_batch=True)``), and divides
+    by the step's micro-batches, its router loss included, as one process divides the model's whole loss. With one
+    micro-batch a step the two rules give the same number.
 """
 
 from __future__ import annotations
@@ -52,6 +64,10 @@ from seqpar.sequence_parallel.prepare import LAYOUT_KEYWORD
 __all__ = ["SequenceParallelMixin", "SequenceParallelTrainer", "build_mesh"]
 
 _log = logging.getLogger("seqpar")
+
+MICRO_BATCH_TOKENS = "seqpar_micro_batch_tokens"
+"""Key of a training ``SequenceShard``: its micro-batch's valid tokens over every rank, the normaliser of its loss
+for a model that takes no ``num_items_in_batch`` (Note [micro-batch means])."""
 
 
 def build_mesh(config: SequenceParallelConfig) -> SequenceParallelMesh:
@@ -201,6 +217,8 @@ class SequenceParallelMixin(EvaluationMixin):
                 "restart at 0: pass return_position_ids=True (and keep position_ids_start=0)"
             )
         self.sequence_parallel = config
+        # Note [micro-batch means]: what the Trainer decided for this model (compute_loss_func is refused above)
+        self.sp_micro_batch_means = not self.model_accepts_loss_kwargs
         # transformers versions without loss_is_scaled_for_ga read this to leave the loss undivided
         self.model_accepts_loss_kwargs = True
         self.sp_mesh = build_mesh(config)
@@ -247,6 +265,9 @@ class SequenceParallelMixin(EvaluationMixin):
             except StopIteration:
                 break
         step = self.shard_batches(batches)
+        if step.micro_batch_tokens is not None:  # each micro-batch its own mean (Note [micro-batch means])
+            for shard, tokens in zip(step.shards, step.micro_batch_tokens, strict=True):
+                shard[MICRO_BATCH_TOKENS] = tokens
         return step.shards, step.num_valid_tokens
 
     def shard_batches(self, batches: list) -> StepShards:
@@ -263,7 +284,12 @@ class SequenceParallelMixin(EvaluationMixin):
         """
         config = self.sequence_parallel
         step = shard_step(
-            batches, self.sp_mesh, group=self._world_group(), layout=config.layout, seq_length=config.seq_length
+            batches,
+            self.sp_mesh,
+            group=self._world_group(),
+            layout=config.layout,
+            seq_length=config.seq_length,
+            per_micro_batch=self.sp_micro_batch_means,
         )
         for shard, batch in zip(step.shards, batches):
             shard[WIDTH] = int(batch["input_ids"].shape[1])  # the NEFTune noise's width (Note [NEFTune over shards])
@@ -308,11 +334,17 @@ class SequenceParallelMixin(EvaluationMixin):
         with self.embedding_noise(model, inputs):
             outputs = model(**model_inputs(inputs))  # with the batch's own layout under "balanced"
         total = int(num_items_in_batch) if num_items_in_batch is not None else None
+        own = inputs.get(MICRO_BATCH_TOKENS)
+        if own is not None:  # the micro-batch's mean over the step's micro-batches (Note [micro-batch means])
+            total, steps, num_items_in_batch = int(own), self.current_gradient_accumulation_steps, None
         smoothing = self.label_smoother.epsilon if self.label_smoother is not None else 0.0
         loss = cross_entropy(  # Note [label smoothing per token]
             outputs.logits, inputs["shift_labels"], num_valid_tokens=total, label_smoothing=smoothing
         )
+        # without num_items_in_batch a router loss is the micro-batch's whole one, divided by the steps below
         loss = loss + self.router_loss(outputs, inputs, num_items_in_batch)
+        if own is not None:
+            loss = loss / steps
         loss = loss * self.accelerator.num_processes  # DDP / FSDP2 average over every process
         return (loss, outputs) if return_outputs else loss
 

@@ -20,7 +20,8 @@ Note [router loss under the Trainer]
     load-balancing loss to each micro-batch's loss in one process, over the micro-batch's tokens (every
     replica's rows: one process loads them all) that its attention mask counts; the Trainer does not
     divide it by the accumulation steps (the model takes ``num_items_in_batch``), so a step's loss is its
-    token-mean cross-entropy plus the coefficient times the *sum* of its micro-batches' router losses.
+    token-mean cross-entropy plus the coefficient times the *sum* of its micro-batches' router losses (a
+    model that takes no ``num_items_in_batch`` has its whole loss divided instead: Note [micro-batch means]).
     ``SequenceParallelMixin.compute_loss`` adds each rank's exact share over every process (Note [exact
     router loss]) to its cross-entropy share before the x W scaling: the wrapper's average sums both, and
     the logged loss is one process's. TRL's SFTTrainer divides each micro-batch's router loss by the
