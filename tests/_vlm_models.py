@@ -45,6 +45,10 @@ _LINEAR = dict(
     linear_value_head_dim=8,
     linear_conv_kernel_dim=4,
 )  # Qwen3.5's gated DeltaNet layers
+QWEN_PATCH2 = "qwen2_5_vl_patch2"
+"""Qwen2.5-VL's variant at patch 2 (merge 2, temporal patch 2), mRoPE sections [1, 1, 2], vision windows of 8
+pixels: images of 8 x 8 and 8 x 16 pixels (grids [1, 4, 4] and [1, 4, 8]); its collator ignores the vision
+markers' labels too and passes no token types. Not in FAMILIES (a model type's variant, for the Trainer cases)."""
 _PINPOINTS = [[16, 16], [16, 32], [32, 16]]  # LLaVA's "anyres" grids: an image becomes 1-2 crops and a thumbnail
 
 
@@ -63,6 +67,10 @@ def _qwen_vision(family: str) -> dict:
 def config(family: str) -> transformers.PretrainedConfig:
     """The family's tiny config: 2 text layers (GQA 4/2 heads), a 2-block vision tower."""
     ids = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
+    if family == QWEN_PATCH2:
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}
+        vision = dict(_qwen_vision("qwen2_5_vl"), patch_size=2, window_size=8)
+        return transformers.Qwen2_5_VLConfig(text_config=dict(_TEXT, rope_parameters=rope), vision_config=vision, **ids)
     if family.startswith("qwen"):
         rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
         qwen3 = family not in ("qwen2_vl", "qwen2_5_vl")
@@ -299,19 +307,23 @@ def _other_rows(family: str, seed: int, rng: np.random.Generator) -> tuple[list[
 
 def examples(family: str, count: int, seed: int) -> list[dict[str, object]]:
     """``count`` one-row samples of ``family`` for a dataset: token ids, the row's pixels (and grids), one or two
-    images of different sizes between text runs of random lengths, as a processor makes them."""
+    images of different sizes between text runs of random lengths, as a processor makes them (``QWEN_PATCH2``:
+    two images in the even rows, one in the odd ones)."""
     rng = np.random.default_rng(seed)
     rows = []
     for i in range(count):
         n_images = int(rng.integers(1, 3))
+        if family == QWEN_PATCH2:  # every batch of two rows holds a row of one image and a row of two
+            n_images = 2 - i % 2
         texts = [int(t) for t in rng.integers(2, 8, n_images + 1)]
         if family.startswith("qwen"):
             from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+            patch = 2 if family == QWEN_PATCH2 else 4
             processor = Qwen2VLImageProcessorPil(
-                patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=8 * 8, max_pixels=32 * 32
+                patch_size=patch, merge_size=2, temporal_patch_size=2, min_pixels=8 * 8, max_pixels=32 * 32
             )
-            choices = [(16, 24), (16, 16), (8, 16), (24, 16)]
+            choices = [(8, 8), (8, 16)] if family == QWEN_PATCH2 else [(16, 24), (16, 16), (8, 16), (24, 16)]
             sizes = [choices[int(k)] for k in rng.integers(0, len(choices), n_images)]
             pixels = processor(images=_images(sizes, seed * 1000 + i), return_tensors="pt")
             runs = (pixels["image_grid_thw"].prod(-1) // 4).tolist()
@@ -330,17 +342,20 @@ def examples(family: str, count: int, seed: int) -> list[dict[str, object]]:
 
 def collator(family: str):
     """A multimodal collator for ``examples``: right-padded rows, the rows' pixels (and grids) in row order, the
-    family's token types, and labels with padding and image placeholders ignored."""
+    family's token types, and labels with padding and image placeholders ignored (``QWEN_PATCH2``: the vision
+    markers' too, and no token types)."""
+    ignored = (IMAGE, START, END) if family == QWEN_PATCH2 else (IMAGE,)
 
     def collate(features: list[dict[str, object]]) -> dict[str, torch.Tensor]:
         width = max(len(f["input_ids"]) for f in features)
         ids = torch.tensor([f["input_ids"] + [0] * (width - len(f["input_ids"])) for f in features])
         mask = torch.tensor([[1] * len(f["input_ids"]) + [0] * (width - len(f["input_ids"])) for f in features])
-        labels = ids.masked_fill(mask == 0, -100).masked_fill(ids == IMAGE, -100)
+        labels = ids.masked_fill(mask == 0, -100).masked_fill(torch.isin(ids, torch.tensor(ignored)), -100)
         batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
         batch["pixel_values"] = torch.cat([f["pixel_values"] for f in features])
         if family.startswith("qwen"):
             batch["image_grid_thw"] = torch.cat([f["image_grid_thw"] for f in features])
+        if family.startswith("qwen") and family != QWEN_PATCH2:
             batch["mm_token_type_ids"] = (ids == IMAGE).int()
         if family == "gemma3":
             batch["token_type_ids"] = (ids == IMAGE).long()

@@ -409,16 +409,35 @@ def test_hybrid_models_through_the_trainer(request, name):
     assert found["setup"]["fsdp2"] == CASES[name].fsdp
 
 
-@pytest.mark.parametrize("name", ["vlm_sp2", "vlm_gemma3_dp2_sp2"])
+VLM_CASES = ["vlm_sp2", "vlm_gemma3_dp2_sp2", *(f"vlm_qwen_patch2_{s}" for s in ("sp2", "sp3_ring", "dp2_sp2"))]
+
+
+@pytest.mark.parametrize("name", VLM_CASES)
 def test_vision_language_trainer_equals_one_process(request, name):
     """A multimodal collator's batches (pixels, grids, token types; 1-2 images of different sizes per row) train a
     vision-language model through the Trainer door over 2 epochs as one process does: every step's loss and
-    grad_norm, the evaluation loss and every parameter, the vision tower's included (Note [whole-row calls])."""
+    grad_norm, the evaluation loss and every parameter, the vision tower's included (Note [whole-row calls]).
+    The ``vlm_qwen_patch2`` cases (4 epochs) accumulate two micro-batches a step, which Qwen2.5-VL's one-process
+    Trainer averages as their own means (Note [micro-batch means])."""
     root = request.getfixturevalue("two_ranks" if CASES[name].world == 2 else "more_ranks")
     found = _compare(root, name)
     want = _load(root / "reference" / f"{name}.pt")
     assert any(n.startswith("model.visual.") or "vision_tower" in n for n in want["params"])
     assert found["setup"]["wrapper"] == "DistributedDataParallel"
+
+
+def test_step_counts_each_micro_batch():
+    """``shard_step(per_micro_batch=True)`` also counts each micro-batch's valid (shifted) tokens, the normaliser
+    of a model that takes no ``num_items_in_batch`` (Note [micro-batch means]); not asked, it does not."""
+    from seqpar.hf.batches import shard_step
+    from seqpar.mesh import as_sp_mesh
+
+    ids = torch.arange(2, 14).reshape(2, 6)
+    first = {"input_ids": ids, "labels": ids.masked_fill(ids % 3 == 0, -100)}
+    second = {"input_ids": ids[:1], "attention_mask": torch.tensor([[1, 1, 1, 1, 0, 0]])}
+    step = shard_step([first, second], as_sp_mesh(None), per_micro_batch=True)
+    assert step.micro_batch_tokens == [6, 3] and step.num_valid_tokens == 9  # 3 of 5 in each row; 3 of 4 real
+    assert shard_step([first, second], as_sp_mesh(None)).micro_batch_tokens is None
 
 
 @pytest.mark.parametrize("name", ["sft_vlm_sp2", "sft_vlm_dp2_sp2"])

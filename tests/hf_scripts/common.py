@@ -157,12 +157,18 @@ CASES = {
     # the same model FSDP2-sharded over the 2 ranks: the adapted mixers live inside the sharded decoder blocks
     "qwen3_next_sp2_fsdp2": Case(2, kind="qwen3_next", collator="padded", fsdp=True, reference="qwen3_next_sp2"),
     # vision-language models on whole rows (Note [whole-row calls]): 4 samples with 1-2 images of different sizes,
-    # 2 epochs; Qwen2.5-VL's mRoPE from the grids with 2 right-padded rows per batch, Gemma 3's image blocks. One
-    # micro-batch a step: these models take no num_items_in_batch (accepts_loss_kwargs=False), so the one-process
-    # Trainer averages the micro-batches' means, where seqpar divides by the step's tokens (equal for one)
-    # (Qwen2.5-VL under the placed layout: its whole rows placed at the text decoder, seqpar_placement)
+    # 2 epochs; Qwen2.5-VL's mRoPE from the grids with 2 right-padded rows per batch, Gemma 3's image blocks; one
+    # micro-batch a step (Qwen2.5-VL under the placed layout: its whole rows placed at the text decoder,
+    # seqpar_placement)
     "vlm_sp2": Case(2, kind="qwen2_5_vl", collator="vlm", eval_batch=2, extra=ONE_MICRO_BATCH, layout="placed"),
     "vlm_gemma3_dp2_sp2": Case(4, kind="gemma3", collator="vlm", batch=1, extra=ONE_MICRO_BATCH),
+    # two micro-batches a step (of 23 and 18 valid tokens): Qwen2.5-VL takes no num_items_in_batch, so one process
+    # averages the micro-batches' own means, which seqpar then does too (Note [micro-batch means]); patch 2, mRoPE
+    # sections [1, 1, 2], grids [1, 4, 4] and [1, 4, 8], rows of two images and of one, markers' labels ignored
+    "vlm_qwen_patch2_sp2": Case(2, kind="qwen2_5_vl_patch2", collator="vlm", eval_batch=2),
+    "vlm_qwen_patch2_sp3_ring": Case(3, kind="qwen2_5_vl_patch2", sp_size=3, strategy="ring", collator="vlm"),
+    # one row per replica: a micro-batch's mean is over both replicas' rows, as one process loads them together
+    "vlm_qwen_patch2_dp2_sp2": Case(4, kind="qwen2_5_vl_patch2", batch=1, collator="vlm"),
     # TRL's VLM SFT as documented: messages + images, the processor as processing_class (TRL's vision collator),
     # its defaults otherwise (gradient checkpointing on, max_length 1024); at sp 2 two rows a batch, right-padded
     # by TRL's collator, their images at other tokens (per-row image blocks)
