@@ -13,10 +13,20 @@ Note [transformers integration]
     checks exchange one small signature first (Note [agreeing on errors]), so a mistake on one rank
     raises on all of them instead of leaving the others in the all-gather. The model's
     own code, weights and RoPE run unchanged on the local shard with global position ids.
+
+Note [the model's own config]
+    transformers models share the config object they were built from (``from_config`` and ``__init__`` keep
+    it, and many submodules hold it as ``self.config``), and the attention implementation is a field of
+    that config. Setting it in place would switch every other model built from the same object (a
+    one-process reference, a DPO reference model) to seqpar's attention, which then raises for want of its
+    context. So ``prepare_model`` first gives the model a deep copy: every module attribute that is the old
+    config, or one of its sub-configs, is pointed at the copy's counterpart, and only the copy is changed.
+    The caller's config stays as it was; ``model.config`` is the copy (``save_pretrained`` writes it).
 """
 
 from __future__ import annotations
 
+import copy
 import zlib
 from dataclasses import dataclass
 
@@ -64,6 +74,7 @@ _HOOK_ATTR = "_seqpar_forward_hook"
 _CHOICE_ATTR = "_seqpar_attention_choices"
 ORIGINAL_ATTENTION_ATTR = "_seqpar_original_attention"  # the implementation the model had before prepare_model
 UNSHARDED_ATTR = "_seqpar_unsharded"  # True while the model runs its own attention on whole sequences
+_OWN_CONFIG_ATTR = "_seqpar_own_config"  # the config copy prepare_model gave the model (Note [the model's own config])
 
 
 def _seqpar_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -309,6 +320,37 @@ def _agree_on_call(
         raise SeqparInputError(" | ".join(problems))
 
 
+def _config_tree(config: object) -> list[object]:
+    """A config and its sub-configs at any depth, each once, in a fixed order (configs are not hashable)."""
+    found: list[object] = []
+    pending = [config]
+    while pending:
+        one = pending.pop(0)
+        if any(one is seen for seen in found):
+            continue
+        found.append(one)
+        pending.extend(s for key in getattr(one, "sub_configs", {}) if (s := getattr(one, key, None)) is not None)
+    return found
+
+
+def _own_config(model: torch.nn.Module) -> None:
+    """Give the model a copy of its config, shared by none of the caller's objects (Note [the model's own config])."""
+    old = model.config
+    if getattr(model, _OWN_CONFIG_ATTR, None) is old:  # prepared before: the copy is the model's already
+        return
+    new = copy.deepcopy(old)
+    # deepcopy keeps the sharing within the config, so the two trees pair up in the same order
+    pairs = {id(a): (a, b) for a, b in zip(_config_tree(old), _config_tree(new), strict=True)}
+    for module in model.modules():
+        for name, value in list(vars(module).items()):
+            pair = pairs.get(id(value))
+            if pair is not None and pair[0] is value:
+                vars(module)[name] = pair[1]  # not a parameter or module: a plain attribute, set as such
+    if model.config is not new:
+        raise SeqparInputError(f"{type(model).__name__} keeps its config where seqpar cannot give it its own copy")
+    setattr(model, _OWN_CONFIG_ATTR, new)
+
+
 def _implementations(config: object, served: ModelAnatomy) -> str | dict:
     """seqpar's attention for the text decoder; a multimodal model's vision tower keeps its own (whole images)."""
     if served.family.vision is None:
@@ -365,7 +407,8 @@ def prepare_model(
             all-gather the features (Note [vision split]); False: every rank encodes every image.
 
     Returns:
-        The same model object.
+        The same model object, with its own copy of its config (the caller's config object is left as it was:
+        other models built from it keep their attention; Note [the model's own config]).
 
     Raises:
         SeqparInputError: a model whose attention seqpar cannot serve (with the reason: an unknown family
@@ -380,6 +423,7 @@ def prepare_model(
     if not isinstance(layout, ChunkLayout):
         named_layout(layout)  # an unknown name raises, listing the registry
     sp = as_sp_mesh(mesh)
+    _own_config(model)  # the caller's config, which other models may share, stays as it was
     if model.config._attn_implementation != ATTENTION_NAME:  # kept for seqpar.integrations.unsharded
         setattr(model, ORIGINAL_ATTENTION_ATTR, model.config._attn_implementation)
     AttentionInterface.register(ATTENTION_NAME, _seqpar_attention)
