@@ -22,7 +22,7 @@ from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask, sequence_
 from seqpar.sequence_parallel.selection import select_strategy
 from seqpar.sequence_parallel.strategies.registry import strategy_row
 
-__all__ = ["AttentionChoice", "attention", "choose_attention"]
+__all__ = ["AttentionChoice", "attention", "attention_and_choice", "choose_attention"]
 
 _log = logging.getLogger("seqpar")
 
@@ -145,6 +145,46 @@ def attention(
     Raises:
         SeqparInputError: bad input on any rank (raised on every rank, before any other collective).
     """
+    return attention_and_choice(
+        q,
+        k,
+        v,
+        mesh=mesh,
+        strategy=strategy,
+        causal=causal,
+        layout=layout,
+        scale=scale,
+        kernel=kernel,
+        check_inputs=check_inputs,
+        window=window,
+        position_ids=position_ids,
+        mask=mask,
+        blocks=blocks,
+        sinks=sinks,
+        softcap=softcap,
+    )[0]
+
+
+def attention_and_choice(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mesh: object = None,
+    strategy: str = "auto",
+    causal: bool = True,
+    layout: Layout = "zigzag",
+    scale: float | None = None,
+    kernel: str | AttentionKernel = "auto",
+    check_inputs: bool = True,
+    window: int | None = None,
+    position_ids: torch.Tensor | None = None,
+    mask: SequenceMask | None = None,
+    blocks: int | Sequence[tuple[int, int]] | Sequence[Sequence[tuple[int, int]]] | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, AttentionChoice]:
+    """``seqpar.attention``'s output and the strategy and kernel that computed it (decided once)."""
     sp = as_sp_mesh(mesh)
     check_attention_inputs(
         q,
@@ -185,7 +225,7 @@ def attention(
     out = strategy_row(choice.strategy).function(
         q, k, v, mesh=sp, layout=layout, causal=causal, scale=scale, kernel=choice.kernel, mask=mask, sinks=sinks
     )
-    return out[..., :value_width] if out.shape[-1] != value_width else out
+    return (out[..., :value_width] if out.shape[-1] != value_width else out), choice
 
 
 def _same_head_width(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:

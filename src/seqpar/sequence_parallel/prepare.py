@@ -27,18 +27,24 @@ Note [the model's own config]
 from __future__ import annotations
 
 import copy
-import zlib
-from dataclasses import dataclass
 
 import torch
 
 from seqpar.errors import SeqparInputError
-from seqpar.layouts.chunks import LAYOUTS, PER_BATCH_LAYOUTS, ChunkLayout, Layout, named_layout
+from seqpar.layouts.chunks import ChunkLayout, Layout, named_layout
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
 from seqpar.models import ModelAnatomy, find_anatomy
-from seqpar.sequence_parallel.api import AttentionChoice, attention, choose_attention
+from seqpar.sequence_parallel.api import AttentionChoice, attention_and_choice
+from seqpar.sequence_parallel.call_checks import (
+    LAYOUT_KEYWORD,
+    PACKING_KEYS,
+    agree_on_call,
+    layout_digest,
+    layout_fault,
+    placeholder_ids,
+)
 from seqpar.sequence_parallel.call_context import CONTEXT_KEY, CallContext
-from seqpar.sequence_parallel.checks import Signature, by_rank, config_digest, config_disagreement, exchange_signatures
+from seqpar.sequence_parallel.checks import config_digest
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask, sequence_mask
 from seqpar.sequence_parallel.mixers import ADAPTERS, adapt, mismatched_mixers, unknown_mixers
 from seqpar.sequence_parallel.strategies.registry import check_strategy_name
@@ -46,7 +52,6 @@ from seqpar.sequence_parallel.vision_split import encode_over_group
 from seqpar.sequence_parallel.whole_rows import (
     PLACEMENT_KEYWORD,
     ROW_KEY,
-    SHARD_REFUSED,
     agree_on_whole_row,
     is_whole_row_call,
     shard_decoder_inputs,
@@ -63,12 +68,6 @@ __all__ = [
 ]
 
 ATTENTION_NAME = "seqpar"
-LAYOUT_KEYWORD = "seqpar_layout"
-"""The model-call keyword that carries a batch's own layout (``shard.layout`` of ``shard_batch``); the
-forward pre-hook takes it out before the model sees its arguments."""
-PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
-"""Keywords that give varlen kernels a whole row's packed documents; seqpar reads the documents of a shard from
-its position ids, so a prepared model's call refuses them (the Trainer doors drop them from their batches)."""
 _CONTEXT_KEY = CONTEXT_KEY
 _HOOK_ATTR = "_seqpar_forward_hook"
 _CHOICE_ATTR = "_seqpar_attention_choices"
@@ -96,7 +95,7 @@ def _seqpar_attention(module, query, key, value, attention_mask, scaling=None, d
     target = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else query.dtype
     query, key, value = (t.to(target) for t in (query, key, value))
     causal, window = bool(getattr(module, "is_causal", True)), kwargs.get("sliding_window")
-    out = attention(
+    out, choice = attention_and_choice(
         query,
         key,
         value,
@@ -111,12 +110,7 @@ def _seqpar_attention(module, query, key, value, attention_mask, scaling=None, d
         sinks=sinks,
         softcap=softcap,
     )
-    # what attention ran, decided by the same function on the same (now checked) inputs and mask
-    mask = ctx.mask if window is None else ctx.mask.with_window(window)
-    options = dict(mesh=ctx.mesh, strategy=ctx.strategy, kernel=ctx.kernel, softcap=softcap, layout=ctx.layout)
-    ctx.choices[getattr(module, "layer_idx", 0)] = choose_attention(
-        query, key, value, mask=mask, causal=causal, **options
-    )
+    ctx.choices[getattr(module, "layer_idx", 0)] = choice
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -186,65 +180,6 @@ def _served(model: torch.nn.Module) -> ModelAnatomy | str:
     return found
 
 
-# One flag of _CallSignature per mistake, with what to do instead.
-_CALL_PROBLEMS = {
-    "positional_args": "call a seqpar-prepared model with keywords: model(input_ids=..., position_ids=...)",
-    "no_position_ids": "a seqpar-prepared model needs position_ids (the global positions of this rank's tokens, "
-    "from seqpar.shard_batch); without them RoPE would use local positions",
-    "labels": "do not pass labels to a seqpar-prepared model: it would shift them again inside its shard; "
-    "compute seqpar.cross_entropy(logits, shard['shift_labels'], mesh) instead",
-    "attention_mask": "seqpar reads documents and padding from position_ids and shift_labels; drop attention_mask "
-    "(shard_batch already masks padding out of the loss)",
-    "use_cache": "seqpar-prepared models train without a KV cache; pass use_cache=False",
-    "packing_keys": f"{' / '.join(PACKING_KEYS)} describe a whole row's packed documents, not this rank's shard: "
-    "drop them, seqpar reads the documents from position_ids (restarting at 0 at each document start)",
-    "no_layout": f"a model prepared with layout='balanced' needs each batch's layout: call it as "
-    f"model(input_ids=..., position_ids=..., {LAYOUT_KEYWORD}=shard.layout) with the shard from seqpar.shard_batch",
-    "bad_layout": f"{LAYOUT_KEYWORD} must be 'contiguous', 'zigzag' or the ChunkLayout of seqpar.shard_batch "
-    f"(shard.layout) for this many ranks",
-    "multimodal_keys": f"{', '.join(SHARD_REFUSED)} belong to a whole-row call of a multimodal model (Note "
-    "[whole-row calls]); on shards each rank would merge or mask a part of a row (a text model ignores them)",
-    "mrope_embeds": "this model numbers image tokens with mRoPE from its whole rows: call it with whole rows "
-    "(input_ids, pixel_values, image_grid_thw; Note [whole-row calls]) or with input_ids shards of text, not "
-    "with inputs_embeds shards (their [B, S] positions would be wrong for any image token in them)",
-    "placeholders": "input_ids hold image or video placeholder tokens but no pixels came with them: call a "
-    "multimodal model with whole rows and their pixel_values (Note [whole-row calls])",
-}
-
-
-def _layout_digest(layout: object) -> int:
-    """A number the ranks compare to agree on one call's layout (0 when none was passed)."""
-    if layout is None:
-        return 0
-    return (layout.digest if isinstance(layout, ChunkLayout) else zlib.crc32(repr(layout).encode())) + 1
-
-
-@dataclass(frozen=True)
-class _CallSignature(Signature):
-    """One model call as the ranks compare it: the mistakes of ``_CALL_PROBLEMS`` and the position ids' shape."""
-
-    positional_args: bool
-    no_position_ids: bool
-    labels: bool
-    attention_mask: bool  # one that masks something out (an all-ones mask is harmless)
-    use_cache: bool
-    packing_keys: bool
-    no_layout: bool
-    bad_layout: bool
-    multimodal_keys: bool
-    mrope_embeds: bool
-    placeholders: bool
-    config_digest: int  # config_digest of the model's config: every rank must have built the same model
-    layout_digest: int  # _layout_digest of the call's layout keyword: every rank must pass the same one
-    positions_ndim: int
-    positions_dims: tuple[int, int]  # the first two sizes, zero-padded
-
-    @property
-    def positions_shape(self) -> list[int]:
-        """The position ids' sizes as far as they were sent (at most two)."""
-        return list(self.positions_dims[: self.positions_ndim])
-
-
 def _vision_encoder(model: torch.nn.Module, served: ModelAnatomy, split_vision: object) -> torch.nn.Module:
     """The module whose ``get_image_features`` the model's forward calls (Note [vision split])."""
     if not isinstance(split_vision, bool):
@@ -254,70 +189,6 @@ def _vision_encoder(model: torch.nn.Module, served: ModelAnatomy, split_vision: 
     except AttributeError:  # a bare multimodal model, without a head
         return model
     return inner if hasattr(inner, "get_image_features") else model
-
-
-def _placeholder_ids(config: object) -> list[int]:
-    """The image and video placeholder token ids of a multimodal model's config (none for a text model)."""
-    names = ("image_token_id", "video_token_id", "image_token_index", "video_token_index")
-    return [v for v in (getattr(config, n, None) for n in names) if isinstance(v, int)]
-
-
-def _layout_fault(sp: SequenceParallelMesh, prepared: Layout, call_layout: object) -> tuple[bool, bool]:
-    """(no layout where the prepared one is per-batch, a call layout that does not fit the mesh)."""
-    fits = isinstance(call_layout, ChunkLayout) and call_layout.world_size == sp.sp_size
-    return prepared in PER_BATCH_LAYOUTS and call_layout is None, call_layout is not None and not (
-        fits or call_layout in LAYOUTS
-    )
-
-
-def _agree_on_call(
-    args: tuple,
-    kwargs: dict,
-    sp: SequenceParallelMesh,
-    prepared: Layout,
-    call_layout: object,
-    config: object,
-    family: object,
-) -> None:
-    """Check one model call on every rank at once (Note [agreeing on errors]): all raise, or none does."""
-    attention_mask = kwargs.get("attention_mask")
-    no_layout, bad_layout = _layout_fault(sp, prepared, call_layout)
-    ids = kwargs.get("input_ids")
-    placeholders = _placeholder_ids(config)
-    held = isinstance(ids, torch.Tensor) and bool(placeholders)
-    held = held and bool(torch.isin(ids, torch.tensor(placeholders, device=ids.device)).any())
-    positions = kwargs.get("position_ids")
-    shape = list(positions.shape) if positions is not None else []
-    signature = _CallSignature(
-        positional_args=bool(args),
-        no_position_ids=positions is None,
-        labels=kwargs.get("labels") is not None,
-        attention_mask=attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()),
-        use_cache=bool(kwargs.get("use_cache")),
-        packing_keys=any(kwargs.get(k) is not None for k in PACKING_KEYS),
-        no_layout=no_layout,
-        bad_layout=bad_layout,
-        multimodal_keys=any(kwargs.get(k) is not None for k in SHARD_REFUSED),
-        mrope_embeds=family.positions == "mrope" and kwargs.get("inputs_embeds") is not None,
-        placeholders=held,
-        config_digest=config_digest(config),
-        layout_digest=_layout_digest(call_layout),
-        positions_ndim=len(shape),
-        positions_dims=tuple([*shape, 0, 0][:2]),
-    )
-    table = [signature] if sp.sp_size == 1 else exchange_signatures(signature, sp.sp_group)
-    problems = by_rank([[m for name, m in _CALL_PROBLEMS.items() if getattr(row, name)] for row in table])
-    same = (table[0].positions_ndim, table[0].positions_dims)
-    if not problems and any((row.positions_ndim, row.positions_dims) != same for row in table):
-        shapes = "; ".join(f"rank {r}: {row.positions_shape}" for r, row in enumerate(table))
-        problems.append(f"position_ids shapes differ across ranks (every rank holds one equal shard): {shapes}")
-    differing = config_disagreement([row.config_digest for row in table])
-    if not problems and differing:
-        problems.append(differing)
-    if not problems and any(row.layout_digest != table[0].layout_digest for row in table):
-        problems.append(f"the ranks passed different {LAYOUT_KEYWORD} values; pass every rank its shard's layout")
-    if problems:
-        raise SeqparInputError(" | ".join(problems))
 
 
 def _config_tree(config: object) -> list[object]:
@@ -422,7 +293,7 @@ def prepare_model(
     check_strategy_name(strategy)
     if not isinstance(layout, ChunkLayout):
         named_layout(layout)  # an unknown name raises, listing the registry
-    sp = as_sp_mesh(mesh)
+    calls = _PreparedCalls(model, served, as_sp_mesh(mesh), strategy, layout, kernel, split_vision)
     _own_config(model)  # the caller's config, which other models may share, stays as it was
     if model.config._attn_implementation != ATTENTION_NAME:  # kept for seqpar.integrations.unsharded
         setattr(model, ORIGINAL_ATTENTION_ATTR, model.config._attn_implementation)
@@ -433,64 +304,95 @@ def prepare_model(
         raise SeqparInputError(f"{type(model).__name__} refused the attention implementation {ATTENTION_NAME!r}")
     for old in getattr(model, _HOOK_ATTR, ()):
         old.remove()
-    max_positions = getattr(model.config, "max_position_embeddings", None)
-    choices: dict = {}
-    setattr(model, _CHOICE_ATTR, choices)
-    multimodal = served.family.vision is not None
-    encoder = _vision_encoder(model, served, split_vision)
+    setattr(model, _CHOICE_ATTR, calls.choices)
+    # The decoder is hooked too, so that it can be called alone (hidden states for a chunked loss).
+    hooked = [model] + ([served.decoder] if served.decoder is not model else [])
+    setattr(model, _HOOK_ATTR, [m.register_forward_pre_hook(calls, with_kwargs=True) for m in hooked])
+    return model
 
-    def check_and_inject(module, args, kwargs):
-        if getattr(model, UNSHARDED_ATTR, False):  # whole sequences, the model's own attention (generation)
+
+class _PreparedCalls:
+    """A prepared model's forward pre-hook: checks each call on every rank and hands its layers the context.
+
+    A call is one of: the model's own attention on whole sequences (generation, left alone), the text decoder
+    of a checked whole-row call, a layer called from within a checked call (its context already passed down),
+    a multimodal model's whole-row call, or a call on shards.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        served: ModelAnatomy,
+        sp: SequenceParallelMesh,
+        strategy: str,
+        layout: Layout,
+        kernel: str,
+        split_vision: bool,
+    ) -> None:
+        self.model, self.served, self.sp = model, served, sp
+        self.strategy, self.layout, self.kernel = strategy, layout, kernel
+        self.split_vision = split_vision and served.family.vision_units and sp.sp_size > 1
+        self.encoder = _vision_encoder(model, served, split_vision)
+        self.choices: dict = {}
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if getattr(self.model, UNSHARDED_ATTR, False):  # whole sequences, the model's own attention
             return args, kwargs
         if ROW_KEY in kwargs:  # the text decoder of a checked whole-row call (Note [whole-row calls])
-            row = kwargs.pop(ROW_KEY)
-            kwargs, text = shard_decoder_inputs(kwargs, row, sp)
-            batch = kwargs["inputs_embeds"].shape[0]
-            mask = sequence_mask(text, sp, layout=row.layout, batch_size=batch, blocks=row.blocks)
-            return args, inject(kwargs, row.layout, mask)
+            return args, self._decoder_of_row(kwargs)
         if _CONTEXT_KEY in kwargs or _context_in_mask(kwargs):  # checked by the enclosing model, which passes
             kwargs.pop(LAYOUT_KEYWORD, None)  # its context down (in the mask: Note [context in the mask])
             return args, kwargs
         call_layout = kwargs.pop(LAYOUT_KEYWORD, None)
         placement = kwargs.pop(PLACEMENT_KEYWORD, None)  # a text call's shard is placed already
-        batch_layout = call_layout if call_layout is not None else layout
-        if multimodal and module is model and is_whole_row_call(kwargs, served.family):
-            no_layout, bad_layout = _layout_fault(sp, layout, call_layout)
-            kwargs[ROW_KEY] = agree_on_whole_row(
-                args,
-                kwargs,
-                sp,
-                served.family,
-                batch_layout,
-                layout_digest=_layout_digest(call_layout),
-                config_digest=config_digest(model.config),
-                no_layout=no_layout,
-                bad_layout=bad_layout,
-                placeholders=tuple(_placeholder_ids(model.config)),
-                placement=placement,
-            )
-            kwargs["use_cache"] = False
-            if split_vision and served.family.vision_units and sp.sp_size > 1:
-                encode_over_group(encoder, kwargs, sp)
-            return args, kwargs
-        _agree_on_call(args, kwargs, sp, layout, call_layout, model.config, served.family)
+        family = self.served.family
+        if family.vision is not None and module is self.model and is_whole_row_call(kwargs, family):
+            return args, self._whole_row(args, kwargs, call_layout, placement)
+        config = self.model.config
+        agree_on_call(args, kwargs, self.sp, self.layout, call_layout, config, family)
         kwargs["use_cache"] = False
         kwargs.pop("attention_mask", None)
+        batch_layout = call_layout if call_layout is not None else self.layout
         batch = kwargs["input_ids"].shape[0] if kwargs.get("input_ids") is not None else None
-        mask = sequence_mask(kwargs["position_ids"], sp, layout=batch_layout, batch_size=batch)
-        return args, inject(kwargs, batch_layout, mask)
+        mask = sequence_mask(kwargs["position_ids"], self.sp, layout=batch_layout, batch_size=batch)
+        return args, self._inject(kwargs, batch_layout, mask)
 
-    def inject(kwargs: dict, batch_layout: Layout, mask: SequenceMask) -> dict:
-        if max_positions is not None and mask.max_position >= max_positions:
+    def _whole_row(self, args: tuple, kwargs: dict, call_layout: object, placement: object) -> dict:
+        """A multimodal model's whole-row call, checked on every rank; its images encoded over the group."""
+        no_layout, bad_layout = layout_fault(self.sp, self.layout, call_layout)
+        kwargs[ROW_KEY] = agree_on_whole_row(
+            args,
+            kwargs,
+            self.sp,
+            self.served.family,
+            call_layout if call_layout is not None else self.layout,
+            layout_digest=layout_digest(call_layout),
+            config_digest=config_digest(self.model.config),
+            no_layout=no_layout,
+            bad_layout=bad_layout,
+            placeholders=tuple(placeholder_ids(self.model.config)),
+            placement=placement,
+        )
+        kwargs["use_cache"] = False
+        if self.split_vision:
+            encode_over_group(self.encoder, kwargs, self.sp)
+        return kwargs
+
+    def _decoder_of_row(self, kwargs: dict) -> dict:
+        """The text decoder's inputs of a whole-row call: this rank's share, with the whole row's mask."""
+        row = kwargs.pop(ROW_KEY)
+        kwargs, text = shard_decoder_inputs(kwargs, row, self.sp)
+        batch = kwargs["inputs_embeds"].shape[0]
+        mask = sequence_mask(text, self.sp, layout=row.layout, batch_size=batch, blocks=row.blocks)
+        return self._inject(kwargs, row.layout, mask)
+
+    def _inject(self, kwargs: dict, batch_layout: Layout, mask: SequenceMask) -> dict:
+        """The call's keywords with the context its layers read (Note [context in the mask])."""
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        if limit is not None and mask.max_position >= limit:
             raise SeqparInputError(
-                f"position id {mask.max_position} is beyond the model's max_position_embeddings ({max_positions}); "
+                f"position id {mask.max_position} is beyond the model's max_position_embeddings ({limit}); "
                 "use shorter sequences or documents"
             )
-        ctx = kwargs[_CONTEXT_KEY] = CallContext(sp, strategy, batch_layout, kernel, mask, choices)
-        return _context_to_mask(kwargs, ctx, served.family.mask_context, model.config)
-
-    # The decoder is hooked too, so that it can be called alone (hidden states for a chunked loss).
-    hooked = [model] + ([served.decoder] if served.decoder is not model else [])
-    handles = [m.register_forward_pre_hook(check_and_inject, with_kwargs=True) for m in hooked]
-    setattr(model, _HOOK_ATTR, handles)
-    return model
+        ctx = kwargs[_CONTEXT_KEY] = CallContext(self.sp, self.strategy, batch_layout, self.kernel, mask, self.choices)
+        return _context_to_mask(kwargs, ctx, self.served.family.mask_context, self.model.config)
