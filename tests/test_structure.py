@@ -167,6 +167,56 @@ def test_imports_go_downward_and_have_no_cycles():
             visit(module, [module])
 
 
+# The modules that hold a registry: only they may compare a value with the names they register.
+NAME_REGISTRIES = {"seqpar.sequence_parallel.strategies.registry", "seqpar.layouts.chunks"}
+
+
+def _registered_names() -> set[str]:
+    from seqpar.layouts.chunks import NAMED_LAYOUTS
+    from seqpar.sequence_parallel.strategies.registry import STRATEGIES, STRATEGY_ROWS
+
+    return {*STRATEGY_ROWS, *STRATEGIES, *NAMED_LAYOUTS}
+
+
+def _names_compared(node: ast.AST, names: set[str]) -> tuple[list[str], list[ast.expr]]:
+    """(registered names, the other operands) of a comparison or ``match``; ([], []) for any other node."""
+    if isinstance(node, ast.Compare):
+        operands, cases = [node.left, *node.comparators], []
+    elif isinstance(node, ast.Match):
+        operands, cases = [node.subject], [c.pattern for c in node.cases]
+    else:
+        return [], []
+    found, others = [], []
+    for operand in operands:
+        constants = operand.elts if isinstance(operand, (ast.Tuple, ast.Set, ast.List)) else [operand]
+        strings = [c.value for c in constants if isinstance(c, ast.Constant) and isinstance(c.value, str)]
+        if strings:
+            found += strings
+        else:
+            others.append(operand)
+    found += [p.value.value for c in cases for p in ast.walk(c) if isinstance(p, ast.MatchValue)]
+    return sorted(set(found) & names), others
+
+
+def test_no_module_branches_on_a_strategy_or_layout_name_outside_its_registry():
+    """Behaviour that differs by strategy or layout lives on the registry's rows; a consumer asks its row.
+
+    A comparison (``==``, ``in``, a ``match``) of a strategy or layout, an operand whose expression names one
+    (``strategy``, ``config.layout``, ``row.strategy`` ...), with a registered name, outside the registry modules, is
+    a branch on the name. Other vocabularies that share a word ("auto" kernels, "ring" mesh axes) are not matched.
+    """
+    names = _registered_names()
+    offenders = []
+    for module, path in _modules().items():
+        if module in NAME_REGISTRIES:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            found, others = _names_compared(node, names)
+            if found and any(w in ast.unparse(o).lower() for o in others for w in ("strategy", "layout")):
+                offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno} compares with {found}")
+    assert not offenders, "ask the strategy or layout row instead:\n" + "\n".join(offenders)
+
+
 def test_functions_and_files_stay_small():
     too_long = []
     for path in _modules().values():
