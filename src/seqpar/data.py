@@ -19,9 +19,9 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from seqpar.errors import SeqparInputError
-from seqpar.layouts.chunks import ChunkLayout, Layout, layout_row, named_layout, shard_for_rank
-from seqpar.layouts.placed import Placement
 from seqpar.mesh import as_sp_mesh
+from seqpar.sequence_parallel.layouts.chunks import ChunkLayout, Layout, layout_row, named_layout, shard_for_rank
+from seqpar.sequence_parallel.layouts.placed import Placement
 from seqpar.sequence_parallel.masks.sequence_mask import check_packed_positions
 
 __all__ = ["IGNORE_INDEX", "BatchShard", "pack_documents", "shard_batch"]

@@ -33,9 +33,9 @@ from seqpar.diagnosis.pitfalls import (
 from seqpar.diagnosis.report import TOLERANCES, DoctorReport, Pitfall
 from seqpar.errors import SeqparInputError
 from seqpar.gradients import reduce_gradients
-from seqpar.layouts.chunks import gather_sequence, shard_sequence
 from seqpar.loss import count_valid_tokens, cross_entropy, sum_over
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
+from seqpar.sequence_parallel.layouts.chunks import gather_sequence, shard_sequence
 from seqpar.sequence_parallel.prepare import ATTENTION_NAME, attention_choice, prepare_model
 from seqpar.sequence_parallel.strategies.registry import AUTO
 from seqpar.sequence_parallel.whole_rows import SHARD_REFUSED

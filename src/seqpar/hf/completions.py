@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 from seqpar.data import IGNORE_INDEX, shard_batch
 from seqpar.errors import SeqparInputError
-from seqpar.layouts.chunks import Layout, layout_row, shard_for_rank
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.comm.collectives import collective_device
+from seqpar.sequence_parallel.layouts.chunks import Layout, layout_row, shard_for_rank
 
 __all__ = ["CompletionShard", "completion_shard", "from_completions", "to_completions"]
 

@@ -27,8 +27,8 @@ from seqpar.hf.completions import completion_shard, from_completions, to_complet
 from seqpar.hf.replica_view import ReplicaAccelerator, replica_collectives
 from seqpar.hf.trainer import SequenceParallelMixin
 from seqpar.integrations.unsharded import unsharded
-from seqpar.layouts.chunks import ChunkLayout, named_layout
 from seqpar.parallel import parallelize
+from seqpar.sequence_parallel.layouts.chunks import ChunkLayout, named_layout
 from seqpar.sequence_parallel.prepare import LAYOUT_KEYWORD
 
 __all__ = ["SequenceParallelGRPOTrainer", "check_grpo_arguments", "check_grpo_trainer", "replica_generation_batch"]

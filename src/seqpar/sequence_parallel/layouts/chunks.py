@@ -200,9 +200,9 @@ class PerBatchLayout:
 
 CONTIGUOUS = FixedLayout("contiguous", 1)
 ZIGZAG = FixedLayout("zigzag", 2)
-BALANCED = PerBatchLayout("balanced", "seqpar.layouts.balanced:balanced_layout")
-PLACED = PerBatchLayout("placed", "seqpar.layouts.placed:placed_layout", reorders_row=True)
-AUTO = PerBatchLayout("auto", "seqpar.layouts.placed.auto:resolve_auto_layout", chooses=True)
+BALANCED = PerBatchLayout("balanced", "seqpar.sequence_parallel.layouts.balanced:balanced_layout")
+PLACED = PerBatchLayout("placed", "seqpar.sequence_parallel.layouts.placed:placed_layout", reorders_row=True)
+AUTO = PerBatchLayout("auto", "seqpar.sequence_parallel.layouts.placed.auto:resolve_auto_layout", chooses=True)
 
 NAMED_LAYOUTS: dict[str, FixedLayout | PerBatchLayout] = {
     row.name: row for row in (CONTIGUOUS, ZIGZAG, BALANCED, PLACED, AUTO)
