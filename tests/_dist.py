@@ -71,7 +71,7 @@ def run_ranks(
 
 
 def shard_index(layout, world_size: int, rank: int, seq_len: int) -> torch.Tensor:
-    """Global token indices of ``rank``'s shard, written out independently of seqpar.layouts.chunks."""
+    """Global token indices of ``rank``'s shard, written out independently of seqpar's layouts.chunks."""
     if isinstance(layout, seqpar.ChunkLayout):  # equal chunks; the rank's chunk ids in order
         n = seq_len // (world_size * len(layout.chunk_ids[rank]))
         return torch.cat([torch.arange(c * n, (c + 1) * n) for c in layout.chunk_ids[rank]])

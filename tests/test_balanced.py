@@ -11,7 +11,7 @@ import torch
 
 import seqpar
 from seqpar.errors import SeqparInputError
-from seqpar.layouts.balanced import planned_work, visible_area
+from seqpar.sequence_parallel.layouts.balanced import planned_work, visible_area
 from seqpar.sequence_parallel.plans.planner import plan
 from seqpar.sequence_parallel.plans.tiles import CAUSAL, FULL, SKIP, SQUARE_BLOCK, tile_kinds, tile_size
 from tests._cases import packed_positions

@@ -790,3 +790,20 @@ def test_expert_layer_kept_activations_within_5_percent(kind, layer):
         counted = _kept_elements_per_token(model, model.model.layers[layer], 64)
         predicted = activation_bytes(sizes, 1, 4, (), 1)["kept_per_layer"] / 4 - hidden
         assert abs(predicted / counted - 1) < 0.05, (hidden, predicted, counted)
+
+
+def test_dit_exchange_buffers_are_the_strategy_rows_and_an_unknown_strategy_is_refused():
+    """Note [DiT memory]: ring, Ulysses and hybrid buffer two local key/value blocks, all-gather the whole sequence,
+    one rank none; a name that is no strategy row raises instead of being priced as ring."""
+    from seqpar.errors import SeqparInputError
+    from seqpar.memory import DitMemoryProfile, estimate_dit_memory
+
+    profile = DitMemoryProfile(1.0, 0.0, 1.0, 0.0, 100, width=8, traced_tokens=(32, 128))
+    token = 2 * 8 * 4  # one token's key and value, fp32
+    buffers = {s: estimate_dit_memory(profile, 64, 4, s).communication for s in ("ring", "ulysses", "hybrid")}
+    assert buffers == dict.fromkeys(buffers, 2 * 16 * token)
+    assert estimate_dit_memory(profile, 64, 4, "allgather").communication == 64 * token
+    assert estimate_dit_memory(profile, 64, 1, "allgather").communication == 0
+    for name in ("rings", "auto"):
+        with pytest.raises(SeqparInputError, match="unknown strategy"):
+            estimate_dit_memory(profile, 64, 4, name)

@@ -14,8 +14,8 @@ import torch
 import seqpar
 from seqpar.bench.rows import log_normal_documents, uneven_documents
 from seqpar.errors import SeqparInputError
-from seqpar.layouts.chunks import rank_chunk_ids
-from seqpar.layouts.placed.floor import traffic_floor
+from seqpar.sequence_parallel.layouts.chunks import rank_chunk_ids
+from seqpar.sequence_parallel.layouts.placed.floor import traffic_floor
 from seqpar.sequence_parallel.plans.kv_needs import global_tokens
 
 

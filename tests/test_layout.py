@@ -86,3 +86,19 @@ def _mesh_worker(rank, world_size):
 
 def test_make_mesh_with_data_parallel_replicas():
     run_ranks(4, _mesh_worker)
+
+
+def test_layout_rows_carry_their_solver_and_pad_multiple():
+    """Note [layout registry]: each per-batch row solves a batch with its own solver and pads to its own multiple;
+    a row that reorders pads in its solver and refuses to name a multiple (one process, no group)."""
+    from seqpar.sequence_parallel.layouts.chunks import NAMED_LAYOUTS, layout_row
+
+    ids = torch.cat([torch.arange(40), torch.arange(7), torch.arange(41)])[None]  # packed documents
+    solved = {n: r.solver(ids) if r.chooses else r.solver(ids, 2) for n, r in NAMED_LAYOUTS.items() if r.per_batch}
+    assert solved["balanced"] == seqpar.balanced_layout(ids, 2) and solved["auto"] == "placed"
+    assert solved["placed"].layout == seqpar.placed_layout(ids, 2).layout
+    multiples = {name: layout_row(name).pad_multiple(3) for name in ("contiguous", "zigzag", "balanced", "auto")}
+    assert multiples == {"contiguous": 3, "zigzag": 6, "balanced": 6, "auto": 6}
+    assert layout_row(seqpar.ChunkLayout(((0, 3, 4), (1, 2, 5)))).pad_multiple(2) == 6
+    with pytest.raises(SeqparInputError, match="made per batch"):
+        layout_row("placed").pad_multiple(3)

@@ -186,7 +186,7 @@ def test_auto_strategy_weighs_ring_bytes_against_ulysses():
         == _analytical_bytes("ring", KV_HEADS) - check
     )
     docs = SequenceMask(torch.arange(SEQ)[None] - _positions(DOCS), None, 301)
-    chunk_ids = tuple(seqpar.layouts.chunks.rank_chunk_ids("zigzag", RANKS, r) for r in range(RANKS))
+    chunk_ids = tuple(seqpar.sequence_parallel.layouts.chunks.rank_chunk_ids("zigzag", RANKS, r) for r in range(RANKS))
     ring = masked_ring_bytes(kv_needs(docs, chunk_ids, local // 2, True), [local] * RANKS, KV_HEADS, HEAD_DIM, FLOAT32)
     assert ring == max(needed_bytes("ring", "zigzag", DOCS, None, r) for r in range(RANKS)) - check
 

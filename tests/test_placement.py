@@ -12,10 +12,11 @@ import seqpar
 from seqpar.bench.masks_bytes import needed_bytes
 from seqpar.bench.rows import uneven_documents
 from seqpar.errors import SeqparInputError
-from seqpar.layouts.balanced import TILE_COSTS
-from seqpar.layouts.placed.chain import chain_segments, dense_documents
-from seqpar.layouts.placed.refine import Refiner
-from seqpar.layouts.placed.solver import BALANCE_SLACK, KEY_COST, TOKEN_SLACK
+from seqpar.sequence_parallel.layouts.balanced import TILE_COSTS
+from seqpar.sequence_parallel.layouts.placed import resolve_auto_layout
+from seqpar.sequence_parallel.layouts.placed.chain import chain_segments, dense_documents
+from seqpar.sequence_parallel.layouts.placed.refine import Refiner
+from seqpar.sequence_parallel.layouts.placed.solver import BALANCE_SLACK, KEY_COST, TOKEN_SLACK
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask, check_packed_positions
 from seqpar.sequence_parallel.plans.kv_needs import kv_needs
 from tests._cases import packed_positions
@@ -169,7 +170,7 @@ def test_shard_batch_places_the_row():
     ids = placement.place(batch["input_ids"], -1)
     assert torch.equal(placement.restore(ids, 3000, -5), batch["input_ids"])
     with pytest.raises(SeqparInputError, match="made per batch"):
-        seqpar.layouts.chunks.chunks_per_rank("placed")
+        seqpar.sequence_parallel.layouts.chunks.chunks_per_rank("placed")
     with pytest.raises(SeqparInputError, match="positive integer"):
         seqpar.placed_layout(positions, 0)
 
@@ -178,17 +179,17 @@ def test_auto_layout_resolves_from_the_position_ids():
     """layout="auto": placed on packed rows, balanced on a plain causal row and with blocks; the same every call."""
     packed = _documents([40, 7, 3, 11, 27])
     plain = torch.arange(88)
-    assert seqpar.layouts.placed.resolve_auto_layout(packed) == "placed"
-    assert seqpar.layouts.placed.resolve_auto_layout(torch.stack([plain, packed])) == "placed"  # one packed row will do
-    assert seqpar.layouts.placed.resolve_auto_layout(plain[None].expand(2, -1)) == "balanced"
-    assert seqpar.layouts.placed.resolve_auto_layout(packed, blocks=[(0, 40), (40, 88)]) == "balanced"
-    assert seqpar.layouts.placed.resolve_auto_layout(torch.arange(5, 93)) == "balanced"  # a continued document
+    assert resolve_auto_layout(packed) == "placed"
+    assert resolve_auto_layout(torch.stack([plain, packed])) == "placed"  # one packed row will do
+    assert resolve_auto_layout(plain[None].expand(2, -1)) == "balanced"
+    assert resolve_auto_layout(packed, blocks=[(0, 40), (40, 88)]) == "balanced"
+    assert resolve_auto_layout(torch.arange(5, 93)) == "balanced"  # a continued document
     with pytest.raises(SeqparInputError, match="integers"):
-        seqpar.layouts.placed.resolve_auto_layout(packed.double())
+        resolve_auto_layout(packed.double())
     with pytest.raises(SeqparInputError, match=r"\[S\] or \[B, S\]"):
-        seqpar.layouts.placed.resolve_auto_layout(packed[None, None])
+        resolve_auto_layout(packed[None, None])
     with pytest.raises(SeqparInputError, match=r"seqpar\.balanced_layout or seqpar\.placed_layout"):
-        seqpar.layouts.chunks.chunks_per_rank("auto")
+        seqpar.sequence_parallel.layouts.chunks.chunks_per_rank("auto")
     # shard_batch (one process): the shard's layout is the resolved one's ChunkLayout, the same on every call
     batch = {"input_ids": torch.arange(88)[None] + 7, "position_ids": packed[None]}
     shards = [seqpar.shard_batch(batch, None, layout="auto") for _ in range(2)]
@@ -203,7 +204,7 @@ def test_auto_layout_resolves_from_the_position_ids():
     for key in balanced:
         assert torch.equal(unpacked[key], balanced[key]), key
     # on a plain causal row over 3 ranks the balanced layout it resolves to is zigzag's
-    zigzag = tuple(seqpar.layouts.chunks.rank_chunk_ids("zigzag", 3, r) for r in range(3))
+    zigzag = tuple(seqpar.sequence_parallel.layouts.chunks.rank_chunk_ids("zigzag", 3, r) for r in range(3))
     assert seqpar.balanced_layout(torch.arange(96), 3).chunk_ids == zigzag
     # the doors that take a per-batch layout by name take "auto" too
     from seqpar.hf.config import SequenceParallelConfig

@@ -18,8 +18,14 @@ import transformers
 import seqpar
 from seqpar.errors import SeqparInputError
 from seqpar.hf import SequenceParallelConfig
-from seqpar.layouts.chunks import NAMED_LAYOUTS, SequenceLayout, layout_names, named_layout, rank_chunk_ids
 from seqpar.sequence_parallel.checks import SIGNATURE_LENGTH
+from seqpar.sequence_parallel.layouts.chunks import (
+    NAMED_LAYOUTS,
+    SequenceLayout,
+    layout_names,
+    named_layout,
+    rank_chunk_ids,
+)
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
 from seqpar.sequence_parallel.selection import select_strategy
 from seqpar.sequence_parallel.strategies import STRATEGY_FUNCTIONS

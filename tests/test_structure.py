@@ -24,14 +24,14 @@ LAYERS = {
     "models": 1,
     "sequence_parallel.kernels": 2,
     "sequence_parallel.comm": 3,
-    "layouts.chunks": 4,
+    "sequence_parallel.layouts.chunks": 4,
     "sequence_parallel.masks": 5,
     "sequence_parallel.plans": 5,
     "sequence_parallel.strategies": 5,
     "sequence_parallel.selection": 5,
     "sequence_parallel.checks": 6,
     "sequence_parallel.api": 7,
-    "layouts": 7,
+    "sequence_parallel.layouts": 7,
     "data": 8,
     "loss": 8,
     "gradients": 8,
@@ -167,6 +167,88 @@ def test_imports_go_downward_and_have_no_cycles():
             visit(module, [module])
 
 
+def test_top_level_packages_import_each_other_without_a_cycle():
+    """The module layers can be acyclic while two packages import each other (a low module of one under a high
+    module of the other); the top-level packages and root modules of seqpar must form a DAG as well."""
+    modules = _modules()
+    edges: dict[str, dict[str, str]] = {}  # package -> imported package -> one import that makes the edge
+    for module, path in modules.items():
+        if module == "seqpar":
+            continue  # the package face imports from every package
+        package = module.split(".")[1]
+        for target, names, line in _imports(module, path):
+            candidates = [f"{target}.{n}" for n in names if f"{target}.{n}" in modules] or [target]
+            for imported in candidates:
+                other = imported.split(".")[1] if imported.count(".") else None
+                if other is not None and other != package:
+                    edges.setdefault(package, {}).setdefault(other, f"{module}:{line} imports {imported}")
+    state: dict[str, int] = {}
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(edges.get(node, {})):
+            if state.get(nxt) == 1:
+                cycle = [*trail[trail.index(nxt) :], nxt]
+                pytest.fail("package import cycle:\n" + "\n".join(edges[a][b] for a, b in zip(cycle, cycle[1:])))
+            if nxt not in state:
+                visit(nxt, [*trail, nxt])
+        state[node] = 2
+
+    for package in sorted(edges):
+        if package not in state:
+            visit(package, [package])
+
+
+# The modules that hold a registry: only they may compare a value with the names they register.
+NAME_REGISTRIES = {"seqpar.sequence_parallel.strategies.registry", "seqpar.sequence_parallel.layouts.chunks"}
+
+
+def _registered_names() -> set[str]:
+    from seqpar.sequence_parallel.layouts.chunks import NAMED_LAYOUTS
+    from seqpar.sequence_parallel.strategies.registry import STRATEGIES, STRATEGY_ROWS
+
+    return {*STRATEGY_ROWS, *STRATEGIES, *NAMED_LAYOUTS}
+
+
+def _names_compared(node: ast.AST, names: set[str]) -> tuple[list[str], list[ast.expr]]:
+    """(registered names, the other operands) of a comparison or ``match``; ([], []) for any other node."""
+    if isinstance(node, ast.Compare):
+        operands, cases = [node.left, *node.comparators], []
+    elif isinstance(node, ast.Match):
+        operands, cases = [node.subject], [c.pattern for c in node.cases]
+    else:
+        return [], []
+    found, others = [], []
+    for operand in operands:
+        constants = operand.elts if isinstance(operand, (ast.Tuple, ast.Set, ast.List)) else [operand]
+        strings = [c.value for c in constants if isinstance(c, ast.Constant) and isinstance(c.value, str)]
+        if strings:
+            found += strings
+        else:
+            others.append(operand)
+    found += [p.value.value for c in cases for p in ast.walk(c) if isinstance(p, ast.MatchValue)]
+    return sorted(set(found) & names), others
+
+
+def test_no_module_branches_on_a_strategy_or_layout_name_outside_its_registry():
+    """Behaviour that differs by strategy or layout lives on the registry's rows; a consumer asks its row.
+
+    A comparison (``==``, ``in``, a ``match``) of a strategy or layout, an operand whose expression names one
+    (``strategy``, ``config.layout``, ``row.strategy`` ...), with a registered name, outside the registry modules, is
+    a branch on the name. Other vocabularies that share a word ("auto" kernels, "ring" mesh axes) are not matched.
+    """
+    names = _registered_names()
+    offenders = []
+    for module, path in _modules().items():
+        if module in NAME_REGISTRIES:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            found, others = _names_compared(node, names)
+            if found and any(w in ast.unparse(o).lower() for o in others for w in ("strategy", "layout")):
+                offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno} compares with {found}")
+    assert not offenders, "ask the strategy or layout row instead:\n" + "\n".join(offenders)
+
+
 def test_functions_and_files_stay_small():
     too_long = []
     for path in _modules().values():
@@ -202,7 +284,8 @@ def test_a_moved_module_keeps_its_old_name_as_an_alias():
         "import importlib, warnings\n"
         "import seqpar\n"
         "from seqpar.lazy import MOVED_MODULES\n"
-        "for old, new in [*MOVED_MODULES.items(), ('seqpar.placement.solver', 'seqpar.layouts.placed.solver')]:\n"
+        "placed = ('seqpar.placement.solver', 'seqpar.sequence_parallel.layouts.placed.solver')\n"
+        "for old, new in [*MOVED_MODULES.items(), placed]:\n"
         "    with warnings.catch_warnings(record=True) as seen:\n"
         "        warnings.simplefilter('always')\n"
         "        module = importlib.import_module(old)\n"

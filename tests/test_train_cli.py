@@ -180,7 +180,7 @@ def test_run_directory_evaluation_and_sp_degrees_agree(tmp_path):
 
 
 def test_passkey_examples_are_deterministic_and_answered_from_another_rank():
-    from seqpar.layouts.chunks import shard_for_rank
+    from seqpar.sequence_parallel.layouts.chunks import shard_for_rank
     from seqpar.train.config import TrainConfig
     from seqpar.train.passkey import BLOCK, PasskeyTask
     from seqpar.train.tokenizer import ByteTokenizer

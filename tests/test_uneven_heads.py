@@ -141,8 +141,8 @@ def test_negative_controls():
 def _exchange(rank, world_size):
     """The uneven all-to-all on its own: every rank gets its heads of the whole sequence in global order, and the
     way back is the adjoint, summing a head that went to several ranks (Note [uneven all-to-all])."""
-    from seqpar.layouts.chunks import natural_order_index, owner_order_index
     from seqpar.sequence_parallel.comm import head_to_seq_ranges, seq_to_head_ranges
+    from seqpar.sequence_parallel.layouts.chunks import natural_order_index, owner_order_index
 
     group = seqpar.make_mesh().sp_group
     for layout, ranges in itertools.product(

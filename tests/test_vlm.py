@@ -262,7 +262,7 @@ def _packed_refusals(mesh):
     call = dict(batch, seqpar_layout=elsewhere.layout, seqpar_placement=elsewhere.placement)
     _raises("not the placement of these rows", lambda: llava(**call))
     # a block of tokens 2..5 kept whole (moved to 6..9) or cut apart by padding in the placed row
-    from seqpar.layouts.placed import Placement
+    from seqpar.sequence_parallel.layouts.placed import Placement
     from seqpar.sequence_parallel.whole_rows import _placed_blocks
 
     whole = Placement(torch.tensor([[-1] * 4 + [0, 1, 2, 3, 4, 5]]), torch.zeros(1, 10), placed.layout)

@@ -21,9 +21,6 @@ if TYPE_CHECKING:
     from seqpar.gradients import clip_grad_norm_, reduce_gradients
     from seqpar.integrations.diffusion import check_replicated, prepare_diffusers
     from seqpar.integrations.moe import router_aux_loss
-    from seqpar.layouts.balanced import LayoutBalance, balanced_layout, layout_balance
-    from seqpar.layouts.chunks import LAYOUTS, ChunkLayout, gather_sequence, position_ids, shard_sequence
-    from seqpar.layouts.placed import Placement, placed_layout
     from seqpar.loss import count_valid_tokens, cross_entropy, lm_head_cross_entropy, sum_over
     from seqpar.memory import MemoryEstimate, apply_activation_offload, apply_tiled_mlp, estimate_memory
     from seqpar.mesh import ParallelDims, SequenceParallelMesh, as_sp_mesh, make_mesh
@@ -34,6 +31,15 @@ if TYPE_CHECKING:
     from seqpar.sequence_parallel.context_parallel.context_manager import context_parallel, context_parallel_unshard
     from seqpar.sequence_parallel.context_parallel.flex_mode import flex_attention
     from seqpar.sequence_parallel.kernels import select_kernel
+    from seqpar.sequence_parallel.layouts.balanced import LayoutBalance, balanced_layout, layout_balance
+    from seqpar.sequence_parallel.layouts.chunks import (
+        LAYOUTS,
+        ChunkLayout,
+        gather_sequence,
+        position_ids,
+        shard_sequence,
+    )
+    from seqpar.sequence_parallel.layouts.placed import Placement, placed_layout
     from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask, sequence_mask
     from seqpar.sequence_parallel.prepare import attention_choice, prepare_model
     from seqpar.sequence_parallel.selection import resolve_strategy
@@ -55,16 +61,16 @@ _NAMES = {
     "check_replicated": "seqpar.integrations.diffusion",
     "prepare_diffusers": "seqpar.integrations.diffusion",
     "router_aux_loss": "seqpar.integrations.moe",
-    "LayoutBalance": "seqpar.layouts.balanced",
-    "balanced_layout": "seqpar.layouts.balanced",
-    "layout_balance": "seqpar.layouts.balanced",
-    "LAYOUTS": "seqpar.layouts.chunks",
-    "ChunkLayout": "seqpar.layouts.chunks",
-    "gather_sequence": "seqpar.layouts.chunks",
-    "position_ids": "seqpar.layouts.chunks",
-    "shard_sequence": "seqpar.layouts.chunks",
-    "Placement": "seqpar.layouts.placed",
-    "placed_layout": "seqpar.layouts.placed",
+    "LayoutBalance": "seqpar.sequence_parallel.layouts.balanced",
+    "balanced_layout": "seqpar.sequence_parallel.layouts.balanced",
+    "layout_balance": "seqpar.sequence_parallel.layouts.balanced",
+    "LAYOUTS": "seqpar.sequence_parallel.layouts.chunks",
+    "ChunkLayout": "seqpar.sequence_parallel.layouts.chunks",
+    "gather_sequence": "seqpar.sequence_parallel.layouts.chunks",
+    "position_ids": "seqpar.sequence_parallel.layouts.chunks",
+    "shard_sequence": "seqpar.sequence_parallel.layouts.chunks",
+    "Placement": "seqpar.sequence_parallel.layouts.placed",
+    "placed_layout": "seqpar.sequence_parallel.layouts.placed",
     "count_valid_tokens": "seqpar.loss",
     "cross_entropy": "seqpar.loss",
     "lm_head_cross_entropy": "seqpar.loss",

@@ -19,10 +19,9 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from seqpar.errors import SeqparInputError
-from seqpar.layouts.balanced import balanced_layout
-from seqpar.layouts.chunks import ChunkLayout, Layout, chunks_per_rank, named_layout, shard_for_rank
-from seqpar.layouts.placed import Placement, placed_layout, resolve_auto_layout
 from seqpar.mesh import as_sp_mesh
+from seqpar.sequence_parallel.layouts.chunks import ChunkLayout, Layout, layout_row, named_layout, shard_for_rank
+from seqpar.sequence_parallel.layouts.placed import Placement
 from seqpar.sequence_parallel.masks.sequence_mask import check_packed_positions
 
 __all__ = ["IGNORE_INDEX", "BatchShard", "pack_documents", "shard_batch"]
@@ -142,12 +141,12 @@ def shard_batch(
         # the last real token has no real successor to predict
         shifted[:, :-1][keep[:, :-1] & ~keep[:, 1:]] = ignore_index
 
-    row = layout if isinstance(layout, ChunkLayout) else named_layout(layout)
-    if row.per_batch and row.chooses:  # "auto": from the batch's own ids, before any padding
-        row = named_layout(resolve_auto_layout(positions))
-    if row.per_batch and row.reorders_row:  # Note [placed layout]: the row is reordered (and padded), then sharded
-        return _placed_shard(ids, shifted, positions, keep, sp, pad_token_id, ignore_index)
-    multiple = sp.sp_size * (row.pad_chunks if row.per_batch else chunks_per_rank(layout))
+    row = layout_row(layout)
+    if row.chooses:  # "auto": from the batch's own ids, before any padding
+        row = named_layout(row.solver(positions))
+    if row.reorders_row:  # Note [placed layout]: the row is reordered (and padded), then sharded
+        return _placed_shard(row.solver(positions, sp.sp_size), ids, shifted, keep, sp, pad_token_id, ignore_index)
+    multiple = row.pad_multiple(sp.sp_size)
     if isinstance(layout, ChunkLayout) and layout.world_size != sp.sp_size:
         raise SeqparInputError(f"the {layout} does not fit the {sp.sp_size} sequence-parallel ranks")
     pad = -s % multiple
@@ -156,15 +155,14 @@ def shard_batch(
         shifted = torch.cat([shifted, shifted.new_full((b, pad), ignore_index)], dim=1)
         positions = torch.cat([positions, torch.arange(pad, device=ids.device).expand(b, pad)], dim=1)
         keep = torch.cat([keep, keep.new_zeros((b, pad))], dim=1)
-    if row.per_batch:  # the one per-batch layout left that keeps the row's order: balanced
-        layout = balanced_layout(positions, sp.sp_size)
+    if row.per_batch:  # a per-batch layout that keeps the row's order: its solver cuts the padded row
+        layout = row.solver(positions, sp.sp_size)
     tensors = {"input_ids": ids, "position_ids": positions, "shift_labels": shifted, "token_mask": keep.long()}
     return BatchShard({k: shard_for_rank(t, sp.sp_rank, sp.sp_size, 1, layout) for k, t in tensors.items()}, layout)
 
 
-def _placed_shard(ids, shifted, positions, keep, sp, pad_token_id: int, ignore_index: int) -> BatchShard:
-    """``shard_batch`` under the placed layout: place the row, lay every tensor out in its order, shard it."""
-    placement = placed_layout(positions, sp.sp_size)
+def _placed_shard(placement: Placement, ids, shifted, keep, sp, pad_token_id: int, ignore_index: int) -> BatchShard:
+    """``shard_batch`` under a layout that reorders the row: lay every tensor out in the placement's order, shard it."""
     tensors = {
         "input_ids": placement.place(ids, pad_token_id),
         "position_ids": placement.position_ids.to(ids.device),

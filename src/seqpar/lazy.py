@@ -64,9 +64,9 @@ MOVED_MODULES = {
     "seqpar.integrations.context_parallel": "seqpar.sequence_parallel.context_parallel",
     "seqpar.integrations.cp_autograd": "seqpar.sequence_parallel.context_parallel.autograd",
     "seqpar.integrations.sdpa_mode": "seqpar.sequence_parallel.context_parallel.sdpa_mode",
-    "seqpar.layout": "seqpar.layouts.chunks",
-    "seqpar.balanced": "seqpar.layouts.balanced",
-    "seqpar.placement": "seqpar.layouts.placed",
+    "seqpar.layout": "seqpar.sequence_parallel.layouts.chunks",
+    "seqpar.balanced": "seqpar.sequence_parallel.layouts.balanced",
+    "seqpar.placement": "seqpar.sequence_parallel.layouts.placed",
     # hf files split only for an old 300-line cap, merged again
     "seqpar.hf.trainer_evaluation": "seqpar.hf.trainer",
     "seqpar.hf.grpo_checks": "seqpar.hf.grpo",

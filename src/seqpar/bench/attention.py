@@ -93,7 +93,7 @@ def _single(_rank: int, _world_size: int, cfg: dict, ref_path: str, result_path:
 
 def _parallel(rank: int, size: int, cfg: dict, ref_path: str, result_path: str) -> None:
     mesh = seqpar.make_mesh()
-    chunk_ids = seqpar.layouts.chunks.rank_chunk_ids("zigzag", size, rank)
+    chunk_ids = seqpar.sequence_parallel.layouts.chunks.rank_chunk_ids("zigzag", size, rank)
     (q, k, v), dout = _inputs(cfg, chunk_ids, 2 * size)
 
     def fn(q, k, v):

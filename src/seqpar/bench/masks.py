@@ -46,10 +46,10 @@ from seqpar.bench import save_records
 from seqpar.bench.kernel_time import TimedKernel
 from seqpar.bench.masks_bytes import floor_bytes, needed_bytes, visible_fraction
 from seqpar.bench.rows import log_normal_documents, rl_groups, short_documents, uneven_documents
-from seqpar.layouts.chunks import layout_names
-from seqpar.layouts.placed import resolve_auto_layout
 from seqpar.runtime.memory import written_bytes
 from seqpar.runtime.spawn import spawn_ranks
+from seqpar.sequence_parallel.layouts.chunks import layout_names, rank_chunk_ids
+from seqpar.sequence_parallel.layouts.placed import resolve_auto_layout
 from seqpar.sequence_parallel.strategies.registry import strategy_row
 
 __all__ = ["log_normal_documents", "main"]
@@ -141,7 +141,7 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, results: str) 
                 records.append({
                     "strategy": strategy, "mask": name, "layout": layout_name, "resolved_layout": resolved,
                     "ranks": world_size, "seq": args.seq,
-                    "chunks_per_rank": len(seqpar.layouts.chunks.rank_chunk_ids(layout, world_size, 0)),
+                    "chunks_per_rank": len(rank_chunk_ids(layout, world_size, 0)),
                     "bytes_sent_per_rank": [int(t[0]) for t in table],
                     "bytes_needed_per_rank": [int(t[1]) for t in table],
                     "rank_compute_s": computes,

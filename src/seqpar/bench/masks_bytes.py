@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from seqpar.bench.strategies import expected_bytes
-from seqpar.layouts.chunks import rank_chunk_ids
-from seqpar.layouts.placed.floor import traffic_floor
 from seqpar.sequence_parallel.checks import SIGNATURE_LENGTH
+from seqpar.sequence_parallel.layouts.chunks import rank_chunk_ids
+from seqpar.sequence_parallel.layouts.placed.floor import traffic_floor
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
 from seqpar.sequence_parallel.plans.kv_needs import kv_needs
 from seqpar.sequence_parallel.strategies.registry import strategy_row

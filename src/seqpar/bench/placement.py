@@ -37,7 +37,7 @@ import seqpar
 from seqpar.bench import save_records
 from seqpar.bench.masks_bytes import check_bytes, floor_bytes, needed_bytes
 from seqpar.bench.rows import log_normal_documents, rl_groups, short_documents, uneven_documents
-from seqpar.layouts.balanced import CHUNKS_PER_RANK
+from seqpar.sequence_parallel.layouts.balanced import CHUNKS_PER_RANK
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
 
 __all__ = ["KINDS", "LAYOUTS", "kind_row", "main", "measure_row", "row_length", "summarize"]

@@ -34,9 +34,9 @@ import torch
 
 from seqpar.data import IGNORE_INDEX
 from seqpar.errors import SeqparInputError
-from seqpar.layouts.chunks import gather_sequence, shard_sequence
 from seqpar.loss import cross_entropy
 from seqpar.mesh import SequenceParallelMesh
+from seqpar.sequence_parallel.layouts.chunks import gather_sequence, shard_sequence
 
 __all__ = ["ShardLoss"]
 

@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 from seqpar.data import IGNORE_INDEX, shard_batch
 from seqpar.errors import SeqparInputError
-from seqpar.layouts.chunks import Layout, chunks_per_rank, shard_for_rank
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.comm.collectives import collective_device
+from seqpar.sequence_parallel.layouts.chunks import Layout, layout_row, shard_for_rank
 
 __all__ = ["CompletionShard", "completion_shard", "from_completions", "to_completions"]
 
@@ -89,8 +89,9 @@ def completion_shard(
         SeqparInputError: an empty prompt, a completion mask that is not a prefix of the row.
     """
     ids, labels, column = _rows(prompt_ids, prompt_mask, completion_ids, completion_mask, pad_id)
-    # "auto" is "balanced" here: prompt + completion rows hold one document each (Note [placed layout])
-    multiple = mesh.sp_size * (2 if layout in ("balanced", "auto") else chunks_per_rank(layout))
+    # "auto" pads as "balanced", which it is here: prompt + completion rows hold one document each (Note [placed
+    # layout]); a layout that reorders the row is refused (the column would have to be placed alike)
+    multiple = layout_row(layout).pad_multiple(mesh.sp_size)
     pad = -ids.shape[1] % multiple
     if pad:  # padded here, not by shard_batch, so that the column is padded alike
         ids = torch.cat([ids, ids.new_full((ids.shape[0], pad), pad_id)], dim=1)

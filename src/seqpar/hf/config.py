@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from seqpar.errors import SeqparInputError
-from seqpar.layouts.chunks import layout_names
 from seqpar.mesh import ParallelDims
 from seqpar.parallel import ParallelizeOptions
+from seqpar.sequence_parallel.layouts.chunks import layout_names
 from seqpar.sequence_parallel.strategies import STRATEGIES
 
 __all__ = [

@@ -24,10 +24,10 @@ import torch.distributed as dist
 from seqpar.data import IGNORE_INDEX
 from seqpar.hf.batches import model_inputs, padding_batch, replica_of, shard_step
 from seqpar.integrations.moe import model_router_loss, router_loss_settings
-from seqpar.layouts.chunks import Layout
 from seqpar.loss import cross_entropy, sum_over
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.comm.collectives import collective_device
+from seqpar.sequence_parallel.layouts.chunks import Layout
 
 __all__ = ["evaluation_loss"]
 

@@ -27,8 +27,8 @@ from seqpar.hf.completions import completion_shard, from_completions, to_complet
 from seqpar.hf.replica_view import ReplicaAccelerator, replica_collectives
 from seqpar.hf.trainer import SequenceParallelMixin
 from seqpar.integrations.unsharded import unsharded
-from seqpar.layouts.chunks import ChunkLayout
 from seqpar.parallel import parallelize
+from seqpar.sequence_parallel.layouts.chunks import ChunkLayout, named_layout
 from seqpar.sequence_parallel.prepare import LAYOUT_KEYWORD
 
 __all__ = ["SequenceParallelGRPOTrainer", "check_grpo_arguments", "check_grpo_trainer", "replica_generation_batch"]
@@ -141,9 +141,9 @@ def check_grpo_trainer(trainer: object) -> None:
     """
     problems = []
     layout = getattr(getattr(trainer, "sequence_parallel", None), "layout", None)
-    if layout == "placed":  # the same on every rank: one config
+    if layout is not None and named_layout(layout).reorders_row:  # the same on every rank: one config
         problems.append(
-            "layout='placed' reorders packed documents, and each prompt + completion row is one document: use "
+            f"layout={layout!r} reorders packed documents, and each prompt + completion row is one document: use "
             "'balanced', 'auto' (balanced for such rows) or 'zigzag'"
         )
     if getattr(trainer, "aux_loss_enabled", False):

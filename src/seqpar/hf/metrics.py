@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from seqpar.hf.batches import replica_of
-from seqpar.layouts.chunks import Layout, gather_sequence
 from seqpar.mesh import SequenceParallelMesh
+from seqpar.sequence_parallel.layouts.chunks import Layout, gather_sequence
 from seqpar.sequence_parallel.prepare import LAYOUT_KEYWORD
 
 __all__ = ["BatchPredictions", "computed_metrics", "in_dataset_order", "metric_arrays"]

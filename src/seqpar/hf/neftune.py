@@ -22,8 +22,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from seqpar.layouts.chunks import Layout, shard_sequence
 from seqpar.mesh import SequenceParallelMesh
+from seqpar.sequence_parallel.layouts.chunks import Layout, shard_sequence
 
 __all__ = ["WIDTH", "noisy_embeddings"]
 

@@ -28,8 +28,8 @@ import torch
 from seqpar.data import IGNORE_INDEX
 from seqpar.errors import SeqparInputError
 from seqpar.hf.batches import model_inputs, to_shard
-from seqpar.layouts.chunks import gather_sequence
 from seqpar.mesh import SequenceParallelMesh
+from seqpar.sequence_parallel.layouts.chunks import gather_sequence
 
 __all__ = ["ShardedCalls", "shift_completion_labels"]
 

@@ -36,11 +36,11 @@ import torch
 import torch.distributed as dist
 
 from seqpar.errors import SeqparInputError
-from seqpar.layouts.chunks import LAYOUTS, gather_sequence, shard_sequence
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
 from seqpar.models.diffusion import DIFFUSION_PLANS, DiffusionPlan, Gather, JointSplit, Split
 from seqpar.sequence_parallel.comm.collectives import all_gather_first_dim, collective_device
 from seqpar.sequence_parallel.context_parallel.sdpa_mode import SequenceParallelSDPA
+from seqpar.sequence_parallel.layouts.chunks import LAYOUTS, gather_sequence, shard_sequence
 from seqpar.sequence_parallel.strategies.registry import check_strategy_name
 
 __all__ = ["check_replicated", "prepare_diffusers", "resolve_plan"]

@@ -17,12 +17,12 @@ Note [DiT memory]
     too, in joint attention) while patchify, the embeddings and the gathered prediction stay whole (Note
     [diffusers door]); so a rank keeps ``cut / P + outside``. The step's growth (what it adds to the
     parameters and optimizer state that live between steps) adds the gradients, created during the
-    backward, and the attention's exchange buffers: ring holds a second key/value block in flight
-    (``2 x 2 x S/P x width``), all-gather the gathered keys and values (``2 x S x width``), Ulysses its
-    all-to-all's send and receive buffers of them (``2 x 2 x S/P x width``). Not modelled: transient buffers of one
-    block's backward (a few ``S/P x width`` tensors), allocator caching, and attention kernels that keep
-    the ``S x S`` weights (the math kernel, chosen on the meta device and for some masks): the profile is
-    traced with the kernel the CPU picks, so it states what that kernel keeps.
+    backward, and the attention's exchange buffers (each strategy row's ``buffer_bytes``): ring holds a second
+    key/value block in flight (``2 x 2 x S/P x width``), all-gather the gathered keys and values (``2 x S x
+    width``), Ulysses its all-to-all's send and receive buffers of them (``2 x 2 x S/P x width``). Not
+    modelled: transient buffers of one block's backward (a few ``S/P x width`` tensors), allocator caching,
+    and attention kernels that keep the ``S x S`` weights (the math kernel, chosen on the meta device and for
+    some masks): the profile is traced with the kernel the CPU picks, so it states what that kernel keeps.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from seqpar.errors import SeqparInputError
 from seqpar.integrations.diffusion import resolve_plan
+from seqpar.sequence_parallel.strategies.registry import strategy_row
 
 __all__ = ["DitMemoryEstimate", "DitMemoryProfile", "estimate_dit_memory", "profile_dit_memory"]
 
@@ -177,27 +178,20 @@ def estimate_dit_memory(
         profile: from ``profile_dit_memory`` on the same model.
         tokens: latent tokens of the whole clip.
         sp_size: sequence-parallel degree.
-        strategy: "ring", "allgather", "ulysses" or "hybrid" (its exchange buffers; hybrid counted as ring).
+        strategy: a strategy row's name ("ring", "allgather", "ulysses", "hybrid"): its exchange buffers.
         element_size: bytes per element of the keys and values.
 
     Returns:
         The estimate; ``step_growth`` is what the step adds to the memory that lives between steps.
 
     Raises:
-        SeqparInputError: a degree below 1, or tokens that do not divide over the degree.
+        SeqparInputError: a degree below 1, tokens that do not divide over the degree, an unknown strategy.
     """
+    row = strategy_row(strategy)
     if sp_size < 1 or tokens % sp_size:
         raise SeqparInputError(f"{tokens} latent tokens do not divide over sp {sp_size}")
     local = tokens // sp_size
-    kv = 2 * profile.width * element_size  # one token's key and value
-    if sp_size == 1:
-        communication = 0
-    elif strategy == "allgather":
-        communication = tokens * kv
-    elif strategy == "ulysses":
-        communication = 2 * local * kv  # the all-to-all's send and receive buffers of k and v
-    else:
-        communication = 2 * local * kv  # ring: the block in flight beside the one being used
+    communication = row.buffer_bytes(local, sp_size, 2 * profile.width * element_size)  # a token's key and value
     return DitMemoryEstimate(
         tokens=tokens,
         sp_size=sp_size,

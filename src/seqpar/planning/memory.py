@@ -9,6 +9,7 @@ from seqpar.memory import MemoryEstimate, estimate_memory
 from seqpar.memory.dtypes import DTYPE_BYTES, DTYPES
 from seqpar.models import ModelSizes
 from seqpar.planning.timing import OFFLOAD_OPTIMIZER, Layout
+from seqpar.sequence_parallel.strategies.registry import LOCAL, RING, strategy_row
 
 __all__ = ["DTYPES", "DTYPE_BYTES", "estimate_layout"]
 
@@ -42,7 +43,7 @@ def estimate_layout(
         dtype=dtype,
         micro_batch=micro_batch,
         features=tuple(f for f in layout.features if f != OFFLOAD_OPTIMIZER),
-        strategy="ring" if layout.strategy == "local" else layout.strategy,
+        strategy=RING.name if strategy_row(layout.strategy) is LOCAL else layout.strategy,  # one rank: no exchange
         dp_mode=layout.dp_mode,
         offload_optimizer=OFFLOAD_OPTIMIZER in layout.features,
         pp_microbatches=layout.pp_microbatches or None,

@@ -2,7 +2,8 @@
 
 ``attention`` (Ulysses, ring, all-gather, hybrid), ``prepare_model`` for transformers models and
 ``context_parallel`` for SDPA code. Inside: ``strategies/`` (one algorithm a file and their registry),
-``plans/`` (tiling and cost), ``masks/``, ``kernels/`` (local attention), ``comm/`` (collectives), ``checks/``.
+``layouts/`` (how a row is cut), ``plans/`` (tiling and cost), ``masks/``, ``kernels/`` (local attention),
+``comm/`` (collectives), ``checks/``.
 """
 
 from __future__ import annotations

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from seqpar.errors import SeqparInputError
-from seqpar.layouts.chunks import Layout
 from seqpar.mesh import as_sp_mesh
 from seqpar.sequence_parallel.checks import check_attention_inputs
 from seqpar.sequence_parallel.kernels import AttentionKernel, select_kernel
+from seqpar.sequence_parallel.layouts.chunks import Layout
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask, sequence_mask
 from seqpar.sequence_parallel.selection import select_strategy
 from seqpar.sequence_parallel.strategies.registry import strategy_row

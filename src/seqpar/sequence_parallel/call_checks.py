@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from seqpar.errors import SeqparInputError
-from seqpar.layouts.chunks import LAYOUTS, PER_BATCH_LAYOUTS, ChunkLayout, Layout
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.checks import Signature, by_rank, config_digest, config_disagreement, exchange_signatures
+from seqpar.sequence_parallel.layouts.chunks import LAYOUTS, PER_BATCH_LAYOUTS, ChunkLayout, Layout
 from seqpar.sequence_parallel.whole_rows import SHARD_REFUSED
 
 LAYOUT_KEYWORD = "seqpar_layout"

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from seqpar.layouts.chunks import Layout
 from seqpar.mesh import SequenceParallelMesh
+from seqpar.sequence_parallel.layouts.chunks import Layout
 from seqpar.sequence_parallel.masks import SequenceMask
 
 __all__ = ["CONTEXT_KEY", "CallContext", "adapter_context"]

@@ -31,7 +31,6 @@ import copy
 import torch
 
 from seqpar.errors import SeqparInputError
-from seqpar.layouts.chunks import ChunkLayout, Layout, named_layout
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
 from seqpar.models import ModelAnatomy, find_anatomy
 from seqpar.sequence_parallel.api import AttentionChoice, attention_and_choice
@@ -45,6 +44,7 @@ from seqpar.sequence_parallel.call_checks import (
 )
 from seqpar.sequence_parallel.call_context import CONTEXT_KEY, CallContext
 from seqpar.sequence_parallel.checks import config_digest
+from seqpar.sequence_parallel.layouts.chunks import ChunkLayout, Layout, named_layout
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask, sequence_mask
 from seqpar.sequence_parallel.mixers import ADAPTERS, adapt, mismatched_mixers, unknown_mixers
 from seqpar.sequence_parallel.strategies.registry import check_strategy_name

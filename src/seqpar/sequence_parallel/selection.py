@@ -62,8 +62,8 @@ from seqpar.sequence_parallel.strategies.registry import (
 from seqpar.sequence_parallel.strategies.volumes import GRAD_BYTES, ring_bytes, ulysses_bytes
 
 if TYPE_CHECKING:
-    from seqpar.layouts.chunks import Layout
     from seqpar.mesh import SequenceParallelMesh
+    from seqpar.sequence_parallel.layouts.chunks import Layout
     from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
     from seqpar.sequence_parallel.plans.kv_needs import KVNeeds
 
@@ -165,7 +165,7 @@ def _masked_auto(
     itemsize: int,
 ) -> str:
     """Note [auto strategy] under a mask: the mask-aware ring when its bytes are a small fraction of Ulysses'."""
-    from seqpar.layouts.chunks import rank_chunk_ids
+    from seqpar.sequence_parallel.layouts.chunks import rank_chunk_ids
     from seqpar.sequence_parallel.plans.kv_needs import kv_needs
 
     causal = causal and mask.blocks is None  # the blocks replace the causal rule (Note [block-causal ranges])

@@ -41,11 +41,11 @@ from dataclasses import dataclass
 import torch
 
 from seqpar.errors import SeqparInputError
-from seqpar.layouts.chunks import NAMED_LAYOUTS, ChunkLayout, Layout, named_layout, shard_for_rank
-from seqpar.layouts.placed import Placement
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.models.families import Family
 from seqpar.sequence_parallel.checks import Signature, by_rank, config_disagreement, exchange_signatures
+from seqpar.sequence_parallel.layouts.chunks import NAMED_LAYOUTS, ChunkLayout, Layout, named_layout, shard_for_rank
+from seqpar.sequence_parallel.layouts.placed import Placement
 from seqpar.sequence_parallel.masks.block_ranges import image_runs
 
 __all__ = ["ROW_KEY", "WHOLE_ROW_KEYS", "WholeRow", "agree_on_whole_row", "is_whole_row_call", "shard_decoder_inputs"]

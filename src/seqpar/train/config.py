@@ -12,9 +12,9 @@ import os
 from dataclasses import dataclass, field, fields
 
 from seqpar.errors import SeqparInputError
-from seqpar.layouts.chunks import layout_names, named_layout
 from seqpar.mesh import ParallelDims
 from seqpar.parallel import ParallelizeOptions
+from seqpar.sequence_parallel.layouts.chunks import layout_names, named_layout
 from seqpar.sequence_parallel.strategies.registry import STRATEGIES
 from seqpar.train.pipeline_config import pipeline_problems
 

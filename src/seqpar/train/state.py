@@ -21,7 +21,7 @@ import seqpar
 from seqpar.data import IGNORE_INDEX
 from seqpar.errors import SeqparInputError
 from seqpar.integrations.moe import router_loss_settings
-from seqpar.layouts.chunks import PER_BATCH_LAYOUTS
+from seqpar.sequence_parallel.layouts.chunks import PER_BATCH_LAYOUTS
 from seqpar.train.checkpoint import checkpoint_layout, latest_checkpoint, load_checkpoint
 from seqpar.train.config import TrainConfig
 from seqpar.train.data import FileRows, load_tokenizer

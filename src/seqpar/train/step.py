@@ -14,7 +14,7 @@ import torch
 import seqpar
 from seqpar.data import IGNORE_INDEX, BatchShard
 from seqpar.integrations.moe import model_router_loss
-from seqpar.layouts.chunks import PER_BATCH_LAYOUTS
+from seqpar.sequence_parallel.layouts.chunks import PER_BATCH_LAYOUTS
 from seqpar.sequence_parallel.prepare import LAYOUT_KEYWORD
 from seqpar.train.pipeline import pipeline_gradients
 from seqpar.train.state import RunState

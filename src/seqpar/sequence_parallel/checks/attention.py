@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from seqpar.errors import SeqparInputError
-from seqpar.layouts.chunks import LAYOUTS, PER_BATCH_LAYOUTS, ChunkLayout, chunks_per_rank
 from seqpar.sequence_parallel.checks.agreement import Signature, by_rank, exchange_signatures
+from seqpar.sequence_parallel.layouts.chunks import LAYOUTS, PER_BATCH_LAYOUTS, ChunkLayout, chunks_per_rank
 from seqpar.sequence_parallel.strategies.registry import STRATEGIES, STRATEGY_ROWS
 
 __all__ = ["DTYPES", "MAX_HEAD_DIM", "SIGNATURE_LENGTH", "InputSignature", "TensorSignature", "check_attention_inputs"]

@@ -49,8 +49,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
 
-from seqpar.layouts.chunks import gather_sequence, shard_for_rank
 from seqpar.mesh import SequenceParallelMesh
+from seqpar.sequence_parallel.layouts.chunks import gather_sequence, shard_for_rank
 
 __all__ = ["LeafGradients", "SavedBuffers", "ShardSpec", "restore_in_place", "shard_in_place"]
 

@@ -40,7 +40,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from seqpar.errors import SeqparInputError
-from seqpar.layouts.chunks import LAYOUTS, chunks_per_rank, gather_sequence
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
 from seqpar.sequence_parallel.context_parallel.autograd import (
     LeafGradients,
@@ -58,6 +57,7 @@ from seqpar.sequence_parallel.context_parallel.flex_mode import (
     split_block_masks,
 )
 from seqpar.sequence_parallel.context_parallel.sdpa_mode import agree_or_raise
+from seqpar.sequence_parallel.layouts.chunks import LAYOUTS, chunks_per_rank, gather_sequence
 from seqpar.sequence_parallel.strategies import STRATEGIES
 
 __all__ = ["context_parallel", "context_parallel_unshard"]

@@ -26,9 +26,9 @@ import torch.overrides
 from torch.overrides import TorchFunctionMode
 
 from seqpar.errors import SeqparInputError
-from seqpar.layouts.chunks import gather_sequence
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.api import attention
+from seqpar.sequence_parallel.layouts.chunks import gather_sequence
 from seqpar.sequence_parallel.masks import SequenceMask, key_mask
 
 __all__ = ["SequenceParallelSDPA", "agree_or_raise", "global_key_mask"]

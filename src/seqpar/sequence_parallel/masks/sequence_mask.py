@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 import torch
 
 from seqpar.errors import SeqparInputError
-from seqpar.layouts.chunks import Layout, chunks_per_rank, natural_order_index, reorder_chunks
 from seqpar.mesh import as_sp_mesh
 from seqpar.sequence_parallel.comm.collectives import all_gather_first_dim, collective_device
+from seqpar.sequence_parallel.layouts.chunks import Layout, chunks_per_rank, natural_order_index, reorder_chunks
 from seqpar.sequence_parallel.masks.block_ranges import BlockCausal, block_causal
 from seqpar.sequence_parallel.masks.blockwise import BlockwiseMask
 

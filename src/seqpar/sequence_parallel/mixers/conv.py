@@ -22,8 +22,14 @@ from __future__ import annotations
 
 import torch
 
-from seqpar.layouts.chunks import Layout, chunks_per_rank, gather_sequence, rank_chunk_ids, shard_for_rank
 from seqpar.mesh import SequenceParallelMesh
+from seqpar.sequence_parallel.layouts.chunks import (
+    Layout,
+    chunks_per_rank,
+    gather_sequence,
+    rank_chunk_ids,
+    shard_for_rank,
+)
 from seqpar.sequence_parallel.masks import SequenceMask
 
 __all__ = ["halo_causal_conv", "token_positions"]

@@ -48,8 +48,8 @@ from typing import NamedTuple
 
 import torch
 
-from seqpar.layouts.chunks import Layout, chunks_per_rank, gather_sequence, rank_chunk_ids
 from seqpar.mesh import SequenceParallelMesh
+from seqpar.sequence_parallel.layouts.chunks import Layout, chunks_per_rank, gather_sequence, rank_chunk_ids
 from seqpar.sequence_parallel.masks import SequenceMask
 from seqpar.sequence_parallel.mixers.conv import token_positions
 

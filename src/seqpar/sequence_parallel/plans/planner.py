@@ -3,7 +3,7 @@
 Every strategy reduces to this: local query chunks against a key/value piece whose chunk ids are known.
 
 Note [block plan]
-    The global sequence is cut into equal chunks with global ids (``seqpar.layouts.chunks``). Under a causal mask,
+    The global sequence is cut into equal chunks with global ids (``layouts.chunks``). Under a causal mask,
     query chunk g sees key chunk j fully when j < g, causally when j == g, and not at all when j > g.
     When the query and key chunks are the same strictly increasing list, one causal call over the whole
     square is exact (an earlier local chunk is also earlier globally). Otherwise each query chunk gets its

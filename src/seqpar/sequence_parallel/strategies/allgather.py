@@ -14,12 +14,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from seqpar.layouts.chunks import chunks_per_rank, natural_order_index, owner_order_index, rank_chunk_ids
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.comm import all_gather_first_dim, reduce_scatter_first_dim
 from seqpar.sequence_parallel.kernels import AttentionKernel
 from seqpar.sequence_parallel.kernels.merge import new_accumulator
 from seqpar.sequence_parallel.kernels.sinks import add_sinks, sink_grad
+from seqpar.sequence_parallel.layouts.chunks import (
+    chunks_per_rank,
+    natural_order_index,
+    owner_order_index,
+    rank_chunk_ids,
+)
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
 from seqpar.sequence_parallel.plans.blocks import blocks_backward, blocks_forward
 from seqpar.sequence_parallel.plans.kv_needs import kv_needs

@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 
 from seqpar.errors import SeqparInputError
-from seqpar.layouts.chunks import rank_chunk_ids
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.comm import head_to_seq_ranges, head_to_seq_shards, seq_to_head_shards
 from seqpar.sequence_parallel.kernels import AttentionKernel
 from seqpar.sequence_parallel.kernels.sinks import head_slice
+from seqpar.sequence_parallel.layouts.chunks import rank_chunk_ids
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
 from seqpar.sequence_parallel.strategies.heads import head_split
 from seqpar.sequence_parallel.strategies.ring import ring_attention_on_chunks

@@ -1,4 +1,4 @@
-"""One row per attention strategy: its function, its head rule, its bytes model and the mesh it needs.
+"""One row per attention strategy: its function, its head rule, its bytes and buffers and the mesh it needs.
 
 Everything that names, validates, enumerates or prices a strategy reads these rows; ``select_strategy``
 (``seqpar.sequence_parallel.selection``) picks one of them for ``strategy="auto"``.
@@ -54,6 +54,8 @@ __all__ = [
 
 BytesModel = Callable[[int, int, int, int, int, int, int], float]
 """(heads, kv_heads, sp_size, ulysses_size, local_tokens, head_dim, itemsize) -> bytes (Note [strategy bytes])."""
+BufferModel = Callable[[int, int], int]
+"""(local_tokens, sp_size) -> tokens of keys and values its exchange buffers hold on one rank (Note [DiT memory])."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,8 @@ class StrategyRow:
     """Whether it needs a 2-D mesh (a ring axis x an ulysses axis) to be itself."""
     bytes_model: BytesModel
     """Bytes per rank per layer, forward + backward, one batch row (Note [strategy bytes])."""
+    buffer_model: BufferModel
+    """The tokens of keys and values its exchange buffers hold on one rank beside its own (Note [DiT memory])."""
 
     @functools.cached_property
     def function(self) -> Callable[..., torch.Tensor]:
@@ -174,6 +178,19 @@ class StrategyRow:
         """
         return self.bytes_model(heads, kv_heads, sp_size, ulysses_size, local_tokens, head_dim, itemsize)
 
+    def buffer_bytes(self, local_tokens: int, sp_size: int, token_bytes: int) -> int:
+        """Bytes of the exchange buffers one rank holds in a layer's attention (Note [DiT memory]).
+
+        Args:
+            local_tokens: tokens per rank.
+            sp_size: the sequence-parallel degree.
+            token_bytes: bytes of one token's key and value.
+
+        Returns:
+            0 on one rank; else the row's buffered tokens times ``token_bytes``.
+        """
+        return 0 if sp_size == 1 else self.buffer_model(local_tokens, sp_size) * token_bytes
+
 
 def _ulysses(h: int, kv: int, sp: int, _u: int, n: int, d: int, e: int) -> float:
     return ulysses_bytes(h, kv, sp, n, d, e)
@@ -191,12 +208,27 @@ def _hybrid(h: int, kv: int, sp: int, u: int, n: int, d: int, e: int) -> float:
     return hybrid_bytes(h, kv, u, sp // u, n, d, e)
 
 
+def _two_blocks(n: int, _sp: int) -> int:
+    return 2 * n  # ring: the block in flight beside the one in use; Ulysses: its all-to-all's send and receive
+
+
+def _gathered(n: int, sp: int) -> int:
+    return n * sp  # the whole sequence's keys and values
+
+
+def _no_buffers(_n: int, _sp: int) -> int:
+    return 0
+
+
 _HERE = "seqpar.sequence_parallel.strategies"
-ULYSSES = StrategyRow("ulysses", f"{_HERE}.ulysses:ulysses_attention", "sp", None, True, False, _ulysses)
-RING = StrategyRow("ring", f"{_HERE}.ring:ring_attention", None, "ring", False, False, _ring)
-ALLGATHER = StrategyRow("allgather", f"{_HERE}.allgather:allgather_attention", None, "gather", False, False, _allgather)
-HYBRID = StrategyRow("hybrid", f"{_HERE}.hybrid:hybrid_attention", "ulysses", "ring", False, True, _hybrid)
-LOCAL = StrategyRow("local", f"{_HERE}.local:local_attention", None, None, False, False, local_bytes)
+ULYSSES = StrategyRow("ulysses", f"{_HERE}.ulysses:ulysses_attention", "sp", None, True, False, _ulysses, _two_blocks)
+RING = StrategyRow("ring", f"{_HERE}.ring:ring_attention", None, "ring", False, False, _ring, _two_blocks)
+ALLGATHER = StrategyRow(
+    "allgather", f"{_HERE}.allgather:allgather_attention", None, "gather", False, False, _allgather, _gathered
+)
+HYBRID = StrategyRow("hybrid", f"{_HERE}.hybrid:hybrid_attention", "ulysses", "ring", False, True, _hybrid, _two_blocks)
+"""Its buffers are counted as ring's (Note [DiT memory])."""
+LOCAL = StrategyRow("local", f"{_HERE}.local:local_attention", None, None, False, False, local_bytes, _no_buffers)
 """One rank holds the whole sequence (a sequence-parallel size of 1): chosen, never asked for."""
 AUTO = "auto"
 """The name that asks ``select_strategy`` to choose (Note [auto strategy])."""

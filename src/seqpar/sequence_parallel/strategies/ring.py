@@ -36,12 +36,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from seqpar.layouts.chunks import rank_chunk_ids
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.comm import RingExchange
 from seqpar.sequence_parallel.kernels import AttentionKernel
 from seqpar.sequence_parallel.kernels.merge import new_accumulator
 from seqpar.sequence_parallel.kernels.sinks import add_sinks, sink_grad
+from seqpar.sequence_parallel.layouts.chunks import rank_chunk_ids
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
 from seqpar.sequence_parallel.plans.blocks import blocks_backward, blocks_forward, is_whole
 from seqpar.sequence_parallel.plans.kv_needs import kv_needs

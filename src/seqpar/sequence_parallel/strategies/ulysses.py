@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import torch
 
-from seqpar.layouts.chunks import natural_order_index, owner_order_index
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.comm import (
     head_group_to_seq,
@@ -40,6 +39,7 @@ from seqpar.sequence_parallel.comm import (
 )
 from seqpar.sequence_parallel.kernels import AttentionKernel
 from seqpar.sequence_parallel.kernels.sinks import head_slice, sink_grad
+from seqpar.sequence_parallel.layouts.chunks import natural_order_index, owner_order_index
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
 from seqpar.sequence_parallel.plans.planner import Block
 from seqpar.sequence_parallel.strategies.heads import HeadSplit, head_split, kv_head_repeats

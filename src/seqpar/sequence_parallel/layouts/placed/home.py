@@ -1,6 +1,6 @@
 """Filling every rank's home run with whole short documents, padding, and at most one cut document per gap.
 
-The second half of Note [placed layout]; ``seqpar.layouts.placed.solver`` calls ``fill_homes``.
+The second half of Note [placed layout]; ``seqpar.sequence_parallel.layouts.placed.solver`` calls ``fill_homes``.
 """
 
 from __future__ import annotations

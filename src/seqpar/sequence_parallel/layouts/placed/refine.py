@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from seqpar.layouts.balanced import visible_area
+from seqpar.sequence_parallel.layouts.balanced import visible_area
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
 from seqpar.sequence_parallel.plans.tiles import MASK_TILE, square_parts, tile_size
 

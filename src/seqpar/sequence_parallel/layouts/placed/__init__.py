@@ -1,7 +1,7 @@
 """The placed layout: whole short documents on one rank, long ones split over few ranks, work and traffic even.
 
 ``placed_layout`` solves it from the global position ids (no communication); ``shard_batch(layout="placed")``
-calls it and reorders the row. The solver is in ``seqpar.layouts.placed.solver``.
+calls it and reorders the row. The solver is in ``seqpar.sequence_parallel.layouts.placed.solver``.
 
 Note [placed layout]
     Under packed documents a query sees only its own document, so where a document sits in the row does
@@ -13,7 +13,7 @@ Note [placed layout]
     it unchanged):
     - a document is *long* when it holds more tokens than a rank's share ``L`` or more attention work
       than ``WORK_SLACK`` of a rank's mean work. Long documents go first, each over few ranks
-      (``seqpar.layouts.placed.split``). A causal one that needs at most two ranks, or one whose work per token
+      (``layouts.placed.split``). A causal one that needs at most two ranks, or one whose work per token
       is flat (a window much shorter than it, or bidirectional), is cut into contiguous pieces from its
       end: a rank takes the document's chunks backwards while its work, its free tokens counted as filled
       by the cheapest whole documents left, stays within the first of ``FILL_TARGETS``; then the rank with
@@ -52,7 +52,7 @@ Note [placed layout]
     With a causal window, a query tile a window or more into its document also computes the masked tile the
     band's edge crosses (``token_costs``): exact on the grid a window's tiles follow, approximate where a run
     end moves it (close to the plans; the measured gap is in docs/benchmarks.md).
-    Refining pass (``seqpar.layouts.placed.refine``): the row's order is then fixed and only which rank holds
+    Refining pass (``layouts.placed.refine``): the row's order is then fixed and only which rank holds
     each chunk changes. A rank's score is its work (at least ``BALANCE_SLACK`` of the mean), ``OVER`` per
     unit of work above that (far above a token's traffic), and ``key_cost`` per token of K/V traffic (keys it
     sends count twice, forward and backward; keys it receives once, their gradients go home; per document, each
@@ -73,7 +73,7 @@ Note [placed layout]
     padding, more room to keep documents whole), and the refined candidate taken is within the balance
     target, then has the least traffic on its busiest rank, then the least work on it (ties: fewer chunks).
     A candidate with no traffic at all ends the search. A third candidate, the *chain*
-    (``seqpar.layouts.placed.chain``, with ``k + 1`` chunks per rank), applies where some documents are *dense*
+    (``layouts.placed.chain``, with ``k + 1`` chunks per rank), applies where some documents are *dense*
     (longer than a rank's share, or with too much work to share a rank even with the cheapest fill the row
     allows) but each fits two shares, and there are at most ``P / 2`` of them: every rank holds one
     contiguous run of the row, and each dense document crosses one run end, its head ending run ``r`` and
@@ -110,8 +110,8 @@ Note [placed layout]
 
 from __future__ import annotations
 
-from seqpar.layouts.placed.auto import resolve_auto_layout
-from seqpar.layouts.placed.floor import traffic_floor
-from seqpar.layouts.placed.solver import KEY_COST, Placement, placed_layout
+from seqpar.sequence_parallel.layouts.placed.auto import resolve_auto_layout
+from seqpar.sequence_parallel.layouts.placed.floor import traffic_floor
+from seqpar.sequence_parallel.layouts.placed.solver import KEY_COST, Placement, placed_layout
 
 __all__ = ["KEY_COST", "Placement", "placed_layout", "resolve_auto_layout", "traffic_floor"]

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 import torch
 
 from seqpar.errors import SeqparInputError
-from seqpar.layouts.balanced import TILE_COSTS
+from seqpar.sequence_parallel.layouts.balanced import TILE_COSTS
 from seqpar.sequence_parallel.masks.sequence_mask import check_packed_positions
 from seqpar.sequence_parallel.plans.tiles import SQUARE_BLOCK
 

@@ -1,6 +1,6 @@
 """Splitting long documents over ranks: contiguous pieces filled from the document's end, or zigzag runs.
 
-The first half of Note [placed layout]; ``seqpar.layouts.placed.solver`` calls ``split_long``.
+The first half of Note [placed layout]; ``seqpar.sequence_parallel.layouts.placed.solver`` calls ``split_long``.
 """
 
 from __future__ import annotations

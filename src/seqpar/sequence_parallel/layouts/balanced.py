@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from seqpar.errors import SeqparInputError
-from seqpar.layouts.chunks import ChunkLayout
+from seqpar.sequence_parallel.layouts.chunks import ChunkLayout
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask, sequence_mask
 from seqpar.sequence_parallel.plans.planner import plan_cost
 from seqpar.sequence_parallel.plans.tiles import run_tiles, square_parts, tile_kinds
@@ -180,7 +180,7 @@ def layout_balance(
     Raises:
         SeqparInputError: position ids that are not packed ids, or a length the layout does not divide.
     """
-    from seqpar.layouts.chunks import rank_chunk_ids
+    from seqpar.sequence_parallel.layouts.chunks import rank_chunk_ids
 
     mask, seq_len = _global_mask(position_ids, window, blocks)
     ids = [rank_chunk_ids(layout, world_size, r) for r in range(world_size)]

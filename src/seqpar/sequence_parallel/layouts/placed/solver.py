@@ -12,12 +12,12 @@ from dataclasses import dataclass
 import torch
 
 from seqpar.errors import SeqparInputError
-from seqpar.layouts.balanced import TILE_COSTS, balanced_layout, visible_area
-from seqpar.layouts.chunks import ChunkLayout
-from seqpar.layouts.placed.chain import chain_segments
-from seqpar.layouts.placed.home import BALANCE_SLACK, assign_homes, fill_homes
-from seqpar.layouts.placed.refine import Refiner, square_extra, token_costs
-from seqpar.layouts.placed.split import FILL_TARGETS, WORK_SLACK, fill_costs, split_long
+from seqpar.sequence_parallel.layouts.balanced import TILE_COSTS, balanced_layout, visible_area
+from seqpar.sequence_parallel.layouts.chunks import ChunkLayout
+from seqpar.sequence_parallel.layouts.placed.chain import chain_segments
+from seqpar.sequence_parallel.layouts.placed.home import BALANCE_SLACK, assign_homes, fill_homes
+from seqpar.sequence_parallel.layouts.placed.refine import Refiner, square_extra, token_costs
+from seqpar.sequence_parallel.layouts.placed.split import FILL_TARGETS, WORK_SLACK, fill_costs, split_long
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask, sequence_mask
 from seqpar.sequence_parallel.plans.tiles import MASK_TILE, tile_size
 
@@ -138,7 +138,7 @@ def _lay_out(segments: list[tuple[int, int, int]], c: int) -> tuple[torch.Tensor
 
 def _build_chain(docs: list[tuple[int, int]], work: list[float], total: torch.Tensor, p: int, c: int, k: int,
                  causal: bool) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:  # fmt: skip
-    """The chain candidate (``seqpar.layouts.placed.chain``) for ``k`` chunks per rank, as ``_build`` returns it."""
+    """The chain candidate (``layouts.placed.chain``) for ``k`` chunks per rank, as ``_build`` returns it."""
     if not causal:
         return None
     segments = chain_segments(docs, work, total, p, k * c)

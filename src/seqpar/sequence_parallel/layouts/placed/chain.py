@@ -1,14 +1,14 @@
 """The chain candidate of Note [placed layout]: one contiguous run per rank, dense documents across run ends.
 
-``seqpar.layouts.placed.solver`` builds it beside the long-zone candidates and keeps whichever refines best.
+``layouts.placed.solver`` builds it beside the long-zone candidates and keeps whichever refines best.
 """
 
 from __future__ import annotations
 
 import torch
 
-from seqpar.layouts.placed.home import BALANCE_SLACK, assign_homes, fill_homes
-from seqpar.layouts.placed.split import WORK_SLACK, fill_costs
+from seqpar.sequence_parallel.layouts.placed.home import BALANCE_SLACK, assign_homes, fill_homes
+from seqpar.sequence_parallel.layouts.placed.split import WORK_SLACK, fill_costs
 
 __all__ = ["REFINE_ROOM", "SHARE_STEP", "TAIL_SHARES", "chain_segments", "dense_documents"]
 

@@ -5,11 +5,13 @@ layout name registry (``NAMED_LAYOUTS``) lives here too.
 
 Note [layout registry]
     Every layout is a ``SequenceLayout``: a ``name``, whether it is ``per_batch``, ``chunks_for(P)`` (the global
-    chunk ids each of P ranks holds when a row is cut into equal chunks), ``shard`` and ``gather``. The fixed
-    ones (``FixedLayout``: "contiguous", "zigzag") cut every row alike; a ``ChunkLayout`` is one explicit cut;
-    the per-batch ones (``PerBatchLayout``: "balanced", "placed", "auto") are solved from each batch's global
+    chunk ids each of P ranks holds when a row is cut into equal chunks), ``pad_multiple(P)`` (what a row is
+    padded to a multiple of before it is cut or solved), ``shard`` and ``gather``. The fixed ones
+    (``FixedLayout``: "contiguous", "zigzag") cut every row alike; a ``ChunkLayout`` is one explicit cut; the
+    per-batch ones (``PerBatchLayout``: "balanced", "placed", "auto") are solved from each batch's global
     position ids by ``shard_batch`` into that batch's ``ChunkLayout`` (Notes [balanced layout], [placed
-    layout]), so they cut nothing themselves and say so. ``NAMED_LAYOUTS`` is the one list of names: the
+    layout]), so they cut nothing themselves and say so; each carries its ``solver``, which ``shard_batch``
+    calls (``layout_row`` gives any layout argument's row). ``NAMED_LAYOUTS`` is the one list of names: the
     configs (``SequenceParallelConfig``, ``seqpar train``), the CLI's ``--layout`` choices, ``prepare_model``
     and ``shard_batch`` read it, and ``named_layout`` refuses any other name with the list. Layout arguments
     stay names or ``ChunkLayout`` objects; the rows describe them.
@@ -24,9 +26,11 @@ Note [zigzag layout]
 from __future__ import annotations
 
 import functools
+import importlib
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -52,6 +56,7 @@ __all__ = [
     "chunks_per_rank",
     "gather_sequence",
     "layout_names",
+    "layout_row",
     "named_layout",
     "position_ids",
     "rank_chunk_ids",
@@ -75,6 +80,9 @@ class SequenceLayout(Protocol):
     def chunks_for(self, world_size: int) -> tuple[tuple[int, ...], ...]:
         """The global chunk ids each of ``world_size`` ranks holds, rank by rank, in local order."""
 
+    def pad_multiple(self, world_size: int) -> int:
+        """The multiple of tokens a row is padded to before it is cut (or solved) over ``world_size`` ranks."""
+
     def shard(self, x: torch.Tensor, mesh: object, dim: int = 1) -> torch.Tensor:
         """This rank's shard of the full sequence ``x`` (as ``shard_sequence``)."""
 
@@ -94,6 +102,8 @@ class FixedLayout:
     chunks_per_rank: int
     """1 (contiguous) or 2 (zigzag)."""
     per_batch = False
+    reorders_row = False
+    chooses = False
 
     def chunks_for(self, world_size: int) -> tuple[tuple[int, ...], ...]:
         """The global chunk ids each of ``world_size`` ranks holds, in local order.
@@ -108,6 +118,10 @@ class FixedLayout:
             return tuple((r,) for r in range(world_size))
         return tuple((r, 2 * world_size - 1 - r) for r in range(world_size))
 
+    def pad_multiple(self, world_size: int) -> int:
+        """``chunks_per_rank x world_size``: every chunk equally long."""
+        return self.chunks_per_rank * world_size
+
     def shard(self, x: torch.Tensor, mesh: object, dim: int = 1) -> torch.Tensor:
         """``shard_sequence(x, mesh, dim, layout=self.name)``."""
         return shard_sequence(x, mesh, dim, self.name)
@@ -120,12 +134,12 @@ class FixedLayout:
 @dataclass(frozen=True)
 class PerBatchLayout:
     """A layout solved per batch from the batch's global position ids; its name stands for the ``ChunkLayout``
-    that ``shard_batch`` (or ``made_by``) returns, which every call of that batch is then given."""
+    that ``shard_batch`` (or its ``solver``) returns, which every call of that batch is then given."""
 
     name: str
     """The name ``shard_batch``, ``prepare_model`` and the configs take."""
-    made_by: str
-    """What builds this batch's ``ChunkLayout`` from its position ids (for messages)."""
+    solver_path: str
+    """Where its solver lives, "module:name"; ``solver`` imports it on first use (the solvers import this module)."""
     pad_chunks: int = 2
     """The row is padded to a multiple of ``pad_chunks`` x P before it is solved (when it is not reordered)."""
     reorders_row: bool = False
@@ -134,11 +148,30 @@ class PerBatchLayout:
     """It stands for another per-batch layout, picked from the batch's own ids: "auto" (Note [placed layout])."""
     per_batch = True
 
+    @functools.cached_property
+    def solver(self) -> Callable[..., Any]:
+        """``(global position ids [B, S], P) ->`` the batch's ``ChunkLayout``; its ``Placement`` when the layout
+        reorders the row; the name of the layout it stands for, from the ids alone, when it ``chooses``."""
+        module, _, name = self.solver_path.partition(":")
+        return getattr(importlib.import_module(module), name)
+
     def _refuse(self) -> SeqparInputError:
+        rows = [r for r in NAMED_LAYOUTS.values() if r.per_batch and not r.chooses] if self.chooses else [self]
+        made_by = " or ".join(f"seqpar.{r.solver_path.partition(':')[2]}" for r in rows)
         return SeqparInputError(
             f"layout {self.name!r} is made per batch: pass the ChunkLayout that shard_batch returned (shard.layout) "
-            f"or that {self.made_by} made, not the name"
+            f"or that {made_by} made, not the name"
         )
+
+    def pad_multiple(self, world_size: int) -> int:
+        """``pad_chunks x world_size``.
+
+        Raises:
+            SeqparInputError: a layout that reorders the row (its solver pads the row it places).
+        """
+        if self.reorders_row:
+            raise self._refuse()
+        return self.pad_chunks * world_size
 
     def chunks_for(self, world_size: int) -> tuple[tuple[int, ...], ...]:
         """Raises: the chunks are the batch's own (``shard_batch``).
@@ -167,9 +200,9 @@ class PerBatchLayout:
 
 CONTIGUOUS = FixedLayout("contiguous", 1)
 ZIGZAG = FixedLayout("zigzag", 2)
-BALANCED = PerBatchLayout("balanced", "seqpar.balanced_layout")
-PLACED = PerBatchLayout("placed", "seqpar.placed_layout", reorders_row=True)
-AUTO = PerBatchLayout("auto", "seqpar.balanced_layout or seqpar.placed_layout", chooses=True)
+BALANCED = PerBatchLayout("balanced", "seqpar.sequence_parallel.layouts.balanced:balanced_layout")
+PLACED = PerBatchLayout("placed", "seqpar.sequence_parallel.layouts.placed:placed_layout", reorders_row=True)
+AUTO = PerBatchLayout("auto", "seqpar.sequence_parallel.layouts.placed.auto:resolve_auto_layout", chooses=True)
 
 NAMED_LAYOUTS: dict[str, FixedLayout | PerBatchLayout] = {
     row.name: row for row in (CONTIGUOUS, ZIGZAG, BALANCED, PLACED, AUTO)
@@ -217,6 +250,11 @@ def named_layout(name: str) -> FixedLayout | PerBatchLayout:
     return row
 
 
+def layout_row(layout: Layout) -> FixedLayout | PerBatchLayout | ChunkLayout:
+    """The row describing a layout argument: a ``ChunkLayout`` itself, a name its registry row (``named_layout``)."""
+    return layout if isinstance(layout, ChunkLayout) else named_layout(layout)
+
+
 @dataclass(frozen=True)
 class ChunkLayout:
     """An explicit layout: the sequence is cut into equal chunks and rank r holds ``chunk_ids[r]``, in that order.
@@ -262,6 +300,12 @@ class ChunkLayout:
         return f"{self.name} layout ({self.world_size} ranks x {self.chunks_per_rank} chunks)"
 
     per_batch = False  # already solved: it cuts its own batch's rows
+    reorders_row = False
+    chooses = False
+
+    def pad_multiple(self, world_size: int) -> int:
+        """``chunks_per_rank x world_size``."""
+        return self.chunks_per_rank * world_size
 
     def chunks_for(self, world_size: int) -> tuple[tuple[int, ...], ...]:
         """``chunk_ids``, once ``world_size`` is checked against the ranks the layout is for.
@@ -292,9 +336,7 @@ def chunks_per_rank(layout: Layout) -> int:
     Raises:
         SeqparInputError: for an unknown layout, or a per-batch name (its chunks are the batch's own).
     """
-    if isinstance(layout, ChunkLayout):
-        return layout.chunks_per_rank
-    row = named_layout(layout)
+    row = layout_row(layout)
     if row.per_batch:
         raise row._refuse()
     return row.chunks_per_rank
@@ -302,8 +344,7 @@ def chunks_per_rank(layout: Layout) -> int:
 
 @functools.lru_cache(maxsize=64)
 def _chunk_ids(layout: Layout, world_size: int) -> tuple[tuple[int, ...], ...]:
-    row = layout if isinstance(layout, ChunkLayout) else named_layout(layout)
-    return row.chunks_for(world_size)
+    return layout_row(layout).chunks_for(world_size)
 
 
 def rank_chunk_ids(layout: Layout, world_size: int, rank: int | None = None) -> tuple[int, ...]:
