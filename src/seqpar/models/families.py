@@ -10,8 +10,9 @@ Note [model families]
     ``mixers`` other than attention (state-space or convolutional blocks of hybrid models). An MLP holding the
     ``experts`` path is a mixture of experts. ``tp_plan`` lists, per layer, the projections tensor parallel
     splits column-wise (the inputs of attention and of the MLP) or row-wise (their outputs); None where the
-    family has no plan (fused projections, experts). A family that follows Llama's anatomy is one line:
-    ``Family("qwen2")``. One generic resolver (``seqpar.models.anatomy``) reads every entry, and every
+    family has no plan (fused projections, experts). A hybrid's ``hybrid`` names its token mixer's row (Note
+    [mixer rows]) and the quirks its sizes read (Note [hybrid sizes]). A family that follows Llama's anatomy is
+    one line: ``Family("qwen2")``. One generic resolver (``seqpar.models.anatomy``) reads every entry, and every
     consumer (prepare_model, data, tensor and pipeline parallel, the tiled MLP, activation offload, the doctor)
     asks it, so a new family is one entry here (or one ``register_family`` call) and nothing else.
 
