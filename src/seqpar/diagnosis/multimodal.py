@@ -16,8 +16,9 @@ __all__ = ["generated_families", "generated_multimodal_batch", "is_multimodal"]
 
 
 def generated_families() -> tuple[str, ...]:
-    """Model types whose batches ``generated_multimodal_batch`` can lay out from the config (``Family.image_rows``)."""
-    return tuple(t for t, family in FAMILIES.items() if family.image_rows is not None)
+    """Model types whose batches ``generated_multimodal_batch`` can lay out from the config (``Family.image_rows``),
+    by layout."""
+    return tuple(t for rows in _ROWS for t, family in FAMILIES.items() if family.image_rows == rows)
 
 
 def is_multimodal(config: object) -> bool:
