@@ -329,6 +329,8 @@ def test_a_new_mixer_kind_is_a_row_and_a_family_entry_no_branch_elsewhere():
         assert exchange_bytes(sizes, "mixer", 1, 2, 4) == (2 * 16 * 3 * 4, 2 * 2 * 4)
         assert mixer_elements(sizes, "mixer", 2, 4) == (5 * 16 + 3 * 16 + 16, 16 * 2 * 2.0)
         assert seqpar.estimate_memory(config, 1024, sp_size=2).mixer_state == 2 * (2 * 16 * 3 * 4 + 2 * 2 * 4)
+        with pytest.raises(SeqparInputError, match="Hybrid's qk_norm must be None, 'head' or 'whole'"):
+            Hybrid(_ToyScan, qk_norm="all")
         with pytest.raises(SeqparInputError, match="mixer kind 'toy_scan' is registered already"):
             register_mixer_kind(dataclasses.make_dataclass("Other", [], bases=(_ToyScan,), frozen=True))
     finally:

@@ -150,6 +150,12 @@ class Hybrid:
     derive: tuple[tuple[str, Callable[[Get], int]], ...] = ()
     """(config field, how its config derives it) for fields a config.json may lack."""
 
+    def __post_init__(self) -> None:
+        if not (isinstance(self.mixer, type) and issubclass(self.mixer, MixerSizes)):
+            raise SeqparInputError(f"a Hybrid's mixer is a row of seqpar.models.MIXER_KINDS, got {self.mixer!r}")
+        if self.qk_norm not in (None, "head", "whole"):
+            raise SeqparInputError(f"a Hybrid's qk_norm must be None, 'head' or 'whole', got {self.qk_norm!r}")
+
     def mixer_names(self) -> dict[str, object]:
         """The row's field names in this family's config."""
         return {**self.mixer.names, **dict(self.names)}
