@@ -559,11 +559,11 @@ def test_a_pipeline_stage_holds_a_hybrids_layer_kinds_in_proportion():
     nemotron = ModelSizes.from_config(tiny_config("nemotron_h"))  # Mamba2, experts, attention, MLP
     olmo = ModelSizes.from_config(tiny_config("olmo_hybrid"))  # gated DeltaNet, attention, gated DeltaNet x 2
     expected = (
-        (nemotron, 2, {"mamba2": 1, "moe": 1}),
-        (nemotron, 3, {"mamba2": 1, "moe": 1, "attention": 1}),
-        (nemotron, 8, {"mamba2": 2, "moe": 2, "attention": 2, "mlp": 2}),
-        (olmo, 2, {"gated_deltanet": 2}),
-        (olmo, 8, {"gated_deltanet": 6, "attention": 2}),
+        (nemotron, 2, {"mixer": 1, "moe": 1}),
+        (nemotron, 3, {"mixer": 1, "moe": 1, "attention": 1}),
+        (nemotron, 8, {"mixer": 2, "moe": 2, "attention": 2, "mlp": 2}),
+        (olmo, 2, {"mixer": 2}),
+        (olmo, 8, {"mixer": 6, "attention": 2}),
     )
     for sizes, layers, counts in expected:
         assert dataclasses.replace(sizes, num_hidden_layers=layers).kind_counts == counts, (sizes.model_type, layers)
@@ -678,7 +678,8 @@ def test_jamba_parameters_exact_all_layers_kept_within_6_percent_and_planned():
     config = tiny_config("jamba")
     sizes = ModelSizes.from_config(config)
     assert ModelSizes.from_config(config.to_dict()) == ModelSizes.from_config(sizes.as_config()) == sizes
-    assert sizes.layer_kinds == ("mamba1", "attention", "mamba1") and sizes.moe_layers == 2
+    assert sizes.layer_kinds == ("mixer", "attention", "mixer") and sizes.moe_layers == 2
+    assert type(sizes.mixer).kind == "mamba1" and sizes.mixer.dt_norm_weights
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     layers = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
@@ -690,7 +691,7 @@ def test_jamba_parameters_exact_all_layers_kept_within_6_percent_and_planned():
     counted = sum(_kept_elements_per_token(model, layer, tokens) for layer in model.model.layers)
     assert abs(every / 4 / tokens / counted - 1) < 0.06, (every / 4 / tokens, counted)
     estimate = seqpar.estimate_memory(config, 4096, sp_size=2)
-    assert estimate.mixer_state == 2 * sum(exchange_bytes(sizes, "mamba1", 1, 2, 4)) > 0
+    assert estimate.mixer_state == 2 * sum(exchange_bytes(sizes, "mixer", 1, 2, 4)) > 0
     assert plan(config.to_dict(), 4096, Cluster(gpus=4)).candidates
 
 

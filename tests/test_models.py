@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from typing import ClassVar
 
 import pytest
 import torch
@@ -274,6 +275,76 @@ def test_model_sizes_is_the_one_dataclass_of_sizes():
     assert load_model_shape(config.to_dict()) == dataclasses.replace(sizes, source="(dict)")
     with pytest.raises(SeqparInputError, match=r"model config x\.json: the model config lacks positive integer"):
         ModelSizes.from_config({"hidden_size": 4}, source="x.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class _ToyScan(seqpar.models.MixerSizes):
+    """A mixer row as a new kind would add it (Note [mixer rows]): a scan of ``width`` taps and a state per channel."""
+
+    kind = "toy_scan"
+    label = "toy scan"
+    layer_types = ("toy",)
+    names: ClassVar[dict] = {"width": "toy_width", "state": ("toy_state", 2)}
+
+    width: int
+    state: int = 2
+
+    def params(self, hidden: int) -> int:
+        return 2 * hidden * hidden + hidden * self.width
+
+    def conv(self, hidden: int) -> tuple[int, int]:
+        return hidden, self.width
+
+    def elements(self, hidden: int, sp: int) -> tuple[int, float]:
+        return 3 * hidden, float(hidden * self.state * (1 if sp == 1 else 2))
+
+    def exchange(self, rows: int, chunks: int) -> int:
+        return chunks * rows * self.state * 4
+
+    def head_parallel(self, hidden: int) -> int:
+        return 2 * hidden
+
+
+def test_a_new_mixer_kind_is_a_row_and_a_family_entry_no_branch_elsewhere():
+    """Note [mixer rows]: a registered row and a ``Family`` naming it are all the sizes, the parameter counts, the
+    memory estimate and ``as_config`` need; the row's own counts are what they report."""
+    from seqpar.memory.mixers import exchange_bytes, mixer_elements
+    from seqpar.models import MIXER_KINDS, Hybrid, register_mixer_kind
+
+    config = dict(
+        model_type="toy_hybrid", hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=2,
+        vocab_size=64, num_hidden_layers=3, layer_types=["toy", "full_attention", "toy"], toy_width=4,
+    )  # fmt: skip
+    register_mixer_kind(_ToyScan)
+    try:
+        with pytest.raises(SeqparInputError, match="toy besides attention"):  # no family entry: refused, not guessed
+            ModelSizes.from_config(config)
+        register_family(Family("toy_hybrid", mixers=("mixer",), hybrid=Hybrid(_ToyScan)))
+        sizes = ModelSizes.from_config(config)
+        assert sizes.mixer == _ToyScan(4, 2) and sizes.layer_kinds == ("mixer", "attention", "mixer")
+        assert ModelSizes.from_config(sizes.as_config()) == sizes
+        dense = ModelSizes.from_config({**config, "layer_types": ["full_attention"] * 3, "model_type": "llama"})
+        mixer_layer, attention_layer = 2 * 16 * 16 + 16 * 4 + 2 * 16, 16 * (2 * 16 + 2 * 16) + 2 * 16  # norms too
+        assert sizes.num_params == dense.num_params + 2 * (mixer_layer - attention_layer)
+        assert exchange_bytes(sizes, "mixer", 1, 2, 4) == (2 * 16 * 3 * 4, 2 * 2 * 4)
+        assert mixer_elements(sizes, "mixer", 2, 4) == (5 * 16 + 3 * 16 + 16, 16 * 2 * 2.0)
+        assert seqpar.estimate_memory(config, 1024, sp_size=2).mixer_state == 2 * (2 * 16 * 3 * 4 + 2 * 2 * 4)
+        with pytest.raises(SeqparInputError, match="Hybrid's qk_norm must be None, 'head' or 'whole'"):
+            Hybrid(_ToyScan, qk_norm="all")
+        with pytest.raises(SeqparInputError, match="mixer kind 'toy_scan' is registered already"):
+            register_mixer_kind(dataclasses.make_dataclass("Other", [], bases=(_ToyScan,), frozen=True))
+    finally:
+        FAMILIES.pop("toy_hybrid", None)
+        MIXER_KINDS.pop("toy_scan")
+
+
+def test_every_mixer_row_names_the_classes_its_adapter_runs():
+    """Note [mixer rows], Note [mixer adapters]: each adapter belongs to one row, and each row's classes have one."""
+    from seqpar.models import MIXER_KINDS
+    from seqpar.sequence_parallel.mixers import ADAPTERS
+
+    adapted = [name for row in MIXER_KINDS.values() for name in row.adapts]
+    assert sorted(adapted) == sorted(ADAPTERS)
 
 
 def _loss_and_grads(model, ids, names=lambda n: n):

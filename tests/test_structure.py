@@ -293,3 +293,46 @@ def test_a_moved_module_keeps_its_old_name_as_an_alias():
         "    assert any(new in str(w.message) for w in seen), (old, [str(w.message) for w in seen])\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _string_constants(node: ast.AST) -> list[str]:
+    """The strings a comparison side or a dict key spells out: a constant, or those of a tuple, list or set."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, ast.Tuple | ast.List | ast.Set):
+        return [s for element in node.elts for s in _string_constants(element)]
+    return []
+
+
+def test_registered_names_are_never_compared_rows_answer_instead():
+    """Note [model families], Note [mixer rows]: no module compares a value with a registered model type (a family's,
+    a vision tower's) or mixer kind, or keys a dict by one: the family entry, the tower row or the mixer row answers
+    for it. In models/ and memory/ no literal names a mixer kind, or a config's word for its layers, outside the
+    registries (the mixer rows and the family entries)."""
+    from seqpar.memory.vision import TOWERS
+    from seqpar.models import FAMILIES, MIXER_KINDS
+    from seqpar.models.mixers import mixer_layer_types
+
+    registered = set(FAMILIES) | set(TOWERS) | set(MIXER_KINDS)
+    mixer_words = set(MIXER_KINDS) | set(mixer_layer_types())
+    registries = ("seqpar.models.families", "seqpar.models.mixers")
+    scoped = ("seqpar.models", "seqpar.memory")
+    found = []
+    for module, path in _modules().items():
+        tree = ast.parse(path.read_text())
+        where = path.relative_to(PACKAGE)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare):
+                spelled = [s for side in (node.left, *node.comparators) for s in _string_constants(side)]
+            elif isinstance(node, ast.Dict):
+                spelled = [s for key in node.keys if key is not None for s in _string_constants(key)]
+            else:
+                continue
+            found += [f"{where}:{node.lineno} compares or keys by {s!r}" for s in spelled if s in registered]
+        if module.startswith(scoped) and not module.startswith(registries):
+            found += [
+                f"{where}:{node.lineno} names the mixer word {node.value!r}"
+                for node in ast.walk(tree)
+                if isinstance(node, ast.Constant) and node.value in mixer_words
+            ]
+    assert not found, "\n".join(sorted(found))

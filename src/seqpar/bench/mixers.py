@@ -21,6 +21,7 @@ its outputs back, forward and backward) would move for the same layer. Times are
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -31,98 +32,124 @@ import torch
 import torch.distributed as dist
 
 from seqpar.bench import save_records
+from seqpar.models.mixers import GatedDeltaNet, Kda, Lightning, Mamba1, Mamba2, ShortConv
 
 __all__ = ["main"]
 
-MIXERS = ("gated_deltanet", "mamba2", "kda", "short_conv", "lightning", "mamba1")
-"""The mixers that can be benchmarked, by their kind in ``seqpar.models.sizes.MIXER_KINDS``."""
-DEFAULT_MIXERS = tuple(m for m in MIXERS if m != "mamba1")
+
+def _common(cfg: dict) -> dict:
+    return dict(vocab_size=256, hidden_size=cfg["hidden"], num_hidden_layers=1, tie_word_embeddings=False)
+
+
+def _gated_deltanet(cfg: dict):
+    import transformers
+
+    return transformers.Qwen3NextConfig(
+        **_common(cfg),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["linear_attention"],
+        linear_num_key_heads=cfg["key_heads"],
+        linear_num_value_heads=cfg["value_heads"],
+        linear_key_head_dim=cfg["head_dim"],
+        linear_value_head_dim=cfg["head_dim"],
+        linear_conv_kernel_dim=4,
+        num_experts=2,
+        num_experts_per_tok=1,
+    )
+
+
+def _mamba2(cfg: dict):  # heads x head_dim = 2 x hidden, the Mamba2 default expansion
+    import transformers
+
+    hidden, dim = cfg["hidden"], cfg["head_dim"]
+    return transformers.Mamba2Config(
+        **_common(cfg), num_heads=2 * hidden // dim, head_dim=dim, state_size=cfg["state"], n_groups=1, expand=2
+    )
+
+
+def _kda(cfg: dict):
+    import transformers
+
+    return transformers.KimiLinearConfig(
+        **_common(cfg),
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        layer_types=["linear_attention"],
+        mlp_layer_types=["dense"],
+        linear_num_heads=cfg["value_heads"],
+        linear_head_dim=cfg["head_dim"],
+        linear_conv_kernel_dim=4,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+def _short_conv(cfg: dict):
+    import transformers
+
+    return transformers.Lfm2Config(
+        **_common(cfg), num_attention_heads=4, num_key_value_heads=2, layer_types=["conv"], conv_L_cache=3
+    )
+
+
+def _lightning(cfg: dict):  # MiniMax's lightning attention: heads of head_dim, blocks of 256 tokens
+    import transformers
+
+    heads = cfg["value_heads"]
+    return transformers.MiniMaxConfig(
+        **_common(cfg),
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=cfg["head_dim"],
+        layer_types=["linear_attention"],
+        block_size=256,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+    )
+
+
+def _mamba1(cfg: dict):  # d_inner = 2 x hidden, Mamba's default expansion
+    import transformers
+
+    return transformers.MambaConfig(**_common(cfg), state_size=cfg["mamba1_state"], expand=2, conv_kernel=4)
+
+
+_CONFIGS = {
+    GatedDeltaNet.kind: _gated_deltanet,
+    Mamba2.kind: _mamba2,
+    Kda.kind: _kda,
+    ShortConv.kind: _short_conv,
+    Lightning.kind: _lightning,
+    Mamba1.kind: _mamba1,
+}
+"""Mixer kind (``seqpar.models.MIXER_KINDS``) -> the one-layer transformers config whose layer is of that kind
+(hidden width, heads of ``head_dim``)."""
+
+MIXERS = tuple(_CONFIGS)
+"""The mixers that can be benchmarked, by their kind."""
+DEFAULT_MIXERS = tuple(m for m in MIXERS if m != Mamba1.kind)
 """Those run by default: Mamba1's scans (transformers' and seqpar's) take a Python step per token, so it runs when
 named, with a shorter ``--seq`` (docs/guides/hybrid-models.md says how long it took)."""
 
 
-def _config(mixer: str, cfg: dict):
-    """The one-layer transformers config whose layer is ``mixer`` (hidden width, heads of ``head_dim``)."""
-    import transformers
-
-    hidden, heads, dim = cfg["hidden"], cfg["value_heads"], cfg["head_dim"]
-    common = dict(vocab_size=256, hidden_size=hidden, num_hidden_layers=1, tie_word_embeddings=False)
-    if mixer == "gated_deltanet":
-        return transformers.Qwen3NextConfig(
-            **common,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            layer_types=["linear_attention"],
-            linear_num_key_heads=cfg["key_heads"],
-            linear_num_value_heads=heads,
-            linear_key_head_dim=dim,
-            linear_value_head_dim=dim,
-            linear_conv_kernel_dim=4,
-            num_experts=2,
-            num_experts_per_tok=1,
-        )
-    if mixer == "mamba2":  # heads x head_dim = 2 x hidden, the Mamba2 default expansion
-        return transformers.Mamba2Config(
-            **common, num_heads=2 * hidden // dim, head_dim=dim, state_size=cfg["state"], n_groups=1, expand=2
-        )
-    if mixer == "kda":
-        return transformers.KimiLinearConfig(
-            **common,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            layer_types=["linear_attention"],
-            mlp_layer_types=["dense"],
-            linear_num_heads=heads,
-            linear_head_dim=dim,
-            linear_conv_kernel_dim=4,
-            pad_token_id=0,
-            bos_token_id=1,
-            eos_token_id=2,
-        )
-    if mixer == "mamba1":  # d_inner = 2 x hidden, Mamba's default expansion
-        return transformers.MambaConfig(**common, state_size=cfg["mamba1_state"], expand=2, conv_kernel=4)
-    if mixer == "lightning":  # MiniMax's lightning attention: heads of head_dim, blocks of 256 tokens
-        return transformers.MiniMaxConfig(
-            **common,
-            num_attention_heads=heads,
-            num_key_value_heads=heads,
-            head_dim=dim,
-            layer_types=["linear_attention"],
-            block_size=256,
-            num_local_experts=2,
-            num_experts_per_tok=1,
-        )
-    return transformers.Lfm2Config(
-        **common, num_attention_heads=4, num_key_value_heads=2, layer_types=["conv"], conv_L_cache=3
-    )
-
-
 def _layer(mixer: str, cfg: dict) -> torch.nn.Module:
-    """The mixer module of the one-layer model of ``_config``."""
+    """The mixer module of the one-layer model of ``_CONFIGS``."""
     import transformers
+
+    from seqpar.models import anatomy
 
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(_config(mixer, cfg)).float()
-    layer = (model.backbone if mixer in ("mamba2", "mamba1") else model.model).layers[0]
-    names = {"gated_deltanet": "linear_attn", "mamba2": "mixer", "mamba1": "mixer", "kda": "self_attn"}
-    return getattr(layer, names.get(mixer, "self_attn" if mixer == "lightning" else "conv"))
+    model = transformers.AutoModelForCausalLM.from_config(_CONFIGS[mixer](cfg)).float()
+    return anatomy(model).mixers[0]
 
 
-def _all_to_all_elements(mixer: str, d) -> int:
-    """Elements per token a head-parallel all-to-all would move each way: the scan's inputs in, its output back."""
-    if mixer == "gated_deltanet":  # q, k, v, beta and the decay in; the output back
-        keys = d.linear_num_key_heads * d.linear_key_head_dim
-        return 2 * keys + 2 * d.linear_num_value_heads * d.linear_value_head_dim + 2 * d.linear_num_value_heads
-    if mixer == "mamba2":  # x, B, C and dt in; y back
-        inner = d.mamba_n_heads * d.mamba_d_head
-        return 2 * inner + 2 * d.mamba_n_groups * d.mamba_d_state + d.mamba_n_heads
-    if mixer == "kda":  # q, k, v, the decay per channel and beta in; the output back
-        return 5 * d.linear_num_value_heads * d.linear_key_head_dim + d.linear_num_value_heads
-    if mixer == "mamba1":  # channels split: x and dt in, B and C (shared by every channel) whole, y back
-        return 3 * d.mamba_d_inner + 2 * d.mamba_d_state
-    if mixer == "lightning":  # q, k and v in; the output back
-        return 4 * d.num_attention_heads * d.head_dim
-    return 2 * d.hidden_size  # the gated input's channels in, the convolution's output back
+def _required_nones(layer: torch.nn.Module) -> dict:
+    """None for each argument after the hidden states that the layer's own forward requires (lightning
+    attention's position embeddings and mask: it takes neither)."""
+    params = list(inspect.signature(type(layer).forward).parameters.values())[2:]
+    return {p.name: None for p in params if p.default is inspect.Parameter.empty and p.kind == p.POSITIONAL_OR_KEYWORD}
 
 
 def _volumes(mixer: str, cfg: dict, sp: int) -> dict:
@@ -130,9 +157,10 @@ def _volumes(mixer: str, cfg: dict, sp: int) -> dict:
     from seqpar.memory.mixers import exchange_bytes
     from seqpar.models import ModelSizes
 
-    d = ModelSizes.from_config(_config(mixer, cfg))
-    local = sum(exchange_bytes(d, mixer, 1, 2, 4))  # zigzag: two chunks a rank
-    all_to_all = 2 * _all_to_all_elements(mixer, d) * 4 * (cfg["seq"] // sp) * (sp - 1) / sp  # fwd and bwd
+    d = ModelSizes.from_config(_CONFIGS[mixer](cfg))
+    local = sum(exchange_bytes(d, d.layer_kinds[0], 1, 2, 4))  # zigzag: two chunks a rank
+    # a head-parallel all-to-all: the scan's inputs in, its output back (the row's count), forward and backward
+    all_to_all = 2 * d.mixer.head_parallel(d.hidden_size) * 4 * (cfg["seq"] // sp) * (sp - 1) / sp
     # an all-gather sends (P - 1) x its piece, as does a reduce-scatter; gloo runs the reduce-scatter as an
     # all-reduce of the gathered size, 2 (P - 1) x the piece
     return {
@@ -151,6 +179,7 @@ def _worker(rank: int, world_size: int, cfg: dict, out: str) -> None:
 
     mesh = seqpar.make_mesh()
     own, adapted = _layer(cfg["mixer"], cfg), _layer(cfg["mixer"], cfg)
+    required = _required_nones(own)
     adapt((adapted,))
     ctx = CallContext(mesh, "ring", "zigzag", "auto", sequence_mask(None, mesh, batch_size=1), {})
     g = torch.Generator().manual_seed(1)
@@ -162,10 +191,8 @@ def _worker(rank: int, world_size: int, cfg: dict, out: str) -> None:
         for name, layer in (("adapted", adapted), ("local", own)):
             dist.barrier()
             before, start = written_bytes(), time.perf_counter()
-            kwargs = {CONTEXT_KEY: ctx} if name == "adapted" else {}
-            if cfg["mixer"] == "lightning":  # its layer takes these (no rotary, no mask) and returns its state too
-                kwargs.update(position_embeddings=None, attention_mask=None)
-            result = layer(shard, **kwargs)
+            kwargs = {CONTEXT_KEY: ctx, **required} if name == "adapted" else dict(required)
+            result = layer(shard, **kwargs)  # lightning attention returns its state too
             (result[0] if isinstance(result, tuple) else result).square().mean().backward()
             elapsed = time.perf_counter() - start
             if round_:

@@ -10,11 +10,15 @@ import math
 import torch
 
 from seqpar.errors import SeqparInputError
+from seqpar.models import FAMILIES
 
-__all__ = ["GENERATED_FAMILIES", "generated_multimodal_batch", "is_multimodal"]
+__all__ = ["generated_families", "generated_multimodal_batch", "is_multimodal"]
 
-GENERATED_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "gemma3")
-"""Model types whose batches ``generated_multimodal_batch`` can lay out from the config."""
+
+def generated_families() -> tuple[str, ...]:
+    """Model types whose batches ``generated_multimodal_batch`` can lay out from the config (``Family.image_rows``),
+    by layout."""
+    return tuple(t for rows in _ROWS for t, family in FAMILIES.items() if family.image_rows == rows)
 
 
 def is_multimodal(config: object) -> bool:
@@ -102,6 +106,10 @@ def _gemma3_rows(config: object, seq_len: int, batch_size: int, gen: torch.Gener
     }
 
 
+_ROWS = {"grids": _qwen_rows, "blocks": _gemma3_rows}
+"""``Family.image_rows`` -> the function that lays its rows out."""
+
+
 def generated_multimodal_batch(config: object, seq_len: int, batch_size: int, seed: int) -> dict[str, torch.Tensor]:
     """Whole rows of text and images, as the family's processor and chat template lay them out, random pixels.
 
@@ -119,15 +127,14 @@ def generated_multimodal_batch(config: object, seq_len: int, batch_size: int, se
         The batch: ``input_ids``, ``attention_mask``, the pixels and the family's grid and token-type keys.
 
     Raises:
-        SeqparInputError: a family not in ``GENERATED_FAMILIES`` (naming it), or rows too short for the images.
+        SeqparInputError: a family without ``Family.image_rows`` (naming it), or rows too short for the images.
     """
     model_type = getattr(config, "model_type", None)
-    if model_type not in GENERATED_FAMILIES:
+    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if family is None or family.image_rows is None:
         raise SeqparInputError(
-            f"seqpar doctor generates image batches for {', '.join(GENERATED_FAMILIES)}, not {model_type!r}: call "
+            f"seqpar doctor generates image batches for {', '.join(generated_families())}, not {model_type!r}: call "
             "seqpar.doctor(model, mesh, batch) with a batch from your own collator (whole rows)"
         )
-    gen = torch.Generator().manual_seed(seed)
-    if model_type == "gemma3":
-        return _gemma3_rows(config, seq_len, batch_size, gen)
-    return _qwen_rows(config, seq_len, batch_size, gen)
+    rows = _ROWS[family.image_rows]
+    return rows(config, seq_len, batch_size, torch.Generator().manual_seed(seed))

@@ -1,15 +1,14 @@
 """A hybrid model's layers in the memory estimate: what each kind of layer keeps per token, and its mixer's exchange.
 
-``activations.py`` asks this for models with gated DeltaNet, KDA, Mamba2, Mamba1, lightning or short-convolution
-layers (Note [hybrid memory]).
+``activations.py`` asks this for hybrid models; each mixer's own terms are its row's (Note [mixer rows]).
 
 Note [hybrid memory]
     Per token, in elements, a hybrid's layer keeps for its backward (its input left out, as in Note [memory
     estimate]) its norms' and residuals' tensors and the mixer's input (5H; in a Mamba2 layer the input
     multiplier's copy of it), its MLP's (4I, as Llama's, or the experts' with a gated shared expert's output,
     Note [mixture-of-experts sizes]), and its token mixer's:
-    * attention: Llama's ``3 Hq + 2 Hkv``; ``2 Hq + 2 Hkv`` without a rotary embedding (GraniteMoeHybrid,
-      Jamba, Nemotron-H); MLA's terms of Note [memory estimate] (Kimi Linear);
+    * attention: Llama's ``3 Hq + 2 Hkv``; ``2 Hq + 2 Hkv`` without a rotary embedding (``ModelSizes.rotary``
+      from ``Family.rotary``: GraniteMoeHybrid, Jamba, Nemotron-H); MLA's terms of Note [memory estimate] (Kimi Linear);
       ``5 Hq + 3 Hkv`` with per-head q/k norms (LFM2: q and k before and after their norms);
       ``8 Hq + 4 Hkv`` with those norms and Qwen3-Next's output gate (the gate half of ``q_proj``, its
       sigmoid, the gated output, the norms' extra copies).
@@ -77,12 +76,9 @@ Note [hybrid memory]
 from __future__ import annotations
 
 from seqpar.models import ModelSizes
-from seqpar.models.hybrid_sizes import MLP_KINDS
+from seqpar.models.hybrid_sizes import ATTENTION, MLP_KINDS, PARALLEL, SHARED
 
 __all__ = ["exchange_bytes", "mixer_elements", "mlp_elements"]
-
-GDN_CHUNK = 64
-"""``torch_chunk_gated_delta_rule``'s default chunk length, the one seqpar's adapters run it with."""
 
 
 def _attention(d: ModelSizes) -> int:
@@ -94,50 +90,15 @@ def _attention(d: ModelSizes) -> int:
         return 8 * hq + 4 * hkv
     if d.qk_norm:
         return 5 * hq + 3 * hkv
-    return (2 if d.model_type in ("granitemoehybrid", "jamba", "nemotron_h") else 3) * hq + 2 * hkv  # no rotary
+    return (3 if d.rotary else 2) * hq + 2 * hkv
 
 
 def _shared_block(d: ModelSizes) -> int:
     """Elements per token a Zamba2 shared block keeps (Note [hybrid memory]): its input joined with the embeddings
     and their norm (``4 H``), the attention over them (``4 Hq + 2 Hkv``), the adapters' low-rank tensors, the
     MLP's norm and tensors, the projection's input and the Mamba2 norm's input (``4 H + 4 I``)."""
-    rank = d.adapter_rank * (4 if d.shared_attention_adapters else 1)
+    rank = d.shared.adapter_rank * (4 if d.shared.attention_adapters else 1)
     return 8 * d.hidden_size + 4 * d.q_width + 2 * d.kv_width + rank + 4 * d.dense_width
-
-
-def _conv_channels(d: ModelSizes, kind: str) -> tuple[int, int]:
-    """(channels, width) of the short convolution of a ``kind`` layer."""
-    if kind == "kda":  # its q, k and v
-        return 3 * d.linear_num_value_heads * d.linear_key_head_dim, d.linear_conv_kernel_dim
-    if kind == "gated_deltanet":
-        keys = d.linear_num_key_heads * d.linear_key_head_dim
-        return 2 * keys + d.linear_num_value_heads * d.linear_value_head_dim, d.linear_conv_kernel_dim
-    if kind in ("mamba2", "attention_mamba2", "shared_mamba2"):
-        return d.mamba_n_heads * d.mamba_d_head + 2 * d.mamba_n_groups * d.mamba_d_state, d.mamba_d_conv
-    if kind == "mamba1":
-        return d.mamba_d_inner, d.mamba_d_conv
-    if kind == "lightning":  # no convolution, no halo
-        return 0, 1
-    return d.hidden_size, d.conv_L_cache
-
-
-def _gdn_kernel(d: ModelSizes, dv: int) -> float:
-    """``G(dv)`` of Note [hybrid memory]: float32 elements per token inside the gated delta rule's kernel."""
-    hv, dk, c = d.linear_num_value_heads, d.linear_key_head_dim, GDN_CHUNK
-    return 5 * hv * c + 12 * hv * dk + 3 * hv * dv + 7 * hv + hv * dk * dv / c
-
-
-def _kda_kernel(d: ModelSizes, dv: int) -> float:
-    """``K(dv)`` of Note [hybrid memory]: float32 elements per token inside ``chunk_kimi_delta_attention``."""
-    heads, dk, c = d.linear_num_value_heads, d.linear_key_head_dim, GDN_CHUNK
-    per_head = c * c / 3 + 2 * c + dk * (3 * c + 12) + 3 * dv + 7 + dk * dv / c
-    return heads * per_head
-
-
-def _ssd_kernel(d: ModelSizes) -> float:
-    """``S`` of Note [hybrid memory]: float32 elements per token inside ``mamba2_chunk_scan``."""
-    hm, n, c = d.mamba_n_heads, d.mamba_d_state, d.mamba_chunk_size
-    return 4 * hm * d.mamba_d_head + 3 * hm * c + 5 * hm * n + 2 * hm * d.mamba_d_head * n / c + 5 * hm
 
 
 def mixer_elements(d: ModelSizes, kind: str, sp: int, b: int) -> tuple[float, float]:
@@ -145,7 +106,7 @@ def mixer_elements(d: ModelSizes, kind: str, sp: int, b: int) -> tuple[float, fl
 
     Args:
         d: the model's sizes (a hybrid's, Note [hybrid sizes]).
-        kind: "attention" or one of ``seqpar.models.sizes.MIXER_KINDS``.
+        kind: the layer's role, one of ``ModelSizes.layer_kinds``.
         sp: sequence-parallel degree (the state passing's opening pieces when above 1).
         b: bytes per element of the model's dtype.
 
@@ -153,44 +114,19 @@ def mixer_elements(d: ModelSizes, kind: str, sp: int, b: int) -> tuple[float, fl
         (elements in the model's dtype, float32 elements), per token (Note [hybrid memory]).
     """
     norms = (5 if d.layer_norms == 2 else 2) * d.hidden_size  # one norm: its output and the residual's input
-    if kind == "attention":
+    if kind == ATTENTION:
         return float(norms + _attention(d)), 0.0
     if kind in MLP_KINDS:  # Nemotron-H: an MLP or experts alone in a layer
         return float(norms + mlp_elements(d, kind)), 0.0
-    if kind == "shared_mamba2":  # Zamba2: the shared block, then its Mamba2 layer
-        own, float32 = mixer_elements(d, "mamba2", sp, b)
-        return own + _shared_block(d), float32
-    if kind == "attention_mamba2":  # Falcon-H1: the attention's own, and its input's scaled copy, beside SSD's
-        own, float32 = mixer_elements(d, "mamba2", sp, b)
-        return own + _attention(d) + d.hidden_size, float32
-    channels, width = _conv_channels(d, kind)
+    channels, width = d.mixer.conv(d.hidden_size)
     taps = (float(channels) if b >= 4 else 0.0, 0.0 if b >= 4 else float(width * channels))  # Note [hybrid memory]
-    if kind == "short_conv":
-        return norms + 5.0 * d.hidden_size + taps[0], taps[1]
-    if kind in ("gated_deltanet", "kda"):
-        dv, dk = d.linear_value_head_dim, d.linear_key_head_dim
-        around = norms + channels + 6 * d.linear_num_value_heads * dv + 3 * d.linear_num_value_heads
-        run = _gdn_kernel if kind == "gated_deltanet" else _kda_kernel
-        # sp > 1: the opening run is dv + dk wide, and its reads of the identity stay for the state's term
-        kernel = run(d, dv) if sp == 1 else run(d, dv + dk) + d.linear_num_value_heads * dk
-        return around + taps[0], kernel + taps[1]
-    if kind == "lightning":  # Note [hybrid memory]: per block of b tokens, k^T, q, the decayed scores, the state
-        heads, dim, block = d.num_attention_heads, d.head_dim, d.block_size
-        kernel = heads * (2 * dim + block + dim * dim / block)
-        reads = 0 if sp == 1 else heads * dim  # the decayed queries that read the entering state
-        return norms + 12 * d.hidden_size + 1 + taps[0], kernel + reads + taps[1]
-    if kind == "mamba1":  # Note [hybrid memory]: seqpar's sequential scan keeps each step's state
-        inner, n, low = d.mamba_d_inner, d.mamba_d_state, d.mamba_dt_rank + 2 * d.mamba_d_state
-        around = norms + 6 * inner + low + (low + 3 if d.mamba_dt_norms else 0)
-        scan = 3 * inner * n + 3 * inner  # decay, drive, the states; dt and its float32 copies
-        entering = 0 if sp == 1 else 2 * inner * n  # the decays' running product and the decayed entering state
-        return around + taps[0], scan + entering + taps[1]
-    inner, hm = d.mamba_n_heads * d.mamba_d_head, d.mamba_n_heads
-    projected = 2 * inner + 2 * d.mamba_n_groups * d.mamba_d_state + hm
-    gated = 5 if d.mamba_gated_norm else 2  # the gated norm's tensors, or the plain gate's product
-    around = norms + projected + 2 * channels + gated * inner + 3 * hm
-    entering = 0 if sp == 1 else hm * d.mamba_d_state + inner + 4 * hm  # C per head, the read, the decays
-    return around + taps[0], _ssd_kernel(d) + entering + taps[1]
+    own, float32 = d.mixer.elements(d.hidden_size, sp)  # the row's terms (Note [mixer rows])
+    own, float32 = norms + own + taps[0], float32 + taps[1]
+    if kind == SHARED:  # Zamba2: the shared block, then its Mamba2 layer
+        return own + _shared_block(d), float32
+    if kind == PARALLEL:  # Falcon-H1: the attention's own, and its input's scaled copy, beside SSD's
+        return own + _attention(d) + d.hidden_size, float32
+    return own, float32
 
 
 def mlp_elements(d: ModelSizes, kind: str) -> int:
@@ -208,7 +144,7 @@ def exchange_bytes(d: ModelSizes, kind: str, rows: int, chunks: int, b: int) -> 
 
     Args:
         d: the model's sizes.
-        kind: one of ``MIXER_KINDS`` ("attention" exchanges nothing here).
+        kind: the layer's role, one of ``ModelSizes.layer_kinds`` (attention and MLPs exchange nothing here).
         rows: rows of the micro-batch.
         chunks: layout chunks each rank holds.
         b: bytes per element of the model's dtype.
@@ -216,18 +152,7 @@ def exchange_bytes(d: ModelSizes, kind: str, rows: int, chunks: int, b: int) -> 
     Returns:
         (halo tail bytes, state summary bytes) of this rank's pieces; each all-gather returns sp times as many.
     """
-    if kind == "attention" or kind in MLP_KINDS:
+    if kind == ATTENTION or kind in MLP_KINDS:
         return 0, 0
-    channels, width = _conv_channels(d, kind)
-    halo = chunks * rows * channels * (width - 1) * b
-    if kind in ("gated_deltanet", "kda"):
-        heads, dk, dv = d.linear_num_value_heads, d.linear_key_head_dim, d.linear_value_head_dim
-    elif kind in ("mamba2", "attention_mamba2", "shared_mamba2"):  # M: a decay per head, sent alone
-        return halo, chunks * rows * d.mamba_n_heads * (1 + d.mamba_d_head * d.mamba_d_state) * 4
-    elif kind == "lightning":  # Note [lightning blocks]: M is a decay times the identity, sent alone
-        return halo, chunks * rows * d.num_attention_heads * (1 + d.head_dim * d.head_dim) * 4
-    elif kind == "mamba1":  # Note [Mamba1 state]: a 1 x 1 state per channel and entry
-        heads, dk, dv = d.mamba_d_inner * d.mamba_d_state, 1, 1
-    else:
-        return halo, 0
-    return halo, chunks * rows * heads * dk * (dk + dv) * 4
+    channels, width = d.mixer.conv(d.hidden_size)
+    return chunks * rows * channels * (width - 1) * b, d.mixer.exchange(rows, chunks)

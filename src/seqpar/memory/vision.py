@@ -37,10 +37,38 @@ from dataclasses import dataclass
 
 from seqpar.errors import SeqparInputError
 
-__all__ = ["VisionSizes"]
+__all__ = ["TOWERS", "Tower", "VisionSizes"]
 
-_BLOCK_COEFFICIENTS = {"qwen2_vl_vision": (11, 3), "qwen2_5_vl_vision": (13, 4), "qwen3_vl_vision": (11, 2)}
-"""Per vision ``model_type``: (a, c) of a block's ``a d + c I`` kept elements per patch."""
+
+@dataclass(frozen=True)
+class Tower:
+    """One supported vision tower: how its config names its sizes and what its blocks are built of."""
+
+    model_type: str
+    """The vision config's ``model_type``."""
+    coefficients: tuple[int, int]
+    """(a, c) of a block's ``a d + c I`` kept elements per patch (Note [vision tower memory])."""
+    layer_norm: bool = True
+    """Its norms are LayerNorms (a bias each); False: RMSNorms."""
+    gated_mlp: bool = False
+    """Its blocks' MLP is gated (three biased projections); False: two."""
+    embed_bias: bool = False
+    """Its patch embedding has a bias."""
+    windows: bool = False
+    """It keeps its patches reordered into windows (a copy of the width a patch)."""
+    ratio_names: bool = False
+    """Its config names the width ``embed_dim``, the MLP by ``mlp_ratio`` and the output ``hidden_size``."""
+
+
+TOWERS = {
+    tower.model_type: tower
+    for tower in (
+        Tower("qwen2_vl_vision", (11, 3), ratio_names=True),  # LayerNorm, quick-GELU MLP
+        Tower("qwen2_5_vl_vision", (13, 4), layer_norm=False, gated_mlp=True, windows=True),  # RMSNorm, gated MLP
+        Tower("qwen3_vl_vision", (11, 2), embed_bias=True),  # LayerNorm, tanh-GELU MLP
+    )
+}
+"""The towers whose memory seqpar counts: vision ``model_type`` -> its row."""
 
 
 def _get(config: object, name: str, default: object = None) -> object:
@@ -52,7 +80,7 @@ class VisionSizes:
     """The sizes of a Qwen-VL vision tower that its memory depends on (Note [vision tower memory])."""
 
     model_type: str
-    """The vision config's ``model_type``: a key of the supported towers."""
+    """The vision config's ``model_type``: a key of ``TOWERS``."""
     depth: int
     """Transformer blocks."""
     width: int
@@ -87,14 +115,15 @@ class VisionSizes:
         """
         vision = _get(config, "vision_config", None) or config
         kind = _get(vision, "model_type", None)
-        if kind not in _BLOCK_COEFFICIENTS:
-            known = ", ".join(sorted(_BLOCK_COEFFICIENTS))
+        tower = TOWERS.get(kind) if isinstance(kind, str) else None
+        if tower is None:
+            known = ", ".join(sorted(TOWERS))
             what = f"a {kind} tower" if vision is not config else f"a {kind or 'model'} config without a vision_config"
             raise SeqparInputError(
                 f"cannot estimate the vision tower's memory of {what}: seqpar counts the towers {known}; leave "
                 "vision_patches at 0 to estimate the decoder alone"
             )
-        if kind == "qwen2_vl_vision":
+        if tower.ratio_names:
             width = int(_get(vision, "embed_dim"))
             mlp, out = int(_get(vision, "mlp_ratio")) * width, int(_get(vision, "hidden_size"))
         else:
@@ -114,15 +143,19 @@ class VisionSizes:
             position_embeddings=int(_get(vision, "num_position_embeddings", 0) or 0),
         )
 
+    @property
+    def tower(self) -> Tower:
+        """The row of its tower."""
+        return TOWERS[self.model_type]
+
     def num_params(self) -> int:
         """Parameters of the tower, counted from its modules' shapes."""
-        d, i, md = self.width, self.mlp_width, self.merge * self.width
-        layer_norm = self.model_type != "qwen2_5_vl_vision"  # LayerNorm has a bias, RMSNorm has not
-        norm = 2 * d if layer_norm else d
-        mlp = 3 * d * i + 2 * i + d if self.model_type == "qwen2_5_vl_vision" else 2 * d * i + i + d
+        d, i, md, tower = self.width, self.mlp_width, self.merge * self.width, self.tower
+        norm = 2 * d if tower.layer_norm else d  # LayerNorm has a bias, RMSNorm has not
+        mlp = 3 * d * i + 2 * i + d if tower.gated_mlp else 2 * d * i + i + d
         block = 2 * norm + 3 * d * d + 3 * d + d * d + d + mlp
         merger = md * md + md + md * self.out_width + self.out_width
-        embed = self.patch_pixels * d + (d if self.model_type == "qwen3_vl_vision" else 0)
+        embed = self.patch_pixels * d + (d if tower.embed_bias else 0)
         deepstack = self.deepstack * (2 * md + merger)  # each DeepStack merger normalises after the shuffle
         return embed + self.position_embeddings * d + self.depth * block + norm + merger + deepstack
 
@@ -132,11 +165,11 @@ class VisionSizes:
         Args:
             checkpointing: the tower's blocks are checkpointed (each keeps its input only).
         """
-        a, c = _BLOCK_COEFFICIENTS[self.model_type]
+        a, c = self.tower.coefficients
         block = a * self.width + c * self.mlp_width + 2 * (self.width // self.heads) + self.heads + 4
         if checkpointing:
             block = self.width
-        windows = self.width if self.model_type == "qwen2_5_vl_vision" else 0  # the window-ordered copy
+        windows = self.width if self.tower.windows else 0  # the window-ordered copy
         # checkpointed, a DeepStack merger's input is a block input the checkpoint keeps already
         mergers = 4 * self.width + (3 if checkpointing else 4) * self.width * self.deepstack
         return self.patch_pixels + windows + self.depth * block + mergers

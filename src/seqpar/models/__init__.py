@@ -2,22 +2,28 @@
 
 Every axis (sequence, data, tensor and pipeline parallel, the memory features, the doctor) finds a model's
 parts through ``anatomy(model)``; the memory estimate and the planner read sizes through ``ModelSizes``;
-``DIFFUSION_PLANS`` says where each diffusers transformer is sharded (``seqpar.prepare_diffusers``).
+``MIXER_KINDS`` holds one row per token mixer other than attention (Note [mixer rows]); ``DIFFUSION_PLANS`` says
+where each diffusers transformer is sharded (``seqpar.prepare_diffusers``).
 """
 
 from seqpar.models.anatomy import ModelAnatomy, anatomy, family_of, find_anatomy
 from seqpar.models.diffusion import DIFFUSION_PLANS, DiffusionPlan, Gather, JointSplit, Split, register_diffusion_plan
 from seqpar.models.families import FAMILIES, LLAMA_TP_PLAN, Family, register_family
+from seqpar.models.hybrid_sizes import Hybrid
+from seqpar.models.mixers import MIXER_KINDS, MixerSizes, register_mixer_kind
 from seqpar.models.sizes import ModelSizes, active_parameters, parameter_counts
 
 __all__ = [
     "DIFFUSION_PLANS",
     "FAMILIES",
     "LLAMA_TP_PLAN",
+    "MIXER_KINDS",
     "DiffusionPlan",
     "Family",
     "Gather",
+    "Hybrid",
     "JointSplit",
+    "MixerSizes",
     "ModelAnatomy",
     "ModelSizes",
     "Split",
@@ -28,4 +34,5 @@ __all__ = [
     "parameter_counts",
     "register_diffusion_plan",
     "register_family",
+    "register_mixer_kind",
 ]

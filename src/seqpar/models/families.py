@@ -10,8 +10,9 @@ Note [model families]
     ``mixers`` other than attention (state-space or convolutional blocks of hybrid models). An MLP holding the
     ``experts`` path is a mixture of experts. ``tp_plan`` lists, per layer, the projections tensor parallel
     splits column-wise (the inputs of attention and of the MLP) or row-wise (their outputs); None where the
-    family has no plan (fused projections, experts). A family that follows Llama's anatomy is one line:
-    ``Family("qwen2")``. One generic resolver (``seqpar.models.anatomy``) reads every entry, and every
+    family has no plan (fused projections, experts). A hybrid's ``hybrid`` names its token mixer's row (Note
+    [mixer rows]) and the quirks its sizes read (Note [hybrid sizes]). A family that follows Llama's anatomy is
+    one line: ``Family("qwen2")``. One generic resolver (``seqpar.models.anatomy``) reads every entry, and every
     consumer (prepare_model, data, tensor and pipeline parallel, the tiled MLP, activation offload, the doctor)
     asks it, so a new family is one entry here (or one ``register_family`` call) and nothing else.
 
@@ -31,6 +32,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from seqpar.errors import SeqparInputError
+from seqpar.models.hybrid_families import (
+    count_layer_types,
+    kimi_config,
+    kimi_fields,
+    lfm2_config,
+    lfm2_fields,
+    nemotron_config,
+    nemotron_fields,
+    zamba_config,
+    zamba_fields,
+    zamba_width,
+)
+from seqpar.models.hybrid_sizes import Hybrid
+from seqpar.models.mixers import GatedDeltaNet, Kda, Lightning, Mamba1, Mamba2, ShortConv
 
 __all__ = ["FAMILIES", "LLAMA_TP_PLAN", "UNSERVED", "Family", "register_family"]
 
@@ -112,6 +127,14 @@ class Family:
     vision_units: bool = False
     """The vision encoder encodes each image, crop, tile or temporal patch on its own, so its work may be split
     over the SP group (Note [vision split]); False: every rank encodes every image (a safe default for new entries)."""
+    hybrid: Hybrid | None = None
+    """Its token mixer's row and the quirks of its hybrid layers, as the sizes read them (Note [hybrid sizes]);
+    None: every layer is attention."""
+    mla: bool = False
+    """Its MLA attention's sizes were checked against built models (Note [MLA sizes]); others' MLA is refused."""
+    image_rows: str | None = None
+    """How ``seqpar doctor`` lays out generated image rows from the config alone: "grids" (Qwen-VL's image grids
+    between vision delimiters), "blocks" (Gemma 3's begin/end tokens around a fixed run); None: it does not."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_type, str) or not self.model_type:
@@ -120,6 +143,10 @@ class Family:
             raise SeqparInputError(
                 f"a family's mask_context must be None, 'mask' or 'mapping', got {self.mask_context!r}"
             )
+        if self.hybrid is not None and not isinstance(self.hybrid, Hybrid):
+            raise SeqparInputError(f"a family's hybrid must be a seqpar.models.Hybrid, got {self.hybrid!r}")
+        if self.image_rows not in (None, "grids", "blocks"):
+            raise SeqparInputError(f"a family's image_rows must be None, 'grids' or 'blocks', got {self.image_rows!r}")
         if self.positions not in ("text", "mrope"):
             raise SeqparInputError(f"a family's positions must be 'text' or 'mrope', got {self.positions!r}")
         parts = [part for _, part in self.kinds if part not in ("attention", "mixer", "mlp")]
@@ -140,6 +167,26 @@ _GEMMA_NORMS = (
     "post_feedforward_layernorm",
 )
 _MOE = dict(experts="experts", tp_plan=None)  # experts are not split by tensor parallel
+_QWEN_VL = dict(text_model="language_model", vision="visual", positions="mrope", vision_units=True, image_rows="grids")
+_GATED_GDN = Hybrid(GatedDeltaNet, attention_gate=True, qk_norm="head")  # Qwen3-Next's and Qwen3.5's attention
+_SSM_MAMBA2 = (  # Mamba2's own config names
+    *(("heads", "num_heads"), ("head_dim", "head_dim"), ("state", "state_size"), ("groups", "n_groups")),
+    *(("conv_width", "conv_kernel"), ("chunk", "chunk_size"), ("conv_bias", "use_conv_bias")),
+    *(("proj_bias", "use_bias"), ("expand", None)),
+)
+_SSM_MAMBA1 = (  # Mamba's and Falcon-Mamba's
+    *(("inner", "intermediate_size"), ("state", "state_size"), ("conv_width", "conv_kernel")),
+    *(("dt_rank", "time_step_rank"), ("conv_bias", "use_conv_bias"), ("proj_bias", "use_bias")),
+)
+_NEMOTRON_MAMBA2 = (
+    *(("heads", "mamba_num_heads"), ("head_dim", "mamba_head_dim"), ("state", "ssm_state_size")),
+    *(("groups", "n_groups"), ("conv_width", "conv_kernel"), ("chunk", "chunk_size")),
+    *(("conv_bias", "use_conv_bias"), ("proj_bias", "use_bias"), ("expand", None)),
+)
+_ZAMBA_MAMBA2 = (  # its head width derived from the expansion, its convolution biased, its projections not
+    *(("heads", "n_mamba_heads"), ("head_dim", None), ("groups", "mamba_ngroups"), ("chunk", "chunk_size")),
+    *(("conv_bias", True), ("proj_bias", False)),
+)
 
 FAMILIES: dict[str, Family] = {
     family.model_type: family
@@ -161,27 +208,22 @@ FAMILIES: dict[str, Family] = {
             vision="vision_tower",
             image_blocks="token_type_ids",
             vision_units=True,
+            image_rows="blocks",
         ),
-        Family("qwen2_vl", text_model="language_model", vision="visual", positions="mrope", vision_units=True),
-        Family("qwen2_5_vl", text_model="language_model", vision="visual", positions="mrope", vision_units=True),
-        Family("qwen3_vl", text_model="language_model", vision="visual", positions="mrope", vision_units=True),
+        Family("qwen2_vl", **_QWEN_VL),
+        Family("qwen2_5_vl", **_QWEN_VL),
+        Family("qwen3_vl", **_QWEN_VL),
         # Qwen3.5: a Qwen3-VL-style vision tower before a gated DeltaNet hybrid decoder (dense or with experts)
         Family(
             "qwen3_5",
-            text_model="language_model",
-            vision="visual",
-            positions="mrope",
-            vision_units=True,
+            **_QWEN_VL,
             mixers=("linear_attn",),
             attention_interface=True,
             tp_plan=None,
         ),
         Family(
             "qwen3_5_moe",
-            text_model="language_model",
-            vision="visual",
-            positions="mrope",
-            vision_units=True,
+            **_QWEN_VL,
             mixers=("linear_attn",),
             attention_interface=True,
             **_MOE,
@@ -198,9 +240,9 @@ FAMILIES: dict[str, Family] = {
         Family("qwen3_moe", **_MOE),
         Family("gpt_oss", **_MOE),
         # MLA attention: queries and keys of one head size, values of another (Note [value head size])
-        Family("deepseek_v2", **_MOE),  # dense MLPs in the first first_k_dense_replace layers, experts after
-        Family("deepseek_v3", **_MOE),
-        Family("minicpm3", tp_plan=None),  # low-rank q and kv projections: no Llama tp plan
+        Family("deepseek_v2", mla=True, **_MOE),  # dense MLPs in the first first_k_dense_replace layers, experts after
+        Family("deepseek_v3", mla=True, **_MOE),
+        Family("minicpm3", mla=True, tp_plan=None),  # low-rank q and kv projections: no Llama tp plan
         # hybrids: each layer holds attention or a token mixer with a seqpar adapter (Note [mixer adapters])
         Family(
             "lfm2",
@@ -209,16 +251,18 @@ FAMILIES: dict[str, Family] = {
             layer_norms=("operator_norm", "ffn_norm"),
             mixers=("conv",),
             tp_plan=None,
+            hybrid=Hybrid(ShortConv, qk_norm="head", layer_type="conv", fields=lfm2_fields, config=lfm2_config),
         ),
-        Family("qwen3_next", mixers=("linear_attn",), attention_interface=True, **_MOE),  # gated DeltaNet layers
-        Family("qwen3_5_text", mixers=("linear_attn",), attention_interface=True, tp_plan=None),  # dense Qwen3.5
-        Family("qwen3_5_moe_text", mixers=("linear_attn",), attention_interface=True, **_MOE),
+        Family("qwen3_next", mixers=("linear_attn",), attention_interface=True, hybrid=_GATED_GDN, **_MOE),
+        Family("qwen3_5_text", mixers=("linear_attn",), attention_interface=True, hybrid=_GATED_GDN, tp_plan=None),
+        Family("qwen3_5_moe_text", mixers=("linear_attn",), attention_interface=True, hybrid=_GATED_GDN, **_MOE),
         Family(  # attention layers normalise after attention and MLP, gated DeltaNet layers before them
             "olmo_hybrid",
             layer_norms=("input_layernorm", "post_attention_layernorm", "post_feedforward_layernorm"),
             mixers=("linear_attn",),
             attention_interface=True,
             tp_plan=None,
+            hybrid=Hybrid(GatedDeltaNet, qk_norm="whole"),  # q/k norms over all heads, no output gate
         ),
         # Mamba2 (SSD) layers between attention layers, no rotary embedding, experts and a shared MLP
         Family(
@@ -228,6 +272,7 @@ FAMILIES: dict[str, Family] = {
             mixers=("mamba",),
             rotary=None,
             tp_plan=None,
+            hybrid=Hybrid(Mamba2, shared_mlp=True),
         ),
         Family(  # each layer runs attention and Mamba2 side by side
             "falcon_h1",
@@ -237,6 +282,12 @@ FAMILIES: dict[str, Family] = {
             mixers=("mamba",),
             attention_interface=True,
             tp_plan=None,
+            hybrid=Hybrid(
+                Mamba2,
+                names=(("gated_norm", ("mamba_rms_norm", False)), ("ssm_width", "mamba_d_ssm")),
+                parallel=True,
+                biases=("attention_bias", "mlp_bias", "mamba_proj_bias", "projectors_bias"),
+            ),
         ),
         Family(  # each layer holds one of Mamba2, attention (no rotary), experts or an MLP at "mixer"
             "nemotron_h",
@@ -252,6 +303,15 @@ FAMILIES: dict[str, Family] = {
             kinds=(("full_attention", "attention"), ("linear_attention", "mixer"), ("moe", "mlp"), ("mlp", "mlp")),
             attention_interface=True,
             tp_plan=None,
+            hybrid=Hybrid(
+                Mamba2,
+                names=_NEMOTRON_MAMBA2,
+                types_field="layers_block_type",
+                biases=("mlp_bias",),
+                fields=nemotron_fields,
+                config=nemotron_config,
+                derive=(("num_hidden_layers", count_layer_types),),
+            ),
         ),
         Family(  # Mamba2 (SSD) in every layer, no attention
             "mamba2",
@@ -262,6 +322,7 @@ FAMILIES: dict[str, Family] = {
             layer_norms=("norm",),
             mixers=("mixer",),
             tp_plan=None,
+            hybrid=Hybrid(Mamba2, names=_SSM_MAMBA2, state_space=True),
         ),
         Family(  # Mamba1 in every layer, no attention; the blocks are called with the mask alone
             "mamba",
@@ -273,6 +334,7 @@ FAMILIES: dict[str, Family] = {
             mixers=("mixer",),
             mask_context="mask",
             tp_plan=None,
+            hybrid=Hybrid(Mamba1, names=_SSM_MAMBA1, state_space=True),
         ),
         Family(  # Mamba's anatomy; its mixer normalises dt, B and C
             "falcon_mamba",
@@ -284,6 +346,7 @@ FAMILIES: dict[str, Family] = {
             mixers=("mixer",),
             mask_context="mask",
             tp_plan=None,
+            hybrid=Hybrid(Mamba1, names=(*_SSM_MAMBA1, ("dt_norms", True)), state_space=True),  # weightless norms
         ),
         Family(  # each layer holds Mamba1 or attention (no rotary), then experts or an MLP
             "jamba",
@@ -296,6 +359,7 @@ FAMILIES: dict[str, Family] = {
             mask_context="mapping",
             attention_interface=True,
             tp_plan=None,
+            hybrid=Hybrid(Mamba1, names=(("dt_norms", True), ("dt_norm_weights", True))),  # weighted norms
         ),
         Family(  # KDA (gated delta rule, decay per channel) or MLA attention without rotary at self_attn, experts
             "kimi_linear",
@@ -304,6 +368,8 @@ FAMILIES: dict[str, Family] = {
             layer_kind="block_type",
             kinds=(("full_attention", "attention"), ("linear_attention", "mixer")),
             attention_interface=True,
+            hybrid=Hybrid(Kda, fields=kimi_fields, config=kimi_config),
+            mla=True,
             **_MOE,
         ),
         Family(  # Mamba2 in every layer; some layers first run a shared attention block and a per-layer projection
@@ -322,6 +388,17 @@ FAMILIES: dict[str, Family] = {
             mixers=("mamba", "mamba_decoder.mamba"),
             attention_interface=True,
             tp_plan=None,
+            hybrid=Hybrid(
+                Mamba2,
+                names=_ZAMBA_MAMBA2,
+                shared_word="hybrid",
+                layer_type="mamba",
+                types_field="layers_block_type",
+                biases=("add_bias_linear",),
+                fields=zamba_fields,
+                config=zamba_config,
+                derive=(("intermediate_size", zamba_width),),
+            ),
         ),
         Family(
             "bamba",
@@ -331,12 +408,14 @@ FAMILIES: dict[str, Family] = {
             mixers=("mamba",),
             attention_interface=True,
             tp_plan=None,
+            hybrid=Hybrid(Mamba2, types_field="attn_layer_indices"),
         ),
         Family(  # lightning attention (Note [lightning blocks]) or softmax attention at self_attn, experts everywhere
             "minimax",
             mixers=("self_attn",),
             layer_kind="block_type",
             kinds=(("full_attention", "attention"), ("linear_attention", "mixer")),
+            hybrid=Hybrid(Lightning),
             **_MOE,
         ),
     )

@@ -1,6 +1,6 @@
 """The sizes of MLA attention read from a config: the latent ranks and head sizes ``ModelSizes`` counts.
 
-``ModelSizes`` (``sizes.py``) reads these for the model types whose MLA layers were checked (Note [MLA sizes]).
+``ModelSizes`` (``sizes.py``) reads these for the families whose MLA layers were checked (``Family.mla``).
 
 Note [MLA sizes]
     MLA attention (DeepSeek-V2/V3, MiniCPM3) projects the queries through a rank-``r_q`` bottleneck
@@ -14,8 +14,8 @@ Note [MLA sizes]
     key/value heads are the query heads, which makes the communication sizes and attention FLOPs those of
     the padded tensors seqpar moves. The projections' weights are counted exactly (the two latent norms
     included), as ``parameter_counts`` of the built model. Only the model types whose layers were checked
-    so are read (DeepSeek-V2/V3, MiniCPM3, and Kimi Linear's MLA layers beside its KDA layers, Note [hybrid
-    sizes]); other MLA configs (DSA indexers) are refused with the reason.
+    so are read (``Family.mla``: DeepSeek-V2/V3, MiniCPM3, and Kimi Linear's MLA layers beside its KDA layers,
+    Note [hybrid sizes]); other MLA configs (DSA indexers) are refused with the reason.
 """
 
 from __future__ import annotations
@@ -24,18 +24,16 @@ from seqpar.errors import SeqparInputError
 
 __all__ = ["mla_fields"]
 
-_MLA_TYPES = ("deepseek_v2", "deepseek_v3", "minicpm3", "kimi_linear")
-"""Model types whose MLA layers Note [MLA sizes] describes (checked against built models)."""
 
-
-def mla_fields(get) -> dict:
-    """The MLA fields of ``ModelSizes`` (Note [MLA sizes]); none when the attention is not MLA."""
+def mla_fields(get, checked: tuple[str, ...]) -> dict:
+    """The MLA fields of ``ModelSizes`` (Note [MLA sizes]) of a config whose model type is one of ``checked`` (the
+    families whose MLA layers it describes); none when the attention is not MLA."""
     if not get("kv_lora_rank") and not get("v_head_dim"):
         return {}
-    if get("model_type") not in _MLA_TYPES:  # DSA indexers, KDA hybrids, other layer shapes around MLA
+    if get("model_type") not in checked:  # DSA indexers, KDA hybrids, other layer shapes around MLA
         raise SeqparInputError(
             f"MLA attention of model type {get('model_type')!r}: seqpar's sizes describe the MLA layers of "
-            f"{', '.join(_MLA_TYPES)} only, so its memory estimate and plans could be wrong for this model; "
+            f"{', '.join(checked)} only, so its memory estimate and plans could be wrong for this model; "
             "training under seqpar is not affected (Note [value head size])"
         )
     names = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")

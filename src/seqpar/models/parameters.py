@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from seqpar.models.hybrid_sizes import MLP_KINDS, OWN_MLP_KINDS, mixer_params, shared_block_params
+from seqpar.models.hybrid_sizes import ATTENTION, MLP_KINDS, OWN_MLP_KINDS, PARALLEL, SHARED, shared_block_params
 
 # A ``seqpar.models.sizes.ModelSizes``; named loosely so that this module stays below ``sizes.py``
 # in the import order (sizes.py imports it).
@@ -39,13 +39,17 @@ def _moe_mlp_params(d: ModelSizes, experts: int) -> int:
 
 def _kind_params(d: ModelSizes, kind: str, dense: int, sparse: int) -> int:
     """Parameters of one layer of ``kind`` outside the MLP it holds beside its mixer (Note [hybrid sizes])."""
-    if kind == "attention":
+    norms = d.layer_norms * d.hidden_size
+    if kind == ATTENTION:
         return _attention_params(d)
     if kind in MLP_KINDS:  # Nemotron-H: an MLP, or experts, is a layer of its own
-        return (dense if kind == "mlp" else sparse) + d.layer_norms * d.hidden_size
-    if kind == "attention_mamba2":  # Falcon-H1: both mixers after one norm; the layer's norms counted once
-        return _attention_params(d) + mixer_params(d, "mamba2") - d.layer_norms * d.hidden_size
-    return mixer_params(d, kind)
+        return (dense if kind == "mlp" else sparse) + norms
+    mixer = d.mixer.params(d.hidden_size) + norms  # the row's count (Note [mixer rows])
+    if kind == PARALLEL:  # Falcon-H1: both mixers after one norm; the layer's norms counted once
+        return _attention_params(d) + mixer - norms
+    if kind == SHARED:  # Zamba2: its mixer layer, the projection after the shared block, the adapters
+        return mixer + d.hidden_size * d.hidden_size + shared_block_params(d)[1]
+    return mixer
 
 
 def _layer_params(d: ModelSizes, experts: int) -> tuple[int, int, int, int, int]:
@@ -57,15 +61,16 @@ def _layer_params(d: ModelSizes, experts: int) -> tuple[int, int, int, int, int]
     sparse = _moe_mlp_params(d, experts) if sparse_layers else 0
     mixers = {kind: _kind_params(d, kind, dense, sparse) for kind in d.kind_counts}
     total = sum(n * mixers[kind] for kind, n in d.kind_counts.items())
-    runs = d.kind_counts.get("shared_mamba2", 0)
+    runs = d.kind_counts.get(SHARED, 0)
     if runs:  # Zamba2 (Note [hybrid sizes]): a layer that runs a block holds it whole, with the adapters of each run
         base, adapters = shared_block_params(d)
-        per_block = [len(range(block, runs, d.shared_blocks)) for block in range(min(d.shared_blocks, runs))]
+        count = d.shared.count
+        per_block = [len(range(block, runs, count)) for block in range(min(count, runs))]
         if d.tie_word_embeddings:  # transformers ties the blocks only then: each stored once
             total += len(per_block) * base
         else:  # a copy in every layer that runs it
             total += runs * base + (sum(n * n for n in per_block) - runs) * adapters
-        mixers["shared_mamba2"] += base + (per_block[0] - 1) * adapters
+        mixers[SHARED] += base + (per_block[0] - 1) * adapters
     if any(kind in OWN_MLP_KINDS for kind in d.layer_kinds):
         return 0, 0, 0, total, max(mixers.values())
     mlp = max(dense if sparse_layers < d.num_hidden_layers else 0, sparse)

@@ -30,20 +30,22 @@ import dataclasses
 from dataclasses import dataclass
 
 from seqpar.errors import SeqparInputError
+from seqpar.models.families import FAMILIES
 from seqpar.models.hybrid_sizes import (
-    HYBRID_MIXERS,
-    MIXER_KINDS,
-    NOT_ATTENTION,
-    SSM_MIXERS,
+    ATTENTION,
+    PARALLEL,
+    Hybrid,
+    SharedBlocks,
     hybrid_config,
     hybrid_fields,
     layer_types,
     ssm_fields,
 )
+from seqpar.models.mixers import MixerSizes, mixer_layer_types
 from seqpar.models.mla_sizes import mla_fields
 from seqpar.models.parameters import active_parameters, parameter_counts
 
-__all__ = ["MIXER_KINDS", "ModelSizes", "active_parameters", "parameter_counts"]
+__all__ = ["ModelSizes", "active_parameters", "parameter_counts"]
 
 
 @dataclass(frozen=True)
@@ -101,64 +103,24 @@ class ModelSizes:
     tp_size: int = 1
     """Tensor-parallel degree the ``*_width`` properties and the parameter counts are of (one rank's share)."""
     layer_kinds: tuple[str, ...] = ()
-    """Hybrids: each layer's token mixer, "attention" or one of ``MIXER_KINDS``; empty when every layer is
-    attention (Note [hybrid sizes])."""
+    """Hybrids: each layer's role (``ATTENTION``, ``MIXER``, ``PARALLEL``, ``SHARED`` or an MLP's, Note [hybrid
+    sizes]); empty when every layer is attention."""
     attention_gate: bool = False
     """The attention's output gate (Qwen3-Next, Qwen3.5): ``q_proj`` makes the queries and the gate."""
     qk_norm: bool = False
     """Per-head RMSNorms of the queries and keys in the attention layers (hybrids only; others leave them out)."""
-    linear_num_key_heads: int = 0
-    """Gated DeltaNet: query/key heads."""
-    linear_num_value_heads: int = 0
-    """Gated DeltaNet: value heads (the state's heads)."""
-    linear_key_head_dim: int = 0
-    """Gated DeltaNet: dk."""
-    linear_value_head_dim: int = 0
-    """Gated DeltaNet: dv."""
-    linear_conv_kernel_dim: int = 0
-    """Gated DeltaNet: the short convolution's width."""
-    mamba_n_heads: int = 0
-    """Mamba2: heads."""
-    mamba_d_head: int = 0
-    """Mamba2: head width."""
-    mamba_d_state: int = 0
-    """Mamba2: state size N."""
-    mamba_n_groups: int = 0
-    """Mamba2: groups of B and C."""
-    mamba_d_conv: int = 0
-    """Mamba2: the convolution's width."""
-    mamba_chunk_size: int = 0
-    """Mamba2: the SSD kernel's chunk length."""
-    mamba_conv_bias: bool = False
-    """Mamba2: the convolution has a bias."""
-    mamba_proj_bias: bool = False
-    """Mamba2 and Mamba1: ``in_proj`` and ``out_proj`` have biases."""
-    mamba_d_inner: int = 0
-    """Mamba1: the scan's channels (``intermediate_size``; Mamba1 reuses ``mamba_d_state`` and ``mamba_d_conv``)."""
-    mamba_dt_rank: int = 0
-    """Mamba1: the rank of the time-step projection."""
-    mamba_dt_norms: bool = False
-    """Mamba1: weightless RMSNorms on dt, B and C (Falcon-Mamba)."""
     layer_norms: int = 2
     """RMSNorms per layer: 2, or 1 in a state-space model whose layers are a norm and a mixer (Mamba, Mamba2)."""
-    block_size: int = 0
-    """MiniMax: the lightning attention's block length."""
-    conv_L_cache: int = 0
-    """LFM2: the short convolution's width."""
-    conv_bias: bool = False
-    """LFM2: the short convolution's projections and convolution have biases."""
     mlp_gated: bool = True
     """The MLPs and experts have a gate projection (SwiGLU); False: an up and a down projection (Nemotron-H)."""
-    mamba_gated_norm: bool = True
-    """Mamba2: the gated RMSNorm before ``out_proj`` (False: Falcon-H1 without ``mamba_rms_norm``)."""
     qk_norm_whole: bool = False
     """The q/k RMSNorms span every head's columns (Olmo-Hybrid) rather than one head's."""
-    shared_blocks: int = 0
-    """Zamba2: the shared attention blocks (``num_mem_blocks``) its "hybrid" layers take in turn."""
-    adapter_rank: int = 0
-    """Zamba2: the rank of the shared blocks' per-layer adapters."""
-    shared_attention_adapters: bool = False
-    """Zamba2: the shared attention has per-layer q/k/v adapters (``use_shared_attention_adapter``)."""
+    mixer: MixerSizes | None = None
+    """Hybrids: the sizes of their token mixer other than attention, an instance of its row (Note [mixer rows])."""
+    shared: SharedBlocks | None = None
+    """Zamba2: its shared blocks (Note [hybrid sizes])."""
+    rotary: bool = True
+    """The attention layers rotate q and k (False: the family has no rotary embedding, ``Family.rotary``)."""
 
     @classmethod
     def from_config(cls, config: object, tp_size: int = 1, *, source: str = "") -> ModelSizes:
@@ -230,7 +192,7 @@ class ModelSizes:
     @property
     def hybrid(self) -> bool:
         """Whether some layers hold a token mixer other than attention (Note [hybrid sizes])."""
-        return any(kind != "attention" for kind in self.layer_kinds)
+        return any(kind != ATTENTION for kind in self.layer_kinds)
 
     @property
     def kind_counts(self) -> dict[str, int]:
@@ -253,7 +215,7 @@ class ModelSizes:
     def attention_layers(self) -> int:
         """Layers among ``num_hidden_layers`` that run attention (Falcon-H1's run it beside Mamba2)."""
         counts = self.kind_counts
-        return counts.get("attention", 0) + counts.get("attention_mamba2", 0)
+        return counts.get(ATTENTION, 0) + counts.get(PARALLEL, 0)
 
     @property
     def dense_width(self) -> int:
@@ -322,7 +284,8 @@ class ModelSizes:
                 qk_rope_head_dim=self.qk_rope_head_dim,
                 v_head_dim=self.v_head_dim,
             )
-        if self.num_experts and self.model_type == "granitemoehybrid":
+        hybrid = _hybrid_of(self.model_type)
+        if self.num_experts and hybrid is not None and hybrid.shared_mlp:
             config.update(
                 num_local_experts=self.num_experts,
                 num_experts_per_tok=self.num_experts_per_tok,
@@ -345,8 +308,8 @@ class ModelSizes:
                 shared_expert_intermediate_size=self.shared_expert_intermediate_size,
                 mlp_only_layers=list(range(self.num_hidden_layers - self.moe_layers)),
             )
-        if self.hybrid:  # after the experts: a hybrid's own names for them win
-            config.update(hybrid_config(self))
+        if self.hybrid and hybrid is not None:  # after the experts: a hybrid's own names for them win
+            config.update(hybrid_config(self, hybrid))
         return config
 
 
@@ -357,6 +320,12 @@ def _check_tp(heads: int, kv_heads: int, tp: int) -> None:
         raise SeqparInputError(f"tp_size {tp} must divide the heads ({heads}) and key/value heads ({kv_heads})")
 
 
+def _hybrid_of(model_type: str) -> Hybrid | None:
+    """The ``Family.hybrid`` of a model type; None for a family without one, or a model type of no family."""
+    family = FAMILIES.get(model_type)
+    return family.hybrid if family is not None else None
+
+
 def _from_config(config: object, tp: int, source: str) -> ModelSizes:
     """``ModelSizes.from_config`` without the source in its errors."""
     if isinstance(config, dict):
@@ -365,29 +334,36 @@ def _from_config(config: object, tp: int, source: str) -> ModelSizes:
         config = getattr(config, "text_config", None) or config
     get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
     model_type = str(get("model_type", None) or "llama")
-    if model_type == "nemotron_h" and get("num_hidden_layers") is None:  # its config derives them from the types
-        get = _answering(get, "num_hidden_layers", len(layer_types(get)))
-    if model_type == "zamba2" and get("intermediate_size") is None:  # its config derives 4 H
-        get = _answering(get, "intermediate_size", 4 * (get("hidden_size") or 0))
-    if model_type in SSM_MIXERS:  # a norm and a mixer per layer, no attention, no MLP
-        return ModelSizes(**ssm_fields(get, model_type, tp), model_type=model_type, source=source, tp_size=tp)
+    family = FAMILIES.get(model_type)
+    quirks = _hybrid_of(model_type)
+    rotary = family is None or family.rotary is not None
+    for field, derive in quirks.derive if quirks is not None else ():
+        if get(field) is None:  # a config.json's field that its config class derives
+            get = _answering(get, field, derive(get))
+    if quirks is not None and quirks.state_space:  # a norm and a mixer per layer, no attention, no MLP
+        fields = ssm_fields(get, model_type, quirks, tp)
+        return ModelSizes(**fields, model_type=model_type, source=source, tp_size=tp, rotary=rotary)
     names = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "num_hidden_layers")
     missing = [n for n in names if not isinstance(get(n), int) or isinstance(get(n), bool) or get(n) <= 0]
     if missing:
         raise SeqparInputError(f"the model config lacks positive integer {', '.join(missing)}: not a decoder config")
     types = layer_types(get)
-    mixing = sorted({t for t in types if t in NOT_ATTENTION})
-    if mixing and model_type not in HYBRID_MIXERS:
+    if quirks is not None and quirks.parallel:  # attention beside the mixer in every layer, whatever the types say
+        types = [PARALLEL] * get("num_hidden_layers")
+    words = mixer_layer_types()
+    mixing = sorted({t for t in types if t in words or t == PARALLEL})
+    if mixing and quirks is None:
+        known = [t for t, f in FAMILIES.items() if f.hybrid is not None and not f.hybrid.state_space]
         raise SeqparInputError(
             f"a hybrid model (layers of type {', '.join(mixing)} besides attention) of model type {model_type!r}: "
-            f"seqpar's sizes describe the hybrid layers of {', '.join(HYBRID_MIXERS)} only, so its memory "
+            f"seqpar's sizes describe the hybrid layers of {', '.join(known)} only, so its memory "
             "estimate and plans would be wrong for this model; training under seqpar is not affected "
             "(Note [hybrid sizes])"
         )
-    hybrid = hybrid_fields(get, model_type, types, tp) if mixing else {}
+    hybrid = hybrid_fields(get, model_type, quirks, types, tp) if mixing else {}
     hidden, heads, layers = get("hidden_size"), get("num_attention_heads"), get("num_hidden_layers")
     kv_heads = get("num_key_value_heads") or heads
-    mla = mla_fields(get)
+    mla = mla_fields(get, tuple(t for t, f in FAMILIES.items() if f.mla))
     if mla:  # every head has its own keys and values once the latent is expanded (Note [MLA sizes])
         kv_heads = heads
     if heads % kv_heads:
@@ -396,7 +372,7 @@ def _from_config(config: object, tp: int, source: str) -> ModelSizes:
     if hybrid and len(hybrid["layer_kinds"]) != layers:
         raise SeqparInputError(f"{len(hybrid['layer_kinds'])} layer types for {layers} layers")
     experts = _experts(get, layers)
-    if model_type == "granitemoehybrid":  # the shared MLP is the dense MLP, or an ungated shared expert
+    if quirks is not None and quirks.shared_mlp:  # the shared MLP is the dense MLP, or an ungated shared expert
         shared = get("shared_intermediate_size") or get("intermediate_size")
         if experts:
             experts.update(shared_expert_intermediate_size=shared, shared_expert_gate=False)
@@ -415,6 +391,7 @@ def _from_config(config: object, tp: int, source: str) -> ModelSizes:
         model_type=model_type,
         source=source,
         tp_size=tp,
+        rotary=rotary,
         **(experts | mla | hybrid),  # a hybrid's own reading of its experts wins
     )
 
