@@ -335,6 +335,11 @@ class _PreparedCalls:
         self.encoder = _vision_encoder(model, served, split_vision)
         self.choices: dict = {}
 
+    def __deepcopy__(self, memo: dict) -> _PreparedCalls:
+        # A copied model (a pipeline stage's frame) keeps its hooks as it would keep a function: shared, since
+        # the mesh's process groups cannot be copied.
+        return self
+
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if getattr(self.model, UNSHARDED_ATTR, False):  # whole sequences, the model's own attention
             return args, kwargs
