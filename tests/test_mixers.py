@@ -235,14 +235,15 @@ def _composition(rank, world_size):
             _check(rank, world_size, seqpar.make_mesh(ulysses_size=2), kind, "zigzag", True, strategy="hybrid")
 
 
-def _adamw(rank, world_size, kinds=KINDS):
+def _adamw(rank, world_size, kinds=KINDS, losses=True):
     """3 AdamW steps on fresh unpacked rows: every step's loss within 1e-5 of one process's, and every parameter
     entry within ``FLOOR_FACTOR`` times its rounding floor of the float64 model's after the same steps (Note [AdamW
     floors]: the gradients' rounding measured per tensor and step from one process and ``_rounding_twin``, carried
     through the replayed AdamW steps). Adam moves an entry by about lr whatever its gradient's size, so rounding in a
     tiny gradient becomes a step (Mamba2's second convolution bias: one gradient entry 4e-7 of the largest), and
     which entries it hits depends on the order of the sums: a floor from two fp32 runs' distances passed here and
-    failed on another CPU (issue 57). Returns the least margin (bound / distance) of seqpar's entries."""
+    failed on another CPU (issue 57). Returns the least margin (bound / distance) of seqpar's entries. ``losses``
+    False leaves the losses unchecked (the negative control: the parameters' check alone must fail)."""
     mesh = seqpar.make_mesh()
     margin = math.inf
     for kind in kinds:
@@ -267,7 +268,9 @@ def _adamw(rank, world_size, kinds=KINDS):
             loss.backward()
             seqpar.reduce_gradients(model.parameters(), mesh)
             got = seqpar.sum_over(loss.detach(), mesh)
-            torch.testing.assert_close(got, want.detach(), atol=1e-5, rtol=0, msg=lambda m, k=kind: f"{k} loss: {m}")
+            if losses:
+                message = f"{kind} step {step} loss"
+                torch.testing.assert_close(got, want.detach(), atol=1e-5, rtol=0, msg=lambda m, w=message: f"{w}: {m}")
             floors.record(exact, (ref, twin))
             for opt in opts:
                 opt.step()
@@ -278,8 +281,8 @@ def _adamw(rank, world_size, kinds=KINDS):
 
 
 def _control(rank, world_size):
-    """Without the exchange (halos and incoming states zero) logits and the mixers' gradients are far off: the checks
-    can tell."""
+    """Without the exchange (halos and incoming states zero) logits, the mixers' gradients and the parameters after
+    AdamW steps are far off: the checks can tell."""
     mesh = seqpar.make_mesh()
     kept = conv.gather_sequence
 
@@ -311,6 +314,8 @@ def _control(rank, world_size):
             assert worst > 0.1, (kind, worst)
         with pytest.raises(AssertionError, match="LoRA"):  # the LoRA check sees it too
             _lora(rank, world_size, kinds=("qwen3_next",))
+        with pytest.raises(AssertionError, match="after 3 AdamW steps"):  # and the parameters' floors after AdamW
+            _adamw(rank, world_size, kinds=("qwen3_next",), losses=False)
     finally:
         conv.gather_sequence = scan.gather_sequence = kept
 
