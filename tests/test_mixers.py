@@ -238,30 +238,38 @@ def _composition(rank, world_size):
 def _adamw(rank, world_size, kinds=KINDS, losses=True):
     """3 AdamW steps on fresh unpacked rows: every step's loss within 1e-5 of one process's, and every parameter
     entry within ``FLOOR_FACTOR`` times its rounding floor of the float64 model's after the same steps (Note [AdamW
-    floors]: the gradients' rounding measured per tensor and step from one process and ``_rounding_twin``, carried
-    through the replayed AdamW steps). Adam moves an entry by about lr whatever its gradient's size, so rounding in a
-    tiny gradient becomes a step (Mamba2's second convolution bias: one gradient entry 4e-7 of the largest), and
-    which entries it hits depends on the order of the sums: a floor from two fp32 runs' distances passed here and
-    failed on another CPU (issue 57). Returns the least margin (bound / distance) of seqpar's entries. ``losses``
-    False leaves the losses unchecked (the negative control: the parameters' check alone must fail)."""
+    floors]: the gradients' rounding measured per tensor and step from one process, ``_rounding_twin`` and one
+    process summing the tokens' gradients in two halves, carried through the replayed AdamW steps). Adam moves an
+    entry by about lr whatever its gradient's size, so rounding in a tiny gradient becomes a step (Mamba2's second
+    convolution bias: one gradient entry 4e-7 of the largest), and which entries it hits depends on the order of
+    the sums: a floor from two fp32 runs' distances passed here and failed on another CPU (issue 57). Returns the
+    least margin (bound / distance) of seqpar's entries. ``losses`` False leaves the losses unchecked (the negative
+    control: the parameters' check alone must fail)."""
     mesh = seqpar.make_mesh()
     margin = math.inf
     for kind in kinds:
         ref = _model(kind).train()
-        twin, exact = _rounding_twin(ref, kind), _float64(copy.deepcopy(ref))
+        twin, halves, exact = _rounding_twin(ref, kind), copy.deepcopy(ref), _float64(copy.deepcopy(ref))
         model = seqpar.prepare_model(copy.deepcopy(ref), mesh, strategy="ring")
 
         def adamw(params):
             return torch.optim.AdamW(params, lr=1e-3, eps=1e-6)
 
         floors = StepFloors(exact, adamw)
-        opts = [adamw(m.parameters()) for m in (ref, twin, exact, model)]
+        opts = [adamw(m.parameters()) for m in (ref, twin, halves, exact, model)]
         for step in range(3):
             ids = _ids(2, 10 + step)
             want = ref(input_ids=ids, labels=ids).loss
             want.backward()
             for other in (twin, exact):
                 other(input_ids=ids, labels=ids).loss.backward()
+            # the tokens' sums split in two, as seqpar splits them by rank: each half's share of the loss backward
+            ce = torch.nn.functional.cross_entropy(
+                halves(input_ids=ids).logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="none"
+            ).view(len(ids), -1)
+            cut = ce.shape[1] // 2
+            (ce[:, :cut].sum() / ce.numel()).backward(retain_graph=True)
+            (ce[:, cut:].sum() / ce.numel()).backward()
             shard = seqpar.shard_batch({"input_ids": ids}, mesh)
             logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
             loss = seqpar.cross_entropy(logits, shard["shift_labels"], mesh)
@@ -271,7 +279,7 @@ def _adamw(rank, world_size, kinds=KINDS, losses=True):
             if losses:
                 message = f"{kind} step {step} loss"
                 torch.testing.assert_close(got, want.detach(), atol=1e-5, rtol=0, msg=lambda m, w=message: f"{w}: {m}")
-            floors.record(exact, (ref, twin))
+            floors.record(exact, (ref, twin, halves))
             for opt in opts:
                 opt.step()
                 opt.zero_grad()
