@@ -1,8 +1,8 @@
 """Hugging Face models (tiny Llama, Qwen2, Mistral with a sliding window, and more, from configs) under seqpar.
 
 Sharded logits and loss equal the unsharded model's; 5 AdamW steps (with gradient accumulation and clipping)
-equal one process (and SGD steps on placed rows: tests/_placed_cases.py); packed documents stay apart; bad input
-raises on every rank.
+equal one process, the parameters within their rounding floors of a float64 run's (and SGD steps on placed rows:
+tests/_placed_cases.py); packed documents stay apart; bad input raises on every rank.
 """
 
 from __future__ import annotations
