@@ -27,7 +27,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 BIN = pathlib.Path(sys.executable).parent
 LOSS_RTOL, GRAD_NORM_RTOL, PARAM_RTOL = 1e-5, 1e-5, 1e-4  # measured: loss <= 2.2e-7, grad_norm <= 1.2e-6
 PARAM_ATOL = 1e-9
-ADAMW_PARAM_RTOL = 1e-3  # Adam divides by sqrt(v): near-zero gradients turn rounding into visible updates
+# SGD's steps are linear in the gradient: the one-process fp32 Trainer's parameters (sp2) are 420 times inside
+# PARAM_RTOL of a float64 Trainer run's. After AdamW steps its grad_norm is 3.4e-6 (relative) from float64's (Adam's
+# rounding in the parameters); seqpar's may be as far on the other side: 4 x 2 x 3.4e-6, rounded up
+ADAMW_GRAD_NORM_RTOL = 3e-5
 REFERENCES = [n for n, c in CASES.items() if not c.reference]
 BY_TORCHRUN = {n: v for n, v in UPSTREAM.items() if n not in YAML_LAUNCHED and n not in DEEPSPEED_EXAMPLES}
 DEEPSPEED = importlib.util.find_spec("deepspeed") is not None  # the optional extra seqpar[deepspeed]
@@ -134,10 +137,17 @@ def yaml_runs(out, _references) -> pathlib.Path:
     return _joined(_references)
 
 
-def assert_matches(found: dict, want: dict, param_rtol: float = PARAM_RTOL, loss_rtol: float = LOSS_RTOL) -> None:
-    """Per-step loss and grad_norm, evaluation losses and final parameters of two runs agree."""
+def assert_matches(
+    found: dict,
+    want: dict,
+    param_rtol: float | None = PARAM_RTOL,
+    loss_rtol: float = LOSS_RTOL,
+    norm_rtol: float = GRAD_NORM_RTOL,
+) -> None:
+    """Per-step loss and grad_norm, evaluation losses and final parameters (unless ``param_rtol`` is None) of two
+    runs agree."""
     assert [s for s, _, _ in found["log"]] == [s for s, _, _ in want["log"]] == list(range(1, STEPS + 1))
-    for i, (what, rtol) in enumerate((("loss", loss_rtol), ("grad_norm", GRAD_NORM_RTOL)), start=1):
+    for i, (what, rtol) in enumerate((("loss", loss_rtol), ("grad_norm", norm_rtol)), start=1):
         got, ref = (torch.tensor([row[i] for row in run["log"]], dtype=torch.float64) for run in (found, want))
         torch.testing.assert_close(got, ref, rtol=rtol, atol=0, msg=lambda m, w=what: f"{w}: {m}")
     assert [s for s, _ in found["eval"]] == [s for s, _ in want["eval"]]
@@ -145,6 +155,8 @@ def assert_matches(found: dict, want: dict, param_rtol: float = PARAM_RTOL, loss
         got, ref = (torch.tensor([v for _, v in run["eval"]], dtype=torch.float64) for run in (found, want))
         torch.testing.assert_close(got, ref, rtol=LOSS_RTOL, atol=0, msg=lambda m: f"eval_loss: {m}")
     assert found["params"].keys() == want["params"].keys()
+    if param_rtol is None:
+        return
     for name, ref in want["params"].items():
         # relative to the tensor's largest entry, with a floor for tensors that only rounding moves (a key bias:
         # softmax ignores it, its exact gradient is zero)
@@ -230,7 +242,15 @@ def test_two_ranks_equal_one_process(two_ranks, name):
 
 
 def test_adamw(two_ranks):
-    _compare(two_ranks, "sp2_adamw", param_rtol=ADAMW_PARAM_RTOL)
+    """The Trainer's own AdamW (optim="adamw_torch") under seqpar follows one process: every step's loss and
+    grad_norm, which from the second step on are taken at the parameters AdamW made. Its parameters are not
+    compared entry by entry: Adam turns the rounding of a near-zero gradient into a step of up to lr (Note [AdamW
+    floors]), so against the one-process fp32 Trainer a parameter bound measures the CPU's summation order (one
+    fp32 process, with SDPA or eager attention, is up to 1e-3 of a tensor's largest entry from a float64 Trainer
+    run's after these 4 steps: Qwen2's o_proj), and the Trainer runs here record no per-step gradients to measure
+    a float64 floor from. Parameter parity through the Trainer is every SGD case's (steps linear in the gradient);
+    AdamW's is tests/test_transformers.py's."""
+    _compare(two_ranks, "sp2_adamw", param_rtol=None, norm_rtol=ADAMW_GRAD_NORM_RTOL)
 
 
 def _loss_change(root: pathlib.Path, name: str, other: str) -> float:
