@@ -1,6 +1,6 @@
 """What ``import seqpar``, its common names and the command line load: no trainer stacks where they are not used.
 
-Behavioural checks on ``sys.modules`` of fresh interpreters; how long the imports take is ``seqpar bench imports``.
+Behavioural checks on ``sys.modules`` of fresh interpreters; how long they take is ``python -m benchmarks.imports``.
 """
 
 from __future__ import annotations

@@ -140,7 +140,7 @@ def test_masked_bytes_sent_match_needed_kv():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/io")
 def test_bench_masks_writes_one_record_per_case(tmp_path, capsys):
-    from seqpar.bench.masks import main
+    from benchmarks.masks import main
 
     out = tmp_path / "masks.json"
     # "auto": the placed layout on the packed rows (16 documents, short ones), the balanced one on the others
@@ -202,8 +202,8 @@ def test_auto_strategy_weighs_ring_bytes_against_ulysses():
 
 
 def test_bench_placement_writes_one_record_per_row_with_the_layouts_needs(tmp_path, capsys):
-    from seqpar.bench.masks_bytes import needed_bytes as layout_needed_bytes
-    from seqpar.bench.placement import KINDS, kind_row, main
+    from benchmarks.masks_bytes import needed_bytes as layout_needed_bytes
+    from benchmarks.placement import KINDS, kind_row, main
     from seqpar.sequence_parallel.checks import SIGNATURE_LENGTH
     from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
 
@@ -215,7 +215,8 @@ def test_bench_placement_writes_one_record_per_row_with_the_layouts_needs(tmp_pa
     table = capsys.readouterr().out
     check = {p: (p - 1) * SIGNATURE_LENGTH * 8 for p in (2, 3)}  # the input check: all a row of whole documents sends
     for r in records:
-        assert r["command"] == f"seqpar bench placement --ranks 2 3 --seq 1024 --seeds 1 --json {out}" and r["measured"]
+        assert r["measured"]
+        assert r["command"] == f"python -m benchmarks.placement --ranks 2 3 --seq 1024 --seeds 1 --json {out}"
         ids = kind_row(r["kind"], r["seq"], r["ranks"], r["seed"])
         assert r["documents"] == int((ids == 0).sum()) >= 1
         # the bytes recomputed here for the row as the record names it, under the layout each solver gives

@@ -19,7 +19,7 @@ from seqpar.planning.cli import parse_tokens
 from seqpar.planning.cluster import Calibration, load_calibration, save_calibration
 from seqpar.sequence_parallel.strategies.registry import head_split
 
-TINY = ModelShape(256, 768, 4, 8, 4, 4096)  # seqpar bench llama_step's model
+TINY = ModelShape(256, 768, 4, 8, 4, 4096)  # python -m benchmarks.llama_step's model
 
 
 def test_every_layout_is_valid_and_ranked():

@@ -168,7 +168,7 @@ def test_strategy_options_are_the_planners_families():
 
 
 def test_bytes_models_match_the_records_and_the_measured_volumes():
-    """The rows' bytes against ``seqpar bench strategies``' records and tests/test_bytes_sent.py's own arithmetic."""
+    """The rows' bytes against the strategies bench's records and tests/test_bytes_sent.py's own arithmetic."""
     records = json.loads((ROOT / "benchmarks" / "strategies_cpu.json").read_text())
     assert records
     for r in records:

@@ -29,7 +29,7 @@ Note [auto strategy]
     once (a table build is tens of milliseconds for a 128K-token row at P = 8, one thread; see
     docs/benchmarks.md, "The auto rule's crossover"); a call given ``position_ids=`` builds its own mask:
     pass a prebuilt one.
-    The ratio sits where CPU runs of ``seqpar bench masks`` (ring against ulysses under placed and zigzag
+    The ratio sits where CPU runs of ``python -m benchmarks.masks`` (ring against ulysses under placed and zigzag
     rows of documents, RL groups, windows and log-normal mixes) had the ring winning: it won clearly where
     its bytes were a third of Ulysses' or less, and above that the balance of the work and the noise
     decided (the rows: docs/benchmarks.md). On links slower than one host's loopback the bytes weigh more
