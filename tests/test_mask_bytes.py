@@ -19,7 +19,7 @@ import seqpar
 from seqpar.runtime.memory import written_bytes
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
 from seqpar.sequence_parallel.plans.kv_needs import kv_needs
-from seqpar.sequence_parallel.selection import auto_strategy_for, masked_ring_bytes, ulysses_bytes
+from seqpar.sequence_parallel.selection import masked_ring_bytes, select_strategy, ulysses_bytes
 from tests._cases import ATOL, RTOL
 from tests._dist import run_ranks, shard_index
 from tests.test_bytes_sent import FLOAT32, SIGNATURE_INTS, _analytical_bytes
@@ -191,7 +191,7 @@ def test_auto_strategy_weighs_ring_bytes_against_ulysses():
     assert ring == max(needed_bytes("ring", "zigzag", DOCS, None, r) for r in range(RANKS)) - check
 
     def auto(mask, strategy="auto", heads=HEADS, kv_heads=KV_HEADS, ulysses=1):
-        return auto_strategy_for(strategy, heads, kv_heads, RANKS, ulysses, mask=mask, **opts)
+        return select_strategy(strategy, heads, kv_heads, RANKS, ulysses, mask=mask, **opts)
 
     # 16 uneven documents: the ring sends 0.13 of ulysses' bytes; windows of S/16 and S/8: 0.17 and 0.33
     assert auto(docs) == auto(SequenceMask(None, SEQ // 16)) == "ring"

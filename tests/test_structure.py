@@ -191,22 +191,3 @@ def test_every_public_name_resolves(face):
     missing = [name for name in module.__all__ if getattr(module, name, None) is None]
     assert not missing, f"{face}.__all__ names that do not resolve: {missing}"
     assert len(set(module.__all__)) == len(module.__all__), f"{face}.__all__ repeats a name"
-
-
-def test_a_moved_module_keeps_its_old_name_as_an_alias():
-    """Every old name imports (in a fresh process) as the very module of its new name, with a warning naming it."""
-    import subprocess
-    import sys
-
-    code = (
-        "import importlib, warnings\n"
-        "import seqpar\n"
-        "from seqpar.lazy import MOVED_MODULES\n"
-        "for old, new in [*MOVED_MODULES.items(), ('seqpar.placement.solver', 'seqpar.layouts.placed.solver')]:\n"
-        "    with warnings.catch_warnings(record=True) as seen:\n"
-        "        warnings.simplefilter('always')\n"
-        "        module = importlib.import_module(old)\n"
-        "    assert module is importlib.import_module(new), f'{old}: two copies of {new}'\n"
-        "    assert any(new in str(w.message) for w in seen), (old, [str(w.message) for w in seen])\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)

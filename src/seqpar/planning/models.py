@@ -11,11 +11,7 @@ import os
 from seqpar.errors import SeqparInputError
 from seqpar.models import ModelSizes
 
-__all__ = ["PRESETS", "ModelShape", "load_model_shape", "shape_from_config"]
-
-
-ModelShape = ModelSizes
-"""The planner's old name of ``seqpar.models.ModelSizes`` (same fields, same order)."""
+__all__ = ["PRESETS", "load_model_shape", "shape_from_config"]
 
 
 # Values copied from each model's config.json on the Hugging Face Hub (the URL in ``source``).
