@@ -1,4 +1,4 @@
-"""The ``seqpar bench placement`` table: per (P, row kind), the placed layout against zigzag and balanced.
+"""The ``benchmarks.placement`` table: per (P, row kind), the placed layout against zigzag and balanced.
 
 scripts/records.py loads this beside record_tables.py; it summarises the per-row records as the bench prints them.
 """

@@ -79,7 +79,7 @@ def _strategy_label(r: dict) -> str:
 
 
 def strategies_table(records: list[dict]) -> str:
-    """``seqpar bench strategies``: step against ring in the same run, bytes sent per rank against the analytical."""
+    """``benchmarks.strategies``: step against ring in the same run, bytes sent per rank against the analytical."""
     ring = {r["command"]: r["step_s"] for r in records if r["strategy"] == "ring"}
     cells = [
         [
@@ -98,7 +98,7 @@ def strategies_table(records: list[dict]) -> str:
 
 
 def llama_step_table(records: list[dict]) -> str:
-    """``seqpar bench llama_step``: tokens/s and per-rank peak growth per sp degree, against the lowest degree."""
+    """``benchmarks.llama_step``: tokens/s and per-rank peak growth per sp degree, against the lowest degree."""
     base = {}
     for r in records:
         if r["command"] not in base or r["sp"] < base[r["command"]]["sp"]:
@@ -122,7 +122,7 @@ def llama_step_table(records: list[dict]) -> str:
 
 
 def features_table(records: list[dict]) -> str:
-    """``seqpar bench features``: tokens/s per rung and against the first rung, one column group per run."""
+    """``benchmarks.features``: tokens/s per rung and against the first rung, one column group per run."""
     runs = runs_of(records)
     rungs = list(dict.fromkeys(r["features"] for r in records))
     by_key = {((r["command"], r["measured"]), r["features"]): r for r in records}
@@ -149,7 +149,7 @@ def _pairs(records: list[dict]) -> list[float]:
 
 
 def hf_trainer_table(records: list[dict]) -> str:
-    """``seqpar bench hf_trainer``: each run's step and memory against one process, then the Trainer/own ratio."""
+    """``benchmarks.hf_trainer``: each run's step and memory against one process, then the Trainer/own ratio."""
     one = next(r for r in records if r["ranks"] == 1)
     cells = [
         [
@@ -179,7 +179,7 @@ CP_WAYS = {
 
 
 def context_parallel_overhead_table(records: list[dict]) -> str:
-    """``seqpar bench context_parallel`` (a): each way's step against the direct call in its group."""
+    """``benchmarks.context_parallel`` (a): each way's step against the direct call in its group."""
     rows = [r for r in records if r["part"] != "memory"]
     if not rows:
         raise RecordError("benchmarks/context_parallel_cpu.json has no overhead records (run without --skip overhead)")
@@ -188,7 +188,7 @@ def context_parallel_overhead_table(records: list[dict]) -> str:
 
 
 def context_parallel_memory_table(records: list[dict]) -> str:
-    """``seqpar bench context_parallel`` (b): a video block's per-rank peak growth against one process."""
+    """``benchmarks.context_parallel`` (b): a video block's per-rank peak growth against one process."""
     rows = [r for r in records if r["part"] == "memory"]
     if not rows:
         raise RecordError("benchmarks/context_parallel_cpu.json has no memory records (run without --skip memory)")
@@ -209,7 +209,7 @@ def context_parallel_memory_table(records: list[dict]) -> str:
 
 
 def pipeline_time_table(runs: list[dict]) -> str:
-    """``seqpar bench pipeline``: each schedule's measured step beside the planner's, every run of the record."""
+    """``benchmarks.pipeline``: each schedule's measured step beside the planner's, every run of the record."""
     cells, owners = [], []
     for run in runs:
         for r in run["time"]:
@@ -233,7 +233,7 @@ def pipeline_time_table(runs: list[dict]) -> str:
 
 
 def pipeline_memory_table(runs: list[dict]) -> str:
-    """``seqpar bench pipeline``: each rank's memory, measured / estimated (estimated / measured), MiB."""
+    """``benchmarks.pipeline``: each rank's memory, measured / estimated (estimated / measured), MiB."""
     keys = ("state_mb", "in_flight_mb", "growth_mb", "peak_mb")
     cells, owners = [], []
     for run in runs:
@@ -257,7 +257,7 @@ def pipeline_memory_table(runs: list[dict]) -> str:
 
 
 def imports_table(records: list[dict]) -> str:
-    """``seqpar bench imports``: each case's fresh process, medians on the wall clock and in CPU time."""
+    """``benchmarks.imports``: each case's fresh process, medians on the wall clock and in CPU time."""
     header = ["case", "wall (s)", "over import torch", "CPU time (s)", "over import torch"]
     cells = [
         [

@@ -77,7 +77,7 @@ def _layout_cell(r: dict) -> str:
 
 
 def masks_table(records: list[dict]) -> str:
-    """The ``seqpar bench masks`` table: step, visible area and bytes against plain causal, balance per rank."""
+    """The ``benchmarks.masks`` table: step, visible area and bytes against plain causal, balance per rank."""
     causal = {(r["strategy"], r["layout"]): r["step_s"] for r in records if r["mask"] == "causal"}
     cells = []
     for r in records:
@@ -155,13 +155,13 @@ def masks_bytes_table(records: list[dict]) -> str:
 
 
 def placement_table(records: list[dict]) -> str:
-    """The ``seqpar bench placement`` table: per P and row kind, placed against zigzag and balanced over the rows."""
+    """The ``benchmarks.placement`` table: per P and row kind, placed against zigzag and balanced over the rows."""
     header, cells, firsts = placement.placement_cells(records)
     return tables.with_runs("placement_cpu", firsts, header, cells)
 
 
 def rl_memory_table(records: list[dict]) -> str:
-    """The ``seqpar bench rl_memory`` table: a DPO / GRPO step's peak growth per rank, its share of sp 1's, estimate."""
+    """The ``benchmarks.rl_memory`` table: a DPO / GRPO step's peak growth per rank, its share of sp 1's, estimate."""
     low_sp = min(r["sp"] for r in records)
     runs = list(dict.fromkeys(r["command"] for r in records))
     base = {(r["command"], r["trainer"], r["completion"]): r["peak_mb"] for r in records if r["sp"] == low_sp}
@@ -186,7 +186,7 @@ def rl_memory_table(records: list[dict]) -> str:
 
 
 def vlm_memory_table(records: list[dict]) -> str:
-    """The ``seqpar bench vlm_memory`` table: a VLM step's per-rank peak growth by sp and vision split, estimate."""
+    """The ``benchmarks.vlm_memory`` table: a VLM step's per-rank peak growth by sp and vision split, estimate."""
     base = min(records, key=lambda r: r["sp"])["growth_mb"]
     cells = [
         [
@@ -205,7 +205,7 @@ def vlm_memory_table(records: list[dict]) -> str:
 
 
 def video_dit_table(records: list[dict]) -> str:
-    """The ``seqpar bench video_dit`` table: a Wan-shaped step's per-rank peak growth, its estimate and time by sp,
+    """The ``benchmarks.video_dit`` table: a Wan-shaped step's per-rank peak growth, its estimate and time by sp,
     for each clip size."""
     cells = []
     for tokens in sorted({r["tokens"] for r in records}):

@@ -1,6 +1,6 @@
 """Run a test function on N real ranks and fail if any rank fails: on a shared pool of live ranks, or freshly spawned.
 
-A thin layer over ``seqpar.runtime.RankPool`` / ``spawn_ranks`` with the tests' timeout, and the tests' shard indices.
+A thin layer over ``tests._pool.RankPool`` / ``spawn_ranks`` with the tests' timeout, and the tests' shard indices.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from datetime import timedelta
 import torch
 
 import seqpar
-from seqpar.runtime.pool import RankPool
 from seqpar.runtime.spawn import spawn_ranks
+from tests._pool import RankPool
 
 __all__ = ["RankPools", "run_ranks", "shard_index", "use_pools"]
 

@@ -64,7 +64,7 @@ def _exact_worker(rank, world_size, kind, case):
         check_case(rank, world_size, mesh, *case)
     elif kind == "auto":
         heads, causal = case
-        chosen = seqpar.resolve_strategy("auto", heads, heads, mesh)
+        chosen = seqpar.select_strategy("auto", heads, heads, mesh.sp_size, mesh.ulysses_size)
         # ulysses where the slowest rank attends at most 1.25x the mean heads (even or not), else ring
         balanced = heads >= world_size and -(-heads // world_size) * world_size <= 1.25 * heads
         assert world_size == 1 or chosen == ("ulysses" if balanced else "ring"), (heads, chosen)

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import seqpar
-from seqpar.bench.rows import log_normal_documents, uneven_documents
+from benchmarks.floor import traffic_floor
+from benchmarks.rows import log_normal_documents, uneven_documents
 from seqpar.errors import SeqparInputError
 from seqpar.sequence_parallel.layouts.chunks import rank_chunk_ids
-from seqpar.sequence_parallel.layouts.placed.floor import traffic_floor
 from seqpar.sequence_parallel.plans.kv_needs import global_tokens
 
 
@@ -111,7 +111,7 @@ def test_floor_is_below_the_layouts_of_packed_rows(p):
             balance = seqpar.layout_balance(row, layout, p).planned_max_over_mean
             slack, token_slack = max(1.0, balance), max(1.0, top_tokens * p / seq)
             assert traffic_floor(positions, p, slack, token_slack) <= max(traffic), (p, str(layout))
-    # the SFT-like row of seqpar bench masks at P = 4: one document holds most of the work, and no placement
+    # the SFT-like row of python -m benchmarks.masks at P = 4: one document holds most of the work, and no placement
     # even within 1.05 needs much less than zigzag, whose busiest rank does twice the mean work
     positions = log_normal_documents(8192, 0, 512)
     zigzag, _ = _layout_traffic(positions, "zigzag", 4)

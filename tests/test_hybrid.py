@@ -25,7 +25,8 @@ def _hybrid_cases() -> list:
 def _hybrid_mesh(world_size: int, ulysses_size: int):
     mesh = seqpar.make_mesh(ulysses_size=ulysses_size)
     assert (mesh.ring_size, mesh.ulysses_size) == (world_size // ulysses_size, ulysses_size)
-    assert seqpar.resolve_strategy("auto", 8, 2, mesh) == ("hybrid" if ulysses_size == 2 else "ulysses")
+    picked = seqpar.select_strategy("auto", 8, 2, mesh.sp_size, mesh.ulysses_size)
+    assert picked == ("hybrid" if ulysses_size == 2 else "ulysses")
     return mesh
 
 
@@ -47,7 +48,7 @@ def _indivisible_heads_worker(rank, world_size):
     with pytest.raises(SeqparInputError, match=r"hybrid's ulysses axis over 2 ranks needs at least 2 query heads"):
         seqpar.attention(*qkv_case(1, 1, 32), mesh=mesh, strategy="hybrid")
     # 3 heads split 2 + 1 (tests/test_uneven_heads.py), but auto takes the ring for them: 1.33x the mean heads
-    assert seqpar.resolve_strategy("auto", 3, 3, mesh) == "ring"
+    assert seqpar.select_strategy("auto", 3, 3, mesh.sp_size, mesh.ulysses_size) == "ring"
 
 
 def test_hybrid_refuses_fewer_heads_than_the_ulysses_axis():

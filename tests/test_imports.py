@@ -1,6 +1,6 @@
 """What ``import seqpar``, its common names and the command line load: no trainer stacks where they are not used.
 
-Behavioural checks on ``sys.modules`` of fresh interpreters; how long the imports take is ``seqpar bench imports``.
+Behavioural checks on ``sys.modules`` of fresh interpreters; how long they take is ``python -m benchmarks.imports``.
 """
 
 from __future__ import annotations
@@ -77,3 +77,21 @@ def test_plan_loads_no_torch():
     )
     assert "torch" not in loaded
     assert {"seqpar.planning.search", "seqpar.memory.estimate"} <= loaded  # the plan did run
+
+
+@pytest.mark.fast
+def test_import_seqpar_adds_no_import_hook_and_old_module_names_are_gone():
+    """The package faces resolve names (PEP 562); no finder on ``sys.meta_path`` answers for moved modules."""
+    code = (
+        "import importlib, sys\n"
+        "before = list(sys.meta_path)\n"
+        "import seqpar, seqpar.hf, seqpar.sequence_parallel.layouts\n"
+        "assert sys.meta_path == before, sys.meta_path\n"
+        "for old in ('seqpar.api', 'seqpar.strategies', 'seqpar.placement', 'seqpar.hf.grpo_loss'):\n"
+        "    try:\n"
+        "        importlib.import_module(old)\n"
+        "    except ModuleNotFoundError:\n"
+        "        continue\n"
+        "    raise AssertionError(old)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

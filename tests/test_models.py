@@ -21,10 +21,9 @@ import seqpar.models
 from seqpar.data_parallel import decoder_blocks
 from seqpar.diagnosis.pitfalls import decoder_layers, token_mixing_suspects
 from seqpar.errors import SeqparInputError
-from seqpar.memory.shapes import ModelDims, model_dims
 from seqpar.models import FAMILIES, Family, ModelSizes, anatomy, find_anatomy, register_family
 from seqpar.pipeline_parallel.stages import find_parts, original_names, split_model
-from seqpar.planning import Cluster, ModelShape, load_model_shape, plan
+from seqpar.planning import Cluster, load_model_shape, plan
 from tests._dist import run_ranks, shard_index
 from tests._models import SEQ, VOCAB, tiny_config, tokens
 from tests._toy_family import TOY, register_toy, to_llama_name, toy_and_llama
@@ -258,11 +257,11 @@ def test_family_entries_are_checked(toy_registered):
 
 
 def test_model_sizes_is_the_one_dataclass_of_sizes():
-    assert ModelShape is ModelSizes and ModelDims is ModelSizes and seqpar.planning.ModelSizes is ModelSizes
+    assert seqpar.planning.ModelSizes is ModelSizes
     config = tiny_config("qwen3")  # head_dim 12: q 48 wide, kv 24
     sizes = ModelSizes.from_config(config)
     assert (sizes.hidden_size, sizes.num_hidden_layers, sizes.dim, sizes.model_type) == (48, 2, 12, "qwen3")
-    assert model_dims(config, 2) == sizes.for_tp(2) == ModelSizes.from_config(config, 2)
+    assert sizes.for_tp(2) == ModelSizes.from_config(config, 2)
     assert (sizes.for_tp(2).q_width, sizes.for_tp(2).kv_width, sizes.for_tp(2).mlp_width) == (24, 12, 48)
     with pytest.raises(SeqparInputError, match=r"tp_size 4 must divide the heads \(4\) and key/value heads \(2\)"):
         sizes.for_tp(4)

@@ -274,12 +274,12 @@ def test_pp2_sp2_with_dp2_or_tp2_trains_like_one_process():
 
 
 def test_bench_pipeline_prints_each_schedule_beside_the_prediction(capsys):
-    """``seqpar bench pipeline`` at toy size (timings meaningless here): one row per schedule, both sides, a
+    """``python -m benchmarks.pipeline`` at toy size (timings meaningless here): one row per schedule, both sides, a
     verdict. The memory run (a second spawn) is left to the bench itself; its model is checked in test_estimate."""
-    from seqpar.cli import main as cli_main
+    from benchmarks.pipeline import main
 
-    argv = ["bench", "pipeline", "--seq", "64", "--hidden", "64", "--heads", "4", "--vocab", "256", "--repeats", "1"]
-    assert cli_main([*argv, "--no-memory"]) == 0
+    argv = ["--seq", "64", "--hidden", "64", "--heads", "4", "--vocab", "256", "--repeats", "1"]
+    assert main([*argv, "--no-memory"]) == 0
     rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert [r[1].strip() for r in rows[1:]] == ["gpipe", "1f1b", "interleaved"]
     assert {r[6].strip() for r in rows[1:]} <= {"yes", "NO"}

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import seqpar
-from seqpar.bench.masks_bytes import needed_bytes
-from seqpar.bench.rows import uneven_documents
+from benchmarks.masks_bytes import needed_bytes
+from benchmarks.rows import uneven_documents
 from seqpar.errors import SeqparInputError
 from seqpar.sequence_parallel.layouts.balanced import TILE_COSTS
 from seqpar.sequence_parallel.layouts.placed import resolve_auto_layout

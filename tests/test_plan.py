@@ -14,12 +14,13 @@ import pytest
 import seqpar
 from seqpar.cli import main as cli_main
 from seqpar.memory import FEATURES
-from seqpar.planning import Cluster, Layout, ModelShape, load_model_shape, max_seq_len, model_flops, plan, step_time
+from seqpar.models import ModelSizes
+from seqpar.planning import Cluster, Layout, load_model_shape, max_seq_len, model_flops, plan, step_time
 from seqpar.planning.cli import parse_tokens
 from seqpar.planning.cluster import Calibration, load_calibration, save_calibration
 from seqpar.sequence_parallel.strategies.registry import head_split
 
-TINY = ModelShape(256, 768, 4, 8, 4, 4096)  # seqpar bench llama_step's model
+TINY = ModelSizes(256, 768, 4, 8, 4, 4096)  # python -m benchmarks.llama_step's model
 
 
 def test_every_layout_is_valid_and_ranked():
@@ -70,7 +71,7 @@ def test_enumeration_is_complete_on_a_small_cluster():
 
 
 def test_rejection_reasons():
-    few_heads = ModelShape(384, 1024, 2, 3, 1, 1000)  # 3 query heads: ulysses over 4 ranks would leave one idle
+    few_heads = ModelSizes(384, 1024, 2, 3, 1, 1000)  # 3 query heads: ulysses over 4 ranks would leave one idle
     result = plan(few_heads, 8192, Cluster(gpus=4, gpus_per_node=4), dp_modes=("fsdp",))
     reasons = {r.family: r.reason for r in result.rejected}
     assert "ulysses at tp 1 over 4 ranks needs at least 4 query heads" in reasons["dp 1 sp 4 tp 1 ulysses fsdp"]
@@ -85,7 +86,7 @@ def test_rejection_reasons():
 def test_uneven_ulysses_time_counts_the_busiest_rank():
     # 6 query / 2 KV heads over 4 ranks: query heads 2, 2, 1, 1, KV heads {0}, {0, 1}, {1}, {1} (Note [uneven heads])
     p, seq, e = 4, 8192, 4
-    model = ModelShape(384, 1536, 1, 6, 2, 1000)  # head dim 64
+    model = ModelSizes(384, 1536, 1, 6, 2, 1000)  # head dim 64
     local, link = seq // p, 1e9
     cluster = Cluster(gpus=p, gpus_per_node=p, gpu_tflops=1e9, intra_node_gbps=2.0, link_efficiency=1.0)
     ulysses = step_time(model, seq, Layout(1, p, p, 1, "ulysses"), cluster, dtype_bytes=e)
@@ -101,7 +102,7 @@ def test_uneven_ulysses_time_counts_the_busiest_rank():
 def test_wire_time_is_the_analytical_volume():
     # On a cluster with free compute, each part's seconds x link rate is the bytes tests/test_bytes_sent.py checks.
     p, seq, e = 4, 8192, 4
-    model = ModelShape(512, 1536, 1, 8, 2, 1000)
+    model = ModelSizes(512, 1536, 1, 8, 2, 1000)
     link = 1e9  # one-way bytes/s: intra 2 GB/s both ways, efficiency 1
     cluster = Cluster(gpus=p, gpus_per_node=p, gpu_tflops=1e9, intra_node_gbps=2.0, link_efficiency=1.0)
     local = seq // p
@@ -229,7 +230,7 @@ def test_train_plan_prints_its_own_layout(capsys):
     printed = capsys.readouterr().out
     assert "these settings: dp 1 sp 3 ulysses 1 tp 1 ring replicate" in printed
     assert "1002 tokens per sequence (padded from 1000)" in printed and "seq 1,002 x micro-batch" in printed
-    # "auto" on an sp 4 x ulysses 2 mesh with 4/2 heads: hybrid, as resolve_strategy picks it
+    # "auto" on an sp 4 x ulysses 2 mesh with 4/2 heads: hybrid, as select_strategy picks it
     assert cli_main(["train", "--plan", "--sp", "4", "--ulysses", "2", "--seq-len", "1024"]) == 0
     assert "these settings: dp 1 sp 4 ulysses 2 tp 1 hybrid replicate" in capsys.readouterr().out
     # optimizer offload: a feature of the layout, the estimate's host memory, the offload part of the step
@@ -300,7 +301,7 @@ def test_bad_input(tmp_path, capsys):
         plan("llama-8b", 0, Cluster(gpus=8))
     with pytest.raises(err, match="dtype"):
         plan("llama-8b", 1024, Cluster(gpus=8), dtype="int8")
-    few_heads = ModelShape(384, 1024, 2, 3, 1, 1000)
+    few_heads = ModelSizes(384, 1024, 2, 3, 1, 1000)
     with pytest.raises(err, match=r"over 4 ranks needs at least 4 query heads"):
         step_time(few_heads, 8192, Layout(1, 4, 4, 1, "ulysses"), Cluster(gpus=4, gpus_per_node=4))
     with pytest.raises(err, match="do not fill nodes"):

@@ -136,14 +136,7 @@ def test_select_strategy_picks_todays_choices(args, picked):
         estimate = seqpar.estimate_memory(
             transformers.LlamaConfig(**config), 64 * sp, sp_size=sp, ulysses_size=u, strategy=strategy
         )
-        assert estimate.strategy == picked == seqpar.resolve_strategy(strategy, heads, kv_heads, _Mesh(sp, u))
-
-
-class _Mesh:
-    """The two degrees ``resolve_strategy`` reads from a mesh (no process group needed to read them)."""
-
-    def __init__(self, sp_size: int, ulysses_size: int) -> None:
-        self.sp_size, self.ulysses_size = sp_size, ulysses_size
+        assert estimate.strategy == picked
 
 
 def test_select_strategy_refuses_unknown_names_and_heads_the_row_cannot_split():
@@ -174,7 +167,7 @@ def test_strategy_options_are_the_planners_families():
 
 
 def test_bytes_models_match_the_records_and_the_measured_volumes():
-    """The rows' bytes against ``seqpar bench strategies``' records and tests/test_bytes_sent.py's own arithmetic."""
+    """The rows' bytes against the strategies bench's records and tests/test_bytes_sent.py's own arithmetic."""
     records = json.loads((ROOT / "benchmarks" / "strategies_cpu.json").read_text())
     assert records
     for r in records:

@@ -275,26 +275,6 @@ def test_every_public_name_resolves(face):
     assert len(set(module.__all__)) == len(module.__all__), f"{face}.__all__ repeats a name"
 
 
-def test_a_moved_module_keeps_its_old_name_as_an_alias():
-    """Every old name imports (in a fresh process) as the very module of its new name, with a warning naming it."""
-    import subprocess
-    import sys
-
-    code = (
-        "import importlib, warnings\n"
-        "import seqpar\n"
-        "from seqpar.lazy import MOVED_MODULES\n"
-        "placed = ('seqpar.placement.solver', 'seqpar.sequence_parallel.layouts.placed.solver')\n"
-        "for old, new in [*MOVED_MODULES.items(), placed]:\n"
-        "    with warnings.catch_warnings(record=True) as seen:\n"
-        "        warnings.simplefilter('always')\n"
-        "        module = importlib.import_module(old)\n"
-        "    assert module is importlib.import_module(new), f'{old}: two copies of {new}'\n"
-        "    assert any(new in str(w.message) for w in seen), (old, [str(w.message) for w in seen])\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
-
-
 def _string_constants(node: ast.AST) -> list[str]:
     """The strings a comparison side or a dict key spells out: a constant, or those of a tuple, list or set."""
     if isinstance(node, ast.Constant) and isinstance(node.value, str):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from seqpar.lazy import install_moved_module_finder, module_getattr
+from seqpar.lazy import module_getattr
 
 if TYPE_CHECKING:
     from seqpar.data import IGNORE_INDEX, BatchShard, pack_documents, shard_batch
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from seqpar.sequence_parallel.layouts.placed import Placement, placed_layout
     from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask, sequence_mask
     from seqpar.sequence_parallel.prepare import attention_choice, prepare_model
-    from seqpar.sequence_parallel.selection import resolve_strategy
+    from seqpar.sequence_parallel.selection import select_strategy
     from seqpar.sequence_parallel.strategies.registry import STRATEGIES
     from seqpar.tensor_parallel import apply_tensor_parallel
 
@@ -102,7 +102,7 @@ _NAMES = {
     "attention_choice": "seqpar.sequence_parallel.prepare",
     "prepare_model": "seqpar.sequence_parallel.prepare",
     "STRATEGIES": "seqpar.sequence_parallel.strategies.registry",
-    "resolve_strategy": "seqpar.sequence_parallel.selection",
+    "select_strategy": "seqpar.sequence_parallel.selection",
     "apply_tensor_parallel": "seqpar.tensor_parallel",
 }
 
@@ -157,9 +157,9 @@ __all__ = [
     "prepare_diffusers",
     "prepare_model",
     "reduce_gradients",
-    "resolve_strategy",
     "router_aux_loss",
     "select_kernel",
+    "select_strategy",
     "sequence_mask",
     "shard_batch",
     "shard_sequence",
@@ -168,4 +168,3 @@ __all__ = [
 
 __version__ = "0.1.0"
 __getattr__ = module_getattr(__name__, _NAMES, globals())
-install_moved_module_finder()

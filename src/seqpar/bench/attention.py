@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 import seqpar
 from seqpar.bench import save_records
-from seqpar.runtime.measure import time_and_memory, write_slowest
+from seqpar.bench.measure import time_and_memory, write_slowest
 from seqpar.runtime.memory import reset_resident_peak, resident_mb
 
 

@@ -11,7 +11,7 @@ growth of the resident-set peak (VmHWM) during the step, above the resident set 
 (parameters, gradients and AdamW state allocated: gradients are zeroed in place between steps, as DDP's and
 FSDP's buffers are, so the budget is what grows with the sequence), stays within the budget on every rank;
 glibc serves large
-allocations by mmap (``seqpar.runtime.measure.MEMORY_RUN_ENV``) so the peak tracks live tensors. On CUDA it is
+allocations by mmap (``seqpar.bench.measure.MEMORY_RUN_ENV``) so the peak tracks live tensors. On CUDA it is
 the growth of the allocator peak. The search starts at the length ``seqpar.estimate_memory`` predicts, steps
 out until it brackets the answer, then bisects to the granularity (a multiple of ``--unit`` x sp tokens).
 Prints a Markdown table with the measured peak growth and the estimate (``MemoryEstimate.step_peak``)
@@ -25,27 +25,76 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 import seqpar
 from seqpar.bench import provenance
-from seqpar.bench.llama_step import train_step
+from seqpar.bench.measure import MEMORY_RUN_ENV, write_slowest
 from seqpar.memory import FEATURES
-from seqpar.runtime.measure import MEMORY_RUN_ENV, write_slowest
 from seqpar.runtime.memory import reset_resident_peak, resident_mb
 from seqpar.runtime.spawn import spawn_ranks
 from seqpar.train.config import TrainConfig
 from seqpar.train.fit import train_estimate
 from seqpar.train.model import build_model, model_config
 
-__all__ = ["LADDER", "add_model_arguments", "feature_model", "feature_step", "main", "plot", "rung_features", "table"]
+__all__ = [
+    "LADDER",
+    "add_model_arguments",
+    "feature_model",
+    "feature_step",
+    "main",
+    "plot",
+    "rung_features",
+    "table",
+    "train_step",
+]
 
 _MB = 2**20
 
 LADDER = ("none", *FEATURES)
 """Rungs of the ladder: none, then each memory feature added to the ones before it."""
+
+
+def train_step(
+    model,
+    opt: torch.optim.Optimizer,
+    shard: dict,
+    mesh,
+    loss_chunk: int,
+    *,
+    set_to_none: bool = True,
+    after_forward: Callable[[], None] | None = None,
+) -> torch.Tensor:
+    """One AdamW step of a prepared model on a sharded batch; returns this rank's share of the loss.
+
+    Args:
+        model, opt: the prepared model and its optimizer.
+        shard: this rank's ``seqpar.shard_batch`` shard.
+        mesh: the SP mesh (the loss normaliser and the gradient sum run over its SP group).
+        loss_chunk: tokens per piece of ``lm_head_cross_entropy``; 0: whole logits.
+        set_to_none: free the gradients after the update (True) or zero them in place, as DDP and FSDP keep
+            their gradient buffers (False).
+        after_forward: called between the forward and the backward (a memory reading).
+    """
+    inputs = {"input_ids": shard["input_ids"], "position_ids": shard["position_ids"]}
+    if loss_chunk:  # logits made and dropped piece by piece
+        hidden = model.get_decoder()(**inputs).last_hidden_state
+        loss = seqpar.lm_head_cross_entropy(hidden, model.lm_head, shard["shift_labels"], mesh, chunk_size=loss_chunk)
+        del hidden
+    else:
+        logits = model(**inputs).logits
+        loss = seqpar.cross_entropy(logits, shard["shift_labels"], mesh)
+        del logits
+    if after_forward is not None:
+        after_forward()
+    loss.backward()
+    seqpar.reduce_gradients(model.parameters(), mesh)
+    opt.step()
+    opt.zero_grad(set_to_none=set_to_none)
+    return loss.detach()
 
 
 def table(records: list[dict]) -> str:
@@ -119,7 +168,7 @@ def _train_config(cfg: dict, seq: int) -> TrainConfig:
 
 
 def feature_step(model, opt, shard: dict, mesh, cfg: dict, after_forward=None) -> torch.Tensor:
-    """``llama_step.train_step`` with ``cfg["features"]``' loss, gradients zeroed in place (they live between
+    """``train_step`` with ``cfg["features"]``' loss, gradients zeroed in place (they live between
     steps, as DDP's and FSDP's buffers do); ``after_forward`` as there. Returns this rank's loss share."""
     chunk = cfg["loss_chunk"] if "chunked_loss" in cfg["features"] else 0
     return train_step(model, opt, shard, mesh, chunk, set_to_none=False, after_forward=after_forward)

@@ -12,7 +12,7 @@ from seqpar.planning.memory import DTYPE_BYTES
 from seqpar.planning.report import format_plan
 from seqpar.planning.search import plan
 from seqpar.planning.timing import OFFLOAD_OPTIMIZER, Layout, step_time
-from seqpar.sequence_parallel.selection import resolve_strategy_for
+from seqpar.sequence_parallel.selection import select_strategy
 from seqpar.sequence_parallel.strategies.registry import LOCAL, strategy_row
 from seqpar.train.config import TrainConfig
 from seqpar.train.fit import memory_features, train_estimate
@@ -24,8 +24,10 @@ __all__ = ["train_plan"]
 
 def _layout(config: TrainConfig, heads: int, kv_heads: int) -> Layout:
     tp_heads, tp_kv = heads // config.tp, max(1, kv_heads // config.tp)
-    chosen = resolve_strategy_for(config.strategy, tp_heads, tp_kv, config.sp, config.ulysses)
-    row = LOCAL if config.sp == 1 else strategy_row(chosen)  # one rank: "local", as seqpar.attention runs it
+    if config.sp == 1:
+        row = LOCAL  # one rank: "local", as seqpar.attention runs it
+    else:
+        row = strategy_row(select_strategy(config.strategy, tp_heads, tp_kv, config.sp, config.ulysses))
     strategy, ulysses = row.name, row.degree(config.sp, config.ulysses)
     features = (*memory_features(config), *((OFFLOAD_OPTIMIZER,) if config.offload_optimizer else ()))
     pieces = config.pp_microbatches or config.pp if config.pp > 1 else 0

@@ -198,7 +198,7 @@ def estimate_memory(
 def estimate_stage_memory(model_config: object, seq_len: int, **settings: object) -> list[MemoryEstimate]:
     """``estimate_memory`` for each end of the pipeline: the first pp rank's estimate, then the last's.
 
-    ``estimate_memory`` returns the larger of the two; ``seqpar bench pipeline`` compares each with the rank
+    ``estimate_memory`` returns the larger of the two; ``python -m benchmarks.pipeline`` compares each with the rank
     it measures.
 
     Args:

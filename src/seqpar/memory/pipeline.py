@@ -21,7 +21,7 @@ Note [pipeline memory and time]
     to back) holds its logits [T, V] in the model's dtype and the loss's float32 log-softmax; at the start of
     one micro-batch's backward that one adds the loss's gradients (Note [memory estimate]), and while its
     layers run backward the n logits and the n - 1 other log-softmaxes are still held. Measured with
-    ``seqpar bench pipeline`` (4 x 256 Llama, vocabulary 4096, seq 1024, m 4): the last rank under GPipe held
+    ``python -m benchmarks.pipeline`` (4 x 256 Llama, vocabulary 4096, seq 1024, m 4): the last rank under GPipe held
     108 MiB above its layers' activations where 112 MiB of logits were due (a model with one logits
     micro-batch predicted 0), 1F1B 14 MiB where 16 were due. With the chunked loss the last stage returns
     hidden states and no micro-batch's whole logits exist; that case is not measured.

@@ -16,7 +16,7 @@
 from seqpar.models import ModelSizes
 from seqpar.planning.cluster import Calibration, Cluster, load_calibration, save_calibration
 from seqpar.planning.limits import max_seq_len
-from seqpar.planning.models import PRESETS, ModelShape, load_model_shape
+from seqpar.planning.models import PRESETS, load_model_shape
 from seqpar.planning.report import format_plan, plan_to_dict
 from seqpar.planning.search import Candidate, Plan, Rejection, plan
 from seqpar.planning.timing import FEATURES, OFFLOAD_OPTIMIZER, Layout, StepTime, model_flops, step_time
@@ -29,7 +29,6 @@ __all__ = [
     "Candidate",
     "Cluster",
     "Layout",
-    "ModelShape",
     "ModelSizes",
     "Plan",
     "Rejection",

@@ -16,7 +16,7 @@ Note [planned documents]
       ``k = ceil(N / L)`` ranks and its causal ring among them moves ``(k - 1) L``. The fraction is that
       over ``(r - 1) L``, at most 1; the dK/dV going home scale alike.
     It is an estimate of the layout's typical row, not the measured table of one batch
-    (``seqpar bench masks`` measures those): equal documents, and a padding budget that keeps no cut
+    (``python -m benchmarks.masks`` measures those): equal documents, and a padding budget that keeps no cut
     document whole (a batch whose documents all fit whole moves nothing at all).
 """
 

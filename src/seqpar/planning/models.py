@@ -11,11 +11,7 @@ import os
 from seqpar.errors import SeqparInputError
 from seqpar.models import ModelSizes
 
-__all__ = ["PRESETS", "ModelShape", "load_model_shape", "shape_from_config"]
-
-
-ModelShape = ModelSizes
-"""The planner's old name of ``seqpar.models.ModelSizes`` (same fields, same order)."""
+__all__ = ["PRESETS", "load_model_shape"]
 
 
 # Values copied from each model's config.json on the Hugging Face Hub (the URL in ``source``).
@@ -40,22 +36,6 @@ PRESETS: dict[str, ModelSizes] = {
         source="https://huggingface.co/Qwen/Qwen2.5-7B/blob/main/config.json",
     ),
 }
-
-
-def shape_from_config(config: dict, source: str = "") -> ModelSizes:
-    """``ModelSizes.from_config(config, source=source)``: the sizes of a config dictionary (``text_config`` used).
-
-    Args:
-        config: the parsed config.json.
-        source: where it came from, for messages.
-
-    Returns:
-        The sizes.
-
-    Raises:
-        SeqparInputError: a size is missing or not a positive integer, or the heads do not divide.
-    """
-    return ModelSizes.from_config(config, source=source or "(dict)")
 
 
 def load_model_shape(model: str | dict | ModelSizes) -> ModelSizes:

@@ -38,7 +38,7 @@ FEATURES = (*MEMORY_FEATURES, OFFLOAD_OPTIMIZER)
 #   layout), plus one more forward under checkpointing; at ``Cluster.attention_flops``. An uneven head
 #   split over the ulysses axis (Note [uneven heads]) makes the slowest rank attend ceil(H/U) heads, so the
 #   attention time is the even share times ``HeadSplit.imbalance``.
-# - Bytes on the wire are the analytical volumes ``seqpar bench strategies`` checks against the kernel's
+# - Bytes on the wire are the analytical volumes ``python -m benchmarks.strategies`` checks against the kernel's
 #   socket count (tests/test_bytes_sent.py): Ulysses sends (U-1)/U of q, k, v, out forward and dout, dq,
 #   dk, dv backward (six of each, not four, when more than one KV head per rank stays after the
 #   exchange; the busiest rank's ``HeadSplit.sent_heads`` under an uneven split); the ring sends K and V

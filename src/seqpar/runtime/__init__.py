@@ -1,26 +1,19 @@
-"""What the applications (``seqpar train``, ``seqpar bench``, the tests) share to run: spawning ranks (or a pool of
-live ranks), reading the memory of a process, stopping cleanly on SIGTERM/SIGINT.
+"""What the applications (``seqpar train``, ``seqpar bench``, the tests) share to run: spawning ranks, reading the
+memory of a process, stopping cleanly on SIGTERM/SIGINT.
 """
 
-from seqpar.runtime.measure import MEMORY_RUN_ENV, time_and_memory, write_slowest
 from seqpar.runtime.memory import PeakMemory, reset_resident_peak, resident_mb
-from seqpar.runtime.pool import RankPool, RankPoolTimeout
 from seqpar.runtime.progress import RankProgress
 from seqpar.runtime.signals import STOP_SIGNALS, StopSignals, exit_code_for
 from seqpar.runtime.spawn import spawn_ranks
 
 __all__ = [
-    "MEMORY_RUN_ENV",
     "STOP_SIGNALS",
     "PeakMemory",
-    "RankPool",
-    "RankPoolTimeout",
     "RankProgress",
     "StopSignals",
     "exit_code_for",
     "reset_resident_peak",
     "resident_mb",
     "spawn_ranks",
-    "time_and_memory",
-    "write_slowest",
 ]

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from seqpar.sequence_parallel.context_parallel import context_parallel, context_parallel_unshard
     from seqpar.sequence_parallel.masks import SequenceMask, sequence_mask
     from seqpar.sequence_parallel.prepare import attention_choice, prepare_model
-    from seqpar.sequence_parallel.selection import resolve_strategy
+    from seqpar.sequence_parallel.selection import select_strategy
     from seqpar.sequence_parallel.strategies.registry import STRATEGIES
 
 _NAMES = {
@@ -31,7 +31,7 @@ _NAMES = {
     "attention_choice": "seqpar.sequence_parallel.prepare",
     "prepare_model": "seqpar.sequence_parallel.prepare",
     "STRATEGIES": "seqpar.sequence_parallel.strategies.registry",
-    "resolve_strategy": "seqpar.sequence_parallel.selection",
+    "select_strategy": "seqpar.sequence_parallel.selection",
 }
 __all__ = [
     "STRATEGIES",
@@ -43,7 +43,7 @@ __all__ = [
     "context_parallel",
     "context_parallel_unshard",
     "prepare_model",
-    "resolve_strategy",
+    "select_strategy",
     "sequence_mask",
 ]
 __getattr__ = module_getattr(__name__, _NAMES, globals())

@@ -29,7 +29,7 @@ Note [auto strategy]
     once (a table build is tens of milliseconds for a 128K-token row at P = 8, one thread; see
     docs/benchmarks.md, "The auto rule's crossover"); a call given ``position_ids=`` builds its own mask:
     pass a prebuilt one.
-    The ratio sits where CPU runs of ``seqpar bench masks`` (ring against ulysses under placed and zigzag
+    The ratio sits where CPU runs of ``python -m benchmarks.masks`` (ring against ulysses under placed and zigzag
     rows of documents, RL groups, windows and log-normal mixes) had the ring winning: it won clearly where
     its bytes were a third of Ulysses' or less, and above that the balance of the work and the noise
     decided (the rows: docs/benchmarks.md). On links slower than one host's loopback the bytes weigh more
@@ -62,7 +62,6 @@ from seqpar.sequence_parallel.strategies.registry import (
 from seqpar.sequence_parallel.strategies.volumes import GRAD_BYTES, ring_bytes, ulysses_bytes
 
 if TYPE_CHECKING:
-    from seqpar.mesh import SequenceParallelMesh
     from seqpar.sequence_parallel.layouts.chunks import Layout
     from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
     from seqpar.sequence_parallel.plans.kv_needs import KVNeeds
@@ -73,11 +72,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_HEAD_IMBALANCE",
     "RING_BYTES_RATIO",
-    "auto_strategy",
-    "auto_strategy_for",
     "masked_ring_bytes",
-    "resolve_strategy",
-    "resolve_strategy_for",
     "select_strategy",
     "ulysses_bytes",
 ]
@@ -204,71 +199,3 @@ def masked_ring_bytes(
         returned = sum(len(needs[me][s]) for s in range(size) if s != me)
         most = max(most, token * (2 * sent * itemsize + returned * GRAD_BYTES))
     return most
-
-
-def resolve_strategy(strategy: str, heads: int, kv_heads: int, mesh: SequenceParallelMesh) -> str:
-    """The strategy ``"auto"`` stands for without a mask (Note [auto strategy]); any other name is returned unchanged.
-
-    Args:
-        strategy: a name from ``STRATEGIES``.
-        heads: query heads.
-        kv_heads: key/value heads.
-        mesh: the sequence-parallel mesh the call runs on.
-
-    Returns:
-        "hybrid", "ulysses" or "ring" for "auto"; ``strategy`` itself otherwise.
-    """
-    return resolve_strategy_for(strategy, heads, kv_heads, mesh.sp_size, mesh.ulysses_size)
-
-
-def resolve_strategy_for(strategy: str, heads: int, kv_heads: int, sp_size: int, ulysses_size: int) -> str:
-    """``resolve_strategy`` for degrees given as numbers, with no mesh (for predictions before any rank starts).
-
-    Args:
-        strategy: a name from ``STRATEGIES``.
-        heads: query heads.
-        kv_heads: key/value heads.
-        sp_size: the sequence-parallel degree.
-        ulysses_size: the all-to-all degree inside it (1 on a flat mesh).
-
-    Returns:
-        "hybrid", "ulysses" or "ring" for "auto"; ``strategy`` itself otherwise (unchecked).
-    """
-    if strategy != AUTO:
-        return strategy
-    return select_strategy(strategy, heads, kv_heads, sp_size, ulysses_size)
-
-
-def auto_strategy(
-    strategy: str,
-    heads: int,
-    kv_heads: int,
-    mesh: SequenceParallelMesh,
-    *,
-    mask: SequenceMask | None = None,
-    layout: Layout = "zigzag",
-    causal: bool = True,
-    local_tokens: int = 0,
-    head_dim: int = 1,
-    itemsize: int = 4,
-) -> str:
-    """``select_strategy`` on a mesh's degrees (kept for callers of its earlier name).
-
-    Args:
-        strategy, heads, kv_heads: as ``select_strategy``.
-        mesh: the sequence-parallel mesh.
-        mask, layout, causal, local_tokens, head_dim, itemsize: as ``select_strategy``.
-
-    Returns:
-        As ``select_strategy``.
-
-    Raises:
-        SeqparInputError: as ``select_strategy``.
-    """
-    shape = dict(local_tokens=local_tokens, head_dim=head_dim, itemsize=itemsize)
-    degrees = (mesh.sp_size, mesh.ulysses_size)
-    return select_strategy(strategy, heads, kv_heads, *degrees, mask=mask, layout=layout, causal=causal, **shape)
-
-
-auto_strategy_for = select_strategy
-"""The earlier name of ``select_strategy``."""

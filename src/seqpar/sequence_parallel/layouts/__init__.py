@@ -27,7 +27,7 @@ if TYPE_CHECKING:
         position_ids,
         shard_sequence,
     )
-    from seqpar.sequence_parallel.layouts.placed import Placement, placed_layout, traffic_floor
+    from seqpar.sequence_parallel.layouts.placed import Placement, placed_layout
 
 _NAMES = {
     "LayoutBalance": "seqpar.sequence_parallel.layouts.balanced",
@@ -47,7 +47,6 @@ _NAMES = {
     "shard_sequence": "seqpar.sequence_parallel.layouts.chunks",
     "Placement": "seqpar.sequence_parallel.layouts.placed",
     "placed_layout": "seqpar.sequence_parallel.layouts.placed",
-    "traffic_floor": "seqpar.sequence_parallel.layouts.placed",
 }
 __all__ = [
     "LAYOUTS",
@@ -67,6 +66,5 @@ __all__ = [
     "placed_layout",
     "position_ids",
     "shard_sequence",
-    "traffic_floor",
 ]
 __getattr__ = module_getattr(__name__, _NAMES, globals())

@@ -163,7 +163,7 @@ def layout_balance(
     blocks: int | Sequence[tuple[int, int]] | None = None,
     tile_costs: Sequence[float] = TILE_COSTS,
 ) -> LayoutBalance:
-    """The per-rank work of a layout on one batch (to compare layouts; ``seqpar bench masks`` reports it).
+    """The per-rank work of a layout on one batch (to compare layouts; ``python -m benchmarks.masks`` reports it).
 
     Args:
         position_ids: global ``[B, S]`` or ``[S]`` position ids (restarting at 0 at each packed document).

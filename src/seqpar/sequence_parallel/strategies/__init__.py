@@ -35,25 +35,20 @@ __all__ = [
     "head_split",
     "hybrid_attention",
     "local_attention",
-    "resolve_strategy",
     "ring_attention",
     "strategy_row",
     "ulysses_attention",
     "ulysses_degrees",
 ]
 
-# the algorithms (torch) load on first use, so the registry's rows serve the planner without them;
-# resolve_strategy lives with select_strategy (seqpar.sequence_parallel.selection, which imports this package)
-_NAMES = {
-    **{f"{name}_attention": f"{__name__}.{name}" for name in STRATEGY_ROWS},
-    "resolve_strategy": "seqpar.sequence_parallel.selection",
-}
+# the algorithms (torch) load on first use, so the registry's rows serve the planner without them
+_NAMES = {f"{name}_attention": f"{__name__}.{name}" for name in STRATEGY_ROWS}
 _names = module_getattr(__name__, _NAMES, globals())
 
 
 def __getattr__(name: str) -> Any:
     """``STRATEGY_FUNCTIONS`` (name -> strategy function, all with one signature; "local" serves a
-    sequence-parallel size of 1), built on first use; the strategy functions; ``resolve_strategy``."""
+    sequence-parallel size of 1), built on first use; the strategy functions."""
     if name == "STRATEGY_FUNCTIONS":
         functions = {row_name: row.function for row_name, row in STRATEGY_ROWS.items()}
         globals()[name] = functions

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from seqpar.errors import SeqparInputError
-from seqpar.lazy import module_getattr
 from seqpar.sequence_parallel.strategies.heads import (
     HeadSplit,
     head_split,
@@ -290,12 +289,3 @@ def strategy_options(sp_size: int) -> list[tuple[StrategyRow, int]]:
             spans = "sp" if u == sp_size else "ulysses"
             options += [(r, u) for r in rows if r.all_to_all == spans]
     return options
-
-
-# resolve_strategy / resolve_strategy_for moved to seqpar.sequence_parallel.selection (they call select_strategy,
-# which imports this module): they keep working from here, imported on first use.
-_MOVED = {
-    "resolve_strategy": "seqpar.sequence_parallel.selection",
-    "resolve_strategy_for": "seqpar.sequence_parallel.selection",
-}
-__getattr__ = module_getattr(__name__, _MOVED, globals())

@@ -1,10 +1,10 @@
 """Bytes each strategy sends per rank and layer in one forward + backward, from the algorithm's own arithmetic.
 
-The registry rows carry these models; ``select_strategy`` compares them, ``seqpar bench strategies`` checks them.
+The registry rows carry these models; ``select_strategy`` compares them, ``benchmarks/strategies.py`` checks them.
 
 Note [strategy bytes]
     One batch row, one layer, forward + backward, the unmasked algorithm, without the input check's
-    signature exchange (``seqpar bench strategies`` adds it). ``n`` is the tokens per rank (S/P), ``e`` the
+    signature exchange (``python -m benchmarks.strategies`` adds it). ``n`` is the tokens per rank (S/P), ``e`` the
     bytes per element of q, k, v; accumulated gradients that travel go in float32 (4 bytes).
     - ulysses over P ranks: (P-1)/P of q, k, v, out forward and of dout, dq, dk, dv backward leave each
       rank, with the KV heads copied up to P when there are fewer (Note [ulysses heads]); in head groups

@@ -88,11 +88,11 @@ Note [placed layout]
     home runs, the tail's share of a long document is lowered (through ``FILL_TARGETS``)
     before the refining pass has to cut documents.
     Bytes: a document holding most of the row's work must be spread over every rank to even the work,
-    and its keys then travel whatever the placement. ``traffic_floor`` (Note [traffic floor]) bounds the
-    busiest rank's traffic from below over every placement even within the slacks: on a row where one
-    document holds most of the work, even the floor is a large share of what zigzag needs while zigzag
-    leaves its busiest rank far above the mean work (docs/benchmarks.md, "Masks and layouts", has the
-    measured bytes; ``seqpar bench placement`` reports placed over the floor per row).
+    and its keys then travel whatever the placement. The benchmarks' ``traffic_floor`` (benchmarks/floor.py,
+    Note [traffic floor]) bounds the busiest rank's traffic from below over every placement even within the
+    slacks: on a row where one document holds most of the work, even the floor is a large share of what zigzag
+    needs while zigzag leaves its busiest rank far above the mean work (docs/benchmarks.md, "Masks and
+    layouts", has the measured bytes; ``python -m benchmarks.placement`` reports placed over the floor per row).
     A batch whose documents all fit whole and whose padding suffices has no document on two ranks:
     ``kv_needs`` is then empty between ranks and ring and all-gather move no K/V at all.
     Not reordered: rows with block-causal ranges (blocks are global token ranges), batches whose rows hold
@@ -111,7 +111,6 @@ Note [placed layout]
 from __future__ import annotations
 
 from seqpar.sequence_parallel.layouts.placed.auto import resolve_auto_layout
-from seqpar.sequence_parallel.layouts.placed.floor import traffic_floor
 from seqpar.sequence_parallel.layouts.placed.solver import KEY_COST, Placement, placed_layout
 
-__all__ = ["KEY_COST", "Placement", "placed_layout", "resolve_auto_layout", "traffic_floor"]
+__all__ = ["KEY_COST", "Placement", "placed_layout", "resolve_auto_layout"]

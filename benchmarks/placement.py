@@ -1,12 +1,12 @@
 """The placed layout over many packed rows: its K/V bytes, work balance and tokens against zigzag and balanced.
 
-    seqpar bench placement                         # ranks 3 4 8, seq 8192, 8 seeded rows per kind, one thread
-    seqpar bench placement --ranks 4 --kinds log-normal rl --seeds 16
-    seqpar bench placement --json placement.json   # one record per (ranks, kind, seed)
+    python -m benchmarks.placement                         # ranks 3 4 8, seq 8192, 8 seeded rows per kind, one thread
+    python -m benchmarks.placement --ranks 4 --kinds log-normal rl --seeds 16
+    python -m benchmarks.placement --json placement.json   # one record per (ranks, kind, seed)
 
-The placed layout's solver (Note [placed layout]) is a heuristic, so ``seqpar bench masks``' one row per mask
+The placed layout's solver (Note [placed layout]) is a heuristic, so ``python -m benchmarks.masks``' one row per mask
 says little about it; this runs it on ``--seeds`` seeded rows of each kind and each P, in one process (no
-ranks are spawned, nothing is timed but the solver). Row kinds (``seqpar.bench.rows``): ``documents``, 8 + 2
+ranks are spawned, nothing is timed but the solver). Row kinds (``benchmarks.rows``): ``documents``, 8 + 2
 x seed documents of uneven lengths; ``log-normal``, SFT-like log-normal lengths of median S/16;
 ``log-normal-short``, median S/32; ``rl``, groups of 8 similar completions after one prompt; ``short``,
 log-normal documents all shorter than S/(2P). Per row it computes, for the zigzag, balanced and placed
@@ -34,9 +34,9 @@ import time
 import torch
 
 import seqpar
-from seqpar.bench import save_records
-from seqpar.bench.masks_bytes import check_bytes, floor_bytes, needed_bytes
-from seqpar.bench.rows import log_normal_documents, rl_groups, short_documents, uneven_documents
+from benchmarks import save_records
+from benchmarks.masks_bytes import check_bytes, floor_bytes, needed_bytes
+from benchmarks.rows import log_normal_documents, rl_groups, short_documents, uneven_documents
 from seqpar.sequence_parallel.layouts.balanced import CHUNKS_PER_RANK
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
 
@@ -45,7 +45,7 @@ __all__ = ["KINDS", "LAYOUTS", "kind_row", "main", "measure_row", "row_length", 
 KINDS = ("documents", "log-normal", "log-normal-short", "rl", "short")
 """The row kinds, in the order they run (see the module docstring)."""
 LAYOUTS = ("zigzag", "balanced", "placed")
-HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64  # as seqpar bench masks; the ratios between layouts do not depend on them
+HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64  # as python -m benchmarks.masks; the ratios between layouts do not depend on them
 
 
 def row_length(seq: int, ranks: int) -> int:
@@ -185,7 +185,7 @@ def _print(records: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="seqpar bench placement", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.placement", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--ranks", type=int, nargs="+", default=[3, 4, 8], help="sequence-parallel degrees P")
     parser.add_argument("--seq", type=int, default=8192, help="tokens per row (rounded down where P needs it)")

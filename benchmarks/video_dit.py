@@ -1,15 +1,15 @@
-"""``seqpar bench video_dit``: per-rank peak memory and step time of one Wan-shaped training step at sp 1 2 4.
+"""``python -m benchmarks.video_dit``: per-rank peak memory and step time of one Wan-shaped training step at sp 1 2 4.
 
 Run::
 
-    seqpar bench video_dit                                  # 8K latent tokens, sp 1 2 4, ring
-    seqpar bench video_dit --tokens 8192 16384 --sp 1 2 4 --json video_dit_cpu.json
+    python -m benchmarks.video_dit                                  # 8K latent tokens, sp 1 2 4, ring
+    python -m benchmarks.video_dit --tokens 8192 16384 --sp 1 2 4 --json video_dit_cpu.json
 
 Every degree runs in fresh processes, one thread a rank: diffusers' ``WanTransformer3DModel`` (a small config,
 random weights) through ``seqpar.prepare_diffusers``, a warm-up step, then one measured step (forward on the
 whole latent clip, flow-matching loss, backward, gradient sum, SGD update). Memory = growth of the resident-set
 peak (VmHWM) during the step above the resident set before it, in a second run under ``MEMORY_RUN_ENV``
-(``seqpar.runtime.measure``). The first step's loss of every run is checked against sp 1's. Beside it,
+(``seqpar.bench.measure``). The first step's loss of every run is checked against sp 1's. Beside it,
 ``seqpar.memory.estimate_dit_memory``'s step growth from a profile traced on the same model at two small clips
 (Note [DiT memory]). Several ``--tokens`` run one after another, each with every degree.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import tempfile
 import time
 
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from seqpar.bench import save_records
+from benchmarks import save_records
 
 __all__ = ["estimate_mb", "main", "wan_model"]
 
@@ -85,7 +86,7 @@ def estimate_mb(cfg: dict, tokens: int, sp: int) -> float:
 
 def _worker(_rank: int, _world_size: int, cfg: dict, out: str) -> None:
     import seqpar
-    from seqpar.runtime.measure import write_slowest
+    from seqpar.bench.measure import write_slowest
     from seqpar.runtime.memory import reset_resident_peak, resident_mb
 
     mesh = seqpar.make_mesh()
@@ -115,7 +116,7 @@ def _worker(_rank: int, _world_size: int, cfg: dict, out: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="seqpar bench video_dit", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.video_dit", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4], help="sequence-parallel degrees")
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192], help="latent tokens after patchify")
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_size(args: argparse.Namespace, tokens: int) -> list[dict]:
     """Every degree at one clip size: measured, checked against sp 1's loss, printed with the estimate."""
-    from seqpar.runtime.measure import time_and_memory
+    from seqpar.bench.measure import time_and_memory
 
     cfg = {"tokens": tokens, **{k: getattr(args, k) for k in ("frames", "dim", "layers", "strategy")}}
     rows = []
@@ -161,3 +162,7 @@ def _run_size(args: argparse.Namespace, tokens: int) -> list[dict]:
         )
     keys = ("growth_mb", "estimate_mb", "first_loss")
     return [{**cfg, "sp": r["sp"], **{k: r[k] for k in keys}, "step_s": r["seconds"]} for r in rows]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

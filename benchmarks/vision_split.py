@@ -1,9 +1,9 @@
-"""``seqpar bench vision_split``: one Qwen2.5-VL-shaped training step on a long video, the vision split on and off.
+"""``benchmarks.vision_split``: one Qwen2.5-VL-shaped training step on a long video, the vision split on and off.
 
 Run::
 
-    seqpar bench vision_split                         # sp 2, a 64-frame video, 3 rounds (the two take turns)
-    seqpar bench vision_split --frames 128 --json vision_split_cpu.json
+    python -m benchmarks.vision_split                         # sp 2, a 64-frame video, 3 rounds (the two take turns)
+    python -m benchmarks.vision_split --frames 128 --json vision_split_cpu.json
 
 Each round times one forward and backward of the whole model on every rank with ``split_vision=True`` and with
 ``split_vision=False`` (Note [vision split]), alternating so that drift on a shared machine hits both alike, and
@@ -16,13 +16,14 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 
-from seqpar.bench import save_records
+from benchmarks import save_records
 
 __all__ = ["main", "qwen_vl_model", "video_batch"]
 
@@ -110,7 +111,9 @@ def _worker(rank: int, world_size: int, cfg: dict, out: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="seqpar bench vision_split", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.vision_split",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--sp", type=int, default=2)
     parser.add_argument("--frames", type=int, default=64, help="video frames (2 a temporal patch)")
@@ -149,3 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         record.update(tower_split_s=towers_on, tower_whole_s=towers_off)
         save_records(args.json, "vision_split", argv, [record])
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

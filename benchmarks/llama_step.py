@@ -2,15 +2,15 @@
 
 Fixed total sequence; every degree runs in fresh processes (one thread per rank) in one invocation:
 
-    seqpar bench llama_step                       # seq 8192, sp 1 2 4, ring
-    seqpar bench llama_step --seq 4096 --sp 1 2 --strategy ulysses --repeats 3
-    seqpar bench llama_step --vocab 32768 --sp 2 --loss-chunk 1024   # logits in pieces
-    seqpar bench llama_step --json llama_step.json                   # also save the rows, with provenance
+    python -m benchmarks.llama_step                       # seq 8192, sp 1 2 4, ring
+    python -m benchmarks.llama_step --seq 4096 --sp 1 2 --strategy ulysses --repeats 3
+    python -m benchmarks.llama_step --vocab 32768 --sp 2 --loss-chunk 1024   # logits in pieces
+    python -m benchmarks.llama_step --json llama_step.json                   # also save the rows, with provenance
 
 Each step is forward + backward + AdamW on ``seqpar.shard_batch`` shards with ``seqpar.cross_entropy``.
 Before timing, the sharded loss of the first step is checked against the sp=1 loss. Memory = growth of the
 resident-set peak (VmHWM) during a step, above the resident set after the warm-up step (weights, optimizer
-state and inputs already allocated), measured in separate processes from the timing (``seqpar.runtime.measure``).
+state and inputs already allocated), measured in separate processes from the timing (``seqpar.bench.measure``).
 With more ranks than cores, compare the ratios, not the times.
 """
 
@@ -22,15 +22,15 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import transformers
 
 import seqpar
-from seqpar.bench import save_records
-from seqpar.runtime.measure import time_and_memory, write_slowest
+from benchmarks import save_records
+from seqpar.bench.maxlen import train_step
+from seqpar.bench.measure import time_and_memory, write_slowest
 from seqpar.runtime.memory import reset_resident_peak, resident_mb
 
 
@@ -46,45 +46,6 @@ def llama_config(cfg: dict, max_positions: int) -> dict:
         "num_key_value_heads": cfg["heads"] // 2,
         "max_position_embeddings": max_positions,
     }
-
-
-def train_step(
-    model,
-    opt: torch.optim.Optimizer,
-    shard: dict,
-    mesh,
-    loss_chunk: int,
-    *,
-    set_to_none: bool = True,
-    after_forward: Callable[[], None] | None = None,
-) -> torch.Tensor:
-    """One AdamW step of a prepared model on a sharded batch; returns this rank's share of the loss.
-
-    Args:
-        model, opt: the prepared model and its optimizer.
-        shard: this rank's ``seqpar.shard_batch`` shard.
-        mesh: the SP mesh (the loss normaliser and the gradient sum run over its SP group).
-        loss_chunk: tokens per piece of ``lm_head_cross_entropy``; 0: whole logits.
-        set_to_none: free the gradients after the update (True) or zero them in place, as DDP and FSDP keep
-            their gradient buffers (False).
-        after_forward: called between the forward and the backward (a memory reading).
-    """
-    inputs = {"input_ids": shard["input_ids"], "position_ids": shard["position_ids"]}
-    if loss_chunk:  # logits made and dropped piece by piece
-        hidden = model.get_decoder()(**inputs).last_hidden_state
-        loss = seqpar.lm_head_cross_entropy(hidden, model.lm_head, shard["shift_labels"], mesh, chunk_size=loss_chunk)
-        del hidden
-    else:
-        logits = model(**inputs).logits
-        loss = seqpar.cross_entropy(logits, shard["shift_labels"], mesh)
-        del logits
-    if after_forward is not None:
-        after_forward()
-    loss.backward()
-    seqpar.reduce_gradients(model.parameters(), mesh)
-    opt.step()
-    opt.zero_grad(set_to_none=set_to_none)
-    return loss.detach()
 
 
 def _model(cfg: dict):
@@ -119,7 +80,9 @@ def _worker(_rank: int, _world_size: int, cfg: dict, out_path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="seqpar bench llama_step", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.llama_step",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--seq", type=int, default=8192, help="total sequence length (fixed across degrees)")
     parser.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4], help="sequence-parallel degrees")

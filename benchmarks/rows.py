@@ -1,6 +1,6 @@
 """Packed rows the benchmarks share: the global position ids of seeded document mixes (uneven, SFT-like, RL-like).
 
-Used by ``seqpar bench masks`` (one row per kind) and ``seqpar bench placement`` (many seeded rows per kind).
+Used by ``benchmarks.masks`` (one row per kind) and ``benchmarks.placement`` (many seeded rows per kind).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Ring vs Ulysses vs hybrid vs all-gather on the same ranks: step time and bytes each rank sends.
 
-    seqpar bench strategies                    # 4 ranks, causal fwd+bwd, seq 8192, 8/2 heads, fp32
-    seqpar bench strategies --ranks 4 --ulysses 2 --seq 16384 --kv-heads 8
-    seqpar bench strategies --kv-heads 8 --json strategies.json   # also save the rows, with provenance
-    seqpar bench strategies --heads 6 --kv-heads 2             # uneven heads: 2, 2, 1, 1 per rank
+    python -m benchmarks.strategies                    # 4 ranks, causal fwd+bwd, seq 8192, 8/2 heads, fp32
+    python -m benchmarks.strategies --ranks 4 --ulysses 2 --seq 16384 --kv-heads 8
+    python -m benchmarks.strategies --kv-heads 8 --json strategies.json   # also save the rows, with provenance
+    python -m benchmarks.strategies --heads 6 --kv-heads 2             # uneven heads: 2, 2, 1, 1 per rank
 
 All strategies run in one set of spawned gloo ranks (one thread each), so their times are comparable with
 each other; with more ranks than cores the absolute times are not meaningful, only the ratios. Bytes sent
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import seqpar
-from seqpar.bench import provenance
+from benchmarks import provenance
 from seqpar.runtime.memory import written_bytes
 from seqpar.runtime.spawn import spawn_ranks
 from seqpar.sequence_parallel.checks import SIGNATURE_LENGTH
@@ -103,7 +103,9 @@ def _rank(rank: int, _world_size: int, cfg: dict, results: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="seqpar bench strategies", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.strategies",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--ulysses", type=int, default=2, help="ulysses degree of the hybrid mesh")

@@ -1,8 +1,8 @@
 """What importing seqpar and running ``seqpar plan`` cost on top of ``import torch``, each in a fresh process.
 
-    seqpar bench imports                          # 5 rounds; the cases take turns, so drift hits them alike
-    seqpar bench imports --repeats 9 --json imports.json
-    seqpar bench imports --model ./llama-8b/config.json   # plan a config.json instead of the llama-8b preset
+    python -m benchmarks.imports                          # 5 rounds; the cases take turns, so drift hits them alike
+    python -m benchmarks.imports --repeats 9 --json imports.json
+    python -m benchmarks.imports --model ./llama-8b/config.json   # plan a config.json instead of the llama-8b preset
 
 Each case is a new interpreter (``sys.executable``), timed from start to exit on the wall clock and by its
 CPU time (user + system, from the parent's child accounting): on a shared machine the wall clock says how much
@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 
-from seqpar.bench import save_records
+from benchmarks import save_records
 
 COMMON_NAMES = ("make_mesh", "attention", "shard_batch", "cross_entropy")
 """The names most scripts touch first; each resolves its module on first use."""
@@ -111,7 +111,7 @@ def measure(named: dict[str, list[str]], repeats: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="seqpar bench imports", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.imports", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--repeats", type=int, default=5, help="rounds; the table shows medians")
     parser.add_argument("--model", default="llama-8b", help="seqpar plan's --model: a preset or a config.json")

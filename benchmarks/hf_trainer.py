@@ -1,8 +1,8 @@
 """A Hugging Face Trainer step under seqpar against seqpar's own training step, and its memory against one process.
 
-    seqpar bench hf_trainer --steps 8                 # Llama 4x256, one packed row of 8192 tokens, sp 2, ring
-    seqpar bench hf_trainer --seq 2048 --steps 3      # small, quick
-    seqpar bench hf_trainer --json hf_trainer.json    # also save the rows and the pairs' ratios, with provenance
+    python -m benchmarks.hf_trainer --steps 8                 # Llama 4x256, one packed row of 8192 tokens, sp 2, ring
+    python -m benchmarks.hf_trainer --seq 2048 --steps 3      # small, quick
+    python -m benchmarks.hf_trainer --json hf_trainer.json    # also save the rows and the pairs' ratios
 
 Time: one torchrun job at sp 2 trains ``SequenceParallelTrainer`` and, at every Trainer step end, runs one
 step of seqpar's own loop on its own copy of the model (``prepare_model`` + ``shard_batch`` +
@@ -12,7 +12,7 @@ logging) and the own step after it see the same load; the ratio is the median ov
 slowest rank's times, after a warm-up step of each. The plain ``transformers.Trainer`` in one process on
 the whole row is timed separately. Memory: the growth of the resident-set peak during the second step
 above the resident set before it, from separate processes (Trainer at sp 2, own step at sp 2, one
-process) whose large allocations are served by mmap (``seqpar.runtime.measure``), so freed memory leaves
+process) whose large allocations are served by mmap (``seqpar.bench.measure``), so freed memory leaves
 the resident set.
 With more ranks than cores, compare the ratios, not the times.
 """
@@ -34,9 +34,9 @@ import transformers
 
 import seqpar
 import seqpar.hf
-from seqpar.bench import save_records
-from seqpar.bench.llama_step import llama_config
-from seqpar.runtime.measure import MEMORY_RUN_ENV, write_slowest
+from benchmarks import python_path, save_records
+from benchmarks.llama_step import llama_config
+from seqpar.bench.measure import MEMORY_RUN_ENV, write_slowest
 from seqpar.runtime.memory import reset_resident_peak, resident_mb
 
 MODES = ("pair", "trainer_sp", "loop_sp", "trainer_one")
@@ -173,7 +173,7 @@ def _launch(mode: str, cfg: dict, out: str, memory: bool) -> dict:
     worker = [
         sys.executable,
         "-m",
-        "seqpar.bench.hf_trainer",
+        "benchmarks.hf_trainer",
         "--worker",
         mode,
         "--out",
@@ -183,8 +183,8 @@ def _launch(mode: str, cfg: dict, out: str, memory: bool) -> dict:
     ]
     if ranks > 1:
         worker = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
-        worker += ["-m", "seqpar.bench.hf_trainer", "--worker", mode, "--out", out, "--cfg", json.dumps(cfg)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(MEMORY_RUN_ENV if memory else {})}
+        worker += ["-m", "benchmarks.hf_trainer", "--worker", mode, "--out", out, "--cfg", json.dumps(cfg)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(), **(MEMORY_RUN_ENV if memory else {})}
     done = subprocess.run(worker, env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"{mode} failed:\n{(done.stdout + done.stderr)[-4000:]}")
@@ -194,7 +194,9 @@ def _launch(mode: str, cfg: dict, out: str, memory: bool) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="seqpar bench hf_trainer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.hf_trainer",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--seq", type=int, default=8192, help="tokens in the packed row")
     parser.add_argument("--doc", type=int, default=2048, help="tokens per packed document")

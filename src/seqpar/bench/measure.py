@@ -1,6 +1,6 @@
 """Benchmark runs in spawned ranks: step time from a run with the normal allocator, peak memory from a second run.
 
-Shared by the benchmarks that report both step time and peak resident-set growth (``seqpar bench``).
+Shared by the benchmarks that report both step time and peak resident-set growth (``seqpar bench``, benchmarks/).
 """
 
 from __future__ import annotations

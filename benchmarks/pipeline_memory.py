@@ -1,6 +1,6 @@
-"""The memory half of ``seqpar bench pipeline``: each rank's memory around a pipeline step, beside the estimate.
+"""The memory half of ``python -m benchmarks.pipeline``: each rank's memory around a pipeline step, beside the estimate.
 
-What is measured and how is described in ``seqpar.bench.pipeline``; this module also builds the bench's model.
+What is measured and how is described in ``benchmarks.pipeline``; this module also builds the bench's model.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch.distributed as dist
 import transformers
 
 import seqpar
-from seqpar.bench.llama_step import llama_config
+from benchmarks.llama_step import llama_config
 from seqpar.memory.estimate import estimate_stage_memory
 from seqpar.memory.pipeline import held_logits_bytes, stage_views
 from seqpar.runtime.memory import reset_resident_peak, resident_mb

@@ -1,10 +1,10 @@
 """The pipeline on this machine: each schedule's step time and each stage's memory at pp 2, beside the planner.
 
-    seqpar bench pipeline                         # 4-layer Llama, hidden 256, seq 1024, 4 micro-batches of 1 row
-    seqpar bench pipeline --microbatches 8 --seq 2048 --schedules 1f1b --json pipeline.json
+    python -m benchmarks.pipeline         # 4-layer Llama, hidden 256, seq 1024, 4 micro-batches of 1 row
+    python -m benchmarks.pipeline --microbatches 8 --seq 2048 --schedules 1f1b --json pipeline.json
 
 Two gloo ranks, one thread each, one pipeline stage per rank (two for "interleaved"), spawned twice: once for
-time, once for memory (``seqpar.runtime.measure``: under ``MEMORY_RUN_ENV`` glibc maps every large
+time, once for memory (``seqpar.bench.measure``: under ``MEMORY_RUN_ENV`` glibc maps every large
 allocation and unmaps it on free, so the resident-set peak tracks live tensors, while its page faults would
 slow the timed steps).
 
@@ -40,6 +40,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -47,10 +48,10 @@ import torch
 import torch.distributed as dist
 
 import seqpar
-from seqpar.bench import provenance
-from seqpar.bench.pipeline_memory import bench_pipeline, bench_shard, memory_rows, memory_worker
+from benchmarks import provenance
+from benchmarks.pipeline_memory import bench_pipeline, bench_shard, memory_rows, memory_worker
+from seqpar.bench.measure import MEMORY_RUN_ENV
 from seqpar.memory.pipeline import bubble_fraction, p2p_bytes
-from seqpar.runtime.measure import MEMORY_RUN_ENV
 from seqpar.runtime.spawn import spawn_ranks
 
 __all__ = ["main"]
@@ -142,7 +143,7 @@ def _time_worker(_rank: int, _world_size: int, cfg: dict, out_path: str) -> None
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``seqpar bench pipeline``: time each schedule and measure each stage's memory at pp 2, beside the estimates.
+    """``benchmarks.pipeline``: time each schedule and measure each stage's memory at pp 2, beside the estimates.
 
     Args:
         argv: the command-line options (default: ``sys.argv``).
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         0 (the exit code).
     """
     parser = argparse.ArgumentParser(
-        prog="seqpar bench pipeline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.pipeline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--rows", type=int, default=1, help="sequences per micro-batch")
@@ -206,3 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             record = {"settings": cfg, "time": timed, "memory": memory_records, **provenance("pipeline", argv)}
             json.dump(record, f, indent=1)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

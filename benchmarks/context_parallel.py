@@ -1,8 +1,8 @@
 """What ``seqpar.context_parallel`` costs: the SDPA drop-in against ``seqpar.attention``, and memory per rank.
 
-    seqpar bench context_parallel          # 2 ranks: attention at 8192 tokens; a video block at 2048, 4096 tokens
-    seqpar bench context_parallel --ranks 2 --seq 4096 --tokens 1024 2048 --repeats 3 --strategy ring
-    seqpar bench context_parallel --json context_parallel.json   # also save both tables' rows, with provenance
+    python -m benchmarks.context_parallel   # 2 ranks: attention at 8192 tokens; a video block at 2048, 4096 tokens
+    python -m benchmarks.context_parallel --ranks 2 --seq 4096 --tokens 1024 2048 --repeats 3 --strategy ring
+    python -m benchmarks.context_parallel --json context_parallel.json   # also save both tables' rows
 
 (a) Overhead. On the same ranks, with the same shapes (causal, fp32, fwd+bwd), three ways timed in turn
 within each repeat: ``seqpar.attention`` on local shards (direct); ``F.scaled_dot_product_attention``
@@ -37,8 +37,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import seqpar
-from seqpar.bench import save_records
-from seqpar.runtime.measure import time_and_memory, write_slowest
+from benchmarks import save_records
+from seqpar.bench.measure import time_and_memory, write_slowest
 from seqpar.runtime.memory import reset_resident_peak, resident_mb
 from seqpar.runtime.spawn import spawn_ranks
 
@@ -213,7 +213,7 @@ def _memory_table(args: argparse.Namespace) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="seqpar bench context_parallel",
+        prog="python -m benchmarks.context_parallel",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

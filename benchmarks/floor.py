@@ -1,6 +1,6 @@
 """The least K/V traffic any placement of a packed causal row can have while its attention work stays even.
 
-A reference for the placed layout's solver (Note [traffic floor]); ``seqpar bench placement`` and ``masks`` report it.
+A reference for the placed layout's solver (Note [traffic floor]); ``benchmarks.placement`` and ``masks`` report it.
 
 Note [traffic floor]
     Traffic is counted as the refining pass counts it (Note [placed layout]): a rank sends each of its keys

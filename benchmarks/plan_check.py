@@ -1,11 +1,11 @@
 """The planner's predictions against measured steps: step time and per-rank peak growth of a small Llama on CPU.
 
-    seqpar bench plan_check                              # llama_step's configurations: seq 8192, sp 1 2 4, ring
-    seqpar bench plan_check --calibration cal.json       # rates from `seqpar plan --calibrate cal.json`
+    python -m benchmarks.plan_check                              # llama_step's configurations: seq 8192, sp 1 2 4, ring
+    python -m benchmarks.plan_check --calibration cal.json       # rates from `seqpar plan --calibrate cal.json`
 
 First it times planning Llama-8B at 16M tokens on 1,024 devices (the planner's own speed).
 
-The measured side is ``seqpar bench llama_step``'s step (forward, backward, gradient sum, AdamW; fp32; one
+The measured side is ``python -m benchmarks.llama_step``'s step (forward, backward, gradient sum, AdamW; fp32; one
 thread per rank), run with no memory features and with checkpointing + chunked loss. The predicted side is
 ``seqpar.planning.step_time`` on the calibrated rates, and the memory estimator's growth above what lives between
 steps (``MemoryEstimate.step_peak``), which is what the benchmark measures (resident-set peak growth). The
@@ -29,14 +29,15 @@ import torch.distributed as dist
 import transformers
 
 import seqpar
-from seqpar.bench.llama_step import llama_config, train_step
+from benchmarks.llama_step import llama_config
+from seqpar.bench.maxlen import train_step
+from seqpar.bench.measure import time_and_memory, write_slowest
 from seqpar.models import ModelSizes
 from seqpar.planning.calibrate import calibrate, probe_compute
 from seqpar.planning.cluster import Calibration, Cluster, load_calibration
 from seqpar.planning.memory import estimate_layout
 from seqpar.planning.search import plan
 from seqpar.planning.timing import Layout, step_time
-from seqpar.runtime.measure import time_and_memory, write_slowest
 from seqpar.runtime.memory import reset_resident_peak, resident_mb
 from seqpar.sequence_parallel.strategies.registry import strategy_row
 
@@ -112,7 +113,9 @@ def _layout(cfg: dict, sp: int, features: tuple[str, ...]) -> Layout:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="seqpar bench plan_check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.plan_check",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4])

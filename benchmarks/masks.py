@@ -1,8 +1,8 @@
 """What masks cost and save: causal attention with and without packed documents, windows and blocks, per strategy.
 
-    seqpar bench masks                # 4 ranks, seq 8192, 8/2 heads, 16 uneven documents, window S/8, frames
-    seqpar bench masks --ranks 2 --seq 16384 --docs 16 --window 2048 --layouts zigzag contiguous
-    seqpar bench masks --layouts zigzag balanced --strategies ring --json masks.json
+    python -m benchmarks.masks                # 4 ranks, seq 8192, 8/2 heads, 16 uneven documents, window S/8, frames
+    python -m benchmarks.masks --ranks 2 --seq 16384 --docs 16 --window 2048 --layouts zigzag contiguous
+    python -m benchmarks.masks --layouts zigzag balanced --strategies ring --json masks.json
 
 Each strategy runs fwd+bwd on the same spawned gloo ranks (one thread each) for: plain causal, causal with
 packed documents of uneven lengths (tiles across documents are skipped, tiles on a boundary masked), the
@@ -42,10 +42,10 @@ import torch
 import torch.distributed as dist
 
 import seqpar
-from seqpar.bench import save_records
-from seqpar.bench.kernel_time import TimedKernel
-from seqpar.bench.masks_bytes import floor_bytes, needed_bytes, visible_fraction
-from seqpar.bench.rows import log_normal_documents, rl_groups, short_documents, uneven_documents
+from benchmarks import save_records
+from benchmarks.kernel_time import TimedKernel
+from benchmarks.masks_bytes import floor_bytes, needed_bytes, visible_fraction
+from benchmarks.rows import log_normal_documents, rl_groups, short_documents, uneven_documents
 from seqpar.runtime.memory import written_bytes
 from seqpar.runtime.spawn import spawn_ranks
 from seqpar.sequence_parallel.layouts.chunks import layout_names, rank_chunk_ids
@@ -200,7 +200,7 @@ def _time_solver(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="seqpar bench masks", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.masks", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--ulysses", type=int, default=2, help="ulysses degree of the hybrid mesh")

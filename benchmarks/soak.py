@@ -2,9 +2,9 @@
 
 Runs the real command (spawned ranks, checkpoints every 100 steps, metrics and plots) in a subprocess:
 
-    seqpar bench soak                          # 2,000 steps of the default run; RSS at step 100 vs the end
-    seqpar bench soak --steps 600 --mark 100   # shorter
-    seqpar bench soak --run-dir runs/soak -- --sp 4 --strategy ring   # flags after -- go to seqpar train
+    python -m benchmarks.soak                          # 2,000 steps of the default run; RSS at step 100 vs the end
+    python -m benchmarks.soak --steps 600 --mark 100   # shorter
+    python -m benchmarks.soak --run-dir runs/soak -- --sp 4 --strategy ring   # flags after -- go to seqpar train
 
 Every step's record in ``metrics.jsonl`` holds each rank's resident set (VmRSS) after the step; the bench
 compares, per rank, the median over ``--window`` steps from ``--mark`` (after warm-up: optimizer state,
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(
-        prog="seqpar bench soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--steps", type=int, default=2000, help="optimizer steps of the run")
     parser.add_argument("--mark", type=int, default=100, help="the step whose resident set is the baseline")
@@ -107,3 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("soak: PASS" if worst < LIMIT_PERCENT else "soak: FAIL (resident memory grew)")
     return 0 if worst < LIMIT_PERCENT else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,10 +3,10 @@
 One model per rung (same weights) lives in the same ranks and their steps take turns, so machine load hits all
 alike:
 
-    seqpar bench features                                  # seq 4096, sp 1, every rung the CPU has
-    seqpar bench features --seq 8192 --sp 2 --repeats 4 --loss-chunk 32
-    seqpar bench features --ladder checkpointing tiled_mlp  # only these rungs (features still cumulative)
-    seqpar bench features --json features.json             # also save one record per rung, with provenance
+    python -m benchmarks.features                                  # seq 4096, sp 1, every rung the CPU has
+    python -m benchmarks.features --seq 8192 --sp 2 --repeats 4 --loss-chunk 32
+    python -m benchmarks.features --ladder checkpointing tiled_mlp  # only these rungs (features still cumulative)
+    python -m benchmarks.features --json features.json             # also save one record per rung, with provenance
 
 Rungs and the step are those of ``seqpar bench maxlen`` (``feature_model``, ``feature_step``): none;
 checkpointing; + chunked_loss; + tiled_mlp; + offload (GPU). The first step's losses of all rungs must agree
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import seqpar
-from seqpar.bench import save_records
+from benchmarks import save_records
 from seqpar.bench.maxlen import LADDER, add_model_arguments, feature_model, feature_step, rung_features
 from seqpar.runtime.spawn import spawn_ranks
 
@@ -118,7 +118,7 @@ def _table(records: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="seqpar bench features", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.features", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--seq", type=int, default=4096, help="total sequence length")
     parser.add_argument("--sp", type=int, default=1, help="sequence-parallel degree (spawned ranks)")

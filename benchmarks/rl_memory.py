@@ -1,11 +1,11 @@
 """Per-rank peak memory of one DPO and one GRPO optimizer step of seqpar.hf's trainers, by sp and completion length.
 
-    seqpar bench rl_memory --json rl_memory.json                 # sp 1 2 4, completions of 2K, 4K, 8K tokens
-    seqpar bench rl_memory --trainers dpo --sp 1 2 --lengths 1024 # small, quick
+    python -m benchmarks.rl_memory --json rl_memory.json                 # sp 1 2 4, completions of 2K, 4K, 8K tokens
+    python -m benchmarks.rl_memory --trainers dpo --sp 1 2 --lengths 1024 # small, quick
 
 Each (trainer, sp) is one torchrun job of ``SequenceParallelDPOTrainer`` or ``SequenceParallelGRPOTrainer`` on a
 Llama built from its config (fp32, AdamW, TRL's default activation checkpointing, 1 thread per rank) whose
-large allocations are served by mmap (``seqpar.runtime.measure.MEMORY_RUN_ENV``), so that the resident set
+large allocations are served by mmap (``seqpar.bench.measure.MEMORY_RUN_ENV``), so that the resident set
 tracks live tensors. A warm-up step on short rows allocates AdamW's state; then one optimizer step per
 completion length, shortest first, each holding one preference pair (DPO) or one group of two completions
 (GRPO) of that many tokens after a 16-token prompt. A step's figure is the growth of the resident-set peak
@@ -48,8 +48,8 @@ import torch.distributed as dist
 import transformers
 
 import seqpar
-from seqpar.bench import provenance
-from seqpar.runtime.measure import MEMORY_RUN_ENV, write_slowest
+from benchmarks import provenance, python_path
+from seqpar.bench.measure import MEMORY_RUN_ENV, write_slowest
 from seqpar.runtime.memory import reset_resident_peak, resident_mb
 
 __all__ = ["main", "table"]
@@ -208,8 +208,8 @@ def _worker(trainer_name: str, cfg: dict, out: str) -> None:
 def _launch(trainer_name: str, sp: int, cfg: dict, tmp: str) -> list[dict]:
     out = os.path.join(tmp, f"{trainer_name}_sp{sp}.json")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(sp)]
-    command += ["-m", "seqpar.bench.rl_memory", "--worker", trainer_name, "--out", out, "--cfg", json.dumps(cfg)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **MEMORY_RUN_ENV}
+    command += ["-m", "benchmarks.rl_memory", "--worker", trainer_name, "--out", out, "--cfg", json.dumps(cfg)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(), **MEMORY_RUN_ENV}
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"{trainer_name} at sp {sp} failed:\n{(done.stdout + done.stderr)[-4000:]}")
@@ -231,7 +231,7 @@ def _estimate(cfg: dict, sp: int, width: int, strategy: str) -> seqpar.MemoryEst
 
 
 def table(records: list[dict]) -> str:
-    """The Markdown table of ``seqpar bench rl_memory`` records: measured and estimated growth, ratios to sp 1."""
+    """The Markdown table of ``benchmarks.rl_memory`` records: measured and estimated growth, ratios to sp 1."""
     low = {(r["trainer"], r["completion"]): r for r in records if r["sp"] == min(x["sp"] for x in records)}
     lines = ["| trainer | completion | sp | tokens/rank | measured (MB) | vs sp 1 | estimate (MB) | est / measured |"]
     lines.append("|---|---|---|---|---|---|---|---|")
@@ -247,7 +247,7 @@ def table(records: list[dict]) -> str:
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="seqpar bench rl_memory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.rl_memory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--trainers", nargs="+", choices=TRAINERS, default=list(TRAINERS))
     parser.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4], help="sequence-parallel degrees")

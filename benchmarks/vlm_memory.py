@@ -1,15 +1,15 @@
-"""``seqpar bench vlm_memory``: per-rank peak memory of one Qwen2.5-VL-shaped training step on a long video.
+"""``python -m benchmarks.vlm_memory``: per-rank peak memory of one Qwen2.5-VL-shaped training step on a long video.
 
 Run::
 
-    seqpar bench vlm_memory                            # a 128-frame 224x224 video, sp 1 2 4, split on and off
-    seqpar bench vlm_memory --frames 64 --sp 1 2 --json vlm_memory_cpu.json
+    python -m benchmarks.vlm_memory                            # a 128-frame 224x224 video, sp 1 2 4, split on and off
+    python -m benchmarks.vlm_memory --frames 64 --sp 1 2 --json vlm_memory_cpu.json
 
 Every degree (and, above sp 1, the vision split on and off: Note [vision split]) runs in fresh processes, one
 thread a rank: a warm-up step, then one measured step (forward, backward, gradient sum, SGD update) of the
 whole model on whole rows (``seqpar.prepare_model``), the text decoder sharded. Memory = growth of the
 resident-set peak (VmHWM) during the step above the resident set before it, in a second run under
-``MEMORY_RUN_ENV`` (``seqpar.runtime.measure``); beside it the ``seqpar.estimate_memory`` prediction of the same
+``MEMORY_RUN_ENV`` (``seqpar.bench.measure``); beside it the ``seqpar.estimate_memory`` prediction of the same
 step with the vision tower counted (``vision_patches``, Note [vision tower memory]). The first step's loss of
 every run is checked against sp 1's.
 """
@@ -19,21 +19,22 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 
-from seqpar.bench import save_records
-from seqpar.bench.vision_split import qwen_vl_model, video_batch
+from benchmarks import save_records
+from benchmarks.vision_split import qwen_vl_model, video_batch
 
 __all__ = ["main"]
 
 
 def _worker(_rank: int, _world_size: int, cfg: dict, out: str) -> None:
     import seqpar
-    from seqpar.runtime.measure import write_slowest
+    from seqpar.bench.measure import write_slowest
     from seqpar.runtime.memory import reset_resident_peak, resident_mb
 
     mesh = seqpar.make_mesh()
@@ -93,7 +94,9 @@ def _config(cfg: dict) -> object:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="seqpar bench vlm_memory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.vlm_memory",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4], help="sequence-parallel degrees")
     parser.add_argument("--frames", type=int, default=128, help="video frames (2 a temporal patch)")
@@ -106,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1, help="timed steps after the warm-up")
     parser.add_argument("--json", metavar="FILE", help="write one record per run here")
     args = parser.parse_args(argv)
-    from seqpar.runtime.measure import time_and_memory
+    from seqpar.bench.measure import time_and_memory
 
     keys = ("frames", "side", "vision", "vision_depth", "hidden", "layers", "strategy", "repeats")
     cfg = {k: getattr(args, k) for k in keys}
@@ -157,3 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         save_records(args.json, "vlm_memory", argv, records)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

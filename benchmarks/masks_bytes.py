@@ -1,4 +1,4 @@
-"""What ``seqpar bench masks`` compares with: the bytes a rank must send under a mask, and the visible area.
+"""What ``python -m benchmarks.masks`` compares with: the bytes a rank must send under a mask, and the visible area.
 
 ``needed_bytes`` counts, from the mask's own table (Note [mask-aware ring]), the K/V of this rank that some
 peer query sees (sent forward and again backward) and the dK/dV of the peers' tokens this rank's queries
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from seqpar.bench.strategies import expected_bytes
+from benchmarks.floor import traffic_floor
+from benchmarks.strategies import expected_bytes
 from seqpar.sequence_parallel.checks import SIGNATURE_LENGTH
 from seqpar.sequence_parallel.layouts.chunks import rank_chunk_ids
-from seqpar.sequence_parallel.layouts.placed.floor import traffic_floor
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
 from seqpar.sequence_parallel.plans.kv_needs import kv_needs
 from seqpar.sequence_parallel.strategies.registry import strategy_row
