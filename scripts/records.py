@@ -1,10 +1,12 @@
 """Tables of the documentation built from the benchmark records (benchmarks/*.json), so no page copies a number.
 
-The tables live in the Markdown sources (README.md, docs/**/*.md), each between `<!-- begin records: NAME ... -->`
-and `<!-- end records: NAME -->`, so they read the same on a code host as on the site. `python scripts/records.py`
-rewrites every block (and turns a bare `<!-- records: NAME -->` into one); `--check` and the mkdocs hook
-(mkdocs.yml `hooks:`) fail while one is stale or a bare placeholder is left.
+`python scripts/records.py` writes them into the Markdown sources between begin/end markers; `--check` fails on stale.
 """
+
+# The tables live in README.md and docs/**/*.md, each between `<!-- begin records: NAME ... -->` and
+# `<!-- end records: NAME -->`, so they read the same on a code host as on the site; a bare
+# `<!-- records: NAME -->` becomes such a block when the script runs. The mkdocs hook (mkdocs.yml `hooks:`)
+# fails the build while a block is stale or a bare placeholder is left.
 
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
-"""The documentation stays true: its CPU snippets run, its sample outputs and quoted messages are seqpar's own,
-the names it cites exist, and every figure tied to a record (or to the test count) is that record's.
+"""The documentation stays true: its marked snippets run, its sample outputs and quoted messages are seqpar's own.
 
-Conventions in the Markdown sources (HTML comments: invisible on the site and on a code host):
-
-- ``<!-- docs-test: run -->`` on the line before a ```` ```python ```` block: the block runs as written, alone, in
-  one CPU process (a subprocess), and must not raise.
-- ``<!-- docs-test: output -->`` before a ```` ``` ```` block that opens with ``$ seqpar ...``: the command runs and
-  the block's other lines must be the first lines it prints.
-- ``FIGURE<!-- figure RECORD [key=value ...]: TEMPLATE -->``: the text before the comment must end with TEMPLATE,
-  an f-string over the rows of ``benchmarks/RECORD.json`` whose fields match every ``key=value`` (``rows``; with one
-  row, its fields by name too). RECORD ``tests`` is the suite itself: ``collected`` and ``fast`` test counts.
+Cited names exist, and figures tied to a record (or to the test count) are what it gives (Note [docs tests]).
 """
 
 from __future__ import annotations
@@ -33,6 +24,16 @@ PAGES = [*sorted(DOCS.rglob("*.md")), ROOT / "README.md"]
 _FENCE = re.compile(r"^```([a-z]*)\n(.*?)^```", re.DOTALL | re.MULTILINE)
 _MARKED = re.compile(r"<!-- docs-test: (run|output) -->\n```([a-z]*)\n(.*?)^```", re.DOTALL | re.MULTILINE)
 FIGURE = re.compile(r"<!-- figure (\w+)((?: [\w.]+=[^ :]+)*): (.*?) -->")
+# Note [docs tests]
+# Conventions in the Markdown sources (HTML comments: invisible on the site and on a code host):
+# - ``<!-- docs-test: run -->`` on the line before a ```python block: the block runs as written, alone, in one
+#   CPU process (a subprocess), and must not raise.
+# - ``<!-- docs-test: output -->`` before a ``` block that opens with ``$ seqpar ...``: the command runs and the
+#   block's other lines must be the first lines it prints.
+# - ``FIGURE<!-- figure RECORD [key=value ...]: TEMPLATE -->``: the text before the comment must end with
+#   TEMPLATE, an f-string over the rows of ``benchmarks/RECORD.json`` whose fields match every ``key=value``
+#   (``a|b`` for either; ``rows``, and with one row its fields by name). RECORD ``tests`` is the suite itself:
+#   ``collected`` and ``fast`` test counts. Avoid ``][`` in a template: mkdocs-autorefs reads it as a link.
 _SAFE = {"min": min, "max": max, "sum": sum, "len": len, "abs": abs, "round": round, "zip": zip, "sorted": sorted}
 
 
