@@ -1,8 +1,12 @@
 """Tables of the documentation built from the benchmark records (benchmarks/*.json), so no page copies a number.
 
-As an mkdocs hook (mkdocs.yml `hooks:`) it turns `<!-- records: NAME -->` in a page into NAME's table and fails
-the build when README.md's generated block is stale; `python scripts/records.py [--check]` rewrites (checks) it.
+`python scripts/records.py` writes them into the Markdown sources between begin/end markers; `--check` fails on stale.
 """
+
+# The tables live in README.md and docs/**/*.md, each between `<!-- begin records: NAME ... -->` and
+# `<!-- end records: NAME -->`, so they read the same on a code host as on the site; a bare
+# `<!-- records: NAME -->` becomes such a block when the script runs. The mkdocs hook (mkdocs.yml `hooks:`)
+# fails the build while a block is stale or a bare placeholder is left.
 
 from __future__ import annotations
 
@@ -31,8 +35,23 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 RECORDS = ROOT / "benchmarks"
 README = ROOT / "README.md"
 PLACEHOLDER = re.compile(r"(^[ \t]*)?<!-- records: ([a-z_]+) -->", re.MULTILINE)
-BEGIN = "<!-- begin records: headline (generated from benchmarks/*.json by scripts/records.py; do not edit) -->"
-END = "<!-- end records: headline -->"
+BLOCK = re.compile(
+    r"^([ \t]*)<!-- begin records: ([a-z_]+) \(generated[^\n]*-->\n.*?^[ \t]*<!-- end records: \2 -->",
+    re.MULTILINE | re.DOTALL,
+)
+
+
+def begin(name: str) -> str:
+    """The line that opens NAME's generated table in a Markdown source."""
+    return f"<!-- begin records: {name} (generated from benchmarks/*.json by scripts/records.py; do not edit) -->"
+
+
+def end(name: str) -> str:
+    """The line that closes NAME's generated table."""
+    return f"<!-- end records: {name} -->"
+
+
+BEGIN, END = begin("headline"), end("headline")
 PROVENANCE = ("command", "measured")
 PLAIN_RING = ("causal", "ring", "zigzag")
 
@@ -364,16 +383,67 @@ def expand(markdown: str, records_dir: pathlib.Path = RECORDS, where: str = "pag
     return PLACEHOLDER.sub(one, markdown)
 
 
+def _table(name: str, records_dir: pathlib.Path, where: str) -> str:
+    if name not in TABLES:
+        raise RecordError(f"{where}: no records table '{name}' (known: {', '.join(TABLES)})")
+    return TABLES[name](records_dir)
+
+
+def _block(indent: str, name: str, table: str) -> str:
+    # blank lines around the table: Markdown then reads the markers as HTML comments and the table as a table
+    body = "\n".join(indent + line if line else line for line in table.splitlines())
+    return f"{indent}{begin(name)}\n\n{body}\n\n{indent}{end(name)}"
+
+
+def update_blocks(markdown: str, records_dir: pathlib.Path = RECORDS, where: str = "page") -> str:
+    """``markdown`` with each generated block rebuilt from the records, and each bare placeholder made a block.
+
+    A block (or placeholder) indented as in a list item keeps that indentation on every line of its table.
+
+    Raises:
+        RecordError: An unknown table name, or a record it needs is missing or incomplete.
+    """
+    rebuilt = BLOCK.sub(lambda m: _block(m.group(1), m.group(2), _table(m.group(2), records_dir, where)), markdown)
+    return PLACEHOLDER.sub(
+        lambda m: _block(m.group(1) or "", m.group(2), _table(m.group(2), records_dir, where)), rebuilt
+    )
+
+
+def pages(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
+    """The Markdown sources that may hold generated tables: README.md and every page under docs/."""
+    return [pathlib.Path(root) / "README.md", *sorted((pathlib.Path(root) / "docs").rglob("*.md"))]
+
+
+def stale_pages(root: pathlib.Path = ROOT, records_dir: pathlib.Path = RECORDS) -> dict[pathlib.Path, str]:
+    """Each source whose generated tables differ from the records now (or that holds a bare placeholder), with
+    the text it should hold."""
+    stale = {}
+    for path in pages(root):
+        text = path.read_text()
+        new = update_blocks(text, records_dir, where=str(path.relative_to(root)))
+        if new != text:
+            stale[path] = new
+    return stale
+
+
+def check_pages(root: pathlib.Path = ROOT, records_dir: pathlib.Path = RECORDS) -> None:
+    """Raise ``RecordError`` naming every source whose generated tables are stale (README.md's block included)."""
+    update_readme((pathlib.Path(root) / "README.md").read_text(), records_dir)  # its markers must be there
+    stale = stale_pages(root, records_dir)
+    if stale:
+        names = ", ".join(str(p.relative_to(root)) for p in stale)
+        raise RecordError(f"generated tables are stale in {names}: run `python scripts/records.py` and commit them")
+
+
 def update_readme(text: str, records_dir: pathlib.Path = RECORDS) -> str:
     """README.md's text with the block between its headline markers rebuilt from the records.
 
     Raises:
         RecordError: The markers are missing, or a record is.
     """
-    start, stop = text.find(BEGIN), text.find(END)
-    if start < 0 or stop < start:
+    if BLOCK.search(text) is None or BEGIN not in text:
         raise RecordError(f"README.md lacks the generated block's markers:\n{BEGIN}\n...\n{END}")
-    return text[: start + len(BEGIN)] + "\n" + headline_table(records_dir) + "\n" + text[stop:]
+    return update_blocks(text, records_dir, where="README.md")
 
 
 def check_readme(readme: pathlib.Path = README, records_dir: pathlib.Path = RECORDS) -> None:
@@ -384,34 +454,25 @@ def check_readme(readme: pathlib.Path = README, records_dir: pathlib.Path = RECO
 
 
 def on_pre_build(config, **kwargs) -> None:
-    """mkdocs hook: fail the build when README.md's generated block no longer matches the records."""
+    """mkdocs hook: fail the build while a generated table (README.md's or a page's) no longer matches the records."""
     from mkdocs.exceptions import PluginError
 
     try:
-        check_readme(README, RECORDS)  # the module's paths as they are now, so a test can point them elsewhere
-    except RecordError as e:
-        raise PluginError(str(e)) from e
-
-
-def on_page_markdown(markdown: str, page, config, files, **kwargs) -> str:
-    """mkdocs hook: expand the page's record placeholders; a missing record fails the build, naming the file."""
-    from mkdocs.exceptions import PluginError
-
-    try:
-        return expand(markdown, RECORDS, where=page.file.src_path)
+        check_pages(ROOT, RECORDS)  # the module's paths as they are now, so a test can point them elsewhere
     except RecordError as e:
         raise PluginError(str(e)) from e
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Rewrite (or --check) README.md's headline block from the records.")
-    parser.add_argument("--check", action="store_true", help="only check; exit 1 when the block is stale")
+    parser = argparse.ArgumentParser(description="Rewrite (or --check) the generated tables from the records.")
+    parser.add_argument("--check", action="store_true", help="only check; exit 1 when a table is stale")
     args = parser.parse_args(argv)
     try:
         if args.check:
-            check_readme()
+            check_pages(ROOT, RECORDS)
         else:
-            README.write_text(update_readme(README.read_text()))
+            for path, text in stale_pages(ROOT, RECORDS).items():
+                path.write_text(text)
     except RecordError as e:
         print(e, file=sys.stderr)
         return 1

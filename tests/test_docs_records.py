@@ -11,7 +11,6 @@ import math
 import pathlib
 import shutil
 import statistics
-import types
 
 import pytest
 from mkdocs.exceptions import PluginError
@@ -81,7 +80,7 @@ def test_rl_memory_table_renders_every_step_with_its_share_of_sp_1(tmp_path):
     changed = records.expand("<!-- records: rl_memory -->", target)
     assert f"| {base['peak_mb'] / 4} | 0.25 |" in _rl_line(changed, {**rows[i], "peak_mb": base["peak_mb"] / 4})
     guide = (ROOT / "docs" / "guides" / "preference-and-rl.md").read_text()
-    assert "<!-- records: rl_memory -->" in guide
+    assert records.begin("rl_memory") in guide and _rl_line(guide, rows[0])  # the table, in the page's source
 
 
 def test_a_changed_record_changes_the_tables(tmp_path):
@@ -143,9 +142,6 @@ def test_a_missing_or_incomplete_record_fails_naming_the_file(tmp_path, monkeypa
         records.expand("<!-- records: speed -->", target)
     # Through the mkdocs hook the same failure is a PluginError, which aborts `mkdocs build`.
     monkeypatch.setattr(records, "RECORDS", target)
-    page = types.SimpleNamespace(file=types.SimpleNamespace(src_path="benchmarks.md"))
-    with pytest.raises(PluginError, match=r"maxlen_cpu\.json is missing"):
-        records.on_page_markdown("<!-- records: maxlen -->", page=page, config=None, files=None)
     with pytest.raises(PluginError, match="is missing"):
         records.on_pre_build(config=None)
 
@@ -163,23 +159,61 @@ def test_readme_block_is_current_and_a_stale_one_fails(tmp_path):
     assert "2030-01-02" in readme.read_text()
 
 
-def test_the_docs_use_the_hook_and_the_placeholders():
+def test_the_docs_use_the_hook_and_hold_the_tables():
     assert "scripts/records.py" in (ROOT / "mkdocs.yml").read_text()
-    benchmarks = (ROOT / "docs" / "benchmarks.md").read_text()
-    assert "<!-- records: masks -->" in benchmarks and "<!-- records: maxlen -->" in benchmarks
     pages = {
-        "benchmarks.md": ("attention", "strategies", "llama_step", "masks_bytes", "placement"),
+        "benchmarks.md": ("attention", "strategies", "llama_step", "masks", "masks_bytes", "placement", "maxlen"),
         "guides/memory.md": ("features",),
         "guides/hf.md": ("hf_trainer",),
         "guides/context-parallel.md": ("context_parallel_overhead", "context_parallel_memory"),
         "guides/pipeline.md": ("pipeline_time", "pipeline_memory"),
+        "guides/hybrid-models.md": ("mixers",),
+        "guides/preference-and-rl.md": ("rl_memory",),
+        "guides/vision-language.md": ("vlm_memory",),
+        "guides/video-dits.md": ("video_dit",),
     }
     for page, names in pages.items():
         text = (ROOT / "docs" / page).read_text()
-        assert all(f"<!-- records: {n} -->" in text for n in names), page
+        for name in names:  # the table itself, between its markers, in the Markdown source
+            inside = text.split(records.begin(name), 1)[-1].split(records.end(name), 1)[0]
+            assert records.begin(name) in text and "|---|" in inside, (page, name)
     # In a list item the table keeps the item's indentation, or Markdown would end the item before it.
-    item = records.expand("- speed:\n\n  <!-- records: hf_trainer -->\n")
+    item = records.update_blocks("- speed:\n\n  <!-- records: hf_trainer -->\n")
     assert all(line.startswith("  ") for line in item.splitlines()[2:] if line), item
+    assert records.update_blocks(item) == item  # a block rebuilt from the same records is unchanged
+
+
+def test_the_sources_hold_current_tables_and_no_bare_placeholder():
+    records.check_pages()  # README.md and docs/ as committed match the records
+    for page in records.pages():
+        assert not records.PLACEHOLDER.search(page.read_text()), f"{page}: run python scripts/records.py"
+
+
+def test_a_stale_table_or_a_bare_placeholder_fails(tmp_path, monkeypatch):
+    target = _copy_records(tmp_path)
+    root = tmp_path / "repo"
+    (root / "docs" / "guides").mkdir(parents=True)
+    (root / "README.md").write_text(records.README.read_text())
+    page = root / "docs" / "guides" / "hf.md"
+    page.write_text((ROOT / "docs" / "guides" / "hf.md").read_text())
+    records.check_pages(root, target)
+    _edit(target / "hf_trainer_cpu.json", lambda rows: rows[0].update(measured="2030-01-02"))
+    with pytest.raises(records.RecordError, match=r"stale in README\.md, docs/guides/hf\.md: run"):
+        records.check_pages(root, target)
+    page.write_text(records.update_blocks(page.read_text(), target))
+    (root / "README.md").write_text(records.update_readme((root / "README.md").read_text(), target))
+    records.check_pages(root, target)
+    assert "2030-01-02" in page.read_text()
+    (root / "docs" / "new.md").write_text("# New\n\n<!-- records: hf_trainer -->\n")
+    with pytest.raises(records.RecordError, match=r"stale in docs/new\.md: run"):
+        records.check_pages(root, target)
+    # the mkdocs hook fails the build the same way
+    monkeypatch.setattr(records, "ROOT", root)
+    monkeypatch.setattr(records, "RECORDS", target)
+    with pytest.raises(PluginError, match=r"stale in docs/new\.md"):
+        records.on_pre_build(config=None)
+    assert records.main([]) == 0 and records.main(["--check"]) == 0
+    assert "<!-- begin records: hf_trainer" in (root / "docs" / "new.md").read_text()
 
 
 # The measured tables: for each record, a cell text each of its rows must show (formatted as the table does).

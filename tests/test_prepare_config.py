@@ -1,7 +1,6 @@
 """``prepare_model`` leaves the caller's config object as it was (Note [the model's own config]).
 
-A model built from that object after ``prepare_model`` runs plain attention and equals one process, and the
-prepared model still equals it sharded: a Llama, and a Qwen2-VL whose text sub-config its submodules share.
+A model built from it afterwards equals one process, as the prepared one does sharded (Llama; Qwen2-VL's sub-configs).
 """
 
 from __future__ import annotations
