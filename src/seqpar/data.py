@@ -24,8 +24,6 @@ from seqpar.sequence_parallel.layouts.chunks import ChunkLayout, Layout, layout_
 from seqpar.sequence_parallel.layouts.placed import Placement
 from seqpar.sequence_parallel.masks.sequence_mask import check_packed_positions
 
-__all__ = ["IGNORE_INDEX", "BatchShard", "pack_documents", "shard_batch"]
-
 IGNORE_INDEX = -100
 
 

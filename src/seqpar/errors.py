@@ -5,8 +5,6 @@ Every message says what was wrong and what would be valid.
 
 from __future__ import annotations
 
-__all__ = ["SeqparInputError"]
-
 
 class SeqparInputError(ValueError):
     """Input that seqpar cannot serve correctly; raised on every rank of the group, before any collective."""

@@ -17,8 +17,6 @@ if TYPE_CHECKING:
 # torch is imported in the functions that touch tensors: the memory estimate reads BUCKET_MB, and the planner
 # behind it loads no torch (Note [torch-free planning], seqpar.planning)
 
-__all__ = ["SUMMED_BY_WRAPPER", "clip_grad_norm_", "reduce_gradients"]
-
 # Set on parameters whose gradients a wrapper (DDP, FSDP2) already sums over ranks (Note [summed gradients]).
 SUMMED_BY_WRAPPER = "_seqpar_summed_by"
 

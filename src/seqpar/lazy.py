@@ -9,8 +9,6 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["module_getattr"]
-
 
 def module_getattr(face: str, names: Mapping[str, str], namespace: dict[str, Any]) -> Callable[[str], Any]:
     """A module ``__getattr__`` that imports ``names[name]`` on first use and keeps the value in ``namespace``.

@@ -33,8 +33,6 @@ from seqpar.errors import SeqparInputError
 from seqpar.mesh import as_sp_mesh
 from seqpar.sequence_parallel.comm.collectives import collective_device
 
-__all__ = ["count_valid_tokens", "cross_entropy", "lm_head_cross_entropy", "sum_over"]
-
 
 def sum_over(value: torch.Tensor, group: object) -> torch.Tensor:
     """Sum a (detached) tensor over ``group`` (collective), e.g. to log the loss of the whole batch.

@@ -16,8 +16,6 @@ if TYPE_CHECKING:
 # torch.distributed is imported where a group is touched, not here: ParallelDims serves the planner, which loads
 # no torch (Note [torch-free planning], seqpar.planning)
 
-__all__ = ["ParallelDims", "SequenceParallelMesh", "as_sp_mesh", "flattened_group", "make_mesh"]
-
 
 def _size(group: dist.ProcessGroup | None) -> int:
     import torch.distributed as dist

@@ -24,8 +24,6 @@ from seqpar.sequence_parallel.plans.blocks import blocks_backward, blocks_forwar
 from seqpar.sequence_parallel.plans.pieces import piece_ids, pieces_per_chunk, take_piece
 from seqpar.sequence_parallel.plans.planner import plan_blocks
 
-__all__ = ["main"]
-
 
 def _time_ms(fn, repeats: int) -> float:
     fn()

@@ -40,18 +40,6 @@ from seqpar.train.config import TrainConfig
 from seqpar.train.fit import train_estimate
 from seqpar.train.model import build_model, model_config
 
-__all__ = [
-    "LADDER",
-    "add_model_arguments",
-    "feature_model",
-    "feature_step",
-    "main",
-    "plot",
-    "rung_features",
-    "table",
-    "train_step",
-]
-
 _MB = 2**20
 
 LADDER = ("none", *FEATURES)

@@ -14,8 +14,6 @@ import torch.distributed as dist
 
 from seqpar.runtime.spawn import spawn_ranks
 
-__all__ = ["MEMORY_RUN_ENV", "time_and_memory", "write_slowest"]
-
 MEMORY_RUN_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 """Environment of the memory run. glibc, reading it at process start, then serves every large allocation by
 mmap and unmaps it on free, so the resident-set peak tracks live tensors instead of what the heap kept from

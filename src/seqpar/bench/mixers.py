@@ -34,8 +34,6 @@ import torch.distributed as dist
 from seqpar.bench import save_records
 from seqpar.models.mixers import GatedDeltaNet, Kda, Lightning, Mamba1, Mamba2, ShortConv
 
-__all__ = ["main"]
-
 
 def _common(cfg: dict) -> dict:
     return dict(vocab_size=256, hidden_size=cfg["hidden"], num_hidden_layers=1, tie_word_embeddings=False)

@@ -11,14 +11,6 @@ from seqpar.planning.memory import DTYPES
 from seqpar.planning.models import PRESETS
 from seqpar.train.config import TrainConfig
 
-__all__ = [
-    "add_default_model_arguments",
-    "add_degree_arguments",
-    "add_dtype_argument",
-    "add_model_argument",
-    "model_settings",
-]
-
 
 def add_model_argument(parser: argparse.ArgumentParser, *, presets: bool) -> None:
     """Add ``--model``: a config.json or model directory, by default ``seqpar train``'s demo model.

@@ -16,8 +16,6 @@ import torch.nn.functional as F
 import seqpar
 from seqpar.runtime.spawn import spawn_ranks, start_method_for
 
-__all__ = ["run_demo"]
-
 
 def _demo_rank(rank: int, world_size: int, args: argparse.Namespace) -> None:
     mesh = seqpar.make_mesh()

@@ -37,8 +37,6 @@ from seqpar.train.config import TrainConfig
 from seqpar.train.data import FileRows, load_tokenizer
 from seqpar.train.model import build_model, model_config
 
-__all__ = ["add_doctor_flags", "run_doctor"]
-
 
 def add_doctor_flags(p: argparse.ArgumentParser) -> None:
     """Add ``seqpar doctor``'s flags to its subcommand's parser.

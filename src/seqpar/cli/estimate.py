@@ -25,8 +25,6 @@ from seqpar.planning.models import PRESETS
 from seqpar.train.data import load_tokenizer
 from seqpar.train.model import model_config
 
-__all__ = ["add_estimate_flags", "run_estimate"]
-
 
 def add_estimate_flags(p: argparse.ArgumentParser) -> None:
     """Add ``seqpar estimate``'s flags to its subcommand's parser.

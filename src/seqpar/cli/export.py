@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["add_export_flags", "run_export"]
-
 
 def add_export_flags(parser: argparse.ArgumentParser) -> None:
     """Add ``seqpar export``'s arguments: the checkpoint, the output directory and ``--run-config``.

@@ -19,8 +19,6 @@ from seqpar.train.fit import memory_features, train_estimate
 from seqpar.train.model import model_config
 from seqpar.train.tokenizer import ByteTokenizer
 
-__all__ = ["train_plan"]
-
 
 def _layout(config: TrainConfig, heads: int, kv_heads: int) -> Layout:
     tp_heads, tp_kv = heads // config.tp, max(1, kv_heads // config.tp)

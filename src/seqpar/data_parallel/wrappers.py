@@ -71,8 +71,6 @@ from seqpar.gradients import SUMMED_BY_WRAPPER
 from seqpar.mesh import SequenceParallelMesh, flattened_group
 from seqpar.models import find_anatomy
 
-__all__ = ["apply_data_parallel", "data_parallel_group", "decoder_blocks"]
-
 
 def data_parallel_group(mesh: SequenceParallelMesh) -> dist.ProcessGroup:
     """The flattened dp x sp group of ``mesh``: the ranks with this rank's tensor-parallel coordinate.

@@ -21,8 +21,6 @@ import torch
 
 from seqpar.sequence_parallel.prepare import ATTENTION_NAME
 
-__all__ = ["Capture", "capture_outputs", "count_attention_calls"]
-
 
 @dataclass
 class Capture:

@@ -12,8 +12,6 @@ from seqpar.diagnosis.capture import Capture
 from seqpar.diagnosis.report import LayerRow, Pitfall
 from seqpar.sequence_parallel.comm.collectives import collective_device
 
-__all__ = ["OUTPUT_ROW", "diagnose", "layer_rows", "max_over"]
-
 OUTPUT_ROW = "output"
 _TINY = 1e-30
 

@@ -12,8 +12,6 @@ import torch
 from seqpar.errors import SeqparInputError
 from seqpar.models import FAMILIES
 
-__all__ = ["generated_families", "generated_multimodal_batch", "is_multimodal"]
-
 
 def generated_families() -> tuple[str, ...]:
     """Model types whose batches ``generated_multimodal_batch`` can lay out from the config (``Family.image_rows``),

@@ -24,14 +24,6 @@ from seqpar.errors import SeqparInputError
 from seqpar.models import ModelAnatomy, find_anatomy
 from seqpar.sequence_parallel.masks.sequence_mask import check_packed_positions
 
-__all__ = [
-    "baseline_notes",
-    "batch_pitfalls",
-    "decoder_layers",
-    "dropout_pitfalls",
-    "token_mixing_suspects",
-]
-
 _PACKING_FIX = (
     "give position_ids that restart at 0 at every document (DataCollatorWithFlattening(return_position_ids=True), "
     "seqpar.pack_documents, or seqpar train's --data packing); seqpar keeps documents apart by them"

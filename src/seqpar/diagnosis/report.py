@@ -20,8 +20,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["TOLERANCES", "DoctorReport", "LayerRow", "Pitfall"]
-
 TOLERANCES = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 

@@ -40,8 +40,6 @@ from seqpar.sequence_parallel.prepare import ATTENTION_NAME, attention_choice, p
 from seqpar.sequence_parallel.strategies.registry import AUTO
 from seqpar.sequence_parallel.whole_rows import SHARD_REFUSED
 
-__all__ = ["doctor"]
-
 
 def _rank_pitfalls(model: torch.nn.Module, ids: torch.Tensor, sp: SequenceParallelMesh) -> list[Pitfall]:
     """Weights or batches that differ between the ranks of the group (one small all-reduce)."""

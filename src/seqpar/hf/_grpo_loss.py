@@ -30,8 +30,6 @@ import torch.distributed as dist
 
 from seqpar.sequence_parallel.comm.collectives import all_gather_first_dim, collective_device
 
-__all__ = ["ShardGroups", "policy_loss", "sum_rows"]
-
 
 @dataclass(frozen=True)
 class ShardGroups:

@@ -38,8 +38,6 @@ from seqpar.loss import cross_entropy
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.layouts.chunks import gather_sequence, shard_sequence
 
-__all__ = ["ShardLoss"]
-
 SHIFT_FIRST = (
     "the batch has labels but no shift_labels, and this rank holds a shard of the sequence: labels shifted inside "
     "a shard lose the token at each shard's edge. Shift them before sharding and pass shift_labels (a "

@@ -56,8 +56,6 @@ from seqpar.parallel import parallelize
 from seqpar.sequence_parallel.comm import all_gather_first_dim
 from seqpar.sequence_parallel.context_parallel.context_manager import context_parallel
 
-__all__ = ["Accelerator"]
-
 
 class Accelerator(_AccelerateAccelerator):
     """accelerate's ``Accelerator`` with ``parallelism_config``'s sp/cp degrees run by seqpar (Note above).

@@ -31,16 +31,6 @@ from seqpar.sequence_parallel.layouts.chunks import ChunkLayout, Layout
 from seqpar.sequence_parallel.prepare import LAYOUT_KEYWORD, PACKING_KEYS
 from seqpar.sequence_parallel.whole_rows import PLACEMENT_KEYWORD, SHARD_REFUSED
 
-__all__ = [
-    "SequenceShard",
-    "StepShards",
-    "model_inputs",
-    "padding_batch",
-    "replica_of",
-    "shard_step",
-    "to_shard",
-]
-
 SEQUENCE_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask")
 DROPPED_KEYS = ("use_cache", "return_loss", "num_items_in_batch")
 MULTIMODAL_KEYS = SHARD_REFUSED

@@ -26,8 +26,6 @@ from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.comm.collectives import collective_device
 from seqpar.sequence_parallel.layouts.chunks import Layout, layout_row, shard_for_rank
 
-__all__ = ["CompletionShard", "completion_shard", "from_completions", "to_completions"]
-
 
 class CompletionShard(dict):
     """This rank's shard of prompt + completion rows: ``input_ids``, ``position_ids``, ``shift_labels``, ``column``.

@@ -13,18 +13,6 @@ from seqpar.parallel import ParallelizeOptions
 from seqpar.sequence_parallel.layouts.chunks import layout_names
 from seqpar.sequence_parallel.strategies import STRATEGIES
 
-__all__ = [
-    "TRAINER_LAYOUTS",
-    "SequenceParallelConfig",
-    "check_data_parallel_engine",
-    "check_deepspeed",
-    "check_neftune",
-    "check_sft_arguments",
-    "check_trainer_options",
-    "check_training_arguments",
-]
-
-
 TRAINER_LAYOUTS = layout_names()
 """The layouts a ``SequenceParallelConfig`` takes: every name of the layout registry (Note [layout registry])."""
 

@@ -39,8 +39,6 @@ from seqpar.hf.trainer import SequenceParallelMixin
 from seqpar.parallel import parallelize
 from seqpar.sequence_parallel.comm.collectives import collective_device
 
-__all__ = ["SequenceParallelDPOTrainer", "check_dpo_arguments"]
-
 _PAIR_KEYS = ("completion_mask", "ref_chosen_logps", "ref_rejected_logps")
 
 

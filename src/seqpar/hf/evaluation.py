@@ -29,8 +29,6 @@ from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.comm.collectives import collective_device
 from seqpar.sequence_parallel.layouts.chunks import Layout
 
-__all__ = ["evaluation_loss"]
-
 
 def _max_over(value: int, group: dist.ProcessGroup | None) -> int:
     if group is None:

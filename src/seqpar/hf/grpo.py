@@ -31,8 +31,6 @@ from seqpar.parallel import parallelize
 from seqpar.sequence_parallel.layouts.chunks import ChunkLayout, named_layout
 from seqpar.sequence_parallel.prepare import LAYOUT_KEYWORD
 
-__all__ = ["SequenceParallelGRPOTrainer", "check_grpo_arguments", "check_grpo_trainer", "replica_generation_batch"]
-
 
 def _rng_state() -> dict:
     state = {"cpu": torch.get_rng_state()}

@@ -42,8 +42,6 @@ from seqpar.errors import SeqparInputError
 from seqpar.hf.batches import SequenceShard, replica_of, shard_step, to_shard
 from seqpar.mesh import SequenceParallelMesh
 
-__all__ = ["ReplicaBatchSampler", "ShardingCollator", "replica_loader", "replica_sampler", "shard_by_replica"]
-
 
 class ReplicaBatchSampler(BatchSamplerShard):
     """The batches of one data-parallel replica: batch ``dp_rank`` of every round of ``dp`` (Note [epoch ends]).

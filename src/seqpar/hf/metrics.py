@@ -27,8 +27,6 @@ from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.layouts.chunks import Layout, gather_sequence
 from seqpar.sequence_parallel.prepare import LAYOUT_KEYWORD
 
-__all__ = ["BatchPredictions", "computed_metrics", "in_dataset_order", "metric_arrays"]
-
 Preprocess = Callable[[torch.Tensor, torch.Tensor], object]
 
 

@@ -25,8 +25,6 @@ import torch.nn.functional as F
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.layouts.chunks import Layout, shard_sequence
 
-__all__ = ["WIDTH", "noisy_embeddings"]
-
 WIDTH = "seqpar_width"  # key of a SequenceShard: the collator batch's sequence width before padding to the layout
 
 

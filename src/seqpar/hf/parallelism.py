@@ -43,15 +43,6 @@ from seqpar.errors import SeqparInputError
 from seqpar.hf.config import SequenceParallelConfig
 from seqpar.mesh import ParallelDims
 
-__all__ = [
-    "ENVIRONMENT_SWITCH",
-    "ParallelismPlan",
-    "accelerate_device_mesh",
-    "hidden_parallelism_environment",
-    "parallelism_from_environment",
-    "plan_parallelism",
-]
-
 ENVIRONMENT_SWITCH = "ACCELERATE_USE_PARALLELISM_CONFIG"
 """The variable ``accelerate launch`` sets to "true" when the YAML has a ``parallelism_config:`` section."""
 

@@ -29,8 +29,6 @@ import torch.distributed as dist
 
 from seqpar.sequence_parallel.comm.collectives import all_gather_first_dim, collective_device
 
-__all__ = ["ReplicaAccelerator", "replica_collectives"]
-
 
 class ReplicaAccelerator:
     """An Accelerator as a trainer's code sees it when every data-parallel replica is one process.

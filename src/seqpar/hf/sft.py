@@ -28,8 +28,6 @@ from seqpar.hf.config import check_sft_arguments
 from seqpar.hf.trainer import SequenceParallelMixin
 from seqpar.sequence_parallel.comm.collectives import collective_device
 
-__all__ = ["SequenceParallelSFTTrainer", "token_statistics"]
-
 INPUT_TOKENS = "num_input_tokens"  # key of a SequenceShard: the raw batch's tokens as TRL counts them
 _CHUNK = 4096  # labelled positions whose float32 logits are held at once
 

@@ -31,8 +31,6 @@ from seqpar.hf.batches import model_inputs, to_shard
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.layouts.chunks import gather_sequence
 
-__all__ = ["ShardedCalls", "shift_completion_labels"]
-
 _PASSED_THROUGH = ("fused_lm_head", "use_cache", "output_router_logits")
 
 

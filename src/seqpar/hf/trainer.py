@@ -61,8 +61,6 @@ from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
 from seqpar.parallel import parallelize
 from seqpar.sequence_parallel.prepare import LAYOUT_KEYWORD
 
-__all__ = ["SequenceParallelMixin", "SequenceParallelTrainer", "build_mesh"]
-
 _log = logging.getLogger("seqpar")
 
 MICRO_BATCH_TOKENS = "seqpar_micro_batch_tokens"

@@ -43,8 +43,6 @@ from seqpar.sequence_parallel.context_parallel.sdpa_mode import SequenceParallel
 from seqpar.sequence_parallel.layouts.chunks import LAYOUTS, gather_sequence, shard_sequence
 from seqpar.sequence_parallel.strategies.registry import check_strategy_name
 
-__all__ = ["check_replicated", "prepare_diffusers", "resolve_plan"]
-
 _WHERE = "seqpar.prepare_diffusers"
 _HOOKS_ATTR = "_seqpar_diffusion_hooks"
 _MAX_DIMS = 6  # dimensions of an argument the ranks compare (a video latent has 5)

@@ -40,8 +40,6 @@ import torch
 from seqpar.errors import SeqparInputError
 from seqpar.loss import sum_over
 
-__all__ = ["RouterLossSettings", "model_router_loss", "router_aux_loss", "router_loss_settings"]
-
 
 @dataclass(frozen=True)
 class RouterLossSettings:

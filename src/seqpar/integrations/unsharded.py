@@ -13,8 +13,6 @@ import torch
 from seqpar.errors import SeqparInputError
 from seqpar.sequence_parallel.prepare import ATTENTION_NAME, ORIGINAL_ATTENTION_ATTR, UNSHARDED_ATTR
 
-__all__ = ["unsharded"]
-
 
 @contextlib.contextmanager
 def unsharded(model: torch.nn.Module) -> Iterator[torch.nn.Module]:

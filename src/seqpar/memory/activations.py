@@ -10,8 +10,6 @@ from seqpar.models import ModelSizes
 from seqpar.models.hybrid_sizes import OWN_MLP_KINDS
 from seqpar.sequence_parallel.strategies.registry import strategy_row
 
-__all__ = ["activation_bytes", "comm_elements"]
-
 
 def comm_elements(strategy: str, d: ModelSizes, sp: int, ulysses: int) -> float:
     """Attention communication buffers of one layer's forward and backward, elements per local token."""

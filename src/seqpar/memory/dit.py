@@ -38,8 +38,6 @@ from seqpar.errors import SeqparInputError
 from seqpar.integrations.diffusion import resolve_plan
 from seqpar.sequence_parallel.strategies.registry import strategy_row
 
-__all__ = ["DitMemoryEstimate", "DitMemoryProfile", "estimate_dit_memory", "profile_dit_memory"]
-
 MiB = 2**20
 
 

@@ -14,8 +14,6 @@ from seqpar.errors import SeqparInputError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DTYPES", "DTYPE_BYTES", "TorchDtypes", "dtype_bytes"]
-
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 """Name -> bytes per element: the dtypes ``seqpar plan``, ``seqpar estimate`` and the trainer's ``--dtype`` take."""
 _TORCH_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}

@@ -86,8 +86,6 @@ from seqpar.sequence_parallel.strategies.registry import STRATEGIES
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FEATURES", "MemoryEstimate", "estimate_memory", "estimate_stage_memory"]
-
 FEATURES = ("checkpointing", "chunked_loss", "tiled_mlp", "offload")
 _RANK_SETTINGS = ("dp_mode", "loss_chunk", "mlp_chunk", "optimizer", "keep_gradients", "offload_optimizer")
 """``estimate_memory``'s settings that ``estimate_rank`` takes as they are."""

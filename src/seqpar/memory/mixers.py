@@ -78,8 +78,6 @@ from __future__ import annotations
 from seqpar.models import ModelSizes
 from seqpar.models.hybrid_sizes import ATTENTION, MLP_KINDS, PARALLEL, SHARED
 
-__all__ = ["exchange_bytes", "mixer_elements", "mlp_elements"]
-
 
 def _attention(d: ModelSizes) -> int:
     """A hybrid's attention layer's mixer elements per token (Note [hybrid memory])."""

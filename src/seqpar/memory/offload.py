@@ -28,8 +28,6 @@ from torch import nn
 from seqpar.errors import SeqparInputError
 from seqpar.models import find_anatomy
 
-__all__ = ["CheckpointOffload", "apply_activation_offload", "offload_layer_inputs"]
-
 
 class _Saved:
     """One offloaded tensor: its host copy, and its device copy while one is brought back."""

@@ -54,16 +54,6 @@ from dataclasses import dataclass
 
 from seqpar.errors import SeqparInputError
 
-__all__ = [
-    "PP_SCHEDULES",
-    "StageView",
-    "bubble_fraction",
-    "check_pipeline",
-    "held_logits_bytes",
-    "p2p_bytes",
-    "stage_views",
-]
-
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 

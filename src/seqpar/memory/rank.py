@@ -16,8 +16,6 @@ from seqpar.memory.pipeline import StageView, held_logits_bytes
 from seqpar.memory.result import MemoryEstimate
 from seqpar.models import ModelSizes, parameter_counts
 
-__all__ = ["OPTIMIZER_STATES", "estimate_rank"]
-
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}
 """Optimizer states per parameter."""
 _MB = 2**20

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["MemoryEstimate"]
-
 _MB = 2**20
 
 

@@ -28,8 +28,6 @@ from torch import nn
 from seqpar.errors import SeqparInputError
 from seqpar.models import find_anatomy
 
-__all__ = ["apply_tiled_mlp", "is_tiled", "tiled_mlp"]
-
 # leaf modules known to act on each token alone (element-wise, or along the last dimension only)
 _TOKENWISE = (nn.Linear, nn.Identity, nn.LayerNorm, nn.RMSNorm)
 _TOKEN_MIXING_ACTIVATIONS = ("MultiheadAttention", "Softmax2d")

@@ -37,8 +37,6 @@ from dataclasses import dataclass
 
 from seqpar.errors import SeqparInputError
 
-__all__ = ["TOWERS", "Tower", "VisionSizes"]
-
 
 @dataclass(frozen=True)
 class Tower:

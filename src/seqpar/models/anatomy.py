@@ -18,8 +18,6 @@ if TYPE_CHECKING:
 # torch.nn is imported by the functions that look at a model: the planner reads this package's sizes and loads
 # no torch (Note [torch-free planning], seqpar.planning)
 
-__all__ = ["ModelAnatomy", "anatomy", "family_of", "find_anatomy"]
-
 
 @dataclass(frozen=True, eq=False)
 class ModelAnatomy:

@@ -26,8 +26,6 @@ from dataclasses import dataclass, field
 
 from seqpar.errors import SeqparInputError
 
-__all__ = ["DIFFUSION_PLANS", "DiffusionPlan", "Gather", "JointSplit", "Split", "register_diffusion_plan"]
-
 
 @dataclass(frozen=True)
 class Split:

@@ -47,8 +47,6 @@ from seqpar.models.hybrid_families import (
 from seqpar.models.hybrid_sizes import Hybrid
 from seqpar.models.mixers import GatedDeltaNet, Kda, Lightning, Mamba1, Mamba2, ShortConv
 
-__all__ = ["FAMILIES", "LLAMA_TP_PLAN", "UNSERVED", "Family", "register_family"]
-
 LLAMA_TP_PLAN = (
     ("self_attn.q_proj", "colwise"),
     ("self_attn.k_proj", "colwise"),

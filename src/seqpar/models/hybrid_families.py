@@ -15,19 +15,6 @@ from seqpar.models.mixers import Get
 # in the import order.
 ModelSizes = Any
 
-__all__ = [
-    "count_layer_types",
-    "kimi_config",
-    "kimi_fields",
-    "lfm2_config",
-    "lfm2_fields",
-    "nemotron_config",
-    "nemotron_fields",
-    "zamba_config",
-    "zamba_fields",
-    "zamba_width",
-]
-
 
 def count_layer_types(get: Get) -> int:
     """Nemotron-H's ``num_hidden_layers``: its config derives them from the layer types."""

@@ -83,23 +83,6 @@ from seqpar.models.mixers import MIXER_LAYER, Get, MixerSizes, mixer_layer_types
 # in the import order (sizes.py imports it).
 ModelSizes = Any
 
-__all__ = [
-    "ATTENTION",
-    "MIXER",
-    "MLP_KINDS",
-    "OWN_MLP_KINDS",
-    "PARALLEL",
-    "SHARED",
-    "Hybrid",
-    "SharedBlocks",
-    "hybrid_config",
-    "hybrid_fields",
-    "layer_types",
-    "positive",
-    "shared_block_params",
-    "ssm_fields",
-]
-
 ATTENTION = "attention"
 """A layer of attention (and its MLP)."""
 MIXER = "mixer"

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 from seqpar.errors import SeqparInputError
 
-__all__ = ["mla_fields"]
-
 
 def mla_fields(get, checked: tuple[str, ...]) -> dict:
     """The MLA fields of ``ModelSizes`` (Note [MLA sizes]) of a config whose model type is one of ``checked`` (the

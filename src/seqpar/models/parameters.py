@@ -13,8 +13,6 @@ from seqpar.models.hybrid_sizes import ATTENTION, MLP_KINDS, OWN_MLP_KINDS, PARA
 # in the import order (sizes.py imports it).
 ModelSizes = Any
 
-__all__ = ["active_parameters", "parameter_counts"]
-
 
 def _attention_params(d: ModelSizes) -> int:
     """The attention's projections and the layer's two RMSNorms (Note [MLA sizes] for MLA)."""

@@ -45,8 +45,6 @@ from seqpar.models.mixers import MixerSizes, mixer_layer_types
 from seqpar.models.mla_sizes import mla_fields
 from seqpar.models.parameters import active_parameters, parameter_counts
 
-__all__ = ["ModelSizes", "active_parameters", "parameter_counts"]
-
 
 @dataclass(frozen=True)
 class ModelSizes:

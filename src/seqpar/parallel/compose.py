@@ -34,8 +34,6 @@ from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.prepare import prepare_model
 from seqpar.tensor_parallel import apply_tensor_parallel
 
-__all__ = ["DP_MODES", "ParallelizeOptions", "apply_memory_features", "apply_sequence_parallel", "parallelize"]
-
 DP_MODES = (None, "ddp", "fsdp", "auto")
 """``ParallelizeOptions.dp_mode`` values: None (no wrapper), DDP, FSDP2, or "auto" (as ``apply_data_parallel``)."""
 

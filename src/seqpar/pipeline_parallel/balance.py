@@ -9,8 +9,6 @@ from torch import nn
 
 from seqpar.pipeline_parallel.stages import ModelParts
 
-__all__ = ["balanced_split", "part_sizes"]
-
 
 def _count(module: nn.Module | None) -> int:
     return 0 if module is None else sum(p.numel() for p in module.parameters())

@@ -14,8 +14,6 @@ import torch.distributed as dist
 from seqpar.errors import SeqparInputError
 from seqpar.sequence_parallel.checks import Signature, by_rank, exchange_signatures
 
-__all__ = ["SCHEDULES", "SHARD_KEYS", "SetupSignature", "agree_on_setup", "agree_on_step"]
-
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 """Pipeline schedules: torch's ScheduleGPipe, Schedule1F1B and ScheduleInterleaved1F1B."""
 

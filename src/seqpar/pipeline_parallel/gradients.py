@@ -14,8 +14,6 @@ from seqpar.loss import sum_over
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.comm.collectives import collective_device
 
-__all__ = ["end_group", "pipeline_grad_norm_", "sum_tied_gradient"]
-
 
 def end_group(mesh: SequenceParallelMesh) -> dist.ProcessGroup | None:
     """This rank's group of the first and the last pp rank of its pipeline (Megatron's embedding group).

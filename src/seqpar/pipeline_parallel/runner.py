@@ -44,8 +44,6 @@ from seqpar.pipeline_parallel.stages import (
 )
 from seqpar.sequence_parallel.prepare import ATTENTION_NAME
 
-__all__ = ["SCHEDULES", "PipelineParallel", "apply_pipeline_parallel"]
-
 LossFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 

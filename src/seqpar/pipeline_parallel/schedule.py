@@ -13,8 +13,6 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from seqpar.pipeline_parallel.stages import DecoderStage
 
-__all__ = ["build_schedule"]
-
 
 def build_schedule(
     stages: list[DecoderStage],

@@ -38,14 +38,6 @@ from torch import nn
 
 from seqpar.models import find_anatomy
 
-__all__ = [
-    "DecoderStage",
-    "ModelParts",
-    "find_parts",
-    "original_names",
-    "split_model",
-]
-
 
 @dataclass(frozen=True)
 class ModelParts:

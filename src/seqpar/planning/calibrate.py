@@ -20,8 +20,6 @@ import torch.nn.functional as F
 from seqpar.planning.cluster import Calibration
 from seqpar.runtime.spawn import spawn_ranks
 
-__all__ = ["calibrate", "probe_compute"]
-
 # Transformer-like GEMMs: [tokens, width] x [width, width * k], as projections and MLPs multiply.
 _MATMULS = ((4096, 256, 768), (4096, 768, 256), (4096, 512, 1536), (2048, 1024, 1024), (4096, 256, 4096))
 _LINK_BYTES = 32 * 2**20

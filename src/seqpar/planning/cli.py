@@ -17,8 +17,6 @@ from seqpar.planning.models import PRESETS
 from seqpar.planning.report import format_plan, write_json
 from seqpar.planning.search import DP_MODES, plan
 
-__all__ = ["add_plan_flags", "parse_tokens", "run_plan"]
-
 _SUFFIX = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}
 
 

@@ -22,8 +22,6 @@ from dataclasses import asdict, dataclass, fields, replace
 
 from seqpar.errors import SeqparInputError
 
-__all__ = ["Calibration", "Cluster", "load_calibration", "save_calibration"]
-
 
 @dataclass(frozen=True)
 class Cluster:

@@ -26,8 +26,6 @@ import math
 
 from seqpar.errors import SeqparInputError
 
-__all__ = ["check_doc_len", "placed_kv_fraction", "visible_fraction"]
-
 
 def check_doc_len(doc_len: int | None) -> None:
     """Raise unless ``doc_len`` is None or a positive integer.

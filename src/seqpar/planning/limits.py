@@ -12,8 +12,6 @@ from seqpar.planning.memory import estimate_layout
 from seqpar.planning.models import load_model_shape
 from seqpar.planning.timing import Layout
 
-__all__ = ["max_seq_len"]
-
 
 def max_seq_len(
     model: str | dict | ModelSizes,

@@ -6,12 +6,9 @@ The estimator (``seqpar.memory.estimate_memory``) does the accounting; this modu
 from __future__ import annotations
 
 from seqpar.memory import MemoryEstimate, estimate_memory
-from seqpar.memory.dtypes import DTYPE_BYTES, DTYPES
 from seqpar.models import ModelSizes
 from seqpar.planning.timing import OFFLOAD_OPTIMIZER, Layout
 from seqpar.sequence_parallel.strategies.registry import LOCAL, RING, strategy_row
-
-__all__ = ["DTYPES", "DTYPE_BYTES", "estimate_layout"]
 
 
 def estimate_layout(

@@ -11,9 +11,6 @@ import os
 from seqpar.errors import SeqparInputError
 from seqpar.models import ModelSizes
 
-__all__ = ["PRESETS", "load_model_shape"]
-
-
 # Values copied from each model's config.json on the Hugging Face Hub (the URL in ``source``).
 PRESETS: dict[str, ModelSizes] = {
     "llama-8b": ModelSizes(

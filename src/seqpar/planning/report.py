@@ -10,8 +10,6 @@ from dataclasses import asdict
 
 from seqpar.planning.search import Candidate, Plan
 
-__all__ = ["format_plan", "plan_to_dict", "write_json"]
-
 
 def _features(c: Candidate) -> str:
     return "+".join(c.layout.features) or "none"

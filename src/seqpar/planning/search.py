@@ -20,8 +20,6 @@ from seqpar.planning.models import load_model_shape
 from seqpar.planning.timing import FEATURES, OFFLOAD_OPTIMIZER, Layout, StepTime, model_flops, step_time
 from seqpar.sequence_parallel.strategies.registry import strategy_options, strategy_row
 
-__all__ = ["Candidate", "Plan", "Rejection", "plan"]
-
 DP_MODES = ("fsdp", "replicate")
 # Offload moves the checkpointed hidden states: without checkpointing there are none. Optimizer offload is
 # FSDP2's (``_try_features`` keeps it to fsdp families).

@@ -18,8 +18,6 @@ from seqpar.planning.cluster import Cluster
 from seqpar.planning.documents import check_doc_len, placed_kv_fraction, visible_fraction
 from seqpar.sequence_parallel.strategies.registry import HeadSplit, head_split, strategy_row, ulysses_heads_problem
 
-__all__ = ["FEATURES", "OFFLOAD_OPTIMIZER", "Layout", "StepTime", "model_flops", "step_time"]
-
 OFFLOAD_OPTIMIZER = "offload_optimizer"
 """The planner's name for FSDP2's CPU offload of parameters, gradients and optimizer state (fsdp layouts only)."""
 FEATURES = (*MEMORY_FEATURES, OFFLOAD_OPTIMIZER)

@@ -10,8 +10,6 @@ import contextlib
 
 import torch
 
-__all__ = ["PeakMemory", "reset_resident_peak", "resident_mb", "written_bytes"]
-
 
 def resident_mb(field: str = "VmRSS", default: float | None = None) -> float:
     """``VmRSS`` (resident now) or ``VmHWM`` (its peak since the last reset) of this process, in MiB.

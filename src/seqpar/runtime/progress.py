@@ -12,8 +12,6 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-__all__ = ["RankProgress", "lost_peer"]
-
 _LOST_PEER = ("Connection closed by peer", "Connection reset by peer")
 
 _STORE_WAIT = timedelta(seconds=5)

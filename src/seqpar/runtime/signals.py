@@ -12,8 +12,6 @@ import threading
 from collections.abc import Callable
 from types import FrameType, TracebackType
 
-__all__ = ["STOP_SIGNALS", "StopSignals", "exit_code_for"]
-
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 

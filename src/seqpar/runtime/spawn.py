@@ -33,8 +33,6 @@ import torch.multiprocessing as mp
 from seqpar.runtime.progress import lost_peer
 from seqpar.runtime.signals import StopSignals
 
-__all__ = ["spawn_ranks", "start_method_for"]
-
 START_METHODS = ("spawn", "fork")
 
 

@@ -22,8 +22,6 @@ from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask, sequence_
 from seqpar.sequence_parallel.selection import select_strategy
 from seqpar.sequence_parallel.strategies.registry import strategy_row
 
-__all__ = ["AttentionChoice", "attention", "attention_and_choice", "choose_attention"]
-
 _log = logging.getLogger("seqpar")
 
 

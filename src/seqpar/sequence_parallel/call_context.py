@@ -21,8 +21,6 @@ from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.layouts.chunks import Layout
 from seqpar.sequence_parallel.masks import SequenceMask
 
-__all__ = ["CONTEXT_KEY", "CallContext", "adapter_context"]
-
 CONTEXT_KEY = "seqpar_context"
 """The keyword under which the ``CallContext`` reaches the layers."""
 

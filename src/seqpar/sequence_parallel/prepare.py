@@ -36,7 +36,6 @@ from seqpar.models import ModelAnatomy, find_anatomy
 from seqpar.sequence_parallel.api import AttentionChoice, attention_and_choice
 from seqpar.sequence_parallel.call_checks import (
     LAYOUT_KEYWORD,
-    PACKING_KEYS,
     agree_on_call,
     layout_digest,
     layout_fault,
@@ -56,16 +55,6 @@ from seqpar.sequence_parallel.whole_rows import (
     is_whole_row_call,
     shard_decoder_inputs,
 )
-
-__all__ = [
-    "ATTENTION_NAME",
-    "LAYOUT_KEYWORD",
-    "ORIGINAL_ATTENTION_ATTR",
-    "PACKING_KEYS",
-    "UNSHARDED_ATTR",
-    "attention_choice",
-    "prepare_model",
-]
 
 ATTENTION_NAME = "seqpar"
 _CONTEXT_KEY = CONTEXT_KEY

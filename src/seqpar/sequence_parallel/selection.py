@@ -59,7 +59,7 @@ from seqpar.sequence_parallel.strategies.registry import (
     check_strategy_name,
     strategy_row,
 )
-from seqpar.sequence_parallel.strategies.volumes import GRAD_BYTES, ring_bytes, ulysses_bytes
+from seqpar.sequence_parallel.strategies.volumes import GRAD_BYTES, ring_bytes
 
 if TYPE_CHECKING:
     from seqpar.sequence_parallel.layouts.chunks import Layout
@@ -68,14 +68,6 @@ if TYPE_CHECKING:
 
 # the mask's tables (torch) load only under a mask: without one the rule reads the registry alone, which the
 # memory estimate and the planner ask without torch (Note [torch-free planning] in seqpar.planning)
-
-__all__ = [
-    "MAX_HEAD_IMBALANCE",
-    "RING_BYTES_RATIO",
-    "masked_ring_bytes",
-    "select_strategy",
-    "ulysses_bytes",
-]
 
 RING_BYTES_RATIO = 0.25
 """"auto" takes the mask-aware ring when its busiest rank sends at most this fraction of Ulysses' bytes."""

@@ -41,8 +41,6 @@ import torch.distributed as dist
 from seqpar.errors import SeqparInputError
 from seqpar.mesh import SequenceParallelMesh
 
-__all__ = ["MODALITIES", "encode_over_group", "split_vision_features"]
-
 MODALITIES = (("image", "pixel_values", "get_image_features"), ("video", "pixel_values_videos", "get_video_features"))
 """(``mm_encoder_outputs`` key, pixel keyword, the model's encoder method) of each modality."""
 _GRIDS = ("image_grid_thw", "video_grid_thw", "grid_thw")

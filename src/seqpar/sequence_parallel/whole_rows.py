@@ -48,8 +48,6 @@ from seqpar.sequence_parallel.layouts.chunks import NAMED_LAYOUTS, ChunkLayout, 
 from seqpar.sequence_parallel.layouts.placed import Placement
 from seqpar.sequence_parallel.masks.block_ranges import image_runs
 
-__all__ = ["ROW_KEY", "WHOLE_ROW_KEYS", "WholeRow", "agree_on_whole_row", "is_whole_row_call", "shard_decoder_inputs"]
-
 PLACEMENT_KEYWORD = "seqpar_placement"
 """The keyword that brings a whole-row call under the placed layout its row order (``shard.placement``)."""
 ROW_KEY = "seqpar_whole_row"

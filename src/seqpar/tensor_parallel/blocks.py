@@ -20,8 +20,6 @@ from seqpar.errors import SeqparInputError
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.models import find_anatomy
 
-__all__ = ["apply_tensor_parallel"]
-
 _STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 

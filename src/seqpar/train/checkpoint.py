@@ -38,18 +38,6 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 
 from seqpar.errors import SeqparInputError
 
-__all__ = [
-    "MARKER",
-    "SafeFileSystemReader",
-    "SafeLoadPlanner",
-    "checkpoint_layout",
-    "latest_checkpoint",
-    "load_checkpoint",
-    "read_metadata",
-    "save_checkpoint",
-    "verify_checkpoint",
-]
-
 MARKER = "seqpar_complete.json"
 _NAME = re.compile(r"^step_(\d{7})$")
 

@@ -18,8 +18,6 @@ from seqpar.sequence_parallel.layouts.chunks import layout_names, named_layout
 from seqpar.sequence_parallel.strategies.registry import STRATEGIES
 from seqpar.train.pipeline_config import pipeline_problems
 
-__all__ = ["TRAIN_LAYOUTS", "TrainConfig", "build_parser", "config_from_args"]
-
 TRAIN_LAYOUTS = layout_names()
 """``--layout`` choices: every name of the layout registry (Note [layout registry]); per-batch ones solve each batch."""
 

@@ -18,8 +18,6 @@ import torch.distributed as dist
 from seqpar.data import pack_documents
 from seqpar.errors import SeqparInputError
 
-__all__ = ["FileRows", "load_tokenizer"]
-
 _KEYS = ("input_ids", "position_ids", "attention_mask")
 _BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 

@@ -21,8 +21,6 @@ from seqpar.train.pipeline import gather_stages
 from seqpar.train.state import RunState, answer_shift_labels
 from seqpar.train.step import shard_inputs
 
-__all__ = ["evaluate_passkey"]
-
 
 def _accuracy_at(run: RunState, length: int) -> tuple[float, int]:
     """Fraction of the scored answers of held-out examples of ``length`` tokens predicted right (collective).

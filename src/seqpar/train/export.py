@@ -40,8 +40,6 @@ from seqpar.train.data import load_tokenizer
 from seqpar.train.model import model_config
 from seqpar.train.pipeline import gather_stages
 
-__all__ = ["HF_DIR", "export_checkpoint", "export_run", "full_model_state", "run_settings", "write_hf_model"]
-
 HF_DIR = "hf"
 """The run directory's Hugging Face model directory, written at the end of a run (Note [hf export])."""
 

@@ -13,8 +13,6 @@ from seqpar.errors import SeqparInputError
 from seqpar.memory import MemoryEstimate, estimate_memory
 from seqpar.train.config import TrainConfig
 
-__all__ = ["check_memory", "memory_features", "train_estimate"]
-
 _MB = 2**20
 _FLAGS = {
     "checkpointing": "--activation-checkpointing",

@@ -26,8 +26,6 @@ from seqpar.train.model import model_config
 from seqpar.train.passkey import PasskeyTask
 from seqpar.train.pipeline_config import pipeline_model_check
 
-__all__ = ["launch"]
-
 
 def _under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)

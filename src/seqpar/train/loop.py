@@ -39,8 +39,6 @@ from seqpar.train.step import StepResult, optimizer_step
 if TYPE_CHECKING:
     from tqdm import tqdm
 
-__all__ = ["train_rank"]
-
 
 def _progress_bar(config: TrainConfig, start: int) -> tqdm:
     """Rank 0's tqdm bar over the optimizer steps, starting at ``start``."""

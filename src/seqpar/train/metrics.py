@@ -11,8 +11,6 @@ import os
 
 from seqpar.train.passkey import CHANCE
 
-__all__ = ["MetricsWriter", "plot_metrics", "read_metrics"]
-
 
 class MetricsWriter:
     """Appends one JSON line per record to ``metrics.jsonl`` and mirrors scalars to TensorBoard."""

@@ -13,8 +13,6 @@ import torch
 from seqpar.errors import SeqparInputError
 from seqpar.train.config import TrainConfig
 
-__all__ = ["build_model", "model_config"]
-
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 
 

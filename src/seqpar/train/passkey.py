@@ -37,8 +37,6 @@ import torch
 from seqpar.errors import SeqparInputError
 from seqpar.train.tokenizer import ByteTokenizer
 
-__all__ = ["BLOCK", "CHANCE", "LETTERS", "TASK", "PasskeyTask"]
-
 TASK = "pass-key recitation"
 BLOCK = 128
 """Letters in a pass key (and so the distance from a letter to its repetition)."""

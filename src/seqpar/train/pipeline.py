@@ -12,8 +12,6 @@ import torch.distributed as dist
 import seqpar
 from seqpar.train.pipeline_config import microbatches, stages_per_rank
 
-__all__ = ["build_pipeline", "gather_stages", "owned_model_state", "pipeline_gradients"]
-
 
 def build_pipeline(config: object, model: torch.nn.Module, mesh: seqpar.SequenceParallelMesh) -> object:
     """This rank's stages of the prepared ``model`` (collective over every rank).

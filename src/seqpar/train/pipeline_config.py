@@ -18,8 +18,6 @@ Note [pipeline in seqpar train]
 
 from __future__ import annotations
 
-__all__ = ["SCHEDULES", "microbatches", "pipeline_model_check", "pipeline_problems", "stages_per_rank"]
-
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 

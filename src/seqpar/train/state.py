@@ -29,16 +29,6 @@ from seqpar.train.model import build_model
 from seqpar.train.passkey import PasskeyTask
 from seqpar.train.pipeline import build_pipeline, owned_model_state
 
-__all__ = [
-    "RunState",
-    "TrainSource",
-    "answer_shift_labels",
-    "banner",
-    "checkpoint_state",
-    "run_layout",
-    "set_up_run",
-]
-
 
 def answer_shift_labels(input_ids: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
     """Shifted labels that keep only the passkey answers: position p-1 predicts the answer token at p.

@@ -19,8 +19,6 @@ from seqpar.sequence_parallel.prepare import LAYOUT_KEYWORD
 from seqpar.train.pipeline import pipeline_gradients
 from seqpar.train.state import RunState
 
-__all__ = ["StepResult", "optimizer_step", "shard_inputs"]
-
 
 @dataclass
 class StepResult:

@@ -5,8 +5,6 @@ Nothing to download; the embedded demo and plain-text data without a model token
 
 from __future__ import annotations
 
-__all__ = ["ByteTokenizer"]
-
 
 class ByteTokenizer:
     """Bytes 0-255 are tokens 0-255; ``pad_token_id`` = 256, ``eos_token_id`` = 257."""

@@ -11,8 +11,6 @@ from typing import ClassVar
 
 from seqpar.errors import SeqparInputError
 
-__all__ = ["Get", "MixerSizes", "Names"]
-
 Get = Callable[..., object]
 """A config's field reader: ``get(name, default=None)``."""
 Names = Mapping[str, object]

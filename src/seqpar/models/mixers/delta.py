@@ -10,8 +10,6 @@ from typing import ClassVar
 
 from seqpar.models.mixers.base import MixerSizes, Names
 
-__all__ = ["GDN_CHUNK", "GatedDeltaNet", "Kda"]
-
 GDN_CHUNK = 64
 """``torch_chunk_gated_delta_rule``'s default chunk length, the one seqpar's adapters run it with."""
 

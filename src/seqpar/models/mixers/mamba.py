@@ -11,8 +11,6 @@ from typing import ClassVar
 from seqpar.errors import SeqparInputError
 from seqpar.models.mixers.base import Get, MixerSizes, Names
 
-__all__ = ["Mamba1", "Mamba2"]
-
 
 @dataclass(frozen=True)
 class Mamba2(MixerSizes):

@@ -10,8 +10,6 @@ from typing import ClassVar
 
 from seqpar.models.mixers.base import Get, MixerSizes, Names
 
-__all__ = ["Lightning", "ShortConv"]
-
 
 @dataclass(frozen=True)
 class ShortConv(MixerSizes):

@@ -27,8 +27,6 @@ import torch.distributed as dist
 
 from seqpar.sequence_parallel.comm.collectives import all_gather_first_dim, collective_device
 
-__all__ = ["Signature", "by_rank", "config_digest", "config_disagreement", "exchange_signatures"]
-
 _S = typing.TypeVar("_S", bound="Signature")
 
 

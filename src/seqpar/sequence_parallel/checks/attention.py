@@ -16,8 +16,6 @@ from seqpar.sequence_parallel.checks.agreement import Signature, by_rank, exchan
 from seqpar.sequence_parallel.layouts.chunks import LAYOUTS, PER_BATCH_LAYOUTS, ChunkLayout, chunks_per_rank
 from seqpar.sequence_parallel.strategies.registry import STRATEGIES, STRATEGY_ROWS
 
-__all__ = ["DTYPES", "MAX_HEAD_DIM", "SIGNATURE_LENGTH", "InputSignature", "TensorSignature", "check_attention_inputs"]
-
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256
 

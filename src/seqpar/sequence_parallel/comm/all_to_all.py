@@ -21,8 +21,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["head_group_to_seq", "head_to_seq_shards", "seq_to_head_group", "seq_to_head_shards"]
-
 
 def _seq_to_head(x: torch.Tensor, group, to_natural: torch.Tensor) -> torch.Tensor:
     return seq_to_head_group(x, group, to_natural, 0, 1)  # [B, H/P, S, D]

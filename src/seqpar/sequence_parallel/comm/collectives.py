@@ -8,8 +8,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_first_dim", "collective_device", "reduce_scatter_first_dim"]
-
 # PyTorch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

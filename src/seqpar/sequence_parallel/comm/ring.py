@@ -10,8 +10,6 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["RingExchange"]
-
 
 class RingExchange:
     """Non-blocking ring shifts over ``group``: ``start`` posts the transfer, ``wait`` returns what arrived.

@@ -10,8 +10,6 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-__all__ = ["SparseExchange"]
-
 
 class SparseExchange:
     """One non-blocking batch of sends and receives over ``group``: ``start`` posts them, ``wait`` completes them.

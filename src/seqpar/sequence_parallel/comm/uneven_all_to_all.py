@@ -22,8 +22,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["head_to_seq_ranges", "seq_to_head_ranges"]
-
 Ranges = tuple[tuple[int, int], ...]
 
 

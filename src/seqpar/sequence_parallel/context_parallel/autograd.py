@@ -52,8 +52,6 @@ from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.layouts.chunks import gather_sequence, shard_for_rank
 
-__all__ = ["LeafGradients", "SavedBuffers", "ShardSpec", "restore_in_place", "shard_in_place"]
-
 _ATTRIBUTE = "_seqpar_context_parallel_grads"  # where a leaf keeps its LeafGradients record
 # The hooks set before a block, to hand saved tensors on to (None where this torch does not say).
 _TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)

@@ -60,8 +60,6 @@ from seqpar.sequence_parallel.context_parallel.sdpa_mode import agree_or_raise
 from seqpar.sequence_parallel.layouts.chunks import LAYOUTS, chunks_per_rank, gather_sequence
 from seqpar.sequence_parallel.strategies import STRATEGIES
 
-__all__ = ["context_parallel", "context_parallel_unshard"]
-
 _BUFFER_PROBLEMS = (
     "buffers and buffer_seq_dims (seq_dims) have different lengths",
     "a buffer is not a torch.Tensor",

@@ -30,8 +30,6 @@ from seqpar.sequence_parallel.masks.blockwise import EMPTY, FULL_BLOCK, PARTIAL,
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
 from seqpar.sequence_parallel.plans.tiles import FULL, SKIP, tile_kinds
 
-__all__ = ["blockwise_mask", "recognise", "sequence_mask_of"]
-
 
 def _block_kinds(m: torch_flex.BlockMask, lengths: tuple[int, int]) -> torch.Tensor:
     """``[B, nQ, nK]`` int8 ``EMPTY`` / ``PARTIAL`` / ``FULL_BLOCK`` table of a BlockMask (head 0), on the CPU."""

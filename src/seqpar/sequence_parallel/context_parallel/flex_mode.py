@@ -64,17 +64,6 @@ from seqpar.sequence_parallel.context_parallel.flex_masks import blockwise_mask,
 from seqpar.sequence_parallel.context_parallel.sdpa_mode import SequenceParallelSDPA, agree_or_raise
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
 
-__all__ = [
-    "BLOCK_MASK_PROBLEMS",
-    "SequenceParallelFlex",
-    "ShardMaskMod",
-    "block_mask_problem",
-    "flex_attention",
-    "shard_block_masks",
-    "softcap_score_mod",
-    "split_block_masks",
-]
-
 _FLEX_HOP = getattr(torch.ops.higher_order, "flex_attention", None)  # the operator torch's flex ends in
 
 _TORCH_DOOR = (

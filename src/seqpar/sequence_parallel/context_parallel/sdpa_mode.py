@@ -31,8 +31,6 @@ from seqpar.sequence_parallel.api import attention
 from seqpar.sequence_parallel.layouts.chunks import gather_sequence
 from seqpar.sequence_parallel.masks import SequenceMask, key_mask
 
-__all__ = ["SequenceParallelSDPA", "agree_or_raise", "global_key_mask"]
-
 # The one builtin behind every spelling: F.scaled_dot_product_attention, torch.nn.functional's attribute,
 # or the name imported from it before the block began all refer to this object.
 _SDPA = F.scaled_dot_product_attention

@@ -9,8 +9,6 @@ import abc
 
 import torch
 
-__all__ = ["AttentionKernel", "additive_mask", "mark_empty_rows", "unmark_empty_rows"]
-
 
 class AttentionKernel(abc.ABC):
     """One local attention implementation.

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["merge_into", "new_accumulator"]
-
 
 def new_accumulator(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Empty running result for queries shaped like ``like`` ``[B, H, S, D]``: zeros and ``-inf`` (float32)."""

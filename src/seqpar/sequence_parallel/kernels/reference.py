@@ -18,8 +18,6 @@ import torch
 from seqpar.sequence_parallel.kernels.base import AttentionKernel
 from seqpar.sequence_parallel.kernels.merge import merge_into
 
-__all__ = ["ReferenceKernel"]
-
 
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     b, h, s, d = q.shape

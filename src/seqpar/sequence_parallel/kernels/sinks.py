@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["add_sinks", "head_slice", "sink_grad"]
-
 
 def _finite_ref(lse: torch.Tensor) -> torch.Tensor:
     """``lse`` with -inf replaced by 0, so that exp(x - ref) is 0 rather than NaN when x is -inf too."""

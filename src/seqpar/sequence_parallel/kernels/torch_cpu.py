@@ -9,8 +9,6 @@ import torch
 
 from seqpar.sequence_parallel.kernels.base import AttentionKernel, additive_mask, mark_empty_rows, unmark_empty_rows
 
-__all__ = ["TorchCPUFlashKernel"]
-
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

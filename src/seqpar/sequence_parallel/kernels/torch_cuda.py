@@ -9,8 +9,6 @@ import torch
 
 from seqpar.sequence_parallel.kernels.base import AttentionKernel, additive_mask, mark_empty_rows, unmark_empty_rows
 
-__all__ = ["TorchCUDAEfficientKernel", "TorchCUDAFlashKernel", "TorchCuDNNKernel"]
-
 _LSE_ALIGN = 32  # the memory-efficient op pads its log-sum-exp rows to a multiple of this
 _BIAS_ALIGN = 16  # and wants the additive mask's row stride to be a multiple of this
 

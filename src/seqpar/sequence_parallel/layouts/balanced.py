@@ -42,9 +42,6 @@ from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask, sequence_
 from seqpar.sequence_parallel.plans.planner import plan_cost
 from seqpar.sequence_parallel.plans.tiles import run_tiles, square_parts, tile_kinds
 
-__all__ = ["CHUNKS_PER_RANK", "TILE_COSTS", "LayoutBalance", "balanced_layout", "layout_balance"]
-__all__ += ["planned_work", "visible_area"]
-
 CHUNKS_PER_RANK = (2, 4, 8, 16)
 """The chunks per rank the solver tries, fewest first (Note [balanced layout])."""
 TILE_COSTS = (1.0, 1.0, 1.3)

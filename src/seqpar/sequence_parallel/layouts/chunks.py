@@ -39,31 +39,6 @@ from seqpar.errors import SeqparInputError
 from seqpar.mesh import as_sp_mesh
 from seqpar.sequence_parallel.comm.collectives import all_gather_first_dim, reduce_scatter_first_dim
 
-__all__ = [
-    "AUTO",
-    "BALANCED",
-    "CONTIGUOUS",
-    "LAYOUTS",
-    "NAMED_LAYOUTS",
-    "PER_BATCH_LAYOUTS",
-    "PLACED",
-    "ZIGZAG",
-    "ChunkLayout",
-    "FixedLayout",
-    "Layout",
-    "PerBatchLayout",
-    "SequenceLayout",
-    "chunks_per_rank",
-    "gather_sequence",
-    "layout_names",
-    "layout_row",
-    "named_layout",
-    "position_ids",
-    "rank_chunk_ids",
-    "shard_for_rank",
-    "shard_sequence",
-]
-
 
 @runtime_checkable
 class SequenceLayout(Protocol):

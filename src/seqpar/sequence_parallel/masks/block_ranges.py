@@ -25,8 +25,6 @@ import torch
 
 from seqpar.errors import SeqparInputError
 
-__all__ = ["BlockCausal", "block_causal", "image_runs"]
-
 
 @dataclass(frozen=True)
 class BlockCausal:

@@ -28,8 +28,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["EMPTY", "FULL_BLOCK", "PARTIAL", "BlockwiseMask", "key_mask"]
-
 EMPTY, PARTIAL, FULL_BLOCK = 0, 1, 2
 """Kinds of the blocks of a ``BlockwiseMask``'s table."""
 

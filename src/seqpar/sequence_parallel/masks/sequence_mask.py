@@ -27,8 +27,6 @@ from seqpar.sequence_parallel.layouts.chunks import Layout, chunks_per_rank, nat
 from seqpar.sequence_parallel.masks.block_ranges import BlockCausal, block_causal
 from seqpar.sequence_parallel.masks.blockwise import BlockwiseMask
 
-__all__ = ["SequenceMask", "check_packed_positions", "sequence_mask"]
-
 
 @dataclass(frozen=True)
 class SequenceMask:

@@ -32,8 +32,6 @@ from seqpar.sequence_parallel.layouts.chunks import (
 )
 from seqpar.sequence_parallel.masks import SequenceMask
 
-__all__ = ["halo_causal_conv", "token_positions"]
-
 
 def token_positions(layout: Layout, sp: SequenceParallelMesh, local: int) -> torch.Tensor:
     """Each of this rank's ``local`` tokens' index in the whole sequence (natural order), ``[local]``."""

@@ -16,14 +16,6 @@ from seqpar.sequence_parallel.call_context import CallContext, adapter_context
 from seqpar.sequence_parallel.mixers.conv import halo_causal_conv
 from seqpar.sequence_parallel.mixers.scan import Opening, Recurrence, chunked_state_scan
 
-__all__ = [
-    "delta_rule_opening",
-    "kimi_delta_attention_forward",
-    "olmo_hybrid_gated_deltanet_forward",
-    "qwen3_5_gated_deltanet_forward",
-    "qwen3_next_gated_deltanet_forward",
-]
-
 
 def delta_rule_opening(run: Recurrence, state: tuple[int, int, int]) -> Callable[..., Opening]:
     """A chunk's opening piece for a gated delta rule kernel, in one call (Note [state passing]).

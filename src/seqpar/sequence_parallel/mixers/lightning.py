@@ -26,8 +26,6 @@ import torch.nn.functional as F
 from seqpar.sequence_parallel.call_context import adapter_context
 from seqpar.sequence_parallel.mixers.scan import Opening, chunked_state_scan
 
-__all__ = ["minimax_lightning_attention_forward"]
-
 
 def _lightning(
     self: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor | None

@@ -24,8 +24,6 @@ from seqpar.sequence_parallel.call_context import CONTEXT_KEY, CallContext, adap
 from seqpar.sequence_parallel.mixers.conv import halo_causal_conv
 from seqpar.sequence_parallel.mixers.scan import Opening, chunked_state_scan
 
-__all__ = ["mamba1_forward"]
-
 
 def _scan_piece(
     decay: torch.Tensor, drive: torch.Tensor, c: torch.Tensor, initial_state: torch.Tensor | None, dtype: torch.dtype

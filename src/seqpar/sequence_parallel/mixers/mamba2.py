@@ -14,8 +14,6 @@ from seqpar.sequence_parallel.call_context import adapter_context
 from seqpar.sequence_parallel.mixers.conv import halo_causal_conv
 from seqpar.sequence_parallel.mixers.scan import Opening, chunked_state_scan
 
-__all__ = ["mamba2_forward"]
-
 
 def mamba2_forward(
     self: torch.nn.Module,

@@ -53,8 +53,6 @@ from seqpar.sequence_parallel.layouts.chunks import Layout, chunks_per_rank, gat
 from seqpar.sequence_parallel.masks import SequenceMask
 from seqpar.sequence_parallel.mixers.conv import token_positions
 
-__all__ = ["Opening", "Recurrence", "chunked_state_scan"]
-
 Recurrence = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 """``run(*inputs, initial_state)`` on one piece of one row: (output ``[1, T, ...]``, final state ``[1, H, dk, dv]``)."""
 

@@ -10,8 +10,6 @@ import torch
 from seqpar.sequence_parallel.call_context import adapter_context
 from seqpar.sequence_parallel.mixers.conv import halo_causal_conv
 
-__all__ = ["lfm2_short_conv_forward"]
-
 
 def lfm2_short_conv_forward(
     self: torch.nn.Module,

@@ -13,8 +13,6 @@ from seqpar.sequence_parallel.kernels import AttentionKernel, select_kernel
 from seqpar.sequence_parallel.kernels.merge import merge_into
 from seqpar.sequence_parallel.plans.planner import Block
 
-__all__ = ["blocks_backward", "blocks_forward", "is_whole"]
-
 
 def is_whole(blocks: Sequence[Block], q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether ``blocks`` is one unmasked call over all local queries and keys (no accumulation needed).

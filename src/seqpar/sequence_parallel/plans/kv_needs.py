@@ -29,8 +29,6 @@ import torch
 
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
 
-__all__ = ["KVNeeds", "global_tokens", "kv_needs", "take_tokens", "zero_block_with"]
-
 KVNeeds = tuple[tuple[torch.Tensor, ...], ...]
 """``needs[r][s]``: int64 local token indices of rank s's K/V that rank r's queries see (``needs[r][r]`` all)."""
 

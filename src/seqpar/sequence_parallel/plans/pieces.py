@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["BACKWARD_PIECES", "MIN_PIECE_TOKENS", "piece_ids", "pieces_per_chunk", "put_piece", "take_piece"]
-
 BACKWARD_PIECES = 8  # per chunk; chunks that do not divide, or would give short pieces, take 2, then 1
 # The shortest piece worth its extra kernel calls and ring passes (Note [ring backward]).
 MIN_PIECE_TOKENS = {"cpu": 256, "cuda": 16384}

@@ -33,8 +33,6 @@ from seqpar.sequence_parallel.plans.tiles import (
     tile_kinds,
 )
 
-__all__ = ["Block", "plan", "plan_blocks", "plan_cost"]
-
 
 @dataclass(frozen=True)
 class Block:

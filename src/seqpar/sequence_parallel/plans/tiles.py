@@ -58,9 +58,6 @@ import torch
 
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
 
-__all__ = ["CAUSAL", "FULL", "MASK_TILE", "MIN_WINDOW_TILE", "MIXED", "SKIP", "RunTiles", "chunk_runs"]
-__all__ += ["SQUARE_BLOCK", "run_tiles", "square_parts", "tile_kinds", "tile_size"]
-
 MASK_TILE = 1024
 MIN_WINDOW_TILE = 128
 

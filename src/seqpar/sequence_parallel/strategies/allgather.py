@@ -31,8 +31,6 @@ from seqpar.sequence_parallel.plans.kv_needs import kv_needs
 from seqpar.sequence_parallel.plans.planner import plan
 from seqpar.sequence_parallel.strategies.masked_allgather import masked_allgather_attention
 
-__all__ = ["allgather_attention"]
-
 
 def _gather_kv(k: torch.Tensor, v: torch.Tensor, group, layout: str) -> torch.Tensor:
     """``[2, B, Hkv, S, D]``: every rank's keys and values, in global sequence order."""

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["HeadSplit", "head_split", "kv_head_repeats", "ulysses_degrees", "ulysses_heads_problem"]
-
 
 @dataclass(frozen=True)
 class HeadSplit:

@@ -29,8 +29,6 @@ from seqpar.sequence_parallel.strategies.heads import head_split
 from seqpar.sequence_parallel.strategies.ring import ring_attention_on_chunks
 from seqpar.sequence_parallel.strategies.ulysses import repeat_kv_heads, uneven_head_exchange
 
-__all__ = ["hybrid_attention"]
-
 
 def hybrid_attention(
     q: torch.Tensor,

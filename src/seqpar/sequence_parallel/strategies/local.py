@@ -16,8 +16,6 @@ from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
 from seqpar.sequence_parallel.plans.blocks import blocks_backward, blocks_forward, is_whole
 from seqpar.sequence_parallel.plans.planner import Block, plan
 
-__all__ = ["local_attention", "local_backward", "local_forward", "local_plan", "whole_sequence_attention"]
-
 # Chunks the whole sequence is cut into for planning masked tiles (the tile size caps the work per call).
 _PLAN_CHUNKS = 8
 

@@ -23,8 +23,6 @@ from seqpar.sequence_parallel.plans.blocks import blocks_backward, blocks_forwar
 from seqpar.sequence_parallel.plans.kv_needs import KVNeeds, global_tokens, take_tokens
 from seqpar.sequence_parallel.plans.planner import plan
 
-__all__ = ["masked_allgather_attention"]
-
 _KV_TAG, _DKV_TAG = 6, 7
 
 

@@ -26,8 +26,6 @@ from seqpar.sequence_parallel.plans.blocks import blocks_backward, blocks_forwar
 from seqpar.sequence_parallel.plans.kv_needs import KVNeeds, take_tokens, zero_block_with
 from seqpar.sequence_parallel.plans.planner import plan
 
-__all__ = ["masked_ring_attention"]
-
 _KV_TAG, _DKV_TAG = 4, 5
 
 

@@ -17,7 +17,6 @@ from seqpar.sequence_parallel.strategies.heads import (
     HeadSplit,
     head_split,
     kv_head_repeats,
-    ulysses_degrees,
     ulysses_heads_problem,
 )
 from seqpar.sequence_parallel.strategies.volumes import (
@@ -30,26 +29,6 @@ from seqpar.sequence_parallel.strategies.volumes import (
 
 if TYPE_CHECKING:
     import torch
-
-__all__ = [
-    "ALLGATHER",
-    "AUTO",
-    "HYBRID",
-    "LOCAL",
-    "RING",
-    "STRATEGIES",
-    "STRATEGY_ROWS",
-    "ULYSSES",
-    "HeadSplit",
-    "StrategyRow",
-    "check_strategy_name",
-    "head_split",
-    "kv_head_repeats",
-    "strategy_options",
-    "strategy_row",
-    "ulysses_degrees",
-    "ulysses_heads_problem",
-]
 
 BytesModel = Callable[[int, int, int, int, int, int, int], float]
 """(heads, kv_heads, sp_size, ulysses_size, local_tokens, head_dim, itemsize) -> bytes (Note [strategy bytes])."""

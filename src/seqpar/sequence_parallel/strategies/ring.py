@@ -49,8 +49,6 @@ from seqpar.sequence_parallel.plans.pieces import piece_ids, pieces_per_chunk, p
 from seqpar.sequence_parallel.plans.planner import plan
 from seqpar.sequence_parallel.strategies.masked_ring import masked_ring_attention
 
-__all__ = ["ring_attention", "ring_attention_on_chunks"]
-
 _KV_TAG, _DKV_TAG = 0, 2
 
 

@@ -50,8 +50,6 @@ from seqpar.sequence_parallel.strategies.local import (
     whole_sequence_attention,
 )
 
-__all__ = ["repeat_kv_heads", "ulysses_attention", "uneven_head_exchange"]
-
 
 def repeat_kv_heads(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, degree: int

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 from seqpar.sequence_parallel.strategies.heads import HeadSplit, head_split
 
-__all__ = ["GRAD_BYTES", "allgather_bytes", "hybrid_bytes", "local_bytes", "ring_bytes", "ulysses_bytes"]
-
 GRAD_BYTES = 4
 """Bytes per element of the dK/dV partials that travel (float32, Note [mask-aware ring schedule])."""
 

@@ -11,8 +11,6 @@ import torch
 
 from seqpar.errors import SeqparInputError
 
-__all__ = ["resolve_auto_layout"]
-
 
 def resolve_auto_layout(position_ids: torch.Tensor, *, blocks: int | Sequence[tuple[int, int]] | None = None) -> str:
     """The per-batch layout ``layout="auto"`` stands for on this batch (Note [placed layout]).

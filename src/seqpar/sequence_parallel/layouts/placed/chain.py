@@ -10,8 +10,6 @@ import torch
 from seqpar.sequence_parallel.layouts.placed.home import BALANCE_SLACK, assign_homes, fill_homes
 from seqpar.sequence_parallel.layouts.placed.split import WORK_SLACK, fill_costs
 
-__all__ = ["REFINE_ROOM", "SHARE_STEP", "TAIL_SHARES", "chain_segments", "dense_documents"]
-
 TAIL_SHARES = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4)
 """The work a dense document's tail may bring to its run, over a rank's mean, tried for all of them at once
 (Note [placed layout]); the best is then moved by ``SHARE_STEP`` either way for each document on its own. A

@@ -5,8 +5,6 @@ The second half of Note [placed layout]; ``seqpar.sequence_parallel.layouts.plac
 
 from __future__ import annotations
 
-__all__ = ["BALANCE_SLACK", "assign_homes", "fill_homes"]
-
 GROUPED = 8
 """The most times the home runs of a row kept whole are searched for exchanges of two documents (``_groups``)."""
 PAIRED = 8

@@ -13,8 +13,6 @@ from seqpar.sequence_parallel.layouts.balanced import visible_area
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
 from seqpar.sequence_parallel.plans.tiles import MASK_TILE, square_parts, tile_size
 
-__all__ = ["Refiner", "chunk_costs", "square_extra", "token_costs"]
-
 OVER = 1000.0
 """Weight of planned work above the balance target: evening the work comes first (Note [placed layout])."""
 PASSES = 10

@@ -21,8 +21,6 @@ from seqpar.sequence_parallel.layouts.placed.split import FILL_TARGETS, WORK_SLA
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask, sequence_mask
 from seqpar.sequence_parallel.plans.tiles import MASK_TILE, tile_size
 
-__all__ = ["KEY_COST", "TOKEN_SLACK", "Placement", "placed_layout"]
-
 KEY_COST = 32.0
 """The refining pass's score of one token of K/V traffic, in attention scores (Note [placed layout])."""
 TOKEN_SLACK = 1.05

@@ -9,8 +9,6 @@ import math
 
 import torch
 
-__all__ = ["FILL_TARGETS", "WORK_SLACK", "fill_costs", "split_long"]
-
 FILL_TARGETS = (1.02, 0.96, 0.9)
 """A rank takes a document's chunks from its end while its work, with its free tokens filled as cheaply as the
 rest of the row allows, stays within this of the mean; the solver tries them in turn while whole short
