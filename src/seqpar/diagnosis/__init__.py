@@ -3,7 +3,7 @@
 Per-layer comparison of activations and gradients with one process, plus setup pitfalls; ``seqpar doctor`` runs it.
 """
 
-from seqpar.diagnosis.report import TOLERANCES, DoctorReport, LayerRow, Pitfall
+from seqpar.diagnosis.report import DoctorReport
 from seqpar.diagnosis.run import doctor
 
-__all__ = ["TOLERANCES", "DoctorReport", "LayerRow", "Pitfall", "doctor"]
+__all__ = ["DoctorReport", "doctor"]

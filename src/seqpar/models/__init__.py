@@ -6,8 +6,8 @@ parts through ``anatomy(model)``; the memory estimate and the planner read sizes
 where each diffusers transformer is sharded (``seqpar.prepare_diffusers``).
 """
 
-from seqpar.models.anatomy import ModelAnatomy, anatomy, family_of, find_anatomy
-from seqpar.models.diffusion import DIFFUSION_PLANS, DiffusionPlan, Gather, JointSplit, Split, register_diffusion_plan
+from seqpar.models.anatomy import ModelAnatomy, anatomy, find_anatomy
+from seqpar.models.diffusion import DIFFUSION_PLANS, Split, register_diffusion_plan
 from seqpar.models.families import FAMILIES, LLAMA_TP_PLAN, Family, register_family
 from seqpar.models.hybrid_sizes import Hybrid
 from seqpar.models.mixers import MIXER_KINDS, MixerSizes, register_mixer_kind
@@ -18,18 +18,14 @@ __all__ = [
     "FAMILIES",
     "LLAMA_TP_PLAN",
     "MIXER_KINDS",
-    "DiffusionPlan",
     "Family",
-    "Gather",
     "Hybrid",
-    "JointSplit",
     "MixerSizes",
     "ModelAnatomy",
     "ModelSizes",
     "Split",
     "active_parameters",
     "anatomy",
-    "family_of",
     "find_anatomy",
     "parameter_counts",
     "register_diffusion_plan",

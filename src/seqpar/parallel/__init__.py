@@ -6,11 +6,8 @@ Each ``apply_*`` step runs on its own sub-mesh of the job's mesh; ``ParallelizeO
 from __future__ import annotations
 
 from seqpar.parallel.compose import (
-    DP_MODES,
     ParallelizeOptions,
-    apply_memory_features,
-    apply_sequence_parallel,
     parallelize,
 )
 
-__all__ = ["DP_MODES", "ParallelizeOptions", "apply_memory_features", "apply_sequence_parallel", "parallelize"]
+__all__ = ["ParallelizeOptions", "parallelize"]

@@ -12,21 +12,13 @@ from seqpar.sequence_parallel.checks.agreement import (
     exchange_signatures,
 )
 from seqpar.sequence_parallel.checks.attention import (
-    DTYPES,
-    MAX_HEAD_DIM,
     SIGNATURE_LENGTH,
-    InputSignature,
-    TensorSignature,
     check_attention_inputs,
 )
 
 __all__ = [
-    "DTYPES",
-    "MAX_HEAD_DIM",
     "SIGNATURE_LENGTH",
-    "InputSignature",
     "Signature",
-    "TensorSignature",
     "by_rank",
     "check_attention_inputs",
     "config_digest",

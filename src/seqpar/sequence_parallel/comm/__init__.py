@@ -9,7 +9,7 @@ from seqpar.sequence_parallel.comm.all_to_all import (
     seq_to_head_group,
     seq_to_head_shards,
 )
-from seqpar.sequence_parallel.comm.collectives import all_gather_first_dim, collective_device, reduce_scatter_first_dim
+from seqpar.sequence_parallel.comm.collectives import all_gather_first_dim, reduce_scatter_first_dim
 from seqpar.sequence_parallel.comm.ring import RingExchange
 from seqpar.sequence_parallel.comm.sparse import SparseExchange
 from seqpar.sequence_parallel.comm.uneven_all_to_all import head_to_seq_ranges, seq_to_head_ranges
@@ -18,7 +18,6 @@ __all__ = [
     "RingExchange",
     "SparseExchange",
     "all_gather_first_dim",
-    "collective_device",
     "head_group_to_seq",
     "head_to_seq_ranges",
     "head_to_seq_shards",

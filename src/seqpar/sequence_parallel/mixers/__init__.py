@@ -33,7 +33,7 @@ from seqpar.sequence_parallel.mixers.mamba1 import mamba1_forward
 from seqpar.sequence_parallel.mixers.mamba2 import mamba2_forward
 from seqpar.sequence_parallel.mixers.short_conv import lfm2_short_conv_forward
 
-__all__ = ["ADAPTERS", "MixerAdapter", "adapt", "mismatched_mixers", "unknown_mixers"]
+__all__ = ["ADAPTERS", "adapt", "mismatched_mixers", "unknown_mixers"]
 
 
 @dataclass(frozen=True)

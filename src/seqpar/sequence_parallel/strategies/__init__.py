@@ -5,52 +5,19 @@ Every strategy takes validated local shards and the same keywords: ``mesh, layou
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from seqpar.lazy import module_getattr
-from seqpar.sequence_parallel.strategies.registry import (
-    STRATEGIES,
-    STRATEGY_ROWS,
-    HeadSplit,
-    StrategyRow,
-    head_split,
-    strategy_row,
-    ulysses_degrees,
-)
+from seqpar.sequence_parallel.strategies.registry import STRATEGIES, STRATEGY_ROWS
 
-if TYPE_CHECKING:
-    from seqpar.sequence_parallel.strategies.allgather import allgather_attention
-    from seqpar.sequence_parallel.strategies.hybrid import hybrid_attention
-    from seqpar.sequence_parallel.strategies.local import local_attention
-    from seqpar.sequence_parallel.strategies.ring import ring_attention
-    from seqpar.sequence_parallel.strategies.ulysses import ulysses_attention
-
-__all__ = [
-    "STRATEGIES",
-    "STRATEGY_FUNCTIONS",
-    "STRATEGY_ROWS",
-    "HeadSplit",
-    "StrategyRow",
-    "allgather_attention",
-    "head_split",
-    "hybrid_attention",
-    "local_attention",
-    "ring_attention",
-    "strategy_row",
-    "ulysses_attention",
-    "ulysses_degrees",
-]
-
-# the algorithms (torch) load on first use, so the registry's rows serve the planner without them
-_NAMES = {f"{name}_attention": f"{__name__}.{name}" for name in STRATEGY_ROWS}
-_names = module_getattr(__name__, _NAMES, globals())
+__all__ = ["STRATEGIES", "STRATEGY_FUNCTIONS", "STRATEGY_ROWS"]
 
 
 def __getattr__(name: str) -> Any:
     """``STRATEGY_FUNCTIONS`` (name -> strategy function, all with one signature; "local" serves a
-    sequence-parallel size of 1), built on first use; the strategy functions."""
-    if name == "STRATEGY_FUNCTIONS":
-        functions = {row_name: row.function for row_name, row in STRATEGY_ROWS.items()}
-        globals()[name] = functions
-        return functions
-    return _names(name)
+    sequence-parallel size of 1), built on first use: the algorithms (torch) load then, so the registry's rows
+    serve the planner without them."""
+    if name != "STRATEGY_FUNCTIONS":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    functions = {row_name: row.function for row_name, row in STRATEGY_ROWS.items()}
+    globals()[name] = functions
+    return functions

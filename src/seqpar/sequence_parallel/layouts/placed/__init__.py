@@ -111,6 +111,6 @@ Note [placed layout]
 from __future__ import annotations
 
 from seqpar.sequence_parallel.layouts.placed.auto import resolve_auto_layout
-from seqpar.sequence_parallel.layouts.placed.solver import KEY_COST, Placement, placed_layout
+from seqpar.sequence_parallel.layouts.placed.solver import Placement, placed_layout
 
-__all__ = ["KEY_COST", "Placement", "placed_layout", "resolve_auto_layout"]
+__all__ = ["Placement", "placed_layout", "resolve_auto_layout"]
