@@ -8,14 +8,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from seqpar.lazy import module_getattr
+from seqpar.sequence_parallel.strategies.heads import HeadSplit, head_split, ulysses_degrees
 from seqpar.sequence_parallel.strategies.registry import (
     STRATEGIES,
     STRATEGY_ROWS,
-    HeadSplit,
     StrategyRow,
-    head_split,
     strategy_row,
-    ulysses_degrees,
 )
 
 if TYPE_CHECKING:
