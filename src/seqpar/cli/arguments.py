@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from seqpar.planning.memory import DTYPES
+from seqpar.memory.dtypes import DTYPES
 from seqpar.planning.models import PRESETS
 from seqpar.train.config import TrainConfig
 

@@ -28,8 +28,8 @@ from seqpar.data import pack_documents
 from seqpar.diagnosis import doctor
 from seqpar.diagnosis.multimodal import generated_multimodal_batch, is_multimodal
 from seqpar.errors import SeqparInputError
+from seqpar.memory.dtypes import DTYPES
 from seqpar.mesh import make_mesh
-from seqpar.planning.memory import DTYPES
 from seqpar.runtime.spawn import spawn_ranks, start_method_for
 from seqpar.sequence_parallel.layouts.chunks import LAYOUTS
 from seqpar.sequence_parallel.strategies.registry import STRATEGIES

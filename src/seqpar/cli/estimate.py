@@ -18,9 +18,9 @@ from seqpar.cli.arguments import (
     model_settings,
 )
 from seqpar.memory import FEATURES, estimate_memory
+from seqpar.memory.dtypes import DTYPES
 from seqpar.memory.estimate import estimate_stage_memory
 from seqpar.memory.pipeline import bubble_fraction, stage_views
-from seqpar.planning.memory import DTYPES
 from seqpar.planning.models import PRESETS
 from seqpar.train.data import load_tokenizer
 from seqpar.train.model import model_config

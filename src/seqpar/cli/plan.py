@@ -5,10 +5,10 @@ The model, length, degrees, strategy and memory features come from the ``TrainCo
 
 from __future__ import annotations
 
+from seqpar.memory.dtypes import DTYPE_BYTES
 from seqpar.memory.pipeline import bubble_fraction
 from seqpar.models import ModelSizes
 from seqpar.planning.cluster import Cluster
-from seqpar.planning.memory import DTYPE_BYTES
 from seqpar.planning.report import format_plan
 from seqpar.planning.search import plan
 from seqpar.planning.timing import OFFLOAD_OPTIMIZER, Layout, step_time

@@ -26,9 +26,9 @@ import torch.distributed as dist
 from seqpar.data import IGNORE_INDEX, shard_batch
 from seqpar.errors import SeqparInputError
 from seqpar.mesh import SequenceParallelMesh
+from seqpar.sequence_parallel.call_checks import LAYOUT_KEYWORD, PACKING_KEYS
 from seqpar.sequence_parallel.comm.collectives import collective_device
 from seqpar.sequence_parallel.layouts.chunks import ChunkLayout, Layout
-from seqpar.sequence_parallel.prepare import LAYOUT_KEYWORD, PACKING_KEYS
 from seqpar.sequence_parallel.whole_rows import PLACEMENT_KEYWORD, SHARD_REFUSED
 
 SEQUENCE_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask")

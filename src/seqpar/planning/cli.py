@@ -11,8 +11,8 @@ import sys
 from dataclasses import fields
 
 from seqpar.errors import SeqparInputError
+from seqpar.memory.dtypes import DTYPES
 from seqpar.planning.cluster import Cluster, load_calibration, save_calibration
-from seqpar.planning.memory import DTYPES
 from seqpar.planning.models import PRESETS
 from seqpar.planning.report import format_plan, write_json
 from seqpar.planning.search import DP_MODES, plan

@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 
 from seqpar.errors import SeqparInputError
 from seqpar.memory import MemoryEstimate
+from seqpar.memory.dtypes import DTYPE_BYTES
 from seqpar.mesh import ParallelDims
 from seqpar.models import ModelSizes
 from seqpar.planning.cluster import Cluster
 from seqpar.planning.documents import check_doc_len
-from seqpar.planning.memory import DTYPE_BYTES, estimate_layout
+from seqpar.planning.memory import estimate_layout
 from seqpar.planning.models import load_model_shape
 from seqpar.planning.timing import FEATURES, OFFLOAD_OPTIMIZER, Layout, StepTime, model_flops, step_time
 from seqpar.sequence_parallel.strategies.registry import strategy_options, strategy_row
