@@ -42,7 +42,7 @@ import torch
 from seqpar.errors import SeqparInputError
 from seqpar.sequence_parallel.layouts.balanced import TILE_COSTS
 from seqpar.sequence_parallel.masks.sequence_mask import check_packed_positions
-from seqpar.sequence_parallel.plans.tiles import SQUARE_BLOCK
+from seqpar.sequence_parallel.tiling.tiles import SQUARE_BLOCK
 
 __all__ = ["traffic_floor"]
 

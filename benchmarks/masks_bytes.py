@@ -15,8 +15,8 @@ from benchmarks.strategies import expected_bytes
 from seqpar.sequence_parallel.checks import SIGNATURE_LENGTH
 from seqpar.sequence_parallel.layouts.chunks import rank_chunk_ids
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
-from seqpar.sequence_parallel.plans.kv_needs import kv_needs
 from seqpar.sequence_parallel.strategies.registry import strategy_row
+from seqpar.sequence_parallel.tiling.kv_needs import kv_needs
 
 __all__ = ["check_bytes", "floor_bytes", "needed_bytes", "visible_fraction"]
 

@@ -198,7 +198,7 @@ def _worker(trainer_name: str, cfg: dict, out: str) -> None:
 
     trainer.compute_loss = recorded
     trainer.train()
-    strategy = seqpar.attention_choice(trainer.model).strategy
+    strategy = seqpar.last_attention_choice(trainer.model).strategy
     for k, growth in enumerate(meter.growth[1:], start=1):  # the largest rank's growth, step by step
         extra = {"width": widths[k], "strategy": strategy, "completion": cfg["lengths"][k - 1]}
         write_slowest(f"{out}.{k}", 0.0, growth, **extra)

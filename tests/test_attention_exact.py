@@ -81,7 +81,7 @@ def test_every_strategy_matches_single_device(world_size, kind, case):
 
 def _long_ring_worker(rank, world_size):
     """Sequences long enough for the ring backward to cut K/V into pieces (Note [ring backward])."""
-    from seqpar.sequence_parallel.plans.pieces import pieces_per_chunk
+    from seqpar.sequence_parallel.tiling.pieces import pieces_per_chunk
 
     mesh = seqpar.make_mesh()
     # 8 pieces of 256 tokens per chunk; at 4 ranks in the contiguous layout (half the tokens of zigzag's)

@@ -12,8 +12,8 @@ import torch
 import seqpar
 from seqpar.errors import SeqparInputError
 from seqpar.sequence_parallel.layouts.balanced import planned_work, visible_area
-from seqpar.sequence_parallel.plans.planner import plan
-from seqpar.sequence_parallel.plans.tiles import CAUSAL, FULL, SKIP, SQUARE_BLOCK, tile_kinds, tile_size
+from seqpar.sequence_parallel.tiling.planner import plan
+from seqpar.sequence_parallel.tiling.tiles import CAUSAL, FULL, SKIP, SQUARE_BLOCK, tile_kinds, tile_size
 from tests._cases import packed_positions
 from tests.test_mask_kinds import kind_mask
 

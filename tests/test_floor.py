@@ -16,7 +16,7 @@ from benchmarks.floor import traffic_floor
 from benchmarks.rows import log_normal_documents, uneven_documents
 from seqpar.errors import SeqparInputError
 from seqpar.sequence_parallel.layouts.chunks import rank_chunk_ids
-from seqpar.sequence_parallel.plans.kv_needs import global_tokens
+from seqpar.sequence_parallel.tiling.kv_needs import global_tokens
 
 
 def _documents(lengths: list[int]) -> torch.Tensor:

@@ -18,9 +18,9 @@ import torch.distributed as dist
 import seqpar
 from seqpar.runtime.memory import written_bytes
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
-from seqpar.sequence_parallel.plans.kv_needs import kv_needs
 from seqpar.sequence_parallel.selection import masked_ring_bytes, select_strategy
 from seqpar.sequence_parallel.strategies.volumes import ulysses_bytes
+from seqpar.sequence_parallel.tiling.kv_needs import kv_needs
 from tests._cases import ATOL, RTOL
 from tests._dist import run_ranks, shard_index
 from tests.test_bytes_sent import FLOAT32, SIGNATURE_INTS, _analytical_bytes

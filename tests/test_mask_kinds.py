@@ -16,8 +16,8 @@ import seqpar
 from seqpar.errors import SeqparInputError
 from seqpar.sequence_parallel.masks.block_ranges import block_causal
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
-from seqpar.sequence_parallel.plans.kv_needs import kv_needs
-from seqpar.sequence_parallel.plans.planner import plan
+from seqpar.sequence_parallel.tiling.kv_needs import kv_needs
+from seqpar.sequence_parallel.tiling.planner import plan
 from tests._cases import ATOL, RTOL, packed_positions
 from tests._dist import run_ranks, shard_index
 

@@ -13,8 +13,8 @@ import torch
 import seqpar
 from seqpar.errors import SeqparInputError
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
-from seqpar.sequence_parallel.plans.kv_needs import global_tokens
-from seqpar.sequence_parallel.plans.planner import plan
+from seqpar.sequence_parallel.tiling.kv_needs import global_tokens
+from seqpar.sequence_parallel.tiling.planner import plan
 from tests._cases import check_mask_case, packed_positions
 from tests._dist import run_ranks
 from tests.test_mask_kinds import kind_mask

@@ -18,7 +18,7 @@ from seqpar.sequence_parallel.layouts.placed.chain import chain_segments, dense_
 from seqpar.sequence_parallel.layouts.placed.refine import Refiner
 from seqpar.sequence_parallel.layouts.placed.solver import BALANCE_SLACK, KEY_COST, TOKEN_SLACK
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask, check_packed_positions
-from seqpar.sequence_parallel.plans.kv_needs import kv_needs
+from seqpar.sequence_parallel.tiling.kv_needs import kv_needs
 from tests._cases import packed_positions
 from tests.test_balanced import log_normal_documents
 from tests.test_mask_kinds import kind_mask

@@ -26,7 +26,7 @@ LAYERS = {
     "sequence_parallel.comm": 3,
     "sequence_parallel.layouts.chunks": 4,
     "sequence_parallel.masks": 5,
-    "sequence_parallel.plans": 5,
+    "sequence_parallel.tiling": 5,
     "sequence_parallel.strategies": 5,
     "sequence_parallel.selection": 5,
     "sequence_parallel.checks": 6,

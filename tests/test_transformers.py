@@ -41,7 +41,7 @@ def _logits_and_loss(rank, world_size, mesh):
     for kind, (strategy, run_mesh) in itertools.product(("llama", "qwen2", "mistral"), runs):
         ref = build(kind)
         model = seqpar.prepare_model(copy.deepcopy(ref), run_mesh, strategy=strategy)
-        assert seqpar.attention_choice(model) is None, "nothing has run yet"
+        assert seqpar.last_attention_choice(model) is None, "nothing has run yet"
         ids = tokens(2, SEQ, 1)
         with torch.no_grad():
             want = ref(input_ids=ids, labels=ids)
@@ -56,7 +56,7 @@ def _logits_and_loss(rank, world_size, mesh):
         # mistral's window of 7 at P = 2 leaves a ring rank 6 of its 24 tokens to send, a quarter of ulysses'
         # bytes, so the mask-aware ring runs (Note [auto strategy])
         auto = "ring" if (kind, world_size) == ("mistral", 2) else AUTO_AT[world_size]
-        ran = seqpar.attention_choice(model)
+        ran = seqpar.last_attention_choice(model)
         assert ran.strategy == (auto if strategy == "auto" else strategy), (what, ran)
         assert ran.kernel.name == "torch_cpu_flash", (what, ran)
         if kind == "llama" and strategy == "ring":
@@ -329,7 +329,7 @@ def _sinks_and_softcap(rank, world_size, mesh):
             loss.backward()
             seqpar.reduce_gradients(model.parameters(), mesh)
             what = f"{kind} {strategy} P={world_size}"
-            assert seqpar.attention_choice(model).kernel.name == (
+            assert seqpar.last_attention_choice(model).kernel.name == (
                 "reference" if kind == "gemma2" else "torch_cpu_flash"
             )
             torch.testing.assert_close(

@@ -247,7 +247,7 @@ def _qwen2_training(rank, world_size):
         for opt in opts:
             opt.step()
             opt.zero_grad()
-    assert seqpar.attention_choice(model).strategy == "ulysses"
+    assert seqpar.last_attention_choice(model).strategy == "ulysses"
     return assert_near_float64(model.named_parameters(), exact, floors.floors(), "after 3 AdamW steps")
 
 

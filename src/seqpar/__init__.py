@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     )
     from seqpar.sequence_parallel.layouts.placed import Placement, placed_layout
     from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask, sequence_mask
-    from seqpar.sequence_parallel.prepare import attention_choice, prepare_model
+    from seqpar.sequence_parallel.prepare import last_attention_choice, prepare_model
     from seqpar.sequence_parallel.selection import select_strategy
     from seqpar.sequence_parallel.strategies.registry import STRATEGIES
     from seqpar.tensor_parallel import apply_tensor_parallel
@@ -99,7 +99,7 @@ _NAMES = {
     "select_kernel": "seqpar.sequence_parallel.kernels",
     "SequenceMask": "seqpar.sequence_parallel.masks.sequence_mask",
     "sequence_mask": "seqpar.sequence_parallel.masks.sequence_mask",
-    "attention_choice": "seqpar.sequence_parallel.prepare",
+    "last_attention_choice": "seqpar.sequence_parallel.prepare",
     "prepare_model": "seqpar.sequence_parallel.prepare",
     "STRATEGIES": "seqpar.sequence_parallel.strategies.registry",
     "select_strategy": "seqpar.sequence_parallel.selection",
@@ -132,7 +132,6 @@ __all__ = [
     "apply_tiled_mlp",
     "as_sp_mesh",
     "attention",
-    "attention_choice",
     "balanced_layout",
     "check_replicated",
     "choose_attention",
@@ -146,6 +145,7 @@ __all__ = [
     "estimate_memory",
     "flex_attention",
     "gather_sequence",
+    "last_attention_choice",
     "layout_balance",
     "lm_head_cross_entropy",
     "make_mesh",

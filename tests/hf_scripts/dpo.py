@@ -187,7 +187,7 @@ def parallel(out: str, name: str) -> None:
     trainer = build(name, os.path.join(out, name), seqpar.hf.SequenceParallelDPOTrainer, False, **options)
     trainer.train()
     found = results(trainer)
-    found["strategy"] = seqpar.attention_choice(trainer.model).strategy
+    found["strategy"] = seqpar.last_attention_choice(trainer.model).strategy
     found["sp_size"] = trainer.sp_mesh.sp_size
     if dist.get_rank() == 0:
         save(os.path.join(out, f"{name}.pt"), found)

@@ -191,7 +191,7 @@ def parallel(out: str, name: str) -> None:
     )
     trainer.train()
     found = results(trainer, recorder)
-    found["strategy"] = seqpar.attention_choice(trainer.model).strategy
+    found["strategy"] = seqpar.last_attention_choice(trainer.model).strategy
     found["sp_size"], found["dp_size"] = trainer.sp_mesh.sp_size, trainer.dp_size
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, recorder.calls)  # every rank of a group must have scored the same completions

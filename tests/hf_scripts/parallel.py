@@ -76,7 +76,7 @@ def run_case(out: str, name: str) -> None:
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
         unset_hf_deepspeed_config()
-    found["setup"]["strategy"] = seqpar.attention_choice(trainer.model).strategy
+    found["setup"]["strategy"] = seqpar.last_attention_choice(trainer.model).strategy
     found["setup"]["layouts"] = layouts
     found["setup"]["sp_size"] = trainer.sp_mesh.sp_size
     found["setup"]["ulysses_size"] = trainer.sp_mesh.ulysses_size

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 
 from seqpar.sequence_parallel.kernels import select_kernel
 from seqpar.sequence_parallel.kernels.merge import new_accumulator
-from seqpar.sequence_parallel.plans.blocks import blocks_backward, blocks_forward
-from seqpar.sequence_parallel.plans.pieces import piece_ids, pieces_per_chunk, take_piece
-from seqpar.sequence_parallel.plans.planner import plan_blocks
+from seqpar.sequence_parallel.tiling.blocks import blocks_backward, blocks_forward
+from seqpar.sequence_parallel.tiling.pieces import piece_ids, pieces_per_chunk, take_piece
+from seqpar.sequence_parallel.tiling.planner import plan_blocks
 
 
 def _time_ms(fn, repeats: int) -> float:

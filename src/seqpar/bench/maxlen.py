@@ -207,49 +207,49 @@ def _worker(rank: int, world_size: int, cfg: dict, out_path: str) -> None:
     write_slowest(out_path, 0.0, peak - before, forward_mb=sizes["forward"] - before)
 
 
-def _probe(cfg: dict, sp: int, seq: int, tmp: str) -> dict:
+def _probe(cfg: dict, sp_size: int, seq: int, tmp: str) -> dict:
     """Peak growth of one step at ``seq`` tokens on ``sp`` fresh ranks (the largest rank's), in MiB."""
     out = os.path.join(tmp, "probe.json")
     backend = "nccl" if cfg["device"] == "cuda" else "gloo"
     env = MEMORY_RUN_ENV if cfg["device"] == "cpu" else None
-    spawn_ranks(_worker, sp, {**cfg, "seq": seq}, out, backend=backend, env=env)
+    spawn_ranks(_worker, sp_size, {**cfg, "seq": seq}, out, backend=backend, env=env)
     with open(out) as f:
         result = json.load(f)
     return {"seq": seq, "peak_mb": result["growth_mb"], "forward_mb": result["forward_mb"]}
 
 
-def _estimate_mb(cfg: dict, sp: int, seq: int, features: tuple[str, ...]) -> float:
+def _estimate_mb(cfg: dict, sp_size: int, seq: int, features: tuple[str, ...]) -> float:
     """``seqpar train``'s estimate of this step's growth above what lives between steps, in MiB."""
     settings = _train_config({**cfg, "features": features}, seq)
-    estimate = train_estimate(settings, model_config(settings, cfg["vocab"]), sp=sp, keep_gradients=True)
+    estimate = train_estimate(settings, model_config(settings, cfg["vocab"]), sp=sp_size, keep_gradients=True)
     return estimate.step_peak / _MB
 
 
-def _predicted(cfg: dict, sp: int, features: tuple[str, ...], unit: int) -> int:
+def _predicted(cfg: dict, sp_size: int, features: tuple[str, ...], unit: int) -> int:
     """The longest multiple of ``unit`` tokens the estimate puts within the budget (at least ``unit``)."""
     cap = max(unit, cfg["max_seq"] // unit * unit)
     lo, hi = unit, unit
-    while _estimate_mb(cfg, sp, hi, features) <= cfg["budget_mb"]:
+    while _estimate_mb(cfg, sp_size, hi, features) <= cfg["budget_mb"]:
         lo = hi
         if hi == cap:
             return hi
         hi = min(2 * hi, cap)
     while hi - lo > unit:
         mid = lo + (hi - lo) // unit // 2 * unit
-        lo, hi = (mid, hi) if _estimate_mb(cfg, sp, mid, features) <= cfg["budget_mb"] else (lo, mid)
+        lo, hi = (mid, hi) if _estimate_mb(cfg, sp_size, mid, features) <= cfg["budget_mb"] else (lo, mid)
     return lo
 
 
-def _search(cfg: dict, sp: int, rung: str, tmp: str) -> dict:
+def _search(cfg: dict, sp_size: int, rung: str, tmp: str) -> dict:
     """Probe from the estimate's guess outwards until the answer is bracketed, then bisect to ``unit x sp``."""
     features = rung_features(rung)
     run = {**cfg, "features": features}
-    unit = cfg["unit"] * sp
-    seq, best, fail, probes = _predicted(run, sp, features, unit), None, None, []
+    unit = cfg["unit"] * sp_size
+    seq, best, fail, probes = _predicted(run, sp_size, features, unit), None, None, []
     while len(probes) < cfg["max_probes"]:
-        result = _probe(run, sp, seq, tmp)
+        result = _probe(run, sp_size, seq, tmp)
         probes.append(result)
-        print(f"  sp {sp} {rung}: {seq} tokens -> {result['peak_mb']:.0f} MB", flush=True)
+        print(f"  sp {sp_size} {rung}: {seq} tokens -> {result['peak_mb']:.0f} MB", flush=True)
         if result["peak_mb"] <= cfg["budget_mb"]:
             best = result if best is None or seq > best["seq"] else best
         else:
@@ -268,11 +268,11 @@ def _search(cfg: dict, sp: int, rung: str, tmp: str) -> dict:
             seq = best["seq"] + (fail - best["seq"]) // unit // 2 * unit
     max_seq = best["seq"] if best else 0
     return {
-        "sp": sp,
+        "sp": sp_size,
         "features": rung,
         "max_seq": max_seq,
         "peak_mb": round(best["peak_mb"], 1) if best else None,
-        "estimate_mb": round(_estimate_mb(run, sp, max_seq, features), 1) if best else None,
+        "estimate_mb": round(_estimate_mb(run, sp_size, max_seq, features), 1) if best else None,
         "forward_mb": round(best["forward_mb"], 1) if best else None,
         "bracketed": fail is not None and best is not None and fail - max_seq <= unit,
         "probes": probes,

@@ -150,7 +150,7 @@ def _required_nones(layer: torch.nn.Module) -> dict:
     return {p.name: None for p in params if p.default is inspect.Parameter.empty and p.kind == p.POSITIONAL_OR_KEYWORD}
 
 
-def _volumes(mixer: str, cfg: dict, sp: int) -> dict:
+def _volumes(mixer: str, cfg: dict, sp_size: int) -> dict:
     """Analytical bytes one rank sends per forward + backward (fp32)."""
     from seqpar.memory.mixers import exchange_bytes
     from seqpar.models import ModelSizes
@@ -158,12 +158,12 @@ def _volumes(mixer: str, cfg: dict, sp: int) -> dict:
     d = ModelSizes.from_config(_CONFIGS[mixer](cfg))
     local = sum(exchange_bytes(d, d.layer_kinds[0], 1, 2, 4))  # zigzag: two chunks a rank
     # a head-parallel all-to-all: the scan's inputs in, its output back (the row's count), forward and backward
-    all_to_all = 2 * d.mixer.head_parallel(d.hidden_size) * 4 * (cfg["seq"] // sp) * (sp - 1) / sp
+    all_to_all = 2 * d.mixer.head_parallel(d.hidden_size) * 4 * (cfg["seq"] // sp_size) * (sp_size - 1) / sp_size
     # an all-gather sends (P - 1) x its piece, as does a reduce-scatter; gloo runs the reduce-scatter as an
     # all-reduce of the gathered size, 2 (P - 1) x the piece
     return {
-        "exchange_bytes": 2 * (sp - 1) * local,
-        "exchange_bytes_gloo": 3 * (sp - 1) * local,
+        "exchange_bytes": 2 * (sp_size - 1) * local,
+        "exchange_bytes_gloo": 3 * (sp_size - 1) * local,
         "all_to_all_bytes": all_to_all,
     }
 

@@ -11,13 +11,13 @@ from seqpar.models.hybrid_sizes import OWN_MLP_KINDS
 from seqpar.sequence_parallel.strategies.registry import strategy_row
 
 
-def comm_elements(strategy: str, d: ModelSizes, sp: int, ulysses: int) -> float:
+def comm_elements(strategy: str, d: ModelSizes, sp_size: int, ulysses: int) -> float:
     """Attention communication buffers of one layer's forward and backward, elements per local token."""
-    if sp == 1 or not d.attention_layers:  # a state-space model has no attention
+    if sp_size == 1 or not d.attention_layers:  # a state-space model has no attention
         return 0.0
     row = strategy_row(strategy)
     heads, kv = d.num_attention_heads // d.tp_size, max(1, d.num_key_value_heads // d.tp_size)
-    split = row.split(heads, kv, sp, ulysses)
+    split = row.split(heads, kv, sp_size, ulysses)
     elements = 0.0
     if row.all_to_all is not None and split is not None:  # contiguous sends of q, k, v, head-sharded receipts
         degree = split.degree  # the busiest receiver: ceil(H/P) heads, KV copied up where they fall unevenly
@@ -29,7 +29,7 @@ def comm_elements(strategy: str, d: ModelSizes, sp: int, ulysses: int) -> float:
     if row.kv_exchange == "ring":  # after an all-to-all a ring rank holds as many k, v elements as before it
         elements += 8.0 * d.kv_width
     if row.kv_exchange == "gather":
-        elements += 4.0 * d.kv_width * sp
+        elements += 4.0 * d.kv_width * sp_size
     return elements
 
 
@@ -43,7 +43,7 @@ def _attention_elements(d: ModelSizes) -> int:
     return 5 * h + 4 * hq + d.v_width + 3 * latents
 
 
-def _mixer_bytes(d: ModelSizes, tokens: int, b: int, sp: int) -> dict[str, int]:
+def _mixer_bytes(d: ModelSizes, tokens: int, b: int, sp_size: int) -> dict[str, int]:
     """Bytes a layer of each kind keeps outside its MLP, its input left out (Note [memory estimate]; a hybrid's
     layers, Note [hybrid memory])."""
     latent_norms = d.q_lora_rank + d.kv_lora_rank  # MLA's two latent RMSNorms (Note [MLA sizes])
@@ -52,19 +52,19 @@ def _mixer_bytes(d: ModelSizes, tokens: int, b: int, sp: int) -> dict[str, int]:
         return {"attention": tokens * (b * _attention_elements(d) + norm_copies)}
     kinds = {}
     for kind in d.kind_counts:
-        own, float32 = mixer_elements(d, kind, sp, b)
+        own, float32 = mixer_elements(d, kind, sp_size, b)
         kinds[kind] = int(tokens * (b * own + 4 * float32 + norm_copies))
     return kinds
 
 
 def activation_bytes(
-    d: ModelSizes, tokens: int, b: int, features: tuple[str, ...], mlp_chunk: int, sp: int = 1
+    d: ModelSizes, tokens: int, b: int, features: tuple[str, ...], mlp_chunk: int, sp_size: int = 1
 ) -> dict:
     """Kept, recomputed and transient activation bytes of the layers (Note [memory estimate]; hybrids: Note
     [hybrid memory], ``kept_per_layer`` the layers' mean)."""
     h, i = d.hidden_size, d.mlp_width
     tiled = "tiled_mlp" in features
-    mixers = _mixer_bytes(d, tokens, b, sp)
+    mixers = _mixer_bytes(d, tokens, b, sp_size)
     attention = max(mixers.values())
     # experts: the tokens' copies routed to the experts and their weighted outputs (Note [mixture-of-experts sizes])
     routed = 2 * d.num_experts_per_tok * h if d.num_experts and d.moe_layers else 0

@@ -99,7 +99,7 @@ def _shared_block(d: ModelSizes) -> int:
     return 8 * d.hidden_size + 4 * d.q_width + 2 * d.kv_width + rank + 4 * d.dense_width
 
 
-def mixer_elements(d: ModelSizes, kind: str, sp: int, b: int) -> tuple[float, float]:
+def mixer_elements(d: ModelSizes, kind: str, sp_size: int, b: int) -> tuple[float, float]:
     """Elements one token keeps in a hybrid's layer of ``kind`` for its backward, its MLP and input left out.
 
     Args:
@@ -118,7 +118,7 @@ def mixer_elements(d: ModelSizes, kind: str, sp: int, b: int) -> tuple[float, fl
         return float(norms + mlp_elements(d, kind)), 0.0
     channels, width = d.mixer.conv(d.hidden_size)
     taps = (float(channels) if b >= 4 else 0.0, 0.0 if b >= 4 else float(width * channels))  # Note [hybrid memory]
-    own, float32 = d.mixer.elements(d.hidden_size, sp)  # the row's terms (Note [mixer rows])
+    own, float32 = d.mixer.elements(d.hidden_size, sp_size)  # the row's terms (Note [mixer rows])
     own, float32 = norms + own + taps[0], float32 + taps[1]
     if kind == SHARED:  # Zamba2: the shared block, then its Mamba2 layer
         return own + _shared_block(d), float32

@@ -179,14 +179,14 @@ def estimate_rank(
     )
 
 
-def _mixer_exchange(d: ModelSizes, sp: int, rows: int, b: int) -> tuple[int, int]:
+def _mixer_exchange(d: ModelSizes, sp_size: int, rows: int, b: int) -> tuple[int, int]:
     """(the largest mixer layer's gathered halos and state summaries, the bytes all mixer layers send in a step)
     on one rank, under the zigzag layout (two chunks a rank; Note [hybrid memory])."""
-    if sp == 1 or not d.hybrid:
+    if sp_size == 1 or not d.hybrid:
         return 0, 0
     held, sent = 0, 0
     for kind, layers in d.kind_counts.items():
         halo, summaries = exchange_bytes(d, kind, rows, 2, b)
-        held = max(held, sp * (halo + summaries))
-        sent += layers * 2 * (sp - 1) * (halo + summaries)  # the all-gather and its reduce-scatter
+        held = max(held, sp_size * (halo + summaries))
+        sent += layers * 2 * (sp_size - 1) * (halo + summaries)  # the all-gather and its reduce-scatter
     return held, sent

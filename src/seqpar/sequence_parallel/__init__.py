@@ -2,7 +2,7 @@
 
 ``attention`` (Ulysses, ring, all-gather, hybrid), ``prepare_model`` for transformers models and
 ``context_parallel`` for SDPA code. Inside: ``strategies/`` (one algorithm a file and their registry),
-``layouts/`` (how a row is cut), ``plans/`` (tiling and cost), ``masks/``, ``kernels/`` (local attention),
+``layouts/`` (how a row is cut), ``tiling/`` (tiling and cost), ``masks/``, ``kernels/`` (local attention),
 ``comm/`` (collectives), ``checks/``.
 """
 

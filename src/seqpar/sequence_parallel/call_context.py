@@ -40,7 +40,7 @@ class CallContext:
     mask: SequenceMask
     """The batch's documents, window and blocks."""
     choices: dict
-    """Layer index -> ``AttentionChoice`` of its last call, read by ``attention_choice``."""
+    """Layer index -> ``AttentionChoice`` of its last call, read by ``last_attention_choice``."""
 
 
 def adapter_context(module: object, cache: object | None, kwargs: dict, *, silu: bool = True) -> CallContext:

@@ -224,7 +224,7 @@ def _implementations(config: object, served: ModelAnatomy) -> str | dict:
     return chosen
 
 
-def attention_choice(model: torch.nn.Module) -> AttentionChoice | None:
+def last_attention_choice(model: torch.nn.Module) -> AttentionChoice | None:
     """The strategy and kernel the first attention layer of a prepared model ran in its last forward.
 
     Args:

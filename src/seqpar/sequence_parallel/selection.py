@@ -64,7 +64,7 @@ from seqpar.sequence_parallel.strategies.volumes import GRAD_BYTES, ring_bytes
 if TYPE_CHECKING:
     from seqpar.sequence_parallel.layouts.chunks import Layout
     from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
-    from seqpar.sequence_parallel.plans.kv_needs import KVNeeds
+    from seqpar.sequence_parallel.tiling.kv_needs import KVNeeds
 
 # the mask's tables (torch) load only under a mask: without one the rule reads the registry alone, which the
 # memory estimate and the planner ask without torch (Note [torch-free planning] in seqpar.planning)
@@ -153,7 +153,7 @@ def _masked_auto(
 ) -> str:
     """Note [auto strategy] under a mask: the mask-aware ring when its bytes are a small fraction of Ulysses'."""
     from seqpar.sequence_parallel.layouts.chunks import rank_chunk_ids
-    from seqpar.sequence_parallel.plans.kv_needs import kv_needs
+    from seqpar.sequence_parallel.tiling.kv_needs import kv_needs
 
     causal = causal and mask.blocks is None  # the blocks replace the causal rule (Note [block-causal ranges])
     chunk_ids = tuple(rank_chunk_ids(layout, sp_size, r) for r in range(sp_size))

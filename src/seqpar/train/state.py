@@ -141,7 +141,7 @@ def banner(config: TrainConfig, model: torch.nn.Module, mesh: seqpar.SequencePar
     """
     heads = model.config.num_attention_heads // config.tp
     kv_heads = (getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads) // config.tp
-    choice = seqpar.attention_choice(model)
+    choice = seqpar.last_attention_choice(model)
     ran = f"{choice.strategy} ({config.strategy}), kernel {choice.kernel.name}" if choice else "not run yet"
     pipe = f"pp {config.pp} ({config.pp_schedule}, {config.pp_microbatches or config.pp} micro-batches) x "
     return (

@@ -83,7 +83,7 @@ class MixerSizes:
         """(channels, width) of its short convolution; (0, 1): none, and no halo."""
         return 0, 1
 
-    def elements(self, hidden: int, sp: int) -> tuple[int, float]:
+    def elements(self, hidden: int, sp_size: int) -> tuple[int, float]:
         """(elements in the model's dtype, float32 elements) one token keeps for the backward in the mixer, the
         layer's norms and the convolution's float32 taps left out (Note [hybrid memory])."""
         raise NotImplementedError

@@ -51,11 +51,11 @@ class GatedDeltaNet(MixerSizes):
         hv, dk, c = self.value_heads, self.key_head_dim, GDN_CHUNK
         return 5 * hv * c + 12 * hv * dk + 3 * hv * dv + 7 * hv + hv * dk * dv / c
 
-    def elements(self, hidden: int, sp: int) -> tuple[int, float]:
+    def elements(self, hidden: int, sp_size: int) -> tuple[int, float]:
         heads, dk, dv = self.value_heads, self.key_head_dim, self.value_head_dim
         around = self.conv(hidden)[0] + 6 * heads * dv + 3 * heads
         # sp > 1: the opening run is dv + dk wide, and its reads of the identity stay for the state's term
-        return around, self.kernel(dv) if sp == 1 else self.kernel(dv + dk) + heads * dk
+        return around, self.kernel(dv) if sp_size == 1 else self.kernel(dv + dk) + heads * dk
 
     def exchange(self, rows: int, chunks: int) -> int:
         dk, dv = self.key_head_dim, self.value_head_dim
@@ -97,10 +97,10 @@ class Kda(MixerSizes):
         per_head = c * c / 3 + 2 * c + dk * (3 * c + 12) + 3 * dv + 7 + dk * dv / c
         return self.heads * per_head
 
-    def elements(self, hidden: int, sp: int) -> tuple[int, float]:
+    def elements(self, hidden: int, sp_size: int) -> tuple[int, float]:
         heads, d = self.heads, self.head_dim
         around = self.conv(hidden)[0] + 6 * heads * d + 3 * heads
-        return around, self.kernel(d) if sp == 1 else self.kernel(d + d) + heads * d
+        return around, self.kernel(d) if sp_size == 1 else self.kernel(d + d) + heads * d
 
     def exchange(self, rows: int, chunks: int) -> int:
         d = self.head_dim

@@ -93,12 +93,12 @@ class Mamba2(MixerSizes):
         hm, n, c = self.heads, self.state, self.chunk
         return 4 * hm * self.head_dim + 3 * hm * c + 5 * hm * n + 2 * hm * self.head_dim * n / c + 5 * hm
 
-    def elements(self, hidden: int, sp: int) -> tuple[int, float]:
+    def elements(self, hidden: int, sp_size: int) -> tuple[int, float]:
         inner, hm = self.inner, self.heads
         projected = 2 * inner + 2 * self.groups * self.state + hm
         gated = 5 if self.gated_norm else 2  # the gated norm's tensors, or the plain gate's product
         around = projected + 2 * self.conv(hidden)[0] + gated * inner + 3 * hm
-        entering = 0 if sp == 1 else hm * self.state + inner + 4 * hm  # C per head, the read, the decays
+        entering = 0 if sp_size == 1 else hm * self.state + inner + 4 * hm  # C per head, the read, the decays
         return around, self.kernel() + entering
 
     def exchange(self, rows: int, chunks: int) -> int:  # M: a decay per head, sent alone
@@ -163,11 +163,13 @@ class Mamba1(MixerSizes):
     def conv(self, hidden: int) -> tuple[int, int]:
         return self.inner, self.conv_width
 
-    def elements(self, hidden: int, sp: int) -> tuple[int, float]:  # seqpar's sequential scan keeps each step's state
+    def elements(
+        self, hidden: int, sp_size: int
+    ) -> tuple[int, float]:  # seqpar's sequential scan keeps each step's state
         inner, n, low = self.inner, self.state, self.dt_rank + 2 * self.state
         around = 6 * inner + low + (low + 3 if self.dt_norms else 0)
         scan = 3 * inner * n + 3 * inner  # decay, drive, the states; dt and its float32 copies
-        entering = 0 if sp == 1 else 2 * inner * n  # the decays' running product and the decayed entering state
+        entering = 0 if sp_size == 1 else 2 * inner * n  # the decays' running product and the decayed entering state
         return around, scan + entering
 
     def exchange(self, rows: int, chunks: int) -> int:  # Note [Mamba1 state]: a 1 x 1 state per channel and entry

@@ -31,7 +31,9 @@ class ShortConv(MixerSizes):
     def conv(self, hidden: int) -> tuple[int, int]:
         return hidden, self.conv_width
 
-    def elements(self, hidden: int, sp: int) -> tuple[int, float]:  # in_proj's output, the convolution's, out_proj's
+    def elements(
+        self, hidden: int, sp_size: int
+    ) -> tuple[int, float]:  # in_proj's output, the convolution's, out_proj's
         return 5 * hidden, 0.0
 
     def head_parallel(self, hidden: int) -> int:  # the gated input's channels in, the convolution's output back
@@ -62,11 +64,11 @@ class Lightning(MixerSizes):
     def params(self, hidden: int) -> int:  # qkv_proj, out_proj and output_gate over H = heads x head_dim, its RMSNorm
         return 5 * hidden * hidden + hidden
 
-    def elements(self, hidden: int, sp: int) -> tuple[int, float]:
+    def elements(self, hidden: int, sp_size: int) -> tuple[int, float]:
         # per block of b tokens: k^T, q, the decayed scores, the state (Note [hybrid memory])
         heads, dim, block = self.heads, self.head_dim, self.block
         kernel = heads * (2 * dim + block + dim * dim / block)
-        reads = 0 if sp == 1 else heads * dim  # the decayed queries that read the entering state
+        reads = 0 if sp_size == 1 else heads * dim  # the decayed queries that read the entering state
         return 12 * hidden + 1, kernel + reads
 
     def exchange(self, rows: int, chunks: int) -> int:  # Note [lightning blocks]: M is a decay times the identity

@@ -28,7 +28,7 @@ from torch.nn.attention import flex_attention as torch_flex
 
 from seqpar.sequence_parallel.masks.blockwise import EMPTY, FULL_BLOCK, PARTIAL, BlockwiseMask
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
-from seqpar.sequence_parallel.plans.tiles import FULL, SKIP, tile_kinds
+from seqpar.sequence_parallel.tiling.tiles import FULL, SKIP, tile_kinds
 
 
 def _block_kinds(m: torch_flex.BlockMask, lengths: tuple[int, int]) -> torch.Tensor:

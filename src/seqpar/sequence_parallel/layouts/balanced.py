@@ -12,7 +12,7 @@ Note [balanced layout]
       the chunk's queries and the batch rows;
     - planned work: the area of the tiles the block planner computes for the chunk taken alone as a run
       (Note [masked tiles]: cut at document starts, ``run_tiles``), with the same corner rules
-      (``seqpar.sequence_parallel.plans.tiles.tile_kinds``), each kind weighted by what a kernel spends per score on it
+      (``seqpar.sequence_parallel.tiling.tiles.tile_kinds``), each kind weighted by what a kernel spends per score on it
       (``TILE_COSTS``: a causal square its diagonal key blocks whole, ``tiles.square_parts``; masked tiles
       more than plain ones). That is what the
       kernels compute when no two consecutive chunks share a rank; where they do, the planner tiles them as
@@ -39,8 +39,8 @@ import torch
 from seqpar.errors import SeqparInputError
 from seqpar.sequence_parallel.layouts.chunks import ChunkLayout
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask, sequence_mask
-from seqpar.sequence_parallel.plans.planner import plan_cost
-from seqpar.sequence_parallel.plans.tiles import run_tiles, square_parts, tile_kinds
+from seqpar.sequence_parallel.tiling.planner import plan_cost
+from seqpar.sequence_parallel.tiling.tiles import run_tiles, square_parts, tile_kinds
 
 CHUNKS_PER_RANK = (2, 4, 8, 16)
 """The chunks per rank the solver tries, fewest first (Note [balanced layout])."""

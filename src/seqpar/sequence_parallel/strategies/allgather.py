@@ -26,10 +26,10 @@ from seqpar.sequence_parallel.layouts.chunks import (
     rank_chunk_ids,
 )
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
-from seqpar.sequence_parallel.plans.blocks import blocks_backward, blocks_forward
-from seqpar.sequence_parallel.plans.kv_needs import kv_needs
-from seqpar.sequence_parallel.plans.planner import plan
 from seqpar.sequence_parallel.strategies.masked_allgather import masked_allgather_attention
+from seqpar.sequence_parallel.tiling.blocks import blocks_backward, blocks_forward
+from seqpar.sequence_parallel.tiling.kv_needs import kv_needs
+from seqpar.sequence_parallel.tiling.planner import plan
 
 
 def _gather_kv(k: torch.Tensor, v: torch.Tensor, group, layout: str) -> torch.Tensor:

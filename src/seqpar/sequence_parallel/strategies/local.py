@@ -13,8 +13,8 @@ from seqpar.sequence_parallel.kernels import AttentionKernel
 from seqpar.sequence_parallel.kernels.merge import new_accumulator
 from seqpar.sequence_parallel.kernels.sinks import add_sinks, sink_grad
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
-from seqpar.sequence_parallel.plans.blocks import blocks_backward, blocks_forward, is_whole
-from seqpar.sequence_parallel.plans.planner import Block, plan
+from seqpar.sequence_parallel.tiling.blocks import blocks_backward, blocks_forward, is_whole
+from seqpar.sequence_parallel.tiling.planner import Block, plan
 
 # Chunks the whole sequence is cut into for planning masked tiles (the tile size caps the work per call).
 _PLAN_CHUNKS = 8

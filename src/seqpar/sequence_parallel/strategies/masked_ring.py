@@ -22,9 +22,9 @@ import torch.distributed as dist
 from seqpar.sequence_parallel.comm import SparseExchange
 from seqpar.sequence_parallel.kernels.merge import new_accumulator
 from seqpar.sequence_parallel.kernels.sinks import add_sinks, sink_grad
-from seqpar.sequence_parallel.plans.blocks import blocks_backward, blocks_forward
-from seqpar.sequence_parallel.plans.kv_needs import KVNeeds, take_tokens, zero_block_with
-from seqpar.sequence_parallel.plans.planner import plan
+from seqpar.sequence_parallel.tiling.blocks import blocks_backward, blocks_forward
+from seqpar.sequence_parallel.tiling.kv_needs import KVNeeds, take_tokens, zero_block_with
+from seqpar.sequence_parallel.tiling.planner import plan
 
 _KV_TAG, _DKV_TAG = 4, 5
 

@@ -170,28 +170,28 @@ class StrategyRow:
         return 0 if sp_size == 1 else self.buffer_model(local_tokens, sp_size) * token_bytes
 
 
-def _ulysses(h: int, kv: int, sp: int, _u: int, n: int, d: int, e: int) -> float:
-    return ulysses_bytes(h, kv, sp, n, d, e)
+def _ulysses(h: int, kv: int, sp_size: int, _u: int, n: int, d: int, e: int) -> float:
+    return ulysses_bytes(h, kv, sp_size, n, d, e)
 
 
-def _ring(_h: int, kv: int, sp: int, _u: int, n: int, d: int, e: int) -> float:
-    return ring_bytes(kv, sp, n, d, e)
+def _ring(_h: int, kv: int, sp_size: int, _u: int, n: int, d: int, e: int) -> float:
+    return ring_bytes(kv, sp_size, n, d, e)
 
 
-def _allgather(_h: int, kv: int, sp: int, _u: int, n: int, d: int, e: int) -> float:
-    return allgather_bytes(kv, sp, n, d, e)
+def _allgather(_h: int, kv: int, sp_size: int, _u: int, n: int, d: int, e: int) -> float:
+    return allgather_bytes(kv, sp_size, n, d, e)
 
 
-def _hybrid(h: int, kv: int, sp: int, u: int, n: int, d: int, e: int) -> float:
-    return hybrid_bytes(h, kv, u, sp // u, n, d, e)
+def _hybrid(h: int, kv: int, sp_size: int, u: int, n: int, d: int, e: int) -> float:
+    return hybrid_bytes(h, kv, u, sp_size // u, n, d, e)
 
 
 def _two_blocks(n: int, _sp: int) -> int:
     return 2 * n  # ring: the block in flight beside the one in use; Ulysses: its all-to-all's send and receive
 
 
-def _gathered(n: int, sp: int) -> int:
-    return n * sp  # the whole sequence's keys and values
+def _gathered(n: int, sp_size: int) -> int:
+    return n * sp_size  # the whole sequence's keys and values
 
 
 def _no_buffers(_n: int, _sp: int) -> int:

@@ -12,7 +12,7 @@ Note [ring schedule]
     that are seen (Note [mask-aware ring schedule]); plain causal attention keeps this ring.
 
 Note [ring backward]
-    Every local chunk's K/V is cut into pieces (up to 8; ``seqpar.sequence_parallel.plans.pieces``), and the backward
+    Every local chunk's K/V is cut into pieces (up to 8; ``seqpar.sequence_parallel.tiling.pieces``), and the backward
     makes one ring pass per piece index j, carrying piece j of each of the rank's chunks (with zigzag, one
     piece from each end of the sequence, so that every rank's work stays balanced pass by pass: passes
     synchronise).
@@ -43,11 +43,11 @@ from seqpar.sequence_parallel.kernels.merge import new_accumulator
 from seqpar.sequence_parallel.kernels.sinks import add_sinks, sink_grad
 from seqpar.sequence_parallel.layouts.chunks import rank_chunk_ids
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
-from seqpar.sequence_parallel.plans.blocks import blocks_backward, blocks_forward, is_whole
-from seqpar.sequence_parallel.plans.kv_needs import kv_needs
-from seqpar.sequence_parallel.plans.pieces import piece_ids, pieces_per_chunk, put_piece, take_piece
-from seqpar.sequence_parallel.plans.planner import plan
 from seqpar.sequence_parallel.strategies.masked_ring import masked_ring_attention
+from seqpar.sequence_parallel.tiling.blocks import blocks_backward, blocks_forward, is_whole
+from seqpar.sequence_parallel.tiling.kv_needs import kv_needs
+from seqpar.sequence_parallel.tiling.pieces import piece_ids, pieces_per_chunk, put_piece, take_piece
+from seqpar.sequence_parallel.tiling.planner import plan
 
 _KV_TAG, _DKV_TAG = 0, 2
 

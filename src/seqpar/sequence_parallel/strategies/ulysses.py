@@ -41,7 +41,6 @@ from seqpar.sequence_parallel.kernels import AttentionKernel
 from seqpar.sequence_parallel.kernels.sinks import head_slice, sink_grad
 from seqpar.sequence_parallel.layouts.chunks import natural_order_index, owner_order_index
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
-from seqpar.sequence_parallel.plans.planner import Block
 from seqpar.sequence_parallel.strategies.heads import HeadSplit, head_split, kv_head_repeats
 from seqpar.sequence_parallel.strategies.local import (
     local_backward,
@@ -49,6 +48,7 @@ from seqpar.sequence_parallel.strategies.local import (
     local_plan,
     whole_sequence_attention,
 )
+from seqpar.sequence_parallel.tiling.planner import Block
 
 
 def repeat_kv_heads(

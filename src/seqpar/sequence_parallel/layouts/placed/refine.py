@@ -11,7 +11,7 @@ import torch
 
 from seqpar.sequence_parallel.layouts.balanced import visible_area
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
-from seqpar.sequence_parallel.plans.tiles import MASK_TILE, square_parts, tile_size
+from seqpar.sequence_parallel.tiling.tiles import MASK_TILE, square_parts, tile_size
 
 OVER = 1000.0
 """Weight of planned work above the balance target: evening the work comes first (Note [placed layout])."""

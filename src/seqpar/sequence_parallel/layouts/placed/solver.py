@@ -19,7 +19,7 @@ from seqpar.sequence_parallel.layouts.placed.home import BALANCE_SLACK, assign_h
 from seqpar.sequence_parallel.layouts.placed.refine import Refiner, square_extra, token_costs
 from seqpar.sequence_parallel.layouts.placed.split import FILL_TARGETS, WORK_SLACK, fill_costs, split_long
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask, sequence_mask
-from seqpar.sequence_parallel.plans.tiles import MASK_TILE, tile_size
+from seqpar.sequence_parallel.tiling.tiles import MASK_TILE, tile_size
 
 KEY_COST = 32.0
 """The refining pass's score of one token of K/V traffic, in attention scores (Note [placed layout])."""

@@ -1,6 +1,6 @@
 """Running a block plan: each block through a kernel, merged by log-sum-exp forward, gradients added backward.
 
-Every strategy hands its plans (``seqpar.sequence_parallel.plans.planner``) to these two loops.
+Every strategy hands its plans (``seqpar.sequence_parallel.tiling.planner``) to these two loops.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from seqpar.sequence_parallel.kernels import AttentionKernel, select_kernel
 from seqpar.sequence_parallel.kernels.merge import merge_into
-from seqpar.sequence_parallel.plans.planner import Block
+from seqpar.sequence_parallel.tiling.planner import Block
 
 
 def is_whole(blocks: Sequence[Block], q: torch.Tensor, k: torch.Tensor) -> bool:

@@ -11,7 +11,7 @@ Note [block plan]
     the same runs share one call. Invisible rectangles are never computed.
 
     With a non-trivial ``SequenceMask`` the plan is instead the tiles of Note [masked tiles]
-    (``seqpar.sequence_parallel.plans.tiles``).
+    (``seqpar.sequence_parallel.tiling.tiles``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
-from seqpar.sequence_parallel.plans.tiles import (
+from seqpar.sequence_parallel.tiling.tiles import (
     CAUSAL,
     MIXED,
     SKIP,

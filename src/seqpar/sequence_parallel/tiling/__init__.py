@@ -3,6 +3,6 @@
 Strategies run its plans; layouts and the strategy choice read its costs.
 """
 
-from seqpar.sequence_parallel.plans.planner import plan_cost
+from seqpar.sequence_parallel.tiling.planner import plan_cost
 
 __all__ = ["plan_cost"]
