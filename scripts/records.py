@@ -259,7 +259,7 @@ MIXER_NAMES = {
 
 
 def mixers_table(records: list[dict]) -> str:
-    """The ``seqpar bench mixers`` table: each mixer layer's bytes a rank sent (measured, analytical, what a
+    """The ``python -m benchmarks.mixers`` table: each mixer layer's bytes a rank sent (measured, analytical, what a
     head-parallel all-to-all would move) and its adapted step against the shard alone, by sp."""
     cells = [
         [

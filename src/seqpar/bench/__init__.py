@@ -11,7 +11,7 @@ import shlex
 import sys
 from collections.abc import Mapping, Sequence
 
-BENCHMARKS = ("attention", "maxlen", "mixers", "cuda")
+BENCHMARKS = ("attention", "maxlen", "cuda")
 """The benchmarks of ``seqpar bench``; those that only produce the project's records run as
 ``python -m benchmarks.NAME`` from a source checkout (benchmarks/README.md)."""
 

@@ -7,7 +7,7 @@ seqpar estimate --seq-len 65536 --sp 4         # predicted per-rank memory of a 
 seqpar plan --model llama-8b --seq-len 1M --gpus 64   # which degrees, strategy and memory features
 seqpar doctor --model ./my-llama --sp 2        # does a sharded step differ from one process, and why
 seqpar export runs/x/checkpoints/step_0000300 ./my-model   # a checkpoint as a Hugging Face model directory
-seqpar bench attention                         # benchmarks: attention, maxlen, mixers, cuda
+seqpar bench attention                         # benchmarks: attention, maxlen, cuda
 """
 
 from __future__ import annotations

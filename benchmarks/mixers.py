@@ -1,10 +1,10 @@
-"""``seqpar bench mixers``: one token-mixer layer's exchange under sequence parallelism, its bytes and its time.
+"""``python -m benchmarks.mixers``: one token-mixer layer's exchange under sequence parallelism, its bytes and its time.
 
 Run::
 
-    seqpar bench mixers                           # five mixers, 8192 tokens, sp 2 and 4
-    seqpar bench mixers --mixers mamba1 --seq 1024  # Mamba1, whose scans step token by token
-    seqpar bench mixers --mixers mamba2 --seq 16384 --sp 2 --json mixers_cpu.json
+    python -m benchmarks.mixers                           # five mixers, 8192 tokens, sp 2 and 4
+    python -m benchmarks.mixers --mixers mamba1 --seq 1024  # Mamba1, whose scans step token by token
+    python -m benchmarks.mixers --mixers mamba2 --seq 16384 --sp 2 --json mixers_cpu.json
 
 Each mixer and degree runs in fresh spawned ranks (one thread each). The layers are transformers' own, built from a
 config: Qwen3-Next's gated DeltaNet, Mamba2's SSD mixer, Kimi Linear's KDA, LFM2's short convolution, Mamba's
@@ -31,7 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from seqpar.bench import save_records
+from benchmarks import save_records
 from seqpar.models.mixers import GatedDeltaNet, Kda, Lightning, Mamba1, Mamba2, ShortConv
 
 
@@ -211,7 +211,7 @@ def _worker(rank: int, world_size: int, cfg: dict, out: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="seqpar bench mixers", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.mixers", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
         "--mixers", nargs="+", choices=MIXERS, default=list(DEFAULT_MIXERS), help="the layers to run (Mamba1 if named)"
@@ -258,3 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         save_records(args.json, "mixers", argv, rows)
     return 0
+
+
+if __name__ == "__main__":
+    main()
