@@ -123,11 +123,10 @@ def _estimates(cfg: dict, schedule: str) -> list[dict]:
     found = estimate_stage_memory(
         llama_config(cfg, cfg["seq"]),
         cfg["seq"],
-        sp_size=1,
+        seqpar.ParallelDims(pp_size=2),
         micro_batch=cfg["rows"],
         optimizer="adamw",
         keep_gradients=True,
-        pp_size=2,
         pp_schedule=schedule,
         pp_microbatches=cfg["microbatches"],
     )

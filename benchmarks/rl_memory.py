@@ -15,23 +15,22 @@ log-probabilities) and training pass. Beside each: ``seqpar.estimate_memory``'s 
 in the estimate]).
 
 Note [RL steps in the estimate]
-    A DPO step runs its pair as one micro-batch of two rows (chosen, rejected) of prompt + completion
-    tokens: the policy's forward, the reference model's forward without gradient (while the policy's
-    checkpointed layer inputs are held), the policy's backward, clipping and AdamW. A GRPO step with
-    ``beta > 0`` runs the reference forward without gradient on the group's rows, then the policy's forward
-    and backward on them (two rows: ``per_device_train_batch_size=2``, one micro-batch). Both map onto
-    ``estimate_memory(config, width, sp_size=sp, micro_batch=2, features=("checkpointing", "chunked_loss"),
-    loss_chunk=4096, dp_mode="ddp", keep_gradients=False)``: ``width`` is the padded row the trainer split
-    (measured in the run), checkpointing is TRL's default, and TRL's fused LM head scores 4096 positions at a
-    time without whole logits, which the estimator's chunked loss stands for; the Trainer frees gradients
-    between steps (``zero_grad(set_to_none=True)``); the reference model's and DDP's buffers live between
-    steps, so they are in neither figure. Not in the estimate: the reference forward (no gradient: one
-    layer's tensors at a time, below the backward's recomputed layer); TRL's per-token tensors (a few floats
-    per token of the whole row, on every rank). Where it misses: TRL's fused head on the CPU (the torch
-    fallback of its Triton kernel) holds more fp32 ``min(N, 4096) x vocab`` blocks (N: positions on the rank)
-    than the three the chunked loss counts (the probe's figures: docs/guides/preference-and-rl.md, "Memory
-    per rank"). Above the layers' backward they set the peak, and do not shrink with sp while N > 4096: see
-    the record's vocab-512 run.
+    A DPO step runs its pair as one micro-batch of two rows (chosen, rejected) of prompt + completion tokens:
+    the policy's forward, the reference model's forward without gradient (while the policy's checkpointed layer
+    inputs are held), the policy's backward, clipping and AdamW. A GRPO step with ``beta > 0`` runs the
+    reference forward without gradient on the group's rows, then the policy's forward and backward on them (two
+    rows: ``per_device_train_batch_size=2``, one micro-batch). Both map onto ``estimate_memory(config, width,
+    ParallelDims(sp_size=sp), micro_batch=2, features=("checkpointing", "chunked_loss"), loss_chunk=4096,
+    dp_mode="ddp", keep_gradients=False)``: ``width`` is the padded row the trainer split (measured in the run),
+    checkpointing is TRL's default, and TRL's fused LM head scores 4096 positions at a time without whole
+    logits, which the estimator's chunked loss stands for; the Trainer frees gradients between steps
+    (``zero_grad(set_to_none=True)``); the reference model's and DDP's buffers live between steps, so they are
+    in neither figure. Not in the estimate: the reference forward (no gradient: one layer's tensors at a time,
+    below the backward's recomputed layer); TRL's per-token tensors (a few floats per token of the whole row, on
+    every rank). Where it misses: TRL's fused head on the CPU (the torch fallback of its Triton kernel) holds
+    more fp32 ``min(N, 4096) x vocab`` blocks (N: positions on the rank) than the three the chunked loss counts
+    (the probe's figures: docs/guides/preference-and-rl.md, "Memory per rank"). Above the layers' backward they
+    set the peak, and do not shrink with sp while N > 4096: see the record's vocab-512 run.
 """
 
 from __future__ import annotations
@@ -225,7 +224,8 @@ def _estimate(cfg: dict, sp: int, width: int, strategy: str) -> seqpar.MemoryEst
     padded = -(-width // (2 * sp)) * 2 * sp  # the zigzag layout pads rows to a multiple of 2 sp
     strategy = "auto" if sp == 1 else strategy  # one rank: "local" attention, no exchange
     return seqpar.estimate_memory(
-        _llama(cfg), padded, sp_size=sp, micro_batch=2, features=("checkpointing", "chunked_loss"),
+        _llama(cfg), padded, seqpar.ParallelDims(sp_size=sp), micro_batch=2,
+        features=("checkpointing", "chunked_loss"),
         loss_chunk=LOSS_CHUNK, strategy=strategy, dp_mode="ddp", keep_gradients=False,
     )  # fmt: skip
 

@@ -77,7 +77,7 @@ def _predicted_mb(cfg: dict, sp: int, split: bool) -> float:
     estimate = seqpar.estimate_memory(
         _config(cfg),
         padded,
-        sp_size=sp,
+        seqpar.ParallelDims(sp_size=sp),
         strategy=cfg["strategy"],
         optimizer="sgd",
         vision_patches=int(batch["video_grid_thw"].prod(-1).sum()),

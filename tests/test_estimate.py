@@ -63,11 +63,11 @@ def test_measured_step_within_10_percent_and_json_records(tmp_path):
 
 def test_categories_sum_to_peak_and_activations_fall_with_sp():
     for features in LADDER:
-        one = seqpar.estimate_memory(LLAMA, 16384, sp_size=1, features=features)
+        one = seqpar.estimate_memory(LLAMA, 16384, seqpar.ParallelDims(sp_size=1), features=features)
         parts = (one.parameters, one.gradients, one.optimizer_state, one.checkpointed_activations)
         assert one.peak == sum(parts) + one.layer_transient + one.logits_loss + one.communication
         for sp in (2, 4, 8):
-            e = seqpar.estimate_memory(LLAMA, 16384, sp_size=sp, features=features)
+            e = seqpar.estimate_memory(LLAMA, 16384, seqpar.ParallelDims(sp_size=sp), features=features)
             assert e.tokens_per_rank == 16384 // sp
             assert e.moment == one.moment, (features, sp)
             assert e.checkpointed_activations * sp == pytest.approx(one.checkpointed_activations, rel=0.01)
@@ -78,64 +78,81 @@ def test_categories_sum_to_peak_and_activations_fall_with_sp():
 def test_each_feature_only_lowers_the_peak():
     for seq in (8192, 65536):  # at least two loss pieces per rank (chunking a single piece only adds)
         for sp in (1, 4):
-            peaks = [seqpar.estimate_memory(LLAMA, seq, sp_size=sp, features=f).peak for f in LADDER]
+            peaks = [
+                seqpar.estimate_memory(LLAMA, seq, seqpar.ParallelDims(sp_size=sp), features=f).peak for f in LADDER
+            ]
             assert peaks == sorted(peaks, reverse=True), (seq, sp, peaks)
-    long = [seqpar.estimate_memory(LLAMA, 65536, sp_size=1, features=f).peak for f in LADDER]
+    long = [seqpar.estimate_memory(LLAMA, 65536, seqpar.ParallelDims(sp_size=1), features=f).peak for f in LADDER]
     assert long[2] < 0.5 * long[1] and long[3] < 0.8 * long[2]  # chunked loss, tiled MLP matter at 64K
-    kept = seqpar.estimate_memory(LLAMA, 65536, sp_size=1, features=LADDER[3])
-    offloaded = seqpar.estimate_memory(LLAMA, 65536, sp_size=1, features=LADDER[3] + ("offload",))
+    kept = seqpar.estimate_memory(LLAMA, 65536, seqpar.ParallelDims(sp_size=1), features=LADDER[3])
+    offloaded = seqpar.estimate_memory(LLAMA, 65536, seqpar.ParallelDims(sp_size=1), features=LADDER[3] + ("offload",))
     assert offloaded.moment == kept.moment
     assert offloaded.checkpointed_activations < kept.checkpointed_activations
 
 
 def test_dtype_strategy_and_sharding():
-    bf16 = seqpar.estimate_memory(LLAMA, 8192, sp_size=2, dtype=torch.bfloat16, features=LADDER[2])
-    fp32 = seqpar.estimate_memory(LLAMA, 8192, sp_size=2, features=LADDER[2])
+    bf16 = seqpar.estimate_memory(LLAMA, 8192, seqpar.ParallelDims(sp_size=2), dtype=torch.bfloat16, features=LADDER[2])
+    fp32 = seqpar.estimate_memory(LLAMA, 8192, seqpar.ParallelDims(sp_size=2), features=LADDER[2])
     assert bf16.parameters * 2 == fp32.parameters
     # a dtype by name prices the same as the torch dtype (Note [torch-free planning])
     for name in ("bf16", "bfloat16"):
-        assert seqpar.estimate_memory(LLAMA, 8192, sp_size=2, dtype=name, features=LADDER[2]) == bf16
-    assert seqpar.estimate_memory(LLAMA, 8192, sp_size=2, dtype=torch.float32, features=LADDER[2]) == fp32
-    assert seqpar.estimate_memory(LLAMA, 8192, sp_size=2).strategy == "ulysses"
-    assert seqpar.estimate_memory(LLAMA, 8192, sp_size=16).strategy == "ring"  # 8 heads cannot split 16 ways
+        assert (
+            seqpar.estimate_memory(LLAMA, 8192, seqpar.ParallelDims(sp_size=2), dtype=name, features=LADDER[2]) == bf16
+        )
+    assert (
+        seqpar.estimate_memory(LLAMA, 8192, seqpar.ParallelDims(sp_size=2), dtype=torch.float32, features=LADDER[2])
+        == fp32
+    )
+    assert seqpar.estimate_memory(LLAMA, 8192, seqpar.ParallelDims(sp_size=2)).strategy == "ulysses"
+    assert (
+        seqpar.estimate_memory(LLAMA, 8192, seqpar.ParallelDims(sp_size=16)).strategy == "ring"
+    )  # 8 heads cannot split 16 ways
     # 8 / 4 heads over 3 ranks (Note [uneven heads]): query heads 3, 3, 2 reading KV heads {0, 1}, {1, 2}, {3}; the
     # busiest receiver takes 3 x (3 + 2 x 2) heads' worth of its tokens, plus K and V copied up to its 3 query
     # heads, and every rank sends 8 + 2 x 5 (KV heads 1 and 2 go to two ranks each): 57 heads of 32 per token,
     # against the ring's 8 KV widths (4 heads of 32); the tiled MLP lets the attention's buffers set the transient
-    assert seqpar.estimate_memory(LLAMA, 12288, sp_size=3).strategy == "ulysses"  # 3 heads against 2.67: 1.125x
-    tiled = dict(sp_size=3, features=LADDER[3], loss_chunk=128)
+    assert (
+        seqpar.estimate_memory(LLAMA, 12288, seqpar.ParallelDims(sp_size=3)).strategy == "ulysses"
+    )  # 3 heads against 2.67: 1.125x
+    tiled = dict(dims=seqpar.ParallelDims(sp_size=3), features=LADDER[3], loss_chunk=128)
     uneven = seqpar.estimate_memory(LLAMA, 61440, strategy="ulysses", **tiled).communication
     ring = seqpar.estimate_memory(LLAMA, 61440, strategy="ring", **tiled).communication
     assert ring > 0 and uneven / ring == pytest.approx(57 * 32 / (8 * 4 * 32), rel=1e-6)
     # with the MLP tiled, the attention's buffers set the layer's transient
-    ring = seqpar.estimate_memory(LLAMA, 65536, sp_size=8, strategy="ring", features=LADDER[3], loss_chunk=128)
-    gather = seqpar.estimate_memory(LLAMA, 65536, sp_size=8, strategy="allgather", features=LADDER[3], loss_chunk=128)
+    ring = seqpar.estimate_memory(
+        LLAMA, 65536, seqpar.ParallelDims(sp_size=8), strategy="ring", features=LADDER[3], loss_chunk=128
+    )
+    gather = seqpar.estimate_memory(
+        LLAMA, 65536, seqpar.ParallelDims(sp_size=8), strategy="allgather", features=LADDER[3], loss_chunk=128
+    )
     assert gather.communication > ring.communication > 0 and gather.peak > ring.peak
-    fsdp = seqpar.estimate_memory(LLAMA, 8192, sp_size=4, dp_size=2, dp_mode="fsdp")
+    fsdp = seqpar.estimate_memory(LLAMA, 8192, seqpar.ParallelDims(dp_shard_size=2, sp_size=4), dp_mode="fsdp")
     assert fsdp.parameters < fp32.parameters / 4
     assert "optimizer state" in fp32.table() and "MiB" in fp32.table()
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
+    ("degrees", "kwargs", "message"),
     [
-        ({"sp_size": 16, "strategy": "ulysses"}, "over 16 ranks needs at least 16 query heads"),
-        ({"sp_size": 2, "features": ("tiled_mlps",)}, "unknown feature 'tiled_mlps'"),
-        ({"sp_size": 0}, "sp_size must be a positive integer"),
-        ({"sp_size": 2, "optimizer": "lion"}, "unknown optimizer"),
-        ({"sp_size": 2, "tp_size": 3}, "tp_size 3 must divide"),
-        ({"sp_size": 4, "ulysses_size": 3, "strategy": "hybrid"}, "must divide sp_size"),
-        ({"sp_size": 2, "dtype": "fp8"}, "unknown dtype 'fp8'"),
-        ({"sp_size": 2, "dtype": 2}, "dtype must be a torch dtype"),
+        ({"sp_size": 16}, {"strategy": "ulysses"}, "over 16 ranks needs at least 16 query heads"),
+        ({"sp_size": 2}, {"features": ("tiled_mlps",)}, "unknown feature 'tiled_mlps'"),
+        ({"sp_size": 0}, {}, "sp_size must be a positive integer"),
+        ({"sp_size": 2}, {"optimizer": "lion"}, "unknown optimizer"),
+        ({"sp_size": 2, "tp_size": 3}, {}, "tp_size 3 must divide"),
+        ({"sp_size": 4, "ulysses_size": 3}, {"strategy": "hybrid"}, "must divide sp_size"),
+        ({"sp_size": 2}, {"dtype": "fp8"}, "unknown dtype 'fp8'"),
+        ({"sp_size": 2}, {"dtype": 2}, "dtype must be a torch dtype"),
     ],
 )
-def test_bad_input_raises(kwargs, message):
+def test_bad_input_raises(degrees, kwargs, message):
     with pytest.raises(seqpar.SeqparInputError, match=message):
-        seqpar.estimate_memory(LLAMA, 12288, **kwargs)
+        seqpar.estimate_memory(LLAMA, 12288, seqpar.ParallelDims(**degrees), **kwargs)
+    with pytest.raises(seqpar.SeqparInputError, match=r"dims must be a seqpar\.ParallelDims, not dict"):
+        seqpar.estimate_memory(LLAMA, 12288, degrees, **kwargs)
     with pytest.raises(seqpar.SeqparInputError, match="divisible by sp_size"):
-        seqpar.estimate_memory(LLAMA, 1000, sp_size=3, strategy="ring")
+        seqpar.estimate_memory(LLAMA, 1000, seqpar.ParallelDims(sp_size=3), strategy="ring")
     with pytest.raises(seqpar.SeqparInputError, match="hidden_size"):
-        seqpar.estimate_memory({"vocab_size": 10}, 1024, sp_size=1)
+        seqpar.estimate_memory({"vocab_size": 10}, 1024, seqpar.ParallelDims(sp_size=1))
 
 
 def test_train_refuses_what_does_not_fit_and_names_a_fitting_sp(tmp_path, capsys):
@@ -151,8 +168,8 @@ def test_train_refuses_what_does_not_fit_and_names_a_fitting_sp(tmp_path, capsys
     options = dict(seq_len=16384, sp=1, hidden_size=256, layers=4, heads=8, batch_size=1, grad_accum=1)
     run = TrainConfig(**options, eval_lengths=[16384])
     cfg = model_config(run, seqpar_vocab())  # the model seqpar train builds for these options
-    assert seqpar.estimate_memory(cfg, 16384, sp_size=sp).peak <= 400 * 2**20
-    assert seqpar.estimate_memory(cfg, 16384, sp_size=sp // 2).peak > 400 * 2**20
+    assert seqpar.estimate_memory(cfg, 16384, seqpar.ParallelDims(sp_size=sp)).peak <= 400 * 2**20
+    assert seqpar.estimate_memory(cfg, 16384, seqpar.ParallelDims(sp_size=sp // 2)).peak > 400 * 2**20
     assert not (tmp_path / "r").exists()  # refused before the run directory or any rank
 
 
@@ -179,7 +196,9 @@ def test_estimate_and_maxlen_command_lines(capsys):
 
 
 def test_kept_gradients_move_into_what_lives_between_steps():
-    sizes = dict(sp_size=2, features=("checkpointing", "chunked_loss", "tiled_mlp"), loss_chunk=32)
+    sizes = dict(
+        dims=seqpar.ParallelDims(sp_size=2), features=("checkpointing", "chunked_loss", "tiled_mlp"), loss_chunk=32
+    )
     freed = seqpar.estimate_memory(LLAMA, 16384, **sizes)
     kept = seqpar.estimate_memory(LLAMA, 16384, **sizes, keep_gradients=True)
     assert kept.between_steps - freed.between_steps == freed.parameters  # fp32 gradients, one per parameter
@@ -213,7 +232,13 @@ def test_optimizer_offload_leaves_working_copies_on_the_device(capsys):
     from seqpar.models import ModelSizes, parameter_counts
 
     total, layer, head = parameter_counts(ModelSizes.from_config(LLAMA))
-    sizes = dict(sp_size=2, dp_size=2, dtype=torch.bfloat16, features=LADDER[3], dp_mode="fsdp", loss_chunk=128)
+    sizes = dict(
+        dims=seqpar.ParallelDims(dp_shard_size=2, sp_size=2),
+        dtype=torch.bfloat16,
+        features=LADDER[3],
+        dp_mode="fsdp",
+        loss_chunk=128,
+    )
     kept = seqpar.estimate_memory(LLAMA, 65536, **sizes)
     off = seqpar.estimate_memory(LLAMA, 65536, **sizes, offload_optimizer=True)
     assert off.optimizer_state == 0 and off.between_steps == 0 and kept.host == 0
@@ -244,7 +269,7 @@ def test_optimizer_offload_leaves_working_copies_on_the_device(capsys):
     assert "optimizer offloaded to the host" in off.table() and "host memory (offloaded" in off.table()
     for mode in ("replicate", "ddp"):
         with pytest.raises(seqpar.SeqparInputError, match="offload_optimizer needs dp_mode 'fsdp'"):
-            seqpar.estimate_memory(LLAMA, 4096, sp_size=2, dp_mode=mode, offload_optimizer=True)
+            seqpar.estimate_memory(LLAMA, 4096, seqpar.ParallelDims(sp_size=2), dp_mode=mode, offload_optimizer=True)
     argv = ["estimate", "--seq-len", "4096", "--sp", "2", "--dp-mode", "fsdp", "--offload-optimizer"]
     assert cli_main(argv) == 0
     assert "host memory (offloaded, not in the peak)" in capsys.readouterr().out
@@ -270,7 +295,7 @@ def test_pipeline_stage_memory_bubble_and_traffic():
 
     def estimate(pp: int, schedule: str = "1f1b", m: int | None = None, **options) -> seqpar.MemoryEstimate:
         return seqpar.estimate_memory(
-            LLAMA, 4096, sp_size=1, pp_size=pp, pp_schedule=schedule, pp_microbatches=m, **options
+            LLAMA, 4096, seqpar.ParallelDims(pp_size=pp), pp_schedule=schedule, pp_microbatches=m, **options
         )
 
     one, two, four = estimate(1), estimate(2), estimate(4)
@@ -284,11 +309,13 @@ def test_pipeline_stage_memory_bubble_and_traffic():
     assert gpipe.checkpointed_activations >= 8 * 4096 * 256 * 4 * 2  # [T, H] inputs of 2 layers, 8 times
     # the last rank holds the logits of its micro-batches in flight (torch's stage keeps its output until the
     # backward), and the float32 log-softmax of all but the one whose backward starts: 8 under GPipe, 1 in 1F1B
-    first, last = estimate_stage_memory(LLAMA, 4096, sp_size=1, pp_size=2, pp_schedule="gpipe", pp_microbatches=8)
+    first, last = estimate_stage_memory(
+        LLAMA, 4096, seqpar.ParallelDims(pp_size=2), pp_schedule="gpipe", pp_microbatches=8
+    )
     logits = 4096 * 32768 * 4
     assert last.moment == "backward start" and last.logits_loss == 3 * logits + 8 * logits + 7 * logits
     assert first.logits_loss == 0
-    _, last = estimate_stage_memory(LLAMA, 4096, sp_size=1, pp_size=2, pp_schedule="1f1b", pp_microbatches=8)
+    _, last = estimate_stage_memory(LLAMA, 4096, seqpar.ParallelDims(pp_size=2), pp_schedule="1f1b", pp_microbatches=8)
     assert last.logits_loss == 3 * logits + logits
     # torch's stages keep one receive buffer [T, H] per micro-batch and boundary, from step to step
     assert last.pipeline_buffers == 8 * 4096 * 256 * 4 and last.between_steps >= last.pipeline_buffers
@@ -339,10 +366,12 @@ def test_vision_tower_parameters_exact_and_kept_activations_within_5_percent(fam
         counted, predicted = sum(kept.values()) / 4 / patches, sizes.kept_elements_per_patch(checkpointing)
         assert abs(predicted / counted - 1) < 0.05, (checkpointing, predicted, counted)
     # the estimate adds the tower: its parameters in full, its activations on 1/sp of the patches with the split
-    plain = seqpar.estimate_memory(model.config, 4096, sp_size=4, strategy="ring")
-    split = seqpar.estimate_memory(model.config, 4096, sp_size=4, strategy="ring", vision_patches=4000)
+    plain = seqpar.estimate_memory(model.config, 4096, seqpar.ParallelDims(sp_size=4), strategy="ring")
+    split = seqpar.estimate_memory(
+        model.config, 4096, seqpar.ParallelDims(sp_size=4), strategy="ring", vision_patches=4000
+    )
     whole = seqpar.estimate_memory(
-        model.config, 4096, sp_size=4, strategy="ring", vision_patches=4000, split_vision=False
+        model.config, 4096, seqpar.ParallelDims(sp_size=4), strategy="ring", vision_patches=4000, split_vision=False
     )
     assert split.parameters - plain.parameters == sizes.num_params() * 4
     assert split.vision_activations == sizes.kept_bytes(1000, 4)
@@ -354,13 +383,13 @@ def test_vision_estimate_bad_input():
     from tests._vlm_models import config
 
     with pytest.raises(seqpar.SeqparInputError, match="counts the towers qwen2_5_vl_vision"):
-        seqpar.estimate_memory(config("llava"), 1024, sp_size=2, vision_patches=64)
+        seqpar.estimate_memory(config("llava"), 1024, seqpar.ParallelDims(sp_size=2), vision_patches=64)
     with pytest.raises(seqpar.SeqparInputError, match="config without a vision_config"):
-        seqpar.estimate_memory(LLAMA, 1024, sp_size=2, vision_patches=64)
+        seqpar.estimate_memory(LLAMA, 1024, seqpar.ParallelDims(sp_size=2), vision_patches=64)
     with pytest.raises(seqpar.SeqparInputError, match="without pipeline parallel"):
-        seqpar.estimate_memory(config("qwen2_5_vl"), 1024, sp_size=2, pp_size=2, vision_patches=64)
+        seqpar.estimate_memory(config("qwen2_5_vl"), 1024, seqpar.ParallelDims(sp_size=2, pp_size=2), vision_patches=64)
     with pytest.raises(seqpar.SeqparInputError, match="vision_patches must be >= 0"):
-        seqpar.estimate_memory(config("qwen2_5_vl"), 1024, sp_size=2, vision_patches=-1)
+        seqpar.estimate_memory(config("qwen2_5_vl"), 1024, seqpar.ParallelDims(sp_size=2), vision_patches=-1)
 
 
 def test_estimate_command_counts_the_vision_tower(tmp_path, capsys):
@@ -460,20 +489,20 @@ def test_mla_bad_sizes_and_hybrid_configs_are_refused_not_estimated_wrong():
 
     bad = {**tiny_config("deepseek_v3").to_dict(), "qk_rope_head_dim": 0}
     with pytest.raises(seqpar.SeqparInputError, match="MLA attention needs positive integer qk_rope_head_dim"):
-        seqpar.estimate_memory(bad, 1024, sp_size=2)
+        seqpar.estimate_memory(bad, 1024, seqpar.ParallelDims(sp_size=2))
     other = {**tiny_config("deepseek_v3").to_dict(), "model_type": "deepseek_v32"}  # an indexer besides MLA
     with pytest.raises(seqpar.SeqparInputError, match="MLA attention of model type 'deepseek_v32'"):
-        seqpar.estimate_memory(other, 1024, sp_size=2)
+        seqpar.estimate_memory(other, 1024, seqpar.ParallelDims(sp_size=2))
     unknown = {**tiny_config("qwen3_next").to_dict(), "model_type": "my_hybrid"}  # a mixer in its layer types
     with pytest.raises(seqpar.SeqparInputError, match=r"of model type 'my_hybrid': seqpar's sizes describe the hybr"):
-        seqpar.estimate_memory(unknown, 1024, sp_size=2)
+        seqpar.estimate_memory(unknown, 1024, seqpar.ParallelDims(sp_size=2))
     for kind, field, value, reason in (
         ("falcon_h1", "attention_bias", True, "with attention_bias: seqpar's sizes leave these biases out"),
         ("falcon_h1", "mamba_d_ssm", 64, "mamba_d_ssm 64 is not mamba_n_heads x mamba_d_head"),
         ("nemotron_h", "moe_latent_size", 16, "do not count latent experts"),
     ):
         with pytest.raises(seqpar.SeqparInputError, match=reason):
-            seqpar.estimate_memory({**tiny_config(kind).to_dict(), field: value}, 1024, sp_size=2)
+            seqpar.estimate_memory({**tiny_config(kind).to_dict(), field: value}, 1024, seqpar.ParallelDims(sp_size=2))
 
 
 HYBRID_ESTIMATED = (
@@ -526,7 +555,7 @@ def test_hybrid_parameters_exact_kept_activations_within_7_percent_and_planned(k
         predicted = (mixers[sizes.layer_kinds[index]] + mlp) / 4 / tokens
         # measured -5.2% (Nemotron-H's experts) to +6.6% (Olmo-Hybrid's gated DeltaNet: the estimate errs safe)
         assert abs(predicted / counted - 1) < 0.07, (index, sizes.layer_kinds[index], predicted, counted)
-    estimate = seqpar.estimate_memory(config, 4096, sp_size=2)
+    estimate = seqpar.estimate_memory(config, 4096, seqpar.ParallelDims(sp_size=2))
     mixer_kinds = [k for k in sizes.kind_counts if k != "attention"]
     held = max(2 * sum(exchange_bytes(sizes, k, 1, 2, 4)) for k in mixer_kinds)  # two ranks' pieces gathered
     assert estimate.mixer_state == held > 0 and estimate.mixer_exchange > 0
@@ -659,7 +688,7 @@ def test_state_space_models_parameters_exact_kept_activations_within_5_percent_a
         for index, layer in enumerate(model.backbone.layers):
             counted = _kept_elements_per_token(model, layer, tokens)
             assert abs(predicted / counted - 1) < 0.05, (index, tokens, predicted, counted)
-    estimate = seqpar.estimate_memory(config, 4096, sp_size=2)
+    estimate = seqpar.estimate_memory(config, 4096, seqpar.ParallelDims(sp_size=2))
     assert estimate.mixer_state == 2 * sum(exchange_bytes(sizes, mixer, 1, 2, 4)) > 0
     assert all(comm_elements(s, sizes, 2, 1) == 0 for s in ("ring", "allgather"))  # no attention buffers
     assert plan(config.to_dict(), 4096, Cluster(gpus=4)).candidates
@@ -692,7 +721,7 @@ def test_jamba_parameters_exact_all_layers_kept_within_6_percent_and_planned():
     every = activation_bytes(sizes, tokens, 4, (), 1)["kept_per_layer"] * n - tokens * sizes.hidden_size * 4 * n
     counted = sum(_kept_elements_per_token(model, layer, tokens) for layer in model.model.layers)
     assert abs(every / 4 / tokens / counted - 1) < 0.06, (every / 4 / tokens, counted)
-    estimate = seqpar.estimate_memory(config, 4096, sp_size=2)
+    estimate = seqpar.estimate_memory(config, 4096, seqpar.ParallelDims(sp_size=2))
     assert estimate.mixer_state == 2 * sum(exchange_bytes(sizes, "mixer", 1, 2, 4)) > 0
     assert plan(config.to_dict(), 4096, Cluster(gpus=4)).candidates
 

@@ -327,7 +327,9 @@ def test_a_new_mixer_kind_is_a_row_and_a_family_entry_no_branch_elsewhere():
         assert sizes.num_params == dense.num_params + 2 * (mixer_layer - attention_layer)
         assert exchange_bytes(sizes, "mixer", 1, 2, 4) == (2 * 16 * 3 * 4, 2 * 2 * 4)
         assert mixer_elements(sizes, "mixer", 2, 4) == (5 * 16 + 3 * 16 + 16, 16 * 2 * 2.0)
-        assert seqpar.estimate_memory(config, 1024, sp_size=2).mixer_state == 2 * (2 * 16 * 3 * 4 + 2 * 2 * 4)
+        assert seqpar.estimate_memory(config, 1024, seqpar.ParallelDims(sp_size=2)).mixer_state == 2 * (
+            2 * 16 * 3 * 4 + 2 * 2 * 4
+        )
         with pytest.raises(SeqparInputError, match="Hybrid's qk_norm must be None, 'head' or 'whole'"):
             Hybrid(_ToyScan, qk_norm="all")
         with pytest.raises(SeqparInputError, match="mixer kind 'toy_scan' is registered already"):
@@ -390,7 +392,9 @@ def test_a_registered_family_serves_every_axis_in_one_process(toy_registered):
     # memory estimate and planner: the toy's sizes are the Llama's
     sizes = ModelSizes.from_config(toy.config)
     assert sizes == dataclasses.replace(ModelSizes.from_config(llama.config), model_type="toy_llama")
-    assert seqpar.estimate_memory(toy.config, 4096, sp_size=2) == seqpar.estimate_memory(llama.config, 4096, sp_size=2)
+    assert seqpar.estimate_memory(toy.config, 4096, seqpar.ParallelDims(sp_size=2)) == seqpar.estimate_memory(
+        llama.config, 4096, seqpar.ParallelDims(sp_size=2)
+    )
     assert load_model_shape(toy.config.to_dict()).num_params == sum(p.numel() for p in toy.parameters())
     planned = plan(toy.config.to_dict(), 4096, Cluster(gpus=2, gpus_per_node=2))
     assert planned.model.model_type == "toy_llama" and planned.candidates

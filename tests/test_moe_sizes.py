@@ -93,12 +93,13 @@ def test_estimate_counts_stored_weights_and_active_activations():
         plain = activation_bytes(dense_dims, 4096, 4, features, 1024)
         assert moe["kept_per_layer"] - plain["kept_per_layer"] == kept
         assert moe["recomputed"] - plain["recomputed"] == recomputed and moe["extra"] - plain["extra"] == extra
-    settings = dict(sp_size=2, features=("checkpointing",))
+    settings = dict(dims=seqpar.ParallelDims(sp_size=2), features=("checkpointing",))
     moe = seqpar.estimate_memory(mixtral, 8192, **settings)
     stored = parameter_counts(moe_dims)[0]
     assert moe.optimizer_state == 2 * 4 * stored  # AdamW's two fp32 moments of every stored expert
     assert moe.optimizer_state > 2 * seqpar.estimate_memory(dense, 8192, **settings).optimizer_state
-    fsdp = seqpar.estimate_memory(mixtral, 8192, **settings, dp_size=2, dp_mode="fsdp")
+    sharded = seqpar.ParallelDims(dp_shard_size=2, sp_size=2)
+    fsdp = seqpar.estimate_memory(mixtral, 8192, sharded, features=("checkpointing",), dp_mode="fsdp")
     assert fsdp.optimizer_state == -(-stored * 4 // 4) * 2  # sharded over the four dp x sp ranks
 
 

@@ -83,8 +83,14 @@ def test_every_representation_of_the_degrees_gives_one_parallel_dims():
     d = transformers.LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
     )
-    by_dims = seqpar.estimate_memory(d, 256, dims=seqpar.ParallelDims(dp_replicate_size=2, sp_size=4, ulysses_size=2))
-    assert by_dims == seqpar.estimate_memory(d, 256, sp_size=4, ulysses_size=2, dp_size=2)
+    dims = seqpar.ParallelDims(dp_replicate_size=2, sp_size=4, ulysses_size=2)
+    assert seqpar.estimate_memory(d, 256, dims) == seqpar.estimate_memory(d, 256, dims=dims)
+    sharded = seqpar.ParallelDims(dp_shard_size=2, sp_size=4, ulysses_size=2)  # the estimate reads dp_size only
+    assert seqpar.estimate_memory(d, 256, sharded) == seqpar.estimate_memory(d, 256, dims)
+    with pytest.raises(SeqparInputError, match=r"dims must be a seqpar\.ParallelDims, not int"):
+        seqpar.estimate_memory(d, 256, 4)
+    with pytest.raises(TypeError, match="sp_size"):
+        seqpar.estimate_memory(d, 256, dims, sp_size=4)  # the loose degrees are gone
 
 
 def test_parallelize_options_refuse_what_cannot_work():

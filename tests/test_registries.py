@@ -134,7 +134,10 @@ def test_select_strategy_picks_todays_choices(args, picked):
         config = {"hidden_size": 64 * heads, "num_attention_heads": heads, "num_key_value_heads": kv_heads}
         config |= {"intermediate_size": 128, "num_hidden_layers": 1, "vocab_size": 256, "head_dim": 64}
         estimate = seqpar.estimate_memory(
-            transformers.LlamaConfig(**config), 64 * sp, sp_size=sp, ulysses_size=u, strategy=strategy
+            transformers.LlamaConfig(**config),
+            64 * sp,
+            seqpar.ParallelDims(sp_size=sp, ulysses_size=u),
+            strategy=strategy,
         )
         assert estimate.strategy == picked
 

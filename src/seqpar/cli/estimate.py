@@ -21,6 +21,7 @@ from seqpar.memory import FEATURES, estimate_memory
 from seqpar.memory.dtypes import DTYPES
 from seqpar.memory.estimate import estimate_stage_memory
 from seqpar.memory.pipeline import bubble_fraction, stage_views
+from seqpar.mesh import ParallelDims
 from seqpar.planning.models import PRESETS
 from seqpar.train.data import load_tokenizer
 from seqpar.train.model import model_config
@@ -88,11 +89,9 @@ def run_estimate(args: argparse.Namespace) -> int:
         hf_config = transformers.AutoConfig.for_model(**PRESETS[args.model.lower()].as_config())
     else:
         hf_config = model_config(settings, vocab)
+    dp = {"dp_shard_size" if args.dp_mode == "fsdp" else "dp_replicate_size": args.dp}
+    dims = ParallelDims(**dp, sp_size=args.sp, ulysses_size=args.ulysses, tp_size=args.tp, pp_size=args.pp)
     options = dict(
-        sp_size=args.sp,
-        ulysses_size=args.ulysses,
-        dp_size=args.dp,
-        tp_size=args.tp,
         dtype=DTYPES[args.dtype],
         micro_batch=args.micro_batch,
         features=tuple(args.features),
@@ -103,13 +102,12 @@ def run_estimate(args: argparse.Namespace) -> int:
         mlp_chunk=args.mlp_chunk,
         keep_gradients=args.keep_gradients,
         offload_optimizer=args.offload_optimizer,
-        pp_size=args.pp,
         pp_schedule=args.pp_schedule,
         pp_microbatches=args.pp_microbatches,
         vision_patches=args.vision_patches,
         split_vision=not args.no_split_vision,
     )
-    estimate = estimate_memory(hf_config, args.seq_len, **options)
+    estimate = estimate_memory(hf_config, args.seq_len, dims, **options)
     print(estimate.table())
     if args.pp > 1:
         layers = getattr(hf_config, "num_hidden_layers", 0)
@@ -120,6 +118,6 @@ def run_estimate(args: argparse.Namespace) -> int:
             f"{first.layers} of {layers} layers per rank; micro-batches in flight: first rank {first.in_flight:g}, "
             f"last rank {last.in_flight:g}; bubble {bubble:.0%} (Note [pipeline memory and time])"
         )
-        peaks = [e.peak / 2**30 for e in estimate_stage_memory(hf_config, args.seq_len, **options)]
+        peaks = [e.peak / 2**30 for e in estimate_stage_memory(hf_config, args.seq_len, dims, **options)]
         print(f"peak per rank: first {peaks[0]:.1f} GiB, last {peaks[1]:.1f} GiB (the table shows the larger)")
     return 0

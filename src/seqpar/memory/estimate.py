@@ -91,16 +91,16 @@ _RANK_SETTINGS = ("dp_mode", "loss_chunk", "mlp_chunk", "optimizer", "keep_gradi
 """``estimate_memory``'s settings that ``estimate_rank`` takes as they are."""
 
 
-def _check(seq_len: int, s: SimpleNamespace, sizes: dict, features: tuple[str, ...]) -> None:
-    """Raise one ``SeqparInputError`` listing every setting of ``s`` (``estimate_memory``'s) that cannot work."""
-    problems = [f"{name} must be a positive integer, not {value!r}" for name, value in sizes.items() if value < 1]
-    problems += [f"unknown feature {f!r}; choose from {', '.join(FEATURES)}" for f in features if f not in FEATURES]
+def _check(seq_len: int, s: SimpleNamespace, features: tuple[str, ...]) -> None:
+    """Raise one ``SeqparInputError`` listing every setting of ``s`` (``estimate_memory``'s) that cannot work.
+
+    The degrees come from a ``ParallelDims``, which has checked them (positive, ulysses dividing sp).
+    """
+    problems = [f"unknown feature {f!r}; choose from {', '.join(FEATURES)}" for f in features if f not in FEATURES]
     if s.micro_batch < 1 or seq_len < 1:
         problems.append("seq_len and micro_batch must be at least 1")
     elif not problems and seq_len % s.sp_size:
         problems.append(f"seq_len {seq_len} must be divisible by sp_size {s.sp_size}")
-    if s.sp_size >= 1 and s.ulysses_size >= 1 and s.sp_size % s.ulysses_size:
-        problems.append(f"ulysses_size {s.ulysses_size} must divide sp_size {s.sp_size}")
     if s.strategy not in STRATEGIES:
         problems.append(f"unknown strategy {s.strategy!r}; choose one of {', '.join(STRATEGIES)}")
     try:
@@ -120,11 +120,8 @@ def _check(seq_len: int, s: SimpleNamespace, sizes: dict, features: tuple[str, .
 def estimate_memory(
     model_config: object,
     seq_len: int,
+    dims: ParallelDims,
     *,
-    sp_size: int | None = None,
-    ulysses_size: int = 1,
-    dp_size: int = 1,
-    tp_size: int = 1,
     dtype: torch.dtype | str = "fp32",
     micro_batch: int = 1,
     features: tuple[str, ...] | list[str] = (),
@@ -135,10 +132,8 @@ def estimate_memory(
     mlp_chunk: int = 1024,
     keep_gradients: bool = False,
     offload_optimizer: bool = False,
-    pp_size: int = 1,
     pp_schedule: str = "1f1b",
     pp_microbatches: int | None = None,
-    dims: ParallelDims | None = None,
     vision_patches: int = 0,
     split_vision: bool = True,
 ) -> MemoryEstimate:
@@ -149,10 +144,11 @@ def estimate_memory(
     Args:
         model_config: a transformers decoder config (LlamaConfig, Qwen2Config, ...) or a dict of its fields.
         seq_len: tokens of one whole sequence (before it is split over sp ranks).
-        sp_size: sequence-parallel degree (required unless ``dims`` is given).
-        ulysses_size: ulysses degree inside sp (hybrid).
-        dp_size: data-parallel degree.
-        tp_size: tensor-parallel degree (heads and MLP split).
+        dims: the parallel degrees, a ``seqpar.ParallelDims``: ``sp_size`` (sequence parallel), ``ulysses_size``
+            (the all-to-all part of sp, hybrid), ``dp_size`` (``dp_replicate_size x dp_shard_size``: the replicas
+            the data-parallel group spans; ``dp_mode`` says whether they shard), ``tp_size`` (heads and MLP split)
+            and ``pp_size`` (above 1, the estimate is the busier of the pipeline's first and last rank, Note
+            [pipeline memory and time], and ``micro_batch`` is one pipeline micro-batch's rows).
         dtype: dtype of parameters, gradients and activations: a torch dtype, or its name ("bf16", "fp16",
             "fp32"; the estimate then loads no torch).
         micro_batch: sequences per micro-batch.
@@ -167,12 +163,8 @@ def estimate_memory(
         offload_optimizer: parameters, gradients and optimizer state in host memory, the update on the CPU
             (``apply_data_parallel(..., offload_optimizer=True)``; needs dp_mode "fsdp"): the device keeps
             working copies of the layers in flight, and ``host`` reports what moved.
-        pp_size: pipeline-parallel degree: the estimate is then the busier of the pipeline's first and last
-            rank (Note [pipeline memory and time]); ``micro_batch`` is one pipeline micro-batch's rows.
         pp_schedule: "gpipe", "1f1b" or "interleaved" (how many micro-batches a stage holds in flight).
-        pp_microbatches: micro-batches per pipeline step (default ``pp_size``).
-        dims: the degrees as one ``seqpar.ParallelDims``, in place of ``sp_size``, ``ulysses_size``,
-            ``dp_size``, ``tp_size`` and ``pp_size``.
+        pp_microbatches: micro-batches per pipeline step (default ``dims.pp_size``).
         vision_patches: a multimodal config's vision patches of one micro-batch (``sum(t x h x w)`` of its
             image and video grids): the vision tower's parameters and activations are then counted too
             (Note [vision tower memory]).
@@ -183,17 +175,20 @@ def estimate_memory(
         The ``MemoryEstimate``: bytes by category, the peak and the moment that sets it.
 
     Raises:
-        SeqparInputError: an unknown dtype, feature, strategy, optimizer or dp_mode, sizes below 1, a seq_len not
-            divisible by sp_size, heads that the ulysses degree (or tp) cannot split, a config without sizes,
-            ``offload_optimizer`` without dp_mode "fsdp", pipeline settings that cannot work (fewer layers than
-            stages, fewer micro-batches than ``pp_size``, an unknown schedule), ``vision_patches`` with a config
-            whose vision tower seqpar does not count, or with pipeline parallel.
+        SeqparInputError: ``dims`` not a ``ParallelDims``, an unknown dtype, feature, strategy, optimizer or
+            dp_mode, seq_len or micro_batch below 1, a seq_len not divisible by ``dims.sp_size``, heads that the
+            ulysses degree (or tp) cannot split, a config without sizes, ``offload_optimizer`` without dp_mode
+            "fsdp", pipeline settings that cannot work (fewer layers than stages, fewer micro-batches than
+            ``dims.pp_size``, an unknown schedule), ``vision_patches`` with a config whose vision tower seqpar
+            does not count, or with pipeline parallel.
     """
-    settings = {k: v for k, v in locals().items() if k not in ("model_config", "seq_len")}
-    return max(_stage_estimates(model_config, seq_len, settings), key=lambda e: e.peak)
+    settings = {k: v for k, v in locals().items() if k not in ("model_config", "seq_len", "dims")}
+    return max(_stage_estimates(model_config, seq_len, dims, settings), key=lambda e: e.peak)
 
 
-def estimate_stage_memory(model_config: object, seq_len: int, **settings: object) -> list[MemoryEstimate]:
+def estimate_stage_memory(
+    model_config: object, seq_len: int, dims: ParallelDims, **settings: object
+) -> list[MemoryEstimate]:
     """``estimate_memory`` for each end of the pipeline: the first pp rank's estimate, then the last's.
 
     ``estimate_memory`` returns the larger of the two; ``python -m benchmarks.pipeline`` compares each with the rank
@@ -202,38 +197,37 @@ def estimate_stage_memory(model_config: object, seq_len: int, **settings: object
     Args:
         model_config: as ``estimate_memory``.
         seq_len: as ``estimate_memory``.
+        dims: as ``estimate_memory``: the parallel degrees, a ``seqpar.ParallelDims``.
         **settings: ``estimate_memory``'s keyword arguments.
 
     Returns:
-        Two ``MemoryEstimate``s (first rank, last rank), or one when ``pp_size`` is 1.
+        Two ``MemoryEstimate``s (first rank, last rank), or one when ``dims.pp_size`` is 1.
 
     Raises:
         SeqparInputError: as ``estimate_memory``.
     """
-    bound = inspect.signature(estimate_memory).bind(model_config, seq_len, **settings)  # names checked
+    bound = inspect.signature(estimate_memory).bind(model_config, seq_len, dims, **settings)  # names checked
     bound.apply_defaults()
-    given = {k: v for k, v in bound.arguments.items() if k not in ("model_config", "seq_len")}
-    return _stage_estimates(model_config, seq_len, given)
+    given = {k: v for k, v in bound.arguments.items() if k not in ("model_config", "seq_len", "dims")}
+    return _stage_estimates(model_config, seq_len, dims, given)
 
 
-def _stage_estimates(model_config: object, seq_len: int, settings: dict) -> list[MemoryEstimate]:
-    """The estimates of ``estimate_memory``'s keyword ``settings`` (all of them given), one per pipeline end."""
-    settings = dict(settings)
-    dims = settings.pop("dims", None)
-    if dims is not None:  # one ParallelDims in place of the five degrees
-        settings.update(
-            sp_size=dims.sp_size,
-            ulysses_size=dims.ulysses_size,
-            dp_size=dims.dp_size,
-            tp_size=dims.tp_size,
-            pp_size=dims.pp_size,
+def _stage_estimates(model_config: object, seq_len: int, dims: ParallelDims, settings: dict) -> list[MemoryEstimate]:
+    """The estimates of ``dims`` and ``estimate_memory``'s keyword ``settings`` (all given), one per pipeline end."""
+    if not isinstance(dims, ParallelDims):
+        raise SeqparInputError(
+            f"cannot estimate memory: dims must be a seqpar.ParallelDims, not {type(dims).__name__} ({dims!r}); "
+            "e.g. seqpar.ParallelDims(sp_size=4, ulysses_size=2, dp_replicate_size=2)"
         )
-    elif settings["sp_size"] is None:
-        raise SeqparInputError("cannot estimate memory: give sp_size (or dims=seqpar.ParallelDims(...))")
-    s = SimpleNamespace(**settings)
+    sizes = {
+        "sp_size": dims.sp_size,
+        "ulysses_size": dims.ulysses_size,
+        "dp_size": dims.dp_size,
+        "tp_size": dims.tp_size,
+    }
+    s = SimpleNamespace(**settings, **sizes, pp_size=dims.pp_size)
     features = tuple(s.features)
-    sizes = {k: settings[k] for k in ("sp_size", "ulysses_size", "dp_size", "tp_size")}
-    _check(seq_len, s, sizes, features)
+    _check(seq_len, s, features)
     d = ModelSizes.from_config(model_config, s.tp_size)
     vision = _vision(model_config, s, dtype_bytes(s.dtype)) if s.vision_patches else (0, 0)
     rank = dict(

@@ -36,7 +36,7 @@ def estimate_layout(
     return estimate_memory(
         model.as_config(),
         seq_len,
-        dims=layout.dims,
+        layout.dims,
         dtype=dtype,
         micro_batch=micro_batch,
         features=tuple(f for f in layout.features if f != OFFLOAD_OPTIMIZER),

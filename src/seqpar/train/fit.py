@@ -67,7 +67,7 @@ def train_estimate(
     return estimate_memory(
         model_config,
         padded,
-        dims=config.dims(sp),
+        config.dims(sp),
         dtype=torch.float32 if config.precision == "fp32" else torch.bfloat16,
         micro_batch=config.batch_size // config.grad_accum // (config.pp_microbatches or config.pp),
         features=memory_features(config) if features is None else features,
