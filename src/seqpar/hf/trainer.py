@@ -334,7 +334,7 @@ class SequenceParallelMixin(EvaluationMixin):
         total = int(num_items_in_batch) if num_items_in_batch is not None else None
         own = inputs.get(MICRO_BATCH_TOKENS)
         if own is not None:  # the micro-batch's mean over the step's micro-batches (Note [micro-batch means])
-            total, steps, num_items_in_batch = int(own), self.current_gradient_accumulation_steps, None
+            total, num_items_in_batch = int(own), None
         smoothing = self.label_smoother.epsilon if self.label_smoother is not None else 0.0
         loss = cross_entropy(  # Note [label smoothing per token]
             outputs.logits, inputs["shift_labels"], num_valid_tokens=total, label_smoothing=smoothing
@@ -342,7 +342,7 @@ class SequenceParallelMixin(EvaluationMixin):
         # without num_items_in_batch a router loss is the micro-batch's whole one, divided by the steps below
         loss = loss + self.router_loss(outputs, inputs, num_items_in_batch)
         if own is not None:
-            loss = loss / steps
+            loss = loss / self.current_gradient_accumulation_steps
         loss = loss * self.accelerator.num_processes  # DDP / FSDP2 average over every process
         return (loss, outputs) if return_outputs else loss
 
