@@ -130,6 +130,8 @@ class Family:
     None: every layer is attention."""
     mla: bool = False
     """Its MLA attention's sizes were checked against built models (Note [MLA sizes]); others' MLA is refused."""
+    derived: bool = False
+    """Read from the model itself (Note [read anatomy]), not written as an entry."""
     image_rows: str | None = None
     """How ``seqpar doctor`` lays out generated image rows from the config alone: "grids" (Qwen-VL's image grids
     between vision delimiters), "blocks" (Gemma 3's begin/end tokens around a fixed run); None: it does not."""
