@@ -185,7 +185,7 @@ def _layer_parts(family: Family, layers: nn.ModuleList, missing: list[str]) -> d
     from torch import nn
 
     kinds = dict(family.kinds)
-    paths = [family.attention, family.mlp, *family.mixers]
+    paths = [family.attention, *([family.mlp] if family.mlp else []), *family.mixers]
     shared = {path for path in paths if paths.count(path) > 1}  # the paths whose part the layer's kind decides
     attention, mlps, per_token, norms, mixers = [], [], [], [], []
     for i, layer in enumerate(layers):
@@ -193,7 +193,7 @@ def _layer_parts(family: Family, layers: nn.ModuleList, missing: list[str]) -> d
         kind = _get(layer, family.layer_kind) if family.layer_kind else None
 
         def at(path: str, part: str, layer: nn.Module = layer, kind: object = kind) -> nn.Module | None:
-            found = _get(layer, path)
+            found = _get(layer, path) if path is not None else None
             return found if isinstance(found, nn.Module) and (path not in shared or kinds.get(kind) == part) else None
 
         if kinds and kind not in kinds:
@@ -211,7 +211,7 @@ def _layer_parts(family: Family, layers: nn.ModuleList, missing: list[str]) -> d
             norms += [m for m in (_get(layer, path) for path in family.layer_norms) if isinstance(m, nn.Module)]
         else:
             attention.append(_part(layer, family.attention, nn.Module, where, missing))
-            mlps.append(_part(layer, family.mlp, nn.Module, where, missing))
+            mlps += [_part(layer, family.mlp, nn.Module, where, missing)] if family.mlp is not None else []
             norms += [_part(layer, path, nn.Module, where, missing) for path in family.layer_norms]
         per_token += [m for m in (_get(layer, path) for path in family.per_token) if isinstance(m, nn.Module)]
     return dict(

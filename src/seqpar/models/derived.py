@@ -91,18 +91,22 @@ def _decoder_parts(text: nn.Module) -> tuple[str, str, str | None] | str:
 
 def _layer_parts(layers: nn.ModuleList, tp_plan: dict) -> dict | str:
     """A layer's attention, MLP, experts and norm paths, the same in every layer (or the reason not)."""
+    from torch import nn
+
     planned = {key.split(".")[2] for key in tp_plan if key.startswith("layers.*.") and key.count(".") >= 3}
     found: dict = {}
     for i, layer in enumerate(layers):
-        attention, mlps, norms = [], [], []
+        attention, mlps, norms, linears = [], [], [], []
         for name, child in layer.named_children():
             if _is_norm(child):
                 norms.append(name)
             elif _calls_attention_functions(child):
                 attention.append(name)
+            elif isinstance(child, nn.Linear):  # an MLP's projections held by the layer itself (OPT's fc1, fc2)
+                linears.append(name)
             elif _is_mlp(name, child, planned) and next(child.parameters(), None) is not None:
                 mlps.append(name)
-        if len(attention) != 1 or len(mlps) != 1:
+        if len(attention) != 1 or len(mlps) > 1 or not (mlps or linears):
             return (
                 f"layer {i} ({type(layer).__name__}) holds {len(attention)} attention module(s) calling transformers' "
                 f"attention functions ({', '.join(attention) or 'none'}) and {len(mlps)} MLP(s) "
@@ -114,29 +118,32 @@ def _layer_parts(layers: nn.ModuleList, tp_plan: dict) -> dict | str:
                 f"the attention of layer {i} holds {attention[0]}.{nested}, a block of its own that seqpar does "
                 "not know (a sparse-attention indexer or similar selects keys seqpar's attention would not see)"
             )
-        mlp = getattr(layer, mlps[0])
+        mlp = getattr(layer, mlps[0]) if mlps else None
         parts = dict(
             attention=attention[0],
-            mlp=mlps[0],
+            mlp=mlps[0] if mlps else None,
             experts="experts" if hasattr(mlp, "experts") else None,
             layer_norms=tuple(norms),
+            per_token=tuple(linears),
         )
         if found and parts["layer_norms"] != found["layer_norms"]:  # a layer with more norms than the first
             parts["layer_norms"] = tuple(dict.fromkeys((*found["layer_norms"], *parts["layer_norms"])))
         if found and (parts["attention"], parts["mlp"]) != (found["attention"], found["mlp"]):
             return f"its layers keep attention and MLP under different names ({found} in layer 0, {parts} in layer {i})"
+        if found and parts["per_token"] != found["per_token"]:
+            return f"its layers hold different projections of their own ({found['per_token']} and {parts['per_token']})"
         found = {**parts, "experts": found.get("experts") or parts["experts"]}
     return found
 
 
-def _tp_plan(tp_plan: dict, attention: str, mlp: str, experts: str | None) -> tuple | None:
+def _tp_plan(tp_plan: dict, attention: str, mlp: str | None, experts: str | None) -> tuple | None:
     """The family's own per-layer tensor-parallel plan, where it uses only plain column and row splits."""
     rows = []
     for key, style in tp_plan.items():
         if not key.startswith("layers.*."):
             continue
         path = key.removeprefix("layers.*.")
-        if style not in _PLAIN_STYLES or path.split(".")[0] not in (attention, mlp):
+        if style not in _PLAIN_STYLES or path.split(".")[0] not in (attention, mlp or attention):
             return None
         rows.append((path, style))
     if experts is not None or not rows or {style for _, style in rows} != set(_PLAIN_STYLES):
