@@ -55,8 +55,13 @@ def _nested_block(attention: nn.Module) -> str | None:
 
 
 def _is_mlp(name: str, module: nn.Module, planned: set[str]) -> bool:
+    """Named an MLP by the tp plan, its name or its class, and holding no convolution or pooling (a token window)."""
+    from torch import nn
+
+    windows = (nn.modules.conv._ConvNd, nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd)
     kind = type(module).__name__.lower()
-    return name in planned or any(word in kind or word == name for word in _MLP_WORDS)
+    named = name in planned or any(word in kind or word == name for word in _MLP_WORDS)
+    return named and not any(isinstance(m, windows) for m in module.modules())
 
 
 def _path_of(root: nn.Module, target: nn.Module) -> str | None:
@@ -72,9 +77,14 @@ def _decoder_parts(text: nn.Module) -> tuple[str, str, str | None] | str:
     """The text decoder's embedding, layer list and final norm paths, from its pp plan or its children."""
     from torch import nn
 
-    embedding = _path_of(text, text.get_input_embeddings()) if hasattr(text, "get_input_embeddings") else None
+    try:
+        embedding = _path_of(text, text.get_input_embeddings())
+    except (AttributeError, NotImplementedError):  # a model class that does not say
+        embedding = None
     lists = [name for name, child in text.named_children() if isinstance(child, nn.ModuleList)]
     plan = [key for key in _plan(getattr(text, "config", None), "base_model_pp_plan") if "." not in key]
+    tables = [name for name, child in text.named_children() if isinstance(child, nn.Embedding)]
+    embedding = embedding or next((key for key in plan if key in tables), None) or (tables[0] if tables else None)
     planned_lists = [key for key in plan if key in lists]
     layers = planned_lists[0] if len(planned_lists) == 1 else (lists[0] if len(lists) == 1 else None)
     if embedding is None or layers is None:
@@ -107,10 +117,13 @@ def _layer_parts(layers: nn.ModuleList, tp_plan: dict) -> dict | str:
             elif _is_mlp(name, child, planned) and next(child.parameters(), None) is not None:
                 mlps.append(name)
         if len(attention) != 1 or len(mlps) > 1 or not (mlps or linears):
+            known = {*attention, *mlps, *norms, *linears}
+            others = [f"{n} ({type(c).__name__})" for n, c in layer.named_children() if n not in known]
             return (
-                f"layer {i} ({type(layer).__name__}) holds {len(attention)} attention module(s) calling transformers' "
-                f"attention functions ({', '.join(attention) or 'none'}) and {len(mlps)} MLP(s) "
-                f"({', '.join(mlps) or 'none'}), where seqpar reads one of each"
+                f"layer {i} ({type(layer).__name__}) holds {len(attention)} attention module(s) that call "
+                f"transformers' attention functions ({', '.join(attention) or 'none'}) and {len(mlps)} MLP(s) "
+                f"({', '.join(mlps) or 'none'}), where seqpar reads one of each; its other parts: "
+                f"{', '.join(others) or 'none'}"
             )
         nested = _nested_block(getattr(layer, attention[0]))
         if nested is not None:
@@ -151,6 +164,21 @@ def _tp_plan(tp_plan: dict, attention: str, mlp: str | None, experts: str | None
     return tuple(rows) if tuple(rows) != LLAMA_TP_PLAN else LLAMA_TP_PLAN
 
 
+def _head(model: nn.Module, text: nn.Module) -> str | None:
+    """The output head: the model's declared one, else its one child projecting onto the embedding's vocabulary."""
+    from torch import nn
+
+    try:
+        declared = model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):  # a model class that does not say
+        declared = None
+    if isinstance(declared, nn.Module):
+        return _path_of(model, declared)
+    vocab = getattr(text.get_submodule(_decoder_parts(text)[0]), "num_embeddings", None)
+    heads = [n for n, c in model.named_children() if isinstance(c, nn.Linear) and c.out_features == vocab]
+    return heads[0] if len(heads) == 1 else None
+
+
 def derive_family(model: nn.Module) -> Family | str:
     """Read a transformers model's anatomy from its own declarations and classes (Note [read anatomy]).
 
@@ -183,7 +211,7 @@ def derive_family(model: nn.Module) -> Family | str:
     if isinstance(layer, str):
         return layer
     rotary = next((n for n, child in text.named_children() if "rotary" in type(child).__name__.lower()), None)
-    head = _path_of(model, model.get_output_embeddings()) if outer is not model else None
+    head = _head(model, text) if outer is not model else None
     return Family(
         model_type,
         decoder=decoder,
