@@ -25,7 +25,7 @@ from seqpar.models import FAMILIES, Family, ModelSizes, anatomy, find_anatomy, r
 from seqpar.pipeline_parallel.stages import find_parts, original_names, split_model
 from seqpar.planning import Cluster, load_model_shape, plan
 from tests._dist import run_ranks, shard_index
-from tests._models import SEQ, VOCAB, tiny_config, tokens
+from tests._models import SEQ, VOCAB, build, tiny_config, tokens
 from tests._toy_family import TOY, register_toy, to_llama_name, toy_and_llama
 
 ATOL, RTOL = 2e-5, 1e-4
@@ -502,3 +502,35 @@ def _toy_worker(rank, world_size):
 
 def test_a_registered_family_serves_every_axis_on_two_ranks():
     run_ranks(2, _toy_worker, fresh=True)  # it registers a family for the rest of the process's life
+
+
+def _own_backend_worker(rank, world_size):
+    """A Llama layer whose attention switches to its own backend: refused at that module on every rank, and the
+    negative control: with the check's hook taken off, the same model runs and its logits are wrong."""
+    reference = build("llama")
+    ids = tokens(2, SEQ, 5)
+    with torch.no_grad():
+        want = reference(input_ids=ids).logits
+    mesh = seqpar.make_mesh(sp_size=world_size)
+    shard = seqpar.shard_batch({"input_ids": ids}, mesh)
+    for checked in (True, False):
+        model = seqpar.prepare_model(copy.deepcopy(reference), mesh)
+        attention = model.model.layers[1].self_attn
+        attention.config = copy.deepcopy(attention.config)  # a backend picked by the family's own code
+        attention.config._attn_implementation = "eager"
+        if not checked:
+            attention._forward_hooks.clear()  # the check's hook is the only forward hook there
+        with torch.no_grad():
+            if checked:
+                with pytest.raises(SeqparInputError, match=r"^model\.layers\.1\.self_attn \(LlamaAttention\) ran "
+                                   r"without calling seqpar's attention"):  # fmt: skip
+                    model(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
+                continue
+            logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+        idx = shard_index("zigzag", world_size, rank, SEQ)
+        assert (logits - want[:, idx]).abs().max() > 1e-2, "each rank attends over its own shard alone"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_attention_that_bypasses_seqpar_is_refused_at_run_time(world_size):
+    run_ranks(world_size, _own_backend_worker)
