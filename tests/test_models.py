@@ -488,20 +488,31 @@ def _doctor_case(toy, ids, mesh):
     assert [r.attention_calls for r in report.rows] == [1, 1, -1], str(report)
 
 
-def _toy_worker(rank, world_size):
-    register_toy()  # a spawned rank starts with the built-in registry
+def _toy_worker(rank, world_size, registered):
+    if registered:
+        register_toy()  # a spawned rank starts with the built-in registry
+    assert (TOY.model_type in FAMILIES) == registered
     toy, llama = toy_and_llama()
     ids = tokens(2, SEQ, 3)
     mesh = seqpar.make_mesh(sp_size=2)
     _sp_case(rank, world_size, toy, llama, ids, mesh)
-    _tp_case(toy, llama, ids)
+    if registered:
+        _tp_case(toy, llama, ids)
+    else:  # the config's tp plan names Llama's paths, not the toy's: read anatomy carries no plan
+        with pytest.raises(SeqparInputError, match="no tensor-parallel plan"):
+            seqpar.apply_tensor_parallel(copy.deepcopy(toy), seqpar.make_mesh(sp_size=1, tp_size=2))
     _fsdp_case(toy, llama, ids, mesh)
     _pipeline_case(toy, llama, ids)
     _doctor_case(toy, ids, mesh)
 
 
 def test_a_registered_family_serves_every_axis_on_two_ranks():
-    run_ranks(2, _toy_worker, fresh=True)  # it registers a family for the rest of the process's life
+    run_ranks(2, _toy_worker, True, fresh=True)  # it registers a family for the rest of the process's life
+
+
+def test_a_family_read_from_the_model_serves_every_axis_on_two_ranks():
+    """The toy without its entry: every axis finds its parts by the anatomy read from its classes."""
+    run_ranks(2, _toy_worker, False)
 
 
 def _own_backend_worker(rank, world_size):
