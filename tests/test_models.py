@@ -25,7 +25,7 @@ from seqpar.models import FAMILIES, Family, ModelSizes, anatomy, find_anatomy, r
 from seqpar.pipeline_parallel.stages import find_parts, original_names, split_model
 from seqpar.planning import Cluster, load_model_shape, plan
 from tests._dist import run_ranks, shard_index
-from tests._models import SEQ, VOCAB, tiny_config, tokens
+from tests._models import SEQ, VOCAB, build, tiny_config, tokens
 from tests._toy_family import TOY, register_toy, to_llama_name, toy_and_llama
 
 ATOL, RTOL = 2e-5, 1e-4
@@ -200,33 +200,48 @@ def test_a_module_outside_the_declared_parts_is_refused_by_name():
         register_family(entry, replace=True)
 
 
-def test_an_unknown_family_gets_the_clear_message():
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB))
-    known = "seqpar knows no model family 'gpt2' (GPT2LMHeadModel; known: "
-    assert find_anatomy(gpt2).startswith(known) and "register_family" in find_anatomy(gpt2)
-    with pytest.raises(SeqparInputError, match=r"cannot find the parts of this model: seqpar knows no model family"):
-        anatomy(gpt2)
-    with pytest.raises(SeqparInputError, match=r"cannot serve this model's attention: seqpar knows no model family"):
-        seqpar.prepare_model(gpt2, None)
-    with pytest.raises(SeqparInputError, match=r"found no decoder MLP in GPT2LMHeadModel \(seqpar knows no"):
-        seqpar.apply_tiled_mlp(gpt2)
-    with pytest.raises(SeqparInputError, match=r"cannot find the decoder layers of GPT2LMHeadModel: seqpar knows"):
-        decoder_layers(gpt2)
-    with pytest.raises(SeqparInputError, match=r"found no decoder layers in GPT2LMHeadModel to offload: seqpar"):
-        seqpar.apply_activation_offload(gpt2)
-    assert find_parts(gpt2).startswith("the decoder layers of GPT2LMHeadModel cannot be found: seqpar knows")
-    assert decoder_blocks(gpt2) == []  # FSDP2 then shards the root only
+def test_a_family_whose_anatomy_cannot_be_read_gets_the_clear_message():
+    """BLOOM computes attention in its own code (ALiBi), so no layer part reads as attention: refused, named."""
+    bloom = transformers.BloomForCausalLM(
+        transformers.BloomConfig(n_layer=2, hidden_size=16, n_head=2, vocab_size=VOCAB)
+    )
+    why = find_anatomy(bloom)
+    assert why.startswith("seqpar has no entry for 'bloom' models (BloomForCausalLM) and cannot read their anatomy: ")
+    assert "self_attention (BloomAttention)" in why and "register_family" in why
+    with pytest.raises(SeqparInputError, match=r"cannot find the parts of this model: seqpar has no entry for 'bloom'"):
+        anatomy(bloom)
+    with pytest.raises(SeqparInputError, match=r"cannot serve this model's attention: seqpar has no entry for 'bloom'"):
+        seqpar.prepare_model(bloom, None)
+    with pytest.raises(SeqparInputError, match=r"found no decoder MLP in BloomForCausalLM \(seqpar has no entry"):
+        seqpar.apply_tiled_mlp(bloom)
+    with pytest.raises(SeqparInputError, match=r"cannot find the decoder layers of BloomForCausalLM: seqpar has no"):
+        decoder_layers(bloom)
+    with pytest.raises(SeqparInputError, match=r"found no decoder layers in BloomForCausalLM to offload: seqpar"):
+        seqpar.apply_activation_offload(bloom)
+    assert find_parts(bloom).startswith("the decoder layers of BloomForCausalLM cannot be found: seqpar has no")
+    assert decoder_blocks(bloom) == []  # FSDP2 then shards the root only
     assert "has no config.model_type" in find_anatomy(torch.nn.Linear(2, 2))
+    assert "reads a family's anatomy only from a model" in find_anatomy(bloom.config)
 
 
-def test_the_toy_family_is_refused_until_registered():
-    """The negative control of the registered-family tests: the same model without its entry is refused."""
+def test_the_toy_family_is_read_from_the_model_without_an_entry():
+    """The toy's anatomy, read from its classes, is its hand-written entry's; a part of no known kind is refused."""
     toy, _ = toy_and_llama()
     registered = FAMILIES.pop(TOY.model_type, None)  # whichever test ran before
     try:
-        with pytest.raises(SeqparInputError, match=r"seqpar knows no model family 'toy_llama'"):
+        read = find_anatomy(toy).family
+        assert read.derived and dataclasses.replace(read, derived=False, tp_plan=TOY.tp_plan) == dataclasses.replace(
+            TOY, attention_interface=True
+        )
+        assert read.tp_plan is None, "the config's Llama plan names self_attn and mlp, which the toy has not"
+        for block in toy.body.blocks:  # the negative control: the same toy with a part seqpar cannot classify
+            block.ffn = torch.nn.Conv1d(16, 16, 3)
+        with pytest.raises(
+            SeqparInputError,
+            match=r"cannot read their anatomy: layer 0 \(ToyBlock\) .* MLP\(s\) "
+            r"\(none\).* ffn \(Conv1d\)",
+        ):
             seqpar.prepare_model(toy, None)
-        assert decoder_blocks(toy) == [] and find_parts(toy).startswith("the decoder layers of ToyForCausalLM")
     finally:
         if registered is not None:
             register_family(registered)
@@ -473,17 +488,60 @@ def _doctor_case(toy, ids, mesh):
     assert [r.attention_calls for r in report.rows] == [1, 1, -1], str(report)
 
 
-def _toy_worker(rank, world_size):
-    register_toy()  # a spawned rank starts with the built-in registry
+def _toy_worker(rank, world_size, registered):
+    if registered:
+        register_toy()  # a spawned rank starts with the built-in registry
+    assert (TOY.model_type in FAMILIES) == registered
     toy, llama = toy_and_llama()
     ids = tokens(2, SEQ, 3)
     mesh = seqpar.make_mesh(sp_size=2)
     _sp_case(rank, world_size, toy, llama, ids, mesh)
-    _tp_case(toy, llama, ids)
+    if registered:
+        _tp_case(toy, llama, ids)
+    else:  # the config's tp plan names Llama's paths, not the toy's: read anatomy carries no plan
+        with pytest.raises(SeqparInputError, match="no tensor-parallel plan"):
+            seqpar.apply_tensor_parallel(copy.deepcopy(toy), seqpar.make_mesh(sp_size=1, tp_size=2))
     _fsdp_case(toy, llama, ids, mesh)
     _pipeline_case(toy, llama, ids)
     _doctor_case(toy, ids, mesh)
 
 
 def test_a_registered_family_serves_every_axis_on_two_ranks():
-    run_ranks(2, _toy_worker, fresh=True)  # it registers a family for the rest of the process's life
+    run_ranks(2, _toy_worker, True, fresh=True)  # it registers a family for the rest of the process's life
+
+
+def test_a_family_read_from_the_model_serves_every_axis_on_two_ranks():
+    """The toy without its entry: every axis finds its parts by the anatomy read from its classes."""
+    run_ranks(2, _toy_worker, False)
+
+
+def _own_backend_worker(rank, world_size):
+    """A Llama layer whose attention switches to its own backend: refused at that module on every rank, and the
+    negative control: with the check's hook taken off, the same model runs and its logits are wrong."""
+    reference = build("llama")
+    ids = tokens(2, SEQ, 5)
+    with torch.no_grad():
+        want = reference(input_ids=ids).logits
+    mesh = seqpar.make_mesh(sp_size=world_size)
+    shard = seqpar.shard_batch({"input_ids": ids}, mesh)
+    for checked in (True, False):
+        model = seqpar.prepare_model(copy.deepcopy(reference), mesh)
+        attention = model.model.layers[1].self_attn
+        attention.config = copy.deepcopy(attention.config)  # a backend picked by the family's own code
+        attention.config._attn_implementation = "eager"
+        if not checked:
+            attention._forward_hooks.clear()  # the check's hook is the only forward hook there
+        with torch.no_grad():
+            if checked:
+                with pytest.raises(SeqparInputError, match=r"^model\.layers\.1\.self_attn \(LlamaAttention\) ran "
+                                   r"without calling seqpar's attention"):  # fmt: skip
+                    model(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
+                continue
+            logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+        idx = shard_index("zigzag", world_size, rank, SEQ)
+        assert (logits - want[:, idx]).abs().max() > 1e-2, "each rank attends over its own shard alone"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_attention_that_bypasses_seqpar_is_refused_at_run_time(world_size):
+    run_ranks(world_size, _own_backend_worker)

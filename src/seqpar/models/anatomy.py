@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from seqpar.errors import SeqparInputError
+from seqpar.models.derived import derive_family
 from seqpar.models.families import FAMILIES, UNSERVED, Family
 
 if TYPE_CHECKING:
@@ -133,7 +134,8 @@ def family_of(model: object) -> Family | str:
         model: a transformers model or config (anything with a ``model_type``, or a ``config`` that has one).
 
     Returns:
-        The ``Family`` of its ``model_type``, or a sentence naming what is unknown.
+        The ``Family`` of its ``model_type``, the family read from a model that has no entry (Note [read
+        anatomy]), or a sentence naming what is unknown.
     """
     from torch import nn
 
@@ -145,10 +147,19 @@ def family_of(model: object) -> Family | str:
     family = FAMILIES.get(model_type)
     if family is None and model_type in UNSERVED:
         return f"seqpar does not serve {model_type!r} models ({name}): {UNSERVED[model_type]}"
+    if family is None and isinstance(model, nn.Module) and config is not None:
+        derived = derive_family(model)  # Note [read anatomy]
+        if isinstance(derived, str):
+            return (
+                f"seqpar has no entry for {model_type!r} models ({name}) and cannot read their anatomy: {derived}; "
+                "describe it with seqpar.models.register_family (docs/design.md, Adding a model family)"
+            )
+        return derived
     if family is None:
         return (
-            f"seqpar knows no model family {model_type!r} ({name}; known: {', '.join(sorted(FAMILIES))}); describe "
-            "its anatomy with seqpar.models.register_family (docs/design.md, Adding a model family)"
+            f"seqpar has no entry for {model_type!r} ({name}) and reads a family's anatomy only from a model, not "
+            "from its config alone; describe it with seqpar.models.register_family (docs/design.md, Adding a model "
+            "family)"
         )
     return family
 
@@ -174,7 +185,7 @@ def _layer_parts(family: Family, layers: nn.ModuleList, missing: list[str]) -> d
     from torch import nn
 
     kinds = dict(family.kinds)
-    paths = [family.attention, family.mlp, *family.mixers]
+    paths = [family.attention, *([family.mlp] if family.mlp else []), *family.mixers]
     shared = {path for path in paths if paths.count(path) > 1}  # the paths whose part the layer's kind decides
     attention, mlps, per_token, norms, mixers = [], [], [], [], []
     for i, layer in enumerate(layers):
@@ -182,7 +193,7 @@ def _layer_parts(family: Family, layers: nn.ModuleList, missing: list[str]) -> d
         kind = _get(layer, family.layer_kind) if family.layer_kind else None
 
         def at(path: str, part: str, layer: nn.Module = layer, kind: object = kind) -> nn.Module | None:
-            found = _get(layer, path)
+            found = _get(layer, path) if path is not None else None
             return found if isinstance(found, nn.Module) and (path not in shared or kinds.get(kind) == part) else None
 
         if kinds and kind not in kinds:
@@ -200,7 +211,7 @@ def _layer_parts(family: Family, layers: nn.ModuleList, missing: list[str]) -> d
             norms += [m for m in (_get(layer, path) for path in family.layer_norms) if isinstance(m, nn.Module)]
         else:
             attention.append(_part(layer, family.attention, nn.Module, where, missing))
-            mlps.append(_part(layer, family.mlp, nn.Module, where, missing))
+            mlps += [_part(layer, family.mlp, nn.Module, where, missing)] if family.mlp is not None else []
             norms += [_part(layer, path, nn.Module, where, missing) for path in family.layer_norms]
         per_token += [m for m in (_get(layer, path) for path in family.per_token) if isinstance(m, nn.Module)]
     return dict(

@@ -82,8 +82,9 @@ class Family:
     """Path from the model with a head to the output head."""
     attention: str = "self_attn"
     """Path from a decoder layer to its attention module."""
-    mlp: str = "mlp"
-    """Path from a decoder layer to its MLP (dense, or a mixture of experts)."""
+    mlp: str | None = "mlp"
+    """Path from a decoder layer to its MLP (dense, or a mixture of experts); None where the layer holds its MLP's
+    projections itself (OPT's ``fc1`` and ``fc2``, named in ``per_token``)."""
     experts: str | None = None
     """Path from an MLP to its experts: an MLP that has it is a mixture of experts (None: every MLP is dense)."""
     layer_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
@@ -130,6 +131,8 @@ class Family:
     None: every layer is attention."""
     mla: bool = False
     """Its MLA attention's sizes were checked against built models (Note [MLA sizes]); others' MLA is refused."""
+    derived: bool = False
+    """Read from the model itself (Note [read anatomy]), not written as an entry."""
     image_rows: str | None = None
     """How ``seqpar doctor`` lays out generated image rows from the config alone: "grids" (Qwen-VL's image grids
     between vision delimiters), "blocks" (Gemma 3's begin/end tokens around a fixed run); None: it does not."""

@@ -15,7 +15,7 @@ Note [context in the mask]
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.layouts.chunks import Layout
@@ -41,6 +41,9 @@ class CallContext:
     """The batch's documents, window and blocks."""
     choices: dict
     """Layer index -> ``AttentionChoice`` of its last call, read by ``last_attention_choice``."""
+    attended: set = field(default_factory=set)
+    """``id`` of each attention module that is running and has called seqpar's attention (Note [attention went
+    through seqpar])."""
 
 
 def adapter_context(module: object, cache: object | None, kwargs: dict, *, silu: bool = True) -> CallContext:

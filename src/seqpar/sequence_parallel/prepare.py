@@ -14,6 +14,27 @@ Note [transformers integration]
     raises on all of them instead of leaving the others in the all-gather. The model's
     own code, weights and RoPE run unchanged on the local shard with global position ids.
 
+Note [attention went through seqpar]
+    A family's attention is served only if its attention modules call the function transformers' attention
+    interface hands them. One that computes its softmax in its own code, or switches backend on its own, would
+    attend over its local shard alone and run silently wrong. So each attention module the anatomy names gets a
+    forward pre-hook that takes it off the call context's ``attended`` set, seqpar's attention puts the calling
+    module back on it, and a forward hook checks, as the module returns, that it is there; one that is not
+    raises, naming the module, before its output reaches the loss. Every rank runs the same code, so every rank
+    raises at the same module. The check costs a set lookup per layer and holds for every call (and for each
+    recomputation under activation checkpointing), so an entry read from the model (Note [read anatomy]) and
+    one written by hand are checked alike.
+
+Note [keywords dropped]
+    Some families drop the keywords on the way down: Falcon's model with a head calls its decoder with a fixed
+    list of arguments, StableLM's layers call their attention without the layer's keywords, so the call
+    context never reaches seqpar's attention there. While a checked call runs, its context is therefore also
+    held by the prepared model's hooks (from the hooked module's pre-hook to its forward hook, which runs even
+    when the forward raises): the decoder's pre-hook and each attention module's pre-hook add it to their
+    keywords where it is missing. Outside a call nothing is held, so a submodule called alone still raises
+    for want of its context, and activation checkpointing of such a family recomputes a layer with the
+    keywords its forward got, which lack the context: it raises the same way, never runs unmasked.
+
 Note [the model's own config]
     transformers models share the config object they were built from (``from_config`` and ``__init__`` keep
     it, and many submodules hold it as ``self.config``), and the attention implementation is a field of
@@ -100,6 +121,7 @@ def _seqpar_attention(module, query, key, value, attention_mask, scaling=None, d
         softcap=softcap,
     )
     ctx.choices[getattr(module, "layer_idx", 0)] = choice
+    ctx.attended.add(id(module))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -296,7 +318,12 @@ def prepare_model(
     setattr(model, _CHOICE_ATTR, calls.choices)
     # The decoder is hooked too, so that it can be called alone (hidden states for a chunked loss).
     hooked = [model] + ([served.decoder] if served.decoder is not model else [])
-    setattr(model, _HOOK_ATTR, [m.register_forward_pre_hook(calls, with_kwargs=True) for m in hooked])
+    hooks = [m.register_forward_pre_hook(calls, with_kwargs=True) for m in hooked]
+    hooks += [m.register_forward_hook(calls.finished, always_call=True) for m in hooked]
+    for module in filter(None, served.attention):  # Note [attention went through seqpar]
+        hooks.append(module.register_forward_pre_hook(calls.entering_attention, with_kwargs=True))
+        hooks.append(module.register_forward_hook(calls.leaving_attention))
+    setattr(model, _HOOK_ATTR, hooks)
     return model
 
 
@@ -323,11 +350,34 @@ class _PreparedCalls:
         self.split_vision = split_vision and served.family.vision_units and sp.sp_size > 1
         self.encoder = _vision_encoder(model, served, split_vision)
         self.choices: dict = {}
+        self.attended: set[int] = set()  # Note [attention went through seqpar]
+        self.running: CallContext | None = None  # the context of the call in progress (Note [keywords dropped])
+        self.running_from: torch.nn.Module | None = None  # the hooked module that call entered by
 
     def __deepcopy__(self, memo: dict) -> _PreparedCalls:
         # A copied model (a pipeline stage's frame) keeps its hooks as it would keep a function: shared, since
         # the mesh's process groups cannot be copied.
         return self
+
+    def entering_attention(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self.attended.discard(id(module))
+        if self.running is None or _CONTEXT_KEY in kwargs or _context_in_mask(kwargs):
+            return args, kwargs
+        return args, {**kwargs, _CONTEXT_KEY: self.running}  # a layer that drops keywords (Note [keywords dropped])
+
+    def finished(self, module: torch.nn.Module, args: tuple, output: object) -> None:
+        if module is self.running_from:
+            self.running, self.running_from = None, None
+
+    def leaving_attention(self, module: torch.nn.Module, args: tuple, output: object) -> None:
+        if id(module) in self.attended or getattr(self.model, UNSHARDED_ATTR, False):
+            return
+        raise SeqparInputError(
+            f"{self.served.name(module)} ({type(module).__name__}) ran without calling seqpar's attention: its "
+            "family computes attention in its own code or picks its own backend, so each rank would attend over "
+            "its own shard alone; seqpar serves attention that goes through transformers' AttentionInterface "
+            "(Note [attention went through seqpar])"
+        )
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if getattr(self.model, UNSHARDED_ATTR, False):  # whole sequences, the model's own attention
@@ -337,9 +387,13 @@ class _PreparedCalls:
         if _CONTEXT_KEY in kwargs or _context_in_mask(kwargs):  # checked by the enclosing model, which passes
             kwargs.pop(LAYOUT_KEYWORD, None)  # its context down (in the mask: Note [context in the mask])
             return args, kwargs
+        if module is not self.model and self.running is not None:  # the decoder, called by the checked model
+            kwargs.pop(LAYOUT_KEYWORD, None)  # without the keywords it was given (Note [keywords dropped])
+            return args, {**kwargs, _CONTEXT_KEY: self.running, "use_cache": False}
         call_layout = kwargs.pop(LAYOUT_KEYWORD, None)
         placement = kwargs.pop(PLACEMENT_KEYWORD, None)  # a text call's shard is placed already
         family = self.served.family
+        self.running, self.running_from = None, module
         if family.vision is not None and module is self.model and is_whole_row_call(kwargs, family):
             return args, self._whole_row(args, kwargs, call_layout, placement)
         config = self.model.config
@@ -388,5 +442,7 @@ class _PreparedCalls:
                 f"position id {mask.max_position} is beyond the model's max_position_embeddings ({limit}); "
                 "use shorter sequences or documents"
             )
-        ctx = kwargs[_CONTEXT_KEY] = CallContext(self.sp, self.strategy, batch_layout, self.kernel, mask, self.choices)
+        ctx = self.running = kwargs[_CONTEXT_KEY] = CallContext(
+            self.sp, self.strategy, batch_layout, self.kernel, mask, self.choices, self.attended
+        )
         return _context_to_mask(kwargs, ctx, self.served.family.mask_context, self.model.config)

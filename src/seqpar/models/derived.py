@@ -1,0 +1,229 @@
+"""A model family read from the model itself, for a ``model_type`` the registry has no entry for.
+
+``derive_family(model)`` builds a ``Family`` from transformers' declarations and the module tree (Note [read anatomy]).
+
+Note [read anatomy]
+    transformers declares much of a family's anatomy: ``base_model_prefix`` names the decoder inside the model
+    with a head, ``get_output_embeddings()`` the head, the config's ``base_model_pp_plan`` the embedding, the
+    layer list and the final norm in order, and its ``base_model_tp_plan`` the attention and MLP projections of
+    each layer. What the plans leave out is read from the module classes: a layer's child is its attention when
+    its class calls transformers' attention functions (the only way seqpar can serve it), a norm when its class
+    is a norm, an MLP when the tp plan or its class says so, a mixture of experts when it holds ``experts``.
+    Nothing is guessed into a part that could mix tokens: a child that fits none of these stays undeclared, and
+    the declared-parts rule (Note [declared layer parts]) refuses the model naming it. An attention module that
+    holds a nested block of its own (a sparse-attention indexer) is refused too, since seqpar would hand its
+    softmax the keys but not the block its selection. The derived entry is checked again at run time: every
+    attention module that runs must have called seqpar's attention (Note [attention went through seqpar]).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING
+
+from seqpar.models.families import LLAMA_TP_PLAN, Family
+
+if TYPE_CHECKING:
+    from torch import nn
+
+_TEXT_MODELS = ("language_model", "text_model")  # where a multimodal decoder keeps its text decoder
+_VISION_TOWERS = ("vision_tower", "visual", "vision_model")
+_MLP_WORDS = ("mlp", "feedforward", "feed_forward", "ffn", "moe", "experts")
+_PLAIN_STYLES = ("colwise", "rowwise")
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """A norm class by its name (LayerNorm, RMSNorm and their family copies): each acts on one token."""
+    return "norm" in type(module).__name__.lower()
+
+
+def _calls_attention_functions(module: nn.Module) -> bool:
+    """Its class's forward looks its attention up in transformers' ``ALL_ATTENTION_FUNCTIONS``."""
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return False
+    return "ALL_ATTENTION_FUNCTIONS" in source or "attention_interface" in source
+
+
+def _nested_block(attention: nn.Module) -> str | None:
+    """The name and class of a child of ``attention`` that holds parameterised children of its own, or None."""
+    for name, child in attention.named_children():
+        if not _is_norm(child) and any(next(c.parameters(), None) is not None for c in child.children()):
+            return f"{name} ({type(child).__name__})"
+    return None
+
+
+def _is_mlp(name: str, module: nn.Module, planned: set[str]) -> bool:
+    """Named an MLP by the tp plan, its name or its class, and holding no convolution or pooling (a token window)."""
+    from torch import nn
+
+    windows = (nn.modules.conv._ConvNd, nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd)
+    kind = type(module).__name__.lower()
+    named = name in planned or any(word in kind or word == name for word in _MLP_WORDS)
+    return named and not any(isinstance(m, windows) for m in module.modules())
+
+
+def _path_of(root: nn.Module, target: nn.Module) -> str | None:
+    return next((name for name, m in root.named_modules() if m is target), None)
+
+
+def _plan(config: object, name: str) -> dict:
+    plan = getattr(config, name, None)
+    return dict(plan) if isinstance(plan, dict) else {}
+
+
+def _decoder_parts(text: nn.Module) -> tuple[str, str, str | None] | str:
+    """The text decoder's embedding, layer list and final norm paths, from its pp plan or its children."""
+    from torch import nn
+
+    try:
+        embedding = _path_of(text, text.get_input_embeddings())
+    except (AttributeError, NotImplementedError):  # a model class that does not say
+        embedding = None
+    lists = [name for name, child in text.named_children() if isinstance(child, nn.ModuleList)]
+    plan = [key for key in _plan(getattr(text, "config", None), "base_model_pp_plan") if "." not in key]
+    tables = [name for name, child in text.named_children() if isinstance(child, nn.Embedding)]
+    embedding = embedding or next((key for key in plan if key in tables), None) or (tables[0] if tables else None)
+    planned_lists = [key for key in plan if key in lists]
+    layers = planned_lists[0] if len(planned_lists) == 1 else (lists[0] if len(lists) == 1 else None)
+    if embedding is None or layers is None:
+        return (
+            f"{type(text).__name__} names no single input embedding and decoder layer list "
+            f"(its module lists: {', '.join(lists) or 'none'})"
+        )
+    names = list(dict(text.named_children()))
+    after = names[names.index(layers) + 1 :]
+    norms = [key for key in plan if key in after and _is_norm(getattr(text, key))]
+    norms = norms or [key for key in after if _is_norm(getattr(text, key))]
+    return embedding, layers, (norms[-1] if norms else None)
+
+
+def _layer_parts(layers: nn.ModuleList, tp_plan: dict) -> dict | str:
+    """A layer's attention, MLP, experts and norm paths, the same in every layer (or the reason not)."""
+    from torch import nn
+
+    planned = {key.split(".")[2] for key in tp_plan if key.startswith("layers.*.") and key.count(".") >= 3}
+    found: dict = {}
+    for i, layer in enumerate(layers):
+        attention, mlps, norms, linears = [], [], [], []
+        for name, child in layer.named_children():
+            if _is_norm(child):
+                norms.append(name)
+            elif _calls_attention_functions(child):
+                attention.append(name)
+            elif isinstance(child, nn.Linear):  # an MLP's projections held by the layer itself (OPT's fc1, fc2)
+                linears.append(name)
+            elif _is_mlp(name, child, planned) and next(child.parameters(), None) is not None:
+                mlps.append(name)
+        if len(attention) != 1 or len(mlps) > 1 or not (mlps or linears):
+            known = {*attention, *mlps, *norms, *linears}
+            others = [f"{n} ({type(c).__name__})" for n, c in layer.named_children() if n not in known]
+            return (
+                f"layer {i} ({type(layer).__name__}) holds {len(attention)} attention module(s) that call "
+                f"transformers' attention functions ({', '.join(attention) or 'none'}) and {len(mlps)} MLP(s) "
+                f"({', '.join(mlps) or 'none'}), where seqpar reads one of each; its other parts: "
+                f"{', '.join(others) or 'none'}"
+            )
+        nested = _nested_block(getattr(layer, attention[0]))
+        if nested is not None:
+            return (
+                f"the attention of layer {i} holds {attention[0]}.{nested}, a block of its own that seqpar does "
+                "not know (a sparse-attention indexer or similar selects keys seqpar's attention would not see)"
+            )
+        mlp = getattr(layer, mlps[0]) if mlps else None
+        parts = dict(
+            attention=attention[0],
+            mlp=mlps[0] if mlps else None,
+            experts="experts" if hasattr(mlp, "experts") else None,
+            layer_norms=tuple(norms),
+            per_token=tuple(linears),
+        )
+        if found and parts["layer_norms"] != found["layer_norms"]:  # a layer with more norms than the first
+            parts["layer_norms"] = tuple(dict.fromkeys((*found["layer_norms"], *parts["layer_norms"])))
+        if found and (parts["attention"], parts["mlp"]) != (found["attention"], found["mlp"]):
+            return f"its layers keep attention and MLP under different names ({found} in layer 0, {parts} in layer {i})"
+        if found and parts["per_token"] != found["per_token"]:
+            return f"its layers hold different projections of their own ({found['per_token']} and {parts['per_token']})"
+        found = {**parts, "experts": found.get("experts") or parts["experts"]}
+    return found
+
+
+def _tp_plan(tp_plan: dict, attention: str, mlp: str | None, experts: str | None) -> tuple | None:
+    """The family's own per-layer tensor-parallel plan, where it uses only plain column and row splits."""
+    rows = []
+    for key, style in tp_plan.items():
+        if not key.startswith("layers.*."):
+            continue
+        path = key.removeprefix("layers.*.")
+        if style not in _PLAIN_STYLES or path.split(".")[0] not in (attention, mlp or attention):
+            return None
+        rows.append((path, style))
+    if experts is not None or not rows or {style for _, style in rows} != set(_PLAIN_STYLES):
+        return None
+    return tuple(rows) if tuple(rows) != LLAMA_TP_PLAN else LLAMA_TP_PLAN
+
+
+def _head(model: nn.Module, text: nn.Module) -> str | None:
+    """The output head: the model's declared one, else its one child projecting onto the embedding's vocabulary."""
+    from torch import nn
+
+    try:
+        declared = model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):  # a model class that does not say
+        declared = None
+    if isinstance(declared, nn.Module):
+        return _path_of(model, declared)
+    vocab = getattr(text.get_submodule(_decoder_parts(text)[0]), "num_embeddings", None)
+    heads = [n for n, c in model.named_children() if isinstance(c, nn.Linear) and c.out_features == vocab]
+    return heads[0] if len(heads) == 1 else None
+
+
+def derive_family(model: nn.Module) -> Family | str:
+    """Read a transformers model's anatomy from its own declarations and classes (Note [read anatomy]).
+
+    Args:
+        model: a transformers model (with a head or a bare decoder) whose ``model_type`` has no registry entry.
+
+    Returns:
+        A ``Family`` for it, or a sentence naming what cannot be read.
+    """
+    from torch import nn
+
+    model_type = model.config.model_type
+    prefix = getattr(model, "base_model_prefix", "")
+    outer = getattr(model, prefix, None) if prefix else None
+    decoder = prefix if isinstance(outer, nn.Module) else "model"
+    outer = outer if isinstance(outer, nn.Module) else model
+    text_model = next((n for n in _TEXT_MODELS if isinstance(getattr(outer, n, None), nn.Module)), None)
+    text = getattr(outer, text_model) if text_model else outer
+    inner = model.get_decoder() if text_model is None and callable(getattr(model, "get_decoder", None)) else None
+    nested = _path_of(outer, inner) if isinstance(inner, nn.Module) and inner is not outer else None
+    if nested:  # a decoder inside the base model (OPT's model.decoder)
+        text_model, text = nested, inner
+    vision = next((n for n in _VISION_TOWERS if isinstance(getattr(outer, n, None), nn.Module)), None)
+    parts = _decoder_parts(text)
+    if isinstance(parts, str):
+        return parts
+    embedding, layers, norm = parts
+    tp_plan = _plan(getattr(text, "config", None), "base_model_tp_plan")
+    layer = _layer_parts(getattr(text, layers), tp_plan)
+    if isinstance(layer, str):
+        return layer
+    rotary = next((n for n, child in text.named_children() if "rotary" in type(child).__name__.lower()), None)
+    head = _head(model, text) if outer is not model else None
+    return Family(
+        model_type,
+        decoder=decoder,
+        text_model=text_model,
+        layers=layers,
+        embedding=embedding,
+        norm=norm,
+        rotary=rotary,
+        head=head or "lm_head",
+        tp_plan=_tp_plan(tp_plan, layer["attention"], layer["mlp"], layer["experts"]),
+        vision=vision,
+        attention_interface=True,  # checked at run time (Note [attention went through seqpar])
+        derived=True,
+        **layer,
+    )
