@@ -121,7 +121,7 @@ def tiny_config(model_type: str) -> Any:
     except Exception as error:  # noqa: BLE001 - a sentence for the sweep, not an exception
         return f"its default config does not build: {_last_line(error)}"
     try:
-        fields = _tiny_fields(default)
+        fields = _tiny_fields(default, _reads_mrope_sections(model_type))
         return type(default)(**fields)
     except Exception as error:  # noqa: BLE001
         return f"no tiny config: {_last_line(error)}"
@@ -132,7 +132,19 @@ def _last_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[-1].strip() if lines else ''}"[:300]
 
 
-def _tiny_fields(config: Any) -> dict[str, Any]:
+def _reads_mrope_sections(model_type: str) -> bool:
+    """Whether the model's code splits its rotary table into multimodal sections (with a default of its own when
+    the config names none: 64 rotary halves in Qwen2-VL's, which a tiny head does not have)."""
+    import sys
+
+    import transformers
+
+    model_class = getattr(transformers, model_class_name(model_type), None)
+    module = sys.modules.get(model_class.__module__) if model_class is not None else None
+    return module is not None and "mrope_section" in inspect.getsource(module)
+
+
+def _tiny_fields(config: Any, mrope: bool = False) -> dict[str, Any]:
     """The keyword arguments of a tiny ``type(config)``: its own fields shrunk, its sub-configs as shrunk dicts."""
     import transformers
 
@@ -140,17 +152,30 @@ def _tiny_fields(config: Any) -> dict[str, Any]:
     names = _real_names(config)
     tiny: dict[str, Any] = {}
     for key, value in fields.items():
-        if isinstance(getattr(config, key, None), transformers.PretrainedConfig):
-            sub = getattr(config, key)
-            tiny[key] = {**_tiny_fields(sub), "model_type": sub.model_type}
+        sub = _field(config, key)
+        if isinstance(sub, transformers.PretrainedConfig):
+            tiny[key] = {**_tiny_fields(sub, mrope), "model_type": sub.model_type}
         elif key in _DROPPED:
             continue
         else:
             tiny[key] = value
+    old = dict(tiny)
     _shrink(tiny, names)
-    _shrink_layers(tiny, names)
+    _shrink_layers(tiny, names, old)
+    rope = tiny.get("rope_parameters")
+    if mrope and isinstance(rope, dict) and "mrope_section" not in rope:
+        tiny["rope_parameters"] = {**rope, "mrope_section": [16, 24, 24]}  # Qwen2-VL's proportions
+    _match_derived_sizes(tiny, old)
     _place_special_ids(tiny)
     return tiny
+
+
+def _field(config: Any, key: str) -> Any:
+    """``config.key``, or None where reading it raises (a per-layer field of a heterogeneous config)."""
+    try:
+        return getattr(config, key, None)
+    except Exception:
+        return None
 
 
 _DROPPED = frozenset({"transformers_version", "architectures", "_name_or_path", "dtype", "torch_dtype"})
@@ -178,7 +203,19 @@ def _at_least(n: int) -> Callable[[Any], Any]:
 
 
 _RULES: tuple[_Rule, ...] = (
-    (("hidden_size", "d_model", "n_embd", "embed_dim", "model_dim", "out_hidden_size", "projection_dim"), _to(HIDDEN)),
+    (
+        (
+            "hidden_size",
+            "d_model",
+            "n_embd",
+            "embed_dim",
+            "model_dim",
+            "out_hidden_size",
+            "projection_dim",
+            "embedding_dim",
+        ),
+        _to(HIDDEN),
+    ),
     (("intermediate_size", "ffn_dim", "n_inner", "d_ff", "ffn_hidden_size", "decoder_ffn_dim"), _to(INTERMEDIATE)),
     (
         (
@@ -195,7 +232,9 @@ _RULES: tuple[_Rule, ...] = (
         ("num_attention_heads", "n_head", "num_heads", "n_heads", "attention_heads", "decoder_attention_heads"),
         _to(HEADS),
     ),
-    (("head_dim", "attention_head_dim", "kv_channels"), _to(HEAD_DIM)),
+    (("head_dim", "attention_head_dim", "kv_channels", "qk_head_dim"), _to(HEAD_DIM)),
+    (("rotary_dim",), _to(HEAD_DIM // 2)),
+    (("attention_hidden_size",), _to(2 * HIDDEN)),
     (("vocab_size", "vocab_size_per_layer_input", "text_vocab_size"), _to(TINY_VOCAB)),
     (("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length"), _at_least(MAX_POSITIONS)),
     (("sliding_window", "attention_chunk_size", "sliding_window_size"), _at_most(WINDOW)),
@@ -205,6 +244,7 @@ _RULES: tuple[_Rule, ...] = (
     ),
     (("num_experts_per_tok", "moe_topk", "moe_k", "num_experts_per_token", "top_k"), _at_most(TOP_K)),
     (("n_group", "topk_group", "n_shared_experts", "num_shared_experts"), _at_most(1)),
+    (("num_kv_shared_layers",), _at_most(2)),
     (("first_k_dense_replace", "first_k_dense", "num_dense_layers"), _at_most(1)),
     (("num_nextn_predict_layers", "mtp_num_layers", "num_mtp_layers"), _to(0)),
     # MLA: q/k heads of 8 + 8 rotary, values of 16, small latent ranks
@@ -217,7 +257,7 @@ _RULES: tuple[_Rule, ...] = (
     (("linear_num_value_heads", "linear_num_heads"), _to(HEADS)),
     (("linear_key_head_dim", "linear_value_head_dim", "linear_head_dim"), _to(HEAD_DIM)),
     (("mamba_n_heads", "mamba_num_heads", "n_mamba_heads"), _to(HEADS)),
-    (("mamba_d_head", "mamba_head_dim"), _to(2 * HIDDEN // HEADS)),
+    (("mamba_d_head", "mamba_head_dim", "mamba_headdim"), _to(2 * HIDDEN // HEADS)),
     (("mamba_d_ssm",), _to(2 * HIDDEN)),
     (("mamba_d_state", "ssm_state_size", "state_size", "d_state"), _at_most(8)),
     (("mamba_n_groups", "mamba_ngroups", "n_groups"), _at_most(1)),
@@ -252,7 +292,18 @@ def _shrink(fields: dict[str, Any], names: dict[str, str]) -> None:
 _LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "depth")
 
 
-def _shrink_layers(fields: dict[str, Any], names: dict[str, str]) -> None:
+def _scaled_layer(layer: dict[str, Any], fields: dict[str, Any], old_fields: dict[str, Any]) -> dict[str, Any]:
+    """One layer's own sizes scaled as the config's same sizes were (a global layer's heads twice as wide stay so)."""
+    scaled = {}
+    for key, value in layer.items():
+        base_old, base_new = old_fields.get(key), fields.get(key)
+        if isinstance(value, int) and isinstance(base_old, int) and isinstance(base_new, int) and base_old:
+            value = max(1, base_new * value // base_old)
+        scaled[key] = value
+    return scaled
+
+
+def _shrink_layers(fields: dict[str, Any], names: dict[str, str], old_fields: dict[str, Any]) -> None:
     """Cut the layer count, keeping one layer of each kind every per-layer pattern has (and at least 2)."""
     count_key = next((names.get(k, k) for k in _LAYER_COUNTS if isinstance(fields.get(names.get(k, k)), int)), None)
     if count_key is None:
@@ -262,11 +313,20 @@ def _shrink_layers(fields: dict[str, Any], names: dict[str, str]) -> None:
     patterns |= {
         k: v for k, v in fields.items() if isinstance(v, str) and len(v) == old and old > 1 and k != "model_type"
     }
+    per_layer = fields.get("per_layer_config")
+    if isinstance(per_layer, dict) and per_layer:  # a heterogeneous config: each listed layer's own fields
+        by_index = {int(k): v for k, v in per_layer.items()}
+        patterns["per_layer_config"] = [by_index.get(i) for i in range(old)]
     keep = _kept_layers(list(patterns.values()), old)
+    if fields.get("num_kv_shared_layers"):  # the last layers read earlier layers' caches: one of each kind again
+        keep = sorted(keep + [old - len(keep) + i for i in range(len(keep))])
     fields[count_key] = len(keep)
     for key, pattern in patterns.items():
         cut = [pattern[i] for i in keep]
-        fields[key] = "".join(cut) if isinstance(pattern, str) else type(pattern)(cut)
+        if key == "per_layer_config":
+            fields[key] = {str(i): _scaled_layer(layer, fields, old_fields) for i, layer in enumerate(cut) if layer}
+        else:
+            fields[key] = "".join(cut) if isinstance(pattern, str) else type(pattern)(cut)
     for key, value in list(fields.items()):
         if key.endswith("_layer_period") and isinstance(value, int) and value > len(keep):
             fields[key] = len(keep)
@@ -305,3 +365,47 @@ def _place_special_ids(fields: dict[str, Any]) -> None:
             fields[key] = [next(above, TINY_VOCAB - 1) for _ in value]
         elif isinstance(value, int):
             fields[key] = next(above, TINY_VOCAB - 1)
+
+
+def _match_derived_sizes(fields: dict[str, Any], old: dict[str, Any]) -> None:
+    """Put back the relations between sizes that the rules cut one by one, and fill sizes a model needs but whose
+    default is None (the modelling code reads them without deriving them)."""
+    heads = fields.get("num_attention_heads")
+    if "head_dim" in fields and fields["head_dim"] is None and isinstance(heads, int):
+        fields["head_dim"] = HEAD_DIM
+    if "num_key_value_heads" in fields and fields["num_key_value_heads"] is None and isinstance(heads, int):
+        fields["num_key_value_heads"] = heads  # None: multi-head
+    experts = next((fields[k] for k in ("n_routed_experts", "num_experts", "num_local_experts") if fields.get(k)), 0)
+    if "num_experts_per_tok" in fields and fields["num_experts_per_tok"] is None and experts:
+        fields["num_experts_per_tok"] = TOP_K
+    # MLA: head_dim names the rotary part (DeepSeek-V3) or the whole query/key head
+    rope, nope = old.get("qk_rope_head_dim"), old.get("qk_nope_head_dim")
+    if isinstance(rope, int) and isinstance(old.get("head_dim"), int):
+        if old["head_dim"] == rope:
+            fields["head_dim"] = fields["qk_rope_head_dim"]
+        elif isinstance(nope, int) and old["head_dim"] == rope + nope:
+            fields["head_dim"] = fields["qk_rope_head_dim"] + fields["qk_nope_head_dim"]
+    # state-space heads tile the expanded width (Mamba2: num_heads x head_dim = expand x hidden)
+    expand, hidden = fields.get("expand"), fields.get("hidden_size")
+    if isinstance(expand, int) and isinstance(hidden, int) and isinstance(heads := fields.get("num_heads"), int):
+        if isinstance(fields.get("head_dim"), int) and "num_attention_heads" not in fields:
+            fields["head_dim"] = expand * hidden // heads
+    layer_types = fields.get("layer_types")
+    if fields.get("sliding_window", 0) is None and layer_types and "sliding_attention" in layer_types:
+        fields["sliding_window"] = WINDOW
+    _shrink_mrope(fields)
+
+
+def _shrink_mrope(fields: dict[str, Any]) -> None:
+    """Multimodal rotary sections (time, height, width) cut in proportion to the tiny rotary half."""
+    rope = fields.get("rope_parameters")
+    sections = rope.get("mrope_section") if isinstance(rope, dict) else None
+    if not sections:
+        return
+    rotary = fields.get("qk_rope_head_dim") or fields.get("head_dim") or HEAD_DIM
+    factor = rope.get("partial_rotary_factor") or fields.get("partial_rotary_factor") or 1.0
+    half = int(rotary * factor) // 2
+    total = sum(sections)
+    cut = [max(1, round(s * half / total)) for s in sections]
+    cut[0] += half - sum(cut)
+    fields["rope_parameters"] = {**rope, "mrope_section": cut}
