@@ -4,7 +4,7 @@ tiny, run on one process and under sequence parallelism through seqpar's own-loo
 Run::
 
     python -m benchmarks.zoo                              # every family at sp 2 -> benchmarks/zoo_cpu.json
-    python -m benchmarks.zoo --only llama,gemma3 --sp 3   # a subset at sp 3 (48-token rows: 2 x 3 divides them)
+    python -m benchmarks.zoo --only llama,gemma3 --sp 3   # a subset at sp 3
     python -m benchmarks.zoo --out /tmp/zoo.json
 
 One pool of gloo ranks (one thread each) serves every family. On every rank a family's tiny model
@@ -49,7 +49,8 @@ import torch
 
 from benchmarks import ROOT, save_records
 
-EXACT, WRONG, REFUSED, CRASH, HANG, BUILD, SET_ASIDE = "EXACT", "WRONG", "REFUSED", "CRASH", "HANG", "BUILD", "SET ASIDE"
+EXACT, WRONG, REFUSED, CRASH, HANG, BUILD = "EXACT", "WRONG", "REFUSED", "CRASH", "HANG", "BUILD"
+SET_ASIDE = "SET ASIDE"
 STATUSES = (EXACT, REFUSED, WRONG, CRASH, HANG, BUILD, SET_ASIDE)
 ROWS = 2
 RTOL = 1e-4
@@ -104,9 +105,7 @@ def _reference(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor,
     return logits.detach(), loss.detach(), grads
 
 
-def _judge(
-    name: str, got: torch.Tensor, fp32: torch.Tensor, fp64: torch.Tensor | None
-) -> tuple[float, str] | None:
+def _judge(name: str, got: torch.Tensor, fp32: torch.Tensor, fp64: torch.Tensor | None) -> tuple[float, str] | None:
     """(distance over bound, description) of ``got`` against the references; None when both are exact zeros."""
     got, fp32 = got.detach().double(), fp32.detach().double()
     gap = float((got - fp32).abs().max()) if got.numel() else 0.0
@@ -219,10 +218,20 @@ def _merge(outcomes: list[dict[str, Any] | None]) -> dict[str, Any]:
     return {k: v for k, v in first.items() if k != "trace"} | ({"trace": first["trace"]} if "trace" in first else {})
 
 
+def _read_outcome(path: str) -> dict[str, Any] | None:
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
 def _sweep(sp_size: int, only: list[str] | None, deadline_s: float) -> dict[str, Any]:
+    import transformers
+
     from seqpar.models.zoo import zoo_model_types
     from tests._pool import RankPool
 
+    transformers.logging.set_verbosity_error()  # default configs warn of their special ids: not the sweep's news
     entries = zoo_model_types()
     if only:
         unknown = sorted(set(only) - set(entries))
@@ -239,21 +248,12 @@ def _sweep(sp_size: int, only: list[str] | None, deadline_s: float) -> dict[str,
                 continue
             started = time.perf_counter()
             with tempfile.TemporaryDirectory(prefix="seqpar-zoo-") as out_dir:
-                with contextlib.redirect_stdout(open(os.devnull, "w")):  # the pool echoes each rank's output
-                    try:
-                        pool.run(
-                            _family_on_rank,
-                            model_type,
-                            entry.mappings,
-                            out_dir,
-                            deadline=timedelta(seconds=deadline_s),
-                        )
-                    except Exception:  # a rank died or hung: the pool is torn down, the next run starts another
-                        pass
-                outcomes = []
-                for rank in range(sp_size):
-                    path = os.path.join(out_dir, f"rank{rank}.json")
-                    outcomes.append(json.load(open(path)) if os.path.exists(path) else None)
+                # the pool echoes the ranks' output: kept out of the table. A rank that died or hung tears the
+                # pool down (its outcome file missing says so); the next run starts another pool
+                with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.suppress(Exception):
+                    deadline = timedelta(seconds=deadline_s)
+                    pool.run(_family_on_rank, model_type, entry.mappings, out_dir, deadline=deadline)
+                outcomes = [_read_outcome(os.path.join(out_dir, f"rank{rank}.json")) for rank in range(sp_size)]
             outcome = _merge(outcomes)
             results[model_type] = row | outcome | {"seconds": round(time.perf_counter() - started, 2)}
             said = outcome.get("worst") if outcome["status"] in (EXACT, WRONG) else outcome.get("reason", "")

@@ -89,7 +89,7 @@ def _set_aside(model_type: str) -> str | None:
 
     try:
         config = transformers.AutoConfig.for_model(model_type)
-    except Exception:  # noqa: BLE001 - the sweep reports it as BUILD, with tiny_config's sentence
+    except Exception:  # the sweep reports it as BUILD, with tiny_config's sentence
         return None
     if getattr(config, "is_encoder_decoder", False):
         return "an encoder-decoder (config.is_encoder_decoder): its language model is the decoder half"
@@ -118,12 +118,12 @@ def tiny_config(model_type: str) -> Any:
 
     try:
         default = transformers.AutoConfig.for_model(model_type)
-    except Exception as error:  # noqa: BLE001 - a sentence for the sweep, not an exception
+    except Exception as error:  # a sentence for the sweep, not an exception
         return f"its default config does not build: {_last_line(error)}"
     try:
         fields = _tiny_fields(default, _reads_mrope_sections(model_type))
         return type(default)(**fields)
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         return f"no tiny config: {_last_line(error)}"
 
 
@@ -386,10 +386,10 @@ def _match_derived_sizes(fields: dict[str, Any], old: dict[str, Any]) -> None:
         elif isinstance(nope, int) and old["head_dim"] == rope + nope:
             fields["head_dim"] = fields["qk_rope_head_dim"] + fields["qk_nope_head_dim"]
     # state-space heads tile the expanded width (Mamba2: num_heads x head_dim = expand x hidden)
-    expand, hidden = fields.get("expand"), fields.get("hidden_size")
-    if isinstance(expand, int) and isinstance(hidden, int) and isinstance(heads := fields.get("num_heads"), int):
-        if isinstance(fields.get("head_dim"), int) and "num_attention_heads" not in fields:
-            fields["head_dim"] = expand * hidden // heads
+    expand, hidden, ssm_heads = fields.get("expand"), fields.get("hidden_size"), fields.get("num_heads")
+    widths = (expand, hidden, ssm_heads, fields.get("head_dim"))
+    if all(isinstance(w, int) for w in widths) and "num_attention_heads" not in fields:
+        fields["head_dim"] = expand * hidden // ssm_heads
     layer_types = fields.get("layer_types")
     if fields.get("sliding_window", 0) is None and layer_types and "sliding_attention" in layer_types:
         fields["sliding_window"] = WINDOW
