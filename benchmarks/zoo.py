@@ -5,7 +5,7 @@ Run::
 
     python -m benchmarks.zoo                              # every family at sp 2 -> benchmarks/zoo_cpu.json
     python -m benchmarks.zoo --only llama,gemma3 --sp 3   # a subset at sp 3
-    python -m benchmarks.zoo --out /tmp/zoo.json
+    python -m benchmarks.zoo --packed --out /tmp/zoo_packed.json  # a row of two documents vs each alone
 
 One pool of gloo ranks (one thread each) serves every family. On every rank a family's tiny model
 (``seqpar.models.zoo.tiny_config``; image-text-to-text models run their text path, no images) takes a batch of
@@ -60,6 +60,11 @@ ATTENTION = ("sdpa", "eager")
 """The attention implementations tried in order: the first the model accepts is built."""
 
 
+def _documents(seq: int) -> tuple[int, ...]:
+    """Two documents in one row, the edge inside a shard at sp 2 and 3 (10 of 24 tokens)."""
+    return (seq * 5 // 12, seq - seq * 5 // 12)
+
+
 def _seq_len(sp_size: int) -> int:
     """Row length: 24 tokens at sp 2 (as issue 58 asks), else the least multiple of 24 that zigzag cuts evenly."""
     return 24 if 24 % (2 * sp_size) == 0 else 24 * (2 * sp_size) // math.gcd(24, 2 * sp_size)
@@ -94,15 +99,32 @@ def _build(model_type: str, mappings: tuple[str, ...]) -> torch.nn.Module | str:
     return f"the tiny model does not build: {_last_line(error)}"
 
 
-def _reference(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """One process, the whole batch: logits, the token-mean loss of next-token prediction, and the gradients."""
+def _reference(
+    model: torch.nn.Module, ids: torch.Tensor, documents: tuple[int, ...] | None
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """One process, the whole batch: logits, the token-mean loss of next-token prediction, and the gradients.
+
+    ``documents``: the lengths of the documents packed in each row, each run by itself (None: whole rows).
+    """
     model.zero_grad(set_to_none=True)
-    positions = torch.arange(ids.shape[1])[None].expand_as(ids)
-    logits = model(input_ids=ids, position_ids=positions).logits
-    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+    pieces = [(0, ids.shape[1])] if documents is None else list(zip(_starts(documents), documents))
+    logits, total, count = [], 0.0, 0
+    for start, n in pieces:
+        doc = ids[:, start : start + n]
+        out = model(input_ids=doc, position_ids=torch.arange(n)[None].expand_as(doc)).logits
+        predicted = torch.nn.functional.cross_entropy(
+            out[:, :-1].flatten(0, 1).float(), doc[:, 1:].flatten(), reduction="sum"
+        )
+        logits.append(out.detach())
+        total, count = total + predicted, count + doc[:, 1:].numel()
+    loss = total / count
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return logits.detach(), loss.detach(), grads
+    return torch.cat(logits, dim=1), loss.detach(), grads
+
+
+def _starts(documents: tuple[int, ...]) -> list[int]:
+    return [sum(documents[:i]) for i in range(len(documents))]
 
 
 def _judge(name: str, got: torch.Tensor, fp32: torch.Tensor, fp64: torch.Tensor | None) -> tuple[float, str] | None:
@@ -122,19 +144,23 @@ def _judge(name: str, got: torch.Tensor, fp32: torch.Tensor, fp64: torch.Tensor 
     return ratio, f"{name}: {gap:.2e} from one process, bound {bound:.2e} (scale {scale:.2e}, fp32 floor {floor:.2e})"
 
 
-def _family_on_rank(rank: int, world_size: int, model_type: str, mappings: tuple[str, ...], out_dir: str) -> None:
+def _family_on_rank(
+    rank: int, world_size: int, model_type: str, mappings: tuple[str, ...], packed: bool, out_dir: str
+) -> None:
     """Judge one family on this rank and write the outcome to ``out_dir/rank<r>.json`` (never raise)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            outcome = _judge_family(rank, world_size, model_type, mappings)
+            outcome = _judge_family(rank, world_size, model_type, mappings, packed)
         except Exception as error:  # a failure of the harness itself, reported rather than hung
             outcome = {"status": CRASH, "reason": f"harness: {_last_line(error)}"}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(outcome, f)
 
 
-def _judge_family(rank: int, world_size: int, model_type: str, mappings: tuple[str, ...]) -> dict[str, Any]:
+def _judge_family(
+    rank: int, world_size: int, model_type: str, mappings: tuple[str, ...], packed: bool
+) -> dict[str, Any]:
     import transformers
 
     import seqpar
@@ -147,23 +173,28 @@ def _judge_family(rank: int, world_size: int, model_type: str, mappings: tuple[s
     if isinstance(model, str):
         return {"status": BUILD, "reason": model}
     seq = _seq_len(world_size)
-    ids = torch.randint(*TEXT_IDS, (ROWS, seq), generator=torch.Generator().manual_seed(1))
+    documents = _documents(seq) if packed else None
+    ids = torch.randint(*TEXT_IDS, (1 if packed else ROWS, seq), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids}
+    if documents is not None:  # positions restart at each document: seqpar keeps them apart
+        batch["position_ids"] = torch.cat([torch.arange(n) for n in documents])[None]
     started = time.perf_counter()
+    pristine = copy.deepcopy(model)  # before any forward: a model may keep non-leaf tensors (Recurrent Gemma)
     try:
-        want_logits, want_loss, want_grads = _reference(model, ids)
+        want_logits, want_loss, want_grads = _reference(model, ids, documents)
     except Exception as error:
         return {"status": BUILD, "reason": f"one process cannot run its text path: {_last_line(error)}"}
     try:
-        exact_logits, exact_loss, exact_grads = _reference(copy.deepcopy(model).double(), ids)
+        exact_logits, exact_loss, exact_grads = _reference(copy.deepcopy(pristine).double(), ids, documents)
     except Exception:  # a model that takes no float64 (a kernel, a dtype it hard-codes): RTOL alone
         exact_logits, exact_loss, exact_grads = None, None, {}
     reference_s = time.perf_counter() - started
 
     mesh = seqpar.make_mesh(sp_size=world_size)
     try:
-        parallel = seqpar.prepare_model(copy.deepcopy(model), mesh)
+        parallel = seqpar.prepare_model(pristine, mesh)
         parallel.zero_grad(set_to_none=True)
-        shard = seqpar.shard_batch({"input_ids": ids}, mesh)
+        shard = seqpar.shard_batch(batch, mesh)
         logits = parallel(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
         loss = seqpar.cross_entropy(logits.float(), shard["shift_labels"], mesh)
         loss.backward()
@@ -225,7 +256,7 @@ def _read_outcome(path: str) -> dict[str, Any] | None:
         return json.load(f)
 
 
-def _sweep(sp_size: int, only: list[str] | None, deadline_s: float) -> dict[str, Any]:
+def _sweep(sp_size: int, only: list[str] | None, deadline_s: float, packed: bool) -> dict[str, Any]:
     import transformers
 
     from seqpar.models.zoo import zoo_model_types
@@ -252,7 +283,7 @@ def _sweep(sp_size: int, only: list[str] | None, deadline_s: float) -> dict[str,
                 # pool down (its outcome file missing says so); the next run starts another pool
                 with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.suppress(Exception):
                     deadline = timedelta(seconds=deadline_s)
-                    pool.run(_family_on_rank, model_type, entry.mappings, out_dir, deadline=deadline)
+                    pool.run(_family_on_rank, model_type, entry.mappings, packed, out_dir, deadline=deadline)
                 outcomes = [_read_outcome(os.path.join(out_dir, f"rank{rank}.json")) for rank in range(sp_size)]
             outcome = _merge(outcomes)
             results[model_type] = row | outcome | {"seconds": round(time.perf_counter() - started, 2)}
@@ -276,6 +307,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sp", type=int, default=2, help="sequence-parallel degree (ranks in the pool)")
     parser.add_argument("--only", default="", help="comma-separated model types (default: the whole zoo)")
+    parser.add_argument(
+        "--packed", action="store_true", help="one row of two documents against each document alone, not whole rows"
+    )
     parser.add_argument("--deadline", type=float, default=120.0, help="seconds one family may take before HANG")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "zoo_cpu.json"), help="the JSON record")
     args = parser.parse_args(argv)
@@ -283,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
 
     started = time.perf_counter()
     only = [m for m in args.only.split(",") if m] or None
-    results = _sweep(args.sp, only, args.deadline)
+    results = _sweep(args.sp, only, args.deadline, args.packed)
     wall = time.perf_counter() - started
     totals = _totals(results)
     print(f"\n{'':18s}" + "".join(f"{s:>10s}" for s in STATUSES))
@@ -295,7 +329,8 @@ def main(argv: list[str] | None = None) -> None:
         "torch": torch.__version__,
         "sp": args.sp,
         "seq": _seq_len(args.sp),
-        "rows": ROWS,
+        "rows": 1 if args.packed else ROWS,
+        "documents": list(_documents(_seq_len(args.sp))) if args.packed else None,
         "wall_s": round(wall, 1),
         "totals": totals,
         "models": results,

@@ -163,7 +163,8 @@ def _tiny_fields(config: Any, mrope: bool = False) -> dict[str, Any]:
     _shrink(tiny, names)
     _shrink_layers(tiny, names, old)
     rope = tiny.get("rope_parameters")
-    if mrope and isinstance(rope, dict) and "mrope_section" not in rope:
+    flat_rope = isinstance(rope, dict) and "rope_type" in rope  # not keyed by layer type (Cohere Compass)
+    if mrope and flat_rope and "mrope_section" not in rope:
         tiny["rope_parameters"] = {**rope, "mrope_section": [16, 24, 24]}  # Qwen2-VL's proportions
     _match_derived_sizes(tiny, old)
     _place_special_ids(tiny)
