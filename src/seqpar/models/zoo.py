@@ -233,7 +233,7 @@ _RULES: tuple[_Rule, ...] = (
         ("num_attention_heads", "n_head", "num_heads", "n_heads", "attention_heads", "decoder_attention_heads"),
         _to(HEADS),
     ),
-    (("head_dim", "attention_head_dim", "kv_channels", "qk_head_dim"), _to(HEAD_DIM)),
+    (("head_dim", "attention_head_dim", "kv_channels", "qk_head_dim", "d_head"), _to(HEAD_DIM)),
     (("rotary_dim",), _to(HEAD_DIM // 2)),
     (("attention_hidden_size",), _to(2 * HIDDEN)),
     (("vocab_size", "vocab_size_per_layer_input", "text_vocab_size"), _to(TINY_VOCAB)),
@@ -288,6 +288,8 @@ def _shrink(fields: dict[str, Any], names: dict[str, str]) -> None:
             fields[key] = KV_HEADS if fields[key] < old_heads else HEADS
     if "use_cache" in fields:
         fields["use_cache"] = False
+    if fields.get("is_decoder") is False:  # a decoder-only model that asks for the flag (Reformer's LM head)
+        fields["is_decoder"] = True
 
 
 _LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "depth")
