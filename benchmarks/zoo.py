@@ -1,0 +1,343 @@
+"""``python -m benchmarks.zoo``: every causal-LM and image-text-to-text family of the installed transformers, built
+tiny, run on one process and under sequence parallelism through seqpar's own-loop door, and classified (issue 58).
+
+Run::
+
+    python -m benchmarks.zoo                              # every family at sp 2 -> benchmarks/zoo_cpu.json
+    python -m benchmarks.zoo --only llama,gemma3 --sp 3   # a subset at sp 3
+    python -m benchmarks.zoo --packed --out /tmp/zoo_packed.json  # a row of two documents vs each alone
+
+One pool of gloo ranks (one thread each) serves every family. On every rank a family's tiny model
+(``seqpar.models.zoo.tiny_config``; image-text-to-text models run their text path, no images) takes a batch of
+2 random rows: the reference is the whole batch on one process (float32, and a float64 copy for the floors), the
+run under test is ``seqpar.prepare_model`` on the rank's zigzag shard with ``seqpar.cross_entropy`` and
+``seqpar.reduce_gradients``. The loss, the shard's logits and every parameter's summed gradient are compared with
+the reference's, each tensor within ``max(RTOL x its float64 scale, FLOOR_FACTOR x |fp32 - float64|)`` (a
+gradient at fp32's rounding floor is judged against the floor, Note [AdamW floors] in tests/_floors.py).
+
+Each family ends as one of:
+
+- EXACT: every tensor within its bound;
+- WRONG: some tensor past its bound (the worst is named);
+- REFUSED: seqpar raised ``SeqparInputError`` (its message);
+- CRASH: any other exception under seqpar (its last line);
+- HANG: the ranks did not finish within the family's deadline (the pool is restarted);
+- BUILD: the tiny model cannot be built or cannot run its text path on one process (the reason);
+- SET ASIDE: not a decoder-only language model (encoder-decoders, encoders used as decoders).
+
+Each rank writes its own outcome to a file and returns normally, so a refusal or a crash on one rank never
+hangs the pool's closing barrier; the parent merges the ranks' files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import math
+import os
+import tempfile
+import time
+import traceback
+import warnings
+from collections import Counter
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from benchmarks import ROOT, save_records
+
+EXACT, WRONG, REFUSED, CRASH, HANG, BUILD = "EXACT", "WRONG", "REFUSED", "CRASH", "HANG", "BUILD"
+SET_ASIDE = "SET ASIDE"
+STATUSES = (EXACT, REFUSED, WRONG, CRASH, HANG, BUILD, SET_ASIDE)
+ROWS = 2
+RTOL = 1e-4
+FLOOR_FACTOR = 4.0
+"""How far past the fp32 run's own distance from float64 seqpar may be (tests/_floors.py's factor)."""
+ATTENTION = ("sdpa", "eager")
+"""The attention implementations tried in order: the first the model accepts is built."""
+
+
+def _documents(seq: int) -> tuple[int, ...]:
+    """Two documents in one row, the edge inside a shard at sp 2 and 3 (10 of 24 tokens)."""
+    return (seq * 5 // 12, seq - seq * 5 // 12)
+
+
+def _seq_len(sp_size: int) -> int:
+    """Row length: 24 tokens at sp 2 (as issue 58 asks), else the least multiple of 24 that zigzag cuts evenly."""
+    return 24 if 24 % (2 * sp_size) == 0 else 24 * (2 * sp_size) // math.gcd(24, 2 * sp_size)
+
+
+def _last_line(error: BaseException) -> str:
+    lines = [line.strip() for line in f"{type(error).__name__}: {error}".strip().splitlines() if line.strip()]
+    return lines[-1][:400] if lines else type(error).__name__
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0][:400] if str(error).strip() else type(error).__name__
+
+
+def _build(model_type: str, mappings: tuple[str, ...]) -> torch.nn.Module | str:
+    """The family's tiny model in float32 (eval mode: nothing random), or why it cannot be built."""
+    import transformers
+
+    from seqpar.models.zoo import CAUSAL_LM, tiny_config
+
+    config = tiny_config(model_type)
+    if isinstance(config, str):
+        return config
+    auto = transformers.AutoModelForCausalLM if CAUSAL_LM in mappings else transformers.AutoModelForImageTextToText
+    error: BaseException | None = None
+    for attention in ATTENTION:
+        torch.manual_seed(0)
+        try:
+            return auto.from_config(config, attn_implementation=attention, dtype=torch.float32).eval()
+        except Exception as e:  # another attention implementation may build
+            error = e
+    return f"the tiny model does not build: {_last_line(error)}"
+
+
+def _reference(
+    model: torch.nn.Module, ids: torch.Tensor, documents: tuple[int, ...] | None
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """One process, the whole batch: logits, the token-mean loss of next-token prediction, and the gradients.
+
+    ``documents``: the lengths of the documents packed in each row, each run by itself (None: whole rows).
+    """
+    model.zero_grad(set_to_none=True)
+    pieces = [(0, ids.shape[1])] if documents is None else list(zip(_starts(documents), documents))
+    logits, total, count = [], 0.0, 0
+    for start, n in pieces:
+        doc = ids[:, start : start + n]
+        out = model(input_ids=doc, position_ids=torch.arange(n)[None].expand_as(doc)).logits
+        predicted = torch.nn.functional.cross_entropy(
+            out[:, :-1].flatten(0, 1).float(), doc[:, 1:].flatten(), reduction="sum"
+        )
+        logits.append(out.detach())
+        total, count = total + predicted, count + doc[:, 1:].numel()
+    loss = total / count
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return torch.cat(logits, dim=1), loss.detach(), grads
+
+
+def _starts(documents: tuple[int, ...]) -> list[int]:
+    return [sum(documents[:i]) for i in range(len(documents))]
+
+
+def _judge(name: str, got: torch.Tensor, fp32: torch.Tensor, fp64: torch.Tensor | None) -> tuple[float, str] | None:
+    """(distance over bound, description) of ``got`` against the references; None when both are exact zeros."""
+    got, fp32 = got.detach().double(), fp32.detach().double()
+    gap = float((got - fp32).abs().max()) if got.numel() else 0.0
+    if fp64 is None:  # no float64 run: judge against the fp32 reference at RTOL of its own scale
+        scale, floor = float(fp32.abs().max()) if fp32.numel() else 0.0, 0.0
+    else:
+        fp64 = fp64.detach().double()
+        scale = float(fp64.abs().max()) if fp64.numel() else 0.0
+        floor = float((fp32 - fp64).abs().max()) if fp64.numel() else 0.0
+    bound = max(RTOL * scale, FLOOR_FACTOR * floor)
+    if gap == 0.0:
+        return 0.0, name
+    ratio = math.inf if bound == 0.0 else gap / bound
+    return ratio, f"{name}: {gap:.2e} from one process, bound {bound:.2e} (scale {scale:.2e}, fp32 floor {floor:.2e})"
+
+
+def _family_on_rank(
+    rank: int, world_size: int, model_type: str, mappings: tuple[str, ...], packed: bool, out_dir: str
+) -> None:
+    """Judge one family on this rank and write the outcome to ``out_dir/rank<r>.json`` (never raise)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            outcome = _judge_family(rank, world_size, model_type, mappings, packed)
+        except Exception as error:  # a failure of the harness itself, reported rather than hung
+            outcome = {"status": CRASH, "reason": f"harness: {_last_line(error)}"}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(outcome, f)
+
+
+def _judge_family(
+    rank: int, world_size: int, model_type: str, mappings: tuple[str, ...], packed: bool
+) -> dict[str, Any]:
+    import transformers
+
+    import seqpar
+    from seqpar.errors import SeqparInputError
+    from seqpar.models.zoo import TEXT_IDS
+    from tests._dist import shard_index
+
+    transformers.logging.set_verbosity_error()
+    model = _build(model_type, mappings)
+    if isinstance(model, str):
+        return {"status": BUILD, "reason": model}
+    seq = _seq_len(world_size)
+    documents = _documents(seq) if packed else None
+    ids = torch.randint(*TEXT_IDS, (1 if packed else ROWS, seq), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids}
+    if documents is not None:  # positions restart at each document: seqpar keeps them apart
+        batch["position_ids"] = torch.cat([torch.arange(n) for n in documents])[None]
+    started = time.perf_counter()
+    pristine = copy.deepcopy(model)  # before any forward: a model may keep non-leaf tensors (Recurrent Gemma)
+    try:
+        want_logits, want_loss, want_grads = _reference(model, ids, documents)
+    except Exception as error:
+        return {"status": BUILD, "reason": f"one process cannot run its text path: {_last_line(error)}"}
+    try:
+        exact_logits, exact_loss, exact_grads = _reference(copy.deepcopy(pristine).double(), ids, documents)
+    except Exception:  # a model that takes no float64 (a kernel, a dtype it hard-codes): RTOL alone
+        exact_logits, exact_loss, exact_grads = None, None, {}
+    reference_s = time.perf_counter() - started
+
+    mesh = seqpar.make_mesh(sp_size=world_size)
+    try:
+        parallel = seqpar.prepare_model(pristine, mesh)
+        parallel.zero_grad(set_to_none=True)
+        shard = seqpar.shard_batch(batch, mesh)
+        logits = parallel(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+        loss = seqpar.cross_entropy(logits.float(), shard["shift_labels"], mesh)
+        loss.backward()
+        seqpar.reduce_gradients(parallel.parameters(), mesh)
+        total = seqpar.sum_over(loss.detach(), mesh)
+    except SeqparInputError as error:
+        return {"status": REFUSED, "reason": _first_line(error)}
+    except Exception as error:
+        return {"status": CRASH, "reason": _last_line(error), "trace": traceback.format_exc()[-2000:]}
+
+    idx = shard_index("zigzag", world_size, rank, seq)
+    judged = [_judge("loss", total, want_loss, exact_loss)]
+    judged.append(_judge("logits", logits, want_logits[:, idx], None if exact_logits is None else exact_logits[:, idx]))
+    for name, p in parallel.named_parameters():
+        want = want_grads.get(name)
+        got = p.grad
+        if want is None and got is None:
+            continue
+        like = p.detach()
+        judged.append(
+            _judge(
+                f"grad {name}",
+                got if got is not None else torch.zeros_like(like),
+                want if want is not None else torch.zeros_like(like),
+                exact_grads.get(name),
+            )
+        )
+    worst = max(judged, key=lambda j: j[0])
+    outcome = {"status": WRONG if worst[0] > 1.0 else EXACT, "worst": worst[1], "worst_ratio": worst[0]}
+    outcome["reference_s"] = round(reference_s, 3)
+    return outcome
+
+
+_RANK = {EXACT: 0, WRONG: 1, REFUSED: 2, CRASH: 3, BUILD: 4, HANG: 5}
+
+
+def _merge(outcomes: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """The family's outcome from its ranks': the worst status (a rank that wrote nothing hung)."""
+    from seqpar.runtime.progress import lost_peer
+
+    if any(o is None for o in outcomes):
+        silent = [r for r, o in enumerate(outcomes) if o is None]
+        said = [o for o in outcomes if o is not None and o["status"] != EXACT]
+        reason = f"ranks {silent} wrote no outcome" + (f"; another said {said[0]['reason']}" if said else "")
+        return {"status": HANG, "reason": reason}
+    worst = max(_RANK[o["status"]] for o in outcomes)
+    chosen = [o for o in outcomes if _RANK[o["status"]] == worst]
+    # the rank that failed by itself, not one that only lost its peer in a collective
+    first = next((o for o in chosen if not lost_peer(o.get("reason", ""))), chosen[0])
+    if first["status"] in (EXACT, WRONG):
+        first = max(chosen, key=lambda o: o.get("worst_ratio", 0.0))
+    return {k: v for k, v in first.items() if k != "trace"} | ({"trace": first["trace"]} if "trace" in first else {})
+
+
+def _read_outcome(path: str) -> dict[str, Any] | None:
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _sweep(sp_size: int, only: list[str] | None, deadline_s: float, packed: bool) -> dict[str, Any]:
+    import transformers
+
+    from seqpar.models.zoo import zoo_model_types
+    from tests._pool import RankPool
+
+    transformers.logging.set_verbosity_error()  # default configs warn of their special ids: not the sweep's news
+    entries = zoo_model_types()
+    if only:
+        unknown = sorted(set(only) - set(entries))
+        if unknown:
+            raise SystemExit(f"not in the zoo: {', '.join(unknown)}")
+        entries = {k: v for k, v in entries.items() if k in only}
+    results: dict[str, dict[str, Any]] = {}
+    pool = RankPool(sp_size, timeout=timedelta(seconds=deadline_s / 2))
+    try:
+        for model_type, entry in entries.items():
+            row: dict[str, Any] = {"mappings": list(entry.mappings)}
+            if entry.set_aside is not None:
+                results[model_type] = row | {"status": SET_ASIDE, "reason": entry.set_aside}
+                continue
+            started = time.perf_counter()
+            with tempfile.TemporaryDirectory(prefix="seqpar-zoo-") as out_dir:
+                # the pool echoes the ranks' output: kept out of the table. A rank that died or hung tears the
+                # pool down (its outcome file missing says so); the next run starts another pool
+                with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.suppress(Exception):
+                    deadline = timedelta(seconds=deadline_s)
+                    pool.run(_family_on_rank, model_type, entry.mappings, packed, out_dir, deadline=deadline)
+                outcomes = [_read_outcome(os.path.join(out_dir, f"rank{rank}.json")) for rank in range(sp_size)]
+            outcome = _merge(outcomes)
+            results[model_type] = row | outcome | {"seconds": round(time.perf_counter() - started, 2)}
+            said = outcome.get("worst") if outcome["status"] in (EXACT, WRONG) else outcome.get("reason", "")
+            print(f"{model_type:28s} {outcome['status']:8s} {results[model_type]['seconds']:6.1f}s  {said[:110]}")
+    finally:
+        pool.close(kill=True)
+    return results
+
+
+def _totals(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, int]]:
+    from seqpar.models.zoo import CAUSAL_LM, IMAGE_TEXT_TO_TEXT
+
+    totals = {"all": Counter(r["status"] for r in results.values())}
+    for mapping in (CAUSAL_LM, IMAGE_TEXT_TO_TEXT):
+        totals[mapping] = Counter(r["status"] for r in results.values() if mapping in r["mappings"])
+    return {k: {s: c[s] for s in STATUSES} for k, c in totals.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sp", type=int, default=2, help="sequence-parallel degree (ranks in the pool)")
+    parser.add_argument("--only", default="", help="comma-separated model types (default: the whole zoo)")
+    parser.add_argument(
+        "--packed", action="store_true", help="one row of two documents against each document alone, not whole rows"
+    )
+    parser.add_argument("--deadline", type=float, default=120.0, help="seconds one family may take before HANG")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "zoo_cpu.json"), help="the JSON record")
+    args = parser.parse_args(argv)
+    import transformers
+
+    started = time.perf_counter()
+    only = [m for m in args.only.split(",") if m] or None
+    results = _sweep(args.sp, only, args.deadline, args.packed)
+    wall = time.perf_counter() - started
+    totals = _totals(results)
+    print(f"\n{'':18s}" + "".join(f"{s:>10s}" for s in STATUSES))
+    for mapping, counts in totals.items():
+        print(f"{mapping:18s}" + "".join(f"{counts[s]:10d}" for s in STATUSES))
+    print(f"\n{len(results)} model types at sp {args.sp} in {wall:.0f} s (transformers {transformers.__version__})")
+    record = {
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "sp": args.sp,
+        "seq": _seq_len(args.sp),
+        "rows": 1 if args.packed else ROWS,
+        "documents": list(_documents(_seq_len(args.sp))) if args.packed else None,
+        "wall_s": round(wall, 1),
+        "totals": totals,
+        "models": results,
+    }
+    save_records(args.out, "zoo", argv, [record])
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
