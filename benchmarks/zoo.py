@@ -145,13 +145,13 @@ def _judge(name: str, got: torch.Tensor, fp32: torch.Tensor, fp64: torch.Tensor 
 
 
 def _family_on_rank(
-    rank: int, world_size: int, model_type: str, mappings: tuple[str, ...], packed: bool, out_dir: str
+    rank: int, world_size: int, model_type: str, mappings: tuple[str, ...], packed: bool, control: bool, out_dir: str
 ) -> None:
     """Judge one family on this rank and write the outcome to ``out_dir/rank<r>.json`` (never raise)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            outcome = _judge_family(rank, world_size, model_type, mappings, packed)
+            outcome = _judge_family(rank, world_size, model_type, mappings, packed, control)
         except Exception as error:  # a failure of the harness itself, reported rather than hung
             outcome = {"status": CRASH, "reason": f"harness: {_last_line(error)}"}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -159,7 +159,7 @@ def _family_on_rank(
 
 
 def _judge_family(
-    rank: int, world_size: int, model_type: str, mappings: tuple[str, ...], packed: bool
+    rank: int, world_size: int, model_type: str, mappings: tuple[str, ...], packed: bool, control: bool
 ) -> dict[str, Any]:
     import transformers
 
@@ -198,7 +198,8 @@ def _judge_family(
         logits = parallel(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
         loss = seqpar.cross_entropy(logits.float(), shard["shift_labels"], mesh)
         loss.backward()
-        seqpar.reduce_gradients(parallel.parameters(), mesh)
+        if not control:  # the negative control leaves each rank's gradients its own shard's
+            seqpar.reduce_gradients(parallel.parameters(), mesh)
         total = seqpar.sum_over(loss.detach(), mesh)
     except SeqparInputError as error:
         return {"status": REFUSED, "reason": _first_line(error)}
@@ -256,7 +257,14 @@ def _read_outcome(path: str) -> dict[str, Any] | None:
         return json.load(f)
 
 
-def _sweep(sp_size: int, only: list[str] | None, deadline_s: float, packed: bool) -> dict[str, Any]:
+def sweep(
+    sp_size: int, only: list[str] | None = None, deadline_s: float = 120.0, packed: bool = False, control: bool = False
+) -> dict[str, dict[str, Any]]:
+    """Judge every family of the installed zoo (or ``only`` those) at ``sp_size``: model type -> its outcome.
+
+    ``control`` is the negative control: the gradients are left unreduced, so every family that runs comes out
+    WRONG (a judgement that let it pass would let a missing exchange pass).
+    """
     import transformers
 
     from seqpar.models.zoo import zoo_model_types
@@ -283,7 +291,7 @@ def _sweep(sp_size: int, only: list[str] | None, deadline_s: float, packed: bool
                 # pool down (its outcome file missing says so); the next run starts another pool
                 with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.suppress(Exception):
                     deadline = timedelta(seconds=deadline_s)
-                    pool.run(_family_on_rank, model_type, entry.mappings, packed, out_dir, deadline=deadline)
+                    pool.run(_family_on_rank, model_type, entry.mappings, packed, control, out_dir, deadline=deadline)
                 outcomes = [_read_outcome(os.path.join(out_dir, f"rank{rank}.json")) for rank in range(sp_size)]
             outcome = _merge(outcomes)
             results[model_type] = row | outcome | {"seconds": round(time.perf_counter() - started, 2)}
@@ -294,13 +302,13 @@ def _sweep(sp_size: int, only: list[str] | None, deadline_s: float, packed: bool
     return results
 
 
-def _totals(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, int]]:
+def totals(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, int]]:
     from seqpar.models.zoo import CAUSAL_LM, IMAGE_TEXT_TO_TEXT
 
-    totals = {"all": Counter(r["status"] for r in results.values())}
+    found = {"all": Counter(r["status"] for r in results.values())}
     for mapping in (CAUSAL_LM, IMAGE_TEXT_TO_TEXT):
-        totals[mapping] = Counter(r["status"] for r in results.values() if mapping in r["mappings"])
-    return {k: {s: c[s] for s in STATUSES} for k, c in totals.items()}
+        found[mapping] = Counter(r["status"] for r in results.values() if mapping in r["mappings"])
+    return {k: {s: c[s] for s in STATUSES} for k, c in found.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -310,6 +318,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--packed", action="store_true", help="one row of two documents against each document alone, not whole rows"
     )
+    parser.add_argument(
+        "--control", action="store_true", help="negative control: gradients left unreduced, every family WRONG"
+    )
     parser.add_argument("--deadline", type=float, default=120.0, help="seconds one family may take before HANG")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "zoo_cpu.json"), help="the JSON record")
     args = parser.parse_args(argv)
@@ -317,12 +328,12 @@ def main(argv: list[str] | None = None) -> None:
 
     started = time.perf_counter()
     only = [m for m in args.only.split(",") if m] or None
-    results = _sweep(args.sp, only, args.deadline, args.packed)
+    results = sweep(args.sp, only, args.deadline, args.packed, args.control)
     wall = time.perf_counter() - started
-    totals = _totals(results)
+    counts = totals(results)
     print(f"\n{'':18s}" + "".join(f"{s:>10s}" for s in STATUSES))
-    for mapping, counts in totals.items():
-        print(f"{mapping:18s}" + "".join(f"{counts[s]:10d}" for s in STATUSES))
+    for mapping, row in counts.items():
+        print(f"{mapping:18s}" + "".join(f"{row[s]:10d}" for s in STATUSES))
     print(f"\n{len(results)} model types at sp {args.sp} in {wall:.0f} s (transformers {transformers.__version__})")
     record = {
         "transformers": transformers.__version__,
@@ -332,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
         "rows": 1 if args.packed else ROWS,
         "documents": list(_documents(_seq_len(args.sp))) if args.packed else None,
         "wall_s": round(wall, 1),
-        "totals": totals,
+        "totals": counts,
         "models": results,
     }
     save_records(args.out, "zoo", argv, [record])

@@ -16,4 +16,6 @@ if ((fast)); then
     exec .venv/bin/python -m pytest -q -m fast "$@"
 fi
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir "$(mktemp -d)"
-.venv/bin/python -m pytest -q "$@"
+# the zoo sweep (every family of the installed transformers) is its own tier, run after the rest
+.venv/bin/python -m pytest -q -m "not zoo" "$@"
+.venv/bin/python -m pytest -q -m zoo "$@"

@@ -3,33 +3,38 @@
 ``derive_family(model)`` builds a ``Family`` from transformers' declarations and the module tree (Note [read anatomy]).
 
 Note [read anatomy]
-    transformers declares much of a family's anatomy: ``base_model_prefix`` names the decoder inside the model
-    with a head, ``get_output_embeddings()`` the head, the config's ``base_model_pp_plan`` the embedding, the
-    layer list and the final norm in order, and its ``base_model_tp_plan`` the attention and MLP projections of
-    each layer. What the plans leave out is read from the module classes: a layer's child is its attention when
-    its class calls transformers' attention functions (the only way seqpar can serve it), a norm when its class
-    is a norm, an MLP when the tp plan or its class says so, a mixture of experts when it holds ``experts``.
-    Nothing is guessed into a part that could mix tokens: a child that fits none of these stays undeclared, and
-    the declared-parts rule (Note [declared layer parts]) refuses the model naming it. An attention module that
-    holds a nested block of its own (a sparse-attention indexer) is refused too, since seqpar would hand its
-    softmax the keys but not the block its selection. The derived entry is checked again at run time: every
-    attention module that runs must have called seqpar's attention (Note [attention went through seqpar]).
+    transformers declares much of a family's anatomy: ``get_decoder()`` finds the text decoder (inside a
+    multimodal model too), ``get_output_embeddings()`` the head, the config's ``base_model_pp_plan`` the
+    embedding, the layer list and the final norm in order, ``_no_split_modules`` the decoder-layer class, and the
+    ``base_model_tp_plan`` the attention and MLP projections of each layer. What the plans leave out is read from
+    the module classes: a layer's child is its attention when its class calls transformers' attention functions
+    (the only way seqpar can serve it), a norm when its class is a norm, an MLP when the tp plan, its name or
+    its class says so and it holds no convolution, a mixture of experts when it holds ``experts``; a layer's own
+    linear projections act on each token. A text decoder whose own ``model_type`` has an entry (a registered
+    decoder inside a multimodal model) keeps that entry's paths. Nothing is guessed into a part that could mix
+    tokens: a child that fits none of these stays undeclared, and the declared-parts rule (Note [declared layer
+    parts]) refuses the model naming it. Refused too, by name: an attention module holding a nested block of its
+    own (a sparse-attention indexer selects keys seqpar's attention would not see), and layer types whose masks
+    seqpar does not build (chunked attention). A read entry serves the text path; it names no vision tower, so
+    a call with images is refused until an entry says how the family merges them. The read entry is checked
+    again at run time: every attention module that runs must have called seqpar's attention (Note [attention
+    went through seqpar]).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import TYPE_CHECKING
 
-from seqpar.models.families import LLAMA_TP_PLAN, Family
+from seqpar.models.families import FAMILIES, LLAMA_TP_PLAN, Family
 
 if TYPE_CHECKING:
     from torch import nn
 
-_TEXT_MODELS = ("language_model", "text_model")  # where a multimodal decoder keeps its text decoder
-_VISION_TOWERS = ("vision_tower", "visual", "vision_model")
 _MLP_WORDS = ("mlp", "feedforward", "feed_forward", "ffn", "moe", "experts")
 _PLAIN_STYLES = ("colwise", "rowwise")
+_MASK_KINDS = ("full_attention", "sliding_attention")  # the layer types whose masks seqpar builds for a read entry
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -73,6 +78,11 @@ def _plan(config: object, name: str) -> dict:
     return dict(plan) if isinstance(plan, dict) else {}
 
 
+def _layer_classes(module: nn.Module) -> set[str]:
+    """The class names transformers keeps whole when it splits the model: its decoder layers among them."""
+    return set(getattr(module, "_no_split_modules", None) or ())
+
+
 def _decoder_parts(text: nn.Module) -> tuple[str, str, str | None] | str:
     """The text decoder's embedding, layer list and final norm paths, from its pp plan or its children."""
     from torch import nn
@@ -86,7 +96,9 @@ def _decoder_parts(text: nn.Module) -> tuple[str, str, str | None] | str:
     tables = [name for name, child in text.named_children() if isinstance(child, nn.Embedding)]
     embedding = embedding or next((key for key in plan if key in tables), None) or (tables[0] if tables else None)
     planned_lists = [key for key in plan if key in lists]
-    layers = planned_lists[0] if len(planned_lists) == 1 else (lists[0] if len(lists) == 1 else None)
+    layer_lists = [n for n in lists if (c := getattr(text, n)) and type(c[0]).__name__ in _layer_classes(text)]
+    candidates = planned_lists if len(planned_lists) == 1 else layer_lists if len(layer_lists) == 1 else lists
+    layers = candidates[0] if len(candidates) == 1 else None
     if embedding is None or layers is None:
         return (
             f"{type(text).__name__} names no single input embedding and decoder layer list "
@@ -116,7 +128,7 @@ def _layer_parts(layers: nn.ModuleList, tp_plan: dict) -> dict | str:
                 linears.append(name)
             elif _is_mlp(name, child, planned) and next(child.parameters(), None) is not None:
                 mlps.append(name)
-        if len(attention) != 1 or len(mlps) > 1 or not (mlps or linears):
+        if len(attention) != 1 or not (mlps or linears):
             known = {*attention, *mlps, *norms, *linears}
             others = [f"{n} ({type(c).__name__})" for n, c in layer.named_children() if n not in known]
             return (
@@ -131,13 +143,15 @@ def _layer_parts(layers: nn.ModuleList, tp_plan: dict) -> dict | str:
                 f"the attention of layer {i} holds {attention[0]}.{nested}, a block of its own that seqpar does "
                 "not know (a sparse-attention indexer or similar selects keys seqpar's attention would not see)"
             )
+        # several MLP blocks (experts beside a shared MLP): the one with experts is the MLP, the rest act per token
+        mlps.sort(key=lambda name: not hasattr(getattr(layer, name), "experts"))
         mlp = getattr(layer, mlps[0]) if mlps else None
         parts = dict(
             attention=attention[0],
             mlp=mlps[0] if mlps else None,
             experts="experts" if hasattr(mlp, "experts") else None,
             layer_norms=tuple(norms),
-            per_token=tuple(linears),
+            per_token=(*mlps[1:], *linears),
         )
         if found and parts["layer_norms"] != found["layer_norms"]:  # a layer with more norms than the first
             parts["layer_norms"] = tuple(dict.fromkeys((*found["layer_norms"], *parts["layer_norms"])))
@@ -179,6 +193,39 @@ def _head(model: nn.Module, text: nn.Module) -> str | None:
     return heads[0] if len(heads) == 1 else None
 
 
+def _unknown_masks(config: object) -> str | None:
+    """Why the decoder's attention masks are ones seqpar does not build, or None (causal, sliding windows)."""
+    kinds = sorted({kind for kind in getattr(config, "layer_types", None) or () if kind not in _MASK_KINDS})
+    if kinds:
+        return f"its layer_types hold {', '.join(map(repr, kinds))}, attention masks seqpar does not build"
+    if getattr(config, "attention_chunk_size", None):
+        size = config.attention_chunk_size
+        return f"its attention is chunked (attention_chunk_size={size}), a mask seqpar does not build"
+    return None
+
+
+def _text_decoder(model: nn.Module) -> nn.Module:
+    """The module that holds the decoder layers: transformers' ``get_decoder()`` followed down, else the shallowest
+    module holding a list of the model's own decoder-layer class (``_no_split_modules``)."""
+    from torch import nn
+
+    found = model
+    for _ in range(4):  # a multimodal model's decoder may itself be a model with a head
+        inner = found.get_decoder() if callable(getattr(found, "get_decoder", None)) else found
+        if inner is found or not isinstance(inner, nn.Module):
+            break
+        found = inner
+    if found is not model:
+        return found
+    kinds = set(getattr(model, "_no_split_modules", None) or ())
+    holders = [
+        (name.count("."), name, module)
+        for name, module in model.named_modules()
+        if any(isinstance(c, nn.ModuleList) and c and type(c[0]).__name__ in kinds for c in module.children())
+    ]
+    return min(holders, key=lambda h: (h[0], h[1]))[2] if holders else model
+
+
 def derive_family(model: nn.Module) -> Family | str:
     """Read a transformers model's anatomy from its own declarations and classes (Note [read anatomy]).
 
@@ -188,20 +235,19 @@ def derive_family(model: nn.Module) -> Family | str:
     Returns:
         A ``Family`` for it, or a sentence naming what cannot be read.
     """
-    from torch import nn
-
     model_type = model.config.model_type
-    prefix = getattr(model, "base_model_prefix", "")
-    outer = getattr(model, prefix, None) if prefix else None
-    decoder = prefix if isinstance(outer, nn.Module) else "model"
-    outer = outer if isinstance(outer, nn.Module) else model
-    text_model = next((n for n in _TEXT_MODELS if isinstance(getattr(outer, n, None), nn.Module)), None)
-    text = getattr(outer, text_model) if text_model else outer
-    inner = model.get_decoder() if text_model is None and callable(getattr(model, "get_decoder", None)) else None
-    nested = _path_of(outer, inner) if isinstance(inner, nn.Module) and inner is not outer else None
-    if nested:  # a decoder inside the base model (OPT's model.decoder)
-        text_model, text = nested, inner
-    vision = next((n for n in _VISION_TOWERS if isinstance(getattr(outer, n, None), nn.Module)), None)
+    text = _text_decoder(model)
+    path = _path_of(model, text) or ""
+    decoder, _, text_model = path.partition(".") if path else ("model", "", "")
+    text_model = text_model or None
+    head = _head(model, text) if text is not model else None
+    entry = FAMILIES.get(getattr(getattr(text, "config", None), "model_type", None))
+    if entry is not None and entry.text_model is None:  # a registered text decoder inside another model
+        return dataclasses.replace(entry, model_type=model_type, decoder=decoder, text_model=text_model,
+                                   head=head or "lm_head", derived=True)  # fmt: skip
+    masks = _unknown_masks(getattr(text, "config", None))
+    if masks:
+        return masks
     parts = _decoder_parts(text)
     if isinstance(parts, str):
         return parts
@@ -211,7 +257,6 @@ def derive_family(model: nn.Module) -> Family | str:
     if isinstance(layer, str):
         return layer
     rotary = next((n for n, child in text.named_children() if "rotary" in type(child).__name__.lower()), None)
-    head = _head(model, text) if outer is not model else None
     return Family(
         model_type,
         decoder=decoder,
@@ -222,7 +267,6 @@ def derive_family(model: nn.Module) -> Family | str:
         rotary=rotary,
         head=head or "lm_head",
         tp_plan=_tp_plan(tp_plan, layer["attention"], layer["mlp"], layer["experts"]),
-        vision=vision,
         attention_interface=True,  # checked at run time (Note [attention went through seqpar])
         derived=True,
         **layer,
