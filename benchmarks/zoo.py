@@ -56,8 +56,6 @@ ROWS = 2
 RTOL = 1e-4
 FLOOR_FACTOR = 4.0
 """How far past the fp32 run's own distance from float64 seqpar may be (tests/_floors.py's factor)."""
-ATTENTION = ("sdpa", "eager")
-"""The attention implementations tried in order: the first the model accepts is built."""
 
 
 def _documents(seq: int) -> tuple[int, ...]:
@@ -77,26 +75,6 @@ def _last_line(error: BaseException) -> str:
 
 def _first_line(error: BaseException) -> str:
     return str(error).strip().splitlines()[0][:400] if str(error).strip() else type(error).__name__
-
-
-def _build(model_type: str, mappings: tuple[str, ...]) -> torch.nn.Module | str:
-    """The family's tiny model in float32 (eval mode: nothing random), or why it cannot be built."""
-    import transformers
-
-    from seqpar.models.zoo import CAUSAL_LM, tiny_config
-
-    config = tiny_config(model_type)
-    if isinstance(config, str):
-        return config
-    auto = transformers.AutoModelForCausalLM if CAUSAL_LM in mappings else transformers.AutoModelForImageTextToText
-    error: BaseException | None = None
-    for attention in ATTENTION:
-        torch.manual_seed(0)
-        try:
-            return auto.from_config(config, attn_implementation=attention, dtype=torch.float32).eval()
-        except Exception as e:  # another attention implementation may build
-            error = e
-    return f"the tiny model does not build: {_last_line(error)}"
 
 
 def _reference(
@@ -165,11 +143,12 @@ def _judge_family(
 
     import seqpar
     from seqpar.errors import SeqparInputError
-    from seqpar.models.zoo import TEXT_IDS
+    from seqpar.models import anatomy
+    from seqpar.models.zoo import TEXT_IDS, tiny_model
     from tests._dist import shard_index
 
     transformers.logging.set_verbosity_error()
-    model = _build(model_type, mappings)
+    model = tiny_model(model_type, mappings)
     if isinstance(model, str):
         return {"status": BUILD, "reason": model}
     seq = _seq_len(world_size)
@@ -225,6 +204,7 @@ def _judge_family(
         )
     worst = max(judged, key=lambda j: j[0])
     outcome = {"status": WRONG if worst[0] > 1.0 else EXACT, "worst": worst[1], "worst_ratio": worst[0]}
+    outcome["anatomy"] = "read" if anatomy(parallel).family.derived else "entry"
     outcome["reference_s"] = round(reference_s, 3)
     return outcome
 

@@ -311,3 +311,35 @@ def measured_rows(attention: list[dict], llama: list[dict], strategies: list[dic
             *run_cells("hf_trainer_cpu", hf),
         ],
     ]
+
+
+_ZOO_NOISE = (
+    "seqpar cannot serve this model's attention: ",
+    "; describe it with seqpar.models.register_family (docs/design.md, Adding a model family)",
+)
+
+
+def _zoo_why(row: dict) -> str:
+    why = row.get("reason", "")
+    for noise in _ZOO_NOISE:
+        why = why.replace(noise, "")
+    return why
+
+
+def zoo_summary_table(records: list[dict]) -> str:
+    """The sweep's totals per mapping: how many families are exact, refused, and so on."""
+    record = records[-1]
+    statuses = list(next(iter(record["totals"].values())))
+    rows = [[mapping, *(str(counts[s]) for s in statuses)] for mapping, counts in record["totals"].items()]
+    said = f"transformers {record['transformers']}, sp {record['sp']}, {record['rows']} rows of {record['seq']} tokens"
+    return f"{table(['mapping', *statuses], rows)}\n\n{said}. {source('zoo_cpu', records)}"
+
+
+def zoo_table(records: list[dict]) -> str:
+    """Every model type of the sweep: its status, where seqpar got its anatomy, and why it is refused."""
+    record = records[-1]
+    rows = [
+        [f"`{model_type}`", ", ".join(row["mappings"]), row["status"], row.get("anatomy", ""), _zoo_why(row)]
+        for model_type, row in record["models"].items()
+    ]
+    return f"{table(['model type', 'mappings', 'status', 'anatomy', 'why'], rows)}\n\n{source('zoo_cpu', records)}"

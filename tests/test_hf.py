@@ -501,6 +501,12 @@ def test_models_equal_one_process(request, name, strategy):
     assert _compare(root, name)["setup"]["strategy"] == strategy
 
 
+@pytest.mark.parametrize("name", ["olmo3_sp2", "starcoder2_sp2", "glm4_moe_sp2"])
+def test_families_without_an_entry_equal_one_process(two_ranks, name):
+    """OLMo 3, StarCoder2 and GLM-4.5-style experts: no registry entry, their anatomy read from the model."""
+    _compare(two_ranks, name)
+
+
 @pytest.mark.parametrize("name", ["mixtral_sp2", "mixtral_dp2_sp2"])
 def test_router_loss_equals_one_process(request, name):
     """Mixtral (4 layers, 4 experts, top-2) with output_router_logits: the load-balancing loss over every process's

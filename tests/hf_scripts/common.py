@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import transformers
 
+from seqpar.models.zoo import tiny_config as zoo_config
 from tests._models import VOCAB, tiny_config
 
 __all__ = [
@@ -154,6 +155,11 @@ CASES = {
         for sp in (2, 3)
     },
     "qwen3_next_dp2_sp2": Case(4, kind="qwen3_next", batch=1, collator="padded"),  # DDP over dp x sp
+    # families without an entry (READ_KINDS): OLMo 3's sliding windows and StarCoder2 on packed rows, GLM-4.5-style
+    # experts on padded ones
+    "olmo3_sp2": Case(2, kind="olmo3", eval_batch=2),
+    "starcoder2_sp2": Case(2, kind="starcoder2", strategy="ring"),
+    "glm4_moe_sp2": Case(2, kind="glm4_moe", collator="padded"),
     # the same model FSDP2-sharded over the 2 ranks: the adapted mixers live inside the sharded decoder blocks
     "qwen3_next_sp2_fsdp2": Case(2, kind="qwen3_next", collator="padded", fsdp=True, reference="qwen3_next_sp2"),
     # vision-language models on whole rows (Note [whole-row calls]): 4 samples with 1-2 images of different sizes,
@@ -251,10 +257,16 @@ def tokenizer():
     return tok
 
 
+READ_KINDS = ("olmo3", "glm4_moe", "starcoder2")
+"""Families seqpar has no entry for, served by the anatomy read from the model (Note [read anatomy]); their tiny
+configs are the zoo's (``seqpar.models.zoo.tiny_config``)."""
+
+
 def model(kind: str, attn: str = "sdpa"):
-    """A tiny model of ``kind`` (as ``tests._models.tiny_config``; ``*_kv1``: one key/value head), seed 0."""
+    """A tiny model of ``kind`` (as ``tests._models.tiny_config``, or the zoo's for ``READ_KINDS``; ``*_kv1``: one
+    key/value head), seed 0."""
     torch.manual_seed(0)
-    config = tiny_config(kind.removesuffix("_kv1"))
+    config = zoo_config(kind) if kind in READ_KINDS else tiny_config(kind.removesuffix("_kv1"))
     if kind.endswith("_kv1"):
         config.num_key_value_heads = 1
     if kind in ("gpt_oss", "gemma2"):  # no SDPA path in transformers (sinks, soft-capping): eager is the reference

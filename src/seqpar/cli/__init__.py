@@ -7,6 +7,7 @@ seqpar estimate --seq-len 65536 --sp 4         # predicted per-rank memory of a 
 seqpar plan --model llama-8b --seq-len 1M --gpus 64   # which degrees, strategy and memory features
 seqpar doctor --model ./my-llama --sp 2        # does a sharded step differ from one process, and why
 seqpar export runs/x/checkpoints/step_0000300 ./my-model   # a checkpoint as a Hugging Face model directory
+seqpar models                                  # which families of the installed transformers seqpar serves
 seqpar bench attention                         # benchmarks: attention, maxlen, cuda
 """
 
@@ -55,6 +56,13 @@ _COMMANDS = {
         "config, the run's tokenizer) that AutoModelForCausalLM.from_pretrained loads. The model comes from the "
         "run's config.json; OUT must be new or empty.",
     ),
+    "models": (
+        "list the families of the installed transformers seqpar serves, and why it refuses the others",
+        "Build a tiny model of every causal-LM and image-text-to-text model type of the installed transformers on "
+        "the meta device and check it as prepare_model does: served by seqpar's registry entry ('entry'), served by "
+        "the anatomy read from the model ('read'), or refused with the reason. Nothing runs; the zoo sweep "
+        "(docs/models.md) measures which served families equal one process.",
+    ),
     "bench": (
         "run a benchmark (ratios measured side by side in one run)",
         "Benchmarks: " + ", ".join(BENCHMARKS) + ". `seqpar bench NAME --help` explains each; the project's other "
@@ -94,6 +102,10 @@ def _add_flags(command: str, parser: argparse.ArgumentParser) -> None:
         from seqpar.cli.export import add_export_flags
 
         add_export_flags(parser)
+    elif command == "models":
+        from seqpar.cli.models import add_models_flags
+
+        add_models_flags(parser)
     elif command == "estimate":
         from seqpar.cli.estimate import add_estimate_flags
 
@@ -141,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         except SeqparInputError as error:
             print(f"seqpar {args.command}: {error}", file=sys.stderr)
             return 2
+    if args.command == "models":
+        from seqpar.cli.models import run_models
+
+        return run_models(args)
     if args.command == "demo":
         from seqpar.cli.demo import run_demo
 

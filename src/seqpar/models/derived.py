@@ -188,7 +188,8 @@ def _head(model: nn.Module, text: nn.Module) -> str | None:
         declared = None
     if isinstance(declared, nn.Module):
         return _path_of(model, declared)
-    vocab = getattr(text.get_submodule(_decoder_parts(text)[0]), "num_embeddings", None)
+    parts = _decoder_parts(text)
+    vocab = None if isinstance(parts, str) else getattr(text.get_submodule(parts[0]), "num_embeddings", None)
     heads = [n for n, c in model.named_children() if isinstance(c, nn.Linear) and c.out_features == vocab]
     return heads[0] if len(heads) == 1 else None
 
@@ -244,7 +245,7 @@ def derive_family(model: nn.Module) -> Family | str:
     entry = FAMILIES.get(getattr(getattr(text, "config", None), "model_type", None))
     if entry is not None and entry.text_model is None:  # a registered text decoder inside another model
         return dataclasses.replace(entry, model_type=model_type, decoder=decoder, text_model=text_model,
-                                   head=head or "lm_head", derived=True)  # fmt: skip
+                                   head=head or "lm_head", attention_interface=True, derived=True)  # fmt: skip
     masks = _unknown_masks(getattr(text, "config", None))
     if masks:
         return masks

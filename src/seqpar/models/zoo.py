@@ -5,20 +5,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-
-__all__ = [
-    "CAUSAL_LM",
-    "IMAGE_TEXT_TO_TEXT",
-    "TEXT_IDS",
-    "TINY_VOCAB",
-    "ZooEntry",
-    "tiny_config",
-    "zoo_model_types",
-]
 
 CAUSAL_LM = "causal-lm"
 IMAGE_TEXT_TO_TEXT = "image-text-to-text"
@@ -125,6 +116,39 @@ def tiny_config(model_type: str) -> Any:
         return type(default)(**fields)
     except Exception as error:
         return f"no tiny config: {_last_line(error)}"
+
+
+ATTENTION = ("sdpa", "eager")
+"""The attention implementations tried in order: the first the model accepts is built."""
+
+
+def tiny_model(model_type: str, mappings: tuple[str, ...], device: str | None = None) -> Any:
+    """The family's tiny model in float32 and eval mode (nothing random), or the sentence why it cannot be built.
+
+    Args:
+        model_type: a zoo model type.
+        mappings: the mappings that list it (its causal LM is built where it has one).
+        device: where to build it ("meta" for its structure alone); None: the default device.
+
+    Returns:
+        The model with a head, or a sentence.
+    """
+    import torch
+    import transformers
+
+    config = tiny_config(model_type)
+    if isinstance(config, str):
+        return config
+    auto = transformers.AutoModelForCausalLM if CAUSAL_LM in mappings else transformers.AutoModelForImageTextToText
+    error: BaseException | None = None
+    for attention in ATTENTION:
+        torch.manual_seed(0)
+        try:
+            with torch.device(device) if device else contextlib.nullcontext():
+                return auto.from_config(config, attn_implementation=attention, dtype=torch.float32).eval()
+        except Exception as e:  # another attention implementation may build
+            error = e
+    return f"the tiny model does not build: {_last_line(error)}"
 
 
 def _last_line(error: BaseException) -> str:

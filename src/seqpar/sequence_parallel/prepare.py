@@ -191,6 +191,12 @@ def _served(model: torch.nn.Module) -> ModelAnatomy | str:
     return found
 
 
+def unserved_reason(model: torch.nn.Module) -> str | None:
+    """Why ``prepare_model`` would refuse ``model`` (a sentence), or None when it serves it; runs nothing."""
+    found = _served(model)
+    return found if isinstance(found, str) else None
+
+
 def _vision_encoder(model: torch.nn.Module, served: ModelAnatomy, split_vision: object) -> torch.nn.Module:
     """The module whose ``get_image_features`` the model's forward calls (Note [vision split])."""
     if not isinstance(split_vision, bool):
