@@ -545,3 +545,33 @@ def _own_backend_worker(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_attention_that_bypasses_seqpar_is_refused_at_run_time(world_size):
     run_ranks(world_size, _own_backend_worker)
+
+
+READ_TP = ("starcoder2", "phi", "gpt_neox", "smollm3", "cohere2")
+"""Families without an entry whose own tp plan uses plain column and row splits (Note [read anatomy])."""
+
+
+def _read_tp_worker(rank, world_size):
+    from seqpar.models.zoo import CAUSAL_LM, tiny_model
+
+    ids = tokens(2, SEQ, 4)
+    for model_type in READ_TP:
+        reference = tiny_model(model_type, (CAUSAL_LM,))
+        assert find_anatomy(reference).family.tp_plan, model_type
+        model = seqpar.apply_tensor_parallel(copy.deepcopy(reference), seqpar.make_mesh(sp_size=1, tp_size=2))
+        want, got = reference(input_ids=ids, labels=ids), model(input_ids=ids, labels=ids)
+        torch.testing.assert_close(
+            got.logits, want.logits, atol=ATOL, rtol=RTOL, msg=lambda m, t=model_type: f"{t}: {m}"
+        )
+        want.loss.backward()
+        got.loss.backward()
+        for (name, p), q in zip(reference.named_parameters(), model.parameters(), strict=True):
+            grad = q.grad.full_tensor() if isinstance(q.grad, DTensor) else q.grad
+            torch.testing.assert_close(
+                grad, p.grad, atol=ATOL, rtol=RTOL, msg=lambda m, n=name, t=model_type: f"{t} {n}: {m}"
+            )
+
+
+def test_tensor_parallel_follows_a_read_familys_own_plan():
+    """tp 2 on families whose plan transformers declares (fused GPT-NeoX qkv, biases): logits and gradients."""
+    run_ranks(2, _read_tp_worker)
