@@ -1,6 +1,7 @@
 """The one resolver of ``FAMILIES``: a model's decoder, layers, attention, MLPs, norms, embedding and head.
 
-``anatomy(model)`` reads the model's ``config.model_type``, looks its family up and follows the entry's paths.
+``anatomy(model)`` reads the model's ``config.model_type``, looks its family up (or reads it from the model: Note [read
+anatomy]) and follows the entry's paths.
 """
 
 from __future__ import annotations
@@ -275,14 +276,15 @@ def anatomy(model: object) -> ModelAnatomy:
     """The anatomy of ``model`` (Note [model families]).
 
     Args:
-        model: a transformers model of a registered family (``seqpar.models.FAMILIES``).
+        model: a transformers model of a registered family (``seqpar.models.FAMILIES``), or one whose anatomy
+            can be read from the model (Note [read anatomy]).
 
     Returns:
         Its ``ModelAnatomy``.
 
     Raises:
-        SeqparInputError: an unknown family (register it with ``register_family``) or a model that lacks a part
-            where its family entry puts it.
+        SeqparInputError: a family whose parts cannot be read (describe it with ``register_family``) or a model
+            that lacks a part where its family entry puts it.
     """
     found = find_anatomy(model)
     if isinstance(found, str):

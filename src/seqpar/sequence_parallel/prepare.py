@@ -283,8 +283,9 @@ def prepare_model(
 
     Args:
         model: a transformers model of a registered family (``seqpar.models.FAMILIES``: Llama, Qwen2/3,
-            Mistral, Gemma 2/3 (soft-capped logits), gpt-oss (attention sinks), ...) whose attention goes
-            through ``AttentionInterface``.
+            Mistral, Gemma 2/3 (soft-capped logits), gpt-oss (attention sinks), hybrids, ...) or one whose
+            anatomy seqpar reads from the model (Note [read anatomy]), whose attention goes through
+            ``AttentionInterface`` (checked at run time: Note [attention went through seqpar]).
         mesh: a ``SequenceParallelMesh`` (``seqpar.make_mesh``), the SP ProcessGroup, or None.
         strategy: as in ``seqpar.attention``.
         layout: the layout ``shard_batch`` used: "zigzag", "contiguous", or "balanced", "placed" or "auto" (each
@@ -299,8 +300,8 @@ def prepare_model(
         other models built from it keep their attention; Note [the model's own config]).
 
     Raises:
-        SeqparInputError: a model whose attention seqpar cannot serve (with the reason: an unknown family
-            among them; ``seqpar.models.register_family`` adds one), or an unknown strategy.
+        SeqparInputError: a model whose attention seqpar cannot serve (with the reason: a family whose parts
+            cannot be read among them; ``seqpar.models.register_family`` describes one), or an unknown strategy.
     """
     from transformers import AttentionInterface
 
