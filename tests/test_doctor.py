@@ -130,10 +130,9 @@ def _layer_k(mesh):
         assert "VERDICT: DIFFERS from model.layers.1" in str(report)
     model = _three_layer_llama()
     model.model.layers[1].self_attn = OwnAttention(model.model.layers[1].self_attn)
-    report = seqpar.doctor(model, mesh, ids)
-    assert report.first_failing == "model.layers.1" and report.rows[0].activation_ok, str(report)
-    assert [r.attention_calls for r in report.rows[:3]] == [1, 0, 1], str(report)
-    assert _kinds(report) == [("attention", "model.layers.1.self_attn")], str(report)
+    report = seqpar.doctor(model, mesh, ids)  # refused at run time, naming the module (Note [attention went
+    assert not report.verdict and "VERDICT: SETUP" in str(report), str(report)  # through seqpar])
+    assert "model.layers.1.self_attn (OwnAttention) ran without calling seqpar's attention" in str(report)
     # the same model without the inserted module agrees
     assert seqpar.doctor(_three_layer_llama(), mesh, ids).verdict
 
