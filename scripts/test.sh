@@ -12,10 +12,13 @@ if [[ ${1:-} == --fast ]]; then
 fi
 scripts/setup.sh
 .venv/bin/ruff check .
+# two pytest workers, each test file on one of them (its module fixtures and shared ranks stay together): the
+# suite's launches and subprocesses leave a core idle part of the time
+workers=(-n 2 --dist loadfile)
 if ((fast)); then
-    exec .venv/bin/python -m pytest -q -m fast "$@"
+    exec .venv/bin/python -m pytest -q "${workers[@]}" -m fast "$@"
 fi
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir "$(mktemp -d)"
 # the zoo sweep (every family of the installed transformers) is its own tier, run after the rest
-.venv/bin/python -m pytest -q -m "not zoo" "$@"
+.venv/bin/python -m pytest -q "${workers[@]}" -m "not zoo" "$@"
 .venv/bin/python -m pytest -q -m zoo "$@"
