@@ -575,3 +575,16 @@ def _read_tp_worker(rank, world_size):
 def test_tensor_parallel_follows_a_read_familys_own_plan():
     """tp 2 on families whose plan transformers declares (fused GPT-NeoX qkv, biases): logits and gradients."""
     run_ranks(2, _read_tp_worker)
+
+
+def test_read_families_whose_masks_seqpar_does_not_build_are_refused_by_name():
+    """Falcon with ALiBi (a bias built by the model) and Llama 4's chunked attention: refused, the feature named."""
+    from seqpar.models.zoo import CAUSAL_LM, tiny_config, tiny_model
+
+    falcon = tiny_config("falcon")
+    falcon.alibi = True
+    with pytest.raises(SeqparInputError, match=r"'falcon' models .* ALiBi position bias \(config\.alibi\)"):
+        seqpar.prepare_model(transformers.AutoModelForCausalLM.from_config(falcon), None)
+    with pytest.raises(SeqparInputError, match=r"'llama4_text' models .* layer_types hold 'chunked_attention'"):
+        seqpar.prepare_model(tiny_model("llama4_text", (CAUSAL_LM,), device="meta"), None)
+    assert not isinstance(find_anatomy(tiny_model("falcon", (CAUSAL_LM,), device="meta")), str), "RoPE Falcon is read"

@@ -199,6 +199,8 @@ def _unknown_masks(config: object) -> str | None:
     kinds = sorted({kind for kind in getattr(config, "layer_types", None) or () if kind not in _MASK_KINDS})
     if kinds:
         return f"its layer_types hold {', '.join(map(repr, kinds))}, attention masks seqpar does not build"
+    if any(getattr(config, name, False) is True for name in ("alibi", "use_alibi")):
+        return "its attention adds an ALiBi position bias (config.alibi), which seqpar's attention does not apply"
     if getattr(config, "attention_chunk_size", None):
         size = config.attention_chunk_size
         return f"its attention is chunked (attention_chunk_size={size}), a mask seqpar does not build"

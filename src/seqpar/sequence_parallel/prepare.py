@@ -96,6 +96,12 @@ def _seqpar_attention(module, query, key, value, attention_mask, scaling=None, d
         )
     if dropout:
         raise SeqparInputError(f"seqpar attention does not implement attention dropout ({dropout}); set it to 0")
+    if isinstance(attention_mask, torch.Tensor):  # seqpar's calls build none: the family made its own (ALiBi)
+        raise SeqparInputError(
+            f"{type(module).__name__} handed seqpar's attention a mask or bias tensor of its own making (an additive "
+            "position bias such as ALiBi, or a mask seqpar does not build), which seqpar's attention would not "
+            "apply; seqpar serves attention whose masks it builds from the global position ids"
+        )
     if kwargs.get("sinks") is not None:  # transformers' name for learned sinks is s_aux; this one is unknown
         raise SeqparInputError("seqpar attention does not know the keyword sinks= (learned sinks come as s_aux=)")
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")  # Gemma 2's cap, gpt-oss's sink logits
