@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 from typing import ClassVar
 
 import pytest
@@ -588,3 +589,15 @@ def test_read_families_whose_masks_seqpar_does_not_build_are_refused_by_name():
     with pytest.raises(SeqparInputError, match=r"'llama4_text' models .* layer_types hold 'chunked_attention'"):
         seqpar.prepare_model(tiny_model("llama4_text", (CAUSAL_LM,), device="meta"), None)
     assert not isinstance(find_anatomy(tiny_model("falcon", (CAUSAL_LM,), device="meta")), str), "RoPE Falcon is read"
+
+
+def test_seqpar_models_lists_entries_read_families_and_refusals(capsys):
+    """``seqpar models`` on the installed transformers: a registered family, a read one, a refused one, named."""
+    from seqpar.cli import main
+
+    assert main(["models", "--only", "llama,olmo3,bloom,t5", "--json"]) == 0
+    rows = {row["model_type"]: row for row in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert {k: r["status"] for k, r in rows.items()} == {"llama": "entry", "olmo3": "read", "bloom": "refused"}
+    assert "self_attention (BloomAttention)" in rows["bloom"]["why"]
+    assert main(["models", "--only", "olmo3"]) == 0
+    assert "1 read" in capsys.readouterr().out

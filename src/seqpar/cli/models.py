@@ -61,12 +61,9 @@ def run_models(args: argparse.Namespace) -> int:
 
     transformers.logging.set_verbosity_error()  # default configs warn of their special ids
     wanted = {m for m in args.only.split(",") if m}
-    rows = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for model_type, entry in zoo_model_types().items():
-            if not wanted or model_type in wanted:
-                rows.append(_row(model_type, entry))
+        rows = [_row(model_type, entry) for model_type, entry in zoo_model_types(wanted or None).items()]
     if args.json:
         for row in rows:
             print(json.dumps(row))

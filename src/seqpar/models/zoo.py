@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,12 +42,12 @@ class ZooEntry:
     set_aside: str | None = None
 
 
-def zoo_model_types() -> dict[str, ZooEntry]:
+def zoo_model_types(only: Collection[str] | None = None) -> dict[str, ZooEntry]:
     """Every model type of transformers' causal-LM and image-text-to-text mappings, in name order.
 
     Encoder-decoders (``config.is_encoder_decoder``) and encoders whose causal LM is the decoder half of an
     ``EncoderDecoderModel`` (the class reads ``config.is_decoder`` and the config declares cross-attention) are
-    set aside with the reason: they are not decoder-only language models.
+    set aside with the reason: they are not decoder-only language models. ``only``: those model types alone.
     """
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -58,6 +58,7 @@ def zoo_model_types() -> dict[str, ZooEntry]:
     return {
         model_type: ZooEntry(model_type, tuple(listed[model_type]), _set_aside(model_type))
         for model_type in sorted(listed)
+        if only is None or model_type in only
     }
 
 
