@@ -839,3 +839,22 @@ def test_dit_exchange_buffers_are_the_strategy_rows_and_an_unknown_strategy_is_r
     for name in ("rings", "auto"):
         with pytest.raises(SeqparInputError, match="unknown strategy"):
             estimate_dit_memory(profile, 64, 4, name)
+
+
+def test_a_family_without_an_entry_is_estimated_only_where_its_sizes_hold():
+    """OLMo 3 (Llama-shaped layers, no entry): its estimate counts the built model's parameters; StarCoder2 (a
+    plain two-matrix MLP) would be counted wrong: refused, naming both counts (Note [sizes of read families])."""
+    from seqpar.models import parameter_counts
+
+    olmo3 = transformers.Olmo3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=128)
+    estimate = seqpar.estimate_memory(olmo3, 256, seqpar.ParallelDims(sp_size=2))
+    with torch.device("meta"):
+        built = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(olmo3).parameters())
+    counted = parameter_counts(seqpar.models.ModelSizes.from_config(olmo3))[0]
+    assert estimate.parameters == counted * 4 and abs(counted - built) <= 0.01 * built
+    starcoder2 = transformers.Starcoder2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=128
+    )
+    refused = r"unmodelled: seqpar's sizes count [\d,]+ parameters for 'starcoder2', the model has [\d,]+ \(\+"
+    with pytest.raises(seqpar.SeqparInputError, match=refused):
+        seqpar.estimate_memory(starcoder2, 256, seqpar.ParallelDims(sp_size=2))
