@@ -845,6 +845,7 @@ def test_a_family_without_an_entry_is_estimated_only_where_its_sizes_hold():
     """OLMo 3 (Llama-shaped layers, no entry): its estimate counts the built model's parameters; StarCoder2 (a
     plain two-matrix MLP) would be counted wrong: refused, naming both counts (Note [sizes of read families])."""
     from seqpar.models import parameter_counts
+    from seqpar.planning import Cluster, plan
 
     olmo3 = transformers.Olmo3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=128)
     estimate = seqpar.estimate_memory(olmo3, 256, seqpar.ParallelDims(sp_size=2))
@@ -858,3 +859,6 @@ def test_a_family_without_an_entry_is_estimated_only_where_its_sizes_hold():
     refused = r"unmodelled: seqpar's sizes count [\d,]+ parameters for 'starcoder2', the model has [\d,]+ \(\+"
     with pytest.raises(seqpar.SeqparInputError, match=refused):
         seqpar.estimate_memory(starcoder2, 256, seqpar.ParallelDims(sp_size=2))
+    with pytest.raises(seqpar.SeqparInputError, match="cannot plan: " + refused):
+        plan(starcoder2.to_dict(), 256, Cluster(gpus=2, gpus_per_node=2))
+    assert plan(olmo3.to_dict(), 256, Cluster(gpus=2, gpus_per_node=2)).candidates

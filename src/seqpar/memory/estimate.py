@@ -79,7 +79,8 @@ from seqpar.memory.rank import OPTIMIZER_STATES, estimate_rank
 from seqpar.memory.result import MemoryEstimate
 from seqpar.memory.vision import VisionSizes
 from seqpar.mesh import ParallelDims
-from seqpar.models import FAMILIES, ModelSizes, parameter_counts
+from seqpar.models import ModelSizes
+from seqpar.models.sizes import unmodelled_sizes
 from seqpar.sequence_parallel.selection import select_strategy
 from seqpar.sequence_parallel.strategies.registry import STRATEGIES
 
@@ -212,49 +213,6 @@ def estimate_stage_memory(
     return _stage_estimates(model_config, seq_len, dims, given)
 
 
-PARAMETER_SLACK = 0.01
-"""How far seqpar's parameter count of a family without a registry entry may be from its built model's (biases and
-norms it does not count); beyond it the family's sizes are unmodelled (Note [sizes of read families])."""
-
-
-def _unmodelled_sizes(model_config: object) -> str | None:
-    """Why seqpar's sizes do not describe a family without a registry entry, or None (Note [sizes of read families]).
-
-    Note [sizes of read families]
-        ``ModelSizes`` reads a config as a Llama-shaped decoder (gated MLPs, two norms a layer) unless a registry
-        entry says more. A family served by the anatomy read from the model (Note [read anatomy]) may be shaped
-        otherwise (a plain two-matrix MLP, parallel blocks, extra projections), and its estimate would then be a
-        wrong number. So for a model type without an entry the estimate builds the model on the meta device
-        (nothing allocated) and compares its parameter count with the sizes' count: beyond ``PARAMETER_SLACK``
-        the estimate refuses, naming both counts, rather than print a number it cannot stand behind.
-    """
-    get = model_config.get if isinstance(model_config, dict) else lambda k, d=None: getattr(model_config, k, d)
-    model_type = get("model_type")
-    if not isinstance(model_type, str) or model_type in FAMILIES:
-        return None
-    import torch
-    import transformers
-
-    try:
-        config = model_config
-        if isinstance(config, dict):
-            fields = {k: v for k, v in config.items() if k != "model_type"}
-            config = transformers.AutoConfig.for_model(model_type, **fields)
-        with torch.device("meta"):
-            built = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
-    except Exception as error:  # no causal LM transformers can build from this config
-        return f"seqpar has no entry for {model_type!r} and cannot build it to check its sizes ({error})"
-    counted = parameter_counts(ModelSizes.from_config(config))[0]
-    if abs(counted - built) <= PARAMETER_SLACK * built:
-        return None
-    return (
-        f"unmodelled: seqpar's sizes count {counted:,} parameters for {model_type!r}, the model has {built:,} "
-        f"({(counted - built) / built:+.1%}); its layers are not the Llama-shaped ones the sizes describe (a plain "
-        "MLP, parallel blocks or extra parts), so the estimate would be wrong; describe the family with "
-        "seqpar.models.register_family"
-    )
-
-
 def _stage_estimates(model_config: object, seq_len: int, dims: ParallelDims, settings: dict) -> list[MemoryEstimate]:
     """The estimates of ``dims`` and ``estimate_memory``'s keyword ``settings`` (all given), one per pipeline end."""
     if not isinstance(dims, ParallelDims):
@@ -272,7 +230,7 @@ def _stage_estimates(model_config: object, seq_len: int, dims: ParallelDims, set
     features = tuple(s.features)
     _check(seq_len, s, features)
     d = ModelSizes.from_config(model_config, s.tp_size)
-    unmodelled = _unmodelled_sizes(model_config)
+    unmodelled = unmodelled_sizes(model_config)
     if unmodelled:
         raise SeqparInputError(f"cannot estimate memory: {unmodelled}")
     vision = _vision(model_config, s, dtype_bytes(s.dtype)) if s.vision_patches else (0, 0)

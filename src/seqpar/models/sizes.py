@@ -433,3 +433,47 @@ def _experts(get, layers: int) -> dict:
         "shared_expert_intermediate_size": get("shared_expert_intermediate_size") or 0,
         "moe_layers": sum(1 for i in range(layers) if i not in dense_only and (i + 1) % step == 0),
     }
+
+
+PARAMETER_SLACK = 0.01
+"""How far seqpar's parameter count of a family without a registry entry may be from its built model's (biases and
+norms it does not count); beyond it the family's sizes are unmodelled (Note [sizes of read families])."""
+
+
+def unmodelled_sizes(model_config: object) -> str | None:
+    """Why seqpar's sizes do not describe a family without a registry entry, or None (Note [sizes of read families]).
+
+    Note [sizes of read families]
+        ``ModelSizes`` reads a config as a Llama-shaped decoder (gated MLPs, two norms a layer) unless a registry
+        entry says more. A family served by the anatomy read from the model (Note [read anatomy]) may be shaped
+        otherwise (a plain two-matrix MLP, parallel blocks, extra projections), and its estimate would then be a
+        wrong number. So for a model type without an entry the memory estimate and the planner build the model
+        on the meta device (nothing allocated) and compare its parameter count with the sizes' count: beyond
+        ``PARAMETER_SLACK`` they refuse, naming both counts, rather than print a number they cannot stand behind.
+        A registered family or a preset loads no torch for this (Note [torch-free planning]).
+    """
+    get = model_config.get if isinstance(model_config, dict) else lambda k, d=None: getattr(model_config, k, d)
+    model_type = get("model_type")
+    if not isinstance(model_type, str) or model_type in FAMILIES:
+        return None
+    import torch
+    import transformers
+
+    try:
+        config = model_config
+        if isinstance(config, dict):
+            fields = {k: v for k, v in config.items() if k != "model_type"}
+            config = transformers.AutoConfig.for_model(model_type, **fields)
+        with torch.device("meta"):
+            built = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+    except Exception as error:  # no causal LM transformers can build from this config
+        return f"seqpar has no entry for {model_type!r} and cannot build it to check its sizes ({error})"
+    counted = parameter_counts(ModelSizes.from_config(config))[0]
+    if abs(counted - built) <= PARAMETER_SLACK * built:
+        return None
+    return (
+        f"unmodelled: seqpar's sizes count {counted:,} parameters for {model_type!r}, the model has {built:,} "
+        f"({(counted - built) / built:+.1%}); its layers are not the Llama-shaped ones the sizes describe (a plain "
+        "MLP, parallel blocks or extra parts), so the estimate would be wrong; describe the family with "
+        "seqpar.models.register_family"
+    )

@@ -10,6 +10,7 @@ import os
 
 from seqpar.errors import SeqparInputError
 from seqpar.models import ModelSizes
+from seqpar.models.sizes import unmodelled_sizes
 
 # Values copied from each model's config.json on the Hugging Face Hub (the URL in ``source``).
 PRESETS: dict[str, ModelSizes] = {
@@ -51,7 +52,7 @@ def load_model_shape(model: str | dict | ModelSizes) -> ModelSizes:
     if isinstance(model, ModelSizes):
         return model
     if isinstance(model, dict):
-        return ModelSizes.from_config(model, source="(dict)")
+        return _checked(ModelSizes.from_config(model, source="(dict)"), model)
     if not isinstance(model, str):
         raise SeqparInputError(f"model must be a preset name, a path or a config dict, got {type(model).__name__}")
     if model.lower() in PRESETS:
@@ -68,4 +69,13 @@ def load_model_shape(model: str | dict | ModelSizes) -> ModelSizes:
         raise SeqparInputError(f"cannot read model config {path}: {error}") from error
     if not isinstance(config, dict):
         raise SeqparInputError(f"model config {path} is not a JSON object")
-    return ModelSizes.from_config(config, source=path)
+    return _checked(ModelSizes.from_config(config, source=path), config)
+
+
+def _checked(sizes: ModelSizes, config: dict) -> ModelSizes:
+    """The sizes, where they describe the model (Note [sizes of read families]: only a family without an entry is
+    built, on the meta device, to be checked; the others load no torch)."""
+    unmodelled = unmodelled_sizes(config)
+    if unmodelled:
+        raise SeqparInputError(f"cannot plan: {unmodelled}")
+    return sizes
