@@ -601,3 +601,25 @@ def test_seqpar_models_lists_entries_read_families_and_refusals(capsys):
     assert "self_attention (BloomAttention)" in rows["bloom"]["why"]
     assert main(["models", "--only", "olmo3"]) == 0
     assert "1 read" in capsys.readouterr().out
+
+
+def test_a_mask_or_bias_the_family_builds_itself_is_refused():
+    """A layer that hands seqpar's attention an additive bias of its own (as Falcon's ALiBi would): refused, not
+    ignored. The negative control: the same model without that bias runs."""
+
+    def biased(forward):
+        def call(*args, attention_mask=None, **kwargs):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            bias = torch.zeros(hidden.shape[0], 1, hidden.shape[1], hidden.shape[1])
+            return forward(*args, attention_mask=bias, **kwargs)
+
+        return call
+
+    model = seqpar.prepare_model(build("llama"), None)
+    ids = tokens(1, SEQ, 6)
+    shard = seqpar.shard_batch({"input_ids": ids}, None)
+    with torch.no_grad():
+        model(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
+        model.model.layers[1].self_attn.forward = biased(model.model.layers[1].self_attn.forward)
+        with pytest.raises(SeqparInputError, match=r"LlamaAttention handed seqpar's attention a mask or bias tensor"):
+            model(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
