@@ -623,3 +623,24 @@ def test_a_mask_or_bias_the_family_builds_itself_is_refused():
         model.model.layers[1].self_attn.forward = biased(model.model.layers[1].self_attn.forward)
         with pytest.raises(SeqparInputError, match=r"LlamaAttention handed seqpar's attention a mask or bias tensor"):
             model(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
+
+
+def test_a_read_multimodal_family_serves_its_text_path_and_refuses_images():
+    """Mistral 3 has no entry: its text decoder is read and served; a call with pixels or PaliGemma-style token
+    types is refused, since no entry says how the family merges its images (Note [read anatomy])."""
+    from seqpar.models.zoo import IMAGE_TEXT_TO_TEXT, tiny_model
+
+    model = tiny_model("mistral3", (IMAGE_TEXT_TO_TEXT,))
+    read = find_anatomy(model)
+    assert read.family.derived and read.family.vision is None and read.name(read.decoder) == "model.language_model"
+    model = seqpar.prepare_model(model, None)
+    shard = seqpar.shard_batch({"input_ids": tokens(1, SEQ, 7) % 90 + 4}, None)
+    call = dict(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
+    with torch.no_grad():
+        model(**call)
+        for extra in (
+            {"pixel_values": torch.zeros(1, 3, 16, 16)},
+            {"token_type_ids": torch.zeros_like(call["input_ids"])},
+        ):
+            with pytest.raises(SeqparInputError, match="belong to a whole-row call of a multimodal model"):
+                model(**call, **extra)
