@@ -235,6 +235,10 @@ def test_the_toy_family_is_read_from_the_model_without_an_entry():
             TOY, attention_interface=True
         )
         assert read.tp_plan is None, "the config's Llama plan names self_attn and mlp, which the toy has not"
+        grouped = copy.deepcopy(toy)  # a group norm normalises over tokens: not a per-token norm
+        grouped.body.blocks[1].pre = torch.nn.GroupNorm(4, 48)
+        with pytest.raises(SeqparInputError, match=r"layer 1 \(ToyBlock\) holds pre \(GroupNorm\) where other"):
+            seqpar.prepare_model(grouped, None)
         for block in toy.body.blocks:  # the negative control: the same toy with a part seqpar cannot classify
             block.ffn = torch.nn.Conv1d(16, 16, 3)
         with pytest.raises(

@@ -38,8 +38,15 @@ _MASK_KINDS = ("full_attention", "sliding_attention")  # the layer types whose m
 
 
 def _is_norm(module: nn.Module) -> bool:
-    """A norm class by its name (LayerNorm, RMSNorm and their family copies): each acts on one token."""
-    return "norm" in type(module).__name__.lower()
+    """A norm class by its name (LayerNorm, RMSNorm and their family copies): each acts on one token. Batch, group
+    and instance norms are not: they normalise over more than one token."""
+    from torch import nn
+
+    name = type(module).__name__.lower()
+    across = (nn.modules.batchnorm._NormBase, nn.GroupNorm)  # batch and instance norms share _NormBase
+    return (
+        "norm" in name and not any(w in name for w in ("batch", "group", "instance")) and not isinstance(module, across)
+    )
 
 
 def _calls_attention_functions(module: nn.Module) -> bool:
@@ -160,6 +167,11 @@ def _layer_parts(layers: nn.ModuleList, tp_plan: dict) -> dict | str:
         if found and parts["per_token"] != found["per_token"]:
             return f"its layers hold different projections of their own ({found['per_token']} and {parts['per_token']})"
         found = {**parts, "experts": found.get("experts") or parts["experts"]}
+    for i, layer in enumerate(layers):  # a norm path of one layer must hold a norm in every layer that has it
+        norms = [(n, c) for n, c in layer.named_children() if n in found["layer_norms"]]
+        wrong = [f"{n} ({type(c).__name__})" for n, c in norms if not _is_norm(c)]
+        if wrong:
+            return f"layer {i} ({type(layer).__name__}) holds {', '.join(wrong)} where other layers hold a norm"
     return found
 
 
