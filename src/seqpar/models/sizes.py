@@ -27,6 +27,8 @@ Note [mixture-of-experts sizes]
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 from dataclasses import dataclass
 
 from seqpar.errors import SeqparInputError
@@ -450,20 +452,26 @@ def unmodelled_sizes(model_config: object) -> str | None:
         wrong number. So for a model type without an entry the memory estimate and the planner build the model
         on the meta device (nothing allocated) and compare its parameter count with the sizes' count: beyond
         ``PARAMETER_SLACK`` they refuse, naming both counts, rather than print a number they cannot stand behind.
-        A registered family or a preset loads no torch for this (Note [torch-free planning]).
+        The answer is kept per config (the planner estimates every candidate layout of one model), and a
+        registered family or a preset loads no torch for this (Note [torch-free planning]).
     """
-    get = model_config.get if isinstance(model_config, dict) else lambda k, d=None: getattr(model_config, k, d)
-    model_type = get("model_type")
+    fields = model_config if isinstance(model_config, dict) else getattr(model_config, "to_dict", dict)()
+    model_type = fields.get("model_type")
     if not isinstance(model_type, str) or model_type in FAMILIES:
         return None
+    return _unmodelled(json.dumps(fields, sort_keys=True, default=str))
+
+
+@functools.lru_cache(maxsize=8)
+def _unmodelled(fields_json: str) -> str | None:
+    """``unmodelled_sizes`` of one config, given as its fields' canonical JSON."""
     import torch
     import transformers
 
+    fields = json.loads(fields_json)
+    model_type = fields.pop("model_type")
     try:
-        config = model_config
-        if isinstance(config, dict):
-            fields = {k: v for k, v in config.items() if k != "model_type"}
-            config = transformers.AutoConfig.for_model(model_type, **fields)
+        config = transformers.AutoConfig.for_model(model_type, **fields)
         with torch.device("meta"):
             built = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
     except Exception as error:  # no causal LM transformers can build from this config
