@@ -313,17 +313,10 @@ def measured_rows(attention: list[dict], llama: list[dict], strategies: list[dic
     ]
 
 
-_ZOO_NOISE = (
-    "seqpar cannot serve this model's attention: ",
-    "; describe it with seqpar.models.register_family (docs/design.md, Adding a model family)",
-)
-
-
 def _zoo_why(row: dict) -> str:
-    why = row.get("reason", "")
-    for noise in _ZOO_NOISE:
-        why = why.replace(noise, "")
-    return why
+    from seqpar.models.zoo import short_reason
+
+    return short_reason(row.get("reason", ""))
 
 
 def zoo_summary_table(records: list[dict]) -> str:

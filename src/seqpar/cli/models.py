@@ -7,12 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 
 _STATUSES = ("entry", "read", "refused", "not built", "set aside")
-_NOISE = re.compile(
-    r"^seqpar cannot serve this model's attention: |; describe it with seqpar\.models\.register_family.*$"
-)
 
 
 def add_models_flags(parser: argparse.ArgumentParser) -> None:
@@ -28,7 +24,7 @@ def add_models_flags(parser: argparse.ArgumentParser) -> None:
 def _row(model_type: str, entry: object) -> dict:
     """One model type: its status among ``_STATUSES`` and why."""
     from seqpar.models import find_anatomy
-    from seqpar.models.zoo import tiny_model
+    from seqpar.models.zoo import short_reason, tiny_model
     from seqpar.sequence_parallel.prepare import unserved_reason
 
     row = {"model_type": model_type, "mappings": list(entry.mappings)}
@@ -39,7 +35,7 @@ def _row(model_type: str, entry: object) -> dict:
         return row | {"status": "not built", "why": model}
     why = unserved_reason(model)
     if why is not None:
-        return row | {"status": "refused", "why": _NOISE.sub("", why)}
+        return row | {"status": "refused", "why": short_reason(why)}
     family = find_anatomy(model).family
     return row | {"status": "read" if family.derived else "entry", "why": ""}
 

@@ -27,7 +27,7 @@ import dataclasses
 import inspect
 from typing import TYPE_CHECKING
 
-from seqpar.models.families import FAMILIES, LLAMA_TP_PLAN, Family
+from seqpar.models.families import FAMILIES, Family
 
 if TYPE_CHECKING:
     from torch import nn
@@ -90,18 +90,28 @@ def _layer_classes(module: nn.Module) -> set[str]:
     return set(getattr(module, "_no_split_modules", None) or ())
 
 
+def _embedding(text: nn.Module) -> str | None:
+    """The path of the text decoder's input embedding: the one it declares, else the pp plan's, else its only one."""
+    from torch import nn
+
+    try:
+        declared = _path_of(text, text.get_input_embeddings())
+    except (AttributeError, NotImplementedError):  # a model class that does not say
+        declared = None
+    tables = [name for name, child in text.named_children() if isinstance(child, nn.Embedding)]
+    planned = [key for key in _plan(getattr(text, "config", None), "base_model_pp_plan") if key in tables]
+    if declared or planned:
+        return declared or planned[0]
+    return tables[0] if len(tables) == 1 else None  # several tables and no word on which: none is guessed
+
+
 def _decoder_parts(text: nn.Module) -> tuple[str, str, str | None] | str:
     """The text decoder's embedding, layer list and final norm paths, from its pp plan or its children."""
     from torch import nn
 
-    try:
-        embedding = _path_of(text, text.get_input_embeddings())
-    except (AttributeError, NotImplementedError):  # a model class that does not say
-        embedding = None
+    embedding = _embedding(text)
     lists = [name for name, child in text.named_children() if isinstance(child, nn.ModuleList)]
     plan = [key for key in _plan(getattr(text, "config", None), "base_model_pp_plan") if "." not in key]
-    tables = [name for name, child in text.named_children() if isinstance(child, nn.Embedding)]
-    embedding = embedding or next((key for key in plan if key in tables), None) or (tables[0] if tables else None)
     planned_lists = [key for key in plan if key in lists]
     layer_lists = [n for n in lists if (c := getattr(text, n)) and type(c[0]).__name__ in _layer_classes(text)]
     candidates = planned_lists if len(planned_lists) == 1 else layer_lists if len(layer_lists) == 1 else lists
@@ -187,7 +197,7 @@ def _tp_plan(tp_plan: dict, attention: str, mlp: str | None, experts: str | None
         rows.append((path, style))
     if experts is not None or not rows or {style for _, style in rows} != set(_PLAIN_STYLES):
         return None
-    return tuple(rows) if tuple(rows) != LLAMA_TP_PLAN else LLAMA_TP_PLAN
+    return tuple(rows)
 
 
 def _head(model: nn.Module, text: nn.Module) -> str | None:
@@ -200,8 +210,8 @@ def _head(model: nn.Module, text: nn.Module) -> str | None:
         declared = None
     if isinstance(declared, nn.Module):
         return _path_of(model, declared)
-    parts = _decoder_parts(text)
-    vocab = None if isinstance(parts, str) else getattr(text.get_submodule(parts[0]), "num_embeddings", None)
+    embedding = _embedding(text)
+    vocab = getattr(text.get_submodule(embedding), "num_embeddings", None) if embedding else None
     heads = [n for n, c in model.named_children() if isinstance(c, nn.Linear) and c.out_features == vocab]
     return heads[0] if len(heads) == 1 else None
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import re
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
@@ -150,6 +151,23 @@ def tiny_model(model_type: str, mappings: tuple[str, ...], device: str | None = 
         except Exception as e:  # another attention implementation may build
             error = e
     return f"the tiny model does not build: {_last_line(error)}"
+
+
+_REFUSAL_FRAME = re.compile(
+    r"^seqpar cannot serve this model's attention: |; describe it with seqpar\.models\.register_family \(.*?\)$"
+)
+
+
+def short_reason(refusal: str) -> str:
+    """A refusal of ``prepare_model`` without the words every refusal shares, as the support matrix shows it.
+
+    Args:
+        refusal: the ``SeqparInputError`` message.
+
+    Returns:
+        What is specific to the family.
+    """
+    return _REFUSAL_FRAME.sub("", refusal)
 
 
 def _last_line(error: BaseException) -> str:
