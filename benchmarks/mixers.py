@@ -2,8 +2,8 @@
 
 Run::
 
-    python -m benchmarks.mixers                           # five mixers, 8192 tokens, sp 2 and 4
-    python -m benchmarks.mixers --mixers mamba1 --seq 1024  # Mamba1, whose scans step token by token
+    python -m benchmarks.mixers                           # six mixers, 8192 tokens, sp 2 and 4
+    python -m benchmarks.mixers --mixers mamba1 --seq 4096 --sp 2
     python -m benchmarks.mixers --mixers mamba2 --seq 16384 --sp 2 --json mixers_cpu.json
 
 Each mixer and degree runs in fresh spawned ranks (one thread each). The layers are transformers' own, built from a
@@ -127,9 +127,32 @@ _CONFIGS = {
 
 MIXERS = tuple(_CONFIGS)
 """The mixers that can be benchmarked, by their kind."""
-DEFAULT_MIXERS = tuple(m for m in MIXERS if m != Mamba1.kind)
-"""Those run by default: Mamba1's scans (transformers' and seqpar's) take a Python step per token, so it runs when
-named, with a shorter ``--seq`` (docs/guides/hybrid-models.md says how long it took)."""
+
+
+def _mamba1_unbind(layer: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A Mamba layer's forward on the shard alone, transformers' torch path with its scan stepping over ``unbind``
+    views: transformers' own loop indexes ``[B, D, L, N]`` tensors token by token, which makes its backward
+    quadratic in the length (a zero tensor of the whole input per step), so it is no baseline at 4K tokens."""
+    import torch.nn.functional as F
+
+    x, gate = layer.in_proj(hidden_states).transpose(1, 2).chunk(2, dim=1)  # [B, D, L]
+    u = layer.act(layer.conv1d(x)[..., : x.shape[-1]])
+    n = layer.ssm_state_size
+    step, b, c = torch.split(layer.x_proj(u.transpose(1, 2)), [layer.time_step_rank, n, n], dim=-1)
+    dt = F.softplus(layer.dt_proj(step))  # [B, L, D]
+    rate = -torch.exp(layer.A_log.float())
+    decays = torch.exp(rate * dt[..., None]).unbind(1)  # [B, D, N] per token
+    drives = (dt[..., None] * b[:, :, None, :].float() * u.transpose(1, 2)[..., None].float()).unbind(1)
+    state, reads = torch.zeros_like(decays[0]), []
+    for decay, drive, c_t in zip(decays, drives, c.unbind(1), strict=True):
+        state = decay * state + drive
+        reads.append(torch.matmul(state, c_t[..., None])[..., 0])
+    y = (torch.stack(reads, dim=1) + u.transpose(1, 2) * layer.D) * F.silu(gate.transpose(1, 2))
+    return layer.out_proj(y)
+
+
+_ALONE = {Mamba1.kind: _mamba1_unbind}
+"""Mixer kind -> the shard-alone baseline where the model's own layer is not one (else the layer's forward)."""
 
 
 def _layer(mixer: str, cfg: dict) -> torch.nn.Module:
@@ -189,8 +212,12 @@ def _worker(rank: int, world_size: int, cfg: dict, out: str) -> None:
         for name, layer in (("adapted", adapted), ("local", own)):
             dist.barrier()
             before, start = written_bytes(), time.perf_counter()
-            kwargs = {CONTEXT_KEY: ctx, **required} if name == "adapted" else dict(required)
-            result = layer(shard, **kwargs)  # lightning attention returns its state too
+            if name == "adapted":
+                result = layer(shard, **{CONTEXT_KEY: ctx, **required})
+            elif cfg["mixer"] in _ALONE:
+                result = _ALONE[cfg["mixer"]](layer, shard)
+            else:
+                result = layer(shard, **required)  # lightning attention returns its state too
             (result[0] if isinstance(result, tuple) else result).square().mean().backward()
             elapsed = time.perf_counter() - start
             if round_:
@@ -214,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m benchmarks.mixers", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--mixers", nargs="+", choices=MIXERS, default=list(DEFAULT_MIXERS), help="the layers to run (Mamba1 if named)"
+        "--mixers", nargs="+", choices=MIXERS, default=list(MIXERS), help="the layers to run (default: all)"
     )
     parser.add_argument("--seq", type=int, default=8192, help="tokens of the whole sequence")
     parser.add_argument("--sp", type=int, nargs="+", default=[2, 4], help="sequence-parallel degrees")

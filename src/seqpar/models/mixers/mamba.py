@@ -137,6 +137,9 @@ class Mamba1(MixerSizes):
     """RMSNorms on dt, B and C (Falcon-Mamba's weightless, Jamba's weighted)."""
     dt_norm_weights: bool = False
     """Those norms have weights (Jamba)."""
+    scan_block: ClassVar[int] = 128
+    """Tokens per recomputed block of seqpar's scan (Note [Mamba1 state]): a ``D x N`` state kept per block,
+    one block's steps alive in the backward."""
 
     @classmethod
     def settle(cls, get: Get, names: Names, field: str, value: object, hidden: int, read: dict) -> object:
@@ -163,13 +166,11 @@ class Mamba1(MixerSizes):
     def conv(self, hidden: int) -> tuple[int, int]:
         return self.inner, self.conv_width
 
-    def elements(
-        self, hidden: int, sp_size: int
-    ) -> tuple[int, float]:  # seqpar's sequential scan keeps each step's state
+    def elements(self, hidden: int, sp_size: int) -> tuple[int, float]:  # Note [Mamba1 state]: blocks recomputed
         inner, n, low = self.inner, self.state, self.dt_rank + 2 * self.state
         around = 6 * inner + low + (low + 3 if self.dt_norms else 0)
-        scan = 3 * inner * n + 3 * inner  # decay, drive, the states; dt and its float32 copies
-        entering = 0 if sp_size == 1 else 2 * inner * n  # the decays' running product and the decayed entering state
+        scan = 3 * inner + inner * n / self.scan_block  # dt and its float32 copies; a state per block
+        entering = 0 if sp_size == 1 else inner  # the steps' running sum, read back per block
         return around, scan + entering
 
     def exchange(self, rows: int, chunks: int) -> int:  # Note [Mamba1 state]: a 1 x 1 state per channel and entry

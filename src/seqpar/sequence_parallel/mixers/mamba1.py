@@ -9,47 +9,85 @@ Note [Mamba1 state]
     ``M = exp(A sum(dt))`` over the piece (the product of its steps' decays). seqpar passes it through
     ``chunked_state_scan`` as ``d_inner * d_state`` heads of a 1 x 1 state (Note [state passing]): ``M`` is that
     number, the exchange moves two numbers per channel, entry and chunk, and the state that enters a piece adds
-    ``C_t . (prod_{s <= t} exp(dt_s A) * S_in)`` to token ``t``'s read, so the piece is scanned once. transformers' scan
+    ``C_t . (exp(A sum_{s <= t} dt_s) * S_in)`` to token ``t``'s read. transformers' scan
     (``mamba_selective_scan``) starts from zeros only, so a piece's scan is seqpar's: transformers' sequential
     recurrence in its dtypes (decay and drive in float32, the read in the input's dtype), from the given state.
-    It runs a Python step per token, as transformers' torch path does; the fused CUDA scan is not used.
+    Cost: a step per token, as transformers' torch path takes (the fused CUDA scan takes no initial state and
+    returns no differentiable final one). The steps walk ``unbind`` views: indexing ``x[:, t]`` would give each
+    step's backward a zero tensor of the whole input, quadratic in the length. Nothing of shape ``[L, D, N]``
+    is kept: a step forms its decay and drive from ``dt``, ``B`` and ``x``, and under autograd the piece runs in
+    blocks of ``Mamba1.scan_block`` tokens, each recomputed in the backward (activation checkpointing), so the backward
+    keeps a state per block and the per-token inputs, and one block's steps at a time.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
+from seqpar.models.mixers import Mamba1
 from seqpar.sequence_parallel.call_context import CONTEXT_KEY, CallContext, adapter_context
 from seqpar.sequence_parallel.mixers.conv import halo_causal_conv
 from seqpar.sequence_parallel.mixers.scan import Opening, chunked_state_scan
 
 
+def _recomputed(function, *args: object):
+    """``function(*args)``, recomputed in the backward where autograd records it (Note [Mamba1 state])."""
+    if torch.is_grad_enabled():
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+    return function(*args)
+
+
+def _steps(
+    dt: torch.Tensor, b: torch.Tensor, c: torch.Tensor, u: torch.Tensor, rate: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' recurrence over a block of tokens from ``state`` ``[1, D, N]``: (reads ``[1, T, D]``, state)."""
+    reads = []
+    for dt_t, b_t, c_t, u_t in zip(dt.unbind(1), b.unbind(1), c.unbind(1), u.unbind(1), strict=True):
+        decay = torch.exp(rate * dt_t[..., None])  # [1, D, N], as transformers' discrete A
+        drive = dt_t[..., None] * b_t[:, None, :].float() * u_t[..., None].float()
+        state = decay * state + drive
+        reads.append(torch.matmul(state.to(u.dtype), c_t[..., None])[..., 0])
+    return torch.stack(reads, dim=1), state
+
+
 def _scan_piece(
-    decay: torch.Tensor, drive: torch.Tensor, c: torch.Tensor, initial_state: torch.Tensor | None, dtype: torch.dtype
+    dt: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    u: torch.Tensor,
+    rate: torch.Tensor,
+    initial_state: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The selective scan of one piece from ``initial_state`` (Note [Mamba1 state]).
 
     Args:
-        decay: ``[1, T, D, N]`` ``exp(dt A)``, float32.
-        drive: ``[1, T, D, N]`` ``dt B x``, float32.
+        dt: ``[1, T, D]`` the time steps (softplus applied), float32.
+        b: ``[1, T, N]`` the drive's input projection.
         c: ``[1, T, N]`` the read-out.
+        u: ``[1, T, D]`` the scan's input; its dtype is the one the state is read in.
+        rate: ``[D, N]`` ``A = -exp(A_log)``, float32.
         initial_state: ``[1, D * N, 1, 1]`` the state entering the piece, or None for zeros.
-        dtype: the dtype the state is read in (the scan input's).
 
     Returns:
         ``C . h`` per token ``[1, T, D]``, and the final state ``[1, D * N, 1, 1]``.
     """
-    _, length, channels, entries = decay.shape
-    if initial_state is None:
-        state = decay.new_zeros(1, channels, entries).to(dtype)  # transformers starts in the input's dtype
-    else:
-        state = initial_state.reshape(1, channels, entries)
+    channels, entries = rate.shape
+    zeros = initial_state is None  # transformers starts from zeros in the input's dtype
+    state = u.new_zeros(1, channels, entries) if zeros else initial_state.reshape(1, channels, entries)
     reads = []
-    for t in range(length):
-        state = decay[:, t] * state + drive[:, t]
-        reads.append(torch.matmul(state.to(dtype), c[:, t, :, None])[..., 0])
-    return torch.stack(reads, dim=1), state.reshape(1, channels * entries, 1, 1)
+    for start in range(0, dt.shape[1], Mamba1.scan_block):  # each block starts from the state the one before left
+        block = (t[:, start : start + Mamba1.scan_block] for t in (dt, b, c, u))
+        read, state = _recomputed(_steps, *block, rate, state)
+        reads.append(read)
+    return torch.cat(reads, dim=1), state.reshape(1, channels * entries, 1, 1)
+
+
+def _carried(elapsed: torch.Tensor, c: torch.Tensor, rate: torch.Tensor, entering: torch.Tensor) -> torch.Tensor:
+    """The read of the state ``entering`` (``[1, D, N]``) decayed to each token of a block: ``[1, T, D]``."""
+    kept = torch.exp(rate * elapsed[..., None]) * entering[:, None]  # [1, T, D, N], one block's
+    return torch.matmul(kept.to(c.dtype), c[..., None])[..., 0]
 
 
 def mamba1_forward(
@@ -90,24 +128,23 @@ def mamba1_forward(
         step, b, c = self.dt_layernorm(step), self.b_layernorm(b), self.c_layernorm(c)
     dt = (self.dt_proj.weight @ step.transpose(1, 2)).transpose(1, 2)  # [B, L, D], the bias added below
     dt = F.softplus(dt + self.dt_proj.bias.float().to(dt.dtype))
-    decay_rate = -torch.exp(self.A_log.float())  # [D, N]
-    decay = torch.exp(decay_rate * dt[..., None])  # [B, L, D, N]
-    drive = dt[..., None] * b[:, :, None, :].float() * u[..., None].float()
+    rate = -torch.exp(self.A_log.float())  # [D, N]
 
-    def run(decay, drive, c, initial_state):
-        return _scan_piece(decay, drive, c, initial_state, u.dtype)
+    def run(dt, b, c, u, initial_state):
+        return _scan_piece(dt, b, c, u, rate, initial_state)
 
-    def opening(decay, drive, c):  # the state decays by the product of the steps' decays (Note [Mamba1 state])
-        out, local = run(decay, drive, c, initial_state=None)
-        grown = torch.cumprod(decay, dim=1)  # [1, T, D, N]: left at each token of the state that entered
+    def opening(dt, b, c, u):  # the state decays by exp(A sum(dt)) (Note [Mamba1 state])
+        out, local = run(dt, b, c, u, initial_state=None)
+        elapsed = torch.cumsum(dt.float(), dim=1)  # [1, T, D]: the steps up to each token
 
         def respond(entering):  # [1, D * N, 1, 1] -> [1, T, D]
-            kept = grown * entering.reshape(1, 1, *grown.shape[2:])
-            return torch.matmul(kept.to(u.dtype), c[..., None])[..., 0]
+            entering = entering.reshape(1, *rate.shape)
+            spans = [slice(a, a + Mamba1.scan_block) for a in range(0, c.shape[1], Mamba1.scan_block)]
+            return torch.cat([_recomputed(_carried, elapsed[:, s], c[:, s], rate, entering) for s in spans], dim=1)
 
-        return Opening(out, local, grown[:, -1].reshape(1, -1, 1, 1), respond)
+        return Opening(out, local, torch.exp(rate * elapsed[:, -1, :, None]).reshape(1, -1, 1, 1), respond)
 
     state = (self.intermediate_size * entries, 1, 1)
-    y = chunked_state_scan(run, opening, (decay, drive, c), state, ctx.mesh, ctx.layout, ctx.mask)
+    y = chunked_state_scan(run, opening, (dt, b, c, u), state, ctx.mesh, ctx.layout, ctx.mask)
     y = (y + u * self.D.float()) * F.silu(gate)
     return self.out_proj(y.to(dtype))
