@@ -43,13 +43,14 @@ def _steps(
     dt: torch.Tensor, b: torch.Tensor, c: torch.Tensor, u: torch.Tensor, rate: torch.Tensor, state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' recurrence over a block of tokens from ``state`` ``[1, D, N]``: (reads ``[1, T, D]``, state)."""
-    reads = []
-    for dt_t, b_t, c_t, u_t in zip(dt.unbind(1), b.unbind(1), c.unbind(1), u.unbind(1), strict=True):
-        decay = torch.exp(rate * dt_t[..., None])  # [1, D, N], as transformers' discrete A
-        drive = dt_t[..., None] * b_t[:, None, :].float() * u_t[..., None].float()
-        state = decay * state + drive
-        reads.append(torch.matmul(state.to(u.dtype), c_t[..., None])[..., 0])
-    return torch.stack(reads, dim=1), state
+    decays = torch.exp(rate * dt[..., None])  # [1, T, D, N], one block's, as transformers' discrete A
+    drives = dt[..., None] * b[:, :, None, :].float() * u[..., None].float()
+    states = []
+    for decay, drive in zip(decays.unbind(1), drives.unbind(1), strict=True):
+        state = torch.addcmul(drive, decay, state)
+        states.append(state)
+    reads = torch.matmul(torch.stack(states, dim=1).to(u.dtype), c[..., None])[..., 0]
+    return reads, state
 
 
 def _scan_piece(
@@ -74,8 +75,8 @@ def _scan_piece(
         ``C . h`` per token ``[1, T, D]``, and the final state ``[1, D * N, 1, 1]``.
     """
     channels, entries = rate.shape
-    zeros = initial_state is None  # transformers starts from zeros in the input's dtype
-    state = u.new_zeros(1, channels, entries) if zeros else initial_state.reshape(1, channels, entries)
+    zeros = initial_state is None
+    state = dt.new_zeros(1, channels, entries, dtype=torch.float32) if zeros else initial_state.reshape(1, -1, entries)
     reads = []
     for start in range(0, dt.shape[1], Mamba1.scan_block):  # each block starts from the state the one before left
         block = (t[:, start : start + Mamba1.scan_block] for t in (dt, b, c, u))
