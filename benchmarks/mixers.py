@@ -4,6 +4,7 @@ Run::
 
     python -m benchmarks.mixers                           # six mixers, 8192 tokens, sp 2 and 4
     python -m benchmarks.mixers --mixers mamba1 --seq 4096 --sp 2
+    python -m benchmarks.mixers --models --mixers mamba1 --hidden 256 --seq 8192 --sp 2  # vs a Llama as wide
     python -m benchmarks.mixers --mixers mamba2 --seq 16384 --sp 2 --json mixers_cpu.json
 
 Each mixer and degree runs in fresh spawned ranks (one thread each). The layers are transformers' own, built from a
@@ -236,6 +237,70 @@ def _worker(rank: int, world_size: int, cfg: dict, out: str) -> None:
             json.dump({"adapted_s": slowest[0], "local_s": slowest[1], "sent_bytes": slowest[2]}, f)
 
 
+def _llama(cfg: dict):
+    """A one-layer Llama of the mixers' width (heads of ``head_dim``, half as many KV heads, MLP 3x hidden)."""
+    import transformers
+
+    heads = cfg["hidden"] // cfg["head_dim"]
+    return transformers.LlamaConfig(
+        **_common(cfg),
+        intermediate_size=3 * cfg["hidden"],
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        max_position_embeddings=cfg["seq"],
+    )
+
+
+def _model_worker(rank: int, world_size: int, cfg: dict, out: str) -> None:
+    """One AdamW step of the whole one-layer model of the mixer and of a Llama as wide, both under seqpar."""
+    import transformers
+
+    import seqpar
+    from seqpar.bench.maxlen import train_step
+
+    mesh = seqpar.make_mesh()
+    ids = torch.randint(0, 256, (1, cfg["seq"]), generator=torch.Generator().manual_seed(1))
+    shard = seqpar.shard_batch({"input_ids": ids}, mesh)
+    times = {}
+    for name, config in (("model", _CONFIGS[cfg["mixer"]](cfg)), ("llama", _llama(cfg))):
+        torch.manual_seed(0)
+        model = seqpar.prepare_model(transformers.AutoModelForCausalLM.from_config(config).float(), mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        runs = []
+        for round_ in range(cfg["rounds"] + 1):  # round 0 warms up
+            dist.barrier()
+            start = time.perf_counter()
+            train_step(model, opt, shard, mesh, 0)
+            if round_:
+                runs.append(time.perf_counter() - start)
+        times[name] = statistics.median(runs)
+    stats = torch.tensor([times["model"], times["llama"]], dtype=torch.float64)
+    table = [torch.empty_like(stats) for _ in range(world_size)]
+    dist.all_gather(table, stats)
+    if rank == 0:
+        slowest = torch.stack(table).max(0).values.tolist()
+        with open(out, "w") as f:
+            json.dump({"model_step_s": slowest[0], "llama_step_s": slowest[1]}, f)
+
+
+def _models(args: argparse.Namespace, names: tuple[str, ...]) -> None:
+    """``--models``: each mixer's one-layer model against a one-layer Llama as wide, a training step each."""
+    from seqpar.runtime.spawn import spawn_ranks
+
+    print(f"one-layer models, hidden {args.hidden}, {args.seq} tokens, zigzag, fp32, AdamW step, {args.rounds} rounds")
+    print("| mixer | sp | model step (s) | Llama step (s) | model / Llama |\n|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for mixer in args.mixers:
+            cfg = {"mixer": mixer, **{k: getattr(args, k) for k in names}}
+            for sp in args.sp:
+                out = os.path.join(tmp, f"{mixer}-{sp}.json")
+                spawn_ranks(_model_worker, sp, cfg, out)
+                with open(out) as f:
+                    r = json.load(f)
+                ratio = r["model_step_s"] / r["llama_step_s"]
+                print(f"| {mixer} | {sp} | {r['model_step_s']:.3f} | {r['llama_step_s']:.3f} | {ratio:.2f} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.mixers", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -253,10 +318,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mamba1-state", type=int, default=16, help="Mamba1's state size")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", metavar="FILE", help="write one record per mixer and degree here")
+    parser.add_argument(
+        "--models", action="store_true", help="instead: whole one-layer models against a Llama as wide, a step each"
+    )
     args = parser.parse_args(argv)
     from seqpar.runtime.spawn import spawn_ranks
 
     names = ("seq", "hidden", "key_heads", "value_heads", "head_dim", "state", "mamba1_state", "rounds")
+    if args.models:
+        _models(args, names)
+        return 0
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for mixer in args.mixers:

@@ -105,11 +105,18 @@ def _families(mesh):
 
 def _hybrids(mesh):
     """Hybrids whose mixers seqpar adapts (Note [mixer adapters]): OK at every layer, no token-mixing pitfall,
-    seqpar attention only in the attention layer."""
-    for kind in ("lfm2", "qwen3_next"):
+    seqpar attention only in the attention layer; the report names what each mixer's steps ran on this CPU
+    (Note [mixer implementations]: transformers' PyTorch code, as no fused package runs on CPU tensors)."""
+    ran = {
+        "lfm2": ["Lfm2ShortConv: convolution -> torch"],
+        "qwen3_next": ["Qwen3NextGatedDeltaNet: convolution -> torch", "Qwen3NextGatedDeltaNet: recurrence -> torch"],
+    }
+    for kind, lines in ran.items():
         report = seqpar.doctor(build(kind), mesh, {"input_ids": tokens(2, SEQ, 1)})
         assert report.verdict and not report.pitfalls, f"{kind}:\n{report}"
         assert [r.attention_calls for r in report.rows] == [0, 1, 0, 0, -1], f"{kind}:\n{report}"
+        assert [k.split(" (")[0] for k in report.kernels] == lines, report.kernels
+        assert all(f"mixer kernel: {k}" in str(report) for k in report.kernels), str(report)
 
 
 def _layer_k(mesh):

@@ -172,13 +172,38 @@ for each of its families; the other families (their own anatomy on the same adap
 balanced packed."""
 
 
+def _counted_conv_kernel(kind: str) -> list[int]:
+    """Wrap the ``causal_conv1d_fn`` of ``kind``'s modeling module to count seqpar's calls of it (``[calls]``,
+    updated in place; the one-process reference's own calls are not counted); a family without a convolution
+    keeps its module unchanged and gets None."""
+    module = sys.modules[type(anatomy(_model(kind)).mixers[0]).__module__]
+    kernel = getattr(module, "causal_conv1d_fn", None)
+    if kernel is None:
+        return None
+    calls = [0]
+
+    @functools.wraps(kernel)
+    def counted(*args, **kwargs):
+        calls[0] += sys._getframe(1).f_code is conv.halo_causal_conv.__code__
+        return kernel(*args, **kwargs)
+
+    module.causal_conv1d_fn = counted
+    return calls
+
+
 def _exact(rank, world_size):
+    """Every layout packed and not (see ``EVERY_LAYOUT``); the halo convolution runs the model's own
+    ``causal_conv1d_fn`` on whole rows (zigzag), and its masked taps on packed rows (Note [halo convolution])."""
     mesh = seqpar.make_mesh()
     for kind in KINDS:
+        calls = _counted_conv_kernel(kind)
         for layout in ("zigzag", "contiguous", "balanced"):
             for packed in (False, True):
                 if kind in EVERY_LAYOUT or layout == "zigzag" or (layout == "balanced" and packed):
+                    before = calls and calls[0]
                     _check(rank, world_size, mesh, kind, layout, packed)
+                    if calls is not None and (layout == "zigzag" or packed):
+                        assert (calls[0] > before) == (not packed), (kind, layout, packed, calls)
         if world_size > 1:  # the mixers exchange over the whole group whatever the attention does
             _check(rank, world_size, mesh, kind, "zigzag", True, strategy="ulysses" if world_size == 2 else "allgather")
         if world_size > 1:  # packed documents reordered so that short ones stay whole (Note [placed layout])
@@ -481,3 +506,34 @@ CASES += [(2, "control"), (2, "bad-input"), (2, "lora")]
 )
 def test_hybrid_mixers_under_seqpar(world_size, part):
     run_ranks(world_size, _worker, part)
+
+
+def test_mixer_implementations_read_what_transformers_dispatches_to(monkeypatch):
+    """Note [mixer implementations]: a mixer's convolution reads as the package transformers' dispatcher found
+    where that package runs on the tensors' device, as PyTorch ("torch") where it is missing or runs elsewhere,
+    and as "unknown" where the module's function is no dispatcher; Mamba1's recurrence is seqpar's own. The
+    dispatchers are built by transformers' own decorator, around a package that is installed (``json``)."""
+    from transformers.integrations import hub_kernels
+
+    from seqpar.sequence_parallel.mixers import implementations
+
+    model = _model("mamba")
+    module = sys.modules[type(anatomy(model).mixers[0]).__module__]
+    own = module.causal_conv1d_fn
+
+    def steps(device_type: str) -> list[tuple[str, str]]:
+        return [(k.step, k.implementation) for k in implementations(anatomy(model).mixers, device_type)]
+
+    assert steps("cpu") == [("convolution", "torch"), ("recurrence", "seqpar")]
+    monkeypatch.setattr(
+        module, "causal_conv1d_fn", hub_kernels.use_kernel_func_from_hub_with_fallback("dumps", "json")(own)
+    )
+    assert steps("cpu") == [("convolution", "json"), ("recurrence", "seqpar")]
+    monkeypatch.setitem(hub_kernels._PACKAGE_SUPPORTED_DEVICES, "json", ("cuda",))
+    monkeypatch.setattr(
+        module, "causal_conv1d_fn", hub_kernels.use_kernel_func_from_hub_with_fallback("dumps", "json")(own)
+    )
+    assert steps("cuda")[0][1] == "json" and steps("cpu")[0][1] == "torch"
+    assert "runs on cuda tensors, these are on cpu" in implementations(anatomy(model).mixers, "cpu")[0].why
+    monkeypatch.setattr(module, "causal_conv1d_fn", lambda *a, **k: None)
+    assert steps("cpu")[0][1] == "unknown"

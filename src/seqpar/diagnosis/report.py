@@ -90,6 +90,7 @@ class DoctorReport:
     pitfalls: list[Pitfall] = field(default_factory=list)
     notes: list[Pitfall] = field(default_factory=list)  # about a one-process baseline; they do not fail the verdict
     compared_without: list[str] = field(default_factory=list)
+    kernels: list[str] = field(default_factory=list)  # what each mixer class ran (Note [mixer implementations])
     first_failing: str | None = None
     cause: str = ""
 
@@ -130,6 +131,7 @@ class DoctorReport:
         ]
         if self.compared_without:
             lines.append(f"compared without: {', '.join(self.compared_without)} (see the pitfalls)")
+        lines += [f"mixer kernel: {line}" for line in self.kernels]
         if self.rows:
             width = max(len(r.name) for r in self.rows)
             lines.append(f"{'layer':<{width}}  activations  gradients  seqpar attention calls")

@@ -36,6 +36,7 @@ from seqpar.gradients import reduce_gradients
 from seqpar.loss import count_valid_tokens, cross_entropy, sum_over
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
 from seqpar.sequence_parallel.layouts.chunks import gather_sequence, shard_sequence
+from seqpar.sequence_parallel.mixers import implementations
 from seqpar.sequence_parallel.prepare import ATTENTION_NAME, last_attention_choice, prepare_model
 from seqpar.sequence_parallel.strategies.registry import AUTO
 from seqpar.sequence_parallel.whole_rows import SHARD_REFUSED
@@ -187,6 +188,7 @@ def doctor(
         report.cause = f"seqpar refused the model or batch: {error}"
         return report
     choice = last_attention_choice(sharded)
+    report.kernels = [k.line() for k in implementations(parts.mixers, device.type)]
     report.strategy = f"{strategy} -> {choice.strategy}" if choice is not None and strategy == AUTO else strategy
     if rows is None:
         full = {k: gather_sequence(v, sp, dim=1, layout=layout) for k, v in shard.items()}

@@ -28,12 +28,13 @@ from seqpar.sequence_parallel.mixers.gated_deltanet import (
     qwen3_5_gated_deltanet_forward,
     qwen3_next_gated_deltanet_forward,
 )
+from seqpar.sequence_parallel.mixers.implementations import MixerKernel, mixer_kernels
 from seqpar.sequence_parallel.mixers.lightning import minimax_lightning_attention_forward
 from seqpar.sequence_parallel.mixers.mamba1 import mamba1_forward
 from seqpar.sequence_parallel.mixers.mamba2 import mamba2_forward
 from seqpar.sequence_parallel.mixers.short_conv import lfm2_short_conv_forward
 
-__all__ = ["ADAPTERS", "adapt", "mismatched_mixers", "unknown_mixers"]
+__all__ = ["ADAPTERS", "MixerKernel", "adapt", "implementations", "mismatched_mixers", "unknown_mixers"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class MixerAdapter:
     refused by ``prepare_model``, not left to fail inside a forward."""
     kernel: str | None = None
     """The function of the class's own transformers module that ``forward`` calls, if any (checked likewise)."""
+    recurrent: bool = True
+    """The mixer has a recurrence (run by ``kernel``, or by seqpar's own code where that is None)."""
 
 
 _GATED_DELTANET = ("conv1d", "A_log", "dt_bias", "key_dim", "value_dim", "head_k_dim", "head_v_dim", "num_v_heads")
@@ -74,7 +77,7 @@ _MAMBA1 = MixerAdapter(
 )
 
 ADAPTERS = {
-    "Lfm2ShortConv": MixerAdapter(lfm2_short_conv_forward, ("in_proj", "conv", "out_proj")),
+    "Lfm2ShortConv": MixerAdapter(lfm2_short_conv_forward, ("in_proj", "conv", "out_proj"), recurrent=False),
     "Qwen3NextGatedDeltaNet": MixerAdapter(
         qwen3_next_gated_deltanet_forward,
         (*_GATED_DELTANET, "in_proj_qkvz", "in_proj_ba", "fix_query_key_value_ordering", "norm", "out_proj"),
@@ -177,3 +180,19 @@ def adapt(mixers: tuple[torch.nn.Module, ...]) -> None:
     for mixer in mixers:
         if type(mixer).__name__ in ADAPTERS:
             mixer.__class__ = _adapter_class(type(mixer))
+
+
+def implementations(mixers: tuple[torch.nn.Module, ...], device_type: str) -> list[MixerKernel]:
+    """What each mixer class's convolution and recurrence run on ``device_type`` (Note [mixer implementations]).
+
+    Args:
+        mixers: a model's token mixers other than attention (``ModelAnatomy.mixers``), adapted or not.
+        device_type: where the tensors are ("cpu", "cuda", ...).
+
+    Returns:
+        One entry per class and step; classes without an adapter are left out.
+    """
+    served = tuple(m for m in mixers if _built_class(m).__name__ in ADAPTERS)
+    return mixer_kernels(
+        served, lambda cls: (ADAPTERS[cls.__name__].recurrent, ADAPTERS[cls.__name__].kernel), device_type
+    )

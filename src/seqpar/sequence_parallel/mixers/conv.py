@@ -16,9 +16,17 @@ Note [halo convolution]
     the token's document start (``SequenceMask.starts``); other taps are left out, so a document's first
     token sees only itself, as when the document runs alone (transformers' one process lets the convolution
     cross document starts). Padding that the layouts add is a document of its own.
+    The kernel: where no document starts inside the shard's rows, each chunk with its halo in front,
+    ``[halo | chunk]``, goes through the model's own ``causal_conv1d_fn`` (transformers' dispatcher: the
+    ``causal_conv1d`` CUDA kernel where it is installed and the tensors are on a GPU, else ``F.conv1d``), all chunks
+    of all rows in one call, and the first K - 1 outputs of each are dropped. With document starts inside, the
+    taps are summed one by one in PyTorch, each masked at the starts (the fallback refuses ``seq_idx``).
 """
 
 from __future__ import annotations
+
+import sys
+from collections.abc import Callable
 
 import torch
 
@@ -38,6 +46,14 @@ def token_positions(layout: Layout, sp: SequenceParallelMesh, local: int) -> tor
     return shard_for_rank(torch.arange(local * sp.sp_size), sp.sp_rank, sp.sp_size, 0, layout)
 
 
+def conv_kernel(layer: torch.nn.Module) -> Callable[..., torch.Tensor] | None:
+    """The ``causal_conv1d_fn`` of the transformers module that defines ``layer``'s class (or the class its
+    adapter subclasses), or None where that module has none (Note [halo convolution])."""
+    built = type(layer).__mro__[1] if type(layer).__name__.startswith("Seqpar") else type(layer)
+    kernel = getattr(sys.modules.get(built.__module__), "causal_conv1d_fn", None)
+    return kernel if callable(kernel) else None
+
+
 def halo_causal_conv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -45,6 +61,7 @@ def halo_causal_conv(
     sp: SequenceParallelMesh,
     layout: Layout,
     mask: SequenceMask | None = None,
+    kernel: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The causal depthwise convolution of the whole sequence, on this rank's chunks (Note [halo convolution]).
 
@@ -55,6 +72,7 @@ def halo_causal_conv(
         sp: the sequence-parallel mesh.
         layout: the layout the sequence is sharded with.
         mask: the batch's mask; its ``starts`` keep the convolution inside each packed document.
+        kernel: the model's ``causal_conv1d_fn`` (``conv_kernel``), run where no document starts in the shard.
 
     Returns:
         ``[B, C, L]``: the convolution's output for this rank's tokens, as ``F.conv1d`` with ``K - 1`` zeros of
@@ -80,6 +98,10 @@ def halo_causal_conv(
     extended = torch.cat([before, pieces], dim=-1)  # [B, C, chunks, K - 1 + size]
     index = token_positions(layout, sp, local)
     starts = mask.starts[:, index] if mask is not None and mask.starts is not None else torch.zeros(1, local)
+    if kernel is not None and not starts.any():  # one document from the sequence's start: every tap is inside
+        rows = extended.permute(0, 2, 1, 3).reshape(b * chunks, c, halo + size)
+        out = kernel(rows, weight, bias, activation=None)[..., halo:]  # [B * chunks, C, size]
+        return out.reshape(b, chunks, c, size).permute(0, 2, 1, 3).reshape(b, c, local).to(x.dtype)
     back = (index - starts.to(index.device)).to(x.device)  # tokens since the document's start, [B or 1, L]
     # summed in float32 whatever x's dtype, as a convolution kernel accumulates
     out = torch.zeros(b, c, chunks, size, dtype=torch.float32, device=x.device)

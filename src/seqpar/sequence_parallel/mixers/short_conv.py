@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from seqpar.sequence_parallel.call_context import adapter_context
-from seqpar.sequence_parallel.mixers.conv import halo_causal_conv
+from seqpar.sequence_parallel.mixers.conv import conv_kernel, halo_causal_conv
 
 
 def lfm2_short_conv_forward(
@@ -36,5 +36,6 @@ def lfm2_short_conv_forward(
     ctx = adapter_context(self, cache, kwargs, silu=False)  # LFM2's convolution has no activation
     gates = self.in_proj(hidden_states).transpose(-1, -2)
     b, c, x = gates.chunk(3, dim=-2)
-    conv = halo_causal_conv(b * x, self.conv.weight.squeeze(1), self.conv.bias, ctx.mesh, ctx.layout, ctx.mask)
+    weight, kernel = self.conv.weight.squeeze(1), conv_kernel(self)
+    conv = halo_causal_conv(b * x, weight, self.conv.bias, ctx.mesh, ctx.layout, ctx.mask, kernel)
     return self.out_proj((c * conv).transpose(-1, -2).contiguous())

@@ -1,0 +1,104 @@
+"""Which implementation each adapted mixer's kernels resolve to on a device (a fused package or PyTorch), and why.
+
+``seqpar doctor`` and ``python -m benchmarks.mixers`` print it (Note [mixer implementations]).
+
+Note [mixer implementations]
+    transformers' hybrid modules call dispatchers (``torch_chunk_gated_delta_rule``, ``chunk_kimi_delta_attention``,
+    ``mamba2_chunk_scan``, ``causal_conv1d_fn``) that look up a fused package when their module is imported (fla,
+    mamba_ssm, causal_conv1d) and, per call, use it only for tensors on a device it supports, else their PyTorch
+    code. seqpar's adapters call the same dispatchers, so a shard runs what one process runs; the dispatcher keeps
+    what it found in its closure, which is read here (an unreadable one is reported as "unknown", never guessed).
+    The halo convolution takes the model's kernel on rows without packed documents only (Note [halo
+    convolution]). Mamba1's scan and lightning attention are seqpar's own PyTorch code on every device: no fused
+    kernel takes a state in and gives a differentiable one out (Note [Mamba1 state]).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from seqpar.sequence_parallel.mixers.conv import conv_kernel
+
+
+@dataclass(frozen=True)
+class MixerKernel:
+    """One step of an adapted mixer class and the implementation it runs on a device."""
+
+    mixer: str
+    """The transformers class."""
+    step: str
+    """"convolution" or "recurrence"."""
+    implementation: str
+    """The package that runs it ("fla", "mamba_ssm", "causal_conv1d"), "torch" (transformers' PyTorch code),
+    "seqpar" (seqpar's own PyTorch code) or "unknown"."""
+    why: str
+
+    def line(self) -> str:
+        """``Class: step -> implementation (why)``."""
+        return f"{self.mixer}: {self.step} -> {self.implementation} ({self.why})"
+
+
+def _cells(function: Callable) -> dict[str, object]:
+    """The free variables of ``function`` by name (empty where it has none)."""
+    code, closure = getattr(function, "__code__", None), getattr(function, "__closure__", None) or ()
+    found = {}
+    for name, cell in zip(code.co_freevars if code else (), closure, strict=False):
+        try:
+            found[name] = cell.cell_contents
+        except ValueError:  # a variable not bound yet
+            continue
+    return found
+
+
+def _dispatched(dispatcher: object, device_type: str) -> tuple[str, str]:
+    """(implementation, why) of transformers' ``use_kernel_func_from_hub_with_fallback`` dispatcher on a device."""
+    # with the ``kernels`` package, the dispatcher is a module whose forward closes over transformers' function
+    function = _cells(type(dispatcher).forward).get("func") if isinstance(dispatcher, torch.nn.Module) else dispatcher
+    cells = _cells(function) if callable(function) else {}
+    if not {"implementation", "torch_function", "package"} <= cells.keys():
+        return "unknown", "transformers' dispatcher is not one seqpar can read"
+    package, devices = str(cells["package"]), cells.get("supported_devices")
+    if cells["implementation"] is cells["torch_function"]:
+        return "torch", f"{package} is not installed"
+    if devices is not None and device_type not in devices:
+        return "torch", f"{package} runs on {', '.join(devices)} tensors, these are on {device_type}"
+    return package, "installed, and runs on this device"
+
+
+def mixer_kernels(
+    mixers: tuple[torch.nn.Module, ...], recurrence: Callable[[type], tuple[bool, str | None]], device_type: str
+) -> list[MixerKernel]:
+    """What each mixer class's convolution and recurrence run on ``device_type`` (Note [mixer implementations]).
+
+    Args:
+        mixers: a model's token mixers other than attention (``ModelAnatomy.mixers``), adapted or not.
+        recurrence: a transformers mixer class -> whether it has a recurrence, and the name of its module's
+            dispatcher that the adapter calls for it, or None where the adapter runs its own (``MixerAdapter``).
+        device_type: where the tensors are ("cpu", "cuda", ...).
+
+    Returns:
+        One entry per class and step, in the order the classes first appear.
+    """
+    found: dict[str, list[MixerKernel]] = {}
+    for mixer in mixers:
+        cls = type(mixer).__mro__[1] if type(mixer).__name__.startswith("Seqpar") else type(mixer)
+        if cls.__name__ in found:
+            continue
+        rows = found.setdefault(cls.__name__, [])
+        conv = conv_kernel(mixer)
+        if conv is not None:
+            implementation, why = _dispatched(conv, device_type)
+            rows.append(MixerKernel(cls.__name__, "convolution", implementation, f"{why}; packed rows: seqpar's taps"))
+        recurrent, name = recurrence(cls)
+        dispatcher = getattr(sys.modules.get(cls.__module__), name, None) if name else None
+        if not recurrent:
+            continue
+        if dispatcher is None:
+            rows.append(MixerKernel(cls.__name__, "recurrence", "seqpar", "no fused kernel passes its state"))
+        else:
+            rows.append(MixerKernel(cls.__name__, "recurrence", *_dispatched(dispatcher, device_type)))
+    return [row for rows in found.values() for row in rows]
