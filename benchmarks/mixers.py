@@ -4,7 +4,7 @@ Run::
 
     python -m benchmarks.mixers                           # six mixers, 8192 tokens, sp 2 and 4
     python -m benchmarks.mixers --mixers mamba1 --seq 4096 --sp 2
-    python -m benchmarks.mixers --models --mixers mamba1 --hidden 256 --seq 8192 --sp 2  # vs a Llama as wide
+    python -m benchmarks.mixers --models --hidden 256 --sp 2 --json mixer_models_cpu.json  # vs a Llama as wide
     python -m benchmarks.mixers --mixers mamba2 --seq 16384 --sp 2 --json mixers_cpu.json
 
 Each mixer and degree runs in fresh spawned ranks (one thread each). The layers are transformers' own, built from a
@@ -283,12 +283,13 @@ def _model_worker(rank: int, world_size: int, cfg: dict, out: str) -> None:
             json.dump({"model_step_s": slowest[0], "llama_step_s": slowest[1]}, f)
 
 
-def _models(args: argparse.Namespace, names: tuple[str, ...]) -> None:
+def _models(args: argparse.Namespace, names: tuple[str, ...], argv: list[str] | None) -> None:
     """``--models``: each mixer's one-layer model against a one-layer Llama as wide, a training step each."""
     from seqpar.runtime.spawn import spawn_ranks
 
     print(f"one-layer models, hidden {args.hidden}, {args.seq} tokens, zigzag, fp32, AdamW step, {args.rounds} rounds")
     print("| mixer | sp | model step (s) | Llama step (s) | model / Llama |\n|---|---|---|---|---|")
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for mixer in args.mixers:
             cfg = {"mixer": mixer, **{k: getattr(args, k) for k in names}}
@@ -299,6 +300,9 @@ def _models(args: argparse.Namespace, names: tuple[str, ...]) -> None:
                     r = json.load(f)
                 ratio = r["model_step_s"] / r["llama_step_s"]
                 print(f"| {mixer} | {sp} | {r['model_step_s']:.3f} | {r['llama_step_s']:.3f} | {ratio:.2f} |")
+                rows.append({**cfg, "sp": sp, **r})
+    if args.json:
+        save_records(args.json, "mixers", argv, rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -326,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
 
     names = ("seq", "hidden", "key_heads", "value_heads", "head_dim", "state", "mamba1_state", "rounds")
     if args.models:
-        _models(args, names)
+        _models(args, names, argv)
         return 0
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

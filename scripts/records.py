@@ -277,6 +277,23 @@ def mixers_table(records: list[dict]) -> str:
     return tables.with_runs("mixers_cpu", records, header, cells)
 
 
+def mixer_models_table(records: list[dict]) -> str:
+    """The ``python -m benchmarks.mixers --models`` table: each mixer's one-layer model's training step against a
+    one-layer Llama's as wide, by sp."""
+    cells = [
+        [
+            MIXER_NAMES[r["mixer"]],
+            r["sp"],
+            f"{r['model_step_s']:.3f} s",
+            f"{r['llama_step_s']:.3f} s",
+            f"{r['model_step_s'] / r['llama_step_s']:.2f}x",
+        ]
+        for r in records
+    ]
+    header = ["mixer", "sp", "one-layer model's step", "one-layer Llama's step", "model / Llama"]
+    return tables.with_runs("mixer_models_cpu", records, header, cells)
+
+
 def _maxlen_row(maxlen: list[dict]) -> list[str]:
     rungs = list(dict.fromkeys(r["features"] for r in maxlen))
     top = sorted((r for r in maxlen if r["features"] == rungs[-1]), key=lambda r: r["sp"])
@@ -342,6 +359,7 @@ TABLES = {
     "vlm_memory": lambda d: vlm_memory_table(load("vlm_memory_cpu", d)),
     "video_dit": lambda d: video_dit_table(load("video_dit_cpu", d)),
     "mixers": lambda d: mixers_table(load("mixers_cpu", d)),
+    "mixer_models": lambda d: mixer_models_table(load("mixer_models_cpu", d)),
     "maxlen": lambda d: maxlen_table(load("maxlen_cpu", d)),
     "headline": headline_table,
     "attention": lambda d: tables.attention_table(load("attention_cpu", d)),

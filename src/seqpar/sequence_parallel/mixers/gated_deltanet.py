@@ -34,13 +34,13 @@ def delta_rule_opening(run: Recurrence, state: tuple[int, int, int]) -> Callable
     heads, dk, dv = state
 
     def opening(q, k, v, g, beta):
-        eye = torch.eye(dk, device=q.device).expand(1, heads, dk, dk)
-        start = torch.cat([eye.new_zeros(1, heads, dk, dv), eye], dim=-1)  # [1, H, dk, dv + dk]
+        eye = torch.eye(dk, device=q.device).expand(q.shape[0], heads, dk, dk)
+        start = torch.cat([eye.new_zeros(q.shape[0], heads, dk, dv), eye], dim=-1)  # [n, H, dk, dv + dk]
         out, last = run(q, k, torch.cat([v, v.new_zeros(*v.shape[:-1], dk)], dim=-1), g, beta, initial_state=start)
-        out, reads = out.split([dv, dk], dim=-1)  # [1, T, H, dv], [1, T, H, dk]: q_t^T A_t
-        local, passes = last.split([dv, dk], dim=-1)  # S_loc [1, H, dk, dv], M [1, H, dk, dk]
+        out, reads = out.split([dv, dk], dim=-1)  # [n, T, H, dv], [n, T, H, dk]: q_t^T A_t
+        local, passes = last.split([dv, dk], dim=-1)  # S_loc [n, H, dk, dv], M [n, H, dk, dk]
 
-        def respond(entering: torch.Tensor) -> torch.Tensor:  # [1, H, dk, dv] -> [1, T, H, dv]
+        def respond(entering: torch.Tensor) -> torch.Tensor:  # [n, H, dk, dv] -> [n, T, H, dv]
             return torch.einsum("bthk,bhkv->bthv", reads.float(), entering.float())
 
         return Opening(out, local, passes, respond)

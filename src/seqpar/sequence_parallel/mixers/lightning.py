@@ -93,12 +93,12 @@ def minimax_lightning_attention_forward(
         out, local = _lightning(self, q, k, v, None)
         steps = torch.arange(1, q.shape[1] + 1, device=q.device)
         grown = torch.exp(-self.slope_rate.float() * steps[:, None])  # [H, T, 1]: left of the state that entered
-        reads = q.transpose(1, 2).float() * grown  # [1, H, T, d], as the layer reads its state
+        reads = q.transpose(1, 2).float() * grown  # [n, H, T, d], as the layer reads its state
 
-        def respond(entering):  # [1, H, d, d] -> [1, T, H, d]
+        def respond(entering):  # [n, H, d, d] -> [n, T, H, d]
             return torch.matmul(reads, entering.float()).transpose(1, 2)
 
-        return Opening(out, local, grown[None, :, -1:], respond)
+        return Opening(out, local, grown[None, :, -1:].expand(q.shape[0], -1, -1, -1), respond)
 
     state = (self.num_attention_heads, self.head_dim, self.head_dim)
     inputs = (query, key, value)

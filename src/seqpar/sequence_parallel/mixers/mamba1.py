@@ -42,8 +42,8 @@ def _recomputed(function, *args: object):
 def _steps(
     dt: torch.Tensor, b: torch.Tensor, c: torch.Tensor, u: torch.Tensor, rate: torch.Tensor, state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' recurrence over a block of tokens from ``state`` ``[1, D, N]``: (reads ``[1, T, D]``, state)."""
-    decays = torch.exp(rate * dt[..., None])  # [1, T, D, N], one block's, as transformers' discrete A
+    """transformers' recurrence over a block of tokens from ``state`` ``[n, D, N]``: (reads ``[n, T, D]``, state)."""
+    decays = torch.exp(rate * dt[..., None])  # [n, T, D, N], one block's, as transformers' discrete A
     drives = dt[..., None] * b[:, :, None, :].float() * u[..., None].float()
     states = []
     for decay, drive in zip(decays.unbind(1), drives.unbind(1), strict=True):
@@ -61,33 +61,38 @@ def _scan_piece(
     rate: torch.Tensor,
     initial_state: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The selective scan of one piece from ``initial_state`` (Note [Mamba1 state]).
+    """The selective scan of n pieces (stacked as rows) from ``initial_state`` (Note [Mamba1 state]).
 
     Args:
-        dt: ``[1, T, D]`` the time steps (softplus applied), float32.
-        b: ``[1, T, N]`` the drive's input projection.
-        c: ``[1, T, N]`` the read-out.
-        u: ``[1, T, D]`` the scan's input; its dtype is the one the state is read in.
+        dt: ``[n, T, D]`` the time steps (softplus applied).
+        b: ``[n, T, N]`` the drive's input projection.
+        c: ``[n, T, N]`` the read-out.
+        u: ``[n, T, D]`` the scan's input; its dtype is the one the state is read in.
         rate: ``[D, N]`` ``A = -exp(A_log)``, float32.
-        initial_state: ``[1, D * N, 1, 1]`` the state entering the piece, or None for zeros.
+        initial_state: ``[n, D * N, 1, 1]`` the state entering each piece, or None for zeros.
 
     Returns:
-        ``C . h`` per token ``[1, T, D]``, and the final state ``[1, D * N, 1, 1]``.
+        ``C . h`` per token ``[n, T, D]``, and the final states ``[n, D * N, 1, 1]``.
     """
     channels, entries = rate.shape
+    rows = dt.shape[0]
     zeros = initial_state is None
-    state = dt.new_zeros(1, channels, entries, dtype=torch.float32) if zeros else initial_state.reshape(1, -1, entries)
+    state = (
+        dt.new_zeros(rows, channels, entries, dtype=torch.float32)
+        if zeros
+        else initial_state.reshape(rows, -1, entries)
+    )
     reads = []
     for start in range(0, dt.shape[1], Mamba1.scan_block):  # each block starts from the state the one before left
         block = (t[:, start : start + Mamba1.scan_block] for t in (dt, b, c, u))
         read, state = _recomputed(_steps, *block, rate, state)
         reads.append(read)
-    return torch.cat(reads, dim=1), state.reshape(1, channels * entries, 1, 1)
+    return torch.cat(reads, dim=1), state.reshape(rows, channels * entries, 1, 1)
 
 
 def _carried(elapsed: torch.Tensor, c: torch.Tensor, rate: torch.Tensor, entering: torch.Tensor) -> torch.Tensor:
-    """The read of the state ``entering`` (``[1, D, N]``) decayed to each token of a block: ``[1, T, D]``."""
-    kept = torch.exp(rate * elapsed[..., None]) * entering[:, None]  # [1, T, D, N], one block's
+    """The read of the states ``entering`` (``[n, D, N]``) decayed to each token of a block: ``[n, T, D]``."""
+    kept = torch.exp(rate * elapsed[..., None]) * entering[:, None]  # [n, T, D, N], one block's
     return torch.matmul(kept.to(c.dtype), c[..., None])[..., 0]
 
 
@@ -137,14 +142,14 @@ def mamba1_forward(
 
     def opening(dt, b, c, u):  # the state decays by exp(A sum(dt)) (Note [Mamba1 state])
         out, local = run(dt, b, c, u, initial_state=None)
-        elapsed = torch.cumsum(dt.float(), dim=1)  # [1, T, D]: the steps up to each token
+        elapsed = torch.cumsum(dt.float(), dim=1)  # [n, T, D]: the steps up to each token
 
-        def respond(entering):  # [1, D * N, 1, 1] -> [1, T, D]
-            entering = entering.reshape(1, *rate.shape)
+        def respond(entering):  # [n, D * N, 1, 1] -> [n, T, D]
+            entering = entering.reshape(-1, *rate.shape)
             spans = [slice(a, a + Mamba1.scan_block) for a in range(0, c.shape[1], Mamba1.scan_block)]
             return torch.cat([_recomputed(_carried, elapsed[:, s], c[:, s], rate, entering) for s in spans], dim=1)
 
-        return Opening(out, local, torch.exp(rate * elapsed[:, -1, :, None]).reshape(1, -1, 1, 1), respond)
+        return Opening(out, local, torch.exp(rate * elapsed[:, -1, :, None]).flatten(1)[..., None, None], respond)
 
     state = (self.intermediate_size * entries, 1, 1)
     y = chunked_state_scan(run, opening, (dt, b, c, u), state, ctx.mesh, ctx.layout, ctx.mask)

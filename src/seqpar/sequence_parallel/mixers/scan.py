@@ -26,6 +26,9 @@ Note [state passing]
     one process carries the state from one packed document into the next.
     Backward: autograd through the kernel calls and the all-gather, whose backward is a reduce-scatter; every
     rank runs it for every layer, so no rank waits on another that skipped it (Note [symmetric exchange]).
+    Calls: the pieces of a shard that run alike (from zero, or as openings) and have the same length go
+    through the kernel together, as rows of one batch: on unpacked rows that is at most two calls per layer,
+    whatever the rows and chunks; packed documents cut pieces of many lengths, each length its own call.
     Cost: one kernel run per piece, the opening piece's ``dv + dk`` wide for the delta rule, plus a read-out per
     token of the opening piece; the exchange moves ``(dk + dv) dk`` numbers per head and chunk, and where
     ``M`` is a decay times the identity (SSD, lightning attention; ``decay_only``), ``1 + dk dv``. A chunk that
@@ -54,27 +57,45 @@ from seqpar.sequence_parallel.masks import SequenceMask
 from seqpar.sequence_parallel.mixers.conv import token_positions
 
 Recurrence = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-"""``run(*inputs, initial_state)`` on one piece of one row: (output ``[1, T, ...]``, final state ``[1, H, dk, dv]``)."""
+"""``run(*inputs, initial_state)`` on n pieces of T tokens stacked as rows: (output ``[n, T, ...]``, final state
+``[n, H, dk, dv]``)."""
 
 
 class Opening(NamedTuple):
-    """A chunk's first piece that continues a document, run once (Note [state passing]): what ``opening(*inputs)``
-    returns for one piece of one row."""
+    """Chunks' first pieces that continue a document, run once (Note [state passing]): what ``opening(*inputs)``
+    returns for n pieces of T tokens stacked as rows."""
 
     out: torch.Tensor
-    """``[1, T, ...]`` the output from a zero state, as ``run`` gives it."""
+    """``[n, T, ...]`` the output from a zero state, as ``run`` gives it."""
     final: torch.Tensor
-    """``[1, H, dk, dv]`` the state leaving the piece from a zero state (``S_loc``)."""
+    """``[n, H, dk, dv]`` the state leaving each piece from a zero state (``S_loc``)."""
     passes: torch.Tensor
-    """``M`` with ``S_out = M S_in + S_loc``: ``[1, H, dk, dk]``, or its decay ``[1, H, 1, 1]`` (``decay_only``)."""
+    """``M`` with ``S_out = M S_in + S_loc``: ``[n, H, dk, dk]``, or its decay ``[n, H, 1, 1]`` (``decay_only``)."""
     respond: Callable[[torch.Tensor], torch.Tensor]
-    """``S_in`` ``[1, H, dk, dv]`` -> the term it adds to ``out``, of ``out``'s shape."""
+    """``S_in`` ``[n, H, dk, dv]`` -> the term it adds to ``out``, of ``out``'s shape."""
 
 
 def _pieces(starts: torch.Tensor, first: bool) -> list[tuple[int, int, bool]]:
     """A chunk's pieces ``(start, stop, starts_a_document)``, cut where documents start (``starts`` ``[T]``)."""
     cuts = [0] + [int(t) for t in starts.nonzero().flatten() if int(t) > 0] + [starts.numel()]
     return [(a, b, bool(starts[a]) or (first and a == 0)) for a, b in zip(cuts, cuts[1:], strict=False)]
+
+
+def _stacked(t: torch.Tensor, members: list[tuple[int, int, int, int]], length: int, chunks: int) -> torch.Tensor:
+    """The pieces ``(row, chunk, piece, first token)`` of ``t`` ``[B, L, ...]``, ``length`` tokens each, stacked as
+    rows: a view of ``t`` where they are whole chunks of a block of rows and chunks (unpacked rows, where the
+    kernel then saves no copy of its inputs), else a copy."""
+    if len(members) == 1:
+        b, _, _, at = members[0]
+        return t[b : b + 1, at : at + length]
+    size = t.shape[1] // chunks
+    if length == size:
+        rows, cols = sorted({m[0] for m in members}), sorted({m[1] for m in members})
+        block = [(b, c) for b in range(rows[0], rows[-1] + 1) for c in range(cols[0], cols[-1] + 1)]
+        if block == [(m[0], m[1]) for m in members]:  # the order they were listed in: row by row
+            grid = t.unflatten(1, (chunks, size))[rows[0] : rows[-1] + 1, cols[0] : cols[-1] + 1]
+            return grid.flatten(0, 1)
+    return torch.cat([t[b : b + 1, at : at + length] for b, _, _, at in members])
 
 
 def chunked_state_scan(
@@ -90,8 +111,8 @@ def chunked_state_scan(
     """A linear recurrence over the whole sequence, on this rank's chunks (Note [state passing]).
 
     Args:
-        run: the model's chunked kernel, called on one piece of one row at a time from a zero state.
-        opening: a chunk's first piece when it continues a document from the chunk before (``Opening``).
+        run: the model's chunked kernel from a zero state, on pieces stacked as the rows of a batch.
+        opening: chunks' first pieces that continue a document from the chunk before (``Opening``), stacked so.
         inputs: the per-token tensors the kernel takes, each ``[B, L, ...]``, this rank's chunks in ``layout`` order.
         state: the state's ``(heads, dk, dv)``.
         sp: the sequence-parallel mesh.
@@ -111,29 +132,38 @@ def chunked_state_scan(
     ids = rank_chunk_ids(layout, sp.sp_size, sp.sp_rank) if sp.sp_size > 1 else (0,)
     index = token_positions(layout, sp, local)
     starts = mask.starts[:, index] == index if mask is not None and mask.starts is not None else None
-    outputs, passing, final, responses = [], [], [], {}
+    # every (row, chunk, piece), grouped by how it runs and its length: one kernel call per group
+    groups: dict[tuple[bool, int], list[tuple[int, int, int, int]]] = {}
+    pieces_of: dict[tuple[int, int], int] = {}
     for b in range(batch):
-        row_out = []
         for c in range(chunks):
             span = slice(c * size, (c + 1) * size)
             is_start = starts[b, span] if starts is not None else torch.zeros(size, dtype=torch.bool)
             pieces = _pieces(is_start.cpu(), first=ids[c] == 0)
-            outs, passes = [], None
-            for a, z, restart in pieces:
-                part = [t[b : b + 1, span][:, a:z] for t in inputs]
-                if restart:  # a document starts here: nothing enters the piece
-                    out, last = run(*part, initial_state=None)
-                else:  # the chunk's first piece, continuing a document from the chunk before
-                    opened = opening(*part)
-                    out, last, responses[b, c] = opened.out, opened.final, opened.respond
-                    passes = opened.passes if len(pieces) == 1 else None
-                outs.append(out)
-            if passes is None:  # a document starts in the chunk: what leaves it is its last piece's own state
-                passes = torch.zeros(1, heads, width, width, dtype=torch.float32, device=device)
-            passing.append(passes)
-            final.append(last)
-            row_out.append(outs)
-        outputs.append(row_out)
+            pieces_of[b, c] = len(pieces)
+            for number, (a, z, restart) in enumerate(pieces):
+                groups.setdefault((restart, z - a), []).append((b, c, number, c * size + a))
+    outs: dict[tuple[int, int, int], torch.Tensor] = {}
+    last: dict[tuple[int, int, int], torch.Tensor] = {}
+    through: dict[tuple[int, int], torch.Tensor] = {}  # M of each chunk that is one opening piece
+    responses = []  # (respond, the (row, chunk) of each of its rows)
+    for (restart, length), members in groups.items():
+        part = [_stacked(t, members, length, chunks) for t in inputs]
+        if restart:  # a document starts here: nothing enters the piece
+            out, final = run(*part, initial_state=None)
+        else:  # each chunk's first piece, continuing a document from the chunk before
+            opened = opening(*part)
+            out, final = opened.out, opened.final
+            responses.append((opened.respond, [(b, c) for b, c, _, _ in members]))
+            for i, (b, c, _, _) in enumerate(members):
+                if pieces_of[b, c] == 1:
+                    through[b, c] = opened.passes[i : i + 1]
+        for i, (b, c, number, _) in enumerate(members):
+            outs[b, c, number], last[b, c, number] = out[i : i + 1], final[i : i + 1]
+    zero = torch.zeros(1, heads, width, width, dtype=torch.float32, device=device)
+    # a chunk holding a document start passes on its last piece's own state (M = 0)
+    passing = [through.get((b, c), zero) for b in range(batch) for c in range(chunks)]
+    final = [last[b, c, pieces_of[b, c] - 1] for b in range(batch) for c in range(chunks)]
     # [chunks, B, H, m, m] and [chunks, B, H, dk, dv], from the (row, chunk) lists
     passing = torch.stack([torch.cat(passing[c::chunks]) for c in range(chunks)])
     final = torch.stack([torch.cat(final[c::chunks]) for c in range(chunks)])
@@ -146,10 +176,12 @@ def chunked_state_scan(
     for passes, final_state in zip(every_through, every_final, strict=True):  # S_in(c + 1) = M_c S_in(c) + S_loc_c
         incoming.append(entering)
         entering = (passes * entering if decay_only else passes @ entering) + final_state
-    for (b, c), respond in responses.items():  # the opening piece's term of the state that reaches it
-        first = outputs[b][c][0]
-        outputs[b][c][0] = (first + respond(incoming[ids[c]][b : b + 1])).to(first.dtype)
-    out = torch.cat([torch.cat([torch.cat(outs, dim=1) for outs in row], dim=1) for row in outputs], dim=0)
+    for respond, members in responses:  # the opening pieces' terms of the states that reach them
+        terms = respond(torch.cat([incoming[ids[c]][b : b + 1] for b, c in members]))
+        for i, (b, c) in enumerate(members):
+            outs[b, c, 0] = (outs[b, c, 0] + terms[i : i + 1]).to(outs[b, c, 0].dtype)
+    rows = [[outs[b, c, n] for c in range(chunks) for n in range(pieces_of[b, c])] for b in range(batch)]
+    out = torch.cat([torch.cat(row, dim=1) for row in rows], dim=0)
     if sp.sp_size > 1:  # Note [symmetric exchange]: the gathered summaries reach the output on every rank
         out = out + 0.0 * every.sum().to(out.dtype)
     return out
