@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# CUDA checks on a machine with a GPU and PyTorch already installed: the CUDA tests, the GPU kernel benchmark,
+# CUDA checks on a machine with a GPU and PyTorch already installed: the CUDA tests (attention kernels, NCCL
+# strategies, and per hybrid family the kernel each mixer step ran, P = 1 against one process in time and peak
+# memory, the delta rule opening call in bf16), the GPU kernel benchmark,
 # and a short bf16 `seqpar train` under torchrun (NCCL). Logs go to $OUT (default ./gpu_check).
 #   scripts/gpu_check.sh
 set -uo pipefail

@@ -235,3 +235,90 @@ def test_cuda_sinks_and_softcap(dtype):
         for name, g, e in zip(("out", "dq", "dk", "dv", "dsinks"), [out, *(t.grad for t in got)], exact, strict=True):
             err = rel_err(g.detach(), e.detach())
             assert err <= CAP[dtype], f"{dtype} softcap={softcap} {name}: error {err:.2e}"
+
+
+HYBRID_KINDS = ("lfm2", "qwen3_next", "kimi_linear", "granitemoehybrid", "mamba", "minimax")
+"""One family per mixer adapter: short convolution, gated DeltaNet, KDA, SSD, Mamba1, lightning attention."""
+
+
+def _hybrid_step(model: torch.nn.Module, ids: torch.Tensor, call: dict) -> tuple[torch.Tensor, float, float]:
+    """One forward and backward on the GPU: (logits, seconds, peak GiB above the start)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start_bytes, start = torch.cuda.memory_allocated(), torch.cuda.Event(enable_timing=True)
+    stop = torch.cuda.Event(enable_timing=True)
+    start.record()
+    logits = model(input_ids=ids, **call).logits
+    logits.float().square().mean().backward()
+    stop.record()
+    torch.cuda.synchronize()
+    return logits.detach(), start.elapsed_time(stop) / 1e3, (torch.cuda.max_memory_allocated() - start_bytes) / 2**30
+
+
+@pytest.mark.parametrize("kind", HYBRID_KINDS)
+def test_hybrid_mixers_on_one_gpu_run_what_one_process_runs(kind, capsys):
+    """Note [mixer implementations]: on one GPU each hybrid family's prepared model (P = 1) names the kernel each
+    mixer step resolved to (none unreadable) and gives one process's logits (relative to the largest: fp32 1e-4,
+    bf16 5e-2 as Note [doctor tolerances] bounds it); its time and peak memory beside one process's are printed
+    (a report for the records, no bound)."""
+    import transformers
+
+    from seqpar.models import anatomy
+    from seqpar.sequence_parallel.mixers import implementations
+    from tests._models import tiny_config, tokens
+
+    config = tiny_config(kind)
+    config.max_position_embeddings = 256
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(config).cuda()
+    ids = tokens(2, 256, 1).cuda()
+    lines = [k.line() for k in implementations(anatomy(ref).mixers, "cuda")]
+    assert lines and not any("unknown" in line for line in lines), lines
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        plain = copy.deepcopy(ref).to(dtype)
+        prepared = seqpar.prepare_model(copy.deepcopy(ref).to(dtype), None)
+        positions = {"position_ids": torch.arange(256, device="cuda")[None].expand(2, -1)}
+        for _ in range(2):  # the second run is timed: the first compiles and autotunes the kernels
+            want, plain_s, plain_gib = _hybrid_step(plain, ids, {})
+            got, seqpar_s, seqpar_gib = _hybrid_step(prepared, ids, positions)
+        err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
+        assert err <= (1e-4 if dtype == torch.float32 else 5e-2), (kind, dtype, err)
+        rows.append(
+            f"{dtype}: rel {err:.1e}; time {seqpar_s / plain_s:.2f}x; peak {seqpar_gib:.3f} / {plain_gib:.3f} GiB"
+        )
+    with capsys.disabled():
+        print(f"\n{kind}: " + " | ".join(lines) + "\n  " + "\n  ".join(rows))
+
+
+def test_opening_piece_in_bf16_on_the_gpu_matches_the_kernel_run_from_the_state():
+    """Note [state passing]: the delta rule's opening call (values widened by dk zero columns, the state [0 | I]) on
+    the GPU kernel that the dispatcher picks, in bf16: its zero-start output plus the entering state's term equals
+    the kernel run from that state, within 4x the distance of that bf16 run from its float32 run."""
+    import transformers
+
+    from seqpar.models import anatomy
+    from seqpar.sequence_parallel.mixers.gated_deltanet import delta_rule_opening
+    from tests._models import tiny_config
+
+    layer = anatomy(transformers.AutoModelForCausalLM.from_config(tiny_config("qwen3_next"))).mixers[0]
+    kernel = __import__(type(layer).__module__, fromlist=["x"]).torch_chunk_gated_delta_rule
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    heads, dk, dv, length = layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, 200
+    q, k = (torch.randn(1, length, heads, dk, generator=gen, device="cuda") for _ in range(2))
+    v = torch.randn(1, length, heads, dv, generator=gen, device="cuda")
+    g = -torch.rand(1, length, heads, generator=gen, device="cuda")
+    beta = torch.rand(1, length, heads, generator=gen, device="cuda")
+    entering = torch.randn(1, heads, dk, dv, generator=gen, device="cuda")
+
+    def run(q, k, v, g, beta, initial_state):
+        return kernel(q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=True,
+                      use_qk_l2norm_in_kernel=True)  # fmt: skip
+
+    want32, _ = run(q, k, v, g, beta, entering)
+    low = [t.bfloat16() for t in (q, k, v, beta)]  # as the adapter calls it: g in float32, the rest in bf16
+    want16, _ = run(*low[:3], g, low[3], entering)
+    opened = delta_rule_opening(run, (heads, dk, dv))(*low[:3], g, low[3])
+    got = opened.out.float() + opened.respond(entering)
+    floor = float((want16.float() - want32).abs().max())
+    assert float((got - want32).abs().max()) <= 4 * floor + 1e-3, (floor, float((got - want32).abs().max()))
