@@ -283,24 +283,29 @@ def _model_worker(rank: int, world_size: int, cfg: dict, out: str) -> None:
             json.dump({"model_step_s": slowest[0], "llama_step_s": slowest[1]}, f)
 
 
-def _models(args: argparse.Namespace, names: tuple[str, ...], argv: list[str] | None) -> None:
-    """``--models``: each mixer's one-layer model against a one-layer Llama as wide, a training step each."""
+def _runs(worker, args: argparse.Namespace, names: tuple[str, ...]):
+    """``worker`` in fresh spawned ranks for each mixer and degree asked for: ``(cfg, sp, what rank 0 wrote)``."""
     from seqpar.runtime.spawn import spawn_ranks
 
-    print(f"one-layer models, hidden {args.hidden}, {args.seq} tokens, zigzag, fp32, AdamW step, {args.rounds} rounds")
-    print("| mixer | sp | model step (s) | Llama step (s) | model / Llama |\n|---|---|---|---|---|")
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for mixer in args.mixers:
             cfg = {"mixer": mixer, **{k: getattr(args, k) for k in names}}
             for sp in args.sp:
                 out = os.path.join(tmp, f"{mixer}-{sp}.json")
-                spawn_ranks(_model_worker, sp, cfg, out)
+                spawn_ranks(worker, sp, cfg, out)
                 with open(out) as f:
-                    r = json.load(f)
-                ratio = r["model_step_s"] / r["llama_step_s"]
-                print(f"| {mixer} | {sp} | {r['model_step_s']:.3f} | {r['llama_step_s']:.3f} | {ratio:.2f} |")
-                rows.append({**cfg, "sp": sp, **r})
+                    yield cfg, sp, json.load(f)
+
+
+def _models(args: argparse.Namespace, names: tuple[str, ...], argv: list[str] | None) -> None:
+    """``--models``: each mixer's one-layer model against a one-layer Llama as wide, a training step each."""
+    print(f"one-layer models, hidden {args.hidden}, {args.seq} tokens, zigzag, fp32, AdamW step, {args.rounds} rounds")
+    print("| mixer | sp | model step (s) | Llama step (s) | model / Llama |\n|---|---|---|---|---|")
+    rows = []
+    for cfg, sp, r in _runs(_model_worker, args, names):
+        ratio = r["model_step_s"] / r["llama_step_s"]
+        print(f"| {cfg['mixer']} | {sp} | {r['model_step_s']:.3f} | {r['llama_step_s']:.3f} | {ratio:.2f} |")
+        rows.append({**cfg, "sp": sp, **r})
     if args.json:
         save_records(args.json, "mixers", argv, rows)
 
@@ -326,21 +331,12 @@ def main(argv: list[str] | None = None) -> int:
         "--models", action="store_true", help="instead: whole one-layer models against a Llama as wide, a step each"
     )
     args = parser.parse_args(argv)
-    from seqpar.runtime.spawn import spawn_ranks
 
     names = ("seq", "hidden", "key_heads", "value_heads", "head_dim", "state", "mamba1_state", "rounds")
     if args.models:
         _models(args, names, argv)
         return 0
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for mixer in args.mixers:
-            cfg = {"mixer": mixer, **{k: getattr(args, k) for k in names}}
-            for sp in args.sp:
-                out = os.path.join(tmp, f"{mixer}-{sp}.json")
-                spawn_ranks(_worker, sp, cfg, out)
-                with open(out) as f:
-                    rows.append({**cfg, "sp": sp, **json.load(f), **_volumes(mixer, cfg, sp)})
+    rows = [{**cfg, "sp": sp, **r, **_volumes(cfg["mixer"], cfg, sp)} for cfg, sp, r in _runs(_worker, args, names)]
     print(
         f"one mixer layer (hidden {args.hidden}; gated DeltaNet {args.key_heads} key / {args.value_heads} value heads, "
         f"KDA and lightning {args.value_heads} heads, Mamba2 {2 * args.hidden // args.head_dim} heads, all of "

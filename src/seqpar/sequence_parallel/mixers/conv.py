@@ -31,6 +31,7 @@ from collections.abc import Callable
 import torch
 
 from seqpar.mesh import SequenceParallelMesh
+from seqpar.sequence_parallel.call_context import CallContext
 from seqpar.sequence_parallel.layouts.chunks import (
     Layout,
     chunks_per_rank,
@@ -52,6 +53,13 @@ def conv_kernel(layer: torch.nn.Module) -> Callable[..., torch.Tensor] | None:
     built = type(layer).__mro__[1] if type(layer).__name__.startswith("Seqpar") else type(layer)
     kernel = getattr(sys.modules.get(built.__module__), "causal_conv1d_fn", None)
     return kernel if callable(kernel) else None
+
+
+def layer_conv(layer: torch.nn.Module, x: torch.Tensor, conv: torch.nn.Conv1d, ctx: CallContext, bias: bool = True):
+    """``halo_causal_conv`` of ``x`` ``[B, C, L]`` with a mixer layer's depthwise ``conv`` (its bias unless
+    ``bias`` is False) and its module's kernel, in the call ``ctx`` (Note [halo convolution])."""
+    weight, conv_bias = conv.weight.squeeze(1), conv.bias if bias else None
+    return halo_causal_conv(x, weight, conv_bias, ctx.mesh, ctx.layout, ctx.mask, conv_kernel(layer))
 
 
 def halo_causal_conv(

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from seqpar.sequence_parallel.call_context import CallContext, adapter_context
-from seqpar.sequence_parallel.mixers.conv import conv_kernel, halo_causal_conv
+from seqpar.sequence_parallel.mixers.conv import layer_conv
 from seqpar.sequence_parallel.mixers.scan import Opening, Recurrence, chunked_state_scan
 
 
@@ -61,15 +61,7 @@ def _gated_deltanet(
     convolution), ``z`` ``[B, L, Hv, dv]`` (the output gate), ``beta`` and ``a`` ``[B, L, Hv]``, ``out`` the gated
     norm and the output projection."""
     kernel = sys.modules[type(self).__mro__[1].__module__].torch_chunk_gated_delta_rule
-    conv = halo_causal_conv(
-        mixed.transpose(1, 2),
-        self.conv1d.weight.squeeze(1),
-        self.conv1d.bias,
-        ctx.mesh,
-        ctx.layout,
-        ctx.mask,
-        conv_kernel(self),
-    )
+    conv = layer_conv(self, mixed.transpose(1, 2), self.conv1d, ctx)
     query, key, value = torch.split(F.silu(conv).transpose(1, 2), [self.key_dim, self.key_dim, self.value_dim], -1)
     shape = (*query.shape[:2], -1)
     query, key = query.reshape(*shape, self.head_k_dim), key.reshape(*shape, self.head_k_dim)
@@ -211,15 +203,7 @@ def kimi_delta_attention_forward(
     batch, length, _ = hidden_states.shape
     shape = (batch, length, -1, self.head_dim)
     mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1)
-    conv = halo_causal_conv(
-        mixed.transpose(1, 2),
-        self.conv1d.weight.squeeze(1),
-        self.conv1d.bias,
-        ctx.mesh,
-        ctx.layout,
-        ctx.mask,
-        conv_kernel(self),
-    )
+    conv = layer_conv(self, mixed.transpose(1, 2), self.conv1d, ctx)
     query, key, value = (t.reshape(shape) for t in torch.split(F.silu(conv).transpose(1, 2), [self.qkv_dim] * 3, -1))
     g, beta = self.forget_gate(hidden_states), self.b_proj(hidden_states).sigmoid()  # [B, L, heads, dk], [B, L, heads]
 

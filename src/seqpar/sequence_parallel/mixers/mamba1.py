@@ -28,7 +28,7 @@ import torch.utils.checkpoint
 
 from seqpar.models.mixers import Mamba1
 from seqpar.sequence_parallel.call_context import CONTEXT_KEY, CallContext, adapter_context
-from seqpar.sequence_parallel.mixers.conv import conv_kernel, halo_causal_conv
+from seqpar.sequence_parallel.mixers.conv import layer_conv
 from seqpar.sequence_parallel.mixers.scan import Opening, chunked_state_scan
 
 
@@ -125,9 +125,7 @@ def mamba1_forward(
     ctx = adapter_context(self, cache, kwargs, silu=False)  # the layer's own activation is applied below
     dtype = hidden_states.dtype
     x, gate = self.in_proj(hidden_states).chunk(2, dim=-1)
-    bias = self.conv1d.bias if self.use_conv_bias else None
-    weight = self.conv1d.weight.squeeze(1)
-    conv = halo_causal_conv(x.transpose(1, 2), weight, bias, ctx.mesh, ctx.layout, ctx.mask, conv_kernel(self))
+    conv = layer_conv(self, x.transpose(1, 2), self.conv1d, ctx, bias=self.use_conv_bias)
     u = self.act(conv).transpose(1, 2)  # [B, L, D]
     entries = self.ssm_state_size
     step, b, c = torch.split(self.x_proj(u), [self.time_step_rank, entries, entries], dim=-1)

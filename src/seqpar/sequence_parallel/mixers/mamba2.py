@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from seqpar.sequence_parallel.call_context import adapter_context
-from seqpar.sequence_parallel.mixers.conv import conv_kernel, halo_causal_conv
+from seqpar.sequence_parallel.mixers.conv import layer_conv
 from seqpar.sequence_parallel.mixers.scan import Opening, chunked_state_scan
 
 
@@ -50,15 +50,7 @@ def mamba2_forward(
     if getattr(self, "mup_vector", None) is not None:
         projected = projected * self.mup_vector
     gate, xbc, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
-    conv = halo_causal_conv(
-        xbc.transpose(1, 2),
-        self.conv1d.weight.squeeze(1),
-        self.conv1d.bias,
-        ctx.mesh,
-        ctx.layout,
-        ctx.mask,
-        conv_kernel(self),
-    )
+    conv = layer_conv(self, xbc.transpose(1, 2), self.conv1d, ctx)
     groups = self.n_groups * self.ssm_state_size
     x, b, c = torch.split(F.silu(conv).transpose(1, 2), [self.intermediate_size, groups, groups], dim=-1)
     x = x.reshape(batch, length, self.num_heads, self.head_dim)

@@ -1,6 +1,6 @@
 """LFM2's gated short convolution under sequence parallelism: its causal convolution sees across chunk edges.
 
-The adapter's ``forward`` (Note [mixer adapters]); the convolution itself is ``halo_causal_conv``.
+The adapter's ``forward`` (Note [mixer adapters]); the convolution itself is ``halo_causal_conv`` (``layer_conv``).
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from seqpar.sequence_parallel.call_context import adapter_context
-from seqpar.sequence_parallel.mixers.conv import conv_kernel, halo_causal_conv
+from seqpar.sequence_parallel.mixers.conv import layer_conv
 
 
 def lfm2_short_conv_forward(
@@ -36,6 +36,5 @@ def lfm2_short_conv_forward(
     ctx = adapter_context(self, cache, kwargs, silu=False)  # LFM2's convolution has no activation
     gates = self.in_proj(hidden_states).transpose(-1, -2)
     b, c, x = gates.chunk(3, dim=-2)
-    weight, kernel = self.conv.weight.squeeze(1), conv_kernel(self)
-    conv = halo_causal_conv(b * x, weight, self.conv.bias, ctx.mesh, ctx.layout, ctx.mask, kernel)
+    conv = layer_conv(self, b * x, self.conv, ctx)
     return self.out_proj((c * conv).transpose(-1, -2).contiguous())
