@@ -8,6 +8,8 @@ checks; the CLI runs once on the demo model.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 import transformers
@@ -117,6 +119,15 @@ def _hybrids(mesh):
         assert [r.attention_calls for r in report.rows] == [0, 1, 0, 0, -1], f"{kind}:\n{report}"
         assert [k.split(" (")[0] for k in report.kernels] == lines, report.kernels
         assert all(f"mixer kernel: {k}" in str(report) for k in report.kernels), str(report)
+    # a kernelized model (transformers' use_kernels, which its from_pretrained turns on where the kernels package
+    # is installed): the report says that the mixers run the above all the same, not hub kernels (Note [mixer
+    # implementations])
+    kernelized = build("lfm2")
+    if importlib.util.find_spec("kernels") is not None:
+        kernelized.use_kernels = True
+    report = seqpar.doctor(kernelized, mesh, {"input_ids": tokens(2, SEQ, 1)})
+    said = "the model is kernelized (use_kernels), but its mixers run the above, not hub kernels"
+    assert report.verdict and (said in report.kernels) == kernelized.use_kernels, str(report)
 
 
 def _layer_k(mesh):

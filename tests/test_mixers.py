@@ -401,12 +401,6 @@ def _bad_input(rank, world_size):
     mesh = seqpar.make_mesh()
     _refused_calls(rank, world_size, mesh)
     _mismatched_mixers(mesh)
-    # a model loaded with use_kernels=True: its hub kernels would be bypassed by the adapters (Note [mixer
-    # implementations]); the flag set as transformers' setter stores it (the hub is not reachable here)
-    kernelized = _model("lfm2")
-    kernelized._use_kernels = True
-    with pytest.raises(SeqparInputError, match="loaded with use_kernels=True, and seqpar's mixer adapters replace"):
-        seqpar.prepare_model(kernelized, mesh)
     model = seqpar.prepare_model(_model("lfm2"), mesh)
     with pytest.raises(SeqparInputError, match="runs inside a prepared model's call"):  # a mixer called alone
         model.model.layers[0].conv(torch.randn(1, 4, 48))

@@ -178,12 +178,6 @@ def _served(model: torch.nn.Module) -> ModelAnatomy | str:
             f"its token mixers do not have what seqpar's adapters read: {'; '.join(mismatched)} (transformers "
             f"{transformers.__version__}; seqpar's adapters follow the mixers of the versions it declares)"
         )
-    if found.mixers and getattr(model, "use_kernels", False):  # Note [mixer implementations]
-        return (
-            "it was loaded with use_kernels=True, and seqpar's mixer adapters replace the forward that selects "
-            "the hub kernels: load it without use_kernels (the fla, mamba_ssm and causal_conv1d packages still "
-            "run where installed, as seqpar doctor reports)"
-        )
     attends = any(m is not None for m in found.attention)  # a pure state-space model (Mamba2) has no attention
     if attends and not getattr(model, "_supports_attention_backend", False) and not found.family.attention_interface:
         return (

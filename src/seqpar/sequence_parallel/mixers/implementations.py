@@ -10,9 +10,10 @@ Note [mixer implementations]
     what it found in its closure, which is read here (an unreadable one is reported as "unknown", never guessed).
     The halo convolution takes the model's kernel on rows without packed documents only (Note [halo
     convolution]). Mamba1's scan and lightning attention are seqpar's own PyTorch code on every device: no fused
-    kernel takes a state in and gives a differentiable one out (Note [Mamba1 state]). A model loaded with
-    ``use_kernels=True`` is refused: its hub kernels are chosen by the class's own ``forward``, which the adapter
-    replaces, so it would run the packages' kernels or PyTorch while its user asked for the hub's.
+    kernel takes a state in and gives a differentiable one out (Note [Mamba1 state]). A kernelized model
+    (``use_kernels``, which transformers' ``from_pretrained`` turns on where the ``kernels`` package is installed)
+    chooses its hub kernels in the class's own ``forward``, which the adapter replaces: its mixers run the
+    packages' kernels or PyTorch as above, never the hub's, and ``seqpar doctor`` says so.
 """
 
 from __future__ import annotations
