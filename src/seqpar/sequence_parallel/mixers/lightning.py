@@ -34,14 +34,13 @@ def _lightning(
     ``state`` ``[B, H, d, d]`` before the piece (None: zeros, in the values' dtype as transformers starts them).
     Returns the output ``[B, T, H, d]`` and the state after the piece."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, d], as the layer computes
-    batch, heads, length, dim = v.shape
+    batch, heads, _, dim = v.shape
     if state is None:
         state = v.new_zeros(batch, heads, dim, dim)
     outputs = []
-    for start in range(0, length, self.block_size):
-        stop = min(start + self.block_size, length)
-        n = stop - start
-        q_b, k_b, v_b = q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop]
+    # split, not sliced: a slice's backward writes a tensor of the whole input, once per block
+    for q_b, k_b, v_b in zip(*(t.split(self.block_size, dim=2) for t in (q, k, v)), strict=True):
+        n = q_b.shape[2]
         intra = torch.matmul(torch.matmul(q_b, k_b.transpose(-1, -2)) * self.diagonal_decay[:, :, :n, :n], v_b)
         inter = torch.matmul(q_b * self.query_decay[:, :n], state)
         outputs.append(inter + intra)

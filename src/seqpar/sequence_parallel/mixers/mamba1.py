@@ -13,11 +13,12 @@ Note [Mamba1 state]
     (``mamba_selective_scan``) starts from zeros only, so a piece's scan is seqpar's: transformers' sequential
     recurrence in its dtypes (decay and drive in float32, the read in the input's dtype), from the given state.
     Cost: a step per token, as transformers' torch path takes (the fused CUDA scan takes no initial state and
-    returns no differentiable final one). The steps walk ``unbind`` views: indexing ``x[:, t]`` would give each
-    step's backward a zero tensor of the whole input, quadratic in the length. Nothing of shape ``[L, D, N]``
-    is kept: a step forms its decay and drive from ``dt``, ``B`` and ``x``, and under autograd the piece runs in
-    blocks of ``Mamba1.scan_block`` tokens, each recomputed in the backward (activation checkpointing), so the backward
-    keeps a state per block and the per-token inputs, and one block's steps at a time.
+    returns no differentiable final one). The piece is ``split`` into blocks and a block ``unbind`` into steps:
+    indexing ``x[:, t]`` (or slicing a block) would give each step's (block's) backward a zero tensor of the
+    whole input, quadratic in the length. Nothing of shape ``[L, D, N]`` is kept: a block of
+    ``Mamba1.scan_block`` tokens forms its decays and drives from ``dt``, ``B`` and ``x`` and is recomputed in the
+    backward (activation checkpointing), so the backward keeps a state per block and the per-token inputs, and
+    one block's steps at a time.
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ def _scan_piece(
         else initial_state.reshape(rows, -1, entries)
     )
     reads = []
-    for start in range(0, dt.shape[1], Mamba1.scan_block):  # each block starts from the state the one before left
-        block = (t[:, start : start + Mamba1.scan_block] for t in (dt, b, c, u))
+    blocks = zip(*(t.split(Mamba1.scan_block, dim=1) for t in (dt, b, c, u)), strict=True)
+    for block in blocks:  # each block starts from the state the one before left
         read, state = _recomputed(_steps, *block, rate, state)
         reads.append(read)
     return torch.cat(reads, dim=1), state.reshape(rows, channels * entries, 1, 1)
@@ -144,8 +145,8 @@ def mamba1_forward(
 
         def respond(entering):  # [n, D * N, 1, 1] -> [n, T, D]
             entering = entering.reshape(-1, *rate.shape)
-            spans = [slice(a, a + Mamba1.scan_block) for a in range(0, c.shape[1], Mamba1.scan_block)]
-            return torch.cat([_recomputed(_carried, elapsed[:, s], c[:, s], rate, entering) for s in spans], dim=1)
+            blocks = zip(elapsed.split(Mamba1.scan_block, dim=1), c.split(Mamba1.scan_block, dim=1), strict=True)
+            return torch.cat([_recomputed(_carried, e, c_b, rate, entering) for e, c_b in blocks], dim=1)
 
         return Opening(out, local, torch.exp(rate * elapsed[:, -1, :, None]).flatten(1)[..., None, None], respond)
 
