@@ -192,7 +192,7 @@ def implementations(mixers: tuple[torch.nn.Module, ...], device_type: str) -> li
     Returns:
         One entry per class and step; classes without an adapter are left out.
     """
-    served = tuple(m for m in mixers if _built_class(m).__name__ in ADAPTERS)
+    classes = list(dict.fromkeys(c for c in map(_built_class, mixers) if c.__name__ in ADAPTERS))
     return mixer_kernels(
-        served, lambda cls: (ADAPTERS[cls.__name__].recurrent, ADAPTERS[cls.__name__].kernel), device_type
+        classes, lambda cls: (ADAPTERS[cls.__name__].recurrent, ADAPTERS[cls.__name__].kernel), device_type
     )

@@ -47,19 +47,20 @@ def token_positions(layout: Layout, sp: SequenceParallelMesh, local: int) -> tor
     return shard_for_rank(torch.arange(local * sp.sp_size), sp.sp_rank, sp.sp_size, 0, layout)
 
 
-def conv_kernel(layer: torch.nn.Module) -> Callable[..., torch.Tensor] | None:
-    """The ``causal_conv1d_fn`` of the transformers module that defines ``layer``'s class (or the class its
-    adapter subclasses), or None where that module has none (Note [halo convolution])."""
-    built = type(layer).__mro__[1] if type(layer).__name__.startswith("Seqpar") else type(layer)
-    kernel = getattr(sys.modules.get(built.__module__), "causal_conv1d_fn", None)
+def conv_kernel(cls: type) -> Callable[..., torch.Tensor] | None:
+    """The ``causal_conv1d_fn`` of the transformers module that defines the mixer class ``cls``, or None where
+    that module has none (Note [halo convolution])."""
+    kernel = getattr(sys.modules.get(cls.__module__), "causal_conv1d_fn", None)
     return kernel if callable(kernel) else None
 
 
 def layer_conv(layer: torch.nn.Module, x: torch.Tensor, conv: torch.nn.Conv1d, ctx: CallContext, bias: bool = True):
-    """``halo_causal_conv`` of ``x`` ``[B, C, L]`` with a mixer layer's depthwise ``conv`` (its bias unless
-    ``bias`` is False) and its module's kernel, in the call ``ctx`` (Note [halo convolution])."""
+    """``halo_causal_conv`` of ``x`` ``[B, C, L]`` with an adapted mixer layer's depthwise ``conv`` (its bias
+    unless ``bias`` is False) and the kernel of the module its transformers class comes from, in the call ``ctx``
+    (Note [halo convolution])."""
     weight, conv_bias = conv.weight.squeeze(1), conv.bias if bias else None
-    return halo_causal_conv(x, weight, conv_bias, ctx.mesh, ctx.layout, ctx.mask, conv_kernel(layer))
+    kernel = conv_kernel(type(layer).__mro__[1])  # the adapter subclasses the transformers class
+    return halo_causal_conv(x, weight, conv_bias, ctx.mesh, ctx.layout, ctx.mask, kernel)
 
 
 def halo_causal_conv(

@@ -73,35 +73,31 @@ def _dispatched(dispatcher: object, device_type: str) -> tuple[str, str]:
 
 
 def mixer_kernels(
-    mixers: tuple[torch.nn.Module, ...], recurrence: Callable[[type], tuple[bool, str | None]], device_type: str
+    classes: list[type], recurrence: Callable[[type], tuple[bool, str | None]], device_type: str
 ) -> list[MixerKernel]:
     """What each mixer class's convolution and recurrence run on ``device_type`` (Note [mixer implementations]).
 
     Args:
-        mixers: a model's token mixers other than attention (``ModelAnatomy.mixers``), adapted or not.
-        recurrence: a transformers mixer class -> whether it has a recurrence, and the name of its module's
-            dispatcher that the adapter calls for it, or None where the adapter runs its own (``MixerAdapter``).
+        classes: the transformers mixer classes, each once.
+        recurrence: a class -> whether it has a recurrence, and the name of its module's dispatcher that the
+            adapter calls for it, or None where the adapter runs its own (``MixerAdapter``).
         device_type: where the tensors are ("cpu", "cuda", ...).
 
     Returns:
-        One entry per class and step, in the order the classes first appear.
+        One entry per class and step, in the order of ``classes``.
     """
-    found: dict[str, list[MixerKernel]] = {}
-    for mixer in mixers:
-        cls = type(mixer).__mro__[1] if type(mixer).__name__.startswith("Seqpar") else type(mixer)
-        if cls.__name__ in found:
-            continue
-        rows = found.setdefault(cls.__name__, [])
-        conv = conv_kernel(mixer)
+    rows = []
+    for cls in classes:
+        conv = conv_kernel(cls)
         if conv is not None:
             implementation, why = _dispatched(conv, device_type)
             rows.append(MixerKernel(cls.__name__, "convolution", implementation, f"{why}; packed rows: seqpar's taps"))
         recurrent, name = recurrence(cls)
-        dispatcher = getattr(sys.modules.get(cls.__module__), name, None) if name else None
         if not recurrent:
             continue
+        dispatcher = getattr(sys.modules.get(cls.__module__), name, None) if name else None
         if dispatcher is None:
             rows.append(MixerKernel(cls.__name__, "recurrence", "seqpar", "no fused kernel passes its state"))
         else:
             rows.append(MixerKernel(cls.__name__, "recurrence", *_dispatched(dispatcher, device_type)))
-    return [row for rows in found.values() for row in rows]
+    return rows

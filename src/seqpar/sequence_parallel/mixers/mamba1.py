@@ -77,12 +77,10 @@ def _scan_piece(
     """
     channels, entries = rate.shape
     rows = dt.shape[0]
-    zeros = initial_state is None
-    state = (
-        dt.new_zeros(rows, channels, entries, dtype=torch.float32)
-        if zeros
-        else initial_state.reshape(rows, -1, entries)
-    )
+    if initial_state is None:  # zeros (transformers starts from zeros)
+        state = dt.new_zeros(rows, channels, entries, dtype=torch.float32)
+    else:
+        state = initial_state.reshape(rows, channels, entries)
     reads = []
     blocks = zip(*(t.split(Mamba1.scan_block, dim=1) for t in (dt, b, c, u)), strict=True)
     for block in blocks:  # each block starts from the state the one before left
