@@ -12,6 +12,7 @@ hybrid mesh; over 3 AdamW steps; without the exchanges the same checks fail; bad
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -172,14 +173,17 @@ for each of its families; the other families (their own anatomy on the same adap
 balanced packed."""
 
 
-def _counted_conv_kernel(kind: str) -> list[int]:
-    """Wrap the ``causal_conv1d_fn`` of ``kind``'s modeling module to count seqpar's calls of it (``[calls]``,
-    updated in place; the one-process reference's own calls are not counted); a family without a convolution
-    keeps its module unchanged and gets None."""
+@contextlib.contextmanager
+def _counted_conv_kernel(kind: str):
+    """Wrap the ``causal_conv1d_fn`` of ``kind``'s modeling module, while the block runs, to count seqpar's calls
+    of it (yields ``[calls]``, updated in place; the one-process reference's own calls are not counted, and the
+    module gets its own function back, as the ranks serve later tests); a family without a convolution yields
+    None."""
     module = sys.modules[type(anatomy(_model(kind)).mixers[0]).__module__]
     kernel = getattr(module, "causal_conv1d_fn", None)
     if kernel is None:
-        return None
+        yield None
+        return
     calls = [0]
 
     @functools.wraps(kernel)
@@ -188,7 +192,10 @@ def _counted_conv_kernel(kind: str) -> list[int]:
         return kernel(*args, **kwargs)
 
     module.causal_conv1d_fn = counted
-    return calls
+    try:
+        yield calls
+    finally:
+        module.causal_conv1d_fn = kernel
 
 
 def _exact(rank, world_size):
@@ -196,14 +203,14 @@ def _exact(rank, world_size):
     ``causal_conv1d_fn`` on whole rows (zigzag), and its masked taps on packed rows (Note [halo convolution])."""
     mesh = seqpar.make_mesh()
     for kind in KINDS:
-        calls = _counted_conv_kernel(kind)
-        for layout in ("zigzag", "contiguous", "balanced"):
-            for packed in (False, True):
-                if kind in EVERY_LAYOUT or layout == "zigzag" or (layout == "balanced" and packed):
-                    before = calls and calls[0]
-                    _check(rank, world_size, mesh, kind, layout, packed)
-                    if calls is not None and (layout == "zigzag" or packed):
-                        assert (calls[0] > before) == (not packed), (kind, layout, packed, calls)
+        with _counted_conv_kernel(kind) as calls:
+            for layout in ("zigzag", "contiguous", "balanced"):
+                for packed in (False, True):
+                    if kind in EVERY_LAYOUT or layout == "zigzag" or (layout == "balanced" and packed):
+                        before = calls and calls[0]
+                        _check(rank, world_size, mesh, kind, layout, packed)
+                        if calls is not None and (layout == "zigzag" or packed):
+                            assert (calls[0] > before) == (not packed), (kind, layout, packed, calls)
         if world_size > 1:  # the mixers exchange over the whole group whatever the attention does
             _check(rank, world_size, mesh, kind, "zigzag", True, strategy="ulysses" if world_size == 2 else "allgather")
         if world_size > 1:  # packed documents reordered so that short ones stay whole (Note [placed layout])
