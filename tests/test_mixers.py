@@ -112,7 +112,7 @@ def _close_or_at_floor(found: torch.Tensor, want: torch.Tensor, truth_of, bound:
     otherwise) is no floor, and the check fails."""
     if float((found - want).abs().max()) <= bound:
         return
-    truth = truth_of()
+    truth = truth_of().double()  # NemotronH returns float32 logits whatever its parameters' dtype
     own = float((want.double() - truth).abs().max())  # how far rounding alone puts one fp32 process
     assert own <= FLOOR_LIMIT * bound, f"{what}: past {bound:.1e}, and one process is {own:.1e} from float64"
     atol = FLOOR_FACTOR * own + 1e-8
