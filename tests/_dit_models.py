@@ -98,12 +98,12 @@ CLASSES = {
 PER_TOKEN_TIMESTEPS = ("wan", "ltx")  # the families whose timestep may be one per token ([B, S])
 
 
-def dit_model(family: str) -> torch.nn.Module:
-    """The family's tiny transformer, seed 0, every weight moved by N(0, 0.02)."""
+def dit_model(family: str, **config: object) -> torch.nn.Module:
+    """The family's tiny transformer (``config`` overriding its settings), seed 0, every weight moved by N(0, 0.02)."""
     import diffusers
 
     torch.manual_seed(0)
-    model = getattr(diffusers, CLASSES[family])(**CONFIGS[family])
+    model = getattr(diffusers, CLASSES[family])(**(CONFIGS[family] | config))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)

@@ -22,7 +22,7 @@ from seqpar.models import DIFFUSION_PLANS, Split, register_diffusion_plan
 from seqpar.runtime.memory import written_bytes
 from tests._dist import run_ranks
 from tests._dit_models import CLASSES, CONFIGS, FRAMES, HEIGHT, PER_TOKEN_TIMESTEPS, TEXT, WIDTH, dit_batch, dit_model
-from tests._floors import StepFloors, assert_near_float64
+from tests._floors import FLOOR_FACTOR, StepFloors, assert_near_float64
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -82,6 +82,35 @@ def _exact_cases() -> list:
 @pytest.mark.parametrize(("family", "world_size", "strategy", "layout", "per_token", "ulysses_size"), _exact_cases())
 def test_prediction_and_gradients_equal_one_process(family, world_size, strategy, layout, per_token, ulysses_size):
     run_ranks(world_size, _exact_worker, family, strategy, layout, per_token, ulysses_size)
+
+
+def _assert_grads_floored(model, reference, exact, what: str) -> None:
+    """Each gradient within ``GRAD_REL`` of its float64 scale, or within ``FLOOR_FACTOR`` times one fp32 process's
+    distance from float64 where that is larger: a gradient that is zero but for rounding (a key bias that shifts
+    every score of a query alike) has no scale of its own."""
+    for (name, p), q, e in zip(model.named_parameters(), reference.parameters(), exact.parameters(), strict=True):
+        bound = GRAD_REL * float(e.grad.abs().max()) + FLOOR_FACTOR * float((q.grad.double() - e.grad).abs().max())
+        torch.testing.assert_close(p.grad.double(), e.grad, rtol=0, atol=bound + 1e-12, msg=f"{what}: grad of {name}")
+
+
+def _sincos_worker(rank, world_size, strategy):
+    """CogVideoX as CogVideoX-2b runs (``use_rotary_positional_embeddings=False``: the patch embedding adds sin-cos
+    positions of the whole grid, the blocks get no RoPE tables)."""
+    reference = dit_model("cogvideox", use_rotary_positional_embeddings=False)
+    model, exact = copy.deepcopy(reference), copy.deepcopy(reference).double()
+    inputs, target = dit_batch("cogvideox")
+    inputs.pop("image_rotary_emb")
+    want = _run_step(reference, inputs, target)
+    _run_step(exact, _float64(inputs), target.double())
+    mesh = seqpar.make_mesh()
+    got = _run_step(seqpar.prepare_diffusers(model, mesh, strategy=strategy), inputs, target, mesh)
+    torch.testing.assert_close(got, want, rtol=0, atol=PRED_ATOL, msg="gathered prediction")
+    _assert_grads_floored(model, reference, exact, f"cogvideox without RoPE {strategy} P={world_size}")
+
+
+@pytest.mark.parametrize(("world_size", "strategy"), [(2, "ring"), (3, "ulysses")])
+def test_cogvideox_without_rotary_embeddings_equals_one_process(world_size, strategy):
+    run_ranks(world_size, _sincos_worker, strategy)
 
 
 def _float64(value):

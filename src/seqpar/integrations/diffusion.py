@@ -31,6 +31,7 @@ import fnmatch
 import inspect
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -184,10 +185,12 @@ def resolve_plan(model: torch.nn.Module) -> tuple[DiffusionPlan, dict, dict]:
     """
     name = type(model).__name__
     plan = DIFFUSION_PLANS.get(name)
+    if plan is None and getattr(model, "_cp_plan", None):
+        plan = DiffusionPlan(name, self_attention="", derived=True, notes=("diffusers' _cp_plan, derived",))
     if plan is None:
         raise SeqparInputError(
             f"{_WHERE}: seqpar has no sequence-parallel plan for {name}; it serves "
-            f"{', '.join(sorted(DIFFUSION_PLANS))} "
+            f"{', '.join(sorted(DIFFUSION_PLANS))} and the classes that declare diffusers' _cp_plan "
             "(seqpar.models.register_diffusion_plan adds one: where to cut the tokens, gather the output, and which "
             "modules attend over the tokens or to the text)"
         )
@@ -198,9 +201,10 @@ def resolve_plan(model: torch.nn.Module) -> tuple[DiffusionPlan, dict, dict]:
     return plan, shards, gathers
 
 
-def _modules(model: torch.nn.Module, pattern: str) -> list[tuple[str, torch.nn.Module]]:
+def _modules(model: torch.nn.Module, pattern: str, missing_ok: bool = False) -> list[tuple[str, torch.nn.Module]]:
     """The submodules a plan names: one exact name (``""`` is the model) or every match of a dotted pattern whose
-    segments are fnmatch patterns of one name each ("blocks.*.attn1": the ``attn1`` of every block, not its parts)."""
+    segments are fnmatch patterns of one name each ("blocks.*.attn1": the ``attn1`` of every block, not its parts).
+    ``missing_ok``: a name matching nothing gives no modules (diffusers' plans list layers of the largest model)."""
     if "*" not in pattern:
         try:
             return [(pattern, model.get_submodule(pattern))]
@@ -213,7 +217,7 @@ def _modules(model: torch.nn.Module, pattern: str) -> list[tuple[str, torch.nn.M
             for n, m in model.named_modules()
             if n and len(n.split(".")) == len(parts) and all(map(fnmatch.fnmatchcase, n.split("."), parts))
         ]
-    if not found:
+    if not found and not missing_ok:
         raise SeqparInputError(f"{_WHERE}: {type(model).__name__} has no module {pattern!r} that its plan names")
     return found
 
@@ -234,6 +238,8 @@ def _refusals(model: torch.nn.Module, plan: DiffusionPlan) -> list[str]:
 def _cut(value: object, split: Split | tuple[Split, ...], sp: SequenceParallelMesh, layout: str, where: str):
     """This rank's shard of one planned value (a tuple of tables cut element-wise); others pass whole."""
     if isinstance(split, tuple):
+        if value is None:  # tables the configuration does not make (CogVideoX without rotary embeddings)
+            return value
         if not isinstance(value, (list, tuple)) or len(value) != len(split):
             raise SeqparInputError(f"{_WHERE}: {where} is not a pair of {len(split)} tensors as the plan expects")
         return type(value)(_cut(v, s, sp, layout, where) for v, s in zip(value, split))
@@ -268,10 +274,21 @@ def _cut_any(value: object, split: object, lengths: list, sp: SequenceParallelMe
     return _cut(value, split, sp, layout, where)
 
 
-def _input_hook(entry: dict, sp: SequenceParallelMesh, layout: str, module_name: str) -> Callable:
+@dataclass
+class _Region:
+    """Where one forward is (Note [derived attention]): between a planned cut and the planned gather or not, and
+    the modules with parameters that ran on the gathered output after the last gather."""
+
+    open: bool = False
+    gathered: bool = False
+    tail: list[str] = field(default_factory=list)
+
+
+def _input_hook(entry: dict, sp: SequenceParallelMesh, layout: str, module_name: str, region: _Region) -> Callable:
     """A forward pre-hook cutting the inputs ``entry`` names (by keyword or by their position)."""
 
     def hook(module, args, kwargs):
+        region.open = True
         names = list(inspect.signature(module.forward).parameters)
         args = list(args)
 
@@ -309,10 +326,14 @@ def _output_hook(entry: dict, sp: SequenceParallelMesh, layout: str, module_name
     return hook
 
 
-def _gather_hook(gathers: tuple[Gather | None, ...], sp: SequenceParallelMesh, layout: str) -> Callable:
+def _gather_hook(
+    gathers: tuple[Gather | None, ...], sp: SequenceParallelMesh, layout: str, region: _Region
+) -> Callable:
     """A forward hook gathering the outputs back to whole sequences (Note [replicated output])."""
 
     def hook(module, args, output):
+        region.open, region.gathered = False, True
+        region.tail.clear()
         if sp.sp_size == 1:
             return output
         single = isinstance(output, torch.Tensor)
@@ -345,6 +366,96 @@ def _attention_hooks(name: str, sp: SequenceParallelMesh, strategy: str, layout:
             )
 
     return enter, leave
+
+
+def _judgement(name: str, module: torch.nn.Module, args: tuple, kwargs: dict, region: _Region, text_cut: bool) -> bool:
+    """Whether an attention module of a derived entry attends over the shards (Note [derived attention])."""
+    text = kwargs.get("encoder_hidden_states", args[1] if len(args) > 1 else None)
+    if not region.open or text is None:
+        return region.open
+    if getattr(module, "add_k_proj", None) is not None:  # joint attention over [text; tokens]
+        if not text_cut:
+            raise SeqparInputError(
+                f"{_WHERE}: {name} attends jointly over the text and the tokens, but diffusers' _cp_plan keeps the "
+                "text whole on every rank: its keys would count once per rank"
+            )
+        return True
+    if text_cut:
+        raise SeqparInputError(
+            f"{_WHERE}: {name} is cross-attention to a text that diffusers' _cp_plan cuts across the ranks: seqpar "
+            "attends this rank's queries to whole keys only (register a plan that keeps the text whole)"
+        )
+    return False
+
+
+def _judged_attention_hooks(
+    name: str, sp: SequenceParallelMesh, strategy: str, layout: str, region: _Region, text_cut: bool
+) -> tuple[Callable, Callable]:
+    """The attention hooks of a derived entry: the module's first call fixes whether it is served."""
+    judged: list[bool] = []
+    active: list[_ServedSDPA | None] = []
+
+    def enter(module, args, kwargs):
+        if not judged:
+            judged.append(_judgement(name, module, args, kwargs, region, text_cut))
+        mode = _ServedSDPA(sp, strategy, layout, where=_WHERE) if judged[0] else None
+        if mode is not None:
+            mode.__enter__()
+        active.append(mode)
+
+    def leave(module, args, kwargs, output):
+        mode = active.pop() if active else None
+        if mode is None:
+            return
+        mode.__exit__(None, None, None)
+        if output is not None and mode.served == 0:
+            raise SeqparInputError(
+                f"{_WHERE}: the attention {name} did not call torch's scaled_dot_product_attention; use diffusers' "
+                "native attention backend (model.set_attention_backend('native'), no DIFFUSERS_ATTN_BACKEND)"
+            )
+
+    return enter, leave
+
+
+def _tail_hooks(model: torch.nn.Module, region: _Region) -> list:
+    """Hooks that find modules with parameters running on the gathered output (each rank would compute their whole
+    gradient, counted once per rank by the sum over the group) and refuse the model at the end of its forward."""
+
+    def note(name: str) -> Callable:
+        def hook(module, args):
+            if region.gathered and not region.open:
+                region.tail.append(name)
+
+        return hook
+
+    def start(module, args, kwargs):
+        region.open = region.gathered = False
+        region.tail.clear()
+
+    def end(module, args, kwargs, output):
+        if region.tail:
+            raise SeqparInputError(
+                f"{_WHERE}: diffusers' _cp_plan of {type(model).__name__} gathers the tokens before "
+                f"{', '.join(region.tail)}, whose parameters every rank would then train on the whole output (their "
+                "gradients counted once per rank); register a plan that gathers after them"
+            )
+
+    handles = [model.register_forward_pre_hook(start, with_kwargs=True)]
+    handles += [
+        m.register_forward_pre_hook(note(n))
+        for n, m in model.named_modules()
+        if n and any(True for _ in m.parameters(recurse=False))
+    ]
+    handles.append(model.register_forward_hook(end, with_kwargs=True))
+    return handles
+
+
+def _attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Every attention module of a diffusers model: its ``Attention`` and ``AttentionModuleMixin`` instances."""
+    from diffusers.models.attention import AttentionModuleMixin
+    from diffusers.models.attention_processor import Attention
+
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, (Attention, AttentionModuleMixin))]
 
 
 def _call_check(model: torch.nn.Module, sp: SequenceParallelMesh, settings: str) -> Callable:
@@ -403,15 +514,28 @@ def prepare_diffusers(
     for handle in getattr(model, _HOOKS_ATTR, ()):
         handle.remove()
     handles = [model.register_forward_pre_hook(_call_check(model, sp, f"{strategy}/{layout}"), with_kwargs=True)]
+    region = _Region()
+    if plan.derived:
+        handles += _tail_hooks(model, region)
     for pattern, entry in shards.items():
-        for name, module in _modules(model, pattern):
-            handles.append(module.register_forward_pre_hook(_input_hook(entry, sp, layout, name), with_kwargs=True))
+        for name, module in _modules(model, pattern, missing_ok=plan.derived):
+            hook = _input_hook(entry, sp, layout, name, region)
+            handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
             if any(isinstance(s, Split) and s.output for s in entry.values()):
                 handles.append(module.register_forward_hook(_output_hook(entry, sp, layout, name)))
     for pattern, outputs in gathers.items():
-        handles += [m.register_forward_hook(_gather_hook(outputs, sp, layout)) for _, m in _modules(model, pattern)]
-    for name, module in _modules(model, plan.self_attention):
-        enter, leave = _attention_hooks(name, sp, strategy, layout)
+        hook = _gather_hook(outputs, sp, layout, region)
+        handles += [m.register_forward_hook(hook) for _, m in _modules(model, pattern, missing_ok=plan.derived)]
+    if plan.derived:
+        text_cut = any("encoder_hidden_states" in entry for entry in shards.values())
+        attention = [
+            (n, _judged_attention_hooks(n, sp, strategy, layout, region, text_cut))
+            for n, _ in _attention_modules(model)
+        ]
+    else:
+        attention = [(n, _attention_hooks(n, sp, strategy, layout)) for n, _ in _modules(model, plan.self_attention)]
+    for name, (enter, leave) in attention:
+        module = model.get_submodule(name)
         handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
         handles.append(module.register_forward_hook(leave, with_kwargs=True, always_call=True))
     setattr(model, _HOOKS_ATTR, handles)

@@ -98,6 +98,11 @@ def _matching(model: torch.nn.Module, pattern: str) -> list[torch.nn.Module]:
 def _kept(model: torch.nn.Module, make_inputs: Callable[[int], tuple[dict, torch.Tensor]], tokens: int) -> tuple:
     """(bytes kept from the first block through the gathered module, the rest) by one forward and MSE loss."""
     plan, _, gathers = resolve_plan(model)
+    if plan.derived:
+        raise SeqparInputError(
+            f"{type(model).__name__} runs on an entry derived from diffusers' _cp_plan, which names no blocks to "
+            "profile; the DiT memory estimate covers the classes of seqpar.models.DIFFUSION_PLANS"
+        )
     blocks = _matching(model, ".".join(plan.self_attention.split(".")[:-1]))  # they hold the self-attention
     gathered = [m for pattern in gathers for m in _matching(model, pattern)]
     if not blocks or not gathered:

@@ -16,7 +16,22 @@ Note [diffusion plans]
     each text key is held by one rank and counted once, as in one process. A key mask over the joint
     sequence (HunyuanVideo's text padding, built over [video; text] before the blocks) is cut part by part
     (``JointSplit``), so each rank holds the mask of its own [video shard; text shard] keys, which the
-    attention serves as a key-padding mask (Note [key-padding masks]).
+    attention serves as a key-padding mask (Note [key-padding masks]). A class without an entry that declares
+    ``_cp_plan`` gets a derived entry: that plan, its attention modules told apart per call (Note [derived
+    attention]).
+
+Note [derived attention]
+    A derived entry names no attention patterns; every attention module of the model (diffusers'
+    ``Attention`` or ``AttentionModuleMixin``) is judged by what its processor is given, as diffusers'
+    own processors decide whether a call is context-parallel. A call inside the sharded region (after a
+    planned cut, before the planned gather) without ``encoder_hidden_states`` is self-attention over the
+    shards: served. With ``encoder_hidden_states``, a module with added key/value projections is joint
+    attention over [text; tokens]: served where the plan cuts the text too, refused where every rank holds
+    it whole (its keys would count once per rank); a module without them is cross-attention: local where
+    the text is whole (this rank's queries, every key), refused where the plan cuts the text (its queries and
+    keys would be shards of different sequences). Calls outside the region (a text refiner before the cut)
+    run as in one process. The first call fixes each module's judgement, so a recomputation in the backward
+    (activation checkpointing), which runs outside the region's hooks, attends as the forward did.
 """
 
 from __future__ import annotations
@@ -79,6 +94,9 @@ class DiffusionPlan:
     """Module name (``""`` the model) -> input name or output index -> ``Split``; None: read ``_cp_plan``."""
     gathers: Mapping[str, tuple[Gather, ...]] | None = None
     """Module name -> one ``Gather`` per output; None: read ``_cp_plan``."""
+    derived: bool = False
+    """The entry was derived from diffusers' ``_cp_plan``; its attention modules are judged per call (Note [derived
+    attention]) and ``self_attention`` / ``cross_attention`` are unused."""
     refused: Mapping[str, str] = field(default_factory=dict)
     """Module class name -> why seqpar cannot serve a model holding one (a variant of the class)."""
     notes: tuple[str, ...] = field(default=())
