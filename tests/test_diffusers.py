@@ -20,7 +20,7 @@ import seqpar
 from seqpar.errors import SeqparInputError
 from seqpar.models import DIFFUSION_PLANS, Split, register_diffusion_plan
 from seqpar.runtime.memory import written_bytes
-from tests._dist import run_ranks
+from tests._dist import run_ranks, shard_index
 from tests._dit_models import CLASSES, CONFIGS, FRAMES, HEIGHT, PER_TOKEN_TIMESTEPS, TEXT, WIDTH, dit_batch, dit_model
 from tests._floors import FLOOR_FACTOR, StepFloors, assert_near_float64
 
@@ -425,6 +425,32 @@ def _context_parallel_refusal_worker(rank, world_size):
 
 def test_context_parallel_refuses_cross_and_joint_attention_naming_the_door():
     run_ranks(2, _context_parallel_refusal_worker)
+
+
+def _context_parallel_processor_worker(rank, world_size):
+    """Under the drop-in, diffusers' processors say which call is which, whatever the text's length: a text as
+    long as the shard (which the lengths alone would take for one) is refused in Wan's cross-attention and in
+    CogVideoX's joint attention, on every rank; Wan's self-attention is served and equals one process."""
+    mesh = seqpar.make_mesh()
+    wan, cogvideox = dit_model("wan").blocks[0], dit_model("cogvideox").transformer_blocks[0]
+    gen = torch.Generator().manual_seed(0)
+    tokens, wan_text = torch.randn(1, 16, 48, generator=gen), torch.randn(1, 8, 48, generator=gen)
+    want = wan.attn1(tokens)
+    shard = tokens.clone()
+    with torch.no_grad(), seqpar.context_parallel(mesh, buffers=[shard], buffer_seq_dims=[1]):
+        assert shard.shape[1] == wan_text.shape[1] == 8  # the text is as long as the shard
+        got = wan.attn1(shard)
+        with pytest.raises(SeqparInputError, match=r"not a shard.*processor of a WanAttention was given encoder_hid"):
+            wan.attn2(shard, encoder_hidden_states=wan_text)
+        video, text = torch.randn(1, 8, 64, generator=gen), torch.randn(1, 8, 64, generator=gen)
+        with pytest.raises(SeqparInputError, match=r"processor of a Attention was given encoder_hidden_states"):
+            cogvideox.attn1(hidden_states=video, encoder_hidden_states=text)
+    mine = shard_index("zigzag", world_size, rank, 16)
+    torch.testing.assert_close(got, want[:, mine], rtol=1e-5, atol=1e-6)
+
+
+def test_context_parallel_tells_cross_and_joint_attention_by_the_processors_arguments():
+    run_ranks(2, _context_parallel_processor_worker)
 
 
 def _kept_bytes(model, inputs, target) -> int:

@@ -17,6 +17,7 @@ Note [SDPA interception]
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 
 import torch
@@ -134,10 +135,38 @@ def _sdpa_problem(
     return None
 
 
+_FRAMES_TO_PROCESSOR = 12  # frames between a diffusers attention processor and torch's SDPA (its dispatcher's)
+
+
+def _diffusers_text_call() -> str | None:
+    """The class of the diffusers attention module whose processor, on this thread's stack, was given
+    ``encoder_hidden_states`` (cross- or joint attention; Note [foreign keys]), or None."""
+    attention = sys.modules.get("diffusers.models.attention")
+    processor = sys.modules.get("diffusers.models.attention_processor")
+    if attention is None or processor is None:  # diffusers not in use: no processor can be on the stack
+        return None
+    classes = (attention.AttentionModuleMixin, processor.Attention)
+    frame = sys._getframe(2)
+    for _ in range(_FRAMES_TO_PROCESSOR):
+        if frame is None:
+            return None
+        found = frame.f_locals
+        if isinstance(found.get("attn"), classes) and "encoder_hidden_states" in found:
+            text = found["encoder_hidden_states"]
+            # older processors make self-attention's keys from encoder_hidden_states = hidden_states
+            own = text is None or text is found.get("hidden_states")
+            return None if own else type(found["attn"]).__name__
+        frame = frame.f_back
+    return None
+
+
 def _length_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int | None) -> tuple[int, str] | None:
-    """Keys, values or queries that are not as long as the sharded buffers' shard (Note [foreign keys])."""
+    """Keys, values or queries that are not this rank's shard of the sharded buffers (Note [foreign keys])."""
     if seq_len is None or q.dim() < 3:
         return None
+    module = _diffusers_text_call()
+    if module is not None:
+        return 5, f"{_SDPA_PROBLEMS[5]} (the processor of a {module} was given encoder_hidden_states)"
     if q.shape[-2] == k.shape[-2] == v.shape[-2] and q.shape[-2] % seq_len == 0:
         return None
     lengths = f"query {q.shape[-2]}, key {k.shape[-2]}, value {v.shape[-2]} tokens; the shard holds {seq_len}"
@@ -167,14 +196,17 @@ class SequenceParallelSDPA(TorchFunctionMode):
         over queries or heads, float (additive) masks and a mask with ``is_causal`` stay refused.
 
     Note [foreign keys]
-        The mode cannot see where a key came from, only how long it is. Every tensor the block shards covers
-        one sequence, so an attention over those shards has as many queries as keys and values, a multiple of
-        the buffers' local length ``seq_len`` (equal for token buffers; frames x patches for latents cut by
-        frame). Keys of another length are not a shard: cross-attention to a text every rank holds whole (a
-        shape error otherwise). Queries and keys over [text; shard] whose length is no such multiple are joint
-        attention, where each rank would hold the whole text and its keys would count once per rank (silently
-        wrong). Both are refused, naming the diffusers door, which shards the text with the video or keeps
-        cross-attention local. A text whose length happens to be a multiple of ``seq_len`` is not caught.
+        Every tensor the block shards covers one sequence, so an attention over those shards has as many
+        queries as keys and values, a multiple of the buffers' local length ``seq_len`` (equal for token
+        buffers; frames x patches for latents cut by frame). Keys of another length are not a shard:
+        cross-attention to a text every rank holds whole (a shape error otherwise). Queries and keys over
+        [text; shard] whose length is no such multiple are joint attention, where each rank would hold the
+        whole text and its keys would count once per rank (silently wrong). A text whose length is such a
+        multiple passes that test, so the mode also asks what a diffusers attention processor on the stack
+        was given, as diffusers' own processors decide whether a call is context-parallel: one given
+        ``encoder_hidden_states`` is cross- or joint attention, whatever the lengths. Both are refused on
+        every rank, naming the diffusers door, which shards the text with the video or keeps cross-attention
+        local. Attention outside diffusers' processors is judged by lengths alone.
     """
 
     def __init__(
