@@ -495,3 +495,33 @@ def test_dit_memory_estimate_predicts_each_ranks_kept_activations(family):
     within 2% and what each of 2 ranks keeps under prepare_diffusers within 5% (measured: 0.6% Wan, 1.8%
     HunyuanVideo)."""
     run_ranks(2, _dit_estimate_worker, family)
+
+
+def _unguarded_tail_worker(rank, world_size):
+    """Negative control of the refusal of a _cp_plan that gathers before modules with parameters (Helios: its
+    blocks' outputs are gathered, norm_out and proj_out run on the whole tokens on every rank): with the refusal
+    switched off the model runs, and their gradients come out once per rank, not once."""
+    from seqpar.integrations import diffusion
+    from tests._dit_zoo import build
+
+    reference, inputs = build("HeliosTransformer3DModel")
+    model = copy.deepcopy(reference)
+    mesh = seqpar.make_mesh()
+    with pytest.raises(SeqparInputError, match=r"gathers the tokens before .*norm_out.*once per rank"):
+        seqpar.prepare_diffusers(copy.deepcopy(reference), mesh)(**inputs, return_dict=False)
+    guard = diffusion._tail_hooks
+    diffusion._tail_hooks = lambda model, region: []
+    try:
+        seqpar.prepare_diffusers(model, mesh)
+    finally:
+        diffusion._tail_hooks = guard
+    reference(**inputs, return_dict=False)[0].sum().backward()
+    model(**inputs, return_dict=False)[0].sum().backward()
+    seqpar.reduce_gradients(model.parameters(), mesh)
+    grads = dict(model.named_parameters())
+    want = dict(reference.named_parameters())["proj_out.weight"].grad
+    torch.testing.assert_close(grads["proj_out.weight"].grad, world_size * want, rtol=1e-4, atol=1e-6)
+
+
+def test_a_cp_plan_gathering_before_parameters_is_refused_and_would_be_wrong():
+    run_ranks(2, _unguarded_tail_worker)

@@ -35,10 +35,20 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from seqpar.errors import SeqparInputError
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
-from seqpar.models.diffusion import DIFFUSION_PLANS, DiffusionPlan, Gather, JointSplit, Split
+from seqpar.models.diffusion import (
+    DIFFUSION_PLANS,
+    DIFFUSION_REFUSALS,
+    DiffusionPlan,
+    Gather,
+    JointSplit,
+    Split,
+    TokenTables,
+)
 from seqpar.sequence_parallel.comm.collectives import all_gather_first_dim, collective_device
 from seqpar.sequence_parallel.context_parallel.sdpa_mode import SequenceParallelSDPA
 from seqpar.sequence_parallel.layouts.chunks import LAYOUTS, gather_sequence, shard_sequence
@@ -188,9 +198,12 @@ def resolve_plan(model: torch.nn.Module) -> tuple[DiffusionPlan, dict, dict]:
     if plan is None and getattr(model, "_cp_plan", None):
         plan = DiffusionPlan(name, self_attention="", derived=True, notes=("diffusers' _cp_plan, derived",))
     if plan is None:
+        plan = _structural_plan(model)
+    if plan is None:
         raise SeqparInputError(
-            f"{_WHERE}: seqpar has no sequence-parallel plan for {name}; it serves "
-            f"{', '.join(sorted(DIFFUSION_PLANS))} and the classes that declare diffusers' _cp_plan "
+            f"{_WHERE}: seqpar has no sequence-parallel plan for {name} and cannot derive one (it declares no "
+            "diffusers _cp_plan, and is not built as one list of blocks followed by proj_out); it serves "
+            f"{', '.join(sorted(DIFFUSION_PLANS))} and the classes it derives a plan for "
             "(seqpar.models.register_diffusion_plan adds one: where to cut the tokens, gather the output, and which "
             "modules attend over the tokens or to the text)"
         )
@@ -199,6 +212,25 @@ def resolve_plan(model: torch.nn.Module) -> tuple[DiffusionPlan, dict, dict]:
     else:
         shards, gathers = dict(plan.shards), dict(plan.gathers)
     return plan, shards, gathers
+
+
+def _structural_plan(model: torch.nn.Module) -> DiffusionPlan | None:
+    """The entry derived from a model built as one list of blocks followed by ``proj_out`` (Note [diffusion
+    plans]), or None."""
+    lists = [
+        n for n, c in model.named_children() if isinstance(c, torch.nn.ModuleList) and n.endswith(("blocks", "layers"))
+    ]
+    if len(lists) != 1 or not len(getattr(model, lists[0])) or not hasattr(model, "proj_out"):
+        return None
+    blocks = lists[0]
+    return DiffusionPlan(
+        type(model).__name__,
+        self_attention="",
+        derived=True,
+        shards={f"{blocks}.0": {"hidden_states": Split(1, 3)}, f"{blocks}.*": {"*": TokenTables()}},
+        gathers={"proj_out": (Gather(1, 3),)},
+        notes=("derived from its structure",),
+    )
 
 
 def _modules(model: torch.nn.Module, pattern: str, missing_ok: bool = False) -> list[tuple[str, torch.nn.Module]]:
@@ -231,8 +263,9 @@ def _refusals(model: torch.nn.Module, plan: DiffusionPlan) -> list[str]:
         for name, m in model.named_modules()
         if isinstance(m, _DROPOUTS) and m.p > 0
     ]
-    classes = {type(m).__name__: name for name, m in model.named_modules()}
-    return found + [f"{classes[c]} is a {c}: {why}" for c, why in plan.refused.items() if c in classes]
+    classes = {type(m).__name__: name or "the model" for name, m in model.named_modules()}
+    refused = {**DIFFUSION_REFUSALS, **plan.refused}
+    return found + [f"{classes[c]} is a {c}: {why}" for c, why in refused.items() if c in classes]
 
 
 def _cut(value: object, split: Split | tuple[Split, ...], sp: SequenceParallelMesh, layout: str, where: str):
@@ -282,6 +315,26 @@ class _Region:
     open: bool = False
     gathered: bool = False
     tail: list[str] = field(default_factory=list)
+    tokens: int | None = None  # the whole token sequence's length, read at the cut of hidden_states
+    judging: int = 0  # calls of judged attention modules in progress
+
+
+class _UnjudgedAttention(TorchFunctionMode):
+    """Refuses SDPA inside the sharded region from anything but a judged attention module (Note [derived
+    attention]): an attention class diffusers' mixins do not mark would attend to this rank's tokens alone."""
+
+    def __init__(self, region: _Region, model: str) -> None:
+        super().__init__()
+        self.region, self.model = region, model
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        if func is F.scaled_dot_product_attention and self.region.open and not self.region.judging:
+            raise SeqparInputError(
+                f"{_WHERE}: {self.model} calls scaled_dot_product_attention over its sharded tokens from a module "
+                "that is no diffusers Attention or AttentionModuleMixin, so seqpar cannot tell what it attends to; "
+                "register a plan for the model"
+            )
+        return func(*args, **(kwargs or {}))
 
 
 def _input_hook(entry: dict, sp: SequenceParallelMesh, layout: str, module_name: str, region: _Region) -> Callable:
@@ -298,9 +351,14 @@ def _input_hook(entry: dict, sp: SequenceParallelMesh, layout: str, module_name:
             return args[names.index(key)] if key in names and names.index(key) < len(args) else None
 
         for key, split in entry.items():
+            if isinstance(split, TokenTables):
+                _cut_token_tables(names, args, kwargs, entry, sp, layout, module_name, region)
+                continue
             if not isinstance(key, str) or (isinstance(split, Split) and split.output):
                 continue
             where = f"{module_name or 'the model'}'s input {key}"
+            if key == "hidden_states" and isinstance(split, Split) and isinstance(get(key), torch.Tensor):
+                region.tokens = get(key).shape[split.dim]
             # a JointSplit reads its parts' lengths as this module receives them (cut by the entries before)
             lengths = [getattr(get(p), "shape", (None, None))[1] for p in getattr(split, "parts", ())]
             if key in kwargs:
@@ -310,6 +368,45 @@ def _input_hook(entry: dict, sp: SequenceParallelMesh, layout: str, module_name:
         return tuple(args), kwargs
 
     return hook
+
+
+_STREAMS = ("hidden_states", "encoder_hidden_states")  # the tokens (cut once, before the first block) and the text
+
+
+def _token_dim(value: torch.Tensor, tokens: int, where: str) -> int | None:
+    """The one dimension of ``value`` as long as the whole token sequence, or None."""
+    dims = [d for d in range(value.dim()) if value.shape[d] == tokens]
+    if len(dims) > 1:
+        raise SeqparInputError(
+            f"{_WHERE}: {where} has {tokens} entries along dims {dims}, the length of the token sequence (a mask over "
+            "token pairs, or a size that equals it), so the plan derived from the model's structure cannot tell "
+            "what to cut; register a plan for the model"
+        )
+    return dims[0] if dims else None
+
+
+def _cut_tables(value: object, tokens: int, sp: SequenceParallelMesh, layout: str, where: str) -> object:
+    """``value`` with every tensor in it (nested in tuples, lists and dicts: RoPE tables) that has a dimension as
+    long as the whole token sequence cut along it."""
+    if isinstance(value, torch.Tensor):
+        dim = _token_dim(value, tokens, where) if value.dim() else None
+        return value if dim is None else _cut(value, Split(dim), sp, layout, where)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cut_tables(v, tokens, sp, layout, where) for v in value)
+    if isinstance(value, dict):
+        return {k: _cut_tables(v, tokens, sp, layout, where) for k, v in value.items()}
+    return value
+
+
+def _cut_token_tables(names, args, kwargs, entry, sp, layout, module_name, region) -> None:
+    """Cut, in place in ``args`` / ``kwargs``, the module's per-token inputs (``TokenTables``)."""
+    if region.tokens is None:
+        return
+    named = dict(zip(names, range(len(args)))) | {k: k for k in kwargs}
+    for name, slot in named.items():
+        if name not in _STREAMS and name not in entry:
+            holder = args if isinstance(slot, int) else kwargs
+            holder[slot] = _cut_tables(holder[slot], region.tokens, sp, layout, f"{module_name}'s input {name}")
 
 
 def _output_hook(entry: dict, sp: SequenceParallelMesh, layout: str, module_name: str) -> Callable:
@@ -373,7 +470,14 @@ def _judgement(name: str, module: torch.nn.Module, args: tuple, kwargs: dict, re
     text = kwargs.get("encoder_hidden_states", args[1] if len(args) > 1 else None)
     if not region.open or text is None:
         return region.open
-    if getattr(module, "add_k_proj", None) is not None:  # joint attention over [text; tokens]
+    cross = getattr(module, "is_cross_attention", None)  # diffusers' Attention says; its mixin's classes may not
+    if cross is None and getattr(module, "add_k_proj", None) is None:
+        raise SeqparInputError(
+            f"{_WHERE}: {name} ({type(module).__name__}) is given encoder_hidden_states but does not say whether it "
+            "is cross-attention or joint attention (no is_cross_attention, no added key projection); register a "
+            "plan for the model"
+        )
+    if not cross:  # joint attention over [text; tokens]
         if not text_cut:
             raise SeqparInputError(
                 f"{_WHERE}: {name} attends jointly over the text and the tokens, but diffusers' _cp_plan keeps the "
@@ -402,9 +506,13 @@ def _judged_attention_hooks(
         if mode is not None:
             mode.__enter__()
         active.append(mode)
+        region.judging += 1
 
     def leave(module, args, kwargs, output):
-        mode = active.pop() if active else None
+        if not active:
+            return
+        region.judging -= 1
+        mode = active.pop()
         if mode is None:
             return
         mode.__exit__(None, None, None)
@@ -428,12 +536,19 @@ def _tail_hooks(model: torch.nn.Module, region: _Region) -> list:
 
         return hook
 
+    guards: list[_UnjudgedAttention] = []
+
     def start(module, args, kwargs):
         region.open = region.gathered = False
+        region.judging = 0
         region.tail.clear()
+        guards.append(_UnjudgedAttention(region, type(model).__name__))
+        guards[-1].__enter__()
 
     def end(module, args, kwargs, output):
-        if region.tail:
+        if guards:
+            guards.pop().__exit__(None, None, None)
+        if region.tail and output is not None:
             raise SeqparInputError(
                 f"{_WHERE}: diffusers' _cp_plan of {type(model).__name__} gathers the tokens before "
                 f"{', '.join(region.tail)}, whose parameters every rank would then train on the whole output (their "
@@ -446,7 +561,7 @@ def _tail_hooks(model: torch.nn.Module, region: _Region) -> list:
         for n, m in model.named_modules()
         if n and any(True for _ in m.parameters(recurse=False))
     ]
-    handles.append(model.register_forward_hook(end, with_kwargs=True))
+    handles.append(model.register_forward_hook(end, with_kwargs=True, always_call=True))
     return handles
 
 

@@ -18,20 +18,25 @@ Note [diffusion plans]
     (``JointSplit``), so each rank holds the mask of its own [video shard; text shard] keys, which the
     attention serves as a key-padding mask (Note [key-padding masks]). A class without an entry that declares
     ``_cp_plan`` gets a derived entry: that plan, its attention modules told apart per call (Note [derived
-    attention]).
+    attention]). One that declares none but is built as one list of blocks followed by ``proj_out`` gets an
+    entry derived from that structure: the tokens cut at the first block, each block's per-token tables
+    (``TokenTables``) cut as it is called, the output of ``proj_out`` gathered.
 
 Note [derived attention]
     A derived entry names no attention patterns; every attention module of the model (diffusers'
     ``Attention`` or ``AttentionModuleMixin``) is judged by what its processor is given, as diffusers'
     own processors decide whether a call is context-parallel. A call inside the sharded region (after a
     planned cut, before the planned gather) without ``encoder_hidden_states`` is self-attention over the
-    shards: served. With ``encoder_hidden_states``, a module with added key/value projections is joint
+    shards: served. With ``encoder_hidden_states``, a module that is not cross-attention (its
+    ``is_cross_attention`` false, or, where it has no such flag, added key/value projections) is joint
     attention over [text; tokens]: served where the plan cuts the text too, refused where every rank holds
-    it whole (its keys would count once per rank); a module without them is cross-attention: local where
-    the text is whole (this rank's queries, every key), refused where the plan cuts the text (its queries and
-    keys would be shards of different sequences). Calls outside the region (a text refiner before the cut)
-    run as in one process. The first call fixes each module's judgement, so a recomputation in the backward
-    (activation checkpointing), which runs outside the region's hooks, attends as the forward did.
+    it whole (its keys would count once per rank); cross-attention is local where the text is whole (this
+    rank's queries, every key) and refused where the plan cuts the text (its queries and keys would be shards
+    of different sequences); a module that says neither is refused. An SDPA call in the region from any
+    other module is refused (seqpar cannot tell what it attends to). Calls outside the region (a text
+    refiner before the cut) run as in one process. The first call fixes each module's judgement, so a
+    recomputation in the backward (activation checkpointing), which runs outside the region's hooks,
+    attends as the forward did.
 """
 
 from __future__ import annotations
@@ -74,7 +79,13 @@ class Gather:
     ndim: int | None = None
 
 
-Entry = Mapping[str | int, Split | JointSplit | tuple[Split, ...]]
+@dataclass(frozen=True)
+class TokenTables:
+    """Every other tensor input of the module (or tuple of them: RoPE tables) with one dimension, among its first
+    three, as long as the whole token sequence (per-token timesteps, position tables, key masks): cut along it."""
+
+
+Entry = Mapping[str | int, Split | JointSplit | TokenTables | tuple[Split, ...]]
 
 
 @dataclass(frozen=True)
@@ -175,6 +186,25 @@ DIFFUSION_PLANS: dict[str, DiffusionPlan] = {
     )
 }
 """The diffusers transformers ``seqpar.prepare_diffusers`` serves, by class name."""
+
+
+_PER_TOKEN_TAIL = (
+    "its output modulation (a shift and scale per token) or long skip connection is computed in the model's forward "
+    "after the blocks, where no plan derived from its structure cuts it"
+)
+
+DIFFUSION_REFUSALS: dict[str, str] = {
+    "AnyFlowTransformer3DModel": _PER_TOKEN_TAIL,
+    "SanaWMLTX2RefinerTransformer3DModel": _PER_TOKEN_TAIL,
+    "LongCatAudioDiTTransformer": _PER_TOKEN_TAIL,
+    "CosmosTransformer3DModel": "its blocks take the timestep embedding per token in two tensors of different "
+    "layouts, which a plan derived from its structure does not cut alike",
+    "MiniMaxH3Transformer3DModel": "text, video and audio rows are packed into one sequence by index, and under "
+    "diffusers' _cp_plan the text refiner's gradients are not one process's",
+    "WanAnimateFaceBlockCrossAttention": "the face adapter attends each frame's tokens to that frame's motion "
+    "vector, found by reshaping the block's local tokens into frames",
+}
+"""Module class name -> why seqpar refuses a diffusers model holding one (what its structure does not tell)."""
 
 
 def register_diffusion_plan(plan: DiffusionPlan) -> DiffusionPlan:
