@@ -62,10 +62,17 @@ def _as(value: object, dtype: torch.dtype) -> object:
     return value
 
 
+def _prediction(output: object) -> torch.Tensor:
+    """The prediction as one tensor (models that return one tensor per sample give a list: flattened, joined)."""
+    if isinstance(output, (list, tuple)):
+        return torch.cat([t.reshape(-1) for t in output])
+    return output
+
+
 def _run(model: torch.nn.Module, inputs: dict, output: int, weight_seed: int) -> tuple[torch.Tensor, dict]:
     """The prediction and every parameter's gradient of ``sum(prediction x w)`` (``w`` fixed by ``weight_seed``)."""
     model.zero_grad(set_to_none=True)
-    pred = model(**inputs, return_dict=False)[output]
+    pred = _prediction(model(**inputs, return_dict=False)[output])
     weight = torch.randn(pred.shape, generator=torch.Generator().manual_seed(weight_seed), dtype=torch.float64)
     (pred * weight.to(pred.dtype)).sum().backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -104,7 +111,7 @@ def _judge_class(world_size: int, name: str, strategy: str, control: bool) -> di
     try:
         parallel = seqpar.prepare_diffusers(pristine, mesh, strategy=strategy)
         parallel.zero_grad(set_to_none=True)
-        pred = parallel(**inputs, return_dict=False)[ZOO[name].output]
+        pred = _prediction(parallel(**inputs, return_dict=False)[ZOO[name].output])
         weight = torch.randn(pred.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
         (pred * weight.to(pred.dtype)).sum().backward()
         if not control:  # the negative control leaves each rank's gradients its own tokens'

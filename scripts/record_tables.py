@@ -336,3 +336,26 @@ def zoo_table(records: list[dict]) -> str:
         for model_type, row in record["models"].items()
     ]
     return f"{table(['model type', 'mappings', 'status', 'anatomy', 'why'], rows)}\n\n{source('zoo_cpu', records)}"
+
+
+def _dit_why(name: str, row: dict) -> str:
+    """A DiT refusal without the words every refusal shares, at most 200 characters."""
+    why = row.get("reason", "").removeprefix("seqpar.prepare_diffusers: ")
+    why = why.removeprefix(f"seqpar cannot serve {name} exactly: ").removeprefix(f"the model is a {name}: ")
+    if "cannot derive one" in why:
+        why = "no plan: it declares no _cp_plan and is not one list of blocks followed by proj_out"
+    why = why.replace("|", "/")
+    return why if len(why) <= 200 else why[:197] + "..."
+
+
+def dit_zoo_table(records: list[dict]) -> str:
+    """Every diffusers transformer class of the DiT sweep: its status, where its plan comes from, and why not."""
+    record = records[-1]
+    plan = {"entry": "entry", "derived": "derived"}
+    rows = [
+        [f"`{name}`", row["status"], plan.get(row.get("plan", ""), ""), _dit_why(name, row)]
+        for name, row in sorted(record["models"].items())
+    ]
+    totals = ", ".join(f"{count} {status}" for status, count in record["totals"].items() if count)
+    said = f"diffusers {record['diffusers']}, sp {record['sp']} ({record['strategy']}): {totals}"
+    return f"{table(['class', 'status', 'plan', 'why'], rows)}\n\n{said}. {source('dit_zoo_cpu', records)}"

@@ -374,6 +374,7 @@ TABLES = {
     "imports": lambda d: tables.imports_table(load("imports_cpu", d)),
     "zoo_summary": lambda d: tables.zoo_summary_table(load("zoo_cpu", d)),
     "zoo": lambda d: tables.zoo_table(load("zoo_cpu", d)),
+    "dit_zoo": lambda d: tables.dit_zoo_table(load("dit_zoo_cpu", d)),
 }
 
 

@@ -509,12 +509,12 @@ def _unguarded_tail_worker(rank, world_size):
     mesh = seqpar.make_mesh()
     with pytest.raises(SeqparInputError, match=r"gathers the tokens before .*norm_out.*once per rank"):
         seqpar.prepare_diffusers(copy.deepcopy(reference), mesh)(**inputs, return_dict=False)
-    guard = diffusion._tail_hooks
-    diffusion._tail_hooks = lambda model, region: []
+    guard = diffusion.tail_hooks
+    diffusion.tail_hooks = lambda model, region: []
     try:
         seqpar.prepare_diffusers(model, mesh)
     finally:
-        diffusion._tail_hooks = guard
+        diffusion.tail_hooks = guard
     reference(**inputs, return_dict=False)[0].sum().backward()
     model(**inputs, return_dict=False)[0].sum().backward()
     seqpar.reduce_gradients(model.parameters(), mesh)

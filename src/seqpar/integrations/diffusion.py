@@ -31,14 +31,19 @@ import fnmatch
 import inspect
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from seqpar.errors import SeqparInputError
+from seqpar.integrations._diffusion_attention import (
+    WHERE,
+    Region,
+    attention_hooks,
+    attention_modules,
+    judged_attention_hooks,
+    tail_hooks,
+)
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
 from seqpar.models.diffusion import (
     DIFFUSION_PLANS,
@@ -50,11 +55,9 @@ from seqpar.models.diffusion import (
     TokenTables,
 )
 from seqpar.sequence_parallel.comm.collectives import all_gather_first_dim, collective_device
-from seqpar.sequence_parallel.context_parallel.sdpa_mode import SequenceParallelSDPA
 from seqpar.sequence_parallel.layouts.chunks import LAYOUTS, gather_sequence, shard_sequence
 from seqpar.sequence_parallel.strategies.registry import check_strategy_name
 
-_WHERE = "seqpar.prepare_diffusers"
 _HOOKS_ATTR = "_seqpar_diffusion_hooks"
 _MAX_DIMS = 6  # dimensions of an argument the ranks compare (a video latent has 5)
 _DROPOUTS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout)
@@ -94,7 +97,7 @@ def _agree(named: dict[str, object], group: dist.ProcessGroup | None, what: str,
     headers = all_gather_first_dim(header, group).tolist()
     if any(h != headers[0] for h in headers):
         raise SeqparInputError(
-            f"{_WHERE}: the ranks passed different sets of {what} (this rank: {', '.join(names)}); every rank of the "
+            f"{WHERE}: the ranks passed different sets of {what} (this rank: {', '.join(names)}); every rank of the "
             "sequence-parallel group must pass the same arguments"
         )
     mine = torch.tensor([_digest(named[n]) for n in names], dtype=torch.int64, device=device)
@@ -109,7 +112,7 @@ def _agree(named: dict[str, object], group: dist.ProcessGroup | None, what: str,
             f"{names[i]}: " + ", ".join(f"rank {r} {shape(row[i])}" for r, row in enumerate(rows)) for i in differ
         )
         raise SeqparInputError(
-            f"{_WHERE}: {what} differ across the sequence-parallel ranks ({', '.join(names[i] for i in differ)}); "
+            f"{WHERE}: {what} differ across the sequence-parallel ranks ({', '.join(names[i] for i in differ)}); "
             f"every rank of the group must hold the same values ({hint}): {told}"
         )
 
@@ -144,18 +147,6 @@ class _ReplicatedGather(torch.autograd.Function):
         return shard_sequence(grad, ctx.sp, dim=ctx.dim, layout=ctx.layout).contiguous(), None, None, None
 
 
-class _ServedSDPA(SequenceParallelSDPA):
-    """The SDPA mode of one self-attention call; counts the calls it served (none: a non-native backend)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.served = 0
-
-    def attention(self, *args, **kwargs) -> torch.Tensor:
-        self.served += 1
-        return super().attention(*args, **kwargs)
-
-
 def _split_of(entry: object) -> Split | tuple[Split, ...]:
     """seqpar's ``Split`` for one of diffusers' ``ContextParallelInput`` (or a list of them, for a tuple)."""
     if isinstance(entry, (list, tuple)):
@@ -168,7 +159,7 @@ def _read_cp_plan(model: torch.nn.Module) -> tuple[dict, dict]:
     cp_plan = getattr(model, "_cp_plan", None)
     if not cp_plan:
         raise SeqparInputError(
-            f"{_WHERE}: the seqpar plan of {type(model).__name__} reads diffusers' _cp_plan, but the class declares "
+            f"{WHERE}: the seqpar plan of {type(model).__name__} reads diffusers' _cp_plan, but the class declares "
             "none; register a plan with shards and gathers (seqpar.models.register_diffusion_plan)"
         )
     shards, gathers = {}, {}
@@ -201,7 +192,7 @@ def resolve_plan(model: torch.nn.Module) -> tuple[DiffusionPlan, dict, dict]:
         plan = _structural_plan(model)
     if plan is None:
         raise SeqparInputError(
-            f"{_WHERE}: seqpar has no sequence-parallel plan for {name} and cannot derive one (it declares no "
+            f"{WHERE}: seqpar has no sequence-parallel plan for {name} and cannot derive one (it declares no "
             "diffusers _cp_plan, and is not built as one list of blocks followed by proj_out); it serves "
             f"{', '.join(sorted(DIFFUSION_PLANS))} and the classes it derives a plan for "
             "(seqpar.models.register_diffusion_plan adds one: where to cut the tokens, gather the output, and which "
@@ -250,7 +241,7 @@ def _modules(model: torch.nn.Module, pattern: str, missing_ok: bool = False) -> 
             if n and len(n.split(".")) == len(parts) and all(map(fnmatch.fnmatchcase, n.split("."), parts))
         ]
     if not found and not missing_ok:
-        raise SeqparInputError(f"{_WHERE}: {type(model).__name__} has no module {pattern!r} that its plan names")
+        raise SeqparInputError(f"{WHERE}: {type(model).__name__} has no module {pattern!r} that its plan names")
     return found
 
 
@@ -274,7 +265,7 @@ def _cut(value: object, split: Split | tuple[Split, ...], sp: SequenceParallelMe
         if value is None:  # tables the configuration does not make (CogVideoX without rotary embeddings)
             return value
         if not isinstance(value, (list, tuple)) or len(value) != len(split):
-            raise SeqparInputError(f"{_WHERE}: {where} is not a pair of {len(split)} tensors as the plan expects")
+            raise SeqparInputError(f"{WHERE}: {where} is not a pair of {len(split)} tensors as the plan expects")
         return type(value)(_cut(v, s, sp, layout, where) for v, s in zip(value, split))
     if not isinstance(value, torch.Tensor) or (split.ndim is not None and value.dim() != split.ndim):
         return value
@@ -282,7 +273,7 @@ def _cut(value: object, split: Split | tuple[Split, ...], sp: SequenceParallelMe
         return shard_sequence(value, sp, dim=split.dim, layout=layout)
     except SeqparInputError as error:  # the same shapes on every rank (checked), so every rank raises here
         raise SeqparInputError(
-            f"{_WHERE}: {where} has {value.shape[split.dim]} tokens along dim {split.dim}, which do not divide into "
+            f"{WHERE}: {where} has {value.shape[split.dim]} tokens along dim {split.dim}, which do not divide into "
             f"the {layout} layout over {sp.sp_size} ranks ({error}); choose a latent size (frames x height x width "
             "after patchify) or a text length that does"
         ) from None
@@ -294,7 +285,7 @@ def _cut_joint(value: object, split: JointSplit, lengths: list, sp: SequencePara
         return value
     if any(n is None for n in lengths) or value.shape[split.dim] != sp.sp_size * sum(lengths):
         raise SeqparInputError(
-            f"{_WHERE}: {where} has {value.shape[split.dim]} tokens along dim {split.dim}, not the joint sequence "
+            f"{WHERE}: {where} has {value.shape[split.dim]} tokens along dim {split.dim}, not the joint sequence "
             f"of {' + '.join(split.parts)} ({sp.sp_size} ranks x {lengths} tokens) that the plan cuts it as"
         )
     pieces = value.split([sp.sp_size * n for n in lengths], dim=split.dim)
@@ -307,37 +298,7 @@ def _cut_any(value: object, split: object, lengths: list, sp: SequenceParallelMe
     return _cut(value, split, sp, layout, where)
 
 
-@dataclass
-class _Region:
-    """Where one forward is (Note [derived attention]): between a planned cut and the planned gather or not, and
-    the modules with parameters that ran on the gathered output after the last gather."""
-
-    open: bool = False
-    gathered: bool = False
-    tail: list[str] = field(default_factory=list)
-    tokens: int | None = None  # the whole token sequence's length, read at the cut of hidden_states
-    judging: int = 0  # calls of judged attention modules in progress
-
-
-class _UnjudgedAttention(TorchFunctionMode):
-    """Refuses SDPA inside the sharded region from anything but a judged attention module (Note [derived
-    attention]): an attention class diffusers' mixins do not mark would attend to this rank's tokens alone."""
-
-    def __init__(self, region: _Region, model: str) -> None:
-        super().__init__()
-        self.region, self.model = region, model
-
-    def __torch_function__(self, func, types_, args=(), kwargs=None):
-        if func is F.scaled_dot_product_attention and self.region.open and not self.region.judging:
-            raise SeqparInputError(
-                f"{_WHERE}: {self.model} calls scaled_dot_product_attention over its sharded tokens from a module "
-                "that is no diffusers Attention or AttentionModuleMixin, so seqpar cannot tell what it attends to; "
-                "register a plan for the model"
-            )
-        return func(*args, **(kwargs or {}))
-
-
-def _input_hook(entry: dict, sp: SequenceParallelMesh, layout: str, module_name: str, region: _Region) -> Callable:
+def _input_hook(entry: dict, sp: SequenceParallelMesh, layout: str, module_name: str, region: Region) -> Callable:
     """A forward pre-hook cutting the inputs ``entry`` names (by keyword or by their position)."""
 
     def hook(module, args, kwargs):
@@ -378,7 +339,7 @@ def _token_dim(value: torch.Tensor, tokens: int, where: str) -> int | None:
     dims = [d for d in range(value.dim()) if value.shape[d] == tokens]
     if len(dims) > 1:
         raise SeqparInputError(
-            f"{_WHERE}: {where} has {tokens} entries along dims {dims}, the length of the token sequence (a mask over "
+            f"{WHERE}: {where} has {tokens} entries along dims {dims}, the length of the token sequence (a mask over "
             "token pairs, or a size that equals it), so the plan derived from the model's structure cannot tell "
             "what to cut; register a plan for the model"
         )
@@ -423,9 +384,7 @@ def _output_hook(entry: dict, sp: SequenceParallelMesh, layout: str, module_name
     return hook
 
 
-def _gather_hook(
-    gathers: tuple[Gather | None, ...], sp: SequenceParallelMesh, layout: str, region: _Region
-) -> Callable:
+def _gather_hook(gathers: tuple[Gather | None, ...], sp: SequenceParallelMesh, layout: str, region: Region) -> Callable:
     """A forward hook gathering the outputs back to whole sequences (Note [replicated output])."""
 
     def hook(module, args, output):
@@ -441,136 +400,6 @@ def _gather_hook(
         return outputs[0] if single else type(output)(outputs)
 
     return hook
-
-
-def _attention_hooks(name: str, sp: SequenceParallelMesh, strategy: str, layout: str) -> tuple[Callable, Callable]:
-    """A pre-hook entering an SDPA mode for one self-attention call, and an always-called hook leaving it."""
-    active: list[_ServedSDPA] = []  # this module's open calls (one, or one per recomputation)
-
-    def enter(module, args, kwargs):
-        mode = _ServedSDPA(sp, strategy, layout, where=_WHERE)
-        mode.__enter__()
-        active.append(mode)
-
-    def leave(module, args, kwargs, output):
-        mode = active.pop()
-        mode.__exit__(None, None, None)
-        if output is not None and mode.served == 0:
-            raise SeqparInputError(
-                f"{_WHERE}: the self-attention {name} did not call torch's scaled_dot_product_attention, so it "
-                "attended to this rank's tokens alone; use diffusers' native attention backend "
-                "(model.set_attention_backend('native'), no DIFFUSERS_ATTN_BACKEND)"
-            )
-
-    return enter, leave
-
-
-def _judgement(name: str, module: torch.nn.Module, args: tuple, kwargs: dict, region: _Region, text_cut: bool) -> bool:
-    """Whether an attention module of a derived entry attends over the shards (Note [derived attention])."""
-    text = kwargs.get("encoder_hidden_states", args[1] if len(args) > 1 else None)
-    if not region.open or text is None:
-        return region.open
-    cross = getattr(module, "is_cross_attention", None)  # diffusers' Attention says; its mixin's classes may not
-    if cross is None and getattr(module, "add_k_proj", None) is None:
-        raise SeqparInputError(
-            f"{_WHERE}: {name} ({type(module).__name__}) is given encoder_hidden_states but does not say whether it "
-            "is cross-attention or joint attention (no is_cross_attention, no added key projection); register a "
-            "plan for the model"
-        )
-    if not cross:  # joint attention over [text; tokens]
-        if not text_cut:
-            raise SeqparInputError(
-                f"{_WHERE}: {name} attends jointly over the text and the tokens, but diffusers' _cp_plan keeps the "
-                "text whole on every rank: its keys would count once per rank"
-            )
-        return True
-    if text_cut:
-        raise SeqparInputError(
-            f"{_WHERE}: {name} is cross-attention to a text that diffusers' _cp_plan cuts across the ranks: seqpar "
-            "attends this rank's queries to whole keys only (register a plan that keeps the text whole)"
-        )
-    return False
-
-
-def _judged_attention_hooks(
-    name: str, sp: SequenceParallelMesh, strategy: str, layout: str, region: _Region, text_cut: bool
-) -> tuple[Callable, Callable]:
-    """The attention hooks of a derived entry: the module's first call fixes whether it is served."""
-    judged: list[bool] = []
-    active: list[_ServedSDPA | None] = []
-
-    def enter(module, args, kwargs):
-        if not judged:
-            judged.append(_judgement(name, module, args, kwargs, region, text_cut))
-        mode = _ServedSDPA(sp, strategy, layout, where=_WHERE) if judged[0] else None
-        if mode is not None:
-            mode.__enter__()
-        active.append(mode)
-        region.judging += 1
-
-    def leave(module, args, kwargs, output):
-        if not active:
-            return
-        region.judging -= 1
-        mode = active.pop()
-        if mode is None:
-            return
-        mode.__exit__(None, None, None)
-        if output is not None and mode.served == 0:
-            raise SeqparInputError(
-                f"{_WHERE}: the attention {name} did not call torch's scaled_dot_product_attention; use diffusers' "
-                "native attention backend (model.set_attention_backend('native'), no DIFFUSERS_ATTN_BACKEND)"
-            )
-
-    return enter, leave
-
-
-def _tail_hooks(model: torch.nn.Module, region: _Region) -> list:
-    """Hooks that find modules with parameters running on the gathered output (each rank would compute their whole
-    gradient, counted once per rank by the sum over the group) and refuse the model at the end of its forward."""
-
-    def note(name: str) -> Callable:
-        def hook(module, args):
-            if region.gathered and not region.open:
-                region.tail.append(name)
-
-        return hook
-
-    guards: list[_UnjudgedAttention] = []
-
-    def start(module, args, kwargs):
-        region.open = region.gathered = False
-        region.judging = 0
-        region.tail.clear()
-        guards.append(_UnjudgedAttention(region, type(model).__name__))
-        guards[-1].__enter__()
-
-    def end(module, args, kwargs, output):
-        if guards:
-            guards.pop().__exit__(None, None, None)
-        if region.tail and output is not None:
-            raise SeqparInputError(
-                f"{_WHERE}: diffusers' _cp_plan of {type(model).__name__} gathers the tokens before "
-                f"{', '.join(region.tail)}, whose parameters every rank would then train on the whole output (their "
-                "gradients counted once per rank); register a plan that gathers after them"
-            )
-
-    handles = [model.register_forward_pre_hook(start, with_kwargs=True)]
-    handles += [
-        m.register_forward_pre_hook(note(n))
-        for n, m in model.named_modules()
-        if n and any(True for _ in m.parameters(recurse=False))
-    ]
-    handles.append(model.register_forward_hook(end, with_kwargs=True, always_call=True))
-    return handles
-
-
-def _attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """Every attention module of a diffusers model: its ``Attention`` and ``AttentionModuleMixin`` instances."""
-    from diffusers.models.attention import AttentionModuleMixin
-    from diffusers.models.attention_processor import Attention
-
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, (Attention, AttentionModuleMixin))]
 
 
 def _call_check(model: torch.nn.Module, sp: SequenceParallelMesh, settings: str) -> Callable:
@@ -618,10 +447,10 @@ def prepare_diffusers(
     plan, shards, gathers = resolve_plan(model)
     problems = _refusals(model, plan)
     if problems:
-        raise SeqparInputError(f"{_WHERE}: seqpar cannot serve {type(model).__name__} exactly: " + " | ".join(problems))
+        raise SeqparInputError(f"{WHERE}: seqpar cannot serve {type(model).__name__} exactly: " + " | ".join(problems))
     check_strategy_name(strategy)
     if layout not in LAYOUTS:
-        raise SeqparInputError(f"{_WHERE}: layout must be one of {LAYOUTS}, not {layout!r}")
+        raise SeqparInputError(f"{WHERE}: layout must be one of {LAYOUTS}, not {layout!r}")
     sp = as_sp_mesh(mesh)
     # one small all-gather: ranks with different weights would mix them in one forward (a DTensor is skipped)
     weights = {n: p for n, p in model.named_parameters() if not hasattr(p, "_local_tensor")}
@@ -629,9 +458,9 @@ def prepare_diffusers(
     for handle in getattr(model, _HOOKS_ATTR, ()):
         handle.remove()
     handles = [model.register_forward_pre_hook(_call_check(model, sp, f"{strategy}/{layout}"), with_kwargs=True)]
-    region = _Region()
+    region = Region()
     if plan.derived:
-        handles += _tail_hooks(model, region)
+        handles += tail_hooks(model, region)
     for pattern, entry in shards.items():
         for name, module in _modules(model, pattern, missing_ok=plan.derived):
             hook = _input_hook(entry, sp, layout, name, region)
@@ -644,11 +473,10 @@ def prepare_diffusers(
     if plan.derived:
         text_cut = any("encoder_hidden_states" in entry for entry in shards.values())
         attention = [
-            (n, _judged_attention_hooks(n, sp, strategy, layout, region, text_cut))
-            for n, _ in _attention_modules(model)
+            (n, judged_attention_hooks(n, sp, strategy, layout, region, text_cut)) for n, _ in attention_modules(model)
         ]
     else:
-        attention = [(n, _attention_hooks(n, sp, strategy, layout)) for n, _ in _modules(model, plan.self_attention)]
+        attention = [(n, attention_hooks(n, sp, strategy, layout)) for n, _ in _modules(model, plan.self_attention)]
     for name, (enter, leave) in attention:
         module = model.get_submodule(name)
         handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))

@@ -1,0 +1,199 @@
+"""The attention side of ``seqpar.prepare_diffusers``: SDPA served per call, and derived entries' judgements.
+
+Which attention modules attend over the shards (Note [derived attention]), and the hooks that serve them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from seqpar.errors import SeqparInputError
+from seqpar.mesh import SequenceParallelMesh
+from seqpar.sequence_parallel.context_parallel.sdpa_mode import SequenceParallelSDPA
+
+WHERE = "seqpar.prepare_diffusers"
+
+
+class ServedSDPA(SequenceParallelSDPA):
+    """The SDPA mode of one self-attention call; counts the calls it served (none: a non-native backend)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.served = 0
+
+    def attention(self, query: torch.Tensor, key: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if query.shape[-2] != key.shape[-2]:  # the same shapes on every rank: every rank raises here
+            raise SeqparInputError(
+                f"{WHERE}: an attention over the sharded tokens has {query.shape[-2]} queries but {key.shape[-2]} "
+                "keys on this rank: keys that are not the shards of its queries (memory or register tokens every "
+                "rank holds whole, or another sequence) would count once per rank"
+            )
+        self.served += 1
+        return super().attention(query, key, *args, **kwargs)
+
+
+@dataclass
+class Region:
+    """Where one forward is (Note [derived attention]): between a planned cut and the planned gather or not, and
+    the modules with parameters that ran on the gathered output after the last gather."""
+
+    open: bool = False
+    gathered: bool = False
+    tail: list[str] = field(default_factory=list)
+    tokens: int | None = None  # the whole token sequence's length, read at the cut of hidden_states
+    judging: int = 0  # calls of judged attention modules in progress
+
+
+class UnjudgedAttention(TorchFunctionMode):
+    """Refuses SDPA inside the sharded region from anything but a judged attention module (Note [derived
+    attention]): an attention class diffusers' mixins do not mark would attend to this rank's tokens alone."""
+
+    def __init__(self, region: Region, model: str) -> None:
+        super().__init__()
+        self.region, self.model = region, model
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        if func is F.scaled_dot_product_attention and self.region.open and not self.region.judging:
+            raise SeqparInputError(
+                f"{WHERE}: {self.model} calls scaled_dot_product_attention over its sharded tokens from a module "
+                "that is no diffusers Attention or AttentionModuleMixin, so seqpar cannot tell what it attends to; "
+                "register a plan for the model"
+            )
+        return func(*args, **(kwargs or {}))
+
+
+def attention_hooks(name: str, sp: SequenceParallelMesh, strategy: str, layout: str) -> tuple[Callable, Callable]:
+    """A pre-hook entering an SDPA mode for one self-attention call, and an always-called hook leaving it."""
+    active: list[ServedSDPA] = []  # this module's open calls (one, or one per recomputation)
+
+    def enter(module, args, kwargs):
+        mode = ServedSDPA(sp, strategy, layout, where=WHERE)
+        mode.__enter__()
+        active.append(mode)
+
+    def leave(module, args, kwargs, output):
+        mode = active.pop()
+        mode.__exit__(None, None, None)
+        if output is not None and mode.served == 0:
+            raise SeqparInputError(
+                f"{WHERE}: the self-attention {name} did not call torch's scaled_dot_product_attention, so it "
+                "attended to this rank's tokens alone; use diffusers' native attention backend "
+                "(model.set_attention_backend('native'), no DIFFUSERS_ATTN_BACKEND)"
+            )
+
+    return enter, leave
+
+
+def _judgement(name: str, module: torch.nn.Module, args: tuple, kwargs: dict, region: Region, text_cut: bool) -> bool:
+    """Whether an attention module of a derived entry attends over the shards (Note [derived attention])."""
+    text = kwargs.get("encoder_hidden_states", args[1] if len(args) > 1 else None)
+    if not region.open or text is None:
+        return region.open
+    cross = getattr(module, "is_cross_attention", None)  # diffusers' Attention says; its mixin's classes may not
+    if cross is None and getattr(module, "add_k_proj", None) is None:
+        raise SeqparInputError(
+            f"{WHERE}: {name} ({type(module).__name__}) is given encoder_hidden_states but does not say whether it "
+            "is cross-attention or joint attention (no is_cross_attention, no added key projection); register a "
+            "plan for the model"
+        )
+    if not cross:  # joint attention over [text; tokens]
+        if not text_cut:
+            raise SeqparInputError(
+                f"{WHERE}: {name} attends jointly over the text and the tokens, but the plan derived for the model "
+                "keeps the text whole on every rank: its keys would count once per rank (register a plan that cuts "
+                "the text with the tokens)"
+            )
+        return True
+    if text_cut:
+        raise SeqparInputError(
+            f"{WHERE}: {name} is cross-attention to a text that the plan derived for the model cuts across the "
+            "ranks: seqpar attends this rank's queries to whole keys only (register a plan that keeps the text whole)"
+        )
+    return False
+
+
+def judged_attention_hooks(
+    name: str, sp: SequenceParallelMesh, strategy: str, layout: str, region: Region, text_cut: bool
+) -> tuple[Callable, Callable]:
+    """The attention hooks of a derived entry: the module's first call fixes whether it is served."""
+    judged: list[bool] = []
+    active: list[ServedSDPA | None] = []
+
+    def enter(module, args, kwargs):
+        if not judged:
+            judged.append(_judgement(name, module, args, kwargs, region, text_cut))
+        mode = ServedSDPA(sp, strategy, layout, where=WHERE) if judged[0] else None
+        if mode is not None:
+            mode.__enter__()
+        active.append(mode)
+        region.judging += 1
+
+    def leave(module, args, kwargs, output):
+        if not active:
+            return
+        region.judging -= 1
+        mode = active.pop()
+        if mode is None:
+            return
+        mode.__exit__(None, None, None)
+        if output is not None and mode.served == 0:
+            raise SeqparInputError(
+                f"{WHERE}: the attention {name} did not call torch's scaled_dot_product_attention: it computes "
+                "another attention over this rank's tokens alone (a linear attention), or runs a non-native backend "
+                "(model.set_attention_backend('native'), no DIFFUSERS_ATTN_BACKEND)"
+            )
+
+    return enter, leave
+
+
+def tail_hooks(model: torch.nn.Module, region: Region) -> list:
+    """Hooks that find modules with parameters running on the gathered output (each rank would compute their whole
+    gradient, counted once per rank by the sum over the group) and refuse the model at the end of its forward."""
+
+    def note(name: str) -> Callable:
+        def hook(module, args):
+            if region.gathered and not region.open:
+                region.tail.append(name)
+
+        return hook
+
+    guards: list[UnjudgedAttention] = []
+
+    def start(module, args, kwargs):
+        region.open = region.gathered = False
+        region.judging = 0
+        region.tail.clear()
+        guards.append(UnjudgedAttention(region, type(model).__name__))
+        guards[-1].__enter__()
+
+    def end(module, args, kwargs, output):
+        if guards:
+            guards.pop().__exit__(None, None, None)
+        if region.tail and output is not None:
+            raise SeqparInputError(
+                f"{WHERE}: diffusers' _cp_plan of {type(model).__name__} gathers the tokens before "
+                f"{', '.join(region.tail)}, whose parameters every rank would then train on the whole output (their "
+                "gradients counted once per rank); register a plan that gathers after them"
+            )
+
+    handles = [model.register_forward_pre_hook(start, with_kwargs=True)]
+    handles += [
+        m.register_forward_pre_hook(note(n))
+        for n, m in model.named_modules()
+        if n and any(True for _ in m.parameters(recurse=False))
+    ]
+    handles.append(model.register_forward_hook(end, with_kwargs=True, always_call=True))
+    return handles
+
+
+def attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Every attention module of a diffusers model: its ``Attention`` and ``AttentionModuleMixin`` instances."""
+    from diffusers.models.attention import AttentionModuleMixin
+    from diffusers.models.attention_processor import Attention
+
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, (Attention, AttentionModuleMixin))]
