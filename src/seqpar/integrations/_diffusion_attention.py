@@ -46,6 +46,7 @@ class Region:
     gathered: bool = False
     tail: list[str] = field(default_factory=list)
     tokens: int | None = None  # the whole token sequence's length, read at the cut of hidden_states
+    text: int | None = None  # the whole text's length, read at its cut (a joint stream)
     judging: int = 0  # calls of judged attention modules in progress
 
 

@@ -44,13 +44,13 @@ from seqpar.integrations._diffusion_attention import (
     judged_attention_hooks,
     tail_hooks,
 )
+from seqpar.integrations._diffusion_cuts import STREAMS, cut, cut_any, cut_token_tables
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
 from seqpar.models.diffusion import (
     DIFFUSION_PLANS,
     DIFFUSION_REFUSALS,
     DiffusionPlan,
     Gather,
-    JointSplit,
     Split,
     TokenTables,
 )
@@ -214,14 +214,29 @@ def _structural_plan(model: torch.nn.Module) -> DiffusionPlan | None:
     if len(lists) != 1 or not len(getattr(model, lists[0])) or not hasattr(model, "proj_out"):
         return None
     blocks = lists[0]
+    cut = {"hidden_states": Split(1, 3)}
+    if _joint_blocks(getattr(model, blocks)):
+        cut["encoder_hidden_states"] = Split(1, 3)
     return DiffusionPlan(
         type(model).__name__,
         self_attention="",
         derived=True,
-        shards={f"{blocks}.0": {"hidden_states": Split(1, 3)}, f"{blocks}.*": {"*": TokenTables()}},
+        shards={f"{blocks}.0": cut, f"{blocks}.*": {"*": TokenTables()}},
         gathers={"proj_out": (Gather(1, 3),)},
         notes=("derived from its structure",),
     )
+
+
+def _joint_blocks(blocks: torch.nn.ModuleList) -> bool:
+    """Whether the blocks carry a joint [text; tokens] stream: they take the text, and each of their attention
+    modules says it is not cross-attention (``is_cross_attention`` false, or added key projections)."""
+    if "encoder_hidden_states" not in inspect.signature(blocks[0].forward).parameters:
+        return False
+    said = [
+        not m.is_cross_attention if hasattr(m, "is_cross_attention") else getattr(m, "add_k_proj", None) is not None
+        for _, m in attention_modules(blocks)
+    ]
+    return bool(said) and all(said)
 
 
 def _modules(model: torch.nn.Module, pattern: str, missing_ok: bool = False) -> list[tuple[str, torch.nn.Module]]:
@@ -259,45 +274,6 @@ def _refusals(model: torch.nn.Module, plan: DiffusionPlan) -> list[str]:
     return found + [f"{classes[c]} is a {c}: {why}" for c, why in refused.items() if c in classes]
 
 
-def _cut(value: object, split: Split | tuple[Split, ...], sp: SequenceParallelMesh, layout: str, where: str):
-    """This rank's shard of one planned value (a tuple of tables cut element-wise); others pass whole."""
-    if isinstance(split, tuple):
-        if value is None:  # tables the configuration does not make (CogVideoX without rotary embeddings)
-            return value
-        if not isinstance(value, (list, tuple)) or len(value) != len(split):
-            raise SeqparInputError(f"{WHERE}: {where} is not a pair of {len(split)} tensors as the plan expects")
-        return type(value)(_cut(v, s, sp, layout, where) for v, s in zip(value, split))
-    if not isinstance(value, torch.Tensor) or (split.ndim is not None and value.dim() != split.ndim):
-        return value
-    try:
-        return shard_sequence(value, sp, dim=split.dim, layout=layout)
-    except SeqparInputError as error:  # the same shapes on every rank (checked), so every rank raises here
-        raise SeqparInputError(
-            f"{WHERE}: {where} has {value.shape[split.dim]} tokens along dim {split.dim}, which do not divide into "
-            f"the {layout} layout over {sp.sp_size} ranks ({error}); choose a latent size (frames x height x width "
-            "after patchify) or a text length that does"
-        ) from None
-
-
-def _cut_joint(value: object, split: JointSplit, lengths: list, sp: SequenceParallelMesh, layout: str, where: str):
-    """This rank's [part 0 shard; part 1 shard; ...] of a tensor over the joint sequence (``JointSplit``)."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    if any(n is None for n in lengths) or value.shape[split.dim] != sp.sp_size * sum(lengths):
-        raise SeqparInputError(
-            f"{WHERE}: {where} has {value.shape[split.dim]} tokens along dim {split.dim}, not the joint sequence "
-            f"of {' + '.join(split.parts)} ({sp.sp_size} ranks x {lengths} tokens) that the plan cuts it as"
-        )
-    pieces = value.split([sp.sp_size * n for n in lengths], dim=split.dim)
-    return torch.cat([shard_sequence(piece, sp, dim=split.dim, layout=layout) for piece in pieces], dim=split.dim)
-
-
-def _cut_any(value: object, split: object, lengths: list, sp: SequenceParallelMesh, layout: str, where: str):
-    if isinstance(split, JointSplit):
-        return _cut_joint(value, split, lengths, sp, layout, where)
-    return _cut(value, split, sp, layout, where)
-
-
 def _input_hook(entry: dict, sp: SequenceParallelMesh, layout: str, module_name: str, region: Region) -> Callable:
     """A forward pre-hook cutting the inputs ``entry`` names (by keyword or by their position)."""
 
@@ -313,61 +289,23 @@ def _input_hook(entry: dict, sp: SequenceParallelMesh, layout: str, module_name:
 
         for key, split in entry.items():
             if isinstance(split, TokenTables):
-                _cut_token_tables(names, args, kwargs, entry, sp, layout, module_name, region)
+                cut_token_tables(names, args, kwargs, entry, sp, layout, module_name, region)
                 continue
             if not isinstance(key, str) or (isinstance(split, Split) and split.output):
                 continue
             where = f"{module_name or 'the model'}'s input {key}"
-            if key == "hidden_states" and isinstance(split, Split) and isinstance(get(key), torch.Tensor):
-                region.tokens = get(key).shape[split.dim]
+            if key in STREAMS and isinstance(split, Split) and isinstance(get(key), torch.Tensor):
+                length = get(key).shape[split.dim]
+                region.tokens, region.text = (length, None) if key == "hidden_states" else (region.tokens, length)
             # a JointSplit reads its parts' lengths as this module receives them (cut by the entries before)
             lengths = [getattr(get(p), "shape", (None, None))[1] for p in getattr(split, "parts", ())]
             if key in kwargs:
-                kwargs[key] = _cut_any(kwargs[key], split, lengths, sp, layout, where)
+                kwargs[key] = cut_any(kwargs[key], split, lengths, sp, layout, where)
             elif key in names and names.index(key) < len(args):
-                args[names.index(key)] = _cut_any(args[names.index(key)], split, lengths, sp, layout, where)
+                args[names.index(key)] = cut_any(args[names.index(key)], split, lengths, sp, layout, where)
         return tuple(args), kwargs
 
     return hook
-
-
-_STREAMS = ("hidden_states", "encoder_hidden_states")  # the tokens (cut once, before the first block) and the text
-
-
-def _token_dim(value: torch.Tensor, tokens: int, where: str) -> int | None:
-    """The one dimension of ``value`` as long as the whole token sequence, or None."""
-    dims = [d for d in range(value.dim()) if value.shape[d] == tokens]
-    if len(dims) > 1:
-        raise SeqparInputError(
-            f"{WHERE}: {where} has {tokens} entries along dims {dims}, the length of the token sequence (a mask over "
-            "token pairs, or a size that equals it), so the plan derived from the model's structure cannot tell "
-            "what to cut; register a plan for the model"
-        )
-    return dims[0] if dims else None
-
-
-def _cut_tables(value: object, tokens: int, sp: SequenceParallelMesh, layout: str, where: str) -> object:
-    """``value`` with every tensor in it (nested in tuples, lists and dicts: RoPE tables) that has a dimension as
-    long as the whole token sequence cut along it."""
-    if isinstance(value, torch.Tensor):
-        dim = _token_dim(value, tokens, where) if value.dim() else None
-        return value if dim is None else _cut(value, Split(dim), sp, layout, where)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_cut_tables(v, tokens, sp, layout, where) for v in value)
-    if isinstance(value, dict):
-        return {k: _cut_tables(v, tokens, sp, layout, where) for k, v in value.items()}
-    return value
-
-
-def _cut_token_tables(names, args, kwargs, entry, sp, layout, module_name, region) -> None:
-    """Cut, in place in ``args`` / ``kwargs``, the module's per-token inputs (``TokenTables``)."""
-    if region.tokens is None:
-        return
-    named = dict(zip(names, range(len(args)))) | {k: k for k in kwargs}
-    for name, slot in named.items():
-        if name not in _STREAMS and name not in entry:
-            holder = args if isinstance(slot, int) else kwargs
-            holder[slot] = _cut_tables(holder[slot], region.tokens, sp, layout, f"{module_name}'s input {name}")
 
 
 def _output_hook(entry: dict, sp: SequenceParallelMesh, layout: str, module_name: str) -> Callable:
@@ -378,7 +316,7 @@ def _output_hook(entry: dict, sp: SequenceParallelMesh, layout: str, module_name
         outputs = [output] if single else list(output)
         for key, split in entry.items():
             if isinstance(key, int) and isinstance(split, Split) and split.output:
-                outputs[key] = _cut(outputs[key], split, sp, layout, f"{module_name}'s output {key}")
+                outputs[key] = cut(outputs[key], split, sp, layout, f"{module_name}'s output {key}")
         return outputs[0] if single else type(output)(outputs)
 
     return hook

@@ -20,7 +20,9 @@ Note [diffusion plans]
     ``_cp_plan`` gets a derived entry: that plan, its attention modules told apart per call (Note [derived
     attention]). One that declares none but is built as one list of blocks followed by ``proj_out`` gets an
     entry derived from that structure: the tokens cut at the first block, each block's per-token tables
-    (``TokenTables``) cut as it is called, the output of ``proj_out`` gathered.
+    (``TokenTables``) cut as it is called, the output of ``proj_out`` gathered. Where the blocks take the text
+    and none of their attention modules is cross-attention, the blocks carry a joint [text; tokens] stream and
+    the text is cut with the tokens.
 
 Note [derived attention]
     A derived entry names no attention patterns; every attention module of the model (diffusers'
@@ -81,8 +83,9 @@ class Gather:
 
 @dataclass(frozen=True)
 class TokenTables:
-    """Every other tensor input of the module (or tuple of them: RoPE tables) with one dimension, among its first
-    three, as long as the whole token sequence (per-token timesteps, position tables, key masks): cut along it."""
+    """Every other tensor input of the module (nested in tuples, lists or dicts too: RoPE tables) with one
+    dimension as long as the whole token sequence (per-token timesteps, position tables, key masks), or, where
+    the plan cuts the text, as the whole text: cut along it."""
 
 
 Entry = Mapping[str | int, Split | JointSplit | TokenTables | tuple[Split, ...]]
@@ -201,6 +204,8 @@ DIFFUSION_REFUSALS: dict[str, str] = {
     "layouts, which a plan derived from its structure does not cut alike",
     "MiniMaxH3Transformer3DModel": "text, video and audio rows are packed into one sequence by index, and under "
     "diffusers' _cp_plan the text refiner's gradients are not one process's",
+    "ConsisIDTransformer3DModel": "after the blocks its forward joins the text and the tokens and drops the text "
+    "by the whole text's length, which a rank's cut text does not have",
     "WanAnimateFaceBlockCrossAttention": "the face adapter attends each frame's tokens to that frame's motion "
     "vector, found by reshaping the block's local tokens into frames",
 }

@@ -1,0 +1,95 @@
+"""The cuts of ``seqpar.prepare_diffusers``: a planned value, a joint-sequence value, and a block's per-token tables.
+
+Each returns this rank's shard in the layout's order; the same shapes on every rank make every rank raise alike.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from seqpar.errors import SeqparInputError
+from seqpar.integrations._diffusion_attention import WHERE, Region
+from seqpar.mesh import SequenceParallelMesh
+from seqpar.models.diffusion import JointSplit, Split
+from seqpar.sequence_parallel.layouts.chunks import shard_sequence
+
+
+def cut(value: object, split: Split | tuple[Split, ...], sp: SequenceParallelMesh, layout: str, where: str):
+    """This rank's shard of one planned value (a tuple of tables cut element-wise); others pass whole."""
+    if isinstance(split, tuple):
+        if value is None:  # tables the configuration does not make (CogVideoX without rotary embeddings)
+            return value
+        if not isinstance(value, (list, tuple)) or len(value) != len(split):
+            raise SeqparInputError(f"{WHERE}: {where} is not a pair of {len(split)} tensors as the plan expects")
+        return type(value)(cut(v, s, sp, layout, where) for v, s in zip(value, split))
+    if not isinstance(value, torch.Tensor) or (split.ndim is not None and value.dim() != split.ndim):
+        return value
+    try:
+        return shard_sequence(value, sp, dim=split.dim, layout=layout)
+    except SeqparInputError as error:  # the same shapes on every rank (checked), so every rank raises here
+        raise SeqparInputError(
+            f"{WHERE}: {where} has {value.shape[split.dim]} tokens along dim {split.dim}, which do not divide into "
+            f"the {layout} layout over {sp.sp_size} ranks ({error}); choose a latent size (frames x height x width "
+            "after patchify) or a text length that does"
+        ) from None
+
+
+def _cut_joint(value: object, split: JointSplit, lengths: list, sp: SequenceParallelMesh, layout: str, where: str):
+    """This rank's [part 0 shard; part 1 shard; ...] of a tensor over the joint sequence (``JointSplit``)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if any(n is None for n in lengths) or value.shape[split.dim] != sp.sp_size * sum(lengths):
+        raise SeqparInputError(
+            f"{WHERE}: {where} has {value.shape[split.dim]} tokens along dim {split.dim}, not the joint sequence "
+            f"of {' + '.join(split.parts)} ({sp.sp_size} ranks x {lengths} tokens) that the plan cuts it as"
+        )
+    pieces = value.split([sp.sp_size * n for n in lengths], dim=split.dim)
+    return torch.cat([shard_sequence(piece, sp, dim=split.dim, layout=layout) for piece in pieces], dim=split.dim)
+
+
+def cut_any(value: object, split: object, lengths: list, sp: SequenceParallelMesh, layout: str, where: str):
+    if isinstance(split, JointSplit):
+        return _cut_joint(value, split, lengths, sp, layout, where)
+    return cut(value, split, sp, layout, where)
+
+
+STREAMS = ("hidden_states", "encoder_hidden_states")  # the tokens (cut once, before the first block) and the text
+
+
+def _table_dim(value: torch.Tensor, region: Region, where: str) -> int | None:
+    """The one dimension of ``value`` as long as the whole token sequence or the whole (cut) text, or None."""
+    lengths = {region.tokens: "token sequence", region.text: "text"}
+    dims = [d for d in range(value.dim()) if value.shape[d] in lengths and value.shape[d] is not None]
+    joint = region.text is not None and (region.tokens or 0) + region.text in value.shape
+    if len(dims) > 1 or joint:
+        told = "the joint [text; tokens] sequence" if joint else f"the {lengths[value.shape[dims[0]]]}"
+        raise SeqparInputError(
+            f"{WHERE}: {where} has dims {list(value.shape)}, more than one as long as {told} (a mask over token "
+            "pairs, a table over the joint sequence, or a size that equals it), so the plan derived from the model's "
+            "structure cannot tell what to cut; register a plan for the model"
+        )
+    return dims[0] if dims else None
+
+
+def _cut_tables(value: object, region: Region, sp: SequenceParallelMesh, layout: str, where: str) -> object:
+    """``value`` with every tensor in it (nested in tuples, lists and dicts: RoPE tables) that has a dimension as
+    long as the whole token sequence or the whole cut text cut along it."""
+    if isinstance(value, torch.Tensor):
+        dim = _table_dim(value, region, where) if value.dim() else None
+        return value if dim is None else cut(value, Split(dim), sp, layout, where)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cut_tables(v, region, sp, layout, where) for v in value)
+    if isinstance(value, dict):
+        return {k: _cut_tables(v, region, sp, layout, where) for k, v in value.items()}
+    return value
+
+
+def cut_token_tables(names, args, kwargs, entry, sp, layout, module_name, region) -> None:
+    """Cut, in place in ``args`` / ``kwargs``, the module's per-token inputs (``TokenTables``)."""
+    if region.tokens is None:
+        return
+    named = dict(zip(names, range(len(args)))) | {k: k for k in kwargs}
+    for name, slot in named.items():
+        if name not in STREAMS and name not in entry:
+            holder = args if isinstance(slot, int) else kwargs
+            holder[slot] = _cut_tables(holder[slot], region, sp, layout, f"{module_name}'s input {name}")
