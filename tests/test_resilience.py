@@ -272,9 +272,10 @@ def test_faults_end_every_rank_promptly_and_say_why(tmp_path):
     code, out, err = finish(stall)
     assert code == 1, out
     assert re.search(
-        r"failed on rank 0: RuntimeError: rank 0 failed while (optimizer step|gathering the metrics of step) \d+ "
-        r"\(no answer from the other ranks within --timeout-s 10; rank 1 is stalled or dead: not waiting on the "
-        r"others \(last reported (optimizer step|gathering the metrics of step) \d+\)\)",
+        r"failed on rank 0: RuntimeError: rank 0 failed while (optimizer step|gathering the metrics of step|saving "
+        r"the checkpoint of step) \d+ \(no answer from the other ranks within --timeout-s 10; rank 1 is stalled or "
+        r"dead: not waiting on the others \(last reported (optimizer step|gathering the metrics of step|saving the "
+        r"checkpoint of step) \d+\)\)",
         err,
     ), err
     code, out, err = finish(preempted)

@@ -68,28 +68,6 @@ class UnjudgedAttention(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def attention_hooks(name: str, sp: SequenceParallelMesh, strategy: str, layout: str) -> tuple[Callable, Callable]:
-    """A pre-hook entering an SDPA mode for one self-attention call, and an always-called hook leaving it."""
-    active: list[ServedSDPA] = []  # this module's open calls (one, or one per recomputation)
-
-    def enter(module, args, kwargs):
-        mode = ServedSDPA(sp, strategy, layout, where=WHERE)
-        mode.__enter__()
-        active.append(mode)
-
-    def leave(module, args, kwargs, output):
-        mode = active.pop()
-        mode.__exit__(None, None, None)
-        if output is not None and mode.served == 0:
-            raise SeqparInputError(
-                f"{WHERE}: the self-attention {name} did not call torch's scaled_dot_product_attention, so it "
-                "attended to this rank's tokens alone; use diffusers' native attention backend "
-                "(model.set_attention_backend('native'), no DIFFUSERS_ATTN_BACKEND)"
-            )
-
-    return enter, leave
-
-
 def _judgement(name: str, module: torch.nn.Module, args: tuple, kwargs: dict, region: Region, text_cut: bool) -> bool:
     """Whether an attention module of a derived entry attends over the shards (Note [derived attention])."""
     text = kwargs.get("encoder_hidden_states", args[1] if len(args) > 1 else None)
@@ -118,16 +96,27 @@ def _judgement(name: str, module: torch.nn.Module, args: tuple, kwargs: dict, re
     return False
 
 
-def judged_attention_hooks(
-    name: str, sp: SequenceParallelMesh, strategy: str, layout: str, region: Region, text_cut: bool
+def judgement(region: Region, text_cut: bool) -> Callable[[str, torch.nn.Module, tuple, dict], bool]:
+    """A derived entry's judgement of an attention module's call (Note [derived attention])."""
+    return lambda name, module, args, kwargs: _judgement(name, module, args, kwargs, region, text_cut)
+
+
+def attention_hooks(
+    name: str,
+    sp: SequenceParallelMesh,
+    strategy: str,
+    layout: str,
+    region: Region,
+    judge: Callable[[str, torch.nn.Module, tuple, dict], bool] | None = None,
 ) -> tuple[Callable, Callable]:
-    """The attention hooks of a derived entry: the module's first call fixes whether it is served."""
-    judged: list[bool] = []
-    active: list[ServedSDPA | None] = []
+    """A pre-hook entering an SDPA mode for one attention call, and an always-called hook leaving it. ``judge``
+    (a derived entry's) decides at the module's first call whether it is served at all; None: it is."""
+    judged: list[bool] = [] if judge is not None else [True]
+    active: list[ServedSDPA | None] = []  # this module's open calls (one, or one per recomputation)
 
     def enter(module, args, kwargs):
         if not judged:
-            judged.append(_judgement(name, module, args, kwargs, region, text_cut))
+            judged.append(judge(name, module, args, kwargs))
         mode = ServedSDPA(sp, strategy, layout, where=WHERE) if judged[0] else None
         if mode is not None:
             mode.__enter__()
@@ -135,7 +124,7 @@ def judged_attention_hooks(
         region.judging += 1
 
     def leave(module, args, kwargs, output):
-        if not active:
+        if not active:  # the pre-hook raised
             return
         region.judging -= 1
         mode = active.pop()

@@ -41,7 +41,7 @@ from seqpar.integrations._diffusion_attention import (
     Region,
     attention_hooks,
     attention_modules,
-    judged_attention_hooks,
+    judgement,
     tail_hooks,
 )
 from seqpar.integrations._diffusion_cuts import STREAMS, cut, cut_any, cut_token_tables
@@ -410,11 +410,10 @@ def prepare_diffusers(
         handles += [m.register_forward_hook(hook) for _, m in _modules(model, pattern, missing_ok=plan.derived)]
     if plan.derived:
         text_cut = any("encoder_hidden_states" in entry for entry in shards.values())
-        attention = [
-            (n, judged_attention_hooks(n, sp, strategy, layout, region, text_cut)) for n, _ in attention_modules(model)
-        ]
+        judge, names = judgement(region, text_cut), [n for n, _ in attention_modules(model)]
     else:
-        attention = [(n, attention_hooks(n, sp, strategy, layout)) for n, _ in _modules(model, plan.self_attention)]
+        judge, names = None, [n for n, _ in _modules(model, plan.self_attention)]
+    attention = [(n, attention_hooks(n, sp, strategy, layout, region, judge)) for n in names]
     for name, (enter, leave) in attention:
         module = model.get_submodule(name)
         handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
