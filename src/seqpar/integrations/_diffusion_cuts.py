@@ -56,27 +56,33 @@ def cut_any(value: object, split: object, lengths: list, sp: SequenceParallelMes
 STREAMS = ("hidden_states", "encoder_hidden_states")  # the tokens (cut once, before the first block) and the text
 
 
-def _table_dim(value: torch.Tensor, region: Region, where: str) -> int | None:
-    """The one dimension of ``value`` as long as the whole token sequence or the whole (cut) text, or None."""
-    lengths = {region.tokens: "token sequence", region.text: "text"}
-    dims = [d for d in range(value.dim()) if value.shape[d] in lengths and value.shape[d] is not None]
-    joint = region.text is not None and (region.tokens or 0) + region.text in value.shape
-    if len(dims) > 1 or joint:
-        told = "the joint [text; tokens] sequence" if joint else f"the {lengths[value.shape[dims[0]]]}"
+def _table_cut(value: torch.Tensor, region: Region, where: str) -> Split | JointSplit | None:
+    """How to cut one table: along its one dimension as long as the whole token sequence or the whole cut text,
+    part by part ([text; tokens], the text first as a joint attention orders its keys) along one as long as both;
+    None: it has none."""
+    joint = None if region.text is None else region.text + (region.tokens or 0)
+    named = {region.tokens: "the token sequence", region.text: "the text", joint: "the joint [text; tokens] sequence"}
+    dims = [d for d in range(value.dim()) if value.shape[d] is not None and value.shape[d] in named]
+    if len(dims) > 1:
         raise SeqparInputError(
-            f"{WHERE}: {where} has dims {list(value.shape)}, more than one as long as {told} (a mask over token "
-            "pairs, a table over the joint sequence, or a size that equals it), so the plan derived from the model's "
-            "structure cannot tell what to cut; register a plan for the model"
+            f"{WHERE}: {where} has dims {list(value.shape)}, more than one as long as {named[value.shape[dims[0]]]} "
+            "(a mask over token pairs, or a size that equals it), so the plan derived from the model's structure "
+            "cannot tell what to cut; register a plan for the model"
         )
-    return dims[0] if dims else None
+    if not dims:
+        return None
+    return JointSplit(dims[0]) if value.shape[dims[0]] == joint else Split(dims[0])
 
 
 def _cut_tables(value: object, region: Region, sp: SequenceParallelMesh, layout: str, where: str) -> object:
-    """``value`` with every tensor in it (nested in tuples, lists and dicts: RoPE tables) that has a dimension as
-    long as the whole token sequence or the whole cut text cut along it."""
+    """``value`` with every tensor in it (nested in tuples, lists and dicts: RoPE tables) cut as ``_table_cut``
+    says."""
     if isinstance(value, torch.Tensor):
-        dim = _table_dim(value, region, where) if value.dim() else None
-        return value if dim is None else cut(value, Split(dim), sp, layout, where)
+        split = _table_cut(value, region, where) if value.dim() else None
+        if split is None:
+            return value
+        lengths = [region.text // sp.sp_size, region.tokens // sp.sp_size] if isinstance(split, JointSplit) else []
+        return cut_any(value, split, lengths, sp, layout, where)
     if isinstance(value, (tuple, list)):
         return type(value)(_cut_tables(v, region, sp, layout, where) for v in value)
     if isinstance(value, dict):

@@ -211,17 +211,21 @@ def _structural_plan(model: torch.nn.Module) -> DiffusionPlan | None:
     lists = [
         n for n, c in model.named_children() if isinstance(c, torch.nn.ModuleList) and n.endswith(("blocks", "layers"))
     ]
-    if len(lists) != 1 or not len(getattr(model, lists[0])) or not hasattr(model, "proj_out"):
+    # one list, or double-stream blocks followed by single-stream ones (which go on with the same two streams)
+    paired = len(lists) == 2 and lists[1].startswith("single") and not lists[0].startswith("single")
+    if not (len(lists) == 1 or paired) or not len(getattr(model, lists[0])) or not hasattr(model, "proj_out"):
         return None
     blocks = lists[0]
     cut = {"hidden_states": Split(1, 3)}
     if _joint_blocks(getattr(model, blocks)):
         cut["encoder_hidden_states"] = Split(1, 3)
+    elif paired:
+        return None
     return DiffusionPlan(
         type(model).__name__,
         self_attention="",
         derived=True,
-        shards={f"{blocks}.0": cut, f"{blocks}.*": {"*": TokenTables()}},
+        shards={f"{blocks}.0": cut, **{f"{n}.*": {"*": TokenTables()} for n in lists}},
         gathers={"proj_out": (Gather(1, 3),)},
         notes=("derived from its structure",),
     )

@@ -22,7 +22,9 @@ Note [diffusion plans]
     entry derived from that structure: the tokens cut at the first block, each block's per-token tables
     (``TokenTables``) cut as it is called, the output of ``proj_out`` gathered. Where the blocks take the text
     and none of their attention modules is cross-attention, the blocks carry a joint [text; tokens] stream and
-    the text is cut with the tokens.
+    the text is cut with the tokens; then double-stream blocks followed by single-stream ones (Flux's build)
+    are read too, and a table over the joint sequence is cut part by part, the text first, as a joint
+    attention orders its keys.
 
 Note [derived attention]
     A derived entry names no attention patterns; every attention module of the model (diffusers'
@@ -204,6 +206,10 @@ DIFFUSION_REFUSALS: dict[str, str] = {
     "layouts, which a plan derived from its structure does not cut alike",
     "MiniMaxH3Transformer3DModel": "text, video and audio rows are packed into one sequence by index, and under "
     "diffusers' _cp_plan the text refiner's gradients are not one process's",
+    "BriaFiboTransformer2DModel": "its forward joins each single-stream block's text with another text-encoder "
+    "layer's whole features between the blocks",
+    "HunyuanVideoFramepackTransformer3DModel": "frame packing puts the history latents (clean, 2x and 4x "
+    "downsampled) before the tokens in one sequence, and its output drops them by their whole length",
     "ConsisIDTransformer3DModel": "after the blocks its forward joins the text and the tokens and drops the text "
     "by the whole text's length, which a rank's cut text does not have",
     "WanAnimateFaceBlockCrossAttention": "the face adapter attends each frame's tokens to that frame's motion "
