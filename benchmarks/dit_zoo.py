@@ -18,11 +18,9 @@ float64 scale, or ``FLOOR_FACTOR`` x the fp32 run's distance from float64). Stat
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import os
-import tempfile
 import time
 import traceback
 import warnings
@@ -41,11 +39,10 @@ from benchmarks.zoo import (
     SET_ASIDE,
     STATUSES,
     WRONG,
-    _first_line,
-    _judge,
-    _last_line,
-    _merge,
-    _read_outcome,
+    first_line,
+    judge,
+    last_line,
+    pool_outcome,
 )
 
 RECORD = ROOT / "benchmarks" / "dit_zoo_cpu.json"
@@ -86,7 +83,7 @@ def _class_on_rank(rank: int, world_size: int, name: str, strategy: str, control
         try:
             outcome = _judge_class(world_size, name, strategy, control)
         except Exception as error:  # a failure of the harness itself, reported rather than hung
-            outcome = {"status": CRASH, "reason": f"harness: {_last_line(error)}"}
+            outcome = {"status": CRASH, "reason": f"harness: {last_line(error)}"}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(outcome, f)
 
@@ -102,7 +99,7 @@ def _judge_class(world_size: int, name: str, strategy: str, control: bool) -> di
         pristine = copy.deepcopy(model)
         want, want_grads = _run(model, inputs, ZOO[name].output, 3)
     except Exception as error:
-        return {"status": BUILD, "reason": f"one process cannot run it: {_last_line(error)}"}
+        return {"status": BUILD, "reason": f"one process cannot run it: {last_line(error)}"}
     try:
         exact, exact_grads = _run(copy.deepcopy(pristine).double(), _as(inputs, torch.float64), ZOO[name].output, 3)
     except Exception:  # a model that takes no float64 (a dtype it hard-codes): RTOL alone
@@ -117,17 +114,17 @@ def _judge_class(world_size: int, name: str, strategy: str, control: bool) -> di
         if not control:  # the negative control leaves each rank's gradients its own tokens'
             seqpar.reduce_gradients(parallel.parameters(), mesh)
     except SeqparInputError as error:
-        return {"status": REFUSED, "reason": _first_line(error)}
+        return {"status": REFUSED, "reason": first_line(error)}
     except Exception as error:
-        return {"status": CRASH, "reason": _last_line(error), "trace": traceback.format_exc()[-2000:]}
-    judged = [_judge("prediction", pred, want, exact)]
+        return {"status": CRASH, "reason": last_line(error), "trace": traceback.format_exc()[-2000:]}
+    judged = [judge("prediction", pred, want, exact)]
     for param_name, p in parallel.named_parameters():
         got, one = p.grad, want_grads.get(param_name)
         if got is None and one is None:
             continue
         zero = torch.zeros_like(p.detach())
         judged.append(
-            _judge(
+            judge(
                 f"grad {param_name}",
                 zero if got is None else got,
                 zero if one is None else one,
@@ -168,12 +165,7 @@ def sweep(
                 results[name] = {"status": SET_ASIDE, "reason": ASIDE[name]}
                 continue
             started = time.perf_counter()
-            with tempfile.TemporaryDirectory(prefix="seqpar-dit-zoo-") as out_dir:
-                with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.suppress(Exception):
-                    deadline = timedelta(seconds=deadline_s)
-                    pool.run(_class_on_rank, name, strategy, control, out_dir, deadline=deadline)
-                outcomes = [_read_outcome(os.path.join(out_dir, f"rank{rank}.json")) for rank in range(sp_size)]
-            outcome = _merge(outcomes)
+            outcome = pool_outcome(pool, _class_on_rank, name, strategy, control, deadline_s=deadline_s)
             results[name] = outcome | {"seconds": round(time.perf_counter() - started, 2)}
             said = outcome.get("worst") if outcome["status"] in (EXACT, WRONG) else outcome.get("reason", "")
             print(f"{name:42s} {outcome['status']:8s} {results[name]['seconds']:6.1f}s  {said[:110]}")

@@ -68,12 +68,12 @@ def _seq_len(sp_size: int) -> int:
     return 24 if 24 % (2 * sp_size) == 0 else 24 * (2 * sp_size) // math.gcd(24, 2 * sp_size)
 
 
-def _last_line(error: BaseException) -> str:
+def last_line(error: BaseException) -> str:
     lines = [line.strip() for line in f"{type(error).__name__}: {error}".strip().splitlines() if line.strip()]
     return lines[-1][:400] if lines else type(error).__name__
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     return str(error).strip().splitlines()[0][:400] if str(error).strip() else type(error).__name__
 
 
@@ -105,7 +105,7 @@ def _starts(documents: tuple[int, ...]) -> list[int]:
     return [sum(documents[:i]) for i in range(len(documents))]
 
 
-def _judge(name: str, got: torch.Tensor, fp32: torch.Tensor, fp64: torch.Tensor | None) -> tuple[float, str] | None:
+def judge(name: str, got: torch.Tensor, fp32: torch.Tensor, fp64: torch.Tensor | None) -> tuple[float, str] | None:
     """(distance over bound, description) of ``got`` against the references; None when both are exact zeros."""
     got, fp32 = got.detach().double(), fp32.detach().double()
     gap = float((got - fp32).abs().max()) if got.numel() else 0.0
@@ -131,7 +131,7 @@ def _family_on_rank(
         try:
             outcome = _judge_family(rank, world_size, model_type, mappings, packed, control)
         except Exception as error:  # a failure of the harness itself, reported rather than hung
-            outcome = {"status": CRASH, "reason": f"harness: {_last_line(error)}"}
+            outcome = {"status": CRASH, "reason": f"harness: {last_line(error)}"}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(outcome, f)
 
@@ -162,7 +162,7 @@ def _judge_family(
     try:
         want_logits, want_loss, want_grads = _reference(model, ids, documents)
     except Exception as error:
-        return {"status": BUILD, "reason": f"one process cannot run its text path: {_last_line(error)}"}
+        return {"status": BUILD, "reason": f"one process cannot run its text path: {last_line(error)}"}
     try:
         exact_logits, exact_loss, exact_grads = _reference(copy.deepcopy(pristine).double(), ids, documents)
     except Exception:  # a model that takes no float64 (a kernel, a dtype it hard-codes): RTOL alone
@@ -181,13 +181,13 @@ def _judge_family(
             seqpar.reduce_gradients(parallel.parameters(), mesh)
         total = seqpar.sum_over(loss.detach(), mesh)
     except SeqparInputError as error:
-        return {"status": REFUSED, "reason": _first_line(error)}
+        return {"status": REFUSED, "reason": first_line(error)}
     except Exception as error:
-        return {"status": CRASH, "reason": _last_line(error), "trace": traceback.format_exc()[-2000:]}
+        return {"status": CRASH, "reason": last_line(error), "trace": traceback.format_exc()[-2000:]}
 
     idx = shard_index("zigzag", world_size, rank, seq)
-    judged = [_judge("loss", total, want_loss, exact_loss)]
-    judged.append(_judge("logits", logits, want_logits[:, idx], None if exact_logits is None else exact_logits[:, idx]))
+    judged = [judge("loss", total, want_loss, exact_loss)]
+    judged.append(judge("logits", logits, want_logits[:, idx], None if exact_logits is None else exact_logits[:, idx]))
     for name, p in parallel.named_parameters():
         want = want_grads.get(name)
         got = p.grad
@@ -195,7 +195,7 @@ def _judge_family(
             continue
         like = p.detach()
         judged.append(
-            _judge(
+            judge(
                 f"grad {name}",
                 got if got is not None else torch.zeros_like(like),
                 want if want is not None else torch.zeros_like(like),
@@ -237,6 +237,18 @@ def _read_outcome(path: str) -> dict[str, Any] | None:
         return json.load(f)
 
 
+def pool_outcome(pool: Any, fn: Any, *args: object, deadline_s: float) -> dict[str, Any]:
+    """One case judged on every rank of ``pool`` by ``fn(rank, world, *args, out_dir)``, which writes each rank's
+    outcome to ``out_dir/rank<r>.json``; the merged outcome (HANG for a rank that wrote none)."""
+    with tempfile.TemporaryDirectory(prefix="seqpar-zoo-") as out_dir:
+        # the pool echoes the ranks' output: kept out of the table. A rank that died or hung tears the pool down
+        # (its outcome file missing says so); the next run starts another pool
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.suppress(Exception):
+            pool.run(fn, *args, out_dir, deadline=timedelta(seconds=deadline_s))
+        outcomes = [_read_outcome(os.path.join(out_dir, f"rank{rank}.json")) for rank in range(pool.world_size)]
+    return _merge(outcomes)
+
+
 def sweep(
     sp_size: int, only: list[str] | None = None, deadline_s: float = 120.0, packed: bool = False, control: bool = False
 ) -> dict[str, dict[str, Any]]:
@@ -266,14 +278,9 @@ def sweep(
                 results[model_type] = row | {"status": SET_ASIDE, "reason": entry.set_aside}
                 continue
             started = time.perf_counter()
-            with tempfile.TemporaryDirectory(prefix="seqpar-zoo-") as out_dir:
-                # the pool echoes the ranks' output: kept out of the table. A rank that died or hung tears the
-                # pool down (its outcome file missing says so); the next run starts another pool
-                with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.suppress(Exception):
-                    deadline = timedelta(seconds=deadline_s)
-                    pool.run(_family_on_rank, model_type, entry.mappings, packed, control, out_dir, deadline=deadline)
-                outcomes = [_read_outcome(os.path.join(out_dir, f"rank{rank}.json")) for rank in range(sp_size)]
-            outcome = _merge(outcomes)
+            outcome = pool_outcome(
+                pool, _family_on_rank, model_type, entry.mappings, packed, control, deadline_s=deadline_s
+            )
             results[model_type] = row | outcome | {"seconds": round(time.perf_counter() - started, 2)}
             said = outcome.get("worst") if outcome["status"] in (EXACT, WRONG) else outcome.get("reason", "")
             print(f"{model_type:28s} {outcome['status']:8s} {results[model_type]['seconds']:6.1f}s  {said[:110]}")

@@ -141,17 +141,9 @@ def attention_hooks(
     return enter, leave
 
 
-def tail_hooks(model: torch.nn.Module, region: Region) -> list:
-    """Hooks that find modules with parameters running on the gathered output (each rank would compute their whole
-    gradient, counted once per rank by the sum over the group) and refuse the model at the end of its forward."""
-
-    def note(name: str) -> Callable:
-        def hook(module, args):
-            if region.gathered and not region.open:
-                region.tail.append(name)
-
-        return hook
-
+def region_hooks(model: torch.nn.Module, region: Region) -> list:
+    """Hooks that start each forward of a derived entry's model with a closed region and ``UnjudgedAttention``
+    on, and take it off at the end (also when the forward raises)."""
     guards: list[UnjudgedAttention] = []
 
     def start(module, args, kwargs):
@@ -164,20 +156,38 @@ def tail_hooks(model: torch.nn.Module, region: Region) -> list:
     def end(module, args, kwargs, output):
         if guards:
             guards.pop().__exit__(None, None, None)
-        if region.tail and output is not None:
+
+    return [
+        model.register_forward_pre_hook(start, with_kwargs=True),
+        model.register_forward_hook(end, with_kwargs=True, always_call=True),
+    ]
+
+
+def tail_hooks(model: torch.nn.Module, region: Region) -> list:
+    """Hooks that find modules with parameters running on the gathered output (each rank would compute their whole
+    gradient, counted once per rank by the sum over the group) and refuse the model at the end of its forward."""
+
+    def note(name: str) -> Callable:
+        def hook(module, args):
+            if region.gathered and not region.open:
+                region.tail.append(name)
+
+        return hook
+
+    def end(module, args, kwargs, output):
+        if region.tail:
             raise SeqparInputError(
-                f"{WHERE}: diffusers' _cp_plan of {type(model).__name__} gathers the tokens before "
+                f"{WHERE}: the plan derived for {type(model).__name__} gathers the tokens before "
                 f"{', '.join(region.tail)}, whose parameters every rank would then train on the whole output (their "
                 "gradients counted once per rank); register a plan that gathers after them"
             )
 
-    handles = [model.register_forward_pre_hook(start, with_kwargs=True)]
-    handles += [
+    handles = [
         m.register_forward_pre_hook(note(n))
         for n, m in model.named_modules()
         if n and any(True for _ in m.parameters(recurse=False))
     ]
-    handles.append(model.register_forward_hook(end, with_kwargs=True, always_call=True))
+    handles.append(model.register_forward_hook(end, with_kwargs=True))
     return handles
 
 

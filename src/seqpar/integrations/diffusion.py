@@ -42,6 +42,7 @@ from seqpar.integrations._diffusion_attention import (
     attention_hooks,
     attention_modules,
     judgement,
+    region_hooks,
     tail_hooks,
 )
 from seqpar.integrations._diffusion_cuts import STREAMS, cut, cut_any, cut_token_tables
@@ -402,7 +403,7 @@ def prepare_diffusers(
     handles = [model.register_forward_pre_hook(_call_check(model, sp, f"{strategy}/{layout}"), with_kwargs=True)]
     region = Region()
     if plan.derived:
-        handles += tail_hooks(model, region)
+        handles += region_hooks(model, region) + tail_hooks(model, region)
     for pattern, entry in shards.items():
         for name, module in _modules(model, pattern, missing_ok=plan.derived):
             hook = _input_hook(entry, sp, layout, name, region)
