@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 _MLP_WORDS = ("mlp", "feedforward", "feed_forward", "ffn", "moe", "experts")
 _PLAIN_STYLES = ("colwise", "rowwise")
 _MASK_KINDS = ("full_attention", "sliding_attention")  # the layer types whose masks seqpar builds for a read entry
+PER_TOKEN_CLASSES = frozenset({"ErgoResidualGate", "MuseSparkResidualGate"})
+"""Layer parts that act on each token alone although no name or class word says so, read in their transformers
+source: a learned weight per hidden dimension mixing a branch into the residual stream."""
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -141,8 +144,8 @@ def _layer_parts(layers: nn.ModuleList, tp_plan: dict) -> dict | str:
                 norms.append(name)
             elif _calls_attention_functions(child):
                 attention.append(name)
-            elif isinstance(child, nn.Linear):  # an MLP's projections held by the layer itself (OPT's fc1, fc2)
-                linears.append(name)
+            elif isinstance(child, nn.Linear) or type(child).__name__ in PER_TOKEN_CLASSES:
+                linears.append(name)  # an MLP's projections held by the layer itself (OPT's fc1, fc2), a gate
             elif _is_mlp(name, child, planned) and next(child.parameters(), None) is not None:
                 mlps.append(name)
         if len(attention) != 1 or not (mlps or linears):
@@ -177,9 +180,9 @@ def _layer_parts(layers: nn.ModuleList, tp_plan: dict) -> dict | str:
         if found and parts["per_token"] != found["per_token"]:
             return f"its layers hold different projections of their own ({found['per_token']} and {parts['per_token']})"
         found = {**parts, "experts": found.get("experts") or parts["experts"]}
-    for i, layer in enumerate(layers):  # a norm path of one layer must hold a norm in every layer that has it
+    for i, layer in enumerate(layers):  # a norm path of one layer holds a norm (or nothing) in every layer
         norms = [(n, c) for n, c in layer.named_children() if n in found["layer_norms"]]
-        wrong = [f"{n} ({type(c).__name__})" for n, c in norms if not _is_norm(c)]
+        wrong = [f"{n} ({type(c).__name__})" for n, c in norms if not (_is_norm(c) or isinstance(c, nn.Identity))]
         if wrong:
             return f"layer {i} ({type(layer).__name__}) holds {', '.join(wrong)} where other layers hold a norm"
     return found
@@ -237,7 +240,8 @@ def _text_decoder(model: nn.Module) -> nn.Module:
     found = model
     for _ in range(4):  # a multimodal model's decoder may itself be a model with a head
         inner = found.get_decoder() if callable(getattr(found, "get_decoder", None)) else found
-        if inner is found or not isinstance(inner, nn.Module):
+        holds_layers = isinstance(inner, nn.Module) and any(isinstance(m, nn.ModuleList) for m in inner.modules())
+        if inner is found or not holds_layers:  # ModernBERT's decoder-named head is a projection, not the decoder
             break
         found = inner
     if found is not model:

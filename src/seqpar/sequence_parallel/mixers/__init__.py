@@ -76,8 +76,11 @@ _MAMBA1 = MixerAdapter(
     ),
 )
 
+_SHORT_CONV = MixerAdapter(lfm2_short_conv_forward, ("in_proj", "conv", "out_proj"), recurrent=False)
+
 ADAPTERS = {
-    "Lfm2ShortConv": MixerAdapter(lfm2_short_conv_forward, ("in_proj", "conv", "out_proj"), recurrent=False),
+    "Lfm2ShortConv": _SHORT_CONV,
+    "Lfm3ShortConv": _SHORT_CONV,
     "Qwen3NextGatedDeltaNet": MixerAdapter(
         qwen3_next_gated_deltanet_forward,
         (*_GATED_DELTANET, "in_proj_qkvz", "in_proj_ba", "fix_query_key_value_ordering", "norm", "out_proj"),
