@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import torch
 
 from seqpar.errors import SeqparInputError
-from seqpar.sequence_parallel.prepare import ATTENTION_NAME, ORIGINAL_ATTENTION_ATTR, UNSHARDED_ATTR
+from seqpar.sequence_parallel.prepare import ORIGINAL_ATTENTION_ATTR, PREPARED_ATTENTION_ATTR, UNSHARDED_ATTR
 
 
 @contextlib.contextmanager
@@ -31,11 +31,11 @@ def unsharded(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     Raises:
         SeqparInputError: when nested (the model is already unsharded).
     """
+    if getattr(model, UNSHARDED_ATTR, False):
+        raise SeqparInputError("seqpar.integrations.unsharded(model) cannot be nested for one model")
     original = getattr(model, ORIGINAL_ATTENTION_ATTR, None)
-    config = getattr(model, "config", None)
-    if original is None or getattr(config, "_attn_implementation", None) != ATTENTION_NAME:
-        if getattr(model, UNSHARDED_ATTR, False):
-            raise SeqparInputError("seqpar.integrations.unsharded(model) cannot be nested for one model")
+    prepared = getattr(model, PREPARED_ATTENTION_ATTR, None)  # seqpar's for the text decoder, others' own
+    if original is None or prepared is None:
         yield model  # not prepared by seqpar: already its own attention
         return
     setattr(model, UNSHARDED_ATTR, True)
@@ -43,5 +43,5 @@ def unsharded(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     try:
         yield model
     finally:
-        model.set_attn_implementation(ATTENTION_NAME)
+        model.set_attn_implementation(prepared)
         setattr(model, UNSHARDED_ATTR, False)

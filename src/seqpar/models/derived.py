@@ -35,9 +35,10 @@ if TYPE_CHECKING:
 _MLP_WORDS = ("mlp", "feedforward", "feed_forward", "ffn", "moe", "experts")
 _PLAIN_STYLES = ("colwise", "rowwise")
 _MASK_KINDS = ("full_attention", "sliding_attention")  # the layer types whose masks seqpar builds for a read entry
-PER_TOKEN_CLASSES = frozenset({"ErgoResidualGate", "MuseSparkResidualGate"})
-"""Layer parts that act on each token alone although no name or class word says so, read in their transformers
-source: a learned weight per hidden dimension mixing a branch into the residual stream."""
+PER_TOKEN_CLASSES = frozenset({"ErgoResidualGate", "MuseSparkResidualGate", "JetMoeMoA"})
+"""Parts that act on each token alone although no name or class word says so, read in their transformers source:
+a learned weight per hidden dimension mixing a branch into the residual stream (Ergo, Muse Spark), a mixture of
+query and output projections routed per token inside attention (JetMoE)."""
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -64,6 +65,8 @@ def _calls_attention_functions(module: nn.Module) -> bool:
 def _nested_block(attention: nn.Module) -> str | None:
     """The name and class of a child of ``attention`` that holds parameterised children of its own, or None."""
     for name, child in attention.named_children():
+        if type(child).__name__ in PER_TOKEN_CLASSES:
+            continue
         if not _is_norm(child) and any(next(c.parameters(), None) is not None for c in child.children()):
             return f"{name} ({type(child).__name__})"
     return None

@@ -266,6 +266,13 @@ FAMILIES: dict[str, Family] = {
         Family("qwen3_next", mixers=("linear_attn",), attention_interface=True, hybrid=_GATED_GDN, **_MOE),
         Family("qwen3_5_text", mixers=("linear_attn",), attention_interface=True, hybrid=_GATED_GDN, tp_plan=None),
         Family("qwen3_5_moe_text", mixers=("linear_attn",), attention_interface=True, hybrid=_GATED_GDN, **_MOE),
+        Family(  # Qwen3.5's gated DeltaNet between sliding-window layers (rotary) and full layers (no position)
+            "lara_mini",
+            mixers=("linear_attn",),
+            attention_interface=True,
+            hybrid=Hybrid(GatedDeltaNet, qk_norm="head"),
+            **_MOE,
+        ),
         Family(  # attention layers normalise after attention and MLP, gated DeltaNet layers before them
             "olmo_hybrid",
             layer_norms=("input_layernorm", "post_attention_layernorm", "post_feedforward_layernorm"),
@@ -380,6 +387,15 @@ FAMILIES: dict[str, Family] = {
             attention_interface=True,
             hybrid=Hybrid(Kda, fields=kimi_fields, config=kimi_config),
             mla=True,
+            **_MOE,
+        ),
+        Family(  # Kimi Linear's layout with rotary MLA layers and a one-projection KDA output gate
+            "bailing_hybrid",
+            mixers=("self_attn",),
+            layer_kind="block_type",
+            kinds=(("full_attention", "attention"), ("linear_attention", "mixer")),
+            attention_interface=True,
+            hybrid=Hybrid(Kda),
             **_MOE,
         ),
         Family(  # Mamba2 in every layer; some layers first run a shared attention block and a per-layer projection

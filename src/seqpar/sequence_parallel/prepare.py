@@ -82,6 +82,7 @@ _CONTEXT_KEY = CONTEXT_KEY
 _HOOK_ATTR = "_seqpar_forward_hook"
 _CHOICE_ATTR = "_seqpar_attention_choices"
 ORIGINAL_ATTENTION_ATTR = "_seqpar_original_attention"  # the implementation the model had before prepare_model
+PREPARED_ATTENTION_ATTR = "_seqpar_prepared_attention"  # what prepare_model set: seqpar's, per sub-config
 UNSHARDED_ATTR = "_seqpar_unsharded"  # True while the model runs its own attention on whole sequences
 _OWN_CONFIG_ATTR = "_seqpar_own_config"  # the config copy prepare_model gave the model (Note [the model's own config])
 
@@ -246,10 +247,10 @@ def _own_config(model: torch.nn.Module) -> None:
 
 
 def _implementations(config: object, served: ModelAnatomy) -> str | dict:
-    """seqpar's attention for the text decoder; a multimodal model's vision tower keeps its own (whole images)."""
-    if served.family.vision is None:
-        return ATTENTION_NAME
+    """seqpar's attention for the text decoder; a multimodal model's other towers keep their own (whole images)."""
     text = getattr(served.decoder, "config", None)
+    if served.family.vision is None and text is config:
+        return ATTENTION_NAME
     chosen: dict = {"": ATTENTION_NAME}
     for key in getattr(config, "sub_configs", {}):
         sub = getattr(config, key, None)
@@ -323,8 +324,11 @@ def prepare_model(
         setattr(model, ORIGINAL_ATTENTION_ATTR, model.config._attn_implementation)
     AttentionInterface.register(ATTENTION_NAME, _seqpar_attention)
     adapt(served.mixers)  # Note [mixer adapters]
-    model.set_attn_implementation(_implementations(model.config, served))
-    if model.config._attn_implementation != ATTENTION_NAME:
+    chosen = _implementations(model.config, served)
+    model.set_attn_implementation(chosen)
+    setattr(model, PREPARED_ATTENTION_ATTR, chosen)
+    text_config = getattr(served.decoder, "config", model.config)  # what the text decoder's attention reads
+    if text_config._attn_implementation != ATTENTION_NAME:
         raise SeqparInputError(f"{type(model).__name__} refused the attention implementation {ATTENTION_NAME!r}")
     for old in getattr(model, _HOOK_ATTR, ()):
         old.remove()

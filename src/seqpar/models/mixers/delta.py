@@ -20,7 +20,10 @@ class GatedDeltaNet(MixerSizes):
 
     kind = "gated_deltanet"
     label = "gated DeltaNet"
-    adapts = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "OlmoHybridGatedDeltaNet")
+    adapts = (
+        *("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "OlmoHybridGatedDeltaNet"),
+        "LaraMiniGatedDeltaNet",
+    )
     names: ClassVar[Names] = dict(
         key_heads="linear_num_key_heads",
         value_heads="linear_num_value_heads",
@@ -72,7 +75,7 @@ class Kda(MixerSizes):
 
     kind = "kda"
     label = "KDA"
-    adapts = ("KimiLinearDeltaAttention",)
+    adapts = ("KimiLinearDeltaAttention", "BailingHybridDeltaAttention")
     names: ClassVar[Names] = dict(
         heads="linear_num_heads", head_dim="linear_head_dim", conv_width="linear_conv_kernel_dim"
     )

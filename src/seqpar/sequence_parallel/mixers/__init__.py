@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from seqpar.sequence_parallel.mixers.gated_deltanet import (
+    bailing_delta_attention_forward,
     kimi_delta_attention_forward,
     olmo_hybrid_gated_deltanet_forward,
     qwen3_5_gated_deltanet_forward,
@@ -78,6 +79,11 @@ _MAMBA1 = MixerAdapter(
 
 _SHORT_CONV = MixerAdapter(lfm2_short_conv_forward, ("in_proj", "conv", "out_proj"), recurrent=False)
 
+_KDA = (
+    *("q_proj", "k_proj", "v_proj", "conv1d", "qkv_dim", "head_dim", "num_heads", "forget_gate", "b_proj"),
+    *("o_norm", "o_proj"),
+)
+
 ADAPTERS = {
     "Lfm2ShortConv": _SHORT_CONV,
     "Lfm3ShortConv": _SHORT_CONV,
@@ -88,6 +94,7 @@ ADAPTERS = {
     ),
     "Qwen3_5GatedDeltaNet": _QWEN3_5,
     "Qwen3_5MoeGatedDeltaNet": _QWEN3_5,
+    "LaraMiniGatedDeltaNet": _QWEN3_5,
     "OlmoHybridGatedDeltaNet": MixerAdapter(
         olmo_hybrid_gated_deltanet_forward,
         (
@@ -97,12 +104,10 @@ ADAPTERS = {
         _GATED_DELTANET_KERNEL,
     ),
     "KimiLinearDeltaAttention": MixerAdapter(
-        kimi_delta_attention_forward,
-        (
-            *("q_proj", "k_proj", "v_proj", "conv1d", "qkv_dim", "head_dim", "num_heads", "forget_gate", "b_proj"),
-            *("g_a_proj", "g_b_proj", "o_norm", "o_proj"),
-        ),
-        "chunk_kimi_delta_attention",
+        kimi_delta_attention_forward, (*_KDA, "g_a_proj", "g_b_proj"), "chunk_kimi_delta_attention"
+    ),
+    "BailingHybridDeltaAttention": MixerAdapter(
+        bailing_delta_attention_forward, (*_KDA, "g_proj"), "chunk_kimi_delta_attention"
     ),
     "GraniteMoeHybridMambaLayer": _MAMBA2,
     "BambaMixer": _MAMBA2,

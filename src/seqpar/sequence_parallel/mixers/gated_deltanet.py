@@ -1,5 +1,5 @@
-"""Gated DeltaNet layers (Qwen3-Next, Qwen3.5, Olmo-Hybrid; Kimi Linear's KDA, its decay per channel) under sequence
-parallelism: halo convolution, state passing.
+"""Gated DeltaNet layers (Qwen3-Next, Qwen3.5, Olmo-Hybrid, Lara; Kimi Linear's and Bailing's KDA, its decay per
+channel) under sequence parallelism: halo convolution, state passing.
 
 The adapters' ``forward`` (Note [mixer adapters]), with transformers' own chunked kernel (Note [state passing]).
 """
@@ -198,7 +198,36 @@ def kimi_delta_attention_forward(
     Raises:
         SeqparInputError: called outside a prepared model's call, with a cache, or another activation than silu.
     """
-    ctx = adapter_context(self, cache, kwargs)
+    return _kda(self, adapter_context(self, cache, kwargs), hidden_states, self.g_b_proj(self.g_a_proj(hidden_states)))
+
+
+def bailing_delta_attention_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    cache: object | None = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: object,
+) -> torch.Tensor:
+    """``BailingHybridDeltaAttention.forward``: KDA as Kimi Linear's, its output gate one projection (``g_proj``).
+
+    Args:
+        self: the ``BailingHybridDeltaAttention``.
+        hidden_states: ``[B, L, H]`` this rank's tokens.
+        cache: must be None (seqpar trains without a cache).
+        attention_mask: ignored, as seqpar's calls carry none (padding is its own document).
+        **kwargs: the layer's keywords; seqpar's call context among them.
+
+    Returns:
+        ``[B, L, H]``.
+
+    Raises:
+        SeqparInputError: called outside a prepared model's call, with a cache, or another activation than silu.
+    """
+    return _kda(self, adapter_context(self, cache, kwargs), hidden_states, self.g_proj(hidden_states))
+
+
+def _kda(self: torch.nn.Module, ctx: CallContext, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """A KDA layer after its output gate's projection (``gate`` ``[B, L, heads * dv]``)."""
     kernel = sys.modules[type(self).__mro__[1].__module__].chunk_kimi_delta_attention
     batch, length, _ = hidden_states.shape
     shape = (batch, length, -1, self.head_dim)
@@ -215,5 +244,4 @@ def kimi_delta_attention_forward(
     state = (self.num_heads, self.head_dim, self.head_dim)
     opening = delta_rule_opening(run, state)
     scanned = chunked_state_scan(run, opening, (query, key, value, g, beta), state, ctx.mesh, ctx.layout, ctx.mask)
-    gate = self.g_b_proj(self.g_a_proj(hidden_states)).view(shape)
-    return self.o_proj(self.o_norm(scanned, gate).reshape(batch, length, -1))
+    return self.o_proj(self.o_norm(scanned, gate.view(shape)).reshape(batch, length, -1))
