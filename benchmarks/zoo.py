@@ -105,8 +105,30 @@ def _starts(documents: tuple[int, ...]) -> list[int]:
     return [sum(documents[:i]) for i in range(len(documents))]
 
 
-def judge(name: str, got: torch.Tensor, fp32: torch.Tensor, fp64: torch.Tensor | None) -> tuple[float, str] | None:
-    """(distance over bound, description) of ``got`` against the references; None when both are exact zeros."""
+def module_floors(fp32: dict[str, torch.Tensor], fp64: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per module (a parameter name without its last part), the largest fp32 floor among its parameters' gradients.
+
+    A gradient that is zero in exact arithmetic (a key projection's bias: softmax ignores a shift shared by every
+    key) is rounding noise in both runs, and one run's noise is no robust measure of another's; its module's
+    other gradients, summed over the same tokens, give the floor it is judged by.
+    """
+    floors: dict[str, float] = {}
+    for name, want in fp32.items():
+        if name in fp64 and want.numel():
+            module = name.rpartition(".")[0]
+            floor = float((want.double() - fp64[name].double()).abs().max())
+            floors[module] = max(floors.get(module, 0.0), floor)
+    return floors
+
+
+def judge(
+    name: str, got: torch.Tensor, fp32: torch.Tensor, fp64: torch.Tensor | None, module_floor: float = 0.0
+) -> tuple[float, str] | None:
+    """(distance over bound, description) of ``got`` against the references; None when both are exact zeros.
+
+    ``module_floor``: the floor of the tensor's module (``module_floors``), which bounds a tensor that is zero to
+    fp32's precision (its float64 scale no larger than its own floor).
+    """
     got, fp32 = got.detach().double(), fp32.detach().double()
     gap = float((got - fp32).abs().max()) if got.numel() else 0.0
     if fp64 is None:  # no float64 run: judge against the fp32 reference at RTOL of its own scale
@@ -115,6 +137,7 @@ def judge(name: str, got: torch.Tensor, fp32: torch.Tensor, fp64: torch.Tensor |
         fp64 = fp64.detach().double()
         scale = float(fp64.abs().max()) if fp64.numel() else 0.0
         floor = float((fp32 - fp64).abs().max()) if fp64.numel() else 0.0
+        floor = max(floor, module_floor) if scale <= floor else floor  # noise in both runs: its module's floor
     bound = max(RTOL * scale, FLOOR_FACTOR * floor)
     if gap == 0.0:
         return 0.0, name
@@ -163,10 +186,14 @@ def _judge_family(
         want_logits, want_loss, want_grads = _reference(model, ids, documents)
     except Exception as error:
         return {"status": BUILD, "reason": f"one process cannot run its text path: {last_line(error)}"}
-    try:
+    default = torch.get_default_dtype()
+    try:  # as a float64 process: what the forward makes at the default dtype is float64 too (XGLM's mask fill)
+        torch.set_default_dtype(torch.float64)
         exact_logits, exact_loss, exact_grads = _reference(copy.deepcopy(pristine).double(), ids, documents)
     except Exception:  # a model that takes no float64 (a kernel, a dtype it hard-codes): RTOL alone
         exact_logits, exact_loss, exact_grads = None, None, {}
+    finally:
+        torch.set_default_dtype(default)
     reference_s = time.perf_counter() - started
 
     mesh = seqpar.make_mesh(sp_size=world_size)
@@ -188,6 +215,7 @@ def _judge_family(
     idx = shard_index("zigzag", world_size, rank, seq)
     judged = [judge("loss", total, want_loss, exact_loss)]
     judged.append(judge("logits", logits, want_logits[:, idx], None if exact_logits is None else exact_logits[:, idx]))
+    floors = module_floors(want_grads, exact_grads)
     for name, p in parallel.named_parameters():
         want = want_grads.get(name)
         got = p.grad
@@ -200,6 +228,7 @@ def _judge_family(
                 got if got is not None else torch.zeros_like(like),
                 want if want is not None else torch.zeros_like(like),
                 exact_grads.get(name),
+                floors.get(name.rpartition(".")[0], 0.0),
             )
         )
     worst = max(judged, key=lambda j: j[0])
@@ -221,8 +250,9 @@ def _merge(outcomes: list[dict[str, Any] | None]) -> dict[str, Any]:
         said = [o for o in outcomes if o is not None and o["status"] != EXACT]
         reason = f"ranks {silent} wrote no outcome" + (f"; another said {said[0]['reason']}" if said else "")
         return {"status": HANG, "reason": reason}
-    worst = max(_RANK[o["status"]] for o in outcomes)
-    chosen = [o for o in outcomes if _RANK[o["status"]] == worst]
+    rank = lambda o: _RANK.get(o["status"], _RANK[BUILD])  # noqa: E731 (a sweep's own could-not-judge status)
+    worst = max(rank(o) for o in outcomes)
+    chosen = [o for o in outcomes if rank(o) == worst]
     # the rank that failed by itself, not one that only lost its peer in a collective
     first = next((o for o in chosen if not lost_peer(o.get("reason", ""))), chosen[0])
     if first["status"] in (EXACT, WRONG):

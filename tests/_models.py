@@ -244,6 +244,14 @@ def tiny_config(kind: str):
             num_local_experts=2,
             num_experts_per_tok=2,  # every token takes both experts: no routing to flip under bf16
         )
+    if kind == "recurrent_gemma":  # RG-LRU blocks in layers 0 and 2, sliding-window attention (7 tokens) in 1
+        return transformers.RecurrentGemmaConfig(
+            **{**common, "num_hidden_layers": 3},
+            block_types=["recurrent", "attention", "recurrent"],
+            attention_window_size=7,
+            conv1d_width=4,
+            use_cache=False,  # with a cache the blocks keep their states on the module
+        )
     raise ValueError(kind)
 
 

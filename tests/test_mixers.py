@@ -1,7 +1,7 @@
 """Hybrid models' token mixers other than attention under seqpar (Note [mixer adapters]): LFM2's short convolution,
 the gated DeltaNet of Qwen3-Next, Qwen3.5 and Olmo-Hybrid, the Mamba2 layers of GraniteMoeHybrid, Bamba and
-Falcon-H1 and the Mamba1 layers of Jamba, Mamba and Falcon-Mamba (their convolutions and recurrent states passed
-between ranks).
+Falcon-H1, the Mamba1 layers of Jamba, Mamba and Falcon-Mamba and RecurrentGemma's RG-LRU blocks (their
+convolutions and recurrent states passed between ranks).
 
 Logits, loss and every parameter's gradient equal one process (unpacked rows) and each packed document run alone
 (documents of 1 and 2 tokens, shorter than the convolution, a boundary on a chunk edge, a document starting in
@@ -52,7 +52,7 @@ DOCUMENTS = (1, 2, 5, 6, 26, 8)
 
 KINDS = (
     "lfm2", "qwen3_next", "qwen3_5", "olmo_hybrid", "granitemoehybrid", "bamba", "falcon_h1", "nemotron_h", "mamba2",
-    "zamba2", "kimi_linear", "mamba", "falcon_mamba", "jamba", "minimax",
+    "zamba2", "kimi_linear", "mamba", "falcon_mamba", "jamba", "minimax", "recurrent_gemma",
 )  # fmt: skip
 
 
@@ -166,9 +166,9 @@ def _check(rank, world_size, mesh, kind, layout, packed, strategy="ring", checkp
         _close_or_at_floor(found, want, lambda i=index: exact()[1][i], bound, f"{what} {name}")
 
 
-EVERY_LAYOUT = ("lfm2", "qwen3_next", "granitemoehybrid", "kimi_linear", "mamba", "minimax")
-"""One family per adapter (short convolution, gated DeltaNet, Mamba2, KDA, Mamba1, lightning attention) runs every
-layout packed and not: the layouts change which chunks a rank's exchange composes, which the adapter does the same
+EVERY_LAYOUT = ("lfm2", "qwen3_next", "granitemoehybrid", "kimi_linear", "mamba", "minimax", "recurrent_gemma")
+"""One family per adapter (short convolution, gated DeltaNet, Mamba2, KDA, Mamba1, lightning attention, RG-LRU) runs
+every layout packed and not: the layouts change which chunks a rank's exchange composes, which the adapter does the same
 for each of its families; the other families (their own anatomy on the same adapter) run zigzag both ways and
 balanced packed."""
 
@@ -448,6 +448,7 @@ LORA_TARGETS = {
     "kimi_linear": ["q_proj", "k_proj", "v_proj", "o_proj"],
     "mamba": ["in_proj", "x_proj"],  # PEFT refuses Mamba's out_proj (the fused CUDA path reads its weight)
     "minimax": ["qkv_proj", "output_gate", "out_proj"],
+    "recurrent_gemma": ["linear_x", "linear_y", "linear_out"],
 }
 """The projections LoRA adapts in each family of ``EVERY_LAYOUT``: its mixer's own (attention's where the names are
 shared)."""
@@ -544,3 +545,20 @@ def test_mixer_implementations_read_what_transformers_dispatches_to(monkeypatch)
     assert "runs on cuda tensors, these are on cpu" in implementations(anatomy(model).mixers, "cpu")[0].why
     monkeypatch.setattr(module, "causal_conv1d_fn", lambda *a, **k: None)
     assert steps("cpu")[0][1] == "unknown"
+
+
+def test_rg_lru_row_counts_the_block_and_the_estimate_refuses_recurrent_gemma():
+    """Note [mixer rows]: the RG-LRU row counts the parameters of RecurrentGemma's recurrent block as built, and the
+    exchange ``chunked_state_scan`` makes for it (two float32 numbers per channel and chunk); the memory estimate
+    refuses the model by name rather than count its biased, half-width MLPs and biased ``o_proj`` as Llama's."""
+    from seqpar.models.mixers import RgLru
+
+    config = tiny_config("recurrent_gemma")
+    model = _model("recurrent_gemma")
+    row = RgLru.read(lambda name, default=None: getattr(config, name, default), RgLru.names, config.hidden_size)
+    block = anatomy(model).mixers[0]
+    assert row == RgLru(width=48, heads=4, conv_width=4)
+    assert row.params(config.hidden_size) == sum(p.numel() for p in block.parameters())
+    assert row.conv(config.hidden_size) == (48, 4) and row.exchange(rows=2, chunks=2) == 2 * 2 * 48 * 2 * 4
+    with pytest.raises(SeqparInputError, match="model type 'recurrent_gemma': seqpar's sizes describe"):
+        seqpar.estimate_memory(config, 1024, seqpar.ParallelDims(sp_size=2))

@@ -72,11 +72,15 @@ def toy_registered():
 
 
 def test_every_built_in_family_has_a_tiny_model_here():
+    """Each entry is judged against one process by a tiny model of this suite's, or by the zoo sweep's
+    (``tests/test_zoo.py``, whose record pins each family's status)."""
+    from seqpar.models.zoo import zoo_model_types
     from tests import _vlm_models
 
     hybrids = {tiny_config(kind).model_type for kind in HYBRIDS + OTHER_HYBRIDS}
     covered = {_config(kind).model_type for kind in KINDS} | set(_vlm_models.FAMILIES) | hybrids
-    assert set(FAMILIES) - {TOY.model_type} == covered
+    assert covered <= set(FAMILIES)
+    assert not set(FAMILIES) - {TOY.model_type} - covered - set(zoo_model_types())
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava"])
@@ -123,7 +127,10 @@ def test_every_family_resolves_its_anatomy(kind):
 
 HYBRIDS = ("lfm2", "qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "granitemoehybrid", "bamba", "falcon_h1")
 # families whose layers keep their parts elsewhere: by layer kind at one path, no attention, a shared block
-OTHER_HYBRIDS = ("nemotron_h", "mamba2", "zamba2", "kimi_linear", "minimax", "mamba", "falcon_mamba", "jamba")
+OTHER_HYBRIDS = (
+    *("nemotron_h", "mamba2", "zamba2", "kimi_linear", "minimax", "mamba", "falcon_mamba", "jamba"),
+    "recurrent_gemma",
+)
 
 
 @pytest.mark.parametrize("kind", OTHER_HYBRIDS)
@@ -147,6 +154,17 @@ def test_a_family_with_layer_kinds_shared_blocks_or_no_attention_resolves_every_
         assert parts.attention == (None, layers[1].self_attn, None)
         assert parts.mixers == (layers[0].self_attn, layers[2].self_attn)
         assert parts.mlps == tuple(layer.mlp for layer in layers)  # MiniMax: experts in every layer
+    elif kind == "recurrent_gemma":  # the RG-LRU block or attention at temporal_block, by the config's layer types
+        assert parts.attention == (None, layers[1].temporal_block, None)
+        assert parts.mixers == (layers[0].temporal_block, layers[2].temporal_block)
+        assert parts.mlps == tuple(layer.mlp_block for layer in layers) and parts.norm is model.model.final_norm
+        entry = FAMILIES[kind]  # a kind the entry does not map is named, with where it was read
+        register_family(dataclasses.replace(entry, kinds=(("linear_attention", "mixer"),)), replace=True)
+        try:
+            said = "layers[1].config.layers_block_type[1] of a known kind (linear_attention; it is 'sliding_attention')"
+            assert said in find_anatomy(model)
+        finally:
+            register_family(entry, replace=True)
     else:  # Zamba2: layers 0 and 2 run the shared attention block, then their own projection and Mamba2
         shared = (layers[0].shared_transformer.self_attn, layers[2].shared_transformer.self_attn)
         assert parts.attention == (shared[0], None, shared[1])
@@ -202,13 +220,13 @@ def test_a_module_outside_the_declared_parts_is_refused_by_name():
 
 
 def test_a_family_whose_anatomy_cannot_be_read_gets_the_clear_message():
-    """BLOOM computes attention in its own code (ALiBi), so no layer part reads as attention: refused, named."""
+    """BLOOM adds an ALiBi bias in its own attention code, which seqpar's attention does not apply: refused, named."""
     bloom = transformers.BloomForCausalLM(
         transformers.BloomConfig(n_layer=2, hidden_size=16, n_head=2, vocab_size=VOCAB)
     )
     why = find_anatomy(bloom)
     assert why.startswith("seqpar has no entry for 'bloom' models (BloomForCausalLM) and cannot read their anatomy: ")
-    assert "self_attention (BloomAttention)" in why and "register_family" in why
+    assert "BloomModel adds an ALiBi position bias" in why and "register_family" in why
     with pytest.raises(SeqparInputError, match=r"cannot find the parts of this model: seqpar has no entry for 'bloom'"):
         anatomy(bloom)
     with pytest.raises(SeqparInputError, match=r"cannot serve this model's attention: seqpar has no entry for 'bloom'"):
@@ -602,7 +620,7 @@ def test_seqpar_models_lists_entries_read_families_and_refusals(capsys):
     assert main(["models", "--only", "llama,olmo3,bloom,t5", "--json"]) == 0
     rows = {row["model_type"]: row for row in map(json.loads, capsys.readouterr().out.splitlines())}
     assert {k: r["status"] for k, r in rows.items()} == {"llama": "entry", "olmo3": "read", "bloom": "refused"}
-    assert "self_attention (BloomAttention)" in rows["bloom"]["why"]
+    assert "ALiBi" in rows["bloom"]["why"]
     assert main(["models", "--only", "olmo3"]) == 0
     assert "1 read" in capsys.readouterr().out
 
@@ -629,22 +647,23 @@ def test_a_mask_or_bias_the_family_builds_itself_is_refused():
             model(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
 
 
-def test_a_read_multimodal_family_serves_its_text_path_and_refuses_images():
-    """Mistral 3 has no entry: its text decoder is read and served; a call with pixels or PaliGemma-style token
-    types is refused, since no entry says how the family merges its images (Note [read anatomy])."""
+def test_a_read_multimodal_family_names_its_tower_or_why_images_are_refused():
+    """Mistral 3 has no entry: its text decoder and its vision tower (the child built from its vision_config) are
+    read, so calls with images run on whole rows (tests/test_zoo.py judges them against one process). PaliGemma's
+    own code masks its image and prefix tokens bidirectionally: its text path is served, and a call with pixels is
+    refused naming that (Note [read anatomy])."""
     from seqpar.models.zoo import IMAGE_TEXT_TO_TEXT, tiny_model
 
-    model = tiny_model("mistral3", (IMAGE_TEXT_TO_TEXT,))
+    read = find_anatomy(tiny_model("mistral3", (IMAGE_TEXT_TO_TEXT,)))
+    assert read.family.derived and read.family.vision == "vision_tower" and not read.family.images
+    assert read.name(read.decoder) == "model.language_model"
+    model = tiny_model("paligemma", (IMAGE_TEXT_TO_TEXT,))
     read = find_anatomy(model)
-    assert read.family.derived and read.family.vision is None and read.name(read.decoder) == "model.language_model"
+    assert read.family.vision is None and "masks its image tokens in its own code" in read.family.images
     model = seqpar.prepare_model(model, None)
     shard = seqpar.shard_batch({"input_ids": tokens(1, SEQ, 7) % 90 + 4}, None)
     call = dict(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
     with torch.no_grad():
         model(**call)
-        for extra in (
-            {"pixel_values": torch.zeros(1, 3, 16, 16)},
-            {"token_type_ids": torch.zeros_like(call["input_ids"])},
-        ):
-            with pytest.raises(SeqparInputError, match="belong to a whole-row call of a multimodal model"):
-                model(**call, **extra)
+        with pytest.raises(SeqparInputError, match="masks its image tokens in its own code"):
+            model(**call, pixel_values=torch.zeros(1, 3, 16, 16))

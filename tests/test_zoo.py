@@ -11,14 +11,20 @@ import json
 import pytest
 import transformers
 
-from benchmarks import ROOT
+from benchmarks import ROOT, zoo_images
 from benchmarks.zoo import BUILD, CRASH, EXACT, HANG, REFUSED, SET_ASIDE, WRONG, sweep, totals
 from seqpar.models.zoo import CAUSAL_LM, IMAGE_TEXT_TO_TEXT
 
 pytestmark = pytest.mark.zoo
 
 RECORD = ROOT / "benchmarks" / "zoo_cpu.json"
-AT_LEAST = {CAUSAL_LM: 117, IMAGE_TEXT_TO_TEXT: 58}
+IMAGES_RECORD = ROOT / "benchmarks" / "zoo_images_cpu.json"
+IMAGES_AT_LEAST = 48
+"""Image-text-to-text families exact with their images today."""
+IMAGES_SUBSET = ("llava", "qwen2_vl", "idefics3", "mistral3", "lfm2_vl", "video_llava")
+"""An image row of each pixel layout: plain images, Qwen's patch rows and grids (mRoPE), a batch of images per
+row with a pixel mask, an image and its size, NaFlex patches, a model with an image and a video tower."""
+AT_LEAST = {CAUSAL_LM: 135, IMAGE_TEXT_TO_TEXT: 72}
 """Exact families today (the floor a change may not go below; raise it as families are added)."""
 SUBSET = ("llama", "gemma3_text", "qwen3_next", "olmo3", "gpt2", "opt", "falcon", "glm4_moe", "phi", "llava")
 """Families of every kind seqpar reads or has an entry for: dense, sliding windows, hybrid, learned positions,
@@ -72,3 +78,37 @@ def test_the_negative_control_comes_out_wrong():
 
 def test_statuses_are_the_documented_ones():
     assert {v["status"] for v in _record()["models"].values()} <= {EXACT, REFUSED, BUILD, SET_ASIDE}
+
+
+@pytest.fixture(scope="module")
+def with_images() -> dict:
+    return zoo_images.sweep(2)
+
+
+def test_families_with_images_are_exact_or_refused_by_name(with_images):
+    """Every image-text-to-text family with an image row on whole rows: none wrong, crashed or hung."""
+    bad = {k: v for k, v in with_images.items() if v["status"] in (WRONG, CRASH, HANG)}
+    assert not bad, json.dumps(bad, indent=1)
+    assert zoo_images.totals(with_images)[EXACT] >= IMAGES_AT_LEAST, zoo_images.totals(with_images)
+    refused = {k: v["reason"] for k, v in with_images.items() if v["status"] == REFUSED}
+    assert "masks its image tokens in its own code" in refused["paligemma"]  # a prefix block: text only
+
+
+def test_the_images_record_is_this_sweep(with_images):
+    record = json.loads(IMAGES_RECORD.read_text())[-1]
+    if record["transformers"] != transformers.__version__:
+        pytest.skip(f"the record is of transformers {record['transformers']}; run python -m benchmarks.zoo_images")
+    changed = {
+        k: (record["models"].get(k, {}).get("status"), v["status"])
+        for k, v in with_images.items()
+        if record["models"].get(k, {}).get("status") != v["status"]
+    }
+    assert not changed, f"(record, now): {changed}; rerun python -m benchmarks.zoo_images and scripts/records.py"
+
+
+def test_images_at_three_ranks_and_the_negative_control():
+    """A subset at sp 3 stays exact; with gradients left unreduced every one of them comes out wrong."""
+    outcomes = zoo_images.sweep(3, list(IMAGES_SUBSET))
+    assert {k: v["status"] for k, v in outcomes.items()} == dict.fromkeys(IMAGES_SUBSET, EXACT), outcomes
+    control = zoo_images.sweep(2, list(IMAGES_SUBSET[:3]), control=True)
+    assert {k: v["status"] for k, v in control.items()} == dict.fromkeys(IMAGES_SUBSET[:3], WRONG), control

@@ -37,7 +37,9 @@ def _row(model_type: str, entry: object) -> dict:
     if why is not None:
         return row | {"status": "refused", "why": short_reason(why)}
     family = find_anatomy(model).family
-    return row | {"status": "read" if family.derived else "entry", "why": ""}
+    multimodal = getattr(model.config, "vision_config", None) is not None
+    images = ("with images" if family.vision else "text only") if multimodal else ""
+    return row | {"status": "read" if family.derived else "entry", "images": images, "why": family.images or ""}
 
 
 def run_models(args: argparse.Namespace) -> int:
@@ -65,11 +67,12 @@ def run_models(args: argparse.Namespace) -> int:
             print(json.dumps(row))
         return 0
     for row in rows:
-        print(f"{row['model_type']:30s} {row['status']:10s} {row['why'][:200]}")
+        print(f"{row['model_type']:30s} {row['status']:10s} {row.get('images', ''):12s} {row['why'][:200]}")
     counts = ", ".join(f"{sum(r['status'] == s for r in rows)} {s}" for s in _STATUSES)
     print(
         f"\n{len(rows)} model types of transformers {transformers.__version__}: {counts}. 'entry': seqpar's "
-        "registry describes the family; 'read': its anatomy is read from the model (Note [read anatomy]). Whether "
-        "each served family equals one process is measured by the zoo sweep: docs/models.md."
+        "registry describes the family; 'read': its anatomy is read from the model (Note [read anatomy]); 'with "
+        "images': calls with pixels are served on whole rows (Note [whole-row calls]). Whether each served family "
+        "equals one process is measured by the zoo sweeps: docs/models.md."
     )
     return 0

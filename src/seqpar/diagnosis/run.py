@@ -37,7 +37,7 @@ from seqpar.loss import count_valid_tokens, cross_entropy, sum_over
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
 from seqpar.sequence_parallel.layouts.chunks import gather_sequence, shard_sequence
 from seqpar.sequence_parallel.mixers import implementations
-from seqpar.sequence_parallel.prepare import ATTENTION_NAME, last_attention_choice, prepare_model
+from seqpar.sequence_parallel.prepare import is_prepared, last_attention_choice, prepare_model
 from seqpar.sequence_parallel.strategies.registry import AUTO
 from seqpar.sequence_parallel.whole_rows import SHARD_REFUSED
 
@@ -150,7 +150,7 @@ def doctor(
             model's call checks) is reported as a "refused" pitfall with no comparison instead.
     """
     sp = as_sp_mesh(mesh)
-    if getattr(getattr(model, "config", None), "_attn_implementation", None) == ATTENTION_NAME:
+    if is_prepared(model):
         raise SeqparInputError(
             "seqpar.doctor takes the model before seqpar.prepare_model (it prepares a copy itself and runs the "
             "model's own attention as the one-process reference)"

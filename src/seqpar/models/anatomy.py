@@ -176,12 +176,13 @@ def _part(owner: nn.Module, path: str | None, kind: type, where: str, missing: l
     return found
 
 
-def _layer_parts(family: Family, layers: nn.ModuleList, missing: list[str]) -> dict:
+def _layer_parts(family: Family, layers: nn.ModuleList, missing: list[str], config: object = None) -> dict:
     """The per-layer parts: attention, MLPs, per-token blocks, norms and other mixers (missing paths noted).
 
     A family with other token mixers is a hybrid: each layer holds its attention or one of its mixers (or
     both), and an MLP or not, so a layer misses a part only when it has none of them. Where one path names
-    several parts (Nemotron-H's ``mixer``), the layer's kind (``kinds``) says which it holds.
+    several parts (Nemotron-H's ``mixer``), the layer's kind (``kinds``) says which it holds, read from the layer
+    (``layer_kind``) or from the decoder's ``config`` (``kinds_field``).
     """
     from torch import nn
 
@@ -189,16 +190,18 @@ def _layer_parts(family: Family, layers: nn.ModuleList, missing: list[str]) -> d
     paths = [family.attention, *([family.mlp] if family.mlp else []), *family.mixers]
     shared = {path for path in paths if paths.count(path) > 1}  # the paths whose part the layer's kind decides
     attention, mlps, per_token, norms, mixers = [], [], [], [], []
+    listed = list(getattr(config, family.kinds_field, None) or ()) if family.kinds_field else []
     for i, layer in enumerate(layers):
         where = f"layers[{i}]."
-        kind = _get(layer, family.layer_kind) if family.layer_kind else None
+        kind = _get(layer, family.layer_kind) if family.layer_kind else listed[i] if i < len(listed) else None
 
         def at(path: str, part: str, layer: nn.Module = layer, kind: object = kind) -> nn.Module | None:
             found = _get(layer, path) if path is not None else None
             return found if isinstance(found, nn.Module) and (path not in shared or kinds.get(kind) == part) else None
 
         if kinds and kind not in kinds:
-            missing.append(f"{where}{family.layer_kind} of a known kind ({', '.join(kinds)}; it is {kind!r})")
+            at_kind = family.layer_kind or f"config.{family.kinds_field}[{i}]"  # where the kind was read
+            missing.append(f"{where}{at_kind} of a known kind ({', '.join(kinds)}; it is {kind!r})")
             continue
         if family.mixers:
             found = [m for m in (at(path, "mixer") for path in family.mixers) if m is not None]
@@ -255,7 +258,7 @@ def find_anatomy(model: object) -> ModelAnatomy | str:
         embedding=_part(decoder, family.embedding, nn.Module, "", missing),
         norm=_part(decoder, family.norm, nn.Module, "", missing),
         rotary=_part(decoder, family.rotary, nn.Module, "", missing),
-        **_layer_parts(family, layers, missing),
+        **_layer_parts(family, layers, missing, getattr(decoder, "config", None)),
     )
     if missing:
         return _missing(model, family, missing)

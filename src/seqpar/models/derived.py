@@ -8,15 +8,17 @@ Note [read anatomy]
     embedding, the layer list and the final norm in order, ``_no_split_modules`` the decoder-layer class, and the
     ``base_model_tp_plan`` the attention and MLP projections of each layer. What the plans leave out is read from
     the module classes: a layer's child is its attention when its class calls transformers' attention functions
-    (the only way seqpar can serve it), a norm when its class is a norm, an MLP when the tp plan, its name or
-    its class says so and it holds no convolution, a mixture of experts when it holds ``experts``; a layer's own
-    linear projections act on each token. A text decoder whose own ``model_type`` has an entry (a registered
+    or has an attention adapter (``OWN_ATTENTION``, Note [attention adapters]; its cross-attention over encoder
+    states acts on each token), a norm when its class is a norm, an MLP when the tp plan, its name or its class
+    says so and it holds no convolution, a mixture of experts when it holds ``experts``; a layer's own linear
+    projections act on each token. A text decoder whose own ``model_type`` has an entry (a registered
     decoder inside a multimodal model) keeps that entry's paths. Nothing is guessed into a part that could mix
     tokens: a child that fits none of these stays undeclared, and the declared-parts rule (Note [declared layer
     parts]) refuses the model naming it. Refused too, by name: an attention module holding a nested block of its
-    own (a sparse-attention indexer selects keys seqpar's attention would not see), and layer types whose masks
-    seqpar does not build (chunked attention). A read entry serves the text path; it names no vision tower, so
-    a call with images is refused until an entry says how the family merges them. The read entry is checked
+    own (a sparse-attention indexer selects keys seqpar's attention would not see), layer types whose masks
+    seqpar does not build (chunked attention), and position biases a family adds to its scores in its own code
+    (ALiBi, a learned relative bias). A read entry serves the text path; it names no vision tower, so a call with
+    images is refused until an entry says how the family merges them. The read entry is checked
     again at run time: every attention module that runs must have called seqpar's attention (Note [attention
     went through seqpar]).
 """
@@ -25,9 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 from typing import TYPE_CHECKING
 
 from seqpar.models.families import FAMILIES, Family
+from seqpar.models.own_attention import own_attention, own_positions_class
 
 if TYPE_CHECKING:
     from torch import nn
@@ -35,6 +39,7 @@ if TYPE_CHECKING:
 _MLP_WORDS = ("mlp", "feedforward", "feed_forward", "ffn", "moe", "experts")
 _PLAIN_STYLES = ("colwise", "rowwise")
 _MASK_KINDS = ("full_attention", "sliding_attention")  # the layer types whose masks seqpar builds for a read entry
+_OWN_IMAGE_MASKS = ("block_sequence_ids", "or_mask_function", "token_type_ids")  # words of a model's own image masks
 PER_TOKEN_CLASSES = frozenset({"ErgoResidualGate", "MuseSparkResidualGate", "JetMoeMoA"})
 """Parts that act on each token alone although no name or class word says so, read in their transformers source:
 a learned weight per hidden dimension mixing a branch into the residual stream (Ergo, Muse Spark), a mixture of
@@ -64,7 +69,10 @@ def _calls_attention_functions(module: nn.Module) -> bool:
 
 def _nested_block(attention: nn.Module) -> str | None:
     """The name and class of a child of ``attention`` that holds parameterised children of its own, or None."""
+    own = own_attention(attention)
     for name, child in attention.named_children():
+        if own is not None and name in own.inner:  # the projections its adapter reads (Note [attention adapters])
+            continue
         if type(child).__name__ in PER_TOKEN_CLASSES:
             continue
         if not _is_norm(child) and any(next(c.parameters(), None) is not None for c in child.children()):
@@ -143,9 +151,12 @@ def _layer_parts(layers: nn.ModuleList, tp_plan: dict) -> dict | str:
     for i, layer in enumerate(layers):
         attention, mlps, norms, linears = [], [], [], []
         for name, child in layer.named_children():
+            own = own_attention(child)  # attention in its own code, served by an adapter (Note [attention adapters])
             if _is_norm(child):
                 norms.append(name)
-            elif _calls_attention_functions(child):
+            elif own is not None and name in own.cross:  # over whole encoder states it acts on each token alone
+                linears.append(name)
+            elif own is not None or _calls_attention_functions(child):
                 attention.append(name)
             elif isinstance(child, nn.Linear) or type(child).__name__ in PER_TOKEN_CLASSES:
                 linears.append(name)  # an MLP's projections held by the layer itself (OPT's fc1, fc2), a gate
@@ -156,7 +167,8 @@ def _layer_parts(layers: nn.ModuleList, tp_plan: dict) -> dict | str:
             others = [f"{n} ({type(c).__name__})" for n, c in layer.named_children() if n not in known]
             return (
                 f"layer {i} ({type(layer).__name__}) holds {len(attention)} attention module(s) that call "
-                f"transformers' attention functions ({', '.join(attention) or 'none'}) and {len(mlps)} MLP(s) "
+                f"transformers' attention functions or have a seqpar adapter ({', '.join(attention) or 'none'}) "
+                f"and {len(mlps)} MLP(s) "
                 f"({', '.join(mlps) or 'none'}), where seqpar reads one of each; its other parts: "
                 f"{', '.join(others) or 'none'}"
             )
@@ -222,6 +234,30 @@ def _head(model: nn.Module, text: nn.Module) -> str | None:
     return heads[0] if len(heads) == 1 else None
 
 
+def _vision_tower(model: nn.Module, decoder: str) -> dict:
+    """The multimodal model's vision tower: ``vision``, its path from the model at ``decoder`` (the one child built
+    from ``config.vision_config``), or ``images``, why calls with images are refused (no such tower, or the
+    model's own code makes image tokens attend otherwise than causally, which seqpar's mask would not do)."""
+    vision = getattr(getattr(model, "config", None), "vision_config", None)
+    try:
+        outer = model.get_submodule(decoder)
+    except AttributeError:
+        return {}
+    towers = [n for n, c in outer.named_children() if vision is not None and getattr(c, "config", None) is vision]
+    sources = "".join(inspect.getsource(cls.forward) for cls in {type(outer), type(model)} if hasattr(cls, "forward"))
+    own_masks = [word for word in _OWN_IMAGE_MASKS if re.search(rf"\b{word}\b", sources)]  # not mm_token_type_ids
+    name = type(model).__name__
+    if own_masks:
+        return {"images": f"{name} masks its image tokens in its own code ({', '.join(own_masks)}: a bidirectional "
+                          "image or prefix block), which seqpar's causal attention would not reproduce; seqpar serves "
+                          "its text path only"}  # fmt: skip
+    towers = [n for n in towers if "image" in n] if len(towers) > 1 else towers  # Video-LLaVA's image and video
+    if len(towers) != 1:
+        return {"images": f"{name} holds no single module built from its vision_config that seqpar reads as its "
+                          "image tower; seqpar serves its text path only"}  # fmt: skip
+    return {"vision": towers[0]}
+
+
 def _unknown_masks(config: object) -> str | None:
     """Why the decoder's attention masks are ones seqpar does not build, or None (causal, sliding windows)."""
     kinds = sorted({kind for kind in getattr(config, "layer_types", None) or () if kind not in _MASK_KINDS})
@@ -233,6 +269,48 @@ def _unknown_masks(config: object) -> str | None:
         size = config.attention_chunk_size
         return f"its attention is chunked (attention_chunk_size={size}), a mask seqpar does not build"
     return None
+
+
+def _position_bias(model: nn.Module, text: nn.Module) -> str | None:
+    """Why the decoder's attention adds a position bias of its own making that seqpar's attention would not apply
+    (each rank would add it over its own shard alone, where it is not refused as a mask tensor), or None."""
+    try:
+        source = inspect.getsource(type(text).forward)
+    except (OSError, TypeError):
+        source = ""
+    flagged = any(hasattr(getattr(text, "config", None), name) for name in ("alibi", "use_alibi"))  # _unknown_masks
+    if not flagged and "alibi" in source.lower():  # Bloom and MPT build it in the decoder for their own attention
+        return (
+            f"{type(text).__name__} adds an ALiBi position bias (a slope per head times the key's position) to its "
+            "attention scores in its own code, which seqpar's attention does not apply"
+        )
+    for name, module in model.named_modules():  # T5-style buckets with a learned bias per bucket and head
+        if hasattr(module, "relative_attention_bias"):
+            return (
+                f"its attention adds a learned relative position bias ({name}: {type(module).__name__}), which "
+                "seqpar's attention does not apply"
+            )
+    return None
+
+
+def _own_positions(text: nn.Module) -> str | None:
+    """Why the decoder numbers its tokens itself, not from the call's position ids, or None: its forward takes no
+    ``position_ids`` and it holds a position table, which would number every rank's shard from 0."""
+    try:
+        takes = "position_ids" in inspect.signature(type(text).forward).parameters
+    except (TypeError, ValueError):
+        takes = True
+    tables = [
+        f"{n} ({type(c).__name__})"
+        for n, c in text.named_children()
+        if "position" in type(c).__name__.lower() and own_positions_class(c) is None  # none seqpar's adapter serves
+    ]
+    if takes or not tables:
+        return None
+    return (
+        f"{type(text).__name__}'s forward takes no position_ids: its {tables[0]} numbers each call's tokens from 0, "
+        "so every rank would number its own shard from 0"
+    )
 
 
 def _text_decoder(model: nn.Module) -> nn.Module:
@@ -273,11 +351,13 @@ def derive_family(model: nn.Module) -> Family | str:
     decoder, _, text_model = path.partition(".") if path else ("model", "", "")
     text_model = text_model or None
     head = _head(model, text) if text is not model else None
+    vision = _vision_tower(model, decoder) if text_model else {}
     entry = FAMILIES.get(getattr(getattr(text, "config", None), "model_type", None))
     if entry is not None and entry.text_model is None:  # a registered text decoder inside another model
         return dataclasses.replace(entry, model_type=model_type, decoder=decoder, text_model=text_model,
-                                   head=head or "lm_head", attention_interface=True, derived=True)  # fmt: skip
-    masks = _unknown_masks(getattr(text, "config", None))
+                                   head=head or "lm_head", attention_interface=True, derived=True,
+                                   **vision)  # fmt: skip
+    masks = _unknown_masks(getattr(text, "config", None)) or _position_bias(model, text) or _own_positions(text)
     if masks:
         return masks
     parts = _decoder_parts(text)
@@ -301,5 +381,6 @@ def derive_family(model: nn.Module) -> Family | str:
         tp_plan=_tp_plan(tp_plan, layer["attention"], layer["mlp"], layer["experts"]),
         attention_interface=True,  # checked at run time (Note [attention went through seqpar])
         derived=True,
+        **vision,
         **layer,
     )

@@ -33,6 +33,10 @@ from dataclasses import dataclass
 
 from seqpar.errors import SeqparInputError
 from seqpar.models.hybrid_families import (
+    NEMOTRON_MAMBA2,
+    SSM_MAMBA1,
+    SSM_MAMBA2,
+    ZAMBA_MAMBA2,
     count_layer_types,
     kimi_config,
     kimi_fields,
@@ -103,6 +107,9 @@ class Family:
     kinds: tuple[tuple[str, str], ...] = ()
     """(a ``layer_kind`` value, "attention", "mixer" or "mlp"): which part a layer of that kind holds at a path
     the entry names for more than one part."""
+    kinds_field: str | None = None
+    """The config field listing each layer's kind, for a family whose layers keep attention or a token mixer under
+    one path and do not hold their kind (RecurrentGemma's ``layers_block_type``): read in place of ``layer_kind``."""
     tp_plan: tuple[tuple[str, str], ...] | None = LLAMA_TP_PLAN
     """(path from a layer, "colwise" or "rowwise") for tensor parallel; None: the family has no plan."""
     vision: str | None = None
@@ -136,6 +143,8 @@ class Family:
     image_rows: str | None = None
     """How ``seqpar doctor`` lays out generated image rows from the config alone: "grids" (Qwen-VL's image grids
     between vision delimiters), "blocks" (Gemma 3's begin/end tokens around a fixed run); None: it does not."""
+    images: str | None = None
+    """Why calls with images are refused where seqpar serves the text path only (Note [read anatomy]); None: none."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_type, str) or not self.model_type:
@@ -151,44 +160,21 @@ class Family:
         if self.positions not in ("text", "mrope"):
             raise SeqparInputError(f"a family's positions must be 'text' or 'mrope', got {self.positions!r}")
         parts = [part for _, part in self.kinds if part not in ("attention", "mixer", "mlp")]
-        if parts or bool(self.kinds) != (self.layer_kind is not None):
+        if parts or bool(self.kinds) != (self.layer_kind is not None or self.kinds_field is not None):
             raise SeqparInputError(
                 f"a family's kinds map layer kinds to 'attention', 'mixer' or 'mlp' and come with its layer_kind "
-                f"path, got layer_kind={self.layer_kind!r}, kinds={self.kinds!r}"
+                f"path or kinds_field, got layer_kind={self.layer_kind!r}, kinds={self.kinds!r}"
             )
         bad = [style for _, style in self.tp_plan or () if style not in _TP_STYLES]
         if bad:
             raise SeqparInputError(f"tp_plan styles must be {' or '.join(_TP_STYLES)}, got {bad}")
 
 
-_GEMMA_NORMS = (
-    "input_layernorm",
-    "post_attention_layernorm",
-    "pre_feedforward_layernorm",
-    "post_feedforward_layernorm",
-)
+_NORMS = ("input_layernorm", "post_attention_layernorm")  # Llama's
+_GEMMA_NORMS = (*_NORMS, "pre_feedforward_layernorm", "post_feedforward_layernorm")
 _MOE = dict(experts="experts", tp_plan=None)  # experts are not split by tensor parallel
 _QWEN_VL = dict(text_model="language_model", vision="visual", positions="mrope", vision_units=True, image_rows="grids")
 _GATED_GDN = Hybrid(GatedDeltaNet, attention_gate=True, qk_norm="head")  # Qwen3-Next's and Qwen3.5's attention
-_SSM_MAMBA2 = (  # Mamba2's own config names
-    *(("heads", "num_heads"), ("head_dim", "head_dim"), ("state", "state_size"), ("groups", "n_groups")),
-    *(("conv_width", "conv_kernel"), ("chunk", "chunk_size"), ("conv_bias", "use_conv_bias")),
-    *(("proj_bias", "use_bias"), ("expand", None)),
-)
-_SSM_MAMBA1 = (  # Mamba's and Falcon-Mamba's
-    *(("inner", "intermediate_size"), ("state", "state_size"), ("conv_width", "conv_kernel")),
-    *(("dt_rank", "time_step_rank"), ("conv_bias", "use_conv_bias"), ("proj_bias", "use_bias")),
-)
-_NEMOTRON_MAMBA2 = (
-    *(("heads", "mamba_num_heads"), ("head_dim", "mamba_head_dim"), ("state", "ssm_state_size")),
-    *(("groups", "n_groups"), ("conv_width", "conv_kernel"), ("chunk", "chunk_size")),
-    *(("conv_bias", "use_conv_bias"), ("proj_bias", "use_bias"), ("expand", None)),
-)
-_ZAMBA_MAMBA2 = (  # its head width derived from the expansion, its convolution biased, its projections not
-    *(("heads", "n_mamba_heads"), ("head_dim", None), ("groups", "mamba_ngroups"), ("chunk", "chunk_size")),
-    *(("conv_bias", True), ("proj_bias", False)),
-)
-
 FAMILIES: dict[str, Family] = {
     family.model_type: family
     for family in (
@@ -240,6 +226,17 @@ FAMILIES: dict[str, Family] = {
         Family("qwen2_moe", **_MOE),  # dense MLPs in mlp_only_layers, experts elsewhere
         Family("qwen3_moe", **_MOE),
         Family("gpt_oss", **_MOE),
+        Family(  # each block wraps its two norms and attention in norm_attn_norm; experts in ffn
+            "dbrx",
+            decoder="transformer",
+            layers="blocks",
+            embedding="wte",
+            norm="norm_f",
+            attention="norm_attn_norm.attn",
+            mlp="ffn",
+            layer_norms=("norm_attn_norm.norm_1", "norm_attn_norm.norm_2"),
+            **_MOE,
+        ),
         # MLA attention: queries and keys of one head size, values of another (Note [value head size])
         Family("deepseek_v2", mla=True, **_MOE),  # dense MLPs in the first first_k_dense_replace layers, experts after
         Family("deepseek_v3", mla=True, **_MOE),
@@ -253,6 +250,17 @@ FAMILIES: dict[str, Family] = {
             mixers=("conv",),
             tp_plan=None,
             hybrid=Hybrid(ShortConv, qk_norm="head", layer_type="conv", fields=lfm2_fields, config=lfm2_config),
+        ),
+        Family(  # LFM2's anatomy, experts in the layers after the first dense ones
+            "lfm2_moe",
+            norm="embedding_norm",
+            rotary="pos_emb",
+            mlp="feed_forward",
+            experts="experts",
+            layer_norms=("operator_norm", "ffn_norm"),
+            mixers=("conv",),
+            tp_plan=None,
+            hybrid=Hybrid(ShortConv, qk_norm="head", layer_type="conv"),
         ),
         Family(  # LFM2's anatomy with sandwich norms, sliding-window layers and a per-head gate on attention
             "lfm3",
@@ -322,7 +330,7 @@ FAMILIES: dict[str, Family] = {
             tp_plan=None,
             hybrid=Hybrid(
                 Mamba2,
-                names=_NEMOTRON_MAMBA2,
+                names=NEMOTRON_MAMBA2,
                 types_field="layers_block_type",
                 biases=("mlp_bias",),
                 fields=nemotron_fields,
@@ -339,7 +347,7 @@ FAMILIES: dict[str, Family] = {
             layer_norms=("norm",),
             mixers=("mixer",),
             tp_plan=None,
-            hybrid=Hybrid(Mamba2, names=_SSM_MAMBA2, state_space=True),
+            hybrid=Hybrid(Mamba2, names=SSM_MAMBA2, state_space=True),
         ),
         Family(  # Mamba1 in every layer, no attention; the blocks are called with the mask alone
             "mamba",
@@ -351,7 +359,7 @@ FAMILIES: dict[str, Family] = {
             mixers=("mixer",),
             mask_context="mask",
             tp_plan=None,
-            hybrid=Hybrid(Mamba1, names=_SSM_MAMBA1, state_space=True),
+            hybrid=Hybrid(Mamba1, names=SSM_MAMBA1, state_space=True),
         ),
         Family(  # Mamba's anatomy; its mixer normalises dt, B and C
             "falcon_mamba",
@@ -363,7 +371,7 @@ FAMILIES: dict[str, Family] = {
             mixers=("mixer",),
             mask_context="mask",
             tp_plan=None,
-            hybrid=Hybrid(Mamba1, names=(*_SSM_MAMBA1, ("dt_norms", True)), state_space=True),  # weightless norms
+            hybrid=Hybrid(Mamba1, names=(*SSM_MAMBA1, ("dt_norms", True)), state_space=True),  # weightless norms
         ),
         Family(  # each layer holds Mamba1 or attention (no rotary), then experts or an MLP
             "jamba",
@@ -416,7 +424,7 @@ FAMILIES: dict[str, Family] = {
             tp_plan=None,
             hybrid=Hybrid(
                 Mamba2,
-                names=_ZAMBA_MAMBA2,
+                names=ZAMBA_MAMBA2,
                 shared_word="hybrid",
                 layer_type="mamba",
                 types_field="layers_block_type",
@@ -443,6 +451,18 @@ FAMILIES: dict[str, Family] = {
             kinds=(("full_attention", "attention"), ("linear_attention", "mixer")),
             hybrid=Hybrid(Lightning),
             **_MOE,
+        ),
+        Family(  # the RG-LRU block (Note [RG-LRU state]) or sliding-window attention (rotary inside) at temporal_block
+            "recurrent_gemma",
+            norm="final_norm",
+            rotary=None,
+            attention="temporal_block",
+            mlp="mlp_block",
+            layer_norms=("temporal_pre_norm", "channel_pre_norm"),
+            mixers=("temporal_block",),
+            kinds_field="layers_block_type",
+            kinds=(("sliding_attention", "attention"), ("linear_attention", "mixer")),
+            tp_plan=None,
         ),
     )
 }

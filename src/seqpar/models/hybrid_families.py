@@ -15,6 +15,26 @@ from seqpar.models.mixers import Get
 # in the import order.
 ModelSizes = Any
 
+# Config names of state-space mixers that differ from their rows' (Note [hybrid sizes]), per family
+SSM_MAMBA2 = (  # Mamba2's own config names
+    *(("heads", "num_heads"), ("head_dim", "head_dim"), ("state", "state_size"), ("groups", "n_groups")),
+    *(("conv_width", "conv_kernel"), ("chunk", "chunk_size"), ("conv_bias", "use_conv_bias")),
+    *(("proj_bias", "use_bias"), ("expand", None)),
+)
+SSM_MAMBA1 = (  # Mamba's and Falcon-Mamba's
+    *(("inner", "intermediate_size"), ("state", "state_size"), ("conv_width", "conv_kernel")),
+    *(("dt_rank", "time_step_rank"), ("conv_bias", "use_conv_bias"), ("proj_bias", "use_bias")),
+)
+NEMOTRON_MAMBA2 = (
+    *(("heads", "mamba_num_heads"), ("head_dim", "mamba_head_dim"), ("state", "ssm_state_size")),
+    *(("groups", "n_groups"), ("conv_width", "conv_kernel"), ("chunk", "chunk_size")),
+    *(("conv_bias", "use_conv_bias"), ("proj_bias", "use_bias"), ("expand", None)),
+)
+ZAMBA_MAMBA2 = (  # its head width derived from the expansion, its convolution biased, its projections not
+    *(("heads", "n_mamba_heads"), ("head_dim", None), ("groups", "mamba_ngroups"), ("chunk", "chunk_size")),
+    *(("conv_bias", True), ("proj_bias", False)),
+)
+
 
 def count_layer_types(get: Get) -> int:
     """Nemotron-H's ``num_hidden_layers``: its config derives them from the layer types."""

@@ -42,7 +42,7 @@ from seqpar.pipeline_parallel.stages import (
     original_names,
     split_model,
 )
-from seqpar.sequence_parallel.prepare import ATTENTION_NAME
+from seqpar.sequence_parallel.prepare import is_prepared
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
@@ -272,7 +272,7 @@ def apply_pipeline_parallel(
         microbatches=int(microbatches),
         stages_per_rank=int(stages_per_rank),
         layers=len(parts.layers) if found else -1,
-        prepared=getattr(getattr(model, "config", None), "_attn_implementation", None) == ATTENTION_NAME,
+        prepared=is_prepared(model),
         chunk_size=int(loss_chunk_size or 0),
         chunked=loss_chunk_size is not None,
         custom_loss=loss_fn is not None,

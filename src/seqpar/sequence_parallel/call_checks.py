@@ -132,7 +132,10 @@ def agree_on_call(
         positions_dims=tuple([*shape, 0, 0][:2]),
     )
     table = [signature] if sp.sp_size == 1 else exchange_signatures(signature, sp.sp_group)
-    problems = by_rank([[m for name, m in CALL_PROBLEMS.items() if getattr(row, name)] for row in table])
+    said = CALL_PROBLEMS
+    if getattr(family, "images", None):  # images seqpar cannot serve for this model: the reason first
+        said = {"multimodal_keys": family.images} | {k: m for k, m in said.items() if k != "multimodal_keys"}
+    problems = by_rank([[m for name, m in said.items() if getattr(row, name)] for row in table])
     same = (table[0].positions_ndim, table[0].positions_dims)
     if not problems and any((row.positions_ndim, row.positions_dims) != same for row in table):
         shapes = "; ".join(f"rank {r}: {row.positions_shape}" for r, row in enumerate(table))

@@ -16,10 +16,14 @@ Note [context in the mask]
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.layouts.chunks import Layout
 from seqpar.sequence_parallel.masks import SequenceMask
+
+if TYPE_CHECKING:
+    import torch
 
 CONTEXT_KEY = "seqpar_context"
 """The keyword under which the ``CallContext`` reaches the layers."""
@@ -44,6 +48,9 @@ class CallContext:
     attended: set = field(default_factory=set)
     """``id`` of each attention module that is running and has called seqpar's attention (Note [attention went
     through seqpar])."""
+    positions: torch.Tensor | None = None
+    """This rank's global position ids as the call gave them, for a position table that its family's decoder
+    does not hand them to (Note [attention adapters]); None where the call had none."""
 
 
 def adapter_context(module: object, cache: object | None, kwargs: dict, *, silu: bool = True) -> CallContext:

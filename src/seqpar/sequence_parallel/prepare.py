@@ -16,11 +16,13 @@ Note [transformers integration]
 
 Note [attention went through seqpar]
     A family's attention is served only if its attention modules call the function transformers' attention
-    interface hands them. One that computes its softmax in its own code, or switches backend on its own, would
-    attend over its local shard alone and run silently wrong. So each attention module the anatomy names gets a
-    forward pre-hook that takes it off the call context's ``attended`` set, seqpar's attention puts the calling
-    module back on it, and a forward hook checks, as the module returns, that it is there; one that is not
-    raises, naming the module, before its output reaches the loss. Every rank runs the same code, so every rank
+    interface hands them (or, where a class computes its softmax in its own code, whose adapter calls seqpar's
+    attention: Note [attention adapters]). One that computes its softmax in its own code without an adapter, or
+    switches backend on its own, would attend over its local shard alone and run silently wrong. So each
+    attention module the anatomy names (and each adapted cross-attention) gets a forward pre-hook that takes it
+    off the call context's ``attended`` set, seqpar's attention puts the calling module back on it, and a
+    forward hook checks, as the module returns, that it is there; one that is not raises, naming the module,
+    before its output reaches the loss. Every rank runs the same code, so every rank
     raises at the same module. The check costs a set lookup per layer and holds for every call (and for each
     recomputation under activation checkpointing), so an entry read from the model (Note [read anatomy]) and
     one written by hand are checked alike.
@@ -55,6 +57,13 @@ from seqpar.errors import SeqparInputError
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
 from seqpar.models import ModelAnatomy, find_anatomy
 from seqpar.sequence_parallel.api import AttentionChoice, attention_and_choice
+from seqpar.sequence_parallel.attention_adapters import (
+    adapt_attention,
+    adapted_only,
+    cross_attention,
+    position_tables,
+    unfit_attention,
+)
 from seqpar.sequence_parallel.call_checks import (
     LAYOUT_KEYWORD,
     agree_on_call,
@@ -78,6 +87,7 @@ from seqpar.sequence_parallel.whole_rows import (
 )
 
 ATTENTION_NAME = "seqpar"
+_JITTER = ("router_jitter_noise", "moe_jitter_eps")  # config fields of routers that draw noise per token in training
 _CONTEXT_KEY = CONTEXT_KEY
 _HOOK_ATTR = "_seqpar_forward_hook"
 _CHOICE_ATTR = "_seqpar_attention_choices"
@@ -179,6 +189,9 @@ def _served(model: torch.nn.Module) -> ModelAnatomy | str:
             f"its token mixers do not have what seqpar's adapters read: {'; '.join(mismatched)} (transformers "
             f"{transformers.__version__}; seqpar's adapters follow the mixers of the versions it declares)"
         )
+    unfit = unfit_attention(found)
+    if unfit:  # attention in its own code without a fitting adapter would attend over each shard alone
+        return f"its attention cannot be adapted: {'; '.join(unfit)} (Note [attention adapters])"
     attends = any(m is not None for m in found.attention)  # a pure state-space model (Mamba2) has no attention
     if attends and not getattr(model, "_supports_attention_backend", False) and not found.family.attention_interface:
         return (
@@ -190,11 +203,13 @@ def _served(model: torch.nn.Module) -> ModelAnatomy | str:
     if getattr(config, "attention_dropout", 0.0):
         return f"its attention_dropout is {config.attention_dropout}; seqpar attention has no dropout (set it to 0)"
     text = getattr(found.decoder, "config", None) or config  # a multimodal model's text config
-    if getattr(text, "router_jitter_noise", 0.0):
-        return (
-            f"its router_jitter_noise is {text.router_jitter_noise}: each rank would draw the noise of its own shard, "
-            "not one process's draw over the sequence (set it to 0)"
-        )
+    for part in _config_tree(text):  # DBRX keeps its router's jitter in a sub-config
+        noisy = next((name for name in _JITTER if getattr(part, name, None)), None)
+        if noisy is not None:
+            return (
+                f"its {noisy} is {getattr(part, noisy)}: each rank would draw the noise of its own shard, not one "
+                "process's draw over the sequence (set it to 0)"
+            )
     return found
 
 
@@ -257,6 +272,19 @@ def _implementations(config: object, served: ModelAnatomy) -> str | dict:
         if sub is not None:
             chosen[key] = ATTENTION_NAME if sub is text else sub._attn_implementation
     return chosen
+
+
+def is_prepared(model: torch.nn.Module) -> bool:
+    """Whether ``prepare_model`` prepared ``model`` (its config may still name another attention: a family served
+    by attention adapters keeps the one transformers would not switch, Note [attention adapters]).
+
+    Args:
+        model: any model.
+
+    Returns:
+        True for a model returned by ``prepare_model``.
+    """
+    return getattr(model, PREPARED_ATTENTION_ATTR, None) is not None
 
 
 def last_attention_choice(model: torch.nn.Module) -> AttentionChoice | None:
@@ -324,11 +352,12 @@ def prepare_model(
         setattr(model, ORIGINAL_ATTENTION_ATTR, model.config._attn_implementation)
     AttentionInterface.register(ATTENTION_NAME, _seqpar_attention)
     adapt(served.mixers)  # Note [mixer adapters]
+    adapt_attention(served, _seqpar_attention)  # Note [attention adapters]
     chosen = _implementations(model.config, served)
     model.set_attn_implementation(chosen)
     setattr(model, PREPARED_ATTENTION_ATTR, chosen)
     text_config = getattr(served.decoder, "config", model.config)  # what the text decoder's attention reads
-    if text_config._attn_implementation != ATTENTION_NAME:
+    if text_config._attn_implementation != ATTENTION_NAME and not adapted_only(served):
         raise SeqparInputError(f"{type(model).__name__} refused the attention implementation {ATTENTION_NAME!r}")
     for old in getattr(model, _HOOK_ATTR, ()):
         old.remove()
@@ -337,9 +366,11 @@ def prepare_model(
     hooked = [model] + ([served.decoder] if served.decoder is not model else [])
     hooks = [m.register_forward_pre_hook(calls, with_kwargs=True) for m in hooked]
     hooks += [m.register_forward_hook(calls.finished, always_call=True) for m in hooked]
-    for module in filter(None, served.attention):  # Note [attention went through seqpar]
+    for module in (*filter(None, served.attention), *cross_attention(served)):  # Note [attention went through seqpar]
         hooks.append(module.register_forward_pre_hook(calls.entering_attention, with_kwargs=True))
         hooks.append(module.register_forward_hook(calls.leaving_attention))
+    for table in position_tables(served):  # handed the context its decoder does not pass (Note [attention adapters])
+        hooks.append(table.register_forward_pre_hook(calls.entering_attention, with_kwargs=True))
     setattr(model, _HOOK_ATTR, hooks)
     return model
 
@@ -459,7 +490,8 @@ class _PreparedCalls:
                 f"position id {mask.max_position} is beyond the model's max_position_embeddings ({limit}); "
                 "use shorter sequences or documents"
             )
+        positions = kwargs.get("position_ids")  # for a position table its decoder does not hand them to
         ctx = self.running = kwargs[_CONTEXT_KEY] = CallContext(
-            self.sp, self.strategy, batch_layout, self.kernel, mask, self.choices, self.attended
+            self.sp, self.strategy, batch_layout, self.kernel, mask, self.choices, self.attended, positions
         )
         return _context_to_mask(kwargs, ctx, self.served.family.mask_context, self.model.config)

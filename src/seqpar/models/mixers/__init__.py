@@ -19,11 +19,13 @@ from seqpar.errors import SeqparInputError
 from seqpar.models.mixers.base import Get, MixerSizes
 from seqpar.models.mixers.delta import GatedDeltaNet, Kda
 from seqpar.models.mixers.mamba import Mamba1, Mamba2
+from seqpar.models.mixers.rg_lru import RgLru
 from seqpar.models.mixers.simple import Lightning, ShortConv
 
 __all__ = [
     "MIXER_KINDS",
     "MIXER_LAYER",
+    "SHARED_LAYER",
     "GatedDeltaNet",
     "Get",
     "Kda",
@@ -31,21 +33,25 @@ __all__ = [
     "Mamba1",
     "Mamba2",
     "MixerSizes",
+    "RgLru",
     "ShortConv",
     "mixer_layer_types",
     "register_mixer_kind",
 ]
 
 MIXER_KINDS: dict[str, type[MixerSizes]] = {
-    row.kind: row for row in (GatedDeltaNet, Kda, Mamba2, Mamba1, ShortConv, Lightning)
+    row.kind: row for row in (GatedDeltaNet, Kda, Mamba2, Mamba1, ShortConv, Lightning, RgLru)
 }
 """The registry: mixer kind -> its row."""
 
 MIXER_LAYER = "linear_attention"
 """The word most hybrid configs' ``layer_types`` use for a layer of a token mixer other than attention."""
 
-_OTHER_LAYERS = ("recurrent", "linear", "hybrid")
-"""Further words for such layers: recurrent ones no row counts (refused with the reason), Zamba2's "hybrid" ones."""
+SHARED_LAYER = "hybrid"
+"""Zamba's and Zamba2's word for a layer that runs their shared attention block, then the mixer."""
+
+_OTHER_LAYERS = ("recurrent", "linear", SHARED_LAYER)
+"""Further words for such layers: recurrent ones no row counts (refused with the reason), Zamba's shared-block ones."""
 
 
 def mixer_layer_types() -> tuple[str, ...]:

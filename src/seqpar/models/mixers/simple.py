@@ -18,7 +18,7 @@ class ShortConv(MixerSizes):
     kind = "short_conv"
     label = "short convolution"
     layer_types = ("conv",)
-    adapts = ("Lfm2ShortConv", "Lfm3ShortConv")
+    adapts = ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")
     names: ClassVar[Names] = dict(conv_width="conv_L_cache", bias="conv_bias")
 
     conv_width: int

@@ -33,6 +33,7 @@ from seqpar.sequence_parallel.mixers.implementations import MixerKernel, mixer_k
 from seqpar.sequence_parallel.mixers.lightning import minimax_lightning_attention_forward
 from seqpar.sequence_parallel.mixers.mamba1 import mamba1_forward
 from seqpar.sequence_parallel.mixers.mamba2 import mamba2_forward
+from seqpar.sequence_parallel.mixers.rg_lru import recurrent_gemma_recurrent_forward
 from seqpar.sequence_parallel.mixers.short_conv import lfm2_short_conv_forward
 
 __all__ = ["ADAPTERS", "MixerKernel", "adapt", "implementations", "mismatched_mixers", "unknown_mixers"]
@@ -86,6 +87,7 @@ _KDA = (
 
 ADAPTERS = {
     "Lfm2ShortConv": _SHORT_CONV,
+    "Lfm2MoeShortConv": _SHORT_CONV,
     "Lfm3ShortConv": _SHORT_CONV,
     "Qwen3NextGatedDeltaNet": MixerAdapter(
         qwen3_next_gated_deltanet_forward,
@@ -124,6 +126,10 @@ ADAPTERS = {
             *("qkv_proj", "act_fn", "num_attention_heads", "head_dim", "block_size", "slope_rate", "query_decay"),
             *("key_decay", "diagonal_decay", "norm", "output_gate", "out_proj"),
         ),
+    ),
+    # the RG-LRU and its convolution (Note [RG-LRU state]); its recurrence is seqpar's loop, as transformers' is
+    "RecurrentGemmaRecurrentBlock": MixerAdapter(
+        recurrent_gemma_recurrent_forward, ("linear_y", "linear_x", "conv_1d", "rg_lru", "act_fn", "linear_out")
     ),
 }
 """Mixer class name -> its adapter."""

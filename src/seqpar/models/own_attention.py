@@ -1,0 +1,68 @@
+"""Attention classes that compute their softmax in their own code, and position tables that count tokens themselves.
+
+The anatomy reader (Note [read anatomy]) counts them as served; their adapters live in
+``seqpar.sequence_parallel.attention_adapters`` (Note [attention adapters]), keyed by the same class names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+@dataclass(frozen=True)
+class OwnAttention:
+    """What the anatomy reader knows of one attention class that does not call transformers' attention functions."""
+
+    module: str
+    """The transformers module that defines the class: a class of the same name elsewhere is another class."""
+    inner: tuple[str, ...] = ()
+    """Children that hold the projections the adapter reads (GPT-Neo's wrapper keeps them in ``attention``): not a
+    nested block of the reader's sense (a sparse-attention indexer)."""
+    cross: tuple[str, ...] = ()
+    """The names under which a decoder layer holds the class as cross-attention over an encoder's states. Over
+    whole encoder states it acts on each decoder token alone, so the reader declares it per token; its adapter
+    refuses encoder states inside a sharded call."""
+
+
+_MODELS = "transformers.models"
+OWN_ATTENTION = {
+    "GPTNeoAttention": OwnAttention(f"{_MODELS}.gpt_neo.modeling_gpt_neo", inner=("attention",)),
+    "Attention": OwnAttention(f"{_MODELS}.openai.modeling_openai"),
+    "XGLMAttention": OwnAttention(f"{_MODELS}.xglm.modeling_xglm", cross=("encoder_attn",)),
+    "TrOCRAttention": OwnAttention(f"{_MODELS}.trocr.modeling_trocr", cross=("encoder_attn",)),
+    "GPTNeoXJapaneseAttention": OwnAttention(f"{_MODELS}.gpt_neox_japanese.modeling_gpt_neox_japanese"),
+}
+"""Attention class name -> its row (Note [attention adapters])."""
+
+
+OWN_POSITIONS = {"TrOCRLearnedPositionalEmbedding": f"{_MODELS}.trocr.modeling_trocr"}
+"""Position tables that count a call's tokens themselves because their decoder does not hand them the position
+ids, class name -> the transformers module that defines it: seqpar's adapter gives them the call's global
+position ids instead (Note [attention adapters])."""
+
+
+def own_attention_class(module: nn.Module) -> type | None:
+    """The class of ``module`` (or the one seqpar's adapter subclasses) that has an ``OWN_ATTENTION`` row, or None."""
+    return _row_class(module, {name: row.module for name, row in OWN_ATTENTION.items()})
+
+
+def own_positions_class(module: nn.Module) -> type | None:
+    """The class of ``module`` (or the one seqpar's adapter subclasses) that has an ``OWN_POSITIONS`` row, or None."""
+    return _row_class(module, OWN_POSITIONS)
+
+
+def _row_class(module: nn.Module, modules: dict[str, str]) -> type | None:
+    for cls in type(module).__mro__:
+        if modules.get(cls.__name__) == cls.__module__:
+            return cls
+    return None
+
+
+def own_attention(module: nn.Module) -> OwnAttention | None:
+    """The ``OWN_ATTENTION`` row of ``module``'s class, or None."""
+    cls = own_attention_class(module)
+    return None if cls is None else OWN_ATTENTION[cls.__name__]
