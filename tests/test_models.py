@@ -626,25 +626,31 @@ def test_seqpar_models_lists_entries_read_families_and_refusals(capsys):
 
 
 def test_a_mask_or_bias_the_family_builds_itself_is_refused():
-    """A layer that hands seqpar's attention an additive bias of its own (as Falcon's ALiBi would): refused, not
-    ignored. The negative control: the same model without that bias runs."""
+    """A layer that hands seqpar's attention an additive bias of its own (as Falcon's ALiBi would, or a
+    ``position_bias=`` as Inkling's relative logits, or a sparse indexer's ``indices=``): refused, not ignored. The
+    negative control: the same model without that bias runs."""
 
-    def biased(forward):
+    def biased(forward, keyword):
         def call(*args, attention_mask=None, **kwargs):
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             bias = torch.zeros(hidden.shape[0], 1, hidden.shape[1], hidden.shape[1])
-            return forward(*args, attention_mask=bias, **kwargs)
+            return forward(*args, **{"attention_mask": attention_mask, **kwargs, keyword: bias})
 
         return call
 
-    model = seqpar.prepare_model(build("llama"), None)
     ids = tokens(1, SEQ, 6)
     shard = seqpar.shard_batch({"input_ids": ids}, None)
-    with torch.no_grad():
-        model(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
-        model.model.layers[1].self_attn.forward = biased(model.model.layers[1].self_attn.forward)
-        with pytest.raises(SeqparInputError, match=r"LlamaAttention handed seqpar's attention a mask or bias tensor"):
+    for keyword, said in (
+        ("attention_mask", "a mask or bias tensor"),
+        ("position_bias", "position_bias= "),
+        ("indices", "indices= "),
+    ):
+        model = seqpar.prepare_model(build("llama"), None)
+        with torch.no_grad():
             model(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
+            model.model.layers[1].self_attn.forward = biased(model.model.layers[1].self_attn.forward, keyword)
+            with pytest.raises(SeqparInputError, match=f"LlamaAttention handed seqpar's attention {said}"):
+                model(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
 
 
 def test_a_read_multimodal_family_names_its_tower_or_why_images_are_refused():

@@ -103,7 +103,8 @@ class ModelAnatomy:
         def visit(module: nn.Module, i: int) -> None:  # the outermost undeclared module that has parameters
             if id(module) in declared:
                 return
-            own = next(module.parameters(recurse=False), None) is not None
+            layer_own = module is self.layers[i]  # a layer's own parameters the entry says act per token pass
+            own = any(not (layer_own and n in self.family.per_token) for n, _ in module.named_parameters(recurse=False))
             if (
                 own
                 or isinstance(module, windows)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from seqpar.models.families import FAMILIES, Family
@@ -40,10 +41,27 @@ _MLP_WORDS = ("mlp", "feedforward", "feed_forward", "ffn", "moe", "experts")
 _PLAIN_STYLES = ("colwise", "rowwise")
 _MASK_KINDS = ("full_attention", "sliding_attention")  # the layer types whose masks seqpar builds for a read entry
 _OWN_IMAGE_MASKS = ("block_sequence_ids", "or_mask_function", "token_type_ids")  # words of a model's own image masks
-PER_TOKEN_CLASSES = frozenset({"ErgoResidualGate", "MuseSparkResidualGate", "JetMoeMoA"})
-"""Parts that act on each token alone although no name or class word says so, read in their transformers source:
-a learned weight per hidden dimension mixing a branch into the residual stream (Ergo, Muse Spark), a mixture of
-query and output projections routed per token inside attention (JetMoE)."""
+_ALWAYS = lambda module: True  # noqa: E731
+PER_TOKEN_CLASSES: dict[str, Callable[[nn.Module], bool]] = {
+    "ErgoResidualGate": _ALWAYS,
+    "MuseSparkResidualGate": _ALWAYS,
+    "JetMoeMoA": _ALWAYS,
+    "MoshiLinear": lambda module: not module.use_flexible_linear,  # flexible: a weight per depth step
+}
+"""Parts that act on each token alone although no name or class word says so (when the row's test holds), read in
+their transformers source: a learned weight per hidden dimension mixing a branch into the residual stream (Ergo,
+Muse Spark), a mixture of query and output projections routed per token inside attention (JetMoE), Moshi's
+projection where it is one linear map."""
+
+
+def _per_token(module: nn.Module) -> bool:
+    test = PER_TOKEN_CLASSES.get(type(module).__name__)
+    return test is not None and test(module)
+
+
+PER_TOKEN_PARAMETERS = {"DoryDecoderLayer": ("lambda_1", "lambda_2")}
+"""Decoder-layer classes' own parameters that act on each token alone, read in their transformers source: Dory's
+per-channel rates of its normalised residual updates."""
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -73,7 +91,7 @@ def _nested_block(attention: nn.Module) -> str | None:
     for name, child in attention.named_children():
         if own is not None and name in own.inner:  # the projections its adapter reads (Note [attention adapters])
             continue
-        if type(child).__name__ in PER_TOKEN_CLASSES:
+        if _per_token(child):
             continue
         if not _is_norm(child) and any(next(c.parameters(), None) is not None for c in child.children()):
             return f"{name} ({type(child).__name__})"
@@ -158,7 +176,7 @@ def _layer_parts(layers: nn.ModuleList, tp_plan: dict) -> dict | str:
                 linears.append(name)
             elif own is not None or _calls_attention_functions(child):
                 attention.append(name)
-            elif isinstance(child, nn.Linear) or type(child).__name__ in PER_TOKEN_CLASSES:
+            elif isinstance(child, nn.Linear) or _per_token(child):
                 linears.append(name)  # an MLP's projections held by the layer itself (OPT's fc1, fc2), a gate
             elif _is_mlp(name, child, planned) and next(child.parameters(), None) is not None:
                 mlps.append(name)
@@ -186,7 +204,7 @@ def _layer_parts(layers: nn.ModuleList, tp_plan: dict) -> dict | str:
             mlp=mlps[0] if mlps else None,
             experts="experts" if hasattr(mlp, "experts") else None,
             layer_norms=tuple(norms),
-            per_token=(*mlps[1:], *linears),
+            per_token=(*mlps[1:], *linears, *PER_TOKEN_PARAMETERS.get(type(layer).__name__, ())),
         )
         if found and parts["layer_norms"] != found["layer_norms"]:  # a layer with more norms than the first
             parts["layer_norms"] = tuple(dict.fromkeys((*found["layer_norms"], *parts["layer_norms"])))

@@ -97,9 +97,9 @@ class Family:
     """Paths from a decoder layer to its token mixers other than attention: a hybrid's layers each hold attention
     or one of these (and an MLP or not), and each mixer's class needs a seqpar adapter (Note [mixer adapters])."""
     per_token: tuple[str, ...] = ()
-    """Paths from a decoder layer to further blocks that act on each token alone (GraniteMoeHybrid's experts beside
-    its shared MLP, Zamba2's per-layer projection): what a layer holds outside its declared parts is refused
-    when it has parameters (Note [declared layer parts])."""
+    """Paths from a decoder layer to further blocks, or its own parameters, that act on each token alone
+    (GraniteMoeHybrid's experts beside its shared MLP, Dory's per-channel residual rates): what a layer holds
+    outside its declared parts is refused when it has parameters (Note [declared layer parts])."""
     layer_kind: str | None = None
     """Path from a decoder layer to the name of its kind, for a family whose layers keep attention, a token mixer
     or an MLP under one path (Nemotron-H's ``block_type`` of the module at ``mixer``, Kimi Linear's at

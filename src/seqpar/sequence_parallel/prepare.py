@@ -87,6 +87,7 @@ from seqpar.sequence_parallel.whole_rows import (
 )
 
 ATTENTION_NAME = "seqpar"
+_UNAPPLIED = ("position_bias", "indices", "block_indices")  # attention keywords seqpar's attention has no use for
 _JITTER = ("router_jitter_noise", "moe_jitter_eps")  # config fields of routers that draw noise per token in training
 _CONTEXT_KEY = CONTEXT_KEY
 _HOOK_ATTR = "_seqpar_forward_hook"
@@ -113,6 +114,12 @@ def _seqpar_attention(module, query, key, value, attention_mask, scaling=None, d
             "position bias such as ALiBi, or a mask seqpar does not build), which seqpar's attention would not "
             "apply; seqpar serves attention whose masks it builds from the global position ids"
         )
+    unapplied = [k for k in _UNAPPLIED if kwargs.get(k) is not None]
+    if unapplied:  # a position bias or a sparse selection the family computed over its own shard
+        raise SeqparInputError(
+            f"{type(module).__name__} handed seqpar's attention {', '.join(unapplied)}= (a position bias, or the keys "
+            "a sparse indexer selected), which seqpar's attention does not apply"
+        )
     if kwargs.get("sinks") is not None:  # transformers' name for learned sinks is s_aux; this one is unknown
         raise SeqparInputError("seqpar attention does not know the keyword sinks= (learned sinks come as s_aux=)")
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")  # Gemma 2's cap, gpt-oss's sink logits
@@ -121,7 +128,9 @@ def _seqpar_attention(module, query, key, value, attention_mask, scaling=None, d
     device_type = query.device.type
     target = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else query.dtype
     query, key, value = (t.to(target) for t in (query, key, value))
-    causal, window = bool(getattr(module, "is_causal", True)), kwargs.get("sliding_window")
+    causal = kwargs.get("is_causal")  # as transformers' SDPA reads it: the call's flag, else the module's
+    causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
+    window = kwargs.get("sliding_window")
     out, choice = attention_and_choice(
         query,
         key,
