@@ -36,26 +36,16 @@ Note [keywords dropped]
     keywords where it is missing. Outside a call nothing is held, so a submodule called alone still raises
     for want of its context, and activation checkpointing of such a family recomputes a layer with the
     keywords its forward got, which lack the context: it raises the same way, never runs unmasked.
-
-Note [the model's own config]
-    transformers models share the config object they were built from (``from_config`` and ``__init__`` keep
-    it, and many submodules hold it as ``self.config``), and the attention implementation is a field of
-    that config. Setting it in place would switch every other model built from the same object (a
-    one-process reference, a DPO reference model) to seqpar's attention, which then raises for want of its
-    context. So ``prepare_model`` first gives the model a deep copy: every module attribute that is the old
-    config, or one of its sub-configs, is pointed at the copy's counterpart, and only the copy is changed.
-    The caller's config stays as it was; ``model.config`` is the copy (``save_pretrained`` writes it).
 """
 
 from __future__ import annotations
-
-import copy
 
 import torch
 
 from seqpar.errors import SeqparInputError
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
 from seqpar.models import ModelAnatomy, find_anatomy
+from seqpar.sequence_parallel._own_config import config_tree, own_config
 from seqpar.sequence_parallel.api import AttentionChoice, attention_and_choice
 from seqpar.sequence_parallel.attention_adapters import (
     adapt_attention,
@@ -95,7 +85,6 @@ _CHOICE_ATTR = "_seqpar_attention_choices"
 ORIGINAL_ATTENTION_ATTR = "_seqpar_original_attention"  # the implementation the model had before prepare_model
 PREPARED_ATTENTION_ATTR = "_seqpar_prepared_attention"  # what prepare_model set: seqpar's, per sub-config
 UNSHARDED_ATTR = "_seqpar_unsharded"  # True while the model runs its own attention on whole sequences
-_OWN_CONFIG_ATTR = "_seqpar_own_config"  # the config copy prepare_model gave the model (Note [the model's own config])
 
 
 def _seqpar_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -212,7 +201,7 @@ def _served(model: torch.nn.Module) -> ModelAnatomy | str:
     if getattr(config, "attention_dropout", 0.0):
         return f"its attention_dropout is {config.attention_dropout}; seqpar attention has no dropout (set it to 0)"
     text = getattr(found.decoder, "config", None) or config  # a multimodal model's text config
-    for part in _config_tree(text):  # DBRX keeps its router's jitter in a sub-config
+    for part in config_tree(text):  # DBRX keeps its router's jitter in a sub-config
         noisy = next((name for name in _JITTER if getattr(part, name, None)), None)
         if noisy is not None:
             return (
@@ -237,37 +226,6 @@ def _vision_encoder(model: torch.nn.Module, served: ModelAnatomy, split_vision: 
     except AttributeError:  # a bare multimodal model, without a head
         return model
     return inner if hasattr(inner, "get_image_features") else model
-
-
-def _config_tree(config: object) -> list[object]:
-    """A config and its sub-configs at any depth, each once, in a fixed order (configs are not hashable)."""
-    found: list[object] = []
-    pending = [config]
-    while pending:
-        one = pending.pop(0)
-        if any(one is seen for seen in found):
-            continue
-        found.append(one)
-        pending.extend(s for key in getattr(one, "sub_configs", {}) if (s := getattr(one, key, None)) is not None)
-    return found
-
-
-def _own_config(model: torch.nn.Module) -> None:
-    """Give the model a copy of its config, shared by none of the caller's objects (Note [the model's own config])."""
-    old = model.config
-    if getattr(model, _OWN_CONFIG_ATTR, None) is old:  # prepared before: the copy is the model's already
-        return
-    new = copy.deepcopy(old)
-    # deepcopy keeps the sharing within the config, so the two trees pair up in the same order
-    pairs = {id(a): (a, b) for a, b in zip(_config_tree(old), _config_tree(new), strict=True)}
-    for module in model.modules():
-        for name, value in list(vars(module).items()):
-            pair = pairs.get(id(value))
-            if pair is not None and pair[0] is value:
-                vars(module)[name] = pair[1]  # not a parameter or module: a plain attribute, set as such
-    if model.config is not new:
-        raise SeqparInputError(f"{type(model).__name__} keeps its config where seqpar cannot give it its own copy")
-    setattr(model, _OWN_CONFIG_ATTR, new)
 
 
 def _implementations(config: object, served: ModelAnatomy) -> str | dict:
@@ -356,7 +314,7 @@ def prepare_model(
     if not isinstance(layout, ChunkLayout):
         named_layout(layout)  # an unknown name raises, listing the registry
     calls = _PreparedCalls(model, served, as_sp_mesh(mesh), strategy, layout, kernel, split_vision)
-    _own_config(model)  # the caller's config, which other models may share, stays as it was
+    own_config(model)  # the caller's config, which other models may share, stays as it was
     if model.config._attn_implementation != ATTENTION_NAME:  # kept for seqpar.integrations.unsharded
         setattr(model, ORIGINAL_ATTENTION_ATTR, model.config._attn_implementation)
     AttentionInterface.register(ATTENTION_NAME, _seqpar_attention)
