@@ -316,26 +316,37 @@ def measured_rows(attention: list[dict], llama: list[dict], strategies: list[dic
 def _zoo_why(row: dict) -> str:
     from seqpar.models.zoo import short_reason
 
-    return short_reason(row.get("reason", ""))
+    first = short_reason(row.get("reason", "")).split(" | ")[0]  # a refusal on every rank names each problem
+    return first.removeprefix("every rank: ")
 
 
-def zoo_summary_table(records: list[dict]) -> str:
-    """The sweep's totals per mapping: how many families are exact, refused, and so on."""
+def zoo_summary_table(records: list[dict], images: list[dict]) -> str:
+    """The sweep's totals per mapping (how many families are exact, refused, and so on), and the image sweep's."""
     record = records[-1]
     statuses = list(next(iter(record["totals"].values())))
     rows = [[mapping, *(str(counts[s]) for s in statuses)] for mapping, counts in record["totals"].items()]
     said = f"transformers {record['transformers']}, sp {record['sp']}, {record['rows']} rows of {record['seq']} tokens"
-    return f"{table(['mapping', *statuses], rows)}\n\n{said}. {source('zoo_cpu', records)}"
+    seen = images[-1]["totals"]
+    with_images = ", ".join(f"{count} {status}" for status, count in seen.items() if count)
+    return (
+        f"{table(['mapping', *statuses], rows)}\n\n{said}. {source('zoo_cpu', records)}\n\n"
+        f"With their images, image-text-to-text families at sp {images[-1]['sp']}: {with_images}. "
+        f"{source('zoo_images_cpu', images)}"
+    )
 
 
-def zoo_table(records: list[dict]) -> str:
-    """Every model type of the sweep: its status, where seqpar got its anatomy, and why it is refused."""
-    record = records[-1]
-    rows = [
-        [f"`{model_type}`", ", ".join(row["mappings"]), row["status"], row.get("anatomy", ""), _zoo_why(row)]
-        for model_type, row in record["models"].items()
-    ]
-    return f"{table(['model type', 'mappings', 'status', 'anatomy', 'why'], rows)}\n\n{source('zoo_cpu', records)}"
+def zoo_table(records: list[dict], images: list[dict]) -> str:
+    """Every model type of the sweep: its status, where seqpar got its anatomy, its status with images (an
+    image-text-to-text family), and why it is refused."""
+    record, seen = records[-1], images[-1]["models"]
+    rows = []
+    for model_type, row in record["models"].items():
+        pictured = seen.get(model_type, {})
+        why = "; ".join(filter(None, (_zoo_why(row), _zoo_why(pictured) if pictured.get("status") != "EXACT" else "")))
+        status = [row["status"], row.get("anatomy", ""), pictured.get("status", "")]
+        rows.append([f"`{model_type}`", ", ".join(row["mappings"]), *status, why])
+    header = ["model type", "mappings", "status", "anatomy", "with images", "why"]
+    return f"{table(header, rows)}\n\n{source('zoo_cpu', records)} {source('zoo_images_cpu', images)}"
 
 
 def _dit_why(name: str, row: dict) -> str:

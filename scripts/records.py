@@ -372,8 +372,8 @@ TABLES = {
     "pipeline_time": lambda d: tables.pipeline_time_table(load("pipeline_cpu", d)),
     "pipeline_memory": lambda d: tables.pipeline_memory_table(load("pipeline_cpu", d)),
     "imports": lambda d: tables.imports_table(load("imports_cpu", d)),
-    "zoo_summary": lambda d: tables.zoo_summary_table(load("zoo_cpu", d)),
-    "zoo": lambda d: tables.zoo_table(load("zoo_cpu", d)),
+    "zoo_summary": lambda d: tables.zoo_summary_table(load("zoo_cpu", d), load("zoo_images_cpu", d)),
+    "zoo": lambda d: tables.zoo_table(load("zoo_cpu", d), load("zoo_images_cpu", d)),
     "dit_zoo": lambda d: tables.dit_zoo_table(load("dit_zoo_cpu", d)),
 }
 
