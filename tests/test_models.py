@@ -673,3 +673,25 @@ def test_a_read_multimodal_family_names_its_tower_or_why_images_are_refused():
         model(**call)
         with pytest.raises(SeqparInputError, match="masks its image tokens in its own code"):
             model(**call, pixel_values=torch.zeros(1, 3, 16, 16))
+
+
+def test_a_model_that_masks_its_images_itself_would_run_wrong_unread(monkeypatch):
+    """The negative control of the image-mask check (Note [read anatomy]): with it switched off, PaliGemma's images
+    are served whole-row, and its bidirectional prefix (token types 0) is silently lost to the causal mask."""
+    from benchmarks.zoo_images import image_inputs
+    from seqpar.models import derived
+    from seqpar.models.zoo import IMAGE_TEXT_TO_TEXT, tiny_model
+
+    model = tiny_model("paligemma", (IMAGE_TEXT_TO_TEXT,))
+    ids, extra = image_inputs(model, 4)
+    types = torch.zeros_like(ids)
+    types[:, -6:] = 1  # the image and the prompt a prefix that sees itself both ways, the rest the suffix
+    with torch.no_grad():
+        want = model(input_ids=ids, token_type_ids=types, **extra).logits
+        assert (want - model(input_ids=ids, **extra).logits).abs().max() > 1e-2  # the prefix block matters
+    monkeypatch.setattr(derived, "_OWN_IMAGE_MASKS", ())
+    unchecked = seqpar.prepare_model(copy.deepcopy(model), None)
+    assert find_anatomy(unchecked).family.vision == "vision_tower"
+    with torch.no_grad():
+        got = unchecked(input_ids=ids, token_type_ids=types, **extra).logits
+    assert (got - want).abs().max() > 1e-2
