@@ -345,8 +345,14 @@ def _from_config(config: object, tp: int, source: str) -> ModelSizes:
         return ModelSizes(**fields, model_type=model_type, source=source, tp_size=tp, rotary=rotary)
     names = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "num_hidden_layers")
     missing = [n for n in names if not isinstance(get(n), int) or isinstance(get(n), bool) or get(n) <= 0]
-    if missing:
+    if missing and get("model_type", None) is None:
         raise SeqparInputError(f"the model config lacks positive integer {', '.join(missing)}: not a decoder config")
+    if missing:  # a family shaped otherwise (experts alone, other names): a number here would be a guess
+        raise SeqparInputError(
+            f"unmodelled: the {model_type!r} config names no positive integer {', '.join(missing)}, which seqpar's "
+            "sizes read (Llama-shaped decoders and the families of its registry); its memory estimate and plans "
+            "would be guesses, training under seqpar is not affected"
+        )
     types = layer_types(get)
     if quirks is not None and quirks.parallel:  # attention beside the mixer in every layer, whatever the types say
         types = [PARALLEL] * get("num_hidden_layers")
