@@ -5,8 +5,8 @@ at 2 and 3 ranks equal one process on loss, logits and every gradient (the zoo's
 scale, or the fp32 run's own distance from float64), with packed documents, GPT-Neo's local window biting, and
 ring, Ulysses and all-gather asked for by name. Negative controls: a class without its adapter row, or lacking
 what the row reads, is refused by name; an adapter that skips seqpar's attention is caught at run time naming the
-module; encoder states reaching a cross-attention are refused; ALiBi, a learned relative position bias and a
-position table no adapter serves (TrOCR's sinusoidal one) are refused by name.
+module; encoder states reaching a cross-attention are refused; a learned relative position bias and a position
+table no adapter serves (TrOCR's sinusoidal one) are refused by name (ALiBi, served for BLOOM and MPT: test_alibi).
 """
 
 from __future__ import annotations
@@ -165,8 +165,6 @@ def _built(model_type: str, **changes: object) -> torch.nn.Module:
 @pytest.mark.parametrize(
     "model_type, words",
     [
-        ("bloom", "ALiBi"),
-        ("mpt", "ALiBi"),
         ("cpmant", "learned relative position bias"),
         ("trocr", "TrOCRSinusoidalPositionalEmbedding) numbers each call's tokens from 0"),
     ],

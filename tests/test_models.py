@@ -219,8 +219,13 @@ def test_a_module_outside_the_declared_parts_is_refused_by_name():
         register_family(entry, replace=True)
 
 
-def test_a_family_whose_anatomy_cannot_be_read_gets_the_clear_message():
-    """BLOOM adds an ALiBi bias in its own attention code, which seqpar's attention does not apply: refused, named."""
+def test_a_family_whose_anatomy_cannot_be_read_gets_the_clear_message(monkeypatch):
+    """BLOOM adds an ALiBi bias in its own attention code, which seqpar's attention does not apply without an adapter
+    row that applies it (Note [ALiBi]; here the row says it does not): refused, named."""
+    from seqpar.models.own_attention import OWN_ATTENTION
+
+    row = OWN_ATTENTION["BloomAttention"]
+    monkeypatch.setitem(OWN_ATTENTION, "BloomAttention", dataclasses.replace(row, alibi=False))
     bloom = transformers.BloomForCausalLM(
         transformers.BloomConfig(n_layer=2, hidden_size=16, n_head=2, vocab_size=VOCAB)
     )
@@ -617,10 +622,10 @@ def test_seqpar_models_lists_entries_read_families_and_refusals(capsys):
     """``seqpar models`` on the installed transformers: a registered family, a read one, a refused one, named."""
     from seqpar.cli import main
 
-    assert main(["models", "--only", "llama,olmo3,bloom,t5", "--json"]) == 0
+    assert main(["models", "--only", "llama,olmo3,cpmant,t5", "--json"]) == 0
     rows = {row["model_type"]: row for row in map(json.loads, capsys.readouterr().out.splitlines())}
-    assert {k: r["status"] for k, r in rows.items()} == {"llama": "entry", "olmo3": "read", "bloom": "refused"}
-    assert "ALiBi" in rows["bloom"]["why"]
+    assert {k: r["status"] for k, r in rows.items()} == {"llama": "entry", "olmo3": "read", "cpmant": "refused"}
+    assert "learned relative position bias" in rows["cpmant"]["why"]
     assert main(["models", "--only", "olmo3"]) == 0
     assert "1 read" in capsys.readouterr().out
 

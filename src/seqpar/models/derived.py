@@ -289,6 +289,14 @@ def _unknown_masks(config: object) -> str | None:
     return None
 
 
+def _alibi_served(text: nn.Module) -> bool:
+    """The decoder's own-code attention modules all have adapter rows that apply the family's ALiBi slopes
+    (``OwnAttention.alibi``), and there is at least one: the bias its decoder builds is then seqpar's to apply."""
+    rows = [own_attention(m) for m in text.modules()]
+    rows = [row for row in rows if row is not None]
+    return bool(rows) and all(row.alibi for row in rows)
+
+
 def _position_bias(model: nn.Module, text: nn.Module) -> str | None:
     """Why the decoder's attention adds a position bias of its own making that seqpar's attention would not apply
     (each rank would add it over its own shard alone, where it is not refused as a mask tensor), or None."""
@@ -297,7 +305,8 @@ def _position_bias(model: nn.Module, text: nn.Module) -> str | None:
     except (OSError, TypeError):
         source = ""
     flagged = any(hasattr(getattr(text, "config", None), name) for name in ("alibi", "use_alibi"))  # _unknown_masks
-    if not flagged and "alibi" in source.lower():  # Bloom and MPT build it in the decoder for their own attention
+    served = _alibi_served(text)  # every attention module's adapter applies it (Note [ALiBi])
+    if not flagged and not served and "alibi" in source.lower():  # Bloom and MPT build it for their own attention
         return (
             f"{type(text).__name__} adds an ALiBi position bias (a slope per head times the key's position) to its "
             "attention scores in its own code, which seqpar's attention does not apply"

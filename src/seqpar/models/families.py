@@ -129,7 +129,7 @@ class Family:
     """Where the call context travels for a family whose layers do not hand their keywords down to the mixers
     (Note [context in the mask]): "mask", as the decoder's ``attention_mask``, which reaches every mixer unchanged
     (Mamba, Falcon-Mamba); "mapping", as every entry of the mask mapping by layer type, which the decoder takes as
-    it is (Jamba); None: in the keywords."""
+    it is (Jamba); "state", as the ``state`` the decoder hands every block (RWKV); None: in the keywords."""
     vision_units: bool = False
     """The vision encoder encodes each image, crop, tile or temporal patch on its own, so its work may be split
     over the SP group (Note [vision split]); False: every rank encodes every image (a safe default for new entries)."""
@@ -149,9 +149,9 @@ class Family:
     def __post_init__(self) -> None:
         if not isinstance(self.model_type, str) or not self.model_type:
             raise SeqparInputError(f"a model family needs its model_type (a non-empty string), got {self.model_type!r}")
-        if self.mask_context not in (None, "mask", "mapping"):
+        if self.mask_context not in (None, "mask", "mapping", "state"):
             raise SeqparInputError(
-                f"a family's mask_context must be None, 'mask' or 'mapping', got {self.mask_context!r}"
+                f"a family's mask_context must be None, 'mask', 'mapping' or 'state', got {self.mask_context!r}"
             )
         if self.hybrid is not None and not isinstance(self.hybrid, Hybrid):
             raise SeqparInputError(f"a family's hybrid must be a seqpar.models.Hybrid, got {self.hybrid!r}")
@@ -174,6 +174,19 @@ _NORMS = ("input_layernorm", "post_attention_layernorm")  # Llama's
 _GEMMA_NORMS = (*_NORMS, "pre_feedforward_layernorm", "post_feedforward_layernorm")
 _MOE = dict(experts="experts", tp_plan=None)  # experts are not split by tensor parallel
 _QWEN_VL = dict(text_model="language_model", vision="visual", positions="mrope", vision_units=True, image_rows="grids")
+
+
+def _zamba(block: str) -> dict:
+    """Zamba's and Zamba2's layers: a norm and Mamba each; "hybrid" ones first run the shared ``block`` (attention
+    over the hidden state joined with the embeddings, an MLP, two norms) and a projection."""
+    shared = "input_layernorm", "pre_ff_layernorm"
+    norms = ("input_layernorm", "mamba_decoder.input_layernorm", *(f"{block}.{name}" for name in shared))
+    parts = dict(attention=f"{block}.self_attn", mlp=f"{block}.feed_forward", per_token=("linear",), layer_norms=norms)
+    return dict(norm="final_layernorm", rotary=None, mixers=("mamba", "mamba_decoder.mamba"), tp_plan=None, **parts)
+
+
+_RWKV = dict(decoder="rwkv", layers="blocks", embedding="embeddings", norm="ln_out", rotary=None, head="head")
+_SSM = dict(decoder="backbone", embedding="embeddings", norm="norm_f", rotary=None, layer_norms=("norm",), tp_plan=None)
 _GATED_GDN = Hybrid(GatedDeltaNet, attention_gate=True, qk_norm="head")  # Qwen3-Next's and Qwen3.5's attention
 FAMILIES: dict[str, Family] = {
     family.model_type: family
@@ -226,6 +239,8 @@ FAMILIES: dict[str, Family] = {
         Family("qwen2_moe", **_MOE),  # dense MLPs in mlp_only_layers, experts elsewhere
         Family("qwen3_moe", **_MOE),
         Family("gpt_oss", **_MOE),
+        # its attention's adapter convolves q/k across ranks (Note [CCA halo]); per-channel residual scales
+        Family("zaya", per_token=("post_attention_residual_scale", "post_mlp_residual_scale"), **_MOE),
         Family(  # each block wraps its two norms and attention in norm_attn_norm; experts in ffn
             "dbrx",
             decoder="transformer",
@@ -338,40 +353,21 @@ FAMILIES: dict[str, Family] = {
                 derive=(("num_hidden_layers", count_layer_types),),
             ),
         ),
-        Family(  # Mamba2 (SSD) in every layer, no attention
-            "mamba2",
-            decoder="backbone",
-            embedding="embeddings",
-            norm="norm_f",
-            rotary=None,
-            layer_norms=("norm",),
-            mixers=("mixer",),
-            tp_plan=None,
-            hybrid=Hybrid(Mamba2, names=SSM_MAMBA2, state_space=True),
-        ),
+        # Mamba2 (SSD) in every layer, no attention
+        Family("mamba2", **_SSM, mixers=("mixer",), hybrid=Hybrid(Mamba2, names=SSM_MAMBA2, state_space=True)),
         Family(  # Mamba1 in every layer, no attention; the blocks are called with the mask alone
             "mamba",
-            decoder="backbone",
-            embedding="embeddings",
-            norm="norm_f",
-            rotary=None,
-            layer_norms=("norm",),
+            **_SSM,
             mixers=("mixer",),
             mask_context="mask",
-            tp_plan=None,
             hybrid=Hybrid(Mamba1, names=SSM_MAMBA1, state_space=True),
         ),
-        Family(  # Mamba's anatomy; its mixer normalises dt, B and C
+        Family(  # Mamba's anatomy; its mixer normalises dt, B and C (weightless norms)
             "falcon_mamba",
-            decoder="backbone",
-            embedding="embeddings",
-            norm="norm_f",
-            rotary=None,
-            layer_norms=("norm",),
+            **_SSM,
             mixers=("mixer",),
             mask_context="mask",
-            tp_plan=None,
-            hybrid=Hybrid(Mamba1, names=(*SSM_MAMBA1, ("dt_norms", True)), state_space=True),  # weightless norms
+            hybrid=Hybrid(Mamba1, names=(*SSM_MAMBA1, ("dt_norms", True)), state_space=True),
         ),
         Family(  # each layer holds Mamba1 or attention (no rotary), then experts or an MLP
             "jamba",
@@ -406,22 +402,11 @@ FAMILIES: dict[str, Family] = {
             hybrid=Hybrid(Kda),
             **_MOE,
         ),
+        Family("zamba", **_zamba("shared_transf")),  # Mamba1 in heads (Note [Mamba1 state]); no sizes read
         Family(  # Mamba2 in every layer; some layers first run a shared attention block and a per-layer projection
             "zamba2",
-            norm="final_layernorm",
-            rotary=None,  # the rotary table exists only with use_mem_rope
-            attention="shared_transformer.self_attn",
-            mlp="shared_transformer.feed_forward",
-            per_token=("linear",),
-            layer_norms=(
-                "input_layernorm",
-                "mamba_decoder.input_layernorm",
-                "shared_transformer.input_layernorm",
-                "shared_transformer.pre_ff_layernorm",
-            ),
-            mixers=("mamba", "mamba_decoder.mamba"),
+            **_zamba("shared_transformer"),  # its rotary table exists only with use_mem_rope
             attention_interface=True,
-            tp_plan=None,
             hybrid=Hybrid(
                 Mamba2,
                 names=ZAMBA_MAMBA2,
@@ -451,6 +436,15 @@ FAMILIES: dict[str, Family] = {
             kinds=(("full_attention", "attention"), ("linear_attention", "mixer")),
             hybrid=Hybrid(Lightning),
             **_MOE,
+        ),
+        # RWKV-4: time mixing (the WKV recurrence) and channel mixing, each shifting tokens by one (Note [WKV state])
+        Family(
+            "rwkv",
+            **_RWKV,
+            layer_norms=("pre_ln", "ln1", "ln2"),
+            mixers=("attention", "feed_forward"),
+            mask_context="state",
+            tp_plan=None,
         ),
         Family(  # the RG-LRU block (Note [RG-LRU state]) or sliding-window attention (rotary inside) at temporal_block
             "recurrent_gemma",

@@ -1,4 +1,5 @@
-"""Attention classes that compute their softmax in their own code, and position tables that count tokens themselves.
+"""Attention classes that compute their softmax (or mix tokens before it) in their own code, and position tables that
+count tokens themselves.
 
 The anatomy reader (Note [read anatomy]) counts them as served; their adapters live in
 ``seqpar.sequence_parallel.attention_adapters`` (Note [attention adapters]), keyed by the same class names.
@@ -26,6 +27,9 @@ class OwnAttention:
     """The names under which a decoder layer holds the class as cross-attention over an encoder's states. Over
     whole encoder states it acts on each decoder token alone, so the reader declares it per token; its adapter
     refuses encoder states inside a sharded call."""
+    alibi: bool = False
+    """Its adapter hands seqpar's attention the family's ALiBi slopes (Note [ALiBi] in
+    ``seqpar.sequence_parallel.kernels.alibi``): the bias its decoder builds in its own code is then served."""
 
 
 _MODELS = "transformers.models"
@@ -35,6 +39,10 @@ OWN_ATTENTION = {
     "XGLMAttention": OwnAttention(f"{_MODELS}.xglm.modeling_xglm", cross=("encoder_attn",)),
     "TrOCRAttention": OwnAttention(f"{_MODELS}.trocr.modeling_trocr", cross=("encoder_attn",)),
     "GPTNeoXJapaneseAttention": OwnAttention(f"{_MODELS}.gpt_neox_japanese.modeling_gpt_neox_japanese"),
+    "BloomAttention": OwnAttention(f"{_MODELS}.bloom.modeling_bloom", alibi=True),
+    "MptAttention": OwnAttention(f"{_MODELS}.mpt.modeling_mpt", alibi=True),
+    # ZAYA's attention goes through the interface, but its q/k/v projection mixes neighbouring tokens (Note [CCA halo])
+    "ZayaAttention": OwnAttention(f"{_MODELS}.zaya.modeling_zaya", inner=("qkv_proj",)),
 }
 """Attention class name -> its row (Note [attention adapters])."""
 

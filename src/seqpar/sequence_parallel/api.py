@@ -47,6 +47,7 @@ def choose_attention(
     mask: SequenceMask | None = None,
     layout: Layout = "zigzag",
     causal: bool = True,
+    alibi: bool = False,
 ) -> AttentionChoice:
     """The strategy and kernel ``seqpar.attention`` uses for these (already checked) inputs.
 
@@ -62,6 +63,7 @@ def choose_attention(
             the mask-aware ring over ulysses (Note [auto strategy]).
         layout: the layout the sequence is sharded with, as in ``seqpar.attention``.
         causal: the token-level causal rule (False under block-causal ranges, as ``seqpar.attention`` runs it).
+        alibi: the call adds an ALiBi bias (Note [ALiBi]): the reference kernel, and a strategy that applies it.
 
     Returns:
         The choice; passing its fields back to ``seqpar.attention`` runs exactly that.
@@ -71,13 +73,13 @@ def choose_attention(
             (``select_strategy``).
     """
     sp = as_sp_mesh(mesh)
-    chosen_kernel = select_kernel(q, k, v, kernel, softcap=softcap)
+    chosen_kernel = select_kernel(q, k, v, kernel, softcap=softcap, alibi=alibi)
     # one rank holds the whole sequence: whatever strategy was asked for, nothing needs to travel
     if sp.sp_size == 1:
         return AttentionChoice("local", chosen_kernel)
     shape = dict(local_tokens=q.shape[2], head_dim=q.shape[3], itemsize=q.element_size())
     sizes = (q.shape[1], k.shape[1], sp.sp_size, sp.ulysses_size)  # heads, kv heads, degrees
-    chosen = select_strategy(strategy, *sizes, mask=mask, layout=layout, causal=causal, **shape)
+    chosen = select_strategy(strategy, *sizes, mask=mask, layout=layout, causal=causal, key_bias=alibi, **shape)
     return AttentionChoice(chosen, chosen_kernel)
 
 
@@ -99,6 +101,7 @@ def attention(
     blocks: int | Sequence[tuple[int, int]] | Sequence[Sequence[tuple[int, int]]] | None = None,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
+    alibi: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention of this rank's query shard against the whole (sharded) sequence.
 
@@ -136,6 +139,8 @@ def attention(
             rank's queries (sum it over the SP ranks like any replicated parameter's).
         softcap: logit soft-capping (Gemma 2): scores become ``softcap * tanh(score / softcap)`` before the
             softmax (Note [logit soft-capping]); it runs the reference kernel, on every device.
+        alibi: ``[heads]`` ALiBi slopes (BLOOM, MPT): each score gains ``slope * (key - query)`` over global
+            positions (Note [ALiBi]); the reference kernel and a strategy that applies it (ulysses, ring, allgather).
 
     Returns:
         ``[batch, heads, local_seq, v_head_dim]``: this rank's shard of the output, in ``q.dtype``.
@@ -160,6 +165,7 @@ def attention(
         blocks=blocks,
         sinks=sinks,
         softcap=softcap,
+        alibi=alibi,
     )[0]
 
 
@@ -181,6 +187,7 @@ def attention_and_choice(
     blocks: int | Sequence[tuple[int, int]] | Sequence[Sequence[tuple[int, int]]] | None = None,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
+    alibi: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, AttentionChoice]:
     """``seqpar.attention``'s output and the strategy and kernel that computed it (decided once)."""
     sp = as_sp_mesh(mesh)
@@ -199,6 +206,7 @@ def attention_and_choice(
         documents=2 if mask is not None else (1 if position_ids is not None else 0),
         sinks=sinks,
         softcap=softcap,
+        alibi=alibi,
     )
     if mask is None:
         mask = sequence_mask(position_ids, sp, layout=layout, window=window, batch_size=q.shape[0], blocks=blocks)
@@ -218,11 +226,13 @@ def attention_and_choice(
     q, k, v = _same_head_width(q, k, v)  # Note [value head size]
     causal = causal and mask.blocks is None  # the blocks replace the causal rule (Note [block-causal ranges])
     options = dict(mesh=sp, strategy=strategy, kernel=kernel, softcap=softcap, mask=mask, layout=layout, causal=causal)
-    choice = choose_attention(q, k, v, **options)
+    choice = choose_attention(q, k, v, alibi=alibi is not None, **options)
     _log.debug("seqpar.attention: strategy=%s kernel=%s sp=%d", choice.strategy, choice.kernel.name, sp.sp_size)
+    biased = {} if alibi is None else {"alibi": alibi}  # only a row with key_bias takes it (Note [ALiBi])
     out = strategy_row(choice.strategy).function(
-        q, k, v, mesh=sp, layout=layout, causal=causal, scale=scale, kernel=choice.kernel, mask=mask, sinks=sinks
-    )
+        q, k, v, mesh=sp, layout=layout, causal=causal, scale=scale, kernel=choice.kernel, mask=mask, sinks=sinks,
+        **biased,
+    )  # fmt: skip
     return (out[..., :value_width] if out.shape[-1] != value_width else out), choice
 
 

@@ -28,6 +28,12 @@ Note [attention adapters]
     declines to switch these families' attention implementation (its source holds attention classes that do not
     use the interface), so their config keeps its own: the adapters never read it, and its mask, built for the
     shard, is ignored; unsharded, the class's own forward runs with the masks of its own implementation.
+    BLOOM's and MPT's rows (``OwnAttention.alibi``) hand seqpar's attention their ALiBi slopes (``ALIBI_KEY``),
+    made by the family's own function, and ignore the bias their decoder built over the shard (Note [ALiBi]).
+    ZAYA's attention calls the interface, but its q/k/v projection (``ZayaCCAProjection``) convolves q and k
+    over time and shifts half of v by one token, which on a shard would miss the tokens before each chunk: its
+    row's ``forward`` makes q, k and v with the halo exchange (Note [CCA halo]) and attends as the others do;
+    transformers does switch ZAYA's implementation, which no code of the adapted module reads.
 """
 
 from __future__ import annotations
@@ -43,9 +49,11 @@ from seqpar.errors import SeqparInputError
 from seqpar.models import ModelAnatomy
 from seqpar.models.own_attention import own_attention, own_attention_class, own_positions_class
 from seqpar.sequence_parallel.call_context import CONTEXT_KEY
+from seqpar.sequence_parallel.mixers.cca import cca_projection
 
 __all__ = [
     "ADAPTERS",
+    "ALIBI_KEY",
     "POSITION_ADAPTERS",
     "AttentionAdapter",
     "adapt_attention",
@@ -57,6 +65,8 @@ __all__ = [
 
 _ATTEND = "_seqpar_attend"  # the adapter class's attribute holding seqpar's attention function
 _MISSING = object()
+ALIBI_KEY = "seqpar_alibi_slopes"
+"""The keyword under which an adapter hands seqpar's attention its ``[H]`` ALiBi slopes (Note [ALiBi])."""
 
 
 @dataclass(frozen=True)
@@ -85,9 +95,12 @@ def _attend(
     scale: float,
     dropout: torch.nn.Module | float,
     window: int | None = None,
+    slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``[B, H, S/P, D]`` q, k, v through seqpar's attention; ``[B, S/P, H*D]`` out."""
+    """``[B, H, S/P, D]`` q, k, v through seqpar's attention (with ``slopes``, ALiBi: Note [ALiBi]);
+    ``[B, S/P, H*D]`` out."""
     p = dropout.p if isinstance(dropout, torch.nn.Module) else float(dropout)
+    biased = {} if slopes is None else {ALIBI_KEY: slopes}
     out, _ = getattr(module, _ATTEND)(
         module,
         *qkv,
@@ -96,6 +109,7 @@ def _attend(
         dropout=p if module.training else 0.0,  # seqpar's attention refuses dropout by name
         sliding_window=window,
         **{CONTEXT_KEY: kwargs[CONTEXT_KEY]},
+        **biased,
     )
     return out.flatten(2)
 
@@ -195,6 +209,87 @@ def _gpt_neox_japanese(
     return self.dense(out), None, self.dense_bias  # the layer adds the bias (the last layer's) to the residual
 
 
+def _zaya(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    attention_mask: object = None,
+    cache: object = None,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """ZayaAttention: its CCA projection with the halo exchange (Note [CCA halo]), its q/k norm, partial rotary, and
+    a window on its sliding layers. Its mask mapping is ignored: seqpar's calls carry no padding mask."""
+    _refuse_state(self, cache, kwargs.get("output_attentions"), kwargs)
+    if position_embeddings is None:
+        raise SeqparInputError(f"{type(self).__name__} needs the model's rotary cos/sin (position_embeddings)")
+    query, key, value = cca_projection(self.qkv_proj, hidden_states, kwargs[CONTEXT_KEY])
+    query, key = self.qk_norm(query, key)
+    query, key, value = (t.transpose(1, 2) for t in (query, key, value))
+    rotate = sys.modules[own_attention_class(self).__module__].apply_rotary_pos_emb
+    query, key = rotate(query, key, *position_embeddings)
+    out = _attend(self, (query, key, value), kwargs, self.scaling, self.attention_dropout, self.sliding_window)
+    return self.o_proj(out), None
+
+
+def _family(module: torch.nn.Module) -> object:
+    """The transformers module that defines the module's row class (its helper functions: a row's ``functions``)."""
+    return sys.modules[own_attention_class(module).__module__]
+
+
+def _bloom(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    residual: torch.Tensor,
+    alibi: object = None,
+    attention_mask: object = None,
+    layer_past: object = None,
+    use_cache: bool = False,
+    output_attentions: bool = False,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """BloomAttention: a fused q, k, v per head, its ALiBi slopes (the decoder's bias, made over the shard, is not
+    read: Note [ALiBi]), and the residual added inside, as the class does."""
+    _refuse_state(self, layer_past, output_attentions, kwargs)
+    family = _family(self)
+    slopes = family._get_alibi_slopes(self.num_heads, hidden_states.device)
+    out = _attend(self, self._reshape(self.query_key_value(hidden_states)), kwargs, self.inv_norm_factor,
+                  self.attention_dropout, slopes=slopes)  # fmt: skip
+    if self.pretraining_tp > 1 and self.slow_but_exact:  # the class's slices of the projection (no bias there)
+        width, dense = self.hidden_size / self.pretraining_tp, torch.zeros_like(out)
+        for i in range(self.pretraining_tp):
+            cols = slice(int(i * width), int((i + 1) * width))
+            dense = dense + torch.nn.functional.linear(out[:, :, cols], self.dense.weight[:, cols])
+    else:
+        dense = self.dense(out)
+    return family.dropout_add(dense, residual, self.hidden_dropout, self.training), None
+
+
+def _mpt_slopes(module: torch.nn.Module, device: torch.device) -> torch.Tensor:
+    """MPT's slopes as its model makes them (``build_mpt_alibi_tensor`` with its default ``alibi_bias_max``, as
+    ``MptModel`` calls it): the bias of key 1 less that of key 0."""
+    bias = _family(module).build_mpt_alibi_tensor(module.n_heads, 2, device=device)  # [H, 1, 2]
+    return (bias[:, 0, 1] - bias[:, 0, 0]).float()
+
+
+def _mpt(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    position_bias: object = None,
+    cache: object = None,
+    attention_mask: object = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """MptAttention: one fused projection, clamped by ``clip_qkv``; its ALiBi slopes (the decoder's bias is not
+    read: Note [ALiBi]); its ``softmax_scale``."""
+    _refuse_state(self, cache, kwargs.get("output_attentions"), kwargs)
+    mixed = self.Wqkv(hidden_states)
+    if self.clip_qkv:
+        mixed = mixed.clamp(min=-self.clip_qkv, max=self.clip_qkv)
+    qkv = tuple(_heads(t, self.n_heads) for t in mixed.chunk(3, dim=2))
+    out = _attend(self, qkv, kwargs, self.softmax_scale, self.attn_dropout_p, slopes=_mpt_slopes(self, mixed.device))
+    return self.out_proj(out), None
+
+
 _BART_STYLE = AttentionAdapter(
     _bart_style, ("q_proj", "k_proj", "v_proj", "out_proj", "num_heads", "scaling", "dropout")
 )
@@ -219,6 +314,29 @@ ADAPTERS = {
             *("norm_factor", "attention_dropout"),
         ),
         ("apply_rotary_pos_emb",),
+    ),
+    "ZayaAttention": AttentionAdapter(
+        _zaya,
+        (
+            *("qkv_proj.q_proj", "qkv_proj.k_proj", "qkv_proj.v_proj_current", "qkv_proj.v_proj_delayed"),
+            *("qkv_proj.conv_qk_depthwise", "qkv_proj.conv_qk_grouped", "qkv_proj.conv_kernel_size"),
+            *("qkv_proj.head_dim", "qkv_proj.num_key_value_groups", "qk_norm", "o_proj", "scaling"),
+            *("attention_dropout", "sliding_window"),
+        ),
+        ("apply_rotary_pos_emb",),
+    ),
+    "BloomAttention": AttentionAdapter(
+        _bloom,
+        (
+            *("query_key_value", "dense", "num_heads", "hidden_size", "inv_norm_factor", "attention_dropout"),
+            *("hidden_dropout", "pretraining_tp", "slow_but_exact", "_reshape"),
+        ),
+        ("_get_alibi_slopes", "dropout_add"),
+    ),
+    "MptAttention": AttentionAdapter(
+        _mpt,
+        ("Wqkv", "out_proj", "n_heads", "clip_qkv", "softmax_scale", "attn_dropout_p"),
+        ("build_mpt_alibi_tensor",),
     ),
 }
 """Attention class name (an ``OWN_ATTENTION`` row) -> its adapter."""

@@ -119,7 +119,8 @@ def agree_on_call(
         no_position_ids=positions is None,
         labels=kwargs.get("labels") is not None,
         attention_mask=attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()),
-        use_cache=bool(kwargs.get("use_cache")),
+        # RWKV's state is its cache, and its blocks get seqpar's context there (Note [context in the mask])
+        use_cache=bool(kwargs.get("use_cache")) or (family.mask_context == "state" and kwargs.get("state") is not None),
         packing_keys=any(kwargs.get(k) is not None for k in PACKING_KEYS),
         no_layout=no_layout,
         bad_layout=bad_layout,

@@ -9,8 +9,11 @@ Note [context in the mask]
     the model call, unchanged, is the mask (a mask mapping by layer type, which Jamba's decoder takes as it
     is), so for such a family (``Family.mask_context``) the prepared model's hook puts the ``CallContext``
     there, where seqpar's calls carry no mask of their own; the mixers' adapters and the decoder's hook read it
-    back. It is part of the layer's call, so activation checkpointing, which replays the layer's ``forward``
-    with the same arguments, hands the recomputed mixer the same context.
+    back. RWKV's blocks take no keywords and no mask at all: the one argument its decoder hands every block, and
+    each block its two mixers, is the recurrent ``state`` (its cache), so there the context travels as the
+    ``state`` (a call that brings a state of its own is refused, as a cache). It is part of the layer's call, so
+    activation checkpointing, which replays the layer's ``forward`` with the same arguments, hands the
+    recomputed mixer the same context.
 """
 
 from __future__ import annotations

@@ -48,6 +48,7 @@ from seqpar.models import ModelAnatomy, find_anatomy
 from seqpar.sequence_parallel._own_config import config_tree, own_config
 from seqpar.sequence_parallel.api import AttentionChoice, attention_and_choice
 from seqpar.sequence_parallel.attention_adapters import (
+    ALIBI_KEY,
     adapt_attention,
     adapted_only,
     cross_attention,
@@ -134,6 +135,7 @@ def _seqpar_attention(module, query, key, value, attention_mask, scaling=None, d
         mask=ctx.mask,
         sinks=sinks,
         softcap=softcap,
+        alibi=kwargs.get(ALIBI_KEY),  # an adapter's ALiBi slopes (Note [ALiBi]); no transformers family passes it
     )
     ctx.choices[getattr(module, "layer_idx", 0)] = choice
     ctx.attended.add(id(module))
@@ -144,7 +146,7 @@ def _context_in_mask(kwargs: dict) -> bool:
     """The call's mask carries the enclosing call's context (Note [context in the mask])."""
     mask = kwargs.get("attention_mask")
     mask = next(iter(mask.values()), None) if isinstance(mask, dict) else mask
-    return isinstance(mask, CallContext)
+    return isinstance(mask, CallContext) or isinstance(kwargs.get("state"), CallContext)
 
 
 def _context_to_mask(kwargs: dict, ctx: CallContext, where: str | None, config: object) -> dict:
@@ -153,6 +155,8 @@ def _context_to_mask(kwargs: dict, ctx: CallContext, where: str | None, config: 
         kwargs["attention_mask"] = ctx
     elif where == "mapping":  # every layer type's entry of the mask mapping the decoder takes as it is
         kwargs["attention_mask"] = {kind: ctx for kind in getattr(config, "layer_types", ())}
+    elif where == "state":  # the recurrent state the decoder hands every block (RWKV)
+        kwargs["state"] = ctx
     return kwargs
 
 
@@ -324,7 +328,8 @@ def prepare_model(
     model.set_attn_implementation(chosen)
     setattr(model, PREPARED_ATTENTION_ATTR, chosen)
     text_config = getattr(served.decoder, "config", model.config)  # what the text decoder's attention reads
-    if text_config._attn_implementation != ATTENTION_NAME and not adapted_only(served):
+    attends = any(m is not None for m in served.attention)  # RWKV has no attention: none reads the implementation
+    if text_config._attn_implementation != ATTENTION_NAME and attends and not adapted_only(served):
         raise SeqparInputError(f"{type(model).__name__} refused the attention implementation {ATTENTION_NAME!r}")
     for old in getattr(model, _HOOK_ATTR, ()):
         old.remove()

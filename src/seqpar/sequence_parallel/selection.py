@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING
 
 from seqpar.errors import SeqparInputError
 from seqpar.sequence_parallel.strategies.registry import (
+    ALLGATHER,
     AUTO,
     HYBRID,
     RING,
@@ -89,6 +90,7 @@ def select_strategy(
     local_tokens: int = 0,
     head_dim: int = 1,
     itemsize: int = 4,
+    key_bias: bool = False,
 ) -> str:
     """The strategy a call runs: "auto" resolved (Note [auto strategy]), an explicit name checked against its row.
 
@@ -107,20 +109,31 @@ def select_strategy(
         local_tokens: tokens per rank (``q.shape[2]``).
         head_dim: head dimension.
         itemsize: bytes per element of q, k, v.
+        key_bias: the call adds an ALiBi bias (Note [ALiBi]): only a row with ``key_bias`` runs it; "auto" takes
+            the static rule's row when it has it (the mask's byte comparison aside: the mask-aware ring does not
+            apply the bias), else allgather.
 
     Returns:
-        A registry name: "hybrid", "ulysses" or "ring" for "auto"; ``strategy`` itself otherwise.
+        A registry name: "hybrid", "ulysses" or "ring" for "auto" (not "hybrid" with ``key_bias``: "allgather"
+        instead); ``strategy`` itself otherwise.
 
     Raises:
-        SeqparInputError: an unknown name, or heads that the named strategy cannot split on these degrees.
+        SeqparInputError: an unknown name, heads that the named strategy cannot split on these degrees, or a
+            named strategy without ``key_bias`` for a call with one.
     """
     check_strategy_name(strategy)
     if strategy != AUTO:
-        problem = strategy_row(strategy).heads_problem(heads, kv_heads, sp_size, ulysses_size)
+        row = strategy_row(strategy)
+        problem = row.heads_problem(heads, kv_heads, sp_size, ulysses_size)
+        if problem is None and key_bias and not row.key_bias:
+            served = ", ".join(r.name for r in (ULYSSES, RING, ALLGATHER, HYBRID) if r.key_bias)
+            problem = f"strategy {strategy!r} applies no ALiBi bias (Note [ALiBi]); ask for one that does: {served}"
         if problem is not None:
             raise SeqparInputError(problem)
         return strategy
     static = _static_auto(heads, kv_heads, sp_size, ulysses_size)
+    if key_bias:
+        return (static if static.key_bias else ALLGATHER).name  # its mask-aware ring would not apply the bias
     if static is not ULYSSES or mask is None or mask.trivial or local_tokens < 1:
         return static.name
     return _masked_auto(heads, kv_heads, sp_size, mask, layout, causal, local_tokens, head_dim, itemsize)

@@ -20,6 +20,7 @@ from seqpar.models.mixers.base import Get, MixerSizes
 from seqpar.models.mixers.delta import GatedDeltaNet, Kda
 from seqpar.models.mixers.mamba import Mamba1, Mamba2
 from seqpar.models.mixers.rg_lru import RgLru
+from seqpar.models.mixers.rwkv import Rwkv
 from seqpar.models.mixers.simple import Lightning, ShortConv
 
 __all__ = [
@@ -34,13 +35,14 @@ __all__ = [
     "Mamba2",
     "MixerSizes",
     "RgLru",
+    "Rwkv",
     "ShortConv",
     "mixer_layer_types",
     "register_mixer_kind",
 ]
 
 MIXER_KINDS: dict[str, type[MixerSizes]] = {
-    row.kind: row for row in (GatedDeltaNet, Kda, Mamba2, Mamba1, ShortConv, Lightning, RgLru)
+    row.kind: row for row in (GatedDeltaNet, Kda, Mamba2, Mamba1, ShortConv, Lightning, RgLru, Rwkv)
 }
 """The registry: mixer kind -> its row."""
 

@@ -116,7 +116,7 @@ class Mamba1(MixerSizes):
     kind = "mamba1"
     label = "Mamba1"
     layer_types = ("mamba",)
-    adapts = ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer")
+    adapts = ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer", "ZambaMambaMixer")
     names: ClassVar[Names] = dict(
         inner=None,
         expand="mamba_expand",

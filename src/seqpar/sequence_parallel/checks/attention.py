@@ -70,6 +70,7 @@ class InputSignature(Signature):
     documents: int  # index in _DOCUMENTS: none, position ids, a prebuilt mask
     sink_heads: int  # -1: no sinks, -2: not a 1-D floating tensor on q's device, else their count
     softcap: int  # -1: none, 0: invalid, 1: a positive finite number
+    alibi_heads: int  # ALiBi slopes, coded as sink_heads
     q: TensorSignature
     k: TensorSignature
     v: TensorSignature
@@ -88,6 +89,7 @@ class InputSignature(Signature):
         documents: int,
         sinks: torch.Tensor | None = None,
         softcap: float | None = None,
+        alibi: torch.Tensor | None = None,
     ) -> InputSignature:
         """The signature of one call's tensors and options (as ``check_attention_inputs`` takes them)."""
         scale_ok = scale is None or (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0)
@@ -102,6 +104,7 @@ class InputSignature(Signature):
             documents=documents,
             sink_heads=_sink_heads(sinks, q),
             softcap=-1 if softcap is None else int(_positive_finite(softcap)),
+            alibi_heads=_sink_heads(alibi, q),
             q=TensorSignature.of(q),
             k=TensorSignature.of(k),
             v=TensorSignature.of(v),
@@ -169,6 +172,10 @@ def _problems(sig: InputSignature, sp_size: int, ulysses_size: int) -> list[str]
         problems.append("sinks must be a 1-D floating tensor [heads] on q's device")
     if sig.sink_heads >= 0 and sig.q.ndim == 4 and sig.sink_heads != sig.q.dims[1]:
         problems.append(f"sinks hold {sig.sink_heads} logits but q has {sig.q.dims[1]} heads (one per query head)")
+    if sig.alibi_heads == -2:
+        problems.append("alibi must be a 1-D floating tensor [heads] of slopes on q's device")
+    if sig.alibi_heads >= 0 and sig.q.ndim == 4 and sig.alibi_heads != sig.q.dims[1]:
+        problems.append(f"alibi holds {sig.alibi_heads} slopes but q has {sig.q.dims[1]} heads (one per query head)")
     if sig.window > 0 and not sig.causal:
         problems.append("a sliding window needs causal=True")
     if not sig.same_device:
@@ -223,6 +230,7 @@ def check_attention_inputs(
     documents: int = 0,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
+    alibi: torch.Tensor | None = None,
 ) -> None:
     """Raise the same ``SeqparInputError`` on every rank if any rank's inputs are bad (Note [agreeing on errors]).
 
@@ -237,12 +245,13 @@ def check_attention_inputs(
         exchange: all-gather the signatures so that every rank sees every rank's inputs.
         sinks: the ``[heads]`` sink logits, or None.
         softcap: the logit soft-cap, or None.
+        alibi: the ``[heads]`` ALiBi slopes, or None (ranks must agree: Note [ALiBi]).
 
     Raises:
         SeqparInputError: naming each problem and, when ranks differ, which rank had what.
     """
     size = 1 if group is None else dist.get_world_size(group)
-    sig = InputSignature.of(q, k, v, strategy, layout, causal, scale, window, documents, sinks, softcap)
+    sig = InputSignature.of(q, k, v, strategy, layout, causal, scale, window, documents, sinks, softcap, alibi)
     if size == 1 or not exchange:
         problems = _problems(sig, size, ulysses_size)
     else:
@@ -262,5 +271,6 @@ def _describe(sig: InputSignature) -> str:
     window = "none" if sig.window < 0 else sig.window
     return (
         f"strategy={sig.strategy} layout={sig.layout} causal={sig.causal} window={window} "
-        f"documents={_DOCUMENTS[sig.documents]} sinks={sig.sink_heads >= 0} softcap={sig.softcap >= 0} {shapes}"
+        f"documents={_DOCUMENTS[sig.documents]} sinks={sig.sink_heads >= 0} softcap={sig.softcap >= 0} "
+        f"alibi={sig.alibi_heads >= 0} {shapes}"
     )

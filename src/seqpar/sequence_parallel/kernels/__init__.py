@@ -45,6 +45,7 @@ def select_kernel(
     kernel: str | AttentionKernel = "auto",
     mask: torch.Tensor | None = None,
     softcap: float | None = None,
+    alibi: bool = False,
 ) -> AttentionKernel:
     """The kernel that will run these inputs.
 
@@ -56,6 +57,7 @@ def select_kernel(
         mask: the boolean mask the kernel must accept, if any.
         softcap: logit soft-capping (Note [logit soft-capping]): only the reference kernel caps scores, so
             "auto" and "reference" give ``ReferenceKernel(softcap=softcap)``.
+        alibi: the call adds an ALiBi bias (Note [ALiBi]): only the reference kernel applies it, chosen likewise.
 
     Returns:
         The chosen kernel; ``kernel.name`` says which.
@@ -64,7 +66,7 @@ def select_kernel(
         SeqparInputError: an unknown name, a named kernel that cannot run these inputs (with the reason), or
             a kernel other than the reference one with ``softcap``.
     """
-    if softcap is not None:
+    if softcap is not None or alibi:
         return _softcap_kernel(kernel, softcap)
     if isinstance(kernel, AttentionKernel):
         candidates: tuple[AttentionKernel, ...] = (kernel,)
@@ -85,16 +87,18 @@ def select_kernel(
     raise SeqparInputError("no attention kernel can run these inputs (" + "; ".join(reasons) + ")")
 
 
-def _softcap_kernel(kernel: str | AttentionKernel, softcap: float) -> AttentionKernel:
-    """The kernel of soft-capped attention: the reference kernel with the cap (Note [logit soft-capping])."""
+def _softcap_kernel(kernel: str | AttentionKernel, softcap: float | None) -> AttentionKernel:
+    """The kernel of soft-capped (or ALiBi-biased) attention: the reference kernel with the cap (Note [logit
+    soft-capping], Note [ALiBi])."""
     if isinstance(kernel, ReferenceKernel):
         chosen = ReferenceKernel(kernel.block_size, softcap)
     elif kernel in ("auto", ReferenceKernel.name):
         chosen = ReferenceKernel(softcap=softcap)
     else:
         name = kernel.name if isinstance(kernel, AttentionKernel) else str(kernel)
+        lacks = f"no logit soft-capping (softcap={softcap})" if softcap is not None else "no ALiBi bias (Note [ALiBi])"
         raise SeqparInputError(
-            f"attention kernel {name} has no logit soft-capping (softcap={softcap}); use kernel 'auto' or "
+            f"attention kernel {name} has {lacks}; use kernel 'auto' or "
             "'reference' (PyTorch's fused attention ops take no score modification)"
         )
     _log.debug("seqpar attention kernel: %r", chosen)

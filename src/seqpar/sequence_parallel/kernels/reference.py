@@ -40,10 +40,13 @@ def _block_mask(
 
 
 def _scores(
-    qg: torch.Tensor, kb: torch.Tensor, scale: float, softcap: float | None
+    qg: torch.Tensor, kb: torch.Tensor, scale: float, softcap: float | None, bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Scores ``[B, Hkv, G, Sq, kb]`` of one key block, soft-capped (Note [logit soft-capping]), and the tanh."""
+    """Scores ``[B, Hkv, G, Sq, kb]`` of one key block, ALiBi-biased (Note [ALiBi]) and soft-capped (Note [logit
+    soft-capping]), and the tanh."""
     s = torch.matmul(qg, kb.transpose(-1, -2)).mul_(scale)
+    if bias is not None:
+        s = s.add_(bias)
     if softcap is None:
         return s, None
     t = torch.tanh(s / softcap)
@@ -64,7 +67,8 @@ def _mask_heads(mask: torch.Tensor | None, kv_heads: int, heads: int) -> torch.T
 class ReferenceKernel(AttentionKernel):
     """Pure-PyTorch attention over key blocks of ``block_size`` columns (memory O(Sq * block_size)).
 
-    With ``softcap`` every score is capped to ``softcap * tanh(score / softcap)`` (Note [logit soft-capping]).
+    With ``softcap`` every score is capped to ``softcap * tanh(score / softcap)`` (Note [logit soft-capping]);
+    ``forward`` and ``backward`` take an ``AlibiBias`` (Note [ALiBi]) as ``alibi=``.
     """
 
     name = "reference"
@@ -85,7 +89,7 @@ class ReferenceKernel(AttentionKernel):
         for start in range(0, sk, self.block_size):
             yield slice(start, min(start + self.block_size, sk))
 
-    def forward(self, q, k, v, *, causal, scale, mask=None):
+    def forward(self, q, k, v, *, causal, scale, mask=None, alibi=None):
         b, h, sq, d = q.shape
         hkv = k.shape[1]
         qg = _grouped(q.float(), hkv)
@@ -95,7 +99,8 @@ class ReferenceKernel(AttentionKernel):
         for cols in self._blocks(k.shape[2]):
             kb = k[:, :, None, cols].float()  # [B, Hkv, 1, kb, D]
             vb = v[:, :, None, cols].float()
-            s, _ = _scores(qg, kb, scale, self.softcap)  # [B, Hkv, G, Sq, kb]
+            bias = None if alibi is None else alibi.scores(hkv, cols)  # Note [ALiBi]
+            s, _ = _scores(qg, kb, scale, self.softcap, bias)  # [B, Hkv, G, Sq, kb]
             keep = _block_mask(causal, mask, sq, cols, q.device)
             if keep is not None:
                 s = s.masked_fill(~keep, float("-inf"))
@@ -104,7 +109,7 @@ class ReferenceKernel(AttentionKernel):
             merge_into(out, lse, torch.matmul(p, vb), lse_b)
         return out.reshape(b, h, sq, d).to(q.dtype), lse.reshape(b, h, sq)
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale, mask=None):
+    def backward(self, dout, q, k, v, out, lse, *, causal, scale, mask=None, alibi=None):
         b, h, sq, d = q.shape
         hkv = k.shape[1]
         qg = _grouped(q.float(), hkv)
@@ -119,7 +124,7 @@ class ReferenceKernel(AttentionKernel):
         for cols in self._blocks(k.shape[2]):
             kb = k[:, :, None, cols].float()
             vb = v[:, :, None, cols].float()
-            s, t = _scores(qg, kb, scale, self.softcap)
+            s, t = _scores(qg, kb, scale, self.softcap, None if alibi is None else alibi.scores(hkv, cols))
             keep = _block_mask(causal, mask, sq, cols, q.device)
             if keep is not None:
                 s = s.masked_fill(~keep, float("-inf"))

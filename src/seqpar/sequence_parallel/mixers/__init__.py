@@ -31,9 +31,10 @@ from seqpar.sequence_parallel.mixers.gated_deltanet import (
 )
 from seqpar.sequence_parallel.mixers.implementations import MixerKernel, mixer_kernels
 from seqpar.sequence_parallel.mixers.lightning import minimax_lightning_attention_forward
-from seqpar.sequence_parallel.mixers.mamba1 import mamba1_forward
+from seqpar.sequence_parallel.mixers.mamba1 import mamba1_forward, zamba_mamba_forward
 from seqpar.sequence_parallel.mixers.mamba2 import mamba2_forward
 from seqpar.sequence_parallel.mixers.rg_lru import recurrent_gemma_recurrent_forward
+from seqpar.sequence_parallel.mixers.rwkv import rwkv_channel_mix_forward, rwkv_time_mix_forward
 from seqpar.sequence_parallel.mixers.short_conv import lfm2_short_conv_forward
 
 __all__ = ["ADAPTERS", "MixerKernel", "adapt", "implementations", "mismatched_mixers", "unknown_mixers"]
@@ -120,6 +121,13 @@ ADAPTERS = {
     "MambaMixer": _MAMBA1,
     "FalconMambaMixer": _MAMBA1,
     "JambaMambaMixer": _MAMBA1,
+    "ZambaMambaMixer": MixerAdapter(  # Mamba1 in heads, each with its own x and dt projections (Note [Mamba1 state])
+        zamba_mamba_forward,
+        (
+            *("in_proj", "conv1d", "use_conv_bias", "act", "n_mamba_heads", "mamba_head_dim", "ssm_state_size"),
+            *("x_proj_weight", "dt_proj_weight", "dt_proj_bias", "time_step_rank", "A_log", "D", "out_proj"),
+        ),
+    ),
     "MiniMaxLightningAttention": MixerAdapter(
         minimax_lightning_attention_forward,
         (
@@ -130,6 +138,19 @@ ADAPTERS = {
     # the RG-LRU and its convolution (Note [RG-LRU state]); its recurrence is seqpar's loop, as transformers' is
     "RecurrentGemmaRecurrentBlock": MixerAdapter(
         recurrent_gemma_recurrent_forward, ("linear_y", "linear_x", "conv_1d", "rg_lru", "act_fn", "linear_out")
+    ),
+    # RWKV-4's time and channel mixing (Note [WKV state]): the token shift's halo, and the WKV loop, seqpar's
+    "RwkvSelfAttention": MixerAdapter(
+        rwkv_time_mix_forward,
+        (
+            *("time_decay", "time_first", "time_mix_key", "time_mix_value", "time_mix_receptance"),
+            *("key", "value", "receptance", "output"),
+        ),
+    ),
+    "RwkvFeedForward": MixerAdapter(
+        rwkv_channel_mix_forward,
+        ("time_mix_key", "time_mix_receptance", "key", "receptance", "value"),
+        recurrent=False,
     ),
 }
 """Mixer class name -> its adapter."""

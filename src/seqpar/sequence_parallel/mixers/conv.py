@@ -1,6 +1,7 @@
 """A causal depthwise convolution over a sequence split into chunks across ranks, exact at every chunk edge.
 
 The short convolutions of hybrid models (LFM2's, and the ones before Mamba2 and gated DeltaNet mixers) use it.
+ZAYA's attention exchanges its q/k and delayed-value halos with ``chunk_halos`` (Note [CCA halo]).
 
 Note [halo convolution]
     A causal depthwise convolution of width K mixes each token with the K - 1 tokens before it. On a rank
@@ -63,6 +64,32 @@ def layer_conv(layer: torch.nn.Module, x: torch.Tensor, conv: torch.nn.Conv1d, c
     return halo_causal_conv(x, weight, conv_bias, ctx.mesh, ctx.layout, ctx.mask, kernel)
 
 
+def chunk_halos(pieces: torch.Tensor, halo: int, sp: SequenceParallelMesh, layout: Layout) -> torch.Tensor:
+    """The ``halo`` inputs before each of this rank's chunks in the whole sequence (zeros before its start), in one
+    all-gather of every chunk's tail (Note [halo convolution]).
+
+    Args:
+        pieces: ``[B, C, chunks, size]`` this rank's inputs, its chunks in ``layout`` order (one chunk at sp 1).
+        halo: how many tokens before each chunk.
+        sp: the sequence-parallel mesh.
+        layout: the layout the sequence is sharded with.
+
+    Returns:
+        ``[B, C, chunks, halo]``.
+    """
+    b, c, chunks, size = pieces.shape
+    if sp.sp_size == 1 or not halo:  # one rank holds the whole sequence: zeros before it
+        return pieces.new_zeros(b, c, chunks, halo)
+    tail = min(size, halo)  # a chunk shorter than the halo sends all of itself; the halo spans several chunks
+    spans = -(-halo // tail)  # chunks a halo reaches back over
+    tails = pieces[..., size - tail :].permute(2, 0, 1, 3).contiguous()  # [chunks, B, C, tail]
+    by_chunk = gather_sequence(tails, sp, dim=0, layout=layout)  # every chunk's tail, in the sequence's order
+    earlier = torch.cat([torch.zeros_like(by_chunk[:1]).expand(spans, -1, -1, -1), by_chunk])
+    mine = torch.tensor(rank_chunk_ids(layout, sp.sp_size, sp.sp_rank))
+    before = torch.cat([earlier[mine + j] for j in range(spans)], dim=-1)[..., -halo:]  # the tokens before each
+    return before.permute(1, 2, 0, 3)  # [B, C, chunks, halo]
+
+
 def halo_causal_conv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -93,18 +120,7 @@ def halo_causal_conv(
     chunks = chunks_per_rank(layout) if sp.sp_size > 1 else 1
     size = local // chunks
     pieces = x.view(b, c, chunks, size)
-    if sp.sp_size > 1 and halo:
-        tail = min(size, halo)  # a chunk shorter than the halo sends all of itself; the halo spans several chunks
-        spans = -(-halo // tail)  # chunks a halo reaches back over
-        tails = pieces[..., size - tail :].permute(2, 0, 1, 3).contiguous()  # [chunks, B, C, tail]
-        by_chunk = gather_sequence(tails, sp, dim=0, layout=layout)  # every chunk's tail, in the sequence's order
-        earlier = torch.cat([torch.zeros_like(by_chunk[:1]).expand(spans, -1, -1, -1), by_chunk])
-        mine = torch.tensor(rank_chunk_ids(layout, sp.sp_size, sp.sp_rank))
-        before = torch.cat([earlier[mine + j] for j in range(spans)], dim=-1)[..., -halo:]  # the tokens before each
-        before = before.permute(1, 2, 0, 3)  # [B, C, chunks, K - 1]
-    else:  # one rank holds the whole sequence: zeros before it
-        before = pieces.new_zeros(b, c, chunks, halo)
-    extended = torch.cat([before, pieces], dim=-1)  # [B, C, chunks, K - 1 + size]
+    extended = torch.cat([chunk_halos(pieces, halo, sp, layout), pieces], dim=-1)  # [B, C, chunks, K - 1 + size]
     index = token_positions(layout, sp, local)
     starts = mask.starts[:, index] if mask is not None and mask.starts is not None else torch.zeros(1, local)
     if kernel is not None and not starts.any():  # one document from the sequence's start: every tap is inside

@@ -9,8 +9,9 @@ Note [mixer implementations]
     code. seqpar's adapters call the same dispatchers, so a shard runs what one process runs; the dispatcher keeps
     what it found in its closure, which is read here (an unreadable one is reported as "unknown", never guessed).
     The halo convolution takes the model's kernel on rows without packed documents only (Note [halo
-    convolution]). Mamba1's scan and lightning attention are seqpar's own PyTorch code on every device: no fused
-    kernel takes a state in and gives a differentiable one out (Note [Mamba1 state]). A kernelized model
+    convolution]). Mamba1's scan, RWKV's WKV loop and lightning attention are seqpar's own PyTorch code on every
+    device: no fused kernel takes a state in and gives a differentiable one out (Note [Mamba1 state], Note [WKV
+    state]). A kernelized model
     (``use_kernels``, which transformers' ``from_pretrained`` turns on where the ``kernels`` package is installed)
     chooses its hub kernels in the class's own ``forward``, which the adapter replaces: its mixers run the
     packages' kernels or PyTorch as above, never the hub's, and ``seqpar doctor`` says so.

@@ -1,4 +1,4 @@
-"""Mamba1 layers (Mamba, Falcon-Mamba, Jamba) under sequence parallelism: halo convolution, then the selective scan.
+"""Mamba1 layers (Mamba, Falcon-Mamba, Jamba, Zamba) under sequence parallelism: halo convolution, then the scan.
 
 The adapters' ``forward`` (Note [mixer adapters]): seqpar's scan of a piece from a given state (Note [Mamba1 state]).
 
@@ -19,6 +19,10 @@ Note [Mamba1 state]
     ``Mamba1.scan_block`` tokens forms its decays and drives from ``dt``, ``B`` and ``x`` and is recomputed in the
     backward (activation checkpointing), so the backward keeps a state per block and the per-token inputs, and
     one block's steps at a time.
+    Zamba's mixer is Mamba1 in ``n_mamba_heads`` heads, each with its own x and dt projections, so its own B and
+    C (``[B, L, H, N]``); x and the gate come out of ``in_proj`` interleaved channel by channel. The same scan
+    runs with every channel axis split ``H, D/H`` (``rate`` ``[H, D/H, N]``): all heads in one pass and one
+    exchange, the state one number per (head, channel, entry) as above.
 """
 
 from __future__ import annotations
@@ -43,9 +47,10 @@ def _recomputed(function, *args: object):
 def _steps(
     dt: torch.Tensor, b: torch.Tensor, c: torch.Tensor, u: torch.Tensor, rate: torch.Tensor, state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' recurrence over a block of tokens from ``state`` ``[n, D, N]``: (reads ``[n, T, D]``, state)."""
+    """transformers' recurrence over a block of tokens from ``state`` ``[n, D, N]``: (reads ``[n, T, D]``, state).
+    With heads (Zamba's), every ``D`` is ``H, D/H`` and ``b``, ``c`` are ``[n, T, H, N]``."""
     decays = torch.exp(rate * dt[..., None])  # [n, T, D, N], one block's, as transformers' discrete A
-    drives = dt[..., None] * b[:, :, None, :].float() * u[..., None].float()
+    drives = dt[..., None] * b[..., None, :].float() * u[..., None].float()
     states = []
     for decay, drive in zip(decays.unbind(1), drives.unbind(1), strict=True):
         state = torch.addcmul(drive, decay, state)
@@ -69,24 +74,23 @@ def _scan_piece(
         b: ``[n, T, N]`` the drive's input projection.
         c: ``[n, T, N]`` the read-out.
         u: ``[n, T, D]`` the scan's input; its dtype is the one the state is read in.
-        rate: ``[D, N]`` ``A = -exp(A_log)``, float32.
+        rate: ``[D, N]`` ``A = -exp(A_log)``, float32 (``[H, D/H, N]`` with heads, as ``_steps`` takes them).
         initial_state: ``[n, D * N, 1, 1]`` the state entering each piece, or None for zeros.
 
     Returns:
         ``C . h`` per token ``[n, T, D]``, and the final states ``[n, D * N, 1, 1]``.
     """
-    channels, entries = rate.shape
     rows = dt.shape[0]
     if initial_state is None:  # zeros (transformers starts from zeros)
-        state = dt.new_zeros(rows, channels, entries, dtype=torch.float32)
+        state = dt.new_zeros(rows, *rate.shape, dtype=torch.float32)
     else:
-        state = initial_state.reshape(rows, channels, entries)
+        state = initial_state.reshape(rows, *rate.shape)
     reads = []
     blocks = zip(*(t.split(Mamba1.scan_block, dim=1) for t in (dt, b, c, u)), strict=True)
     for block in blocks:  # each block starts from the state the one before left
         read, state = _recomputed(_steps, *block, rate, state)
         reads.append(read)
-    return torch.cat(reads, dim=1), state.reshape(rows, channels * entries, 1, 1)
+    return torch.cat(reads, dim=1), state.reshape(rows, rate.numel(), 1, 1)
 
 
 def _carried(elapsed: torch.Tensor, c: torch.Tensor, rate: torch.Tensor, entering: torch.Tensor) -> torch.Tensor:
@@ -133,6 +137,28 @@ def mamba1_forward(
     dt = (self.dt_proj.weight @ step.transpose(1, 2)).transpose(1, 2)  # [B, L, D], the bias added below
     dt = F.softplus(dt + self.dt_proj.bias.float().to(dt.dtype))
     rate = -torch.exp(self.A_log.float())  # [D, N]
+    y = selective_scan(dt, b, c, u, rate, ctx)
+    y = (y + u * self.D.float()) * F.silu(gate)
+    return self.out_proj(y.to(dtype))
+
+
+def selective_scan(
+    dt: torch.Tensor, b: torch.Tensor, c: torch.Tensor, u: torch.Tensor, rate: torch.Tensor, ctx: CallContext
+) -> torch.Tensor:
+    """Mamba1's ``C . h`` per token over the whole sequence, on this rank's shard (Note [Mamba1 state]).
+
+    Args:
+        dt: ``[B, L, D]`` the time steps (softplus applied).
+        b: ``[B, L, N]`` the drive's input projection.
+        c: ``[B, L, N]`` the read-out.
+        u: ``[B, L, D]`` the scan's input.
+        rate: ``[D, N]`` ``A = -exp(A_log)``, float32. With heads (Zamba's), every ``D`` above is ``H, D/H`` and
+            ``b``, ``c`` are ``[B, L, H, N]``: each head an independent Mamba1 with its own B and C.
+        ctx: the call context.
+
+    Returns:
+        ``C . h`` per token, of ``u``'s shape.
+    """
 
     def run(dt, b, c, u, initial_state):
         return _scan_piece(dt, b, c, u, rate, initial_state)
@@ -146,9 +172,48 @@ def mamba1_forward(
             blocks = zip(elapsed.split(Mamba1.scan_block, dim=1), c.split(Mamba1.scan_block, dim=1), strict=True)
             return torch.cat([_recomputed(_carried, e, c_b, rate, entering) for e, c_b in blocks], dim=1)
 
-        return Opening(out, local, torch.exp(rate * elapsed[:, -1, :, None]).flatten(1)[..., None, None], respond)
+        return Opening(out, local, torch.exp(rate * elapsed[:, -1, ..., None]).flatten(1)[..., None, None], respond)
 
-    state = (self.intermediate_size * entries, 1, 1)
-    y = chunked_state_scan(run, opening, (dt, b, c, u), state, ctx.mesh, ctx.layout, ctx.mask)
+    return chunked_state_scan(run, opening, (dt, b, c, u), (rate.numel(), 1, 1), ctx.mesh, ctx.layout, ctx.mask)
+
+
+def zamba_mamba_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    cache: object | None = None,
+    attention_mask: object | None = None,
+    **kwargs: object,
+) -> torch.Tensor:
+    """``ZambaMambaMixer.forward`` on this rank's shard: Mamba1 in ``n_mamba_heads`` heads, each with its own x and
+    dt projections (so its own B and C), the convolution and the scan's state exchanged (Note [Mamba1 state]).
+
+    Args:
+        self: the layer (``in_proj``, ``conv1d``, ``x_proj_weight``, ``dt_proj_weight``, ``dt_proj_bias``,
+            ``A_log``, ``D``, ``out_proj``).
+        hidden_states: ``[B, L, H]`` this rank's tokens.
+        cache: must be None (seqpar trains without a cache).
+        attention_mask: ignored, as seqpar's calls carry none (padding is its own document).
+        **kwargs: the layer's keywords; seqpar's call context among them.
+
+    Returns:
+        ``[B, L, H]``.
+
+    Raises:
+        SeqparInputError: called outside a prepared model's call, or with a cache.
+    """
+    ctx = adapter_context(self, cache, kwargs, silu=False)  # the layer's own activation is applied below
+    dtype, (batch, length, _) = hidden_states.dtype, hidden_states.shape
+    heads, width, entries = self.n_mamba_heads, self.mamba_head_dim, self.ssm_state_size
+    projected = self.in_proj(hidden_states).unflatten(-1, (-1, 2))  # x and gate interleaved, channel by channel
+    x, gate = projected[..., 0], projected[..., 1]
+    conv = layer_conv(self, x.transpose(1, 2), self.conv1d, ctx, bias=self.use_conv_bias)
+    u = self.act(conv).reshape(batch, heads, width, length).transpose(0, 1)  # [heads, B, D/H, L], as the model's
+    params = (self.x_proj_weight[:, None] @ u).permute(1, 3, 0, 2)  # [B, L, heads, R + 2N]
+    step, b, c = torch.split(params, [self.time_step_rank, entries, entries], dim=-1)
+    dt = (self.dt_proj_weight[:, None] @ step.permute(2, 0, 3, 1)).permute(1, 3, 0, 2)  # [B, L, heads, D/H]
+    dt = F.softplus(dt + self.dt_proj_bias.float().to(dt.dtype))
+    u = u.permute(1, 3, 0, 2)  # [B, L, heads, D/H]
+    y = selective_scan(dt, b, c, u, -torch.exp(self.A_log.float()), ctx)
+    gate = gate.reshape(batch, length, heads, width)
     y = (y + u * self.D.float()) * F.silu(gate)
-    return self.out_proj(y.to(dtype))
+    return self.out_proj(y.flatten(2).to(dtype))

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.comm import all_gather_first_dim, reduce_scatter_first_dim
 from seqpar.sequence_parallel.kernels import AttentionKernel
+from seqpar.sequence_parallel.kernels.alibi import alibi_bias, chunk_positions, whole_positions
 from seqpar.sequence_parallel.kernels.merge import new_accumulator
 from seqpar.sequence_parallel.kernels.sinks import add_sinks, sink_grad
 from seqpar.sequence_parallel.layouts.chunks import (
@@ -61,33 +62,37 @@ def _scatter_dkv(dkv: torch.Tensor, group, layout: str) -> torch.Tensor:
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, group, layout, causal, scale, kernel, mask):
+    def forward(ctx, q, k, v, sinks, group, layout, causal, scale, kernel, mask, alibi):
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         chunk = q.shape[2] // chunks_per_rank(layout)
         kv = _gather_kv(k, v, group, layout)
-        blocks = plan(rank_chunk_ids(layout, size, rank), range(kv.shape[3] // chunk), chunk, causal, mask, q.device)
+        mine = rank_chunk_ids(layout, size, rank)
+        blocks = plan(mine, range(kv.shape[3] // chunk), chunk, causal, mask, q.device)
+        # Note [ALiBi]: this rank's query chunks against the whole gathered sequence, in global order
+        bias = alibi_bias(alibi, chunk_positions(mine, chunk, q.device), whole_positions(kv.shape[3], q.device))
         out, lse = new_accumulator(q)
-        blocks_forward(kernel, q, kv[0], kv[1], blocks, scale, out, lse)
+        blocks_forward(kernel, q, kv[0], kv[1], blocks, scale, out, lse, bias)
         del kv  # Note [allgather memory]
         if sinks is not None:  # Note [attention sinks]
             out, lse = add_sinks(out, lse, sinks)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.args = (group, layout, causal, scale, kernel, blocks)
+        ctx.args = (group, layout, causal, scale, kernel, blocks, bias)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        group, layout, _, scale, kernel, blocks = ctx.args
+        group, layout, _, scale, kernel, blocks, bias = ctx.args
         kv = _gather_kv(k, v, group, layout)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # [2, B, Hkv, S, D]
-        blocks_backward(kernel, dout.contiguous(), q, kv[0], kv[1], out, lse, blocks, scale, dq, dkv[0], dkv[1])
+        grads = (dq, dkv[0], dkv[1])
+        blocks_backward(kernel, dout.contiguous(), q, kv[0], kv[1], out, lse, blocks, scale, *grads, alibi=bias)
         del kv
         dk, dv = _scatter_dkv(dkv, group, layout)
         dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None, None, None, None
 
 
 def allgather_attention(
@@ -102,6 +107,7 @@ def allgather_attention(
     kernel: AttentionKernel,
     mask: SequenceMask | None,
     sinks: torch.Tensor | None = None,
+    alibi: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """All-gather attention over the mesh's SP group (Note [allgather memory]); inputs already validated.
 
@@ -112,13 +118,15 @@ def allgather_attention(
         kernel: the local kernel.
         mask: packed documents and sliding window (Note [masked tiles]), or None.
         sinks: ``[H]`` sink logits (Note [attention sinks]), or None.
+        alibi: ``[H]`` ALiBi slopes (Note [ALiBi]), or None: then every rank's K/V is gathered, whatever the mask.
 
     Returns:
         ``[B, H, S/P, D]`` local output.
     """
     chunk_ids = tuple(rank_chunk_ids(layout, mesh.sp_size, r) for r in range(mesh.sp_size))
-    needs = kv_needs(mask, chunk_ids, q.shape[2] // len(chunk_ids[0]), causal) if mesh.sp_size > 1 else None
+    spares = mesh.sp_size > 1 and alibi is None  # the mask-aware gather knows no ALiBi (Note [ALiBi])
+    needs = kv_needs(mask, chunk_ids, q.shape[2] // len(chunk_ids[0]), causal) if spares else None
     if needs is not None:  # the mask spares some K/V: gather only what is seen (Note [mask-aware allgather])
         options = dict(group=mesh.sp_group, chunk_ids=chunk_ids, causal=causal, scale=scale, kernel=kernel)
         return masked_allgather_attention(q, k, v, mask=mask, needs=needs, sinks=sinks, **options)
-    return _AllGatherAttention.apply(q, k, v, sinks, mesh.sp_group, layout, causal, scale, kernel, mask)
+    return _AllGatherAttention.apply(q, k, v, sinks, mesh.sp_group, layout, causal, scale, kernel, mask, alibi)

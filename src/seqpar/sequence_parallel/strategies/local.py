@@ -10,6 +10,7 @@ import torch
 
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.kernels import AttentionKernel
+from seqpar.sequence_parallel.kernels.alibi import AlibiBias, alibi_bias, whole_positions
 from seqpar.sequence_parallel.kernels.merge import new_accumulator
 from seqpar.sequence_parallel.kernels.sinks import add_sinks, sink_grad
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
@@ -18,6 +19,11 @@ from seqpar.sequence_parallel.tiling.planner import Block, plan
 
 # Chunks the whole sequence is cut into for planning masked tiles (the tile size caps the work per call).
 _PLAN_CHUNKS = 8
+
+
+def _keyword(bias: AlibiBias | None) -> dict:
+    """The kernel keyword of an ALiBi bias (Note [ALiBi]): none without one, so kernels without it run."""
+    return {} if bias is None else {"alibi": bias}
 
 
 def local_plan(seq: int, causal: bool, mask: SequenceMask | None, device: torch.device) -> list[Block]:
@@ -45,6 +51,7 @@ def local_forward(
     scale: float,
     kernel: AttentionKernel,
     sinks: torch.Tensor | None = None,
+    bias: AlibiBias | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of ``blocks`` over the whole local sequence.
 
@@ -54,16 +61,17 @@ def local_forward(
         scale: softmax scale.
         kernel: the local kernel.
         sinks: ``[H]`` sink logits of these heads (Note [attention sinks]), or None.
+        bias: the ALiBi bias of these heads, rows and columns (Note [ALiBi]), or None.
 
     Returns:
         out ``[B, H, S, D]`` in ``q``'s dtype and lse ``[B, H, S]`` (float32 when the plan has several blocks
         or sinks), both final (sinks included).
     """
     if is_whole(blocks, q, k):  # one kernel call: its own (out, lse) are the result
-        out, lse = kernel.forward(q, k, v, causal=blocks[0].causal, scale=scale)
+        out, lse = kernel.forward(q, k, v, causal=blocks[0].causal, scale=scale, **_keyword(bias))
     else:
         out, lse = new_accumulator(q)  # [B, H, S, D], [B, H, S] float32
-        blocks_forward(kernel, q, k, v, blocks, scale, out, lse)
+        blocks_forward(kernel, q, k, v, blocks, scale, out, lse, bias)
     if sinks is not None:
         out, lse = add_sinks(out, lse, sinks)
     return out.to(q.dtype), lse
@@ -79,6 +87,7 @@ def local_backward(
     blocks: list[Block],
     scale: float,
     kernel: AttentionKernel,
+    bias: AlibiBias | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of ``local_forward``, in the inputs' dtypes, given its final out and lse.
 
@@ -86,26 +95,26 @@ def local_backward(
         dout: gradient of the output ``[B, H, S, D]``.
         q, k, v: the forward's inputs.
         out, lse: the forward's results.
-        blocks, scale, kernel: as for ``local_forward``.
+        blocks, scale, kernel, bias: as for ``local_forward``.
 
     Returns:
         ``(dq, dk, dv)`` shaped and typed like ``q``, ``k``, ``v``.
     """
     if is_whole(blocks, q, k):
-        return kernel.backward(dout, q, k, v, out, lse, causal=blocks[0].causal, scale=scale)
+        return kernel.backward(dout, q, k, v, out, lse, causal=blocks[0].causal, scale=scale, **_keyword(bias))
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-    blocks_backward(kernel, dout, q, k, v, out, lse, blocks, scale, dq, dk, dv)
+    blocks_backward(kernel, dout, q, k, v, out, lse, blocks, scale, dq, dk, dv, alibi=bias)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _LocalAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, blocks, scale, kernel):
-        out, lse = local_forward(q, k, v, blocks, scale, kernel, sinks)
+    def forward(ctx, q, k, v, sinks, blocks, scale, kernel, bias):
+        out, lse = local_forward(q, k, v, blocks, scale, kernel, sinks, bias)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.args = (blocks, scale, kernel)
+        ctx.args = (blocks, scale, kernel, bias)
         return out
 
     @staticmethod
@@ -114,7 +123,7 @@ class _LocalAttention(torch.autograd.Function):
         dout = dout.contiguous()
         grads = local_backward(dout, q, k, v, out, lse, *ctx.args)
         dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
-        return *grads, dsinks, None, None, None
+        return *grads, dsinks, None, None, None, None
 
 
 def whole_sequence_attention(
@@ -127,6 +136,7 @@ def whole_sequence_attention(
     kernel: AttentionKernel,
     mask: SequenceMask | None = None,
     sinks: torch.Tensor | None = None,
+    alibi: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` ``[B, H, S, D]`` against ``k``, ``v`` ``[B, Hkv, S, D]`` on this rank alone.
 
@@ -139,12 +149,15 @@ def whole_sequence_attention(
         kernel: the local kernel.
         mask: packed documents and sliding window (Note [masked tiles]), or None.
         sinks: ``[H]`` sink logits (Note [attention sinks]), or None.
+        alibi: ``[H]`` ALiBi slopes of these heads (Note [ALiBi]), or None.
 
     Returns:
         ``[B, H, S, D]`` in ``q``'s dtype.
     """
     blocks = local_plan(q.shape[2], causal, mask, q.device)
-    return _LocalAttention.apply(q, k, v, sinks, blocks, scale, kernel)
+    positions = whole_positions(q.shape[2], q.device)
+    bias = alibi_bias(alibi, positions, positions)
+    return _LocalAttention.apply(q, k, v, sinks, blocks, scale, kernel, bias)
 
 
 def local_attention(
@@ -159,6 +172,7 @@ def local_attention(
     kernel: AttentionKernel,
     mask: SequenceMask | None,
     sinks: torch.Tensor | None = None,
+    alibi: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The strategy for a sequence-parallel size of 1: this rank holds the whole sequence.
 
@@ -171,9 +185,11 @@ def local_attention(
         kernel: the local kernel.
         mask: packed documents and sliding window (Note [masked tiles]), or None.
         sinks: ``[H]`` sink logits (Note [attention sinks]), or None.
+        alibi: ``[H]`` ALiBi slopes (Note [ALiBi]), or None.
 
     Returns:
         ``[B, H, S, D]`` output.
     """
     del mesh, layout  # one rank: no group to talk to, and every layout is the natural order
-    return whole_sequence_attention(q, k, v, causal=causal, scale=scale, kernel=kernel, mask=mask, sinks=sinks)
+    options = dict(causal=causal, scale=scale, kernel=kernel, mask=mask, sinks=sinks, alibi=alibi)
+    return whole_sequence_attention(q, k, v, **options)

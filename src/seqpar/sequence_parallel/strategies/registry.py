@@ -58,6 +58,9 @@ class StrategyRow:
     """Bytes per rank per layer, forward + backward, one batch row (Note [strategy bytes])."""
     buffer_model: BufferModel
     """The tokens of keys and values its exchange buffers hold on one rank beside its own (Note [DiT memory])."""
+    key_bias: bool = False
+    """Whether it applies an ALiBi bias from its blocks' global query and key positions (its function takes
+    ``alibi=``, the slopes: Note [ALiBi]); a call with slopes refuses a strategy without it."""
 
     @functools.cached_property
     def function(self) -> Callable[..., torch.Tensor]:
@@ -199,14 +202,18 @@ def _no_buffers(_n: int, _sp: int) -> int:
 
 
 _HERE = "seqpar.sequence_parallel.strategies"
-ULYSSES = StrategyRow("ulysses", f"{_HERE}.ulysses:ulysses_attention", "sp", None, True, False, _ulysses, _two_blocks)
-RING = StrategyRow("ring", f"{_HERE}.ring:ring_attention", None, "ring", False, False, _ring, _two_blocks)
+ULYSSES = StrategyRow(
+    "ulysses", f"{_HERE}.ulysses:ulysses_attention", "sp", None, True, False, _ulysses, _two_blocks, key_bias=True
+)
+RING = StrategyRow("ring", f"{_HERE}.ring:ring_attention", None, "ring", False, False, _ring, _two_blocks, True)
 ALLGATHER = StrategyRow(
-    "allgather", f"{_HERE}.allgather:allgather_attention", None, "gather", False, False, _allgather, _gathered
+    "allgather", f"{_HERE}.allgather:allgather_attention", None, "gather", False, False, _allgather, _gathered, True
 )
 HYBRID = StrategyRow("hybrid", f"{_HERE}.hybrid:hybrid_attention", "ulysses", "ring", False, True, _hybrid, _two_blocks)
 """Its buffers are counted as ring's (Note [DiT memory])."""
-LOCAL = StrategyRow("local", f"{_HERE}.local:local_attention", None, None, False, False, local_bytes, _no_buffers)
+LOCAL = StrategyRow(
+    "local", f"{_HERE}.local:local_attention", None, None, False, False, local_bytes, _no_buffers, key_bias=True
+)
 """One rank holds the whole sequence (a sequence-parallel size of 1): chosen, never asked for."""
 AUTO = "auto"
 """The name that asks ``select_strategy`` to choose (Note [auto strategy])."""

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.comm import RingExchange
 from seqpar.sequence_parallel.kernels import AttentionKernel
+from seqpar.sequence_parallel.kernels.alibi import alibi_bias, chunk_positions
 from seqpar.sequence_parallel.kernels.merge import new_accumulator
 from seqpar.sequence_parallel.kernels.sinks import add_sinks, sink_grad
 from seqpar.sequence_parallel.layouts.chunks import rank_chunk_ids
@@ -54,24 +55,27 @@ _KV_TAG, _DKV_TAG = 0, 2
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, group, chunk_ids, causal, scale, kernel, mask):
+    def forward(ctx, q, k, v, sinks, group, chunk_ids, causal, scale, kernel, mask, alibi):
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         q_ids = chunk_ids[rank]
         chunk = q.shape[2] // len(q_ids)
         plans = [plan(q_ids, chunk_ids[(rank - step) % size], chunk, causal, mask, q.device) for step in range(size)]
+        q_at = chunk_positions(q_ids, chunk, q.device)  # Note [ALiBi]: the blocks' global token indices
         ring = RingExchange(group, _KV_TAG) if size > 1 else None
         kv = [k, v]  # [B, Hkv, S/P, D] each
         for step in range(size):
             if step + 1 < size:
                 ring.start(kv)
+            bias = alibi_bias(alibi, q_at, chunk_positions(chunk_ids[(rank - step) % size], chunk, q.device))
             if step == 0 and is_whole(plans[0], q, k):
                 # the own block covers every query: its result starts the running (out, lse), no zeros to merge into
-                out, lse = kernel.forward(q, k, v, causal=plans[0][0].causal, scale=scale)
+                biased = {} if bias is None else {"alibi": bias}
+                out, lse = kernel.forward(q, k, v, causal=plans[0][0].causal, scale=scale, **biased)
                 out, lse = out.float(), lse.float()  # [B, H, S/P, D], [B, H, S/P]
             else:
                 if step == 0:
                     out, lse = new_accumulator(q)
-                blocks_forward(kernel, q, kv[0], kv[1], plans[step], scale, out, lse)
+                blocks_forward(kernel, q, kv[0], kv[1], plans[step], scale, out, lse, bias)
             if step + 1 < size:
                 kv = ring.wait()
         del kv, ring  # frees the receive buffers before the caller's next layer
@@ -79,18 +83,19 @@ class _RingAttention(torch.autograd.Function):
             out, lse = add_sinks(out, lse, sinks)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.args = (group, scale, kernel, chunk, chunk_ids, causal, mask)
+        ctx.args = (group, scale, kernel, chunk, chunk_ids, causal, mask, alibi)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        group, scale, kernel, chunk, chunk_ids, causal, mask = ctx.args
+        group, scale, kernel, chunk, chunk_ids, causal, mask, alibi = ctx.args
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         dout = dout.contiguous()
         split = pieces_per_chunk(chunk, q.device.type)
         piece = chunk // split
         q_pieces = piece_ids(chunk_ids[rank], split)
+        q_at = chunk_positions(q_pieces, piece, q.device)
         chunks = len(chunk_ids[rank])
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -110,7 +115,9 @@ class _RingAttention(torch.autograd.Function):
                     dkv = [torch.zeros(kv[0].shape, dtype=torch.float32, device=k.device) for _ in range(2)]
                 else:
                     dkv = dkv_ring.wait()  # partial sums for this piece from the ranks before us
-                blocks_backward(kernel, dout, q, kv[0], kv[1], out, lse, blocks, scale, dq, dkv[0], dkv[1], 2 * piece)
+                bias = alibi_bias(alibi, q_at, chunk_positions(kv_ids, piece, q.device))  # Note [ALiBi]
+                grads = (dq, dkv[0], dkv[1], 2 * piece)
+                blocks_backward(kernel, dout, q, kv[0], kv[1], out, lse, blocks, scale, *grads, alibi=bias)
                 if step + 1 < size:
                     kv = kv_ring.wait()
                 if size > 1:
@@ -122,7 +129,7 @@ class _RingAttention(torch.autograd.Function):
             put_piece(dv, chunks, split, j, dkv[1])
             del dkv, kv, kv_ring, dkv_ring
         dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
-        return dq.to(q.dtype), dk, dv, dsinks, None, None, None, None, None, None
+        return dq.to(q.dtype), dk, dv, dsinks, None, None, None, None, None, None, None
 
 
 def ring_attention(
@@ -137,6 +144,7 @@ def ring_attention(
     kernel: AttentionKernel,
     mask: SequenceMask | None,
     sinks: torch.Tensor | None = None,
+    alibi: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Ring attention around the mesh's SP group (Note [ring schedule]); inputs already validated.
 
@@ -147,6 +155,7 @@ def ring_attention(
         kernel: the local kernel.
         mask: packed documents and sliding window (Note [masked tiles]), or None.
         sinks: ``[H]`` sink logits (Note [attention sinks]), or None.
+        alibi: ``[H]`` ALiBi slopes (Note [ALiBi]), or None.
 
     Returns:
         ``[B, H, S/P, D]`` local output.
@@ -164,6 +173,7 @@ def ring_attention(
         kernel=kernel,
         mask=mask,
         sinks=sinks,
+        alibi=alibi,
     )
 
 
@@ -179,6 +189,7 @@ def ring_attention_on_chunks(
     kernel: AttentionKernel,
     mask: SequenceMask | None = None,
     sinks: torch.Tensor | None = None,
+    alibi: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Ring attention where ring rank ``r`` holds the global chunks ``chunk_ids[r]`` (in local order).
 
@@ -193,14 +204,16 @@ def ring_attention_on_chunks(
         kernel: the local kernel.
         mask: packed documents and sliding window (Note [masked tiles]), or None.
         sinks: ``[H]`` sink logits of these heads (Note [attention sinks]), or None.
+        alibi: ``[H]`` ALiBi slopes of these heads (Note [ALiBi]), or None: then the plain ring runs, whatever the
+            mask (the mask-aware one knows no ALiBi).
 
     Returns:
         ``[B, H, S_local, D]`` local output.
     """
     size = dist.get_world_size(group)
     chunk = q.shape[2] // len(chunk_ids[dist.get_rank(group)])
-    needs = kv_needs(mask, chunk_ids, chunk, causal) if size > 1 else None
+    needs = kv_needs(mask, chunk_ids, chunk, causal) if size > 1 and alibi is None else None
     if needs is not None:  # the mask spares some K/V: move only what is seen (Note [mask-aware ring])
         options = dict(group=group, chunk_ids=chunk_ids, causal=causal, scale=scale, kernel=kernel, mask=mask)
         return masked_ring_attention(q, k, v, needs=needs, sinks=sinks, **options)
-    return _RingAttention.apply(q, k, v, sinks, group, chunk_ids, causal, scale, kernel, mask)
+    return _RingAttention.apply(q, k, v, sinks, group, chunk_ids, causal, scale, kernel, mask, alibi)

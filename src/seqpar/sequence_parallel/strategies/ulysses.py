@@ -38,6 +38,7 @@ from seqpar.sequence_parallel.comm import (
     seq_to_head_shards,
 )
 from seqpar.sequence_parallel.kernels import AttentionKernel
+from seqpar.sequence_parallel.kernels.alibi import alibi_bias, whole_positions
 from seqpar.sequence_parallel.kernels.sinks import head_slice, sink_grad
 from seqpar.sequence_parallel.layouts.chunks import natural_order_index, owner_order_index
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
@@ -122,6 +123,7 @@ def ulysses_attention(
     kernel: AttentionKernel,
     mask: SequenceMask | None,
     sinks: torch.Tensor | None = None,
+    alibi: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Ulysses attention over the mesh's SP group (Note [ulysses heads]); inputs already validated.
 
@@ -132,6 +134,7 @@ def ulysses_attention(
         kernel: the local kernel.
         mask: packed documents and sliding window (Note [masked tiles]), or None.
         sinks: ``[H]`` sink logits (Note [attention sinks]); this rank applies those of its heads.
+        alibi: ``[H]`` ALiBi slopes (Note [ALiBi]); this rank applies those of its heads over the whole sequence.
 
     Returns:
         ``[B, H, S/P, D]`` local output.
@@ -143,17 +146,20 @@ def ulysses_attention(
     if not split.even:  # Note [uneven heads]: this rank's range of heads, all at once
         start, stop = split.q_ranges[mesh.sp_rank]
         qh, kh, vh = uneven_head_exchange(q, k, v, split, group, mesh.sp_rank, to_natural, to_owner)
-        sinks = None if sinks is None else sinks[start:stop]
-        out = whole_sequence_attention(qh, kh, vh, causal=causal, scale=scale, kernel=kernel, mask=mask, sinks=sinks)
+        sinks, alibi = (None if t is None else t[start:stop] for t in (sinks, alibi))
+        options = dict(causal=causal, scale=scale, kernel=kernel, mask=mask, sinks=sinks, alibi=alibi)
+        out = whole_sequence_attention(qh, kh, vh, **options)
         return head_to_seq_ranges(out, group, to_natural, to_owner, split.q_ranges, q.shape[1])
-    sinks = head_slice(sinks, mesh.sp_rank, size)  # [H/P]: the heads this rank attends
+    sinks, alibi = (head_slice(t, mesh.sp_rank, size) for t in (sinks, alibi))  # [H/P]: the heads this rank attends
     k, v = repeat_kv_heads(q, k, v, size)
     groups = k.shape[1] // size  # one KV head per rank in each group (Note [ulysses memory])
     if groups > 1:
         blocks = local_plan(q.shape[2] * size, causal, mask, q.device)
-        return _GroupedUlysses.apply(q, k, v, sinks, group, to_natural, to_owner, groups, blocks, scale, kernel)
+        args = (group, to_natural, to_owner, groups, blocks, scale, kernel, alibi)
+        return _GroupedUlysses.apply(q, k, v, sinks, *args)
     qh, kh, vh = (seq_to_head_shards(t, group, to_natural, to_owner) for t in (q, k, v))  # [B, H/P, S, D]
-    out = whole_sequence_attention(qh, kh, vh, causal=causal, scale=scale, kernel=kernel, mask=mask, sinks=sinks)
+    options = dict(causal=causal, scale=scale, kernel=kernel, mask=mask, sinks=sinks, alibi=alibi)
+    out = whole_sequence_attention(qh, kh, vh, **options)
     return head_to_seq_shards(out, group, to_natural, to_owner)
 
 
@@ -161,25 +167,27 @@ class _GroupedUlysses(torch.autograd.Function):
     """Ulysses attention a head group at a time, re-exchanging q, k, v and out in the backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, group, to_natural, to_owner, groups: int, blocks: list[Block], scale, kernel):
+    def forward(ctx, q, k, v, sinks, group, to_natural, to_owner, groups: int, blocks: list[Block], scale, kernel,
+                alibi):  # fmt: skip
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [B, H, S/P, D], filled a group at a time
         lses = []
         for part in range(groups):
             qh, kh, vh = (seq_to_head_group(t, group, to_natural, part, groups) for t in (q, k, v))
             part_sinks = head_slice(sinks, part, groups)  # group `part` holds slice `part` of this rank's heads
-            out_h, lse = local_forward(qh, kh, vh, blocks, scale, kernel, part_sinks)  # [B, H/(P*G), S, D], [.., S]
+            bias = _group_bias(alibi, part, groups, qh)
+            out_h, lse = local_forward(qh, kh, vh, blocks, scale, kernel, part_sinks, bias)  # [B, H/(PG), S, D]
             del qh, kh, vh
             head_group_to_seq(out_h, group, to_owner, out, part, groups)
             del out_h
             lses.append(lse)
         ctx.save_for_backward(q, k, v, out, sinks, *lses)
-        ctx.args = (group, to_natural, to_owner, groups, blocks, scale, kernel)
+        ctx.args = (group, to_natural, to_owner, groups, blocks, scale, kernel, alibi)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, sinks, *lses = ctx.saved_tensors
-        group, to_natural, to_owner, groups, blocks, scale, kernel = ctx.args
+        group, to_natural, to_owner, groups, blocks, scale, kernel, alibi = ctx.args
         grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
         dsinks = None if sinks is None else torch.empty_like(sinks)
         dout = dout.contiguous()
@@ -187,11 +195,18 @@ class _GroupedUlysses(torch.autograd.Function):
             qh, kh, vh, out_h, dout_h = (
                 seq_to_head_group(t, group, to_natural, part, groups) for t in (q, k, v, out, dout)
             )
-            grads_h = list(local_backward(dout_h, qh, kh, vh, out_h, lses[part], blocks, scale, kernel))
+            bias = _group_bias(alibi, part, groups, qh)
+            grads_h = list(local_backward(dout_h, qh, kh, vh, out_h, lses[part], blocks, scale, kernel, bias))
             if sinks is not None:
                 part_grad = sink_grad(dout_h, out_h, lses[part], head_slice(sinks, part, groups))
                 head_slice(dsinks, part, groups).copy_(part_grad)
             del qh, kh, vh, out_h, dout_h
             for into in grads:  # pop: each head-sharded gradient is freed once it is home
                 head_group_to_seq(grads_h.pop(0), group, to_owner, into, part, groups)
-        return *grads, dsinks, None, None, None, None, None, None, None
+        return *grads, dsinks, None, None, None, None, None, None, None, None
+
+
+def _group_bias(alibi: torch.Tensor | None, part: int, groups: int, qh: torch.Tensor):
+    """The ALiBi bias of head group ``part`` over the whole sequence ``qh`` holds (Note [ALiBi]), or None."""
+    positions = whole_positions(qh.shape[2], qh.device)
+    return alibi_bias(head_slice(alibi, part, groups), positions, positions)

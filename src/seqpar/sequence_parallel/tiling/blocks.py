@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from seqpar.sequence_parallel.kernels import AttentionKernel, select_kernel
+from seqpar.sequence_parallel.kernels.alibi import AlibiBias
 from seqpar.sequence_parallel.kernels.merge import merge_into
 from seqpar.sequence_parallel.tiling.planner import Block
 
@@ -39,6 +40,11 @@ def _kernel_for(block: Block, kernel: AttentionKernel, q: torch.Tensor, k: torch
     return select_kernel(q, k, k, mask=block.mask)
 
 
+def _bias(alibi: AlibiBias | None, block: Block) -> dict:
+    """The kernel keyword of ``block``'s ALiBi bias (Note [ALiBi]): none without one, so kernels without it run."""
+    return {} if alibi is None else {"alibi": alibi.block(block.q, block.kv)}
+
+
 def blocks_forward(
     kernel: AttentionKernel,
     q: torch.Tensor,
@@ -48,6 +54,7 @@ def blocks_forward(
     scale: float,
     out: torch.Tensor,
     lse: torch.Tensor,
+    alibi: AlibiBias | None = None,
 ) -> None:
     """Run ``blocks`` and merge each result into the float32 running ``(out, lse)`` in place.
 
@@ -58,10 +65,11 @@ def blocks_forward(
         scale: softmax scale.
         out: running output ``[B, H, Sq, D]`` float32, updated in place.
         lse: running log-sum-exp ``[B, H, Sq]`` float32, updated in place.
+        alibi: the ALiBi bias of ``q``'s rows and ``k``'s columns (Note [ALiBi]), or None; the kernel takes it.
     """
     for b in blocks:
         o, l = _kernel_for(b, kernel, q, k).forward(
-            q[:, :, b.q], k[:, :, b.kv], v[:, :, b.kv], causal=b.causal, scale=scale, mask=b.mask
+            q[:, :, b.q], k[:, :, b.kv], v[:, :, b.kv], causal=b.causal, scale=scale, mask=b.mask, **_bias(alibi, b)
         )
         merge_into(out[:, :, b.q], lse[:, :, b.q], o, l)
 
@@ -94,6 +102,7 @@ def blocks_backward(
     dk: torch.Tensor,
     dv: torch.Tensor,
     split: int | None = None,
+    alibi: AlibiBias | None = None,
 ) -> None:
     """Backward of ``blocks`` with the final ``out``/``lse``; adds into float32 ``dq``, ``dk``, ``dv`` in place.
 
@@ -111,6 +120,7 @@ def blocks_backward(
         scale: softmax scale.
         dq, dk, dv: float32 gradients shaped like ``q``, ``k``, ``v``, added to in place.
         split: tile size for full blocks, or None to run every block whole.
+        alibi: as for ``blocks_forward``.
     """
     for b in _tiles(blocks, split):
         dq_b, dk_b, dv_b = _kernel_for(b, kernel, q, k).backward(
@@ -123,6 +133,7 @@ def blocks_backward(
             causal=b.causal,
             scale=scale,
             mask=b.mask,
+            **_bias(alibi, b),
         )
         dq[:, :, b.q] += dq_b
         del dq_b
