@@ -166,7 +166,6 @@ def _judge_family(
 
     import seqpar
     from seqpar.errors import SeqparInputError
-    from seqpar.models import anatomy
     from seqpar.models.zoo import TEXT_IDS, tiny_model
     from tests._dist import shard_index
 
@@ -189,9 +188,9 @@ def _judge_family(
     default = torch.get_default_dtype()
     try:  # as a float64 process: what the forward makes at the default dtype is float64 too (XGLM's mask fill)
         torch.set_default_dtype(torch.float64)
-        exact_logits, exact_loss, exact_grads = _reference(copy.deepcopy(pristine).double(), ids, documents)
+        exact = _reference(copy.deepcopy(pristine).double(), ids, documents)
     except Exception:  # a model that takes no float64 (a kernel, a dtype it hard-codes): RTOL alone
-        exact_logits, exact_loss, exact_grads = None, None, {}
+        exact = None, None, {}
     finally:
         torch.set_default_dtype(default)
     reference_s = time.perf_counter() - started
@@ -213,29 +212,35 @@ def _judge_family(
         return {"status": CRASH, "reason": last_line(error), "trace": traceback.format_exc()[-2000:]}
 
     idx = shard_index("zigzag", world_size, rank, seq)
+    outcome = verdict(parallel, total, logits, idx, (want_logits, want_loss, want_grads), exact)
+    outcome["reference_s"] = round(reference_s, 3)
+    return outcome
+
+
+def verdict(
+    parallel: torch.nn.Module, total: torch.Tensor, logits: torch.Tensor, idx: torch.Tensor, want: tuple, exact: tuple
+) -> dict[str, Any]:
+    """EXACT or WRONG, with the worst tensor: the summed loss, this rank's logits (the reference's columns ``idx``)
+    and every parameter's gradient of the prepared model against the one-process run ``want`` and the float64 run
+    ``exact`` (each ``(logits, loss, gradients)``; ``(None, None, {})`` where no float64 run could be made)."""
+    from seqpar.models import anatomy
+
+    (want_logits, want_loss, want_grads), (exact_logits, exact_loss, exact_grads) = want, exact
     judged = [judge("loss", total, want_loss, exact_loss)]
     judged.append(judge("logits", logits, want_logits[:, idx], None if exact_logits is None else exact_logits[:, idx]))
     floors = module_floors(want_grads, exact_grads)
     for name, p in parallel.named_parameters():
-        want = want_grads.get(name)
-        got = p.grad
-        if want is None and got is None:
+        got, expected = p.grad, want_grads.get(name)
+        if got is None and expected is None:
             continue
-        like = p.detach()
-        judged.append(
-            judge(
-                f"grad {name}",
-                got if got is not None else torch.zeros_like(like),
-                want if want is not None else torch.zeros_like(like),
-                exact_grads.get(name),
-                floors.get(name.rpartition(".")[0], 0.0),
-            )
-        )
+        zeros = torch.zeros_like(p.detach())
+        got, expected = got if got is not None else zeros, expected if expected is not None else zeros
+        module = floors.get(name.rpartition(".")[0], 0.0)
+        judged.append(judge(f"grad {name}", got, expected, exact_grads.get(name), module))
     worst = max(judged, key=lambda j: j[0])
-    outcome = {"status": WRONG if worst[0] > 1.0 else EXACT, "worst": worst[1], "worst_ratio": worst[0]}
-    outcome["anatomy"] = "read" if anatomy(parallel).family.derived else "entry"
-    outcome["reference_s"] = round(reference_s, 3)
-    return outcome
+    status = WRONG if worst[0] > 1.0 else EXACT
+    anatomy_of = "read" if anatomy(parallel).family.derived else "entry"
+    return {"status": status, "worst": worst[1], "worst_ratio": worst[0], "anatomy": anatomy_of}
 
 
 _RANK = {EXACT: 0, WRONG: 1, REFUSED: 2, CRASH: 3, BUILD: 4, HANG: 5}

@@ -42,10 +42,9 @@ from benchmarks.zoo import (
     REFUSED,
     WRONG,
     first_line,
-    judge,
     last_line,
-    module_floors,
     pool_outcome,
+    verdict,
 )
 
 NO_RECIPE = "IMAGES"
@@ -167,7 +166,6 @@ def _judge_family(
 
     import seqpar
     from seqpar.errors import SeqparInputError
-    from seqpar.models import anatomy
     from seqpar.models.zoo import tiny_model
     from tests._dist import shard_index
 
@@ -187,9 +185,9 @@ def _judge_family(
         return {"status": NO_RECIPE, "reason": f"one process cannot run the image row: {last_line(error)}"}
     try:
         wide = {k: v.double() if v.is_floating_point() else v for k, v in extra.items()}
-        exact_logits, exact_loss, exact_grads = _reference(copy.deepcopy(pristine).double(), ids, wide)
+        exact = _reference(copy.deepcopy(pristine).double(), ids, wide)
     except Exception:  # a model that takes no float64: RTOL alone
-        exact_logits, exact_loss, exact_grads = None, None, {}
+        exact = None, None, {}
 
     mesh = seqpar.make_mesh(sp_size=world_size)
     try:
@@ -208,19 +206,7 @@ def _judge_family(
         return {"status": CRASH, "reason": last_line(error), "trace": traceback.format_exc()[-2000:]}
 
     idx = shard_index("zigzag", world_size, rank, ids.shape[1])
-    judged = [judge("loss", total, want_loss, exact_loss)]
-    judged.append(judge("logits", logits, want_logits[:, idx], None if exact_logits is None else exact_logits[:, idx]))
-    floors = module_floors(want_grads, exact_grads)
-    for name, p in parallel.named_parameters():
-        want, got = want_grads.get(name), p.grad
-        if want is None and got is None:
-            continue
-        zeros = torch.zeros_like(p.detach())
-        got, want = got if got is not None else zeros, want if want is not None else zeros
-        judged.append(judge(f"grad {name}", got, want, exact_grads.get(name), floors.get(name.rpartition(".")[0], 0.0)))
-    worst = max(judged, key=lambda j: j[0])
-    outcome = {"status": WRONG if worst[0] > 1.0 else EXACT, "worst": worst[1], "worst_ratio": worst[0]}
-    outcome["anatomy"] = "read" if anatomy(parallel).family.derived else "entry"
+    outcome = verdict(parallel, total, logits, idx, (want_logits, want_loss, want_grads), exact)
     outcome["tokens"] = ids.shape[1]
     return outcome
 
