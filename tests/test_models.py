@@ -619,13 +619,18 @@ def test_read_families_whose_masks_seqpar_does_not_build_are_refused_by_name():
 
 
 def test_seqpar_models_lists_entries_read_families_and_refusals(capsys):
-    """``seqpar models`` on the installed transformers: a registered family, a read one, a refused one, named."""
+    """``seqpar models`` on the installed transformers: a registered family, a read one, a refused one, named; and
+    whether a multimodal family's images are served (its tower read) or its text path only (PaliGemma's own mask)."""
     from seqpar.cli import main
 
-    assert main(["models", "--only", "llama,olmo3,cpmant,t5", "--json"]) == 0
+    assert main(["models", "--only", "llama,olmo3,cpmant,t5,llava,mistral3,paligemma", "--json"]) == 0
     rows = {row["model_type"]: row for row in map(json.loads, capsys.readouterr().out.splitlines())}
-    assert {k: r["status"] for k, r in rows.items()} == {"llama": "entry", "olmo3": "read", "cpmant": "refused"}
+    statuses = {"llama": "entry", "olmo3": "read", "cpmant": "refused", "llava": "entry", "mistral3": "read"}
+    assert {k: r["status"] for k, r in rows.items()} == {**statuses, "paligemma": "read"}
     assert "learned relative position bias" in rows["cpmant"]["why"]
+    images = {k: r.get("images") for k, r in rows.items() if k in ("llama", "llava", "mistral3", "paligemma")}
+    assert images == {"llama": "", "llava": "with images", "mistral3": "with images", "paligemma": "text only"}
+    assert "masks its image tokens in its own code" in rows["paligemma"]["why"]
     assert main(["models", "--only", "olmo3"]) == 0
     assert "1 read" in capsys.readouterr().out
 
