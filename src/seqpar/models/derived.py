@@ -11,16 +11,21 @@ Note [read anatomy]
     or has an attention adapter (``OWN_ATTENTION``, Note [attention adapters]; its cross-attention over encoder
     states acts on each token), a norm when its class is a norm, an MLP when the tp plan, its name or its class
     says so and it holds no convolution, a mixture of experts when it holds ``experts``; a layer's own linear
-    projections act on each token. A text decoder whose own ``model_type`` has an entry (a registered
-    decoder inside a multimodal model) keeps that entry's paths. Nothing is guessed into a part that could mix
-    tokens: a child that fits none of these stays undeclared, and the declared-parts rule (Note [declared layer
-    parts]) refuses the model naming it. Refused too, by name: an attention module holding a nested block of its
-    own (a sparse-attention indexer selects keys seqpar's attention would not see), layer types whose masks
-    seqpar does not build (chunked attention), and position biases a family adds to its scores in its own code
-    (ALiBi, a learned relative bias). A read entry serves the text path; it names no vision tower, so a call with
-    images is refused until an entry says how the family merges them. The read entry is checked
-    again at run time: every attention module that runs must have called seqpar's attention (Note [attention
-    went through seqpar]).
+    projections act on each token, and so do the parts ``PER_TOKEN_CLASSES`` and ``PER_TOKEN_PARAMETERS`` name
+    (read in their source: gates and rates per hidden dimension, projections routed per token). A text decoder
+    whose own ``model_type`` has an entry (a registered decoder inside a multimodal model) keeps that entry's
+    paths. Nothing is guessed into a part that could mix tokens: a child that fits none of these stays
+    undeclared, and the declared-parts rule (Note [declared layer parts]) refuses the model naming it. Refused
+    too, by name: an attention module holding a nested block of its own (a sparse-attention indexer selects keys
+    seqpar's attention would not see), layer types whose masks seqpar does not build (chunked attention), and
+    position biases a family adds to its scores in its own code (ALiBi without an adapter that hands seqpar its
+    slopes, a learned relative bias). A multimodal model's vision tower is the one module built from its
+    ``vision_config``: calls with images then run whole-row (Note [whole-row calls]), every rank encoding every
+    image. A model whose own forward masks image tokens otherwise than causally (``block_sequence_ids``,
+    ``token_type_ids``, an ``or_mask_function``: PaliGemma's bidirectional prefix) is served on its text path
+    only, and a call with pixels is refused naming that (``Family.images``). The read entry is checked again
+    at run time: every attention module that runs must have called seqpar's attention (Note [attention went
+    through seqpar]).
 """
 
 from __future__ import annotations
