@@ -22,6 +22,7 @@ Note [ALiBi]
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -53,19 +54,19 @@ class AlibiBias:
         return bias.reshape(1, kv_heads, bias.shape[0] // kv_heads, *bias.shape[1:])
 
 
-def alibi_bias(slopes: torch.Tensor | None, q: torch.Tensor, kv: torch.Tensor) -> AlibiBias | None:
-    """``AlibiBias(slopes, q, kv)`` on the slopes' device, or None without slopes."""
+Chunks = tuple[Sequence[int], int]
+"""Global chunk ids in a block's order and the chunk's length in tokens: ``((0,), S)`` is a whole sequence."""
+
+
+def alibi_bias(slopes: torch.Tensor | None, q: Chunks, kv: Chunks) -> AlibiBias | None:
+    """The bias of query rows and key columns given as chunks (``Chunks``), or None without slopes: the global
+    token indices are made only for a call that has slopes, never on the plain path."""
     if slopes is None:
         return None
-    return AlibiBias(slopes, q.to(slopes.device), kv.to(slopes.device))
+    return AlibiBias(slopes, _positions(*q, slopes.device), _positions(*kv, slopes.device))
 
 
-def whole_positions(seq: int, device: torch.device) -> torch.Tensor:
-    """``[seq]``: the global token indices of a whole sequence in natural order."""
-    return torch.arange(seq, device=device)
-
-
-def chunk_positions(chunk_ids: list[int] | tuple[int, ...], chunk: int, device: torch.device) -> torch.Tensor:
+def _positions(chunk_ids: Sequence[int], chunk: int, device: torch.device) -> torch.Tensor:
     """The global token indices of the chunks ``chunk_ids`` (in that order) of ``chunk`` tokens each."""
     ids = torch.as_tensor(list(chunk_ids), device=device, dtype=torch.int64)
     return (ids[:, None] * chunk + torch.arange(chunk, device=device)[None, :]).flatten()

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.comm import all_gather_first_dim, reduce_scatter_first_dim
 from seqpar.sequence_parallel.kernels import AttentionKernel
-from seqpar.sequence_parallel.kernels.alibi import alibi_bias, chunk_positions, whole_positions
+from seqpar.sequence_parallel.kernels.alibi import alibi_bias
 from seqpar.sequence_parallel.kernels.merge import new_accumulator
 from seqpar.sequence_parallel.kernels.sinks import add_sinks, sink_grad
 from seqpar.sequence_parallel.layouts.chunks import (
@@ -69,7 +69,7 @@ class _AllGatherAttention(torch.autograd.Function):
         mine = rank_chunk_ids(layout, size, rank)
         blocks = plan(mine, range(kv.shape[3] // chunk), chunk, causal, mask, q.device)
         # Note [ALiBi]: this rank's query chunks against the whole gathered sequence, in global order
-        bias = alibi_bias(alibi, chunk_positions(mine, chunk, q.device), whole_positions(kv.shape[3], q.device))
+        bias = alibi_bias(alibi, (mine, chunk), ((0,), kv.shape[3]))
         out, lse = new_accumulator(q)
         blocks_forward(kernel, q, kv[0], kv[1], blocks, scale, out, lse, bias)
         del kv  # Note [allgather memory]

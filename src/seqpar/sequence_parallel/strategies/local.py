@@ -10,7 +10,7 @@ import torch
 
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.kernels import AttentionKernel
-from seqpar.sequence_parallel.kernels.alibi import AlibiBias, alibi_bias, whole_positions
+from seqpar.sequence_parallel.kernels.alibi import AlibiBias, alibi_bias
 from seqpar.sequence_parallel.kernels.merge import new_accumulator
 from seqpar.sequence_parallel.kernels.sinks import add_sinks, sink_grad
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
@@ -155,8 +155,8 @@ def whole_sequence_attention(
         ``[B, H, S, D]`` in ``q``'s dtype.
     """
     blocks = local_plan(q.shape[2], causal, mask, q.device)
-    positions = whole_positions(q.shape[2], q.device)
-    bias = alibi_bias(alibi, positions, positions)
+    whole = ((0,), q.shape[2])
+    bias = alibi_bias(alibi, whole, whole)
     return _LocalAttention.apply(q, k, v, sinks, blocks, scale, kernel, bias)
 
 

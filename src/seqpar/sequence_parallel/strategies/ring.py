@@ -39,7 +39,7 @@ import torch.distributed as dist
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.comm import RingExchange
 from seqpar.sequence_parallel.kernels import AttentionKernel
-from seqpar.sequence_parallel.kernels.alibi import alibi_bias, chunk_positions
+from seqpar.sequence_parallel.kernels.alibi import alibi_bias
 from seqpar.sequence_parallel.kernels.merge import new_accumulator
 from seqpar.sequence_parallel.kernels.sinks import add_sinks, sink_grad
 from seqpar.sequence_parallel.layouts.chunks import rank_chunk_ids
@@ -60,13 +60,12 @@ class _RingAttention(torch.autograd.Function):
         q_ids = chunk_ids[rank]
         chunk = q.shape[2] // len(q_ids)
         plans = [plan(q_ids, chunk_ids[(rank - step) % size], chunk, causal, mask, q.device) for step in range(size)]
-        q_at = chunk_positions(q_ids, chunk, q.device)  # Note [ALiBi]: the blocks' global token indices
         ring = RingExchange(group, _KV_TAG) if size > 1 else None
         kv = [k, v]  # [B, Hkv, S/P, D] each
         for step in range(size):
             if step + 1 < size:
                 ring.start(kv)
-            bias = alibi_bias(alibi, q_at, chunk_positions(chunk_ids[(rank - step) % size], chunk, q.device))
+            bias = alibi_bias(alibi, (q_ids, chunk), (chunk_ids[(rank - step) % size], chunk))  # Note [ALiBi]
             if step == 0 and is_whole(plans[0], q, k):
                 # the own block covers every query: its result starts the running (out, lse), no zeros to merge into
                 biased = {} if bias is None else {"alibi": bias}
@@ -95,7 +94,6 @@ class _RingAttention(torch.autograd.Function):
         split = pieces_per_chunk(chunk, q.device.type)
         piece = chunk // split
         q_pieces = piece_ids(chunk_ids[rank], split)
-        q_at = chunk_positions(q_pieces, piece, q.device)
         chunks = len(chunk_ids[rank])
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -115,7 +113,7 @@ class _RingAttention(torch.autograd.Function):
                     dkv = [torch.zeros(kv[0].shape, dtype=torch.float32, device=k.device) for _ in range(2)]
                 else:
                     dkv = dkv_ring.wait()  # partial sums for this piece from the ranks before us
-                bias = alibi_bias(alibi, q_at, chunk_positions(kv_ids, piece, q.device))  # Note [ALiBi]
+                bias = alibi_bias(alibi, (q_pieces, piece), (kv_ids, piece))  # Note [ALiBi]
                 grads = (dq, dkv[0], dkv[1], 2 * piece)
                 blocks_backward(kernel, dout, q, kv[0], kv[1], out, lse, blocks, scale, *grads, alibi=bias)
                 if step + 1 < size:

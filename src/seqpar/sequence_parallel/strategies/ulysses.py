@@ -38,7 +38,7 @@ from seqpar.sequence_parallel.comm import (
     seq_to_head_shards,
 )
 from seqpar.sequence_parallel.kernels import AttentionKernel
-from seqpar.sequence_parallel.kernels.alibi import alibi_bias, whole_positions
+from seqpar.sequence_parallel.kernels.alibi import alibi_bias
 from seqpar.sequence_parallel.kernels.sinks import head_slice, sink_grad
 from seqpar.sequence_parallel.layouts.chunks import natural_order_index, owner_order_index
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask
@@ -208,5 +208,5 @@ class _GroupedUlysses(torch.autograd.Function):
 
 def _group_bias(alibi: torch.Tensor | None, part: int, groups: int, qh: torch.Tensor):
     """The ALiBi bias of head group ``part`` over the whole sequence ``qh`` holds (Note [ALiBi]), or None."""
-    positions = whole_positions(qh.shape[2], qh.device)
-    return alibi_bias(head_slice(alibi, part, groups), positions, positions)
+    whole = ((0,), qh.shape[2])
+    return alibi_bias(head_slice(alibi, part, groups), whole, whole)
