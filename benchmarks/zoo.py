@@ -164,10 +164,7 @@ def _judge_family(
 ) -> dict[str, Any]:
     import transformers
 
-    import seqpar
-    from seqpar.errors import SeqparInputError
     from seqpar.models.zoo import TEXT_IDS, tiny_model
-    from tests._dist import shard_index
 
     transformers.logging.set_verbosity_error()
     model = tiny_model(model_type, mappings)
@@ -195,12 +192,40 @@ def _judge_family(
         torch.set_default_dtype(default)
     reference_s = time.perf_counter() - started
 
+    def on_shards(model: torch.nn.Module, shard: dict) -> torch.Tensor:
+        return model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+
+    want = (want_logits, want_loss, want_grads)
+    outcome = judged_run(pristine, rank, world_size, batch, on_shards, want, exact, control)
+    outcome["reference_s"] = round(reference_s, 3)
+    return outcome
+
+
+def judged_run(
+    pristine: torch.nn.Module,
+    rank: int,
+    world_size: int,
+    batch: dict,
+    call: Any,
+    want: tuple,
+    exact: tuple,
+    control: bool,
+) -> dict[str, Any]:
+    """The prepared ``pristine`` run on this rank and judged (``verdict``), or REFUSED / CRASH with the reason.
+
+    ``call(model, shard)`` gives the logits of this rank's tokens (on the shard of ``batch``, or on whole rows);
+    the loss is ``seqpar.cross_entropy`` on the shard's labels. ``control`` leaves the gradients unreduced.
+    """
+    import seqpar
+    from seqpar.errors import SeqparInputError
+    from tests._dist import shard_index
+
     mesh = seqpar.make_mesh(sp_size=world_size)
     try:
         parallel = seqpar.prepare_model(pristine, mesh)
         parallel.zero_grad(set_to_none=True)
         shard = seqpar.shard_batch(batch, mesh)
-        logits = parallel(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+        logits = call(parallel, shard)
         loss = seqpar.cross_entropy(logits.float(), shard["shift_labels"], mesh)
         loss.backward()
         if not control:  # the negative control leaves each rank's gradients its own shard's
@@ -210,11 +235,8 @@ def _judge_family(
         return {"status": REFUSED, "reason": first_line(error)}
     except Exception as error:
         return {"status": CRASH, "reason": last_line(error), "trace": traceback.format_exc()[-2000:]}
-
-    idx = shard_index("zigzag", world_size, rank, seq)
-    outcome = verdict(parallel, total, logits, idx, (want_logits, want_loss, want_grads), exact)
-    outcome["reference_s"] = round(reference_s, 3)
-    return outcome
+    idx = shard_index("zigzag", world_size, rank, batch["input_ids"].shape[1])
+    return verdict(parallel, total, logits, idx, want, exact)
 
 
 def verdict(

@@ -24,7 +24,6 @@ import json
 import math
 import os
 import time
-import traceback
 import warnings
 from collections import Counter
 from collections.abc import Iterator
@@ -41,10 +40,9 @@ from benchmarks.zoo import (
     HANG,
     REFUSED,
     WRONG,
-    first_line,
+    judged_run,
     last_line,
     pool_outcome,
-    verdict,
 )
 
 NO_RECIPE = "IMAGES"
@@ -164,10 +162,7 @@ def _judge_family(
 ) -> dict[str, Any]:
     import transformers
 
-    import seqpar
-    from seqpar.errors import SeqparInputError
     from seqpar.models.zoo import tiny_model
-    from tests._dist import shard_index
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
@@ -189,26 +184,12 @@ def _judge_family(
     except Exception:  # a model that takes no float64: RTOL alone
         exact = None, None, {}
 
-    mesh = seqpar.make_mesh(sp_size=world_size)
-    try:
-        parallel = seqpar.prepare_model(pristine, mesh)
-        parallel.zero_grad(set_to_none=True)
-        shard = seqpar.shard_batch({"input_ids": ids}, mesh)
-        logits = parallel(input_ids=ids, **extra).logits
-        loss = seqpar.cross_entropy(logits.float(), shard["shift_labels"], mesh)
-        loss.backward()
-        if not control:  # the negative control leaves each rank's gradients its own shard's
-            seqpar.reduce_gradients(parallel.parameters(), mesh)
-        total = seqpar.sum_over(loss.detach(), mesh)
-    except SeqparInputError as error:
-        return {"status": REFUSED, "reason": first_line(error)}
-    except Exception as error:
-        return {"status": CRASH, "reason": last_line(error), "trace": traceback.format_exc()[-2000:]}
+    def whole_rows(model: torch.nn.Module, shard: dict) -> torch.Tensor:
+        return model(input_ids=ids, **extra).logits  # every rank the whole row and its pixels
 
-    idx = shard_index("zigzag", world_size, rank, ids.shape[1])
-    outcome = verdict(parallel, total, logits, idx, (want_logits, want_loss, want_grads), exact)
-    outcome["tokens"] = ids.shape[1]
-    return outcome
+    want = (want_logits, want_loss, want_grads)
+    outcome = judged_run(pristine, rank, world_size, {"input_ids": ids}, whole_rows, want, exact, control)
+    return outcome | {"tokens": ids.shape[1]}
 
 
 def _family_on_rank(

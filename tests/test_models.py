@@ -705,3 +705,13 @@ def test_a_model_that_masks_its_images_itself_would_run_wrong_unread(monkeypatch
     with torch.no_grad():
         got = unchecked(input_ids=ids, token_type_ids=types, **extra).logits
     assert (got - want).abs().max() > 1e-2
+
+
+def test_every_own_attention_row_has_its_adapter():
+    """Note [attention adapters]: the reader's table (what it counts as served) and the adapters' (what runs) name the
+    same classes, so a class the reader accepts always has a forward that attends through seqpar."""
+    from seqpar.models.own_attention import OWN_ATTENTION, OWN_POSITIONS
+    from seqpar.sequence_parallel.attention_adapters import ADAPTERS, POSITION_ADAPTERS
+
+    assert sorted(OWN_ATTENTION) == sorted(ADAPTERS)
+    assert sorted(OWN_POSITIONS) == sorted(POSITION_ADAPTERS)

@@ -326,11 +326,11 @@ def prepare_model(
     adapt_attention(served, _seqpar_attention)  # Note [attention adapters]
     chosen = _implementations(model.config, served)
     model.set_attn_implementation(chosen)
-    setattr(model, PREPARED_ATTENTION_ATTR, chosen)
     text_config = getattr(served.decoder, "config", model.config)  # what the text decoder's attention reads
     attends = any(m is not None for m in served.attention)  # RWKV has no attention: none reads the implementation
     if text_config._attn_implementation != ATTENTION_NAME and attends and not adapted_only(served):
         raise SeqparInputError(f"{type(model).__name__} refused the attention implementation {ATTENTION_NAME!r}")
+    setattr(model, PREPARED_ATTENTION_ATTR, chosen)  # only a model that took it counts as prepared
     for old in getattr(model, _HOOK_ATTR, ()):
         old.remove()
     setattr(model, _CHOICE_ATTR, calls.choices)

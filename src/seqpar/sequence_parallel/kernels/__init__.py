@@ -67,7 +67,7 @@ def select_kernel(
             a kernel other than the reference one with ``softcap``.
     """
     if softcap is not None or alibi:
-        return _softcap_kernel(kernel, softcap)
+        return _score_kernel(kernel, softcap)
     if isinstance(kernel, AttentionKernel):
         candidates: tuple[AttentionKernel, ...] = (kernel,)
     elif kernel == "auto":
@@ -87,8 +87,8 @@ def select_kernel(
     raise SeqparInputError("no attention kernel can run these inputs (" + "; ".join(reasons) + ")")
 
 
-def _softcap_kernel(kernel: str | AttentionKernel, softcap: float | None) -> AttentionKernel:
-    """The kernel of soft-capped (or ALiBi-biased) attention: the reference kernel with the cap (Note [logit
+def _score_kernel(kernel: str | AttentionKernel, softcap: float | None) -> AttentionKernel:
+    """The kernel of attention whose scores are modified (soft-capped, ALiBi-biased): the reference kernel (Note [logit
     soft-capping], Note [ALiBi])."""
     if isinstance(kernel, ReferenceKernel):
         chosen = ReferenceKernel(kernel.block_size, softcap)
