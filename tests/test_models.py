@@ -715,3 +715,18 @@ def test_every_own_attention_row_has_its_adapter():
 
     assert sorted(OWN_ATTENTION) == sorted(ADAPTERS)
     assert sorted(OWN_POSITIONS) == sorted(POSITION_ADAPTERS)
+
+
+def test_a_read_mrope_family_refuses_embeddings_on_shards():
+    """GLM-4V has no entry: its text config's mRoPE sections are read, so a call on inputs_embeds shards (whose
+    [B, S] positions would be wrong for any image token in them) is refused as for Qwen-VL's entry."""
+    from seqpar.models.zoo import IMAGE_TEXT_TO_TEXT, tiny_model
+
+    model = tiny_model("glm4v", (IMAGE_TEXT_TO_TEXT,))
+    read = find_anatomy(model)
+    assert read.family.derived and read.family.positions == "mrope" and read.family.vision == "visual"
+    model = seqpar.prepare_model(model, None)
+    shard = seqpar.shard_batch({"input_ids": tokens(1, SEQ, 7) % 80 + 4}, None)
+    embeds = model.get_input_embeddings()(shard["input_ids"])
+    with torch.no_grad(), pytest.raises(SeqparInputError, match="numbers image tokens with mRoPE"):
+        model(inputs_embeds=embeds, position_ids=shard["position_ids"])

@@ -281,6 +281,11 @@ def _vision_tower(model: nn.Module, decoder: str) -> dict:
     return {"vision": towers[0]}
 
 
+def _rope_fields(config: object) -> object:
+    """The config's rotary parameters (``rope_parameters``, or ``rope_scaling`` before them), or None."""
+    return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+
+
 def _unknown_masks(config: object) -> str | None:
     """Why the decoder's attention masks are ones seqpar does not build, or None (causal, sliding windows)."""
     kinds = sorted({kind for kind in getattr(config, "layer_types", None) or () if kind not in _MASK_KINDS})
@@ -384,6 +389,8 @@ def derive_family(model: nn.Module) -> Family | str:
     text_model = text_model or None
     head = _head(model, text) if text is not model else None
     vision = _vision_tower(model, decoder) if text_model else {}
+    if text_model and "mrope_section" in repr(_rope_fields(getattr(text, "config", None))):
+        vision["positions"] = "mrope"  # its own code numbers image tokens from the whole row (its calls' checks ask)
     entry = FAMILIES.get(getattr(getattr(text, "config", None), "model_type", None))
     if entry is not None and entry.text_model is None:  # a registered text decoder inside another model
         return dataclasses.replace(entry, model_type=model_type, decoder=decoder, text_model=text_model,
