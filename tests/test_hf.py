@@ -1,4 +1,4 @@
-"""seqpar.hf (Trainer, SFTTrainer, accelerate loop) under torchrun against the one-process Trainer, on CPU with gloo.
+"""seqpar.hf (Trainer, SFTTrainer, accelerate loop) on 2-4 ranks against the one-process Trainer, on CPU with gloo.
 
 Per step loss (rel 1e-5) and grad_norm (rel 1e-4), evaluation loss and final parameters; bad input on every rank.
 """
@@ -49,6 +49,12 @@ def _torchrun(world: int, *args: str) -> list[str]:
     return [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(world), *args]
 
 
+def _parallel(world: int, out: pathlib.Path, *names: str) -> list[str]:
+    """``tests.hf_scripts.parallel`` on ``world`` ranks forked after one import of the stacks (torchrun's would
+    import them once per rank; the examples below run under torchrun and accelerate's launcher themselves)."""
+    return [sys.executable, "-m", "tests.hf_scripts.forked", str(world), str(out), *names]
+
+
 @pytest.fixture(scope="module")
 def _references(tmp_path_factory):
     """The one-process references no launch reads, run in the background beside the launches (one interpreter)."""
@@ -90,11 +96,9 @@ def _load(path: pathlib.Path) -> dict:
 def two_ranks(out, _references) -> pathlib.Path:
     names = [n for n, c in CASES.items() if c.world == 2 and n not in DEEPSPEED_CASES]
     _launch(
-        _torchrun(
+        _parallel(
             2,
-            "-m",
-            "tests.hf_scripts.parallel",
-            str(out),
+            out,
             *names,
             "refusals",
             "resume",
@@ -123,7 +127,7 @@ def more_ranks(out, _references) -> pathlib.Path:
             names += [*(n for n, (_, _, dp) in BY_TORCHRUN.items() if dp == 2), "accelerate_dp2"]
             names += [n for n, (w, _, _) in GUIDES.items() if w == 4]
             names += ["alst_trainer_dp2"] if DEEPSPEED else []  # last: DeepSpeed's settings stay in the process
-        _launch(_torchrun(world, "-m", "tests.hf_scripts.parallel", str(out), *names))
+        _launch(_parallel(world, out, *names))
     return _joined(_references)
 
 

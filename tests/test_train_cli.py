@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -26,12 +27,26 @@ TINY = (TINY + "--eval-lengths 192 --log-every 1 --warmup-steps 2").split()
 
 
 def seqpar_train(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "seqpar.cli", "train", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return seqpar_trains(args, timeout=timeout)[0]
+
+
+def seqpar_trains(*runs: Sequence[str], timeout: int = 240) -> list[subprocess.CompletedProcess]:
+    """``seqpar train`` with each of ``runs``' arguments, started together: a run spends most of its seconds in
+    one interpreter at a time (importing, checking settings), so independent runs overlap on the machine's cores."""
+    started = [
+        subprocess.Popen(
+            [sys.executable, "-m", "seqpar.cli", "train", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args in runs
+    ]
+    done = []
+    for process in started:
+        out, err = process.communicate(timeout=timeout)
+        done.append(subprocess.CompletedProcess(process.args, process.returncode, out, err))
+    return done
 
 
 def losses(run_dir, key: str = "loss") -> dict[int, float]:
@@ -137,8 +152,12 @@ def assert_same_export(one, other) -> None:
 
 
 def test_run_directory_evaluation_and_sp_degrees_agree(tmp_path):
-    full, single = tmp_path / "full", tmp_path / "single"
-    done = seqpar_train(*TINY, "--steps", "6", "--run-dir", str(full))
+    full, single, early = tmp_path / "full", tmp_path / "single", tmp_path / "early"
+    done, first, one = seqpar_trains(
+        [*TINY, "--steps", "6", "--run-dir", str(full)],
+        [*TINY, "--steps", "1", "--run-dir", str(early), "--no-export-hf"],
+        [*TINY, "--steps", "6", "--sp", "1", "--run-dir", str(single)],
+    )
     assert done.returncode == 0, done.stderr
     assert f"run directory: {full}" in done.stdout
     for name in ("config.json", "metrics.jsonl", "loss.png", "tokens_per_s.png", "memory.png", "eval.json"):
@@ -157,8 +176,7 @@ def test_run_directory_evaluation_and_sp_degrees_agree(tmp_path):
     # the trainer's accuracy against one plain forward of its checkpoint, read here; after one step the
     # model's argmax still varies along the sequence (after six it is one letter everywhere), so an
     # evaluation reading the prediction one position off would be caught: that count differs
-    early = tmp_path / "early"
-    assert seqpar_train(*TINY, "--steps", "1", "--run-dir", str(early), "--no-export-hf").returncode == 0
+    assert first.returncode == 0, first.stderr
     assert not (early / "hf").exists() and not (early / "hf.partial").exists()
     plain, one_off = _plain_accuracy(early / "checkpoints" / "step_0000001", 1)
     assert abs(plain - one_off) > 1 / (4 * 63)
@@ -168,7 +186,6 @@ def test_run_directory_evaluation_and_sp_degrees_agree(tmp_path):
     # stopped and resumed in place, the run repeats this one exactly: tests/test_resilience.py (by a signal)
 
     # one rank on the whole sequence gives the same curves and evaluation as two ranks sharing it (fp32)
-    one = seqpar_train(*TINY, "--steps", "6", "--sp", "1", "--run-dir", str(single))
     assert one.returncode == 0, one.stderr
     for step, loss in losses(single).items():
         assert loss == pytest.approx(curve[step], rel=1e-4), step
@@ -268,12 +285,30 @@ def test_real_data_files_and_local_model_config(tmp_path):
     run, whole = tmp_path / "run", tmp_path / "whole"
     files = ["--data", str(docs), "--text-field", "body", "--model", str(model), "--seq-len", "100"]
     files += ["--batch-size", "2", "--grad-accum", "2", "--steps", "3"]  # micro-batches of one packed row
+    # Parquet data, for a run with data parallel over 2 ranks, bf16 autocast and activation checkpointing, from a
+    # YAML file; all four runs start together
+    import datasets
+
+    parquet = tmp_path / "docs.parquet"
+    datasets.Dataset.from_dict({"text": [f"Parquet document {i}. " * (2 + i % 5) for i in range(30)]}).to_parquet(
+        str(parquet)
+    )
+    settings = tmp_path / "settings.yaml"
+    settings.write_text("dp: 2\nsp: 2\nprecision: bf16\nactivation_checkpointing: true\nsteps: 2\n")
+    auto, run2 = tmp_path / "auto", tmp_path / "run2"
     # the packed rows of uneven documents at sp 2 under the balanced layout, under "auto" (the placed layout on
     # these rows: reordered and padded), and on one rank: the same run (the logged loss includes 0.1 x the
     # router's load-balancing loss, counted over both ranks' tokens)
-    auto = tmp_path / "auto"
-    for where, strategy, layout in ((run, "ulysses", "balanced"), (auto, "ring", "auto")):
-        done = seqpar_train(*files, "--run-dir", str(where), "--strategy", strategy, "--layout", layout)
+    sharded = ((run, "ulysses", "balanced"), (auto, "ring", "auto"))
+    *runs, one, parquet_run = seqpar_trains(
+        *(
+            [*files, "--run-dir", str(where), "--strategy", strategy, "--layout", layout]
+            for where, strategy, layout in sharded
+        ),
+        [*files, "--run-dir", str(whole), "--sp", "1"],
+        [*TINY, "--config", str(settings), "--data", str(parquet), "--run-dir", str(run2)],
+    )
+    for (where, strategy, layout), done in zip(sharded, runs, strict=True):
         assert done.returncode == 0, done.stderr
         assert f"; {layout} layout (solved per batch)" in done.stdout
         resolved = json.loads((where / "config.json").read_text())
@@ -282,7 +317,6 @@ def test_real_data_files_and_local_model_config(tmp_path):
         # each step's record: the layout rank 0 cut each micro-batch with ("auto" placed every packed row)
         layouts = losses(where, "layouts")
         assert layouts == {s: 2 * ["balanced" if layout == "balanced" else "placed"] for s in (1, 2, 3)}, layouts
-    one = seqpar_train(*files, "--run-dir", str(whole), "--sp", "1")
     assert one.returncode == 0, one.stderr
     for where, (key, rel) in itertools.product((run, auto), (("loss", 1e-4), ("grad_norm", 1e-5))):
         assert losses(where, key) == pytest.approx(losses(whole, key), rel=rel), (where.name, key)
@@ -295,18 +329,8 @@ def test_real_data_files_and_local_model_config(tmp_path):
     assert any(seqpar.balanced_layout(p, 2).chunk_ids != ((0, 3), (1, 2)) for p in positions)
     placed = [seqpar.placed_layout(p, 2).order[0] for p in positions]
     assert all(o.shape[0] > 100 and not torch.equal(o[o >= 0], torch.arange(100)) for o in placed), placed
-    # Parquet data; data parallel over 2 ranks, bf16 autocast and activation checkpointing, from a YAML file
-    import datasets
-
-    parquet = tmp_path / "docs.parquet"
-    datasets.Dataset.from_dict({"text": [f"Parquet document {i}. " * (2 + i % 5) for i in range(30)]}).to_parquet(
-        str(parquet)
-    )
-    settings = tmp_path / "settings.yaml"
-    settings.write_text("dp: 2\nsp: 2\nprecision: bf16\nactivation_checkpointing: true\nsteps: 2\n")
-    run2 = tmp_path / "run2"
-    done = seqpar_train(*TINY, "--config", str(settings), "--data", str(parquet), "--run-dir", str(run2))
-    assert done.returncode == 0, done.stderr
+    # the Parquet run: data parallel over 2 ranks, bf16 autocast and activation checkpointing, from a YAML file
+    assert parquet_run.returncode == 0, parquet_run.stderr
     resolved = json.loads((run2 / "config.json").read_text())
     assert (resolved["dp"], resolved["precision"], resolved["activation_checkpointing"]) == (2, "bf16", True)
     assert sorted(losses(run2)) == [1, 2]
@@ -323,48 +347,37 @@ def test_real_data_files_and_local_model_config(tmp_path):
 
 def test_tensor_and_data_parallel_runs_match_the_sequence_parallel_run(tmp_path):
     common = [*TINY, "--heads", "4", "--steps", "2", "--eval-examples", "2"]
-    tp = seqpar_train(*common, "--tp", "2", "--sp", "1", "--run-dir", str(tmp_path / "tp"))
-    assert tp.returncode == 0, tp.stderr
-    sp = seqpar_train(*common, "--sp", "2", "--run-dir", str(tmp_path / "sp"))
-    assert sp.returncode == 0, sp.stderr
-    # parameters replicated over the 2 SP ranks by torch's DDP
-    done = seqpar_train(*common, "--sp", "2", "--dp-mode", "ddp", "--run-dir", str(tmp_path / "ddp"))
-    assert done.returncode == 0, done.stderr
-    # parameters sharded by FSDP2 (step 1); its parameters and optimizer state go through the checkpoint and
-    # resume into a run whose parameters, gradients and AdamW state live in host memory (Note [optimizer
-    # offload]; step 2): CPU offload's code path (policy, AdamW on host DTensors, clip_grad_norm_, its final
-    # checkpoint) gives the losses and gradient norms of the unsharded run
     part = tmp_path / "fsdp"
-    for extra in (["--stop-at", "1"], ["--resume", "auto", "--offload-optimizer"]):
-        done = seqpar_train(*common, "--sp", "2", "--dp-mode", "fsdp", "--run-dir", str(part), *extra)
+    tp, sp, ddp, fsdp_first = seqpar_trains(
+        [*common, "--tp", "2", "--sp", "1", "--run-dir", str(tmp_path / "tp")],
+        [*common, "--sp", "2", "--run-dir", str(tmp_path / "sp")],
+        # parameters replicated over the 2 SP ranks by torch's DDP
+        [*common, "--sp", "2", "--dp-mode", "ddp", "--run-dir", str(tmp_path / "ddp")],
+        # parameters sharded by FSDP2 (step 1); its parameters and optimizer state go through the checkpoint and
+        # resume into a run whose parameters, gradients and AdamW state live in host memory (Note [optimizer
+        # offload]; step 2 below): CPU offload's code path (policy, AdamW on host DTensors, clip_grad_norm_, its
+        # final checkpoint) gives the losses and gradient norms of the unsharded run
+        [*common, "--sp", "2", "--dp-mode", "fsdp", "--run-dir", str(part), "--stop-at", "1"],
+    )
+    for done in (tp, sp, ddp, fsdp_first):
         assert done.returncode == 0, done.stderr
+    # the same run started by torchrun instead of spawned by the command, with the output projection and loss
+    # in pieces of 40 tokens instead of whole logits; beside the FSDP2 run's resumed step
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "seqpar.cli", "train"]
+    launched = subprocess.Popen(
+        [*torchrun, *common, "--sp", "2", "--loss-chunk", "40", "--run-dir", str(tmp_path / "torchrun")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    done = seqpar_train(
+        *common, "--sp", "2", "--dp-mode", "fsdp", "--run-dir", str(part), "--resume", "auto", "--offload-optimizer"
+    )
+    assert done.returncode == 0, done.stderr
     assert "host memory" in done.stdout and json.loads((part / "config.json").read_text())["offload_optimizer"]
     assert (part / "checkpoints" / "step_0000002" / "seqpar_complete.json").is_file()
-    # the same run started by torchrun instead of spawned by the command, with the output projection and loss
-    # in pieces of 40 tokens instead of whole logits
-    launched = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "seqpar.cli",
-            "train",
-            *common,
-            "--sp",
-            "2",
-            "--loss-chunk",
-            "40",
-            "--run-dir",
-            str(tmp_path / "torchrun"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert launched.returncode == 0, launched.stderr
+    _, err = launched.communicate(timeout=240)
+    assert launched.returncode == 0, err
     assert json.loads((tmp_path / "torchrun" / "config.json").read_text())["launcher"] == "torchrun"
     # the Hugging Face directories of the tensor-parallel run and of the FSDP2 run (resumed, host-offloaded):
     # gathered from tp shards (q_proj by rows, o_proj by columns) and FSDP2 shards (by rows); seqpar export of the
@@ -393,10 +406,15 @@ def test_pipeline_runs_match_one_process_and_resume_across_layouts(tmp_path):
     """--pp 2 --sp 2 (4 ranks) and --pp 2 with GPipe give one process's losses, gradient norms and evaluation; a
     checkpoint written at pp 2 x sp 2 resumes at pp 1 x sp 1 with the uninterrupted run's next step."""
     common = [*TINY, "--layers", "2", "--batch-size", "4", "--steps", "2", "--eval-examples", "2"]
-    one = seqpar_train(*common, "--sp", "1", "--run-dir", str(tmp_path / "one"))
-    assert one.returncode == 0, one.stderr
-    gpipe = seqpar_train(*common, "--sp", "1", "--pp", "2", "--pp-schedule", "gpipe", "--run-dir", str(tmp_path / "gp"))
-    assert gpipe.returncode == 0, gpipe.stderr
+    split = tmp_path / "split"
+    one, gpipe, first = seqpar_trains(
+        [*common, "--sp", "1", "--run-dir", str(tmp_path / "one")],
+        [*common, "--sp", "1", "--pp", "2", "--pp-schedule", "gpipe", "--run-dir", str(tmp_path / "gp")],
+        # pp 2 x sp 2, stopped at step 1; resumed at sp 1 below
+        [*common, "--pp", "2", "--sp", "2", "--pp-microbatches", "2", "--stop-at", "1", "--run-dir", str(split)],
+    )
+    for done in (one, gpipe, first):
+        assert done.returncode == 0, done.stderr
     assert "mesh: pp 2 (gpipe, 2 micro-batches) x dp 1 x sp 1" in gpipe.stdout
     # the Hugging Face directory of a pipeline run: each stage's parameters under the whole model's names (the
     # second stage holds layer 1, the final norm and the head)
@@ -404,19 +422,14 @@ def test_pipeline_runs_match_one_process_and_resume_across_layouts(tmp_path):
     stage["lm_head.weight"] = "all"
     gp = tmp_path / "gp"
     assert_export_is_the_run(gp / "hf", gp / "checkpoints" / "step_0000002", gp, stage)
-    split = tmp_path / "split"
-    for extra in (
-        ["--pp", "2", "--sp", "2", "--pp-microbatches", "2", "--stop-at", "1"],
-        ["--sp", "1", "--resume", "auto"],
-    ):
-        done = seqpar_train(*common, *extra, "--run-dir", str(split))
-        assert done.returncode == 0, done.stderr
-        if "--pp" in extra:  # pp 2 x sp 2, stopped at step 1: the directory then, and seqpar export's of step 1
-            first = split / "checkpoints" / "step_0000001"
-            assert_export_is_the_run(split / "hf", first, split, stage)
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                assert cli_main(["export", str(first), str(tmp_path / "exported")]) == 0
-            assert_same_export(tmp_path / "exported", split / "hf")
+    # the directory of step 1 at pp 2 x sp 2, and seqpar export's of that checkpoint
+    step1 = split / "checkpoints" / "step_0000001"
+    assert_export_is_the_run(split / "hf", step1, split, stage)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert cli_main(["export", str(step1), str(tmp_path / "exported")]) == 0
+    assert_same_export(tmp_path / "exported", split / "hf")
+    done = seqpar_train(*common, "--sp", "1", "--resume", "auto", "--run-dir", str(split))
+    assert done.returncode == 0, done.stderr
     assert "written at pp 2 x dp 1 x sp 2 x tp 1, replicate; resharded to pp 1 x dp 1 x sp 1" in done.stdout
     for key in ("loss", "grad_norm"):
         want = losses(tmp_path / "one", key)
@@ -465,11 +478,12 @@ def test_bad_input_fails_clearly(tmp_path):
     # the data problems are found by rank 0 after the ranks start, and one settings error goes through the
     # console script as a user meets it; the other settings are refused before any rank starts, so they run
     # in this process (an interpreter start each would cost the suite seconds apiece)
-    in_subprocess = {"--data", "--strategy"}
-    for args, message in cases:
-        if args[0] in in_subprocess:
-            done = seqpar_train(*args, "--run-dir", str(tmp_path / "bad"))
-            code, stderr = done.returncode, done.stderr
+    in_subprocess = [i for i, (args, _) in enumerate(cases) if args[0] in ("--data", "--strategy")]
+    runs = ([*cases[i][0], "--run-dir", str(tmp_path / f"bad{i}")] for i in in_subprocess)
+    launched = dict(zip(in_subprocess, seqpar_trains(*runs), strict=True))
+    for i, (args, message) in enumerate(cases):
+        if i in launched:
+            code, stderr = launched[i].returncode, launched[i].stderr
         else:
             err = io.StringIO()
             with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -544,8 +558,12 @@ def test_a_local_hybrid_model_trains_at_sp_2_as_at_sp_1(tmp_path):
     }
     (model / "config.json").write_text(json.dumps(config))
     runs = {sp: tmp_path / f"sp{sp}" for sp in (1, 2)}
-    for sp, where in runs.items():
-        done = seqpar_train(*TINY, "--model", str(model), "--steps", "3", "--sp", str(sp), "--run-dir", str(where))
+    for done in seqpar_trains(
+        *(
+            [*TINY, "--model", str(model), "--steps", "3", "--sp", str(sp), "--run-dir", str(where)]
+            for sp, where in runs.items()
+        )
+    ):
         assert done.returncode == 0, done.stderr
     for key, rel in (("loss", 1e-4), ("grad_norm", 1e-4)):
         assert losses(runs[2], key) == pytest.approx(losses(runs[1], key), rel=rel), key
