@@ -22,7 +22,7 @@ from seqpar.train.checkpoint import latest_checkpoint, verify_checkpoint
 from seqpar.train.config import TrainConfig
 from seqpar.train.data import load_tokenizer
 from seqpar.train.fit import check_memory
-from seqpar.train.model import model_config
+from seqpar.train.model import import_model_code, model_config
 from seqpar.train.passkey import PasskeyTask
 from seqpar.train.pipeline_config import pipeline_model_check
 
@@ -37,8 +37,9 @@ def _prepare_run_dir(config: TrainConfig) -> str:
     return os.path.abspath(run_dir)
 
 
-def _precheck(config: TrainConfig, world_size: int) -> None:
-    """Checks that need the world size or files (tokenizer, model config, checkpoint), before any rank trains.
+def _precheck(config: TrainConfig, world_size: int) -> object:
+    """Checks that need the world size or files (tokenizer, model config, checkpoint), before any rank trains;
+    returns the model's transformers config.
 
     The one check of pp x dp x sp x tp against the world size: here both launchers know it (spawned or torchrun).
     """
@@ -73,6 +74,7 @@ def _precheck(config: TrainConfig, world_size: int) -> None:
     # shard_batch pads data rows; the synthetic task asks for exact lengths instead
     if config.seq_len % multiple and not config.data:
         raise SeqparInputError(f"--seq-len {config.seq_len} must be a multiple of 2 x sp = {multiple}")
+    return cfg
 
 
 def _rank_main(rank: int, world_size: int, config: TrainConfig, run_dir: str) -> None:
@@ -94,7 +96,7 @@ def launch(config: TrainConfig) -> int:
     if _under_torchrun():
         return _launch_torchrun(config)
     world = config.nproc if config.nproc is not None else config.dims().world_size
-    _precheck(config, world)
+    model_cfg = _precheck(config, world)
     run_dir = _prepare_run_dir(config)
     if config.resume == "auto" and latest_checkpoint(os.path.join(run_dir, "checkpoints")) is None:
         print(f"no complete checkpoint under {run_dir}/checkpoints; starting from step 0", flush=True)
@@ -107,6 +109,8 @@ def launch(config: TrainConfig) -> int:
     start = start_method_for("gloo")
     if start == "fork":  # imported once here instead of once per rank (Note [forked ranks])
         import seqpar.train.loop  # noqa: F401
+
+        import_model_code(model_cfg)
     try:
         received = spawn_ranks(
             _rank_main,

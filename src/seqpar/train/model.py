@@ -5,6 +5,7 @@ Built from configs only (nothing is downloaded); weights are loaded when the mod
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -60,6 +61,16 @@ def model_config(config: TrainConfig, vocab_size: int) -> object:
     if getattr(cfg, "vocab_size", vocab_size) < vocab_size:
         raise SeqparInputError(f"the tokenizer has {vocab_size} tokens but the model only {cfg.vocab_size}")
     return cfg
+
+
+def import_model_code(cfg: object) -> None:
+    """Import the modules of the model classes transformers maps ``cfg`` to (a launcher does, before it forks
+    its ranks: Note [forked ranks]); nothing is built."""
+    import transformers
+
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForImageTextToText):
+        with contextlib.suppress(KeyError):
+            auto._model_mapping[type(cfg)]
 
 
 def build_model(config: TrainConfig, vocab_size: int, *, multimodal: bool = False) -> torch.nn.Module:
