@@ -21,7 +21,7 @@ from seqpar.errors import SeqparInputError
 from seqpar.memory import apply_activation_offload, apply_tiled_mlp, is_tiled, offload_layer_inputs, tiled_mlp
 from tests._dist import run_ranks
 from tests._models import SEQ, VOCAB, build, tokens
-from tests.test_train_cli import TINY, losses, seqpar_train
+from tests.test_train_cli import TINY, losses, seqpar_trains
 
 RTOL, ATOL = 1e-5, 1e-6  # fp32; the tiled MLP sums its parameter gradients chunk by chunk
 CHUNK = 7  # 2 x 48 tokens -> 13 full chunks and one of 5
@@ -266,12 +266,12 @@ def test_train_cli_tiled_mlp_gives_the_same_losses(tmp_path):
     plain_built = train_model(TrainConfig(**options))
     assert not any(is_tiled(m) for m in plain_built.modules())
     common = [*TINY, "--steps", "2", "--eval-examples", "2", "--activation-checkpointing"]
-    plain = seqpar_train(*common, "--run-dir", str(tmp_path / "plain"))
-    assert plain.returncode == 0, plain.stderr
     # 96 tokens per rank in chunks of 40; offload does nothing on the CPU and says so
-    tiled = seqpar_train(
-        *common, "--tiled-mlp", "--tiled-mlp-chunk", "40", "--offload-activations", "--run-dir", str(tmp_path / "t")
+    plain, tiled = seqpar_trains(
+        [*common, "--run-dir", str(tmp_path / "plain")],
+        [*common, "--tiled-mlp", "--tiled-mlp-chunk", "40", "--offload-activations", "--run-dir", str(tmp_path / "t")],
     )
+    assert plain.returncode == 0, plain.stderr
     assert tiled.returncode == 0, tiled.stderr
     if not torch.cuda.is_available():
         assert "activation offload does nothing without CUDA" in tiled.stderr

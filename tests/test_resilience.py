@@ -266,18 +266,7 @@ def test_faults_end_every_rank_promptly_and_say_why(tmp_path):
     read_until(stall, r"^step 2/2000", [])
     other, frozen = sorted(rank_pids(stall.pid))  # ranks 0 and 1, spawned in that order
     os.kill(frozen, signal.SIGSTOP)
-    while os.path.exists(f"/proc/{other}"):
-        time.sleep(0.2)
-    os.kill(frozen, signal.SIGCONT)  # its pending SIGTERM from the launcher, then its lost peer, end it
-    code, out, err = finish(stall)
-    assert code == 1, out
-    assert re.search(
-        r"failed on rank 0: RuntimeError: rank 0 failed while (optimizer step|gathering the metrics of step|saving "
-        r"the checkpoint of step) \d+ \(no answer from the other ranks within --timeout-s 10; rank 1 is stalled or "
-        r"dead: not waiting on the others \(last reported (optimizer step|gathering the metrics of step|saving the "
-        r"checkpoint of step) \d+\)\)",
-        err,
-    ), err
+    # while rank 0 of the stalled run waits out its --timeout-s: the torchrun cases
     code, out, err = finish(preempted)
     # torchrun passes the SIGTERM on to its workers, waits for them, then re-raises it (exit code 1)
     assert "stopped by SIGTERM after step" in out, (out, err)
@@ -294,6 +283,20 @@ def test_faults_end_every_rank_promptly_and_say_why(tmp_path):
     assert time.monotonic() - killed < 15
     assert code != 0 and "Signal 9 (SIGKILL) received by PID" in err, err
     assert re.search(r"rank\s*: 1 \(local_rank: 1\)", err), err
+
+    # the stalled run: rank 0 gave up and said where it was
+    while os.path.exists(f"/proc/{other}"):
+        time.sleep(0.2)
+    os.kill(frozen, signal.SIGCONT)  # its pending SIGTERM from the launcher, then its lost peer, end it
+    code, out, err = finish(stall)
+    assert code == 1, out
+    assert re.search(
+        r"failed on rank 0: RuntimeError: rank 0 failed while (optimizer step|gathering the metrics of step|saving "
+        r"the checkpoint of step) \d+ \(no answer from the other ranks within --timeout-s 10; rank 1 is stalled or "
+        r"dead: not waiting on the others \(last reported (optimizer step|gathering the metrics of step|saving the "
+        r"checkpoint of step) \d+\)\)",
+        err,
+    ), err
 
     # ranks that time out name the stalled rank (store-level, 3 ranks); then an exception on one rank only
     # ends the ranks waiting for it, with that error named
