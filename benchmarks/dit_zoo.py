@@ -25,6 +25,7 @@ import time
 import traceback
 import warnings
 from collections import Counter
+from collections.abc import Collection
 from datetime import timedelta
 from typing import Any
 
@@ -32,6 +33,7 @@ import torch
 
 from benchmarks import ROOT, save_records
 from benchmarks.zoo import (
+    BOTH,
     BUILD,
     CRASH,
     EXACT,
@@ -39,6 +41,7 @@ from benchmarks.zoo import (
     SET_ASIDE,
     STATUSES,
     WRONG,
+    copied_gradients,
     first_line,
     judge,
     last_line,
@@ -76,7 +79,7 @@ def _run(model: torch.nn.Module, inputs: dict, output: int, weight_seed: int) ->
     return pred.detach(), grads
 
 
-def _class_on_rank(rank: int, world_size: int, name: str, strategy: str, control: bool, out_dir: str) -> None:
+def _class_on_rank(rank: int, world_size: int, name: str, strategy: str, control: bool | str, out_dir: str) -> None:
     """Judge one class on this rank and write the outcome to ``out_dir/rank<r>.json`` (never raise)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -88,7 +91,9 @@ def _class_on_rank(rank: int, world_size: int, name: str, strategy: str, control
         json.dump(outcome, f)
 
 
-def _judge_class(world_size: int, name: str, strategy: str, control: bool) -> dict[str, Any]:
+def _judge_class(world_size: int, name: str, strategy: str, control: bool | str) -> dict[str, Any]:
+    """``control``: True leaves the gradients unreduced (the negative control); ``BOTH`` reduces them and judges
+    them as they were before the reduction too, as ``outcome["control"]``."""
     import seqpar
     from seqpar.errors import SeqparInputError
     from seqpar.models import DIFFUSION_PLANS
@@ -111,15 +116,35 @@ def _judge_class(world_size: int, name: str, strategy: str, control: bool) -> di
         pred = _prediction(parallel(**inputs, return_dict=False)[ZOO[name].output])
         weight = torch.randn(pred.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
         (pred * weight.to(pred.dtype)).sum().backward()
-        if not control:  # the negative control leaves each rank's gradients its own tokens'
+        # the negative control's gradients: each rank's own tokens', as they are before the reduction
+        unreduced = copied_gradients(parallel) if control == BOTH else None
+        if control in (False, BOTH):  # the negative control alone leaves them unreduced
             seqpar.reduce_gradients(parallel.parameters(), mesh)
     except SeqparInputError as error:
         return {"status": REFUSED, "reason": first_line(error)}
     except Exception as error:
         return {"status": CRASH, "reason": last_line(error), "trace": traceback.format_exc()[-2000:]}
+    plan = "derived" if DIFFUSION_PLANS.get(name) is None else "entry"
+    outcome = _verdict(parallel, pred, want, exact, want_grads, exact_grads) | {"plan": plan}
+    if unreduced is not None:
+        outcome["control"] = _verdict(parallel, pred, want, exact, want_grads, exact_grads, unreduced)
+    return outcome
+
+
+def _verdict(
+    parallel: torch.nn.Module,
+    pred: torch.Tensor,
+    want: torch.Tensor,
+    exact: torch.Tensor | None,
+    want_grads: dict,
+    exact_grads: dict,
+    grads: dict | None = None,
+) -> dict[str, Any]:
+    """EXACT or WRONG, with the worst tensor: the prediction and every parameter's gradient (``grads`` by name,
+    default the parameters' own) against the one-process run and the float64 run."""
     judged = [judge("prediction", pred, want, exact)]
     for param_name, p in parallel.named_parameters():
-        got, one = p.grad, want_grads.get(param_name)
+        got, one = p.grad if grads is None else grads[param_name], want_grads.get(param_name)
         if got is None and one is None:
             continue
         zero = torch.zeros_like(p.detach())
@@ -132,8 +157,7 @@ def _judge_class(world_size: int, name: str, strategy: str, control: bool) -> di
             )
         )
     worst = max(judged, key=lambda j: j[0])
-    plan = "derived" if DIFFUSION_PLANS.get(name) is None else "entry"
-    return {"status": WRONG if worst[0] > 1.0 else EXACT, "worst": worst[1], "worst_ratio": worst[0], "plan": plan}
+    return {"status": WRONG if worst[0] > 1.0 else EXACT, "worst": worst[1], "worst_ratio": worst[0]}
 
 
 def sweep(
@@ -142,10 +166,14 @@ def sweep(
     strategy: str = "ring",
     deadline_s: float = 120.0,
     control: bool = False,
+    controls: Collection[str] = (),
+    pool: Any = None,
 ) -> dict[str, dict[str, Any]]:
     """Judge every class of the installed diffusers (or ``only`` those) at ``sp_size``: class name -> its outcome.
 
     ``control`` is the negative control: the gradients are left unreduced, so every class that runs comes out WRONG.
+    ``controls``: classes whose outcome also holds that control, judged from the same run (``BOTH``) under
+    "control". ``pool``: a ``RankPool`` of ``sp_size`` ranks to run on, left open (default: one of its own).
     """
     from tests._dit_zoo import SET_ASIDE as ASIDE
     from tests._dit_zoo import ZOO
@@ -158,19 +186,24 @@ def sweep(
             raise SystemExit(f"not in the DiT zoo: {', '.join(unknown)}")
         names = [n for n in names if n in only]
     results: dict[str, dict[str, Any]] = {}
-    pool = RankPool(sp_size, timeout=timedelta(seconds=deadline_s / 2))
+    own = pool is None
+    pool = RankPool(sp_size, timeout=timedelta(seconds=deadline_s / 2)) if own else pool
+    if pool.world_size != sp_size:
+        raise ValueError(f"a pool of {pool.world_size} ranks for a sweep at sp {sp_size}")
     try:
         for name in names:
             if name in ASIDE:
                 results[name] = {"status": SET_ASIDE, "reason": ASIDE[name]}
                 continue
             started = time.perf_counter()
-            outcome = pool_outcome(pool, _class_on_rank, name, strategy, control, deadline_s=deadline_s)
+            judged = BOTH if name in controls and not control else control
+            outcome = pool_outcome(pool, _class_on_rank, name, strategy, judged, deadline_s=deadline_s)
             results[name] = outcome | {"seconds": round(time.perf_counter() - started, 2)}
             said = outcome.get("worst") if outcome["status"] in (EXACT, WRONG) else outcome.get("reason", "")
             print(f"{name:42s} {outcome['status']:8s} {results[name]['seconds']:6.1f}s  {said[:110]}")
     finally:
-        pool.close(kill=True)
+        if own:
+            pool.close(kill=True)
     return results
 
 

@@ -42,6 +42,7 @@ import time
 import traceback
 import warnings
 from collections import Counter
+from collections.abc import Collection
 from datetime import timedelta
 from typing import Any
 
@@ -52,6 +53,9 @@ from benchmarks import ROOT, save_records
 EXACT, WRONG, REFUSED, CRASH, HANG, BUILD = "EXACT", "WRONG", "REFUSED", "CRASH", "HANG", "BUILD"
 SET_ASIDE = "SET ASIDE"
 STATUSES = (EXACT, REFUSED, WRONG, CRASH, HANG, BUILD, SET_ASIDE)
+BOTH = "both"
+"""``control=BOTH``: the run judged as usual, and its gradients before the reduction judged as the negative control
+(under the outcome's "control"), from the one backward pass."""
 ROWS = 2
 RTOL = 1e-4
 FLOOR_FACTOR = 4.0
@@ -146,7 +150,13 @@ def judge(
 
 
 def _family_on_rank(
-    rank: int, world_size: int, model_type: str, mappings: tuple[str, ...], packed: bool, control: bool, out_dir: str
+    rank: int,
+    world_size: int,
+    model_type: str,
+    mappings: tuple[str, ...],
+    packed: bool,
+    control: bool | str,
+    out_dir: str,
 ) -> None:
     """Judge one family on this rank and write the outcome to ``out_dir/rank<r>.json`` (never raise)."""
     with warnings.catch_warnings():
@@ -160,7 +170,7 @@ def _family_on_rank(
 
 
 def _judge_family(
-    rank: int, world_size: int, model_type: str, mappings: tuple[str, ...], packed: bool, control: bool
+    rank: int, world_size: int, model_type: str, mappings: tuple[str, ...], packed: bool, control: bool | str
 ) -> dict[str, Any]:
     import transformers
 
@@ -209,12 +219,13 @@ def judged_run(
     call: Any,
     want: tuple,
     exact: tuple,
-    control: bool,
+    control: bool | str,
 ) -> dict[str, Any]:
     """The prepared ``pristine`` run on this rank and judged (``verdict``), or REFUSED / CRASH with the reason.
 
     ``call(model, shard)`` gives the logits of this rank's tokens (on the shard of ``batch``, or on whole rows);
-    the loss is ``seqpar.cross_entropy`` on the shard's labels. ``control`` leaves the gradients unreduced.
+    the loss is ``seqpar.cross_entropy`` on the shard's labels. ``control`` leaves the gradients unreduced;
+    ``BOTH`` reduces them and judges this rank's gradients before the reduction too, as ``outcome["control"]``.
     """
     import seqpar
     from seqpar.errors import SeqparInputError
@@ -228,7 +239,9 @@ def judged_run(
         logits = call(parallel, shard)
         loss = seqpar.cross_entropy(logits.float(), shard["shift_labels"], mesh)
         loss.backward()
-        if not control:  # the negative control leaves each rank's gradients its own shard's
+        # the negative control's gradients: each rank's own shard's, as they are before the reduction
+        unreduced = copied_gradients(parallel) if control == BOTH else None
+        if control in (False, BOTH):  # the negative control alone leaves them unreduced
             seqpar.reduce_gradients(parallel.parameters(), mesh)
         total = seqpar.sum_over(loss.detach(), mesh)
     except SeqparInputError as error:
@@ -236,15 +249,30 @@ def judged_run(
     except Exception as error:
         return {"status": CRASH, "reason": last_line(error), "trace": traceback.format_exc()[-2000:]}
     idx = shard_index("zigzag", world_size, rank, batch["input_ids"].shape[1])
-    return verdict(parallel, total, logits, idx, want, exact)
+    outcome = verdict(parallel, total, logits, idx, want, exact)
+    if unreduced is not None:
+        outcome["control"] = verdict(parallel, total, logits, idx, want, exact, unreduced)
+    return outcome
+
+
+def copied_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """A copy of every parameter's gradient (None where it has none)."""
+    return {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
 def verdict(
-    parallel: torch.nn.Module, total: torch.Tensor, logits: torch.Tensor, idx: torch.Tensor, want: tuple, exact: tuple
+    parallel: torch.nn.Module,
+    total: torch.Tensor,
+    logits: torch.Tensor,
+    idx: torch.Tensor,
+    want: tuple,
+    exact: tuple,
+    grads: dict[str, torch.Tensor | None] | None = None,
 ) -> dict[str, Any]:
     """EXACT or WRONG, with the worst tensor: the summed loss, this rank's logits (the reference's columns ``idx``)
     and every parameter's gradient of the prepared model against the one-process run ``want`` and the float64 run
-    ``exact`` (each ``(logits, loss, gradients)``; ``(None, None, {})`` where no float64 run could be made)."""
+    ``exact`` (each ``(logits, loss, gradients)``; ``(None, None, {})`` where no float64 run could be made).
+    ``grads``: the gradients to judge by parameter name (default: the parameters' own)."""
     from seqpar.models import anatomy
 
     (want_logits, want_loss, want_grads), (exact_logits, exact_loss, exact_grads) = want, exact
@@ -252,7 +280,7 @@ def verdict(
     judged.append(judge("logits", logits, want_logits[:, idx], None if exact_logits is None else exact_logits[:, idx]))
     floors = module_floors(want_grads, exact_grads)
     for name, p in parallel.named_parameters():
-        got, expected = p.grad, want_grads.get(name)
+        got, expected = p.grad if grads is None else grads[name], want_grads.get(name)
         if got is None and expected is None:
             continue
         zeros = torch.zeros_like(p.detach())
@@ -284,7 +312,10 @@ def _merge(outcomes: list[dict[str, Any] | None]) -> dict[str, Any]:
     first = next((o for o in chosen if not lost_peer(o.get("reason", ""))), chosen[0])
     if first["status"] in (EXACT, WRONG):
         first = max(chosen, key=lambda o: o.get("worst_ratio", 0.0))
-    return {k: v for k, v in first.items() if k != "trace"} | ({"trace": first["trace"]} if "trace" in first else {})
+    merged = {k: v for k, v in first.items() if k not in ("trace", "control")}
+    if all("control" in o for o in outcomes):  # the negative control judged with it: merged in the same way
+        merged["control"] = _merge([o["control"] for o in outcomes])
+    return merged | ({"trace": first["trace"]} if "trace" in first else {})
 
 
 def _read_outcome(path: str) -> dict[str, Any] | None:
@@ -307,12 +338,21 @@ def pool_outcome(pool: Any, fn: Any, *args: object, deadline_s: float) -> dict[s
 
 
 def sweep(
-    sp_size: int, only: list[str] | None = None, deadline_s: float = 120.0, packed: bool = False, control: bool = False
+    sp_size: int,
+    only: list[str] | None = None,
+    deadline_s: float = 120.0,
+    packed: bool = False,
+    control: bool = False,
+    controls: Collection[str] = (),
+    pool: Any = None,
 ) -> dict[str, dict[str, Any]]:
     """Judge every family of the installed zoo (or ``only`` those) at ``sp_size``: model type -> its outcome.
 
     ``control`` is the negative control: the gradients are left unreduced, so every family that runs comes out
-    WRONG (a judgement that let it pass would let a missing exchange pass).
+    WRONG (a judgement that let it pass would let a missing exchange pass). ``controls``: families whose outcome
+    also holds that control, judged from the same run (``BOTH``) under "control". ``pool``: a ``RankPool`` of
+    ``sp_size`` ranks to run on, left open (default: one of its own, ranks' collectives timing out at half the
+    deadline, closed at the end).
     """
     import transformers
 
@@ -327,7 +367,10 @@ def sweep(
             raise SystemExit(f"not in the zoo: {', '.join(unknown)}")
         entries = {k: v for k, v in entries.items() if k in only}
     results: dict[str, dict[str, Any]] = {}
-    pool = RankPool(sp_size, timeout=timedelta(seconds=deadline_s / 2))
+    own = pool is None
+    pool = RankPool(sp_size, timeout=timedelta(seconds=deadline_s / 2)) if own else pool
+    if pool.world_size != sp_size:
+        raise ValueError(f"a pool of {pool.world_size} ranks for a sweep at sp {sp_size}")
     try:
         for model_type, entry in entries.items():
             row: dict[str, Any] = {"mappings": list(entry.mappings)}
@@ -335,14 +378,16 @@ def sweep(
                 results[model_type] = row | {"status": SET_ASIDE, "reason": entry.set_aside}
                 continue
             started = time.perf_counter()
+            judged = BOTH if model_type in controls and not control else control
             outcome = pool_outcome(
-                pool, _family_on_rank, model_type, entry.mappings, packed, control, deadline_s=deadline_s
+                pool, _family_on_rank, model_type, entry.mappings, packed, judged, deadline_s=deadline_s
             )
             results[model_type] = row | outcome | {"seconds": round(time.perf_counter() - started, 2)}
             said = outcome.get("worst") if outcome["status"] in (EXACT, WRONG) else outcome.get("reason", "")
             print(f"{model_type:28s} {outcome['status']:8s} {results[model_type]['seconds']:6.1f}s  {said[:110]}")
     finally:
-        pool.close(kill=True)
+        if own:
+            pool.close(kill=True)
     return results
 
 

@@ -26,7 +26,7 @@ import os
 import time
 import warnings
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -34,6 +34,7 @@ import torch
 
 from benchmarks import ROOT, save_records
 from benchmarks.zoo import (
+    BOTH,
     BUILD,
     CRASH,
     EXACT,
@@ -158,7 +159,7 @@ def _reference(model: torch.nn.Module, ids: torch.Tensor, extra: dict) -> tuple[
 
 
 def _judge_family(
-    rank: int, world_size: int, model_type: str, mappings: tuple[str, ...], control: bool
+    rank: int, world_size: int, model_type: str, mappings: tuple[str, ...], control: bool | str
 ) -> dict[str, Any]:
     import transformers
 
@@ -193,7 +194,7 @@ def _judge_family(
 
 
 def _family_on_rank(
-    rank: int, world_size: int, model_type: str, mappings: tuple[str, ...], control: bool, out_dir: str
+    rank: int, world_size: int, model_type: str, mappings: tuple[str, ...], control: bool | str, out_dir: str
 ) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -206,11 +207,18 @@ def _family_on_rank(
 
 
 def sweep(
-    sp_size: int, only: list[str] | None = None, deadline_s: float = 120.0, control: bool = False
+    sp_size: int,
+    only: list[str] | None = None,
+    deadline_s: float = 120.0,
+    control: bool = False,
+    controls: Collection[str] = (),
+    pool: Any = None,
 ) -> dict[str, dict[str, Any]]:
     """Judge every image-text-to-text family (or ``only`` those) with an image at ``sp_size``: type -> outcome.
 
-    ``control``: the gradients are left unreduced, so every family that runs comes out WRONG.
+    ``control``: the gradients are left unreduced, so every family that runs comes out WRONG. ``controls``:
+    families whose outcome also holds that control, judged from the same run (``benchmarks.zoo.BOTH``) under
+    "control". ``pool``: a ``RankPool`` of ``sp_size`` ranks to run on, left open (default: one of its own).
     """
     import transformers
 
@@ -225,17 +233,22 @@ def sweep(
             raise SystemExit(f"not an image-text-to-text family of the zoo: {', '.join(unknown)}")
         entries = {k: v for k, v in entries.items() if k in only}
     results: dict[str, dict[str, Any]] = {}
-    pool = RankPool(sp_size, timeout=timedelta(seconds=deadline_s / 2))
+    own = pool is None
+    pool = RankPool(sp_size, timeout=timedelta(seconds=deadline_s / 2)) if own else pool
+    if pool.world_size != sp_size:
+        raise ValueError(f"a pool of {pool.world_size} ranks for a sweep at sp {sp_size}")
     try:
         for model_type in entries:
             started = time.perf_counter()
             mappings = (IMAGE_TEXT_TO_TEXT,)
-            outcome = pool_outcome(pool, _family_on_rank, model_type, mappings, control, deadline_s=deadline_s)
+            judged = BOTH if model_type in controls and not control else control
+            outcome = pool_outcome(pool, _family_on_rank, model_type, mappings, judged, deadline_s=deadline_s)
             results[model_type] = outcome | {"seconds": round(time.perf_counter() - started, 2)}
             said = outcome.get("worst") if outcome["status"] in (EXACT, WRONG) else outcome.get("reason", "")
             print(f"{model_type:28s} {outcome['status']:8s} {results[model_type]['seconds']:6.1f}s  {said[:110]}")
     finally:
-        pool.close(kill=True)
+        if own:
+            pool.close(kill=True)
     return results
 
 

@@ -15,7 +15,7 @@ import seqpar
 from seqpar.runtime.spawn import spawn_ranks
 from tests._pool import RankPool
 
-__all__ = ["RankPools", "run_ranks", "shard_index", "use_pools"]
+__all__ = ["RankPools", "run_ranks", "session_pool", "shard_index", "use_pools"]
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 MAX_POOLED_RANKS = 10
@@ -30,12 +30,17 @@ class RankPools:
         self._pools: OrderedDict[int, RankPool] = OrderedDict()
 
     def run(self, world_size: int, fn: Callable[..., None], *args: object) -> None:
+        self.pool(world_size).run(fn, *args)
+
+    def pool(self, world_size: int) -> RankPool:
+        """The pool of ``world_size`` ranks, now the most recently used (started by its first run); the least
+        recently used others are closed so that at most ``max_ranks`` ranks live with it."""
         pool = self._pools.pop(world_size, None) or RankPool(world_size, timeout=COLLECTIVE_TIMEOUT)
         self._pools[world_size] = pool  # now the most recently used
         live = [p for p in self._pools.values() if p.alive and p is not pool]
         while live and sum(p.world_size for p in live) + world_size > self.max_ranks:
             live.pop(0).close()
-        pool.run(fn, *args)
+        return pool
 
     def close(self) -> None:
         for pool in self._pools.values():
@@ -51,6 +56,12 @@ def use_pools(pools: RankPools | None) -> None:
     _pools.clear()
     if pools is not None:
         _pools.append(pools)
+
+
+def session_pool(world_size: int) -> RankPool | None:
+    """The session's pool of ``world_size`` ranks (the one ``run_ranks`` uses), for a caller that runs its own
+    functions on it (the zoo sweeps); None outside a pytest session."""
+    return _pools[0].pool(world_size) if _pools else None
 
 
 def run_ranks(

@@ -29,29 +29,48 @@ def _flag(causal: bool) -> str:
     return "causal" if causal else "full"
 
 
+BATCH_AND_HEAD_DIM = (((1, 64), (2, 80)), ((1, 80), (2, 64)))
+"""The two complementary halves of (batch, head_dim) x (1, 2) x (64, 80): each half holds both batches and both
+head dims."""
+
+
 def _exact_cases() -> list:
-    """One pytest case per (world size, strategy, heads, layout, causal, batch, head_dim), "auto" and sink case."""
+    """One pytest case per (world size, strategy, heads, layout, causal) and half of the (batch, head_dim) pairs,
+    "auto" and sink case.
+
+    The half (``BATCH_AND_HEAD_DIM``) alternates with the world size and the other factors: at every world size each
+    (strategy, heads, layout, causal) runs batch 1 and 2 and head_dim 64 and 80, and world sizes 2 and 3 together
+    run the whole product (so do 1 and 2, and 3 and 4). "auto" alternates causal and not with the head count, MLA
+    the value head size with the strategy and causal flag, in the same way.
+    """
     cases = []
     for world_size in (1, 2, 3, 4):
         seq_len = 24 * world_size  # 12-token zigzag chunks
-        for strategy in ("ring", "allgather", "ulysses"):
-            for (heads, kv_heads), layout, causal, batch, head_dim in itertools.product(
-                head_configs(world_size, strategy), ("zigzag", "contiguous"), (True, False), (1, 2), (64, 80)
+        for s, strategy in enumerate(("ring", "allgather", "ulysses")):
+            for (h, (heads, kv_heads)), (lay, layout), (c, causal) in itertools.product(
+                enumerate(head_configs(world_size, strategy)),
+                enumerate(("zigzag", "contiguous")),
+                enumerate((True, False)),
             ):
-                case = (strategy, layout, causal, batch, heads, kv_heads, head_dim, seq_len)
-                name = f"P{world_size}-{strategy}-{layout}-{_flag(causal)}-B{batch}-H{heads}kv{kv_heads}-D{head_dim}"
-                cases.append(pytest.param(world_size, "exact", case, id=name))
+                for batch, head_dim in BATCH_AND_HEAD_DIM[(world_size + s + h + lay + c) % 2]:
+                    case = (strategy, layout, causal, batch, heads, kv_heads, head_dim, seq_len)
+                    name = (
+                        f"P{world_size}-{strategy}-{layout}-{_flag(causal)}-B{batch}-H{heads}kv{kv_heads}-D{head_dim}"
+                    )
+                    cases.append(pytest.param(world_size, "exact", case, id=name))
         # "auto" serves any head count: ulysses where the heads split about evenly, ring where they do not
-        for heads, causal in itertools.product((1, 3, 6, 8, 12), (True, False)):
+        for h, heads in enumerate((1, 3, 6, 8, 12)):
+            causal = (world_size + h) % 2 == 0
             name = f"P{world_size}-auto-H{heads}-{_flag(causal)}"
             cases.append(pytest.param(world_size, "auto", (heads, causal), id=name))
         for name, case in sink_cases(world_size):
             cases.append(pytest.param(world_size, "sinks", case, id=f"P{world_size}-{name}"))
         # MLA: values of another head size than queries and keys (Note [value head size]), either way round
         heads = (6, 3) if world_size == 3 else (8, 2)
-        for strategy, causal, (qk, v) in itertools.product(
-            ("ring", "allgather", "ulysses"), (True, False), ((24, 16), (16, 24))
+        for (s, strategy), (c, causal) in itertools.product(
+            enumerate(("ring", "allgather", "ulysses")), enumerate((True, False))
         ):
+            qk, v = ((24, 16), (16, 24))[(world_size + s + c) % 2]
             case = (strategy, "zigzag", causal, 1, *heads, qk, seq_len, v)
             name = f"P{world_size}-mla-{strategy}-{_flag(causal)}-D{qk}v{v}"
             cases.append(pytest.param(world_size, "exact", case, id=name))

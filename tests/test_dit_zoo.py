@@ -12,6 +12,7 @@ import pytest
 
 from benchmarks.dit_zoo import RECORD, sweep, totals
 from benchmarks.zoo import BUILD, CRASH, EXACT, HANG, REFUSED, WRONG
+from tests._dist import session_pool
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -34,7 +35,8 @@ attention (CogVideoX, Flux by entry, SD3 and the double- and single-stream Chrom
 
 @pytest.fixture(scope="module")
 def zoo() -> dict:
-    return sweep(2)
+    """Every class at sp 2, and the negative control of ``SUBSET`` (on the session's ranks, as each sweep here)."""
+    return sweep(2, controls=SUBSET, pool=session_pool(2))
 
 
 def test_every_class_is_exact_or_refused_by_name(zoo):
@@ -48,14 +50,14 @@ def test_every_class_is_exact_or_refused_by_name(zoo):
 @pytest.mark.parametrize(("sp", "strategy"), [(2, "ulysses"), (3, "ring"), (4, "allgather")])
 def test_a_subset_at_other_degrees_and_strategies(sp, strategy):
     """The tiny models have 2 heads: Ulysses runs at sp 2."""
-    found = sweep(sp, list(SUBSET), strategy)
+    found = sweep(sp, list(SUBSET), strategy, pool=session_pool(sp))
     assert {k: v["status"] for k, v in found.items()} == dict.fromkeys(SUBSET, EXACT), json.dumps(found, indent=1)
 
 
-def test_the_negative_control_comes_out_wrong():
-    """Gradients left unreduced: every class that runs must come out WRONG, or the judgement would pass a missing
-    exchange."""
-    found = sweep(2, list(SUBSET), control=True)
+def test_the_negative_control_comes_out_wrong(zoo):
+    """Gradients left unreduced (each rank's before the sweep's reduction): every class that runs must come out
+    WRONG, or the judgement would pass a missing exchange."""
+    found = {k: zoo[k].get("control", zoo[k]) for k in SUBSET}
     assert {k: v["status"] for k, v in found.items()} == dict.fromkeys(SUBSET, WRONG), json.dumps(found, indent=1)
 
 

@@ -1,7 +1,8 @@
 """Block-causal masks (a block size or token ranges) and bidirectional documents, alone and combined with
 documents and windows: every strategy and layout (zigzag, contiguous, the balanced and placed layouts of each
-case) equals single-device SDPA with the dense mask written out here, outputs and gradients, at P = 2, 3, 4;
-so does strategy "auto", which picks the ring for a placed row of short documents.
+case) equals single-device SDPA with the dense mask written out here, outputs and gradients, at P = 2, 3, 4
+(each kind, strategy and layout together at one of them, every two of them at each: ``_kinds_cases``); so does
+strategy "auto", which picks the ring for a placed row of short documents.
 """
 
 from __future__ import annotations
@@ -124,12 +125,20 @@ def _alone_cases(seq_len: int) -> list[tuple[torch.Tensor, int | None]]:
     return [(packed_positions(seq_len, (5, 31, 2, 17))[None], None), (one_doc(seq_len), 9)]
 
 
+LAYOUTS = ("zigzag", "contiguous", "balanced")
+"""The layouts every mask kind runs under (and the placed one where it applies)."""
+
+
 def _kinds_cases() -> list:
+    """Each mask kind under one of ``LAYOUTS`` per strategy, turning with the kind, strategy and world size: at
+    every world size each kind meets every strategy and every layout, and each strategy every layout; over
+    P = 2, 3, 4 each (ring, allgather or ulysses, kind, layout) runs once. The placed row and the causal cases
+    alone run for every strategy at every world size."""
     cases = []
     for world_size in (2, 3, 4):
-        for strategy in ["ring", "allgather", "ulysses"] + (["hybrid"] if world_size == 4 else []):
+        for s, strategy in enumerate(["ring", "allgather", "ulysses"] + (["hybrid"] if world_size == 4 else [])):
             for i, (positions, _, _, blocks, _) in enumerate(kind_cases(24 * world_size)):
-                layouts = ["zigzag", "contiguous", "balanced"]
+                layouts = [LAYOUTS[(world_size + s + i) % len(LAYOUTS)]]
                 if positions.shape[0] == 1 and blocks is None:  # the placed row (Note [placed layout])
                     layouts.append("placed")
                 for layout in layouts:

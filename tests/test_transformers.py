@@ -38,49 +38,53 @@ AUTO_AT = {1: "local", 2: "ulysses", 3: "ring", 4: "ulysses"}
 def _logits_and_loss(rank, world_size, mesh):
     hybrid = [("hybrid", seqpar.make_mesh(ulysses_size=2))] if world_size == 4 else []
     runs = [(s, mesh) for s in strategies_for(world_size)] + hybrid
-    for kind, (strategy, run_mesh) in itertools.product(("llama", "qwen2", "mistral"), runs):
-        ref = build(kind)
-        model = seqpar.prepare_model(copy.deepcopy(ref), run_mesh, strategy=strategy)
-        assert seqpar.last_attention_choice(model) is None, "nothing has run yet"
-        ids = tokens(2, SEQ, 1)
+    ids = tokens(2, SEQ, 1)
+    for kind in ("llama", "qwen2", "mistral"):
+        ref = build(kind)  # one build and one run of each model, shared by the strategies
         with torch.no_grad():
             want = ref(input_ids=ids, labels=ids)
-            shard = seqpar.shard_batch({"input_ids": ids}, run_mesh)
-            logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
-            loss = seqpar.sum_over(seqpar.cross_entropy(logits, shard["shift_labels"], run_mesh), run_mesh)
-        idx = shard_index("zigzag", world_size, rank, SEQ)
-        what = f"{kind} {strategy} P={world_size}"
-        torch.testing.assert_close(logits, want.logits[:, idx], atol=ATOL, rtol=RTOL, msg=lambda m, w=what: f"{w}: {m}")
-        torch.testing.assert_close(loss, want.loss, atol=ATOL, rtol=RTOL, msg=lambda m, w=what: f"{w} loss: {m}")
-        # what ran: "auto" with 4 query / 2 KV heads is ulysses where 4 heads split (P = 2, 4), else ring; but
-        # mistral's window of 7 at P = 2 leaves a ring rank 6 of its 24 tokens to send, a quarter of ulysses'
-        # bytes, so the mask-aware ring runs (Note [auto strategy])
-        auto = "ring" if (kind, world_size) == ("mistral", 2) else AUTO_AT[world_size]
-        ran = seqpar.last_attention_choice(model)
-        assert ran.strategy == (auto if strategy == "auto" else strategy), (what, ran)
-        assert ran.kernel.name == "torch_cpu_flash", (what, ran)
-        if kind == "llama" and strategy == "ring":
-            # the decoder alone (hidden states) and the loss made in pieces give the same loss and gradients
-            logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
-            seqpar.cross_entropy(logits, shard["shift_labels"], run_mesh).backward()
-            grads = [p.grad.clone() for p in model.parameters()]
-            model.zero_grad()
-            hidden = model.get_decoder()(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
-            chunked = seqpar.lm_head_cross_entropy(
-                hidden.last_hidden_state, model.lm_head, shard["shift_labels"], run_mesh, chunk_size=7
+        for strategy, run_mesh in runs:
+            model = seqpar.prepare_model(copy.deepcopy(ref), run_mesh, strategy=strategy)
+            assert seqpar.last_attention_choice(model) is None, "nothing has run yet"
+            with torch.no_grad():
+                shard = seqpar.shard_batch({"input_ids": ids}, run_mesh)
+                logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+                loss = seqpar.sum_over(seqpar.cross_entropy(logits, shard["shift_labels"], run_mesh), run_mesh)
+            idx = shard_index("zigzag", world_size, rank, SEQ)
+            what = f"{kind} {strategy} P={world_size}"
+            torch.testing.assert_close(
+                logits, want.logits[:, idx], atol=ATOL, rtol=RTOL, msg=lambda m, w=what: f"{w}: {m}"
             )
-            chunked.backward()
-            torch.testing.assert_close(seqpar.sum_over(chunked, run_mesh), want.loss, atol=ATOL, rtol=RTOL)
-            for g, p in zip(grads, model.parameters()):
-                torch.testing.assert_close(p.grad, g, atol=1e-6, rtol=1e-5)
-            # a DTensor head (tensor parallel or FSDP2 around it) is refused, not multiplied as a plain tensor
-            sharded = copy.deepcopy(model.lm_head)
-            replicated = distribute_tensor(
-                sharded.weight.detach(), DeviceMesh("cpu", list(range(world_size))), [Replicate()]
-            )
-            sharded.weight = torch.nn.Parameter(replicated)
-            with pytest.raises(SeqparInputError, match="not a DTensor"):
-                seqpar.lm_head_cross_entropy(hidden.last_hidden_state, sharded, shard["shift_labels"], run_mesh)
+            torch.testing.assert_close(loss, want.loss, atol=ATOL, rtol=RTOL, msg=lambda m, w=what: f"{w} loss: {m}")
+            # what ran: "auto" with 4 query / 2 KV heads is ulysses where 4 heads split (P = 2, 4), else ring; but
+            # mistral's window of 7 at P = 2 leaves a ring rank 6 of its 24 tokens to send, a quarter of ulysses'
+            # bytes, so the mask-aware ring runs (Note [auto strategy])
+            auto = "ring" if (kind, world_size) == ("mistral", 2) else AUTO_AT[world_size]
+            ran = seqpar.last_attention_choice(model)
+            assert ran.strategy == (auto if strategy == "auto" else strategy), (what, ran)
+            assert ran.kernel.name == "torch_cpu_flash", (what, ran)
+            if kind == "llama" and strategy == "ring":
+                # the decoder alone (hidden states) and the loss made in pieces give the same loss and gradients
+                logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+                seqpar.cross_entropy(logits, shard["shift_labels"], run_mesh).backward()
+                grads = [p.grad.clone() for p in model.parameters()]
+                model.zero_grad()
+                hidden = model.get_decoder()(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
+                chunked = seqpar.lm_head_cross_entropy(
+                    hidden.last_hidden_state, model.lm_head, shard["shift_labels"], run_mesh, chunk_size=7
+                )
+                chunked.backward()
+                torch.testing.assert_close(seqpar.sum_over(chunked, run_mesh), want.loss, atol=ATOL, rtol=RTOL)
+                for g, p in zip(grads, model.parameters()):
+                    torch.testing.assert_close(p.grad, g, atol=1e-6, rtol=1e-5)
+                # a DTensor head (tensor parallel or FSDP2 around it) is refused, not multiplied as a plain tensor
+                sharded = copy.deepcopy(model.lm_head)
+                replicated = distribute_tensor(
+                    sharded.weight.detach(), DeviceMesh("cpu", list(range(world_size))), [Replicate()]
+                )
+                sharded.weight = torch.nn.Parameter(replicated)
+                with pytest.raises(SeqparInputError, match="not a DTensor"):
+                    seqpar.lm_head_cross_entropy(hidden.last_hidden_state, sharded, shard["shift_labels"], run_mesh)
 
 
 def _packing(rank, world_size, mesh):
@@ -93,23 +97,25 @@ def _packing(rank, world_size, mesh):
     idx = shard_index("zigzag", world_size, rank, SEQ)
     hybrid = [("hybrid", seqpar.make_mesh(ulysses_size=2))] if world_size == 4 else []
     runs = [(s, mesh) for s in strategies_for(world_size)] + hybrid
-    for kind, (strategy, run_mesh) in itertools.product(("llama", "mistral"), runs):
-        ref = build(kind)
-        model = seqpar.prepare_model(copy.deepcopy(ref), run_mesh, strategy=strategy)
+    for kind in ("llama", "mistral"):
+        ref = build(kind)  # one build and one run of each model, shared by the strategies
         with torch.no_grad():
             alone = torch.cat(
                 [ref(input_ids=ids[:, s : s + n]).logits for s, n in zip(starts, lengths)], dim=1
             )  # [1, SEQ, V]: each document run by itself
-            outs = []
-            for row in (ids, changed):
-                shard = seqpar.shard_batch({"input_ids": row, "position_ids": positions}, run_mesh)
-                outs.append(model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits)
-        what = f"packing {kind} {strategy} P={world_size}"
-        torch.testing.assert_close(outs[0], alone[:, idx], atol=ATOL, rtol=RTOL, msg=lambda m, w=what: f"{w}: {m}")
-        not_a = idx >= 13
-        assert not_a.any() and torch.equal(outs[0][:, not_a], outs[1][:, not_a]), what
-        if (~not_a).any():
-            assert not torch.allclose(outs[0][:, ~not_a], outs[1][:, ~not_a]), f"{what}: doc A did not change"
+        for strategy, run_mesh in runs:
+            model = seqpar.prepare_model(copy.deepcopy(ref), run_mesh, strategy=strategy)
+            with torch.no_grad():
+                outs = []
+                for row in (ids, changed):
+                    shard = seqpar.shard_batch({"input_ids": row, "position_ids": positions}, run_mesh)
+                    outs.append(model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits)
+            what = f"packing {kind} {strategy} P={world_size}"
+            torch.testing.assert_close(outs[0], alone[:, idx], atol=ATOL, rtol=RTOL, msg=lambda m, w=what: f"{w}: {m}")
+            not_a = idx >= 13
+            assert not_a.any() and torch.equal(outs[0][:, not_a], outs[1][:, not_a]), what
+            if (~not_a).any():
+                assert not torch.allclose(outs[0][:, ~not_a], outs[1][:, ~not_a]), f"{what}: doc A did not change"
 
 
 def _adamw(params) -> torch.optim.AdamW:

@@ -69,7 +69,7 @@ def _hybrid(rank, world_size, ulysses_size, heads):
 
 
 def _eight(rank, world_size):
-    """P = 8 (the rank pool most expensive to keep, so one call, kept short): 28 query / 4 KV heads (Qwen2.5-7B's)
+    """P = 8 (the most ranks to spawn, fresh, so one call, kept short): 28 query / 4 KV heads (Qwen2.5-7B's)
     on a head dim of 8, causal and not, both layouts, documents with a window; hybrid 4 x 2 with 14 / 2 heads."""
     _flat(rank, world_size, (28, 4), (("zigzag", True, 1), ("contiguous", False, 2)))
     mesh, positions = seqpar.make_mesh(), packed_positions(8 * world_size)[None]
@@ -257,4 +257,6 @@ def test_qwen2_with_14_heads_trains_under_ulysses_at_sp_4():
 
 @pytest.mark.parametrize(("world_size", "kind", "case"), _cases())
 def test_uneven_heads_match_single_device(world_size, kind, case):
-    run_ranks(world_size, _worker, kind, case)
+    # P = 8 on fresh ranks: a pool of 8 would evict the session's pools of 1-4 ranks (tests/_dist.MAX_POOLED_RANKS),
+    # which the next tests would spawn again
+    run_ranks(world_size, _worker, kind, case, fresh=world_size == 8)

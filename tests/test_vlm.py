@@ -1,8 +1,9 @@
 """Vision-language models (tiny, from configs: ``tests._vlm_models.FAMILIES``) on whole rows under seqpar.
 
 Logits of real tokens, the loss and every parameter's gradient (the vision tower's included) equal one process
-at P = 2 (ring, ulysses), 3 (ring) and 4 (allgather); switching the gradient sum off fails the check; bad
-input raises on every rank (Note [whole-row calls]).
+at P = 2 (ring, ulysses), 3 (ring) and, for a family of each way the vision work meets the ranks (``AT_FOUR``), 4
+(allgather); switching the gradient sum off fails the check; bad input raises on every rank (Note [whole-row
+calls]).
 """
 
 from __future__ import annotations
@@ -76,22 +77,31 @@ def _exact(rank, world_size, family, strategy, layout):
     _assert_gradients(_summed_gradients(model, mesh), ref, what)
 
 
+AT_FOUR = ("gemma3", "internvl", "qwen3_5", "llava")
+"""The families at P = 4 (all-gather), one of each way the vision work meets 4 ranks: Gemma 3 (one image a rank, its
+image blocks attending both ways under all-gather), InternVL (split down to one tile on most ranks), Qwen3.5 (mRoPE
+positions, a video, gated DeltaNet layers; 3 image and 2 video units, fewer than the ranks: encoded whole on every
+rank) and LLaVA (3 images: the same for plain positions). Every family runs at P = 2 (ring, Ulysses) and 3 (ring):
+their own positions, placeholders and towers do not change with P, and the split and whole encodings of each
+family's units are theirs at P = 2 and 3 (Qwen's videos whole at 3)."""
 CASES = [
-    (2, "ring", "zigzag"),
-    (2, "ulysses", "contiguous"),
-    (3, "ring", "zigzag"),
-    (4, "allgather", "zigzag"),
+    (2, "ring", "zigzag", FAMILIES),
+    (2, "ulysses", "contiguous", FAMILIES),
+    (3, "ring", "zigzag", FAMILIES),
+    (4, "allgather", "zigzag", AT_FOUR),
 ]
 
 
-def _worker(rank, world_size, strategy, layout):
-    for family in FAMILIES:
+def _worker(rank, world_size, strategy, layout, families):
+    for family in families:
         _exact(rank, world_size, family, strategy, layout)
 
 
-@pytest.mark.parametrize(("world_size", "strategy", "layout"), CASES, ids=[f"P{w}-{s}-{lay}" for w, s, lay in CASES])
-def test_vlm_whole_rows_equal_one_process(world_size, strategy, layout):
-    run_ranks(world_size, _worker, strategy, layout)
+@pytest.mark.parametrize(
+    ("world_size", "strategy", "layout", "families"), CASES, ids=[f"P{w}-{s}-{lay}" for w, s, lay, _ in CASES]
+)
+def test_vlm_whole_rows_equal_one_process(world_size, strategy, layout, families):
+    run_ranks(world_size, _worker, strategy, layout, families)
 
 
 def _controls(rank, world_size):

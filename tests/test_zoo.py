@@ -14,6 +14,7 @@ import transformers
 from benchmarks import ROOT, zoo_images
 from benchmarks.zoo import BUILD, CRASH, EXACT, HANG, REFUSED, SET_ASIDE, WRONG, sweep, totals
 from seqpar.models.zoo import CAUSAL_LM, IMAGE_TEXT_TO_TEXT
+from tests._dist import session_pool
 
 pytestmark = pytest.mark.zoo
 
@@ -29,6 +30,10 @@ AT_LEAST = {CAUSAL_LM: 142, IMAGE_TEXT_TO_TEXT: 72}
 SUBSET = ("llama", "gemma3_text", "qwen3_next", "olmo3", "gpt2", "opt", "falcon", "glm4_moe", "phi", "llava")
 """Families of every kind seqpar reads or has an entry for: dense, sliding windows, hybrid, learned positions,
 parallel blocks, experts, a multimodal model's text path."""
+CONTROLS = SUBSET[:4]
+"""Families whose negative control the sp 2 sweep judges too, from the same runs."""
+IMAGES_CONTROLS = IMAGES_SUBSET[:3]
+"""Image families whose negative control the sp 2 image sweep judges too, from the same runs."""
 
 
 def _record() -> dict:
@@ -37,7 +42,8 @@ def _record() -> dict:
 
 @pytest.fixture(scope="module")
 def zoo() -> dict:
-    return sweep(2)
+    """Every family at sp 2, and the negative control of ``CONTROLS`` (on the session's ranks, as each sweep here)."""
+    return sweep(2, controls=CONTROLS, pool=session_pool(2))
 
 
 def test_every_family_is_exact_or_refused_by_name(zoo):
@@ -65,14 +71,17 @@ def test_the_record_is_this_sweep(zoo):
 
 
 def test_a_subset_at_three_ranks_and_packed_documents():
-    for outcomes in (sweep(3, list(SUBSET)), sweep(2, list(SUBSET), packed=True)):
+    at_three = sweep(3, list(SUBSET), pool=session_pool(3))
+    packed = sweep(2, list(SUBSET), packed=True, pool=session_pool(2))
+    for outcomes in (at_three, packed):
         assert {k: v["status"] for k, v in outcomes.items()} == dict.fromkeys(SUBSET, EXACT), outcomes
 
 
-def test_the_negative_control_comes_out_wrong():
-    """Gradients left unreduced: the judgement catches it in every family that runs, naming a gradient."""
-    outcomes = sweep(2, list(SUBSET[:4]), control=True)
-    assert {k: v["status"] for k, v in outcomes.items()} == dict.fromkeys(SUBSET[:4], WRONG), outcomes
+def test_the_negative_control_comes_out_wrong(zoo):
+    """Gradients left unreduced (each rank's before the sweep's reduction): the judgement catches it in every family
+    that runs, naming a gradient."""
+    outcomes = {k: zoo[k].get("control", zoo[k]) for k in CONTROLS}
+    assert {k: v["status"] for k, v in outcomes.items()} == dict.fromkeys(CONTROLS, WRONG), outcomes
     assert all(v["worst"].startswith("grad ") for v in outcomes.values())
 
 
@@ -82,7 +91,8 @@ def test_statuses_are_the_documented_ones():
 
 @pytest.fixture(scope="module")
 def with_images() -> dict:
-    return zoo_images.sweep(2)
+    """Every image family at sp 2, and the negative control of ``IMAGES_CONTROLS``."""
+    return zoo_images.sweep(2, controls=IMAGES_CONTROLS, pool=session_pool(2))
 
 
 def test_families_with_images_are_exact_or_refused_by_name(with_images):
@@ -106,9 +116,10 @@ def test_the_images_record_is_this_sweep(with_images):
     assert not changed, f"(record, now): {changed}; rerun python -m benchmarks.zoo_images and scripts/records.py"
 
 
-def test_images_at_three_ranks_and_the_negative_control():
-    """A subset at sp 3 stays exact; with gradients left unreduced every one of them comes out wrong."""
-    outcomes = zoo_images.sweep(3, list(IMAGES_SUBSET))
+def test_images_at_three_ranks_and_the_negative_control(with_images):
+    """A subset at sp 3 stays exact; with gradients left unreduced (at sp 2) every one of the first three comes out
+    wrong."""
+    outcomes = zoo_images.sweep(3, list(IMAGES_SUBSET), pool=session_pool(3))
     assert {k: v["status"] for k, v in outcomes.items()} == dict.fromkeys(IMAGES_SUBSET, EXACT), outcomes
-    control = zoo_images.sweep(2, list(IMAGES_SUBSET[:3]), control=True)
-    assert {k: v["status"] for k, v in control.items()} == dict.fromkeys(IMAGES_SUBSET[:3], WRONG), control
+    control = {k: with_images[k].get("control", with_images[k]) for k in IMAGES_CONTROLS}
+    assert {k: v["status"] for k, v in control.items()} == dict.fromkeys(IMAGES_CONTROLS, WRONG), control
