@@ -220,6 +220,7 @@ def judged_run(
     want: tuple,
     exact: tuple,
     control: bool | str,
+    strategy: str = "auto",
 ) -> dict[str, Any]:
     """The prepared ``pristine`` run on this rank and judged (``verdict``), or REFUSED / CRASH with the reason.
 
@@ -233,7 +234,7 @@ def judged_run(
 
     mesh = seqpar.make_mesh(sp_size=world_size)
     try:
-        parallel = seqpar.prepare_model(pristine, mesh)
+        parallel = seqpar.prepare_model(pristine, mesh, strategy=strategy)
         parallel.zero_grad(set_to_none=True)
         shard = seqpar.shard_batch(batch, mesh)
         logits = call(parallel, shard)

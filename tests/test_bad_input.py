@@ -74,6 +74,11 @@ def _cases(rank):
             "must be 4-D",
         ),
         ("head_dim too large", lambda: dict(zip("qkv", _qkv(dim=320))), "head_dim 320 is outside 1..256"),
+        (
+            "one rank's chunk is not a size",
+            lambda: {**dict(zip("qkv", _qkv())), "chunk": 0 if rank else 4},
+            "rank 1: chunk must be a positive integer",
+        ),
     ]
 
 

@@ -1,8 +1,8 @@
-"""Block-causal masks (a block size or token ranges) and bidirectional documents, alone and combined with
-documents and windows: every strategy and layout (zigzag, contiguous, the balanced and placed layouts of each
-case) equals single-device SDPA with the dense mask written out here, outputs and gradients, at P = 2, 3, 4
-(each kind, strategy and layout together at one of them, every two of them at each: ``_kinds_cases``); so does
-strategy "auto", which picks the ring for a placed row of short documents.
+"""Block-causal masks (a block size or token ranges), bidirectional documents and chunked attention (Note [chunked
+attention]), alone and combined with documents and windows: every strategy and layout (zigzag, contiguous, the
+balanced and placed layouts of each case) equals single-device SDPA with the dense mask written out here, outputs
+and gradients, at P = 2, 3, 4 (each kind, strategy and layout together at one of them, every two of them at each:
+``_kinds_cases``); so does strategy "auto", which picks the ring for a placed row of short documents.
 """
 
 from __future__ import annotations
@@ -38,11 +38,15 @@ def block_of(seq_len: int, blocks) -> torch.Tensor:
     return torch.tensor(ids[:seq_len])
 
 
-def kind_mask(positions: torch.Tensor, causal: bool, window: int | None, blocks) -> torch.Tensor:
-    """``[B, 1, S, S]`` visibility: same document, and the causal, block-causal and window rules."""
+def kind_mask(
+    positions: torch.Tensor, causal: bool, window: int | None, blocks, chunk: int | None = None
+) -> torch.Tensor:
+    """``[B, 1, S, S]`` visibility: same document, same chunk of it, and the causal, block-causal and window rules."""
     s = positions.shape[-1]
     starts = torch.arange(s) - positions  # [B, S]
     keep = starts[:, :, None] == starts[:, None, :]
+    if chunk is not None:  # the chunk's number within its document (transformers' rule on a packed row)
+        keep &= (positions[:, :, None] // chunk) == (positions[:, None, :] // chunk)
     i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
     if blocks is not None:
         per_row = not isinstance(blocks, int) and all(isinstance(r, list) for r in blocks)
@@ -55,29 +59,29 @@ def kind_mask(positions: torch.Tensor, causal: bool, window: int | None, blocks)
     return keep[:, None]
 
 
-def check_kind(rank, world_size, mesh, strategy, layout, positions, causal, window, blocks, prebuilt):
+def check_kind(rank, world_size, mesh, strategy, layout, positions, causal, window, blocks, prebuilt, chunk):
     """This rank's shard of ``strategy`` under the mask equals masked single-device SDPA (out, dq, dk, dv)."""
     batch, seq_len = positions.shape
     heads, kv_heads = (6, 3) if world_size == 3 else (4, 2)
-    gen = torch.Generator().manual_seed(zlib.crc32(repr((strategy, layout, causal, window, blocks)).encode()))
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((strategy, layout, causal, window, blocks, chunk)).encode()))
     q = torch.randn(batch, heads, seq_len, 16, generator=gen)
     k, v = (torch.randn(batch, kv_heads, seq_len, 16, generator=gen) for _ in "kv")
     dout = torch.randn(batch, heads, seq_len, 16, generator=gen)
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    dense = kind_mask(positions, causal, window, blocks)
+    dense = kind_mask(positions, causal, window, blocks, chunk)
     want = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=dense, enable_gqa=True)
     want.backward(dout)
     idx = shard_index(layout, world_size, rank, seq_len)
     ql, kl, vl = (t[:, :, idx].clone().requires_grad_() for t in (q, k, v))
     local_pos = positions[:, idx]
-    options = dict(mesh=mesh, strategy=strategy, layout=layout, causal=causal)
+    options = dict(mesh=mesh, strategy=strategy, layout=layout, causal=causal, chunk=chunk)
     if prebuilt:
         mask = seqpar.sequence_mask(local_pos, mesh, layout=layout, window=window, blocks=blocks)
         out = seqpar.attention(ql, kl, vl, mask=mask, **options)
     else:
         out = seqpar.attention(ql, kl, vl, position_ids=local_pos, window=window, blocks=blocks, **options)
     out.backward(dout[:, :, idx])
-    what = f"{strategy} {layout} causal={causal} window={window} blocks={blocks} P={world_size}"
+    what = f"{strategy} {layout} causal={causal} window={window} blocks={blocks} chunk={chunk} P={world_size}"
     refs = (want, qr.grad, kr.grad, vr.grad)
     for name, got, ref in zip(("out", "dq", "dk", "dv"), (out, ql.grad, kl.grad, vl.grad), refs, strict=True):
         torch.testing.assert_close(got, ref[:, :, idx], atol=ATOL, rtol=RTOL, msg=lambda m, n=name: f"{what} {n}: {m}")
@@ -89,20 +93,22 @@ def one_doc(seq_len: int) -> torch.Tensor:
 
 
 def kind_cases(seq_len: int) -> list[tuple]:
-    """(positions, causal, window, blocks, prebuilt) for every mask kind and some combinations."""
+    """(positions, causal, window, blocks, prebuilt, chunk) for every mask kind and some combinations."""
     packed = packed_positions(seq_len)[None]
     two_rows = torch.stack([packed[0], packed_positions(seq_len, (9, 4, 23))])
     one_doc = torch.arange(seq_len)[None]
     images = [(3, 20), (30, 31), (40, 47)] + ([(seq_len - 9, seq_len - 2)] if seq_len > 56 else [])
     return [
-        (one_doc, True, None, 8, False),  # video frames: equal blocks, cut across chunk edges
-        (one_doc, True, None, seq_len, True),  # one block: bidirectional, nothing spared (plain ring, tile plan)
-        (one_doc, True, None, images, True),  # images in a text stream
-        (packed, True, None, images, False),  # ... and packed documents
-        (two_rows, True, 7, 10, True),  # blocks, window and documents of two rows together
-        (two_rows, True, None, [images, [(0, 6), (26, 40)]], False),  # each row its own images (per-row blocks)
-        (packed, False, None, None, False),  # bidirectional documents
-        (two_rows, False, None, None, True),
+        (one_doc, True, None, 8, False, None),  # video frames: equal blocks, cut across chunk edges
+        (one_doc, True, None, seq_len, True, None),  # one block: bidirectional, nothing spared (plain ring, tile plan)
+        (one_doc, True, None, images, True, None),  # images in a text stream
+        (packed, True, None, images, False, None),  # ... and packed documents
+        (two_rows, True, 7, 10, True, None),  # blocks, window and documents of two rows together
+        (two_rows, True, None, [images, [(0, 6), (26, 40)]], False, None),  # each row its own images (per-row blocks)
+        (packed, False, None, None, False, None),  # bidirectional documents
+        (two_rows, False, None, None, True, None),
+        (one_doc, True, None, None, True, 10),  # chunked attention (Llama 4), chunk edges inside shards
+        (two_rows, True, 5, None, False, 7),  # ... counted from each document's start, with a window
     ]
 
 
@@ -115,6 +121,8 @@ KIND_NAMES = (
     "images-per-row",
     "bidir-packed",
     "bidir-rows",
+    "chunked",
+    "chunked-packed-window",
 )
 """Names of ``kind_cases``'s cases, in order."""
 
@@ -137,9 +145,11 @@ def _kinds_cases() -> list:
     cases = []
     for world_size in (2, 3, 4):
         for s, strategy in enumerate(["ring", "allgather", "ulysses"] + (["hybrid"] if world_size == 4 else [])):
-            for i, (positions, _, _, blocks, _) in enumerate(kind_cases(24 * world_size)):
+            for i, (positions, _, _, blocks, _, chunk) in enumerate(kind_cases(24 * world_size)):
                 layouts = [LAYOUTS[(world_size + s + i) % len(LAYOUTS)]]
-                if positions.shape[0] == 1 and blocks is None:  # the placed row (Note [placed layout])
+                if (
+                    positions.shape[0] == 1 and blocks is None and chunk is None
+                ):  # the placed row (Note [placed layout])
                     layouts.append("placed")
                 for layout in layouts:
                     name = f"P{world_size}-{strategy}-{KIND_NAMES[i]}-{layout}"
@@ -155,11 +165,11 @@ def _kinds_worker(rank, world_size, strategy, kind, i, layout):
     mesh = seqpar.make_mesh(ulysses_size=2 if strategy == "hybrid" else 1)
     if kind == "kind":
         case = kind_cases(seq_len)[i]
-        positions, causal, window, blocks, _ = case
+        positions, causal, window, blocks, _, _ = case
     else:
         alone = [*_alone_cases(seq_len), (packed_positions(seq_len, (3, 11, 2, 30))[None], 6)]
         positions, window = alone[i]
-        case = (positions, True, window, None, False)
+        case = (positions, True, window, None, False, None)
         causal, blocks = True, None
     if layout == "balanced":
         layout = seqpar.balanced_layout(positions, world_size, causal=causal, window=window, blocks=blocks)
@@ -188,7 +198,7 @@ def _auto_and_bad_kinds_worker(rank, world_size):
     heads, kv_heads = (6, 3) if world_size == 3 else (4, 2)  # as check_kind's
     qs, ks = torch.zeros(1, heads, local.shape[1], 16), torch.zeros(1, kv_heads, local.shape[1], 16)
     assert seqpar.choose_attention(qs, ks, ks, mesh=mesh, mask=mask, layout=placed.layout).strategy == "ring"
-    check_kind(rank, world_size, mesh, "auto", placed.layout, placed.position_ids, True, None, None, True)
+    check_kind(rank, world_size, mesh, "auto", placed.layout, placed.position_ids, True, None, None, True, None)
     with pytest.raises(SeqparInputError, match="block-causal blocks need causal=True"):
         seqpar.attention(q, q, q, mesh=mesh, causal=False, blocks=4)
     with pytest.raises(SeqparInputError, match="block ranges reach token"):

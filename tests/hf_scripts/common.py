@@ -55,6 +55,7 @@ class Case:
     layout: str = "zigzag"  # SequenceParallelConfig(layout=...) of the seqpar run (the reference has none)
     parallelism: str = ""  # the seqpar run takes parallelism_config(name) in TrainingArguments, no sequence_parallel=
     metrics: bool = False  # evaluate with compute_metrics=token_metrics, preprocess_logits_for_metrics=argmax
+    rows: int = 96  # training documents (the steps take 16: 8 make 2 epochs)
 
     @property
     def sft(self) -> bool:
@@ -160,6 +161,9 @@ CASES = {
     "olmo3_sp2": Case(2, kind="olmo3", eval_batch=2),
     "starcoder2_sp2": Case(2, kind="starcoder2", strategy="ring"),
     "glm4_moe_sp2": Case(2, kind="glm4_moe", collator="padded"),
+    # Llama 4: chunked layers and a NoPE layer whose query temperature counts the row's tokens, on packed rows over 2
+    # epochs
+    "llama4_sp2": Case(2, kind="llama4_text", eval_batch=2, rows=8),
     # the same model FSDP2-sharded over the 2 ranks: the adapted mixers live inside the sharded decoder blocks
     "qwen3_next_sp2_fsdp2": Case(2, kind="qwen3_next", collator="padded", fsdp=True, reference="qwen3_next_sp2"),
     # vision-language models on whole rows (Note [whole-row calls]): 4 samples with 1-2 images of different sizes,
@@ -257,7 +261,7 @@ def tokenizer():
     return tok
 
 
-READ_KINDS = ("olmo3", "glm4_moe", "starcoder2")
+READ_KINDS = ("olmo3", "glm4_moe", "starcoder2", "llama4_text")
 """Families seqpar has no entry for, served by the anatomy read from the model (Note [read anatomy]); their tiny
 configs are the zoo's (``seqpar.models.zoo.tiny_config``)."""
 
@@ -316,7 +320,7 @@ def training_args(case: Case, out: str, reference: bool, **overrides):
 
 def build_trainer(name: str, case: Case, out: str, trainer_cls, reference: bool, **kwargs):
     """The Trainer (class given) for ``case`` with its model, data and collator."""
-    train, held_out = documents(96, 1), documents(10, 2)
+    train, held_out = documents(case.rows, 1), documents(10, 2)
     if case.collator == "vlm":
         from tests import _vlm_models
 

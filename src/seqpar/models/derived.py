@@ -17,7 +17,8 @@ Note [read anatomy]
     paths. Nothing is guessed into a part that could mix tokens: a child that fits none of these stays
     undeclared, and the declared-parts rule (Note [declared layer parts]) refuses the model naming it. Refused
     too, by name: an attention module holding a nested block of its own (a sparse-attention indexer selects keys
-    seqpar's attention would not see), layer types whose masks seqpar does not build (chunked attention), and
+    seqpar's attention would not see), layer types whose masks seqpar does not build (``LAYER_MASKS`` holds the
+    ones it builds), and
     position biases a family adds to its scores in its own code (ALiBi without an adapter that hands seqpar its
     slopes, a learned relative bias). A multimodal model's vision tower is the one module built from its
     ``vision_config``: calls with images then run whole-row (Note [whole-row calls]), every rank encoding every
@@ -37,6 +38,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from seqpar.models.families import FAMILIES, Family
+from seqpar.models.layer_masks import LAYER_MASKS
 from seqpar.models.own_attention import own_attention, own_positions_class
 
 if TYPE_CHECKING:
@@ -44,7 +46,6 @@ if TYPE_CHECKING:
 
 _MLP_WORDS = ("mlp", "feedforward", "feed_forward", "ffn", "moe", "experts")
 _PLAIN_STYLES = ("colwise", "rowwise")
-_MASK_KINDS = ("full_attention", "sliding_attention")  # the layer types whose masks seqpar builds for a read entry
 _OWN_IMAGE_MASKS = ("block_sequence_ids", "or_mask_function", "token_type_ids")  # words of a model's own image masks
 _ALWAYS = lambda module: True  # noqa: E731
 PER_TOKEN_CLASSES: dict[str, Callable[[nn.Module], bool]] = {
@@ -287,15 +288,19 @@ def _rope_fields(config: object) -> object:
 
 
 def _unknown_masks(config: object) -> str | None:
-    """Why the decoder's attention masks are ones seqpar does not build, or None (causal, sliding windows)."""
-    kinds = sorted({kind for kind in getattr(config, "layer_types", None) or () if kind not in _MASK_KINDS})
+    """Why the decoder's attention masks are ones seqpar does not build, or None (``LAYER_MASKS``)."""
+    kinds = sorted({kind for kind in getattr(config, "layer_types", None) or () if kind not in LAYER_MASKS})
     if kinds:
         return f"its layer_types hold {', '.join(map(repr, kinds))}, attention masks seqpar does not build"
     if any(getattr(config, name, False) is True for name in ("alibi", "use_alibi")):
         return "its attention adds an ALiBi position bias (config.alibi), which seqpar's attention does not apply"
-    if getattr(config, "attention_chunk_size", None):
+    read = {LAYER_MASKS[kind].chunk_field for kind in getattr(config, "layer_types", None) or ()}
+    if getattr(config, "attention_chunk_size", None) and "attention_chunk_size" not in read:
         size = config.attention_chunk_size
-        return f"its attention is chunked (attention_chunk_size={size}), a mask seqpar does not build"
+        return (
+            f"its attention is chunked (attention_chunk_size={size}) on layers its layer_types do not name, a mask "
+            "seqpar does not build"
+        )
     return None
 
 

@@ -43,6 +43,9 @@ OWN_ATTENTION = {
     "MptAttention": OwnAttention(f"{_MODELS}.mpt.modeling_mpt", alibi=True),
     # ZAYA's attention goes through the interface, but its q/k/v projection mixes neighbouring tokens (Note [CCA halo])
     "ZayaAttention": OwnAttention(f"{_MODELS}.zaya.modeling_zaya", inner=("qkv_proj",)),
+    # Llama 4's attention goes through the interface, but scales its NoPE layers' queries by position (Note [Llama 4
+    # temperature])
+    "Llama4TextAttention": OwnAttention(f"{_MODELS}.llama4.modeling_llama4"),
 }
 """Attention class name -> its row (Note [attention adapters])."""
 

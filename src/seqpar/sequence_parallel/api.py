@@ -102,6 +102,7 @@ def attention(
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
     alibi: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention of this rank's query shard against the whole (sharded) sequence.
 
@@ -141,6 +142,8 @@ def attention(
             softmax (Note [logit soft-capping]); it runs the reference kernel, on every device.
         alibi: ``[heads]`` ALiBi slopes (BLOOM, MPT): each score gains ``slope * (key - query)`` over global
             positions (Note [ALiBi]); the reference kernel and a strategy that applies it (ulysses, ring, allgather).
+        chunk: chunked attention (Llama 4): a query sees only the keys of its own chunk of ``chunk`` tokens, chunks
+            counted from each document's first token (Note [chunked attention]).
 
     Returns:
         ``[batch, heads, local_seq, v_head_dim]``: this rank's shard of the output, in ``q.dtype``.
@@ -166,6 +169,7 @@ def attention(
         sinks=sinks,
         softcap=softcap,
         alibi=alibi,
+        chunk=chunk,
     )[0]
 
 
@@ -188,6 +192,7 @@ def attention_and_choice(
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
     alibi: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> tuple[torch.Tensor, AttentionChoice]:
     """``seqpar.attention``'s output and the strategy and kernel that computed it (decided once)."""
     sp = as_sp_mesh(mesh)
@@ -207,6 +212,7 @@ def attention_and_choice(
         sinks=sinks,
         softcap=softcap,
         alibi=alibi,
+        chunk=chunk,
     )
     if mask is None:
         mask = sequence_mask(position_ids, sp, layout=layout, window=window, batch_size=q.shape[0], blocks=blocks)
@@ -220,6 +226,7 @@ def attention_and_choice(
             f"the sequence mask covers {mask.starts.shape[1]} tokens but the sequence has "
             f"{q.shape[2] * sp.sp_size}; build it from this batch's position ids"
         )
+    mask = mask.with_chunks(chunk, q.shape[2] * sp.sp_size)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     value_width = v.shape[-1]

@@ -33,7 +33,15 @@ Note [attention adapters]
     ZAYA's attention calls the interface, but its q/k/v projection (``ZayaCCAProjection``) convolves q and k
     over time and shifts half of v by one token, which on a shard would miss the tokens before each chunk: its
     row's ``forward`` makes q, k and v with the halo exchange (Note [CCA halo]) and attends as the others do;
-    transformers does switch ZAYA's implementation, which no code of the adapted module reads.
+    transformers does switch ZAYA's implementation, which no code of the adapted module reads. Llama 4's attention
+    calls the interface too, but scales its NoPE layers' queries by their positions (Note [Llama 4 temperature]).
+
+Note [Llama 4 temperature]
+    Llama 4's NoPE layers multiply each query by ``1 + attn_scale * log1p(floor((i + 1) / floor_scale))``, where
+    ``i`` counts the call's tokens from 0 (its own ``arange``, not the position ids: in one process a packed
+    row's later documents take their index in the row). On a shard that count would restart at every rank, so
+    its row's ``forward`` takes ``i`` as each local token's global index under the call's layout; the rest is
+    the class's own forward (rotary and the weightless q/k norm on its RoPE layers).
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ from seqpar.errors import SeqparInputError
 from seqpar.models import ModelAnatomy
 from seqpar.models.own_attention import own_attention, own_attention_class, own_positions_class
 from seqpar.sequence_parallel.call_context import CONTEXT_KEY
+from seqpar.sequence_parallel.layouts.chunks import position_ids
 from seqpar.sequence_parallel.mixers.cca import cca_projection
 
 __all__ = [
@@ -236,6 +245,34 @@ def _family(module: torch.nn.Module) -> object:
     return sys.modules[own_attention_class(module).__module__]
 
 
+def _llama4(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: torch.Tensor | None = None,
+    attention_mask: object = None,
+    cache: object = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """Llama4TextAttention: rotary and the weightless q/k norm on its RoPE layers; on its NoPE layers the query
+    temperature (Note [Llama 4 temperature]) from each token's global index. Its chunked layers' mask comes from
+    seqpar's attention (Note [chunked attention])."""
+    _refuse_state(self, cache, kwargs.get("output_attentions"), kwargs)
+    shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+    query, key = self.q_proj(hidden_states).view(shape), self.k_proj(hidden_states).view(shape)
+    value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+    if self.use_rope:  # the model hands every layer its rotary frequencies
+        query, key = _family(self).apply_rotary_emb(query, key, position_embeddings.to(query.device))
+    if hasattr(self, "qk_norm"):
+        query, key = self.qk_norm(query), self.qk_norm(key)
+    if self.attn_temperature_tuning and not self.use_rope:
+        ctx = kwargs[CONTEXT_KEY]
+        index = position_ids(shape[1] * ctx.mesh.sp_size, ctx.mesh, ctx.layout, device=query.device).float()
+        scales = torch.log1p(torch.floor((index + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
+        query = (query * scales.view(1, -1, 1, 1)).to(query.dtype)
+    qkv = (query.transpose(1, 2), key.transpose(1, 2), value)
+    return self.o_proj(_attend(self, qkv, kwargs, self.scaling, self.attention_dropout)), None
+
+
 def _bloom(
     self: torch.nn.Module,
     hidden_states: torch.Tensor,
@@ -337,6 +374,14 @@ ADAPTERS = {
         _mpt,
         ("Wqkv", "out_proj", "n_heads", "clip_qkv", "softmax_scale", "attn_dropout_p"),
         ("build_mpt_alibi_tensor",),
+    ),
+    "Llama4TextAttention": AttentionAdapter(
+        _llama4,
+        (
+            *("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "attention_dropout", "use_rope"),
+            *("attn_temperature_tuning", "floor_scale", "attn_scale"),
+        ),
+        ("apply_rotary_emb",),
     ),
 }
 """Attention class name (an ``OWN_ATTENTION`` row) -> its adapter."""

@@ -45,6 +45,7 @@ import torch
 from seqpar.errors import SeqparInputError
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
 from seqpar.models import ModelAnatomy, find_anatomy
+from seqpar.models.layer_masks import layer_chunk
 from seqpar.sequence_parallel._own_config import config_tree, own_config
 from seqpar.sequence_parallel.api import AttentionChoice, attention_and_choice
 from seqpar.sequence_parallel.attention_adapters import (
@@ -136,6 +137,7 @@ def _seqpar_attention(module, query, key, value, attention_mask, scaling=None, d
         sinks=sinks,
         softcap=softcap,
         alibi=kwargs.get(ALIBI_KEY),  # an adapter's ALiBi slopes (Note [ALiBi]); no transformers family passes it
+        chunk=layer_chunk(module),  # Llama 4's chunked layers (Note [chunked attention])
     )
     ctx.choices[getattr(module, "layer_idx", 0)] = choice
     ctx.attended.add(id(module))

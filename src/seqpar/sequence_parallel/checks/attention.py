@@ -67,6 +67,7 @@ class InputSignature(Signature):
     same_device: bool
     device_code: int  # index in _DEVICE_TYPES, -1 for another device type
     window: int  # -1: none, 0: invalid, else the window
+    chunk: int  # chunked attention's chunk size, coded as window
     documents: int  # index in _DOCUMENTS: none, position ids, a prebuilt mask
     sink_heads: int  # -1: no sinks, -2: not a 1-D floating tensor on q's device, else their count
     softcap: int  # -1: none, 0: invalid, 1: a positive finite number
@@ -90,6 +91,7 @@ class InputSignature(Signature):
         sinks: torch.Tensor | None = None,
         softcap: float | None = None,
         alibi: torch.Tensor | None = None,
+        chunk: int | None = None,
     ) -> InputSignature:
         """The signature of one call's tensors and options (as ``check_attention_inputs`` takes them)."""
         scale_ok = scale is None or (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0)
@@ -100,7 +102,8 @@ class InputSignature(Signature):
             scale_ok=bool(scale_ok),
             same_device=q.device == k.device == v.device,
             device_code=_code(q.device.type, _DEVICE_TYPES),
-            window=-1 if window is None else (window if isinstance(window, int) and window > 0 else 0),
+            window=_coded_size(window),
+            chunk=_coded_size(chunk),
             documents=documents,
             sink_heads=_sink_heads(sinks, q),
             softcap=-1 if softcap is None else int(_positive_finite(softcap)),
@@ -121,6 +124,13 @@ class InputSignature(Signature):
         if self.layout_code == len(LAYOUTS):
             return "chunks"
         return LAYOUTS[self.layout_code] if self.layout_code >= 0 else None
+
+
+def _coded_size(size: int | None) -> int:
+    """-1 for None, 0 for anything but a positive integer, else the size."""
+    if size is None:
+        return -1
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else 0
 
 
 def _positive_finite(x: object) -> bool:
@@ -166,6 +176,8 @@ def _problems(sig: InputSignature, sp_size: int, ulysses_size: int) -> list[str]
         problems.append("scale must be a positive finite number or None")
     if sig.window == 0:
         problems.append("window must be a positive integer (tokens a query sees, itself included) or None")
+    if sig.chunk == 0:
+        problems.append("chunk must be a positive integer (tokens of one attention chunk) or None")
     if sig.softcap == 0:
         problems.append("softcap must be a positive finite number or None")
     if sig.sink_heads == -2:
@@ -231,6 +243,7 @@ def check_attention_inputs(
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
     alibi: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> None:
     """Raise the same ``SeqparInputError`` on every rank if any rank's inputs are bad (Note [agreeing on errors]).
 
@@ -246,12 +259,13 @@ def check_attention_inputs(
         sinks: the ``[heads]`` sink logits, or None.
         softcap: the logit soft-cap, or None.
         alibi: the ``[heads]`` ALiBi slopes, or None (ranks must agree: Note [ALiBi]).
+        chunk: chunked attention's chunk size, or None.
 
     Raises:
         SeqparInputError: naming each problem and, when ranks differ, which rank had what.
     """
     size = 1 if group is None else dist.get_world_size(group)
-    sig = InputSignature.of(q, k, v, strategy, layout, causal, scale, window, documents, sinks, softcap, alibi)
+    sig = InputSignature.of(q, k, v, strategy, layout, causal, scale, window, documents, sinks, softcap, alibi, chunk)
     if size == 1 or not exchange:
         problems = _problems(sig, size, ulysses_size)
     else:
@@ -269,8 +283,9 @@ def check_attention_inputs(
 def _describe(sig: InputSignature) -> str:
     shapes = ", ".join(f"{n} {t.shape} {t.dtype}" for n, t in zip("qkv", (sig.q, sig.k, sig.v)))
     window = "none" if sig.window < 0 else sig.window
+    chunk = "none" if sig.chunk < 0 else sig.chunk
     return (
-        f"strategy={sig.strategy} layout={sig.layout} causal={sig.causal} window={window} "
+        f"strategy={sig.strategy} layout={sig.layout} causal={sig.causal} window={window} chunk={chunk} "
         f"documents={_DOCUMENTS[sig.documents]} sinks={sig.sink_heads >= 0} softcap={sig.softcap >= 0} "
         f"alibi={sig.alibi_heads >= 0} {shapes}"
     )

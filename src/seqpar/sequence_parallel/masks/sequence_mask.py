@@ -11,6 +11,14 @@ Note [documents from position ids]
     invalid table raises the same error everywhere). The starts never decrease along the sequence, so
     whether a tile is wholly inside one document, wholly across documents, or mixed, follows from the
     starts at its corners.
+
+Note [chunked attention]
+    Llama 4's chunked layers let a query see the keys of its own chunk of ``C`` tokens only, chunks counted
+    from each document's first token (transformers remaps the chunk rule onto the position ids of packed
+    rows). A token at position ``p`` then starts its chunk at global index ``index - p % C``; two tokens
+    share a chunk exactly when those starts are equal, and the starts never decrease along the sequence. So
+    a chunked layer is the same sequence cut into more documents: ``with_chunks`` makes that mask, and
+    every strategy, tile plan and layout serves it as packed documents, with no exchange of its own.
 """
 
 from __future__ import annotations
@@ -53,7 +61,8 @@ class SequenceMask:
     """Tile plans already made with this mask (Note [masked tiles]): every layer of one forward asks for
     the same ones, so they are made once per batch."""
     windowed: dict = field(default_factory=dict, compare=False, repr=False)
-    """The same documents under other windows, one object each, so that their plans are shared too."""
+    """The same documents under other windows or cut into chunks, one object each, so that their plans are shared
+    too."""
 
     def with_window(self, window: int | None) -> SequenceMask:
         """The same documents with another window."""
@@ -62,6 +71,20 @@ class SequenceMask:
         if window not in self.windowed:
             self.windowed[window] = SequenceMask(self.starts, window, self.max_position, self.blocks, self.predicate)
         return self.windowed[window]
+
+    def with_chunks(self, size: int | None, seq_len: int) -> SequenceMask:
+        """The same documents cut into chunks of ``size`` tokens from each document's start (Note [chunked
+        attention]); ``seq_len`` is the global length (the starts' when the rows are packed)."""
+        if size is None:
+            return self
+        key = ("chunks", size, seq_len)
+        if key not in self.windowed:
+            index = torch.arange(seq_len)
+            positions = index[None] if self.starts is None else index - self.starts
+            starts = index - positions % size
+            cut = starts if seq_len > size or self.starts is not None else None
+            self.windowed[key] = SequenceMask(cut, self.window, self.max_position, self.blocks, self.predicate)
+        return self.windowed[key]
 
     @property
     def trivial(self) -> bool:

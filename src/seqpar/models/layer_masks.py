@@ -1,0 +1,48 @@
+"""The attention masks of transformers' ``config.layer_types`` that seqpar builds, one row per layer type.
+
+A layer's row says what its mask adds to the causal rule beyond what its attention module hands seqpar's attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from seqpar.errors import SeqparInputError
+
+
+@dataclass(frozen=True)
+class LayerMask:
+    """What seqpar reads for one layer type's mask."""
+
+    chunk_field: str | None = None
+    """The config field holding the chunk size of chunked attention (Note [chunked attention]), or None. Sliding
+    windows need no field: the attention module hands its window to seqpar's attention at each call."""
+
+
+LAYER_MASKS = {
+    "full_attention": LayerMask(),
+    "sliding_attention": LayerMask(),
+    "chunked_attention": LayerMask(chunk_field="attention_chunk_size"),  # Llama 4's chunked layers
+}
+"""``config.layer_types`` entry -> its row; a layer type without a row is refused by the anatomy reader."""
+
+
+def layer_chunk(module: object) -> int | None:
+    """The chunk size of the attention module's layer when its layer type is chunked, else None.
+
+    Raises:
+        SeqparInputError: a model with chunked layers whose attention module does not say its layer index.
+    """
+    config = getattr(module, "config", None)
+    kinds = getattr(config, "layer_types", None) or ()
+    fields = {LAYER_MASKS[kind].chunk_field for kind in kinds if kind in LAYER_MASKS} - {None}
+    if not fields:
+        return None
+    index = getattr(module, "layer_idx", None)
+    if not isinstance(index, int) or not 0 <= index < len(kinds):
+        raise SeqparInputError(
+            f"{type(module).__name__} belongs to a model with chunked attention layers but does not say its layer "
+            "index (layer_idx), so seqpar cannot tell whether its mask is chunked"
+        )
+    row = LAYER_MASKS.get(kinds[index])
+    return None if row is None or row.chunk_field is None else getattr(config, row.chunk_field)

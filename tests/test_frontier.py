@@ -1,0 +1,106 @@
+"""The frontier families under sequence parallelism, judged as the zoo judges a family (loss, logits, every gradient
+vs one process, within its float64 floor).
+
+Llama 4: chunked attention on its RoPE layers (Note [chunked attention]) and the query temperature of its NoPE layers
+(Note [Llama 4 temperature]), at 2 and 3 ranks under every strategy the heads allow, on whole rows and on a packed
+row (against one process on that row); with the chunk rule dropped, or the temperature counted on each shard, it
+comes out WRONG.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from benchmarks import zoo
+from benchmarks.zoo import EXACT, WRONG
+from seqpar.sequence_parallel import attention_adapters, prepare
+from tests._dist import run_ranks
+
+LLAMA4 = "llama4_text"
+STRATEGIES = {2: ("ring", "ulysses", "allgather"), 3: ("ring", "allgather")}
+"""The strategies the tiny model's 4 query and 2 key/value heads allow at each degree."""
+
+
+def _one_process(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor) -> tuple:
+    """Logits, token-mean next-token loss (no prediction across a document's end) and gradients of one process."""
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids, position_ids=positions).logits
+    labels = ids[:, 1:].masked_fill(positions[:, 1:] == 0, -100)
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten())
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logits.detach(), loss.detach(), grads
+
+
+def _judged(rank: int, world: int, strategy: str, packed: bool) -> dict:
+    """Llama 4's tiny model at ``world`` ranks under ``strategy`` against one process (and a float64 process)."""
+    from seqpar.models.zoo import CAUSAL_LM, TEXT_IDS, tiny_model
+
+    model = tiny_model(LLAMA4, (CAUSAL_LM,))
+    seq = zoo._seq_len(world)
+    ids = torch.randint(*TEXT_IDS, (1 if packed else zoo.ROWS, seq), generator=torch.Generator().manual_seed(1))
+    documents = zoo._documents(seq) if packed else (seq,)
+    positions = torch.cat([torch.arange(n) for n in documents])[None].expand_as(ids)
+    pristine = copy.deepcopy(model)
+    want = _one_process(model, ids, positions)
+    default = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        exact = _one_process(copy.deepcopy(pristine).double(), ids, positions)
+    finally:
+        torch.set_default_dtype(default)
+
+    def on_shards(parallel: torch.nn.Module, shard: dict) -> torch.Tensor:
+        return parallel(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+
+    batch = {"input_ids": ids, "position_ids": positions}
+    return zoo.judged_run(pristine, rank, world, batch, on_shards, want, exact, False, strategy=strategy)
+
+
+def _quiet() -> None:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    warnings.simplefilter("ignore")
+
+
+def _llama4_on_rank(rank: int, world: int) -> None:
+    _quiet()
+    found = {(s, packed): _judged(rank, world, s, packed) for s in STRATEGIES[world] for packed in (False, True)}
+    assert {k: v["status"] for k, v in found.items()} == dict.fromkeys(found, EXACT), found
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_llama4_is_exact_under_every_strategy_on_rows_and_a_packed_row(world):
+    """Chunks inside and across shard edges (8-token chunks, 24- and 48-token rows) and documents that start inside a
+    chunk-sized stretch; NoPE queries past token 7 scaled (the tiny model's floor_scale is 8)."""
+    run_ranks(world, _llama4_on_rank)
+
+
+def _controls_on_rank(rank: int, world: int) -> None:
+    _quiet()
+    kept_chunk, kept_index = prepare.layer_chunk, attention_adapters.position_ids
+
+    def each_shard_from_zero(seq_len, mesh, layout, device=None):  # the temperature as the class counts it
+        return torch.arange(seq_len // mesh.sp_size, device=device)
+
+    found = {}
+    try:
+        prepare.layer_chunk = lambda module: None  # every layer attends over its whole document
+        found["chunks dropped"] = _judged(rank, world, "ring", False)
+        prepare.layer_chunk = kept_chunk
+        attention_adapters.position_ids = each_shard_from_zero
+        found["temperature per shard"] = _judged(rank, world, "ring", False)
+    finally:
+        prepare.layer_chunk, attention_adapters.position_ids = kept_chunk, kept_index
+    assert {k: v["status"] for k, v in found.items()} == dict.fromkeys(found, WRONG), found
+    assert _judged(rank, world, "ring", False)["status"] == EXACT  # undone
+
+
+def test_llama4_without_its_chunks_or_global_temperature_is_wrong():
+    run_ranks(2, _controls_on_rank)
