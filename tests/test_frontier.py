@@ -4,7 +4,8 @@ vs one process, within its float64 floor).
 Llama 4: chunked attention on its RoPE layers (Note [chunked attention]) and the query temperature of its NoPE layers
 (Note [Llama 4 temperature]), at 2 and 3 ranks under every strategy the heads allow, on whole rows and on a packed
 row (against one process on that row); with the chunk rule dropped, or the temperature counted on each shard, it
-comes out WRONG.
+comes out WRONG. DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5's MoE-DSA; Note [indexed attention]) likewise at 2
+and 3 ranks; with the other ranks' indexer keys zeroed it comes out WRONG.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import torch.nn.functional as F
 
 from benchmarks import zoo
 from benchmarks.zoo import EXACT, WRONG
-from seqpar.sequence_parallel import attention_adapters, prepare
-from tests._dist import run_ranks
+from seqpar.sequence_parallel import attention_adapters, indexed, prepare
+from tests._dist import run_ranks, shard_index
 
 LLAMA4 = "llama4_text"
 STRATEGIES = {2: ("ring", "ulysses", "allgather"), 3: ("ring", "allgather")}
@@ -37,11 +38,12 @@ def _one_process(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Ten
     return logits.detach(), loss.detach(), grads
 
 
-def _judged(rank: int, world: int, strategy: str, packed: bool) -> dict:
-    """Llama 4's tiny model at ``world`` ranks under ``strategy`` against one process (and a float64 process)."""
+def _judged(rank: int, world: int, strategy: str, packed: bool, model_type: str = LLAMA4) -> dict:
+    """The family's tiny model at ``world`` ranks under ``strategy`` against one process (and a float64 process) on
+    the same rows: two whole rows, or one packed row of two documents."""
     from seqpar.models.zoo import CAUSAL_LM, TEXT_IDS, tiny_model
 
-    model = tiny_model(LLAMA4, (CAUSAL_LM,))
+    model = tiny_model(model_type, (CAUSAL_LM,))
     seq = zoo._seq_len(world)
     ids = torch.randint(*TEXT_IDS, (1 if packed else zoo.ROWS, seq), generator=torch.Generator().manual_seed(1))
     documents = zoo._documents(seq) if packed else (seq,)
@@ -49,9 +51,11 @@ def _judged(rank: int, world: int, strategy: str, packed: bool) -> dict:
     pristine = copy.deepcopy(model)
     want = _one_process(model, ids, positions)
     default = torch.get_default_dtype()
-    try:
+    try:  # a model that takes no float64 (experts' grouped matmul) is judged at the zoo's RTOL alone
         torch.set_default_dtype(torch.float64)
         exact = _one_process(copy.deepcopy(pristine).double(), ids, positions)
+    except RuntimeError:
+        exact = None, None, {}
     finally:
         torch.set_default_dtype(default)
 
@@ -104,3 +108,43 @@ def _controls_on_rank(rank: int, world: int) -> None:
 
 def test_llama4_without_its_chunks_or_global_temperature_is_wrong():
     run_ranks(2, _controls_on_rank)
+
+
+DSA = ("deepseek_v32", "glm_moe_dsa", "dots3_note_text")
+"""DeepSeek Sparse Attention: each indexed layer keeps 8 of the row's 24 or 48 keys (GLM-5's MoE-DSA, dots.llm3 too)."""
+
+
+def _dsa_on_rank(rank: int, world: int) -> None:
+    _quiet()
+    found = {(t, packed): _judged(rank, world, "auto", packed, t) for t in DSA for packed in (False, True)}
+    assert {k: v["status"] for k, v in found.items()} == dict.fromkeys(found, EXACT), found
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sparse_attention_indexers_are_exact_on_rows_and_a_packed_row(world):
+    """Note [indexed attention]: each local query ranked against every key of the row, its picks attended over the
+    gathered keys and values; a packed row against one process on that row (the indexer's ties at a ReLU'd 0 fall
+    by the row's layout, so transformers' own packed row is not each document alone)."""
+    run_ranks(world, _dsa_on_rank)
+
+
+def _dsa_control_on_rank(rank: int, world: int) -> None:
+    _quiet()
+    kept = indexed.IndexerKeys.update_indexer
+
+    def own_keys_only(self, keys, layer_idx):  # gathered (every rank takes part), the others' zeroed
+        full = kept(self, keys, layer_idx)
+        mine = torch.zeros(full.shape[1], dtype=torch.bool)
+        mine[shard_index("zigzag", world, rank, full.shape[1])] = True
+        return full * mine[None, :, None]
+
+    try:
+        indexed.IndexerKeys.update_indexer = own_keys_only
+        found = {t: _judged(rank, world, "auto", False, t)["status"] for t in DSA}
+    finally:
+        indexed.IndexerKeys.update_indexer = kept
+    assert found == dict.fromkeys(DSA, WRONG), found
+
+
+def test_sparse_attention_without_the_other_ranks_keys_is_wrong():
+    run_ranks(2, _dsa_control_on_rank)

@@ -303,6 +303,7 @@ _RULES: tuple[_Rule, ...] = (
     (("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length"), _at_least(MAX_POSITIONS)),
     (("sliding_window", "attention_chunk_size", "sliding_window_size"), _at_most(WINDOW)),
     (("floor_scale",), _at_most(WINDOW)),  # Llama 4's query temperature grows every floor_scale tokens: let it bite
+    (("index_topk",), _at_most(WINDOW)),  # a sparse-attention indexer keeps fewer keys than the rows hold: it bites
     (
         ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts"),
         _at_most(EXPERTS),

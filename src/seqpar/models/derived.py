@@ -38,8 +38,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from seqpar.models.families import FAMILIES, Family
-from seqpar.models.layer_masks import LAYER_MASKS
-from seqpar.models.own_attention import own_attention, own_positions_class
+from seqpar.models.layer_masks import LAYER_MASKS, LayerMask, layer_mask
+from seqpar.models.own_attention import SPARSE_INDEXERS, own_attention, own_positions_class, sparse_indexer
 
 if TYPE_CHECKING:
     from torch import nn
@@ -97,7 +97,7 @@ def _nested_block(attention: nn.Module) -> str | None:
     for name, child in attention.named_children():
         if own is not None and name in own.inner:  # the projections its adapter reads (Note [attention adapters])
             continue
-        if _per_token(child):
+        if _per_token(child) or child is sparse_indexer(attention):  # a served indexer: Note [indexed attention]
             continue
         if not _is_norm(child) and any(next(c.parameters(), None) is not None for c in child.children()):
             return f"{name} ({type(child).__name__})"
@@ -195,6 +195,13 @@ def _layer_parts(layers: nn.ModuleList, tp_plan: dict) -> dict | str:
                 f"and {len(mlps)} MLP(s) "
                 f"({', '.join(mlps) or 'none'}), where seqpar reads one of each; its other parts: "
                 f"{', '.join(others) or 'none'}"
+            )
+        kind, row = layer_mask(getattr(layer, attention[0])) or (None, LayerMask())
+        if row.indexer and sparse_indexer(getattr(layer, attention[0])) is None:
+            return (
+                f"layer {i} is a sparse-attention layer ({kind}) whose attention "
+                f"({type(getattr(layer, attention[0])).__name__}) picks its keys in a way seqpar does not serve (it "
+                f"serves the indexers {', '.join(SPARSE_INDEXERS)}: Note [indexed attention])"
             )
         nested = _nested_block(getattr(layer, attention[0]))
         if nested is not None:

@@ -17,14 +17,28 @@ class LayerMask:
     chunk_field: str | None = None
     """The config field holding the chunk size of chunked attention (Note [chunked attention]), or None. Sliding
     windows need no field: the attention module hands its window to seqpar's attention at each call."""
+    indexer: bool = False
+    """The layer's attention picks its keys with an indexer, served only where the indexer's class has a
+    ``SPARSE_INDEXERS`` row (Note [indexed attention])."""
 
 
 LAYER_MASKS = {
     "full_attention": LayerMask(),
     "sliding_attention": LayerMask(),
     "chunked_attention": LayerMask(chunk_field="attention_chunk_size"),  # Llama 4's chunked layers
+    "indexed_attention": LayerMask(indexer=True),  # DSA layers: causal, their indexer's picks on top
 }
 """``config.layer_types`` entry -> its row; a layer type without a row is refused by the anatomy reader."""
+
+
+def layer_mask(module: object) -> tuple[str, LayerMask] | None:
+    """The layer type of an attention module's layer and its row, or None (no layer types, or no row)."""
+    config = getattr(module, "config", None)
+    kinds = getattr(config, "layer_types", None) or ()
+    index = getattr(module, "layer_idx", None)
+    if not isinstance(index, int) or not 0 <= index < len(kinds) or kinds[index] not in LAYER_MASKS:
+        return None
+    return kinds[index], LAYER_MASKS[kinds[index]]
 
 
 def layer_chunk(module: object) -> int | None:
@@ -44,5 +58,5 @@ def layer_chunk(module: object) -> int | None:
             f"{type(module).__name__} belongs to a model with chunked attention layers but does not say its layer "
             "index (layer_idx), so seqpar cannot tell whether its mask is chunked"
         )
-    row = LAYER_MASKS.get(kinds[index])
-    return None if row is None or row.chunk_field is None else getattr(config, row.chunk_field)
+    _, row = layer_mask(module) or (None, LayerMask())
+    return None if row.chunk_field is None else getattr(config, row.chunk_field)

@@ -50,6 +50,18 @@ OWN_ATTENTION = {
 """Attention class name -> its row (Note [attention adapters])."""
 
 
+SPARSE_INDEXERS = {
+    "DeepseekV32Indexer": f"{_MODELS}.deepseek_v32.modeling_deepseek_v32",
+    "GlmMoeDsaIndexer": f"{_MODELS}.glm_moe_dsa.modeling_glm_moe_dsa",
+    "MistralLarge4TextIndexer": f"{_MODELS}.mistral_large4.modeling_mistral_large4",
+    "Dots3NoteTextIndexer": f"{_MODELS}.dots3_note.modeling_dots3_note",
+    "AXK2Indexer": f"{_MODELS}.axk2.modeling_axk2",
+    "HYV4Indexer": f"{_MODELS}.hy_v4.modeling_hy_v4",
+}
+"""Indexers of DeepSeek Sparse Attention that seqpar serves (Note [indexed attention]), class name -> the transformers
+module that defines it: each takes its keys from ``cache.update_indexer`` and masks its scores with the mask its
+attention module hands it, and that module passes the picked key indices to the attention function."""
+
 OWN_POSITIONS = {"TrOCRLearnedPositionalEmbedding": f"{_MODELS}.trocr.modeling_trocr"}
 """Position tables that count a call's tokens themselves because their decoder does not hand them the position
 ids, class name -> the transformers module that defines it: seqpar's adapter gives them the call's global
@@ -71,6 +83,11 @@ def _row_class(module: nn.Module, modules: dict[str, str]) -> type | None:
         if modules.get(cls.__name__) == cls.__module__:
             return cls
     return None
+
+
+def sparse_indexer(attention: nn.Module) -> nn.Module | None:
+    """The child of an attention module whose class has a ``SPARSE_INDEXERS`` row, or None."""
+    return next((c for c in attention.children() if _row_class(c, SPARSE_INDEXERS) is not None), None)
 
 
 def own_attention(module: nn.Module) -> OwnAttention | None:

@@ -54,6 +54,8 @@ class CallContext:
     positions: torch.Tensor | None = None
     """This rank's global position ids as the call gave them, for a position table that its family's decoder
     does not hand them to (Note [attention adapters]); None where the call had none."""
+    cache: dict = field(default_factory=dict)
+    """Tensors made once per call for every layer that asks (the visibility of Note [indexed attention])."""
 
 
 def adapter_context(module: object, cache: object | None, kwargs: dict, *, silu: bool = True) -> CallContext:

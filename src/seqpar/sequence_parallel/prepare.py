@@ -46,6 +46,7 @@ from seqpar.errors import SeqparInputError
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
 from seqpar.models import ModelAnatomy, find_anatomy
 from seqpar.models.layer_masks import layer_chunk
+from seqpar.models.own_attention import sparse_indexer
 from seqpar.sequence_parallel._own_config import config_tree, own_config
 from seqpar.sequence_parallel.api import AttentionChoice, attention_and_choice
 from seqpar.sequence_parallel.attention_adapters import (
@@ -65,6 +66,7 @@ from seqpar.sequence_parallel.call_checks import (
 )
 from seqpar.sequence_parallel.call_context import CONTEXT_KEY, CallContext
 from seqpar.sequence_parallel.checks import config_digest
+from seqpar.sequence_parallel.indexed import IndexerKeys, indexed_attention, visibility
 from seqpar.sequence_parallel.layouts.chunks import ChunkLayout, Layout, named_layout
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask, sequence_mask
 from seqpar.sequence_parallel.mixers import ADAPTERS, adapt, mismatched_mixers, unknown_mixers
@@ -99,6 +101,10 @@ def _seqpar_attention(module, query, key, value, attention_mask, scaling=None, d
         )
     if dropout:
         raise SeqparInputError(f"seqpar attention does not implement attention dropout ({dropout}); set it to 0")
+    if kwargs.get("indices") is not None and any(attention_mask is t for t in ctx.cache.values()):
+        ctx.attended.add(id(module))  # a DSA layer's picks, over the mask seqpar made (Note [indexed attention])
+        out = indexed_attention(query, key, value, attention_mask, kwargs["indices"], scaling, ctx)
+        return out.transpose(1, 2).contiguous(), None
     if isinstance(attention_mask, torch.Tensor):  # seqpar's calls build none: the family made its own (ALiBi)
         raise SeqparInputError(
             f"{type(module).__name__} handed seqpar's attention a mask or bias tensor of its own making (an additive "
@@ -343,6 +349,8 @@ def prepare_model(
     for module in (*filter(None, served.attention), *cross_attention(served)):  # Note [attention went through seqpar]
         hooks.append(module.register_forward_pre_hook(calls.entering_attention, with_kwargs=True))
         hooks.append(module.register_forward_hook(calls.leaving_attention))
+        if sparse_indexer(module) is not None:
+            hooks.append(sparse_indexer(module).register_forward_pre_hook(calls.entering_indexer, with_kwargs=True))
     for table in position_tables(served):  # handed the context its decoder does not pass (Note [attention adapters])
         hooks.append(table.register_forward_pre_hook(calls.entering_attention, with_kwargs=True))
     setattr(model, _HOOK_ATTR, hooks)
@@ -383,9 +391,17 @@ class _PreparedCalls:
 
     def entering_attention(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self.attended.discard(id(module))
+        if self.running is not None and sparse_indexer(module) is not None:  # Note [indexed attention]
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            kwargs["attention_mask"] = visibility(self.running, hidden.shape[0], hidden.shape[1], hidden.device)
         if self.running is None or _CONTEXT_KEY in kwargs or _context_in_mask(kwargs):
             return args, kwargs
         return args, {**kwargs, _CONTEXT_KEY: self.running}  # a layer that drops keywords (Note [keywords dropped])
+
+    def entering_indexer(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.running is not None:  # its keys gathered in global order (Note [indexed attention])
+            kwargs["cache"] = IndexerKeys(self.running)
+        return args, kwargs
 
     def finished(self, module: torch.nn.Module, args: tuple, output: object) -> None:
         if module is self.running_from:

@@ -187,12 +187,12 @@ def _masked_plan(
         q_loc = slice(q_at[a], q_at[a] + q_glob[1] - q_glob[0])
         kv_loc = slice(kv_at[b], kv_at[b] + kv_glob[1] - kv_glob[0])
         kind = kind_of[a][b]
-        keep = _dense_mask(q_glob, kv_glob, causal, mask, device) if kind == MIXED else None
+        keep = dense_mask(q_glob, kv_glob, causal, mask, device) if kind == MIXED else None
         blocks.append(Block(q_loc, kv_loc, kind == CAUSAL, keep))
     return blocks
 
 
-def _dense_mask(
+def dense_mask(
     q: tuple[int, int], kv: tuple[int, int], causal: bool, mask: SequenceMask, device: torch.device | None
 ) -> torch.Tensor:
     """``[B or 1, 1, q, kv]`` bool visibility of one tile."""

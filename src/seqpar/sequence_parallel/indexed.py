@@ -1,0 +1,104 @@
+"""Sparse attention whose keys an indexer selects (DeepSeek Sparse Attention), served over a sharded sequence.
+
+The attention module gets the global visibility as its mask, its indexer gathered keys, seqpar's attention the picks.
+
+Note [indexed attention]
+    A DSA layer (DeepSeek-V3.2, GLM-5) scores each query against every key it may see with a small indexer of
+    its own, keeps the ``index_topk`` best, and attends to those keys only. transformers' modules take the
+    indexer's keys from the cache (``cache.update_indexer``), mask its scores with the layer's attention mask,
+    and, under an attention implementation other than eager or SDPA, hand the picked key indices to the
+    attention function (``indices=``). On a shard each rank would rank its own keys alone. Under seqpar:
+
+    - the attention module's pre-hook hands it, as its ``attention_mask``, what each local query may see of
+      the whole sequence (``[B, 1, S/P, S]`` bool from the call's ``SequenceMask``: causal, documents,
+      windows), which the module passes on to its indexer and to the attention function;
+    - the indexer's pre-hook hands it, as its cache, ``IndexerKeys``: ``update_indexer`` all-gathers the
+      indexer's keys into global order (``index_head_dim`` values a token: 128 in DeepSeek-V3.2, under
+      no_grad as the indexer runs), so each local query's scores are the row of global keys one process
+      ranks, and the picks are global key indices;
+    - seqpar's attention, given those indices and that mask, all-gathers keys and values (their gradients
+      reduce-scattered back) and attends each local query to the picked keys it may see.
+
+    The indexer's scores of a query are the same products as one process's, masked alike, and ``topk`` ranks
+    them alike, ties included (a ReLU'd score is often exactly 0). The strategy asked for serves the model's
+    other layers; a DSA layer gathers as the allgather strategy does, keys and values after the MLA expansion
+    (``2 x heads x head_dim`` values a token, where the latent before it holds ``kv_lora_rank + rope`` values).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from seqpar.errors import SeqparInputError
+from seqpar.sequence_parallel.call_context import CallContext
+from seqpar.sequence_parallel.layouts.chunks import gather_sequence, rank_chunk_ids
+from seqpar.sequence_parallel.tiling.planner import dense_mask
+
+VISIBLE_KEY = "indexed"
+"""``CallContext.cache`` key of the call's global visibility, one tensor per (batch, local length)."""
+
+
+@dataclass(frozen=True)
+class IndexerKeys:
+    """The cache a DSA indexer is handed inside a sharded call: its keys come back gathered in global order."""
+
+    ctx: CallContext
+
+    def update_indexer(self, keys: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """``[B, S/P, D]`` -> ``[B, S, D]``: every rank's indexer keys, in global order."""
+        return gather_sequence(keys, self.ctx.mesh, dim=1, layout=self.ctx.layout)
+
+
+def visibility(ctx: CallContext, batch: int, local: int, device: torch.device) -> torch.Tensor:
+    """``[B or 1, 1, S/P, S]`` bool: the global keys each local query may see (causal and the call's mask)."""
+    sp = ctx.mesh
+    key = (VISIBLE_KEY, batch, local, device)
+    if key not in ctx.cache:
+        seq = local * sp.sp_size
+        chunks = rank_chunk_ids(ctx.layout, sp.sp_size, sp.sp_rank)
+        size = local // len(chunks)
+        rows = [dense_mask((c * size, (c + 1) * size), (0, seq), True, ctx.mask, None) for c in chunks]
+        ctx.cache[key] = torch.cat(rows, dim=2).to(device)
+    return ctx.cache[key]
+
+
+def indexed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    visible: torch.Tensor,
+    indices: torch.Tensor,
+    scale: float | None,
+    ctx: CallContext,
+) -> torch.Tensor:
+    """Each local query attends to the keys its indexer picked among those it may see (Note [indexed attention]).
+
+    Args:
+        q: ``[B, H, S/P, D]`` local queries.
+        k: ``[B, Hkv, S/P, D]`` local keys.
+        v: ``[B, Hkv, S/P, Dv]`` local values.
+        visible: the call's visibility (``visibility``), as the module handed it back.
+        indices: ``[B, S/P, topk]`` global key indices the indexer picked for each local query.
+        scale: the softmax scale.
+        ctx: the call context.
+
+    Returns:
+        ``[B, H, S/P, Dv]``.
+
+    Raises:
+        SeqparInputError: indices that do not name one row of global keys per local query.
+    """
+    seq = q.shape[2] * ctx.mesh.sp_size
+    if indices.dim() != 3 or indices.shape[:2] != (q.shape[0], q.shape[2]):
+        raise SeqparInputError(
+            f"the indexer's picks have shape {tuple(indices.shape)}, not [batch, local tokens, top-k] "
+            f"({q.shape[0]}, {q.shape[2]}, k)"
+        )
+    keys, values = (gather_sequence(t, ctx.mesh, dim=2, layout=ctx.layout) for t in (k, v))
+    picked = torch.zeros(q.shape[0], q.shape[2], seq, dtype=torch.bool, device=q.device)
+    picked.scatter_(-1, indices.long(), True)
+    allowed = visible & picked[:, None]
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=scale, enable_gqa=True)
