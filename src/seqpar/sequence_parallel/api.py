@@ -230,7 +230,7 @@ def attention_and_choice(
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     value_width = v.shape[-1]
-    q, k, v = _same_head_width(q, k, v)  # Note [value head size]
+    q, k, v = same_head_width(q, k, v)  # Note [value head size]
     causal = causal and mask.blocks is None  # the blocks replace the causal rule (Note [block-causal ranges])
     options = dict(mesh=sp, strategy=strategy, kernel=kernel, softcap=softcap, mask=mask, layout=layout, causal=causal)
     choice = choose_attention(q, k, v, alibi=alibi is not None, **options)
@@ -243,7 +243,7 @@ def attention_and_choice(
     return (out[..., :value_width] if out.shape[-1] != value_width else out), choice
 
 
-def _same_head_width(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def same_head_width(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """q, k and v zero-padded to one head size (Note [value head size]); unchanged when they share it.
 
     Note [value head size]

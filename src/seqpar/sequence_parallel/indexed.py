@@ -20,9 +20,15 @@ Note [indexed attention]
       reduce-scattered back) and attends each local query to the picked keys it may see.
 
     The indexer's scores of a query are the same products as one process's, masked alike, and ``topk`` ranks
-    them alike, ties included (a ReLU'd score is often exactly 0). The strategy asked for serves the model's
-    other layers; a DSA layer gathers as the allgather strategy does, keys and values after the MLA expansion
-    (``2 x heads x head_dim`` values a token, where the latent before it holds ``kv_lora_rank + rope`` values).
+    the same row alike, ties included (a ReLU'd score is often exactly 0). Which of several exactly equal scores
+    ``topk`` keeps depends on the row's length and order, in one process too: a row seqpar pads to its layout's
+    multiple, or reorders (the placed layout), may keep other keys where scores tie at the k-th place than one
+    process on the unpadded row. The tiny models' 2 index heads make such ties common; 64 heads make them rare.
+
+    The strategy asked for serves the model's other layers; a DSA layer gathers as the allgather strategy does,
+    keys and values after the MLA expansion (``2 x heads x head_dim`` values a token, where the latent before it
+    holds ``kv_lora_rank + rope`` values), and the local kernel attends each local query over the whole gathered
+    row under the dense mask.
 """
 
 from __future__ import annotations
@@ -30,11 +36,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from seqpar.errors import SeqparInputError
+from seqpar.sequence_parallel.api import AttentionChoice, same_head_width
 from seqpar.sequence_parallel.call_context import CallContext
+from seqpar.sequence_parallel.kernels import select_kernel
 from seqpar.sequence_parallel.layouts.chunks import gather_sequence, rank_chunk_ids
+from seqpar.sequence_parallel.strategies.local import masked_attention
 from seqpar.sequence_parallel.tiling.planner import dense_mask
 
 VISIBLE_KEY = "indexed"
@@ -73,7 +81,7 @@ def indexed_attention(
     indices: torch.Tensor,
     scale: float | None,
     ctx: CallContext,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, AttentionChoice]:
     """Each local query attends to the keys its indexer picked among those it may see (Note [indexed attention]).
 
     Args:
@@ -86,7 +94,7 @@ def indexed_attention(
         ctx: the call context.
 
     Returns:
-        ``[B, H, S/P, Dv]``.
+        ``[B, H, S/P, Dv]``, and the strategy and kernel that computed it (the allgather strategy's gathering).
 
     Raises:
         SeqparInputError: indices that do not name one row of global keys per local query.
@@ -97,8 +105,13 @@ def indexed_attention(
             f"the indexer's picks have shape {tuple(indices.shape)}, not [batch, local tokens, top-k] "
             f"({q.shape[0]}, {q.shape[2]}, k)"
         )
+    width = v.shape[-1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale  # the queries' own head size (Note [value head size])
+    q, k, v = same_head_width(q, k, v)
     keys, values = (gather_sequence(t, ctx.mesh, dim=2, layout=ctx.layout) for t in (k, v))
     picked = torch.zeros(q.shape[0], q.shape[2], seq, dtype=torch.bool, device=q.device)
     picked.scatter_(-1, indices.long(), True)
     allowed = visible & picked[:, None]
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=scale, enable_gqa=True)
+    kernel = select_kernel(q, keys, values, ctx.kernel, mask=allowed)
+    out = masked_attention(q, keys, values, allowed, scale, kernel)
+    return out[..., :width], AttentionChoice("allgather", kernel)
