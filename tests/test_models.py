@@ -606,15 +606,22 @@ def test_tensor_parallel_follows_a_read_familys_own_plan():
 
 
 def test_read_families_whose_masks_seqpar_does_not_build_are_refused_by_name():
-    """Falcon with ALiBi (a bias built by the model) and Llama 4's chunked attention: refused, the feature named."""
+    """Falcon with ALiBi (a bias built by the model), DeepSeek-V4's compressed layers, Kolibri 1.1's pooled key
+    selection on its indexed layers, and a chunk size no layer type names: refused, the feature named."""
     from seqpar.models.zoo import CAUSAL_LM, tiny_config, tiny_model
 
     falcon = tiny_config("falcon")
     falcon.alibi = True
     with pytest.raises(SeqparInputError, match=r"'falcon' models .* ALiBi position bias \(config\.alibi\)"):
         seqpar.prepare_model(transformers.AutoModelForCausalLM.from_config(falcon), None)
-    with pytest.raises(SeqparInputError, match=r"'llama4_text' models .* layer_types hold 'chunked_attention'"):
-        seqpar.prepare_model(tiny_model("llama4_text", (CAUSAL_LM,), device="meta"), None)
+    with pytest.raises(SeqparInputError, match=r"'deepseek_v4' models .* hold 'compressed_sparse_attention'"):
+        seqpar.prepare_model(tiny_model("deepseek_v4", (CAUSAL_LM,), device="meta"), None)
+    with pytest.raises(SeqparInputError, match=r"layer \d is a sparse-attention layer \(indexed_attention\) whose"):
+        seqpar.prepare_model(tiny_model("kolibri1_1", (CAUSAL_LM,), device="meta"), None)
+    llama4 = tiny_model("llama4_text", (CAUSAL_LM,), device="meta")
+    llama4.config.layer_types = ["full_attention"] * llama4.config.num_hidden_layers  # the chunk size kept
+    with pytest.raises(SeqparInputError, match=r"chunked \(attention_chunk_size=8\) on layers its layer_types do not"):
+        seqpar.prepare_model(llama4, None)
     assert not isinstance(find_anatomy(tiny_model("falcon", (CAUSAL_LM,), device="meta")), str), "RoPE Falcon is read"
 
 
