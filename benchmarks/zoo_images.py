@@ -80,8 +80,9 @@ def _count(features: Any) -> int:
 
 def _recipes(model: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
     """Candidate pixel keywords for one image, in the layout the family's ``get_image_features`` names in its
-    signature: Qwen-style patch rows with their grid, NaFlex patches with their shape, a batch of images per
-    row with a pixel mask, crops with the image's size, or plain images (small first, then the config's size)."""
+    signature: Qwen-style patch rows with their grid, NaFlex patches with their shape, Gemma 4's patches with their
+    positions, a batch of images per row with a pixel mask, crops with the image's size, or plain images (small
+    first, then the config's size)."""
     vision = model.config.vision_config
     channels = getattr(vision, "num_channels", None) or getattr(vision, "in_channels", None) or 3
     patch = getattr(vision, "patch_size", None) or 14
@@ -103,6 +104,11 @@ def _recipes(model: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
             "spatial_shapes": torch.tensor([[side, side]]),
             "pixel_attention_mask": torch.ones(1, side * side, dtype=torch.bool),
         }
+    if "image_position_ids" in named:  # Gemma 4: flat patches with their (x, y), pooled k x k
+        side = 2 * (getattr(vision, "pooling_kernel_size", None) or 1)
+        xy = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side), indexing="xy"), -1).reshape(1, -1, 2)
+        yield {"pixel_values": torch.randn(1, side * side, channels * patch * patch, generator=noise),
+               "image_position_ids": xy}  # fmt: skip
     size = getattr(vision, "image_size", None) or 4 * patch
     size = size[0] if isinstance(size, (list, tuple)) else size
     for side in dict.fromkeys((4 * patch, size)):

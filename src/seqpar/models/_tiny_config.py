@@ -52,11 +52,33 @@ _FAMILY_FIELDS: dict[str, dict[str, Any]] = {
     # its model builds one projector per (vision layer, text layer) pair of `deepstack_layer_map`, None by default,
     # and splits `downsample_rate` (None by default) into its query and key window sides
     "Granite4VisionConfig": {"deepstack_layer_map": [[-1, 0]], "downsample_rate": "1/4"},
+    # its vision adapter's first projection takes the pixel-shuffled patches (hidden / ratio^2 wide), and its projector
+    # chain keeps one width from the adapter to the text projection, which the shrunk widths break
+    "Llama4Config": {"vision_config": lambda fields: _llama4_vision(fields["vision_config"])},
+    # its vision tower is optional and absent by default: the default vision config, shrunk, so images can be tried
+    "Gemma4Config": {"vision_config": lambda fields: fields.get("vision_config") or _default_sub("Gemma4VisionConfig")},
     # its attention clamps queries, keys and values to `clip_qkv`, None by default (DBRX's own is 8)
     "DbrxConfig": {"attn_config": lambda fields: {**fields["attn_config"], "clip_qkv": 8.0}},
 }
 """Per config class, fields its defaults leave unusable that no rule can derive (value, or a function of the tiny
 fields); each with the reason."""
+
+
+def _llama4_vision(vision: dict[str, Any]) -> dict[str, Any]:
+    width = vision["hidden_size"]
+    shuffled = int(width / vision["pixel_shuffle_ratio"] ** 2)
+    return {**vision, "intermediate_size": shuffled, **dict.fromkeys(_LLAMA4_PROJECTOR, width)}
+
+
+_LLAMA4_PROJECTOR = ("projector_input_dim", "projector_output_dim", "vision_output_dim")
+
+
+def _default_sub(name: str) -> dict[str, Any]:
+    """The shrunk fields of transformers' default config class ``name``, with its model type."""
+    import transformers
+
+    default = getattr(transformers, name)()
+    return {**_tiny_fields(default), "model_type": default.model_type}
 
 
 def tiny_fields(default: Any, mrope: bool) -> dict[str, Any]:

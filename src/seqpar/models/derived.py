@@ -275,6 +275,8 @@ def _vision_tower(model: nn.Module, decoder: str) -> dict:
     except AttributeError:
         return {}
     towers = [n for n, c in outer.named_children() if vision is not None and getattr(c, "config", None) is vision]
+    if not towers and outer is not model:  # beside the decoder, in the model with the head (Llama 4's vision_model)
+        towers = [n for n, c in model.named_children() if vision is not None and getattr(c, "config", None) is vision]
     sources = "".join(inspect.getsource(cls.forward) for cls in {type(outer), type(model)} if hasattr(cls, "forward"))
     own_masks = [word for word in _OWN_IMAGE_MASKS if re.search(rf"\b{word}\b", sources)]  # not mm_token_type_ids
     name = type(model).__name__
@@ -374,15 +376,16 @@ def _text_decoder(model: nn.Module) -> nn.Module:
         if inner is found or not holds_layers:  # ModernBERT's decoder-named head is a projection, not the decoder
             break
         found = inner
-    if found is not model:
+    if found is not model and any(isinstance(c, nn.ModuleList) for c in found.children()):
         return found
-    kinds = set(getattr(model, "_no_split_modules", None) or ())
+    # no get_decoder(), or one that stops at a model with a head (Llama 4's language model): the shallowest holder
+    kinds = {k for m in (model, found) for k in getattr(m, "_no_split_modules", None) or ()}
     holders = [
         (name.count("."), name, module)
-        for name, module in model.named_modules()
+        for name, module in found.named_modules()
         if any(isinstance(c, nn.ModuleList) and c and type(c[0]).__name__ in kinds for c in module.children())
     ]
-    return min(holders, key=lambda h: (h[0], h[1]))[2] if holders else model
+    return min(holders, key=lambda h: (h[0], h[1]))[2] if holders else found
 
 
 def derive_family(model: nn.Module) -> Family | str:

@@ -113,8 +113,9 @@ class Family:
     tp_plan: tuple[tuple[str, str], ...] | None = LLAMA_TP_PLAN
     """(path from a layer, "colwise" or "rowwise") for tensor parallel; None: the family has no plan."""
     vision: str | None = None
-    """Path from the decoder to a multimodal model's vision tower, which keeps its own attention and runs on
-    whole rows (Note [whole-row calls]); None for a text model."""
+    """Path from the decoder (or, where the tower sits beside the decoder, from the model) to a multimodal model's
+    vision tower, which keeps its own attention and runs on whole rows (Note [whole-row calls]); None for a text
+    model."""
     positions: str = "text"
     """"text": ``[B, S]`` position ids; "mrope": Qwen's multimodal RoPE, ``[3, B, S]`` (or ``[4, B, S]`` with
     the text positions first) computed by the model from the whole row's image grids."""
