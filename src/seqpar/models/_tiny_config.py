@@ -32,6 +32,13 @@ WINDOW = 8
 """A sliding window (and a chunked-attention chunk) well inside the sweep's 24-token rows, so it bites."""
 
 
+_QWEN4_QSA = {
+    "indexer_n_heads": 2,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": HEAD_DIM,
+    "indexer_budget": WINDOW,
+    "indexer_compress_ratio": 4,
+}
 _FAMILY_FIELDS: dict[str, dict[str, Any]] = {
     # its default leaves `layer_types` None, which its model indexes: LFM2's short-conv and attention layers
     "Lfm2MoeConfig": {"layer_types": [*ShortConv.layer_types, "full_attention"]},
@@ -55,6 +62,10 @@ _FAMILY_FIELDS: dict[str, dict[str, Any]] = {
     # its vision adapter's first projection takes the pixel-shuffled patches (hidden / ratio^2 wide), and its projector
     # chain keeps one width from the adapter to the text projection, which the shrunk widths break
     "Llama4Config": {"vision_config": lambda fields: _llama4_vision(fields["vision_config"])},
+    # its QSA indexer's sizes are None by default, which its attention divides: one index key head (as it requires),
+    # 8 kept tokens in blocks of 4
+    "Qwen4ExpTextConfig": _QWEN4_QSA,
+    "Qwen4ExpConfig": {"text_config": lambda fields: {**fields["text_config"], **_QWEN4_QSA}},
     # its vision tower is optional and absent by default: the default vision config, shrunk, so images can be tried
     "Gemma4Config": {"vision_config": lambda fields: fields.get("vision_config") or _default_sub("Gemma4VisionConfig")},
     # its attention clamps queries, keys and values to `clip_qkv`, None by default (DBRX's own is 8)
