@@ -5,7 +5,7 @@ Llama 4: chunked attention on its RoPE layers (Note [chunked attention]) and the
 (Note [Llama 4 temperature]), at 2 and 3 ranks under every strategy the heads allow, on whole rows and on a packed
 row (against one process on that row); with the chunk rule dropped, or the temperature counted on each shard, it
 comes out WRONG. DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5's MoE-DSA; Note [indexed attention]) likewise at 2
-and 3 ranks; with the other ranks' indexer keys zeroed it comes out WRONG.
+and 3 ranks; with the other ranks' indexer keys zeroed it comes out WRONG. Gemma 3n's text decoder likewise.
 """
 
 from __future__ import annotations
@@ -115,18 +115,23 @@ DSA = ("deepseek_v32", "glm_moe_dsa", "dots3_note_text")
 """DeepSeek Sparse Attention: each indexed layer keeps 8 of the row's 24 or 48 keys (GLM-5's MoE-DSA, dots.llm3 too)."""
 
 
-def _dsa_on_rank(rank: int, world: int) -> None:
+READ = (*DSA, "gemma3n_text")
+"""With Gemma 3n: AltUp streams and LAuReL residuals (per token), key/value shared by its last layers, activation
+sparsity, sliding layers."""
+
+
+def _read_families_on_rank(rank: int, world: int) -> None:
     _quiet()
-    found = {(t, packed): _judged(rank, world, "auto", packed, t) for t in DSA for packed in (False, True)}
+    found = {(t, packed): _judged(rank, world, "auto", packed, t) for t in READ for packed in (False, True)}
     assert {k: v["status"] for k, v in found.items()} == dict.fromkeys(found, EXACT), found
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_sparse_attention_indexers_are_exact_on_rows_and_a_packed_row(world):
+def test_sparse_attention_and_gemma3n_are_exact_on_rows_and_a_packed_row(world):
     """Note [indexed attention]: each local query ranked against every key of the row, its picks attended over the
     gathered keys and values; a packed row against one process on that row (the indexer's ties at a ReLU'd 0 fall
     by the row's layout, so transformers' own packed row is not each document alone)."""
-    run_ranks(world, _dsa_on_rank)
+    run_ranks(world, _read_families_on_rank)
 
 
 def _dsa_control_on_rank(rank: int, world: int) -> None:
