@@ -154,3 +154,40 @@ def _dsa_control_on_rank(rank: int, world: int) -> None:
 
 def test_sparse_attention_without_the_other_ranks_keys_is_wrong():
     run_ranks(2, _dsa_control_on_rank)
+
+
+def _padded_on_rank(rank: int, world: int) -> None:
+    """A packed row of 22 tokens, which the layout pads: with ``seqpar_width`` the indexer ranks one process's row."""
+    import seqpar
+    from seqpar.errors import SeqparInputError
+    from seqpar.models.zoo import CAUSAL_LM, TEXT_IDS, tiny_model
+
+    _quiet()
+    model = tiny_model("deepseek_v32", (CAUSAL_LM,))
+    ids = torch.randint(*TEXT_IDS, (1, 22), generator=torch.Generator().manual_seed(4))
+    positions = torch.cat([torch.arange(9), torch.arange(13)])[None]
+    parallel = copy.deepcopy(model)
+    _, want_loss, want_grads = _one_process(model, ids, positions)
+    mesh = seqpar.make_mesh(sp_size=world)
+    parallel = seqpar.prepare_model(parallel, mesh)
+    shard = seqpar.shard_batch({"input_ids": ids, "position_ids": positions}, mesh)
+    assert shard.width == 22
+    call = {"input_ids": shard["input_ids"], "position_ids": shard["position_ids"]}
+    for bad in (0, 23 * world, 22 + rank):  # not a width, past the row, one rank's own: raised on every rank
+        with pytest.raises(SeqparInputError, match="seqpar_width"):
+            parallel(**call, seqpar_width=bad)
+    logits = parallel(**call, seqpar_width=shard.width).logits
+    loss = seqpar.cross_entropy(logits.float(), shard["shift_labels"], mesh)
+    loss.backward()
+    seqpar.reduce_gradients(parallel.parameters(), mesh)
+    torch.testing.assert_close(seqpar.sum_over(loss.detach(), mesh), want_loss, rtol=1e-5, atol=0)
+    for name, p in parallel.named_parameters():
+        if p.grad is None and name not in want_grads:  # the indexer trains under no_grad in transformers
+            continue
+        ratio, what = zoo.judge(f"grad {name}", p.grad, want_grads[name], None)
+        assert ratio <= 1.0, what
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sparse_attention_ranks_the_rows_width_before_the_layouts_padding(world):
+    run_ranks(world, _padded_on_rank)

@@ -505,10 +505,10 @@ def test_models_equal_one_process(request, name, strategy):
     assert _compare(root, name)["setup"]["strategy"] == strategy
 
 
-@pytest.mark.parametrize("name", ["olmo3_sp2", "starcoder2_sp2", "glm4_moe_sp2", "llama4_sp2"])
+@pytest.mark.parametrize("name", ["olmo3_sp2", "starcoder2_sp2", "glm4_moe_sp2", "llama4_sp2", "deepseek_v32_sp2"])
 def test_families_without_an_entry_equal_one_process(two_ranks, name):
-    """OLMo 3, StarCoder2, GLM-4.5-style experts and Llama 4 (over 2 epochs): no registry entry, their anatomy read
-    from the model."""
+    """OLMo 3, StarCoder2, GLM-4.5-style experts, Llama 4 and DeepSeek-V3.2 (both over 2 epochs, DeepSeek's indexer
+    ranking the rows' width before the layout's padding): no registry entry, their anatomy read from the model."""
     _compare(two_ranks, name)
 
 

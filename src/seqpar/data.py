@@ -35,11 +35,21 @@ class BatchShard(dict):
     prepared with ``layout="balanced"`` as ``model(..., seqpar_layout=shard.layout)``).
     """
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], layout: Layout, placement: Placement | None = None) -> None:
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        layout: Layout,
+        placement: Placement | None = None,
+        width: int | None = None,
+    ) -> None:
         super().__init__(tensors)
         self.layout = layout
         self.placement = placement
         """Under ``layout="placed"``: the placed row's order (``placement.restore`` puts a gathered row back)."""
+        self.width = width
+        """The rows' global width before the layout's padding where ``shard_batch`` padded them, else None: a
+        sparse-attention indexer ranks that many keys, as one process does (``model(..., seqpar_width=shard.width)``,
+        Note [indexed attention])."""
 
 
 def _as_2d(name: str, t: object) -> torch.Tensor:
@@ -156,7 +166,8 @@ def shard_batch(
     if row.per_batch:  # a per-batch layout that keeps the row's order: its solver cuts the padded row
         layout = row.solver(positions, sp.sp_size)
     tensors = {"input_ids": ids, "position_ids": positions, "shift_labels": shifted, "token_mask": keep.long()}
-    return BatchShard({k: shard_for_rank(t, sp.sp_rank, sp.sp_size, 1, layout) for k, t in tensors.items()}, layout)
+    shards = {k: shard_for_rank(t, sp.sp_rank, sp.sp_size, 1, layout) for k, t in tensors.items()}
+    return BatchShard(shards, layout, width=s if pad else None)
 
 
 def _placed_shard(placement: Placement, ids, shifted, keep, sp, pad_token_id: int, ignore_index: int) -> BatchShard:

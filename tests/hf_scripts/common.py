@@ -164,6 +164,9 @@ CASES = {
     # Llama 4: chunked layers and a NoPE layer whose query temperature counts the row's tokens, on packed rows over 2
     # epochs
     "llama4_sp2": Case(2, kind="llama4_text", eval_batch=2, rows=8),
+    # DeepSeek-V3.2: every layer's indexer keeps 8 keys (Note [indexed attention]) of rows the layout pads, its
+    # experts routed per token
+    "deepseek_v32_sp2": Case(2, kind="deepseek_v32", rows=8),
     # the same model FSDP2-sharded over the 2 ranks: the adapted mixers live inside the sharded decoder blocks
     "qwen3_next_sp2_fsdp2": Case(2, kind="qwen3_next", collator="padded", fsdp=True, reference="qwen3_next_sp2"),
     # vision-language models on whole rows (Note [whole-row calls]): 4 samples with 1-2 images of different sizes,
@@ -261,7 +264,7 @@ def tokenizer():
     return tok
 
 
-READ_KINDS = ("olmo3", "glm4_moe", "starcoder2", "llama4_text")
+READ_KINDS = ("olmo3", "glm4_moe", "starcoder2", "llama4_text", "deepseek_v32")
 """Families seqpar has no entry for, served by the anatomy read from the model (Note [read anatomy]); their tiny
 configs are the zoo's (``seqpar.models.zoo.tiny_config``)."""
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from seqpar.data import IGNORE_INDEX, shard_batch
 from seqpar.errors import SeqparInputError
 from seqpar.mesh import SequenceParallelMesh
-from seqpar.sequence_parallel.call_checks import LAYOUT_KEYWORD, PACKING_KEYS
+from seqpar.sequence_parallel.call_checks import LAYOUT_KEYWORD, PACKING_KEYS, WIDTH_KEYWORD
 from seqpar.sequence_parallel.comm.collectives import collective_device
 from seqpar.sequence_parallel.layouts.chunks import ChunkLayout, Layout
 from seqpar.sequence_parallel.whole_rows import PLACEMENT_KEYWORD, SHARD_REFUSED
@@ -59,15 +59,16 @@ def model_inputs(shard: Mapping[str, object]) -> dict[str, object]:
 
     Returns:
         ``{"input_ids", "position_ids"}`` (a multimodal batch: its whole rows, pixels and grids), and
-        ``seqpar_layout`` when the shard carries its batch's own layout (``layout="balanced"``), and for a
-        multimodal batch under the placed layout ``seqpar_placement``: ``model(**model_inputs(shard))``.
+        ``seqpar_layout`` when the shard carries its batch's own layout (``layout="balanced"``), ``seqpar_width``
+        when the layout padded the rows, and for a multimodal batch under the placed layout ``seqpar_placement``:
+        ``model(**model_inputs(shard))``.
     """
     rows = shard.get(ROWS)
     if rows is not None:
         inputs = dict(rows)
     else:
         inputs = {"input_ids": shard["input_ids"], "position_ids": shard["position_ids"]}
-    for key in (LAYOUT_KEYWORD, PLACEMENT_KEYWORD):
+    for key in (LAYOUT_KEYWORD, PLACEMENT_KEYWORD, WIDTH_KEYWORD):
         if shard.get(key) is not None:
             inputs[key] = shard[key]
     return inputs
@@ -205,6 +206,8 @@ def to_shard(
             shard[PLACEMENT_KEYWORD] = sharded.placement
     if isinstance(sharded.layout, ChunkLayout):  # per batch: the model must be told it with this shard
         shard[LAYOUT_KEYWORD] = sharded.layout
+    if sharded.width is not None and rows is None:  # padded for the layout: the width one process's rows have
+        shard[WIDTH_KEYWORD] = sharded.width
     return shard
 
 

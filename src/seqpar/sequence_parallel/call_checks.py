@@ -19,6 +19,9 @@ from seqpar.sequence_parallel.whole_rows import SHARD_REFUSED
 LAYOUT_KEYWORD = "seqpar_layout"
 """The model-call keyword that carries a batch's own layout (``shard.layout`` of ``shard_batch``); the
 forward pre-hook takes it out before the model sees its arguments."""
+WIDTH_KEYWORD = "seqpar_width"
+"""The model-call keyword that carries the rows' global width before ``shard_batch``'s layout padding
+(``shard.width``), which a sparse-attention indexer ranks (Note [indexed attention]); taken out by the hook."""
 PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 """Keywords that give varlen kernels a whole row's packed documents; seqpar reads the documents of a shard from
 its position ids, so a prepared model's call refuses them (the Trainer doors drop them from their batches)."""
@@ -39,6 +42,8 @@ CALL_PROBLEMS = {
     f"model(input_ids=..., position_ids=..., {LAYOUT_KEYWORD}=shard.layout) with the shard from seqpar.shard_batch",
     "bad_layout": f"{LAYOUT_KEYWORD} must be 'contiguous', 'zigzag' or the ChunkLayout of seqpar.shard_batch "
     f"(shard.layout) for this many ranks",
+    "bad_width": f"{WIDTH_KEYWORD} must be shard.width of seqpar.shard_batch: a whole number of tokens, at most "
+    "the call's global length",
     "multimodal_keys": f"{', '.join(SHARD_REFUSED)} belong to a whole-row call of a multimodal model (Note "
     "[whole-row calls]); on shards each rank would merge or mask a part of a row (a text model ignores them)",
     "mrope_embeds": "this model numbers image tokens with mRoPE from its whole rows: call it with whole rows "
@@ -68,11 +73,13 @@ class CallSignature(Signature):
     packing_keys: bool
     no_layout: bool
     bad_layout: bool
+    bad_width: bool
     multimodal_keys: bool
     mrope_embeds: bool
     placeholders: bool
     config_digest: int  # config_digest of the model's config: every rank must have built the same model
     layout_digest: int  # layout_digest of the call's layout keyword: every rank must pass the same one
+    row_width: int  # the call's width keyword (0: none): every rank must pass the same one
     positions_ndim: int
     positions_dims: tuple[int, int]  # the first two sizes, zero-padded
 
@@ -86,6 +93,13 @@ def placeholder_ids(config: object) -> list[int]:
     """The image and video placeholder token ids of a multimodal model's config (none for a text model)."""
     names = ("image_token_id", "video_token_id", "image_token_index", "video_token_index")
     return [v for v in (getattr(config, n, None) for n in names) if isinstance(v, int)]
+
+
+def _fits_width(width: object, ids: object, sp_size: int) -> bool:
+    """A width of whole tokens, at most the call's global length (when its input ids tell it)."""
+    if not isinstance(width, int) or isinstance(width, bool) or width < 1:
+        return False
+    return not isinstance(ids, torch.Tensor) or width <= ids.shape[-1] * sp_size
 
 
 def layout_fault(sp: SequenceParallelMesh, prepared: Layout, call_layout: object) -> tuple[bool, bool]:
@@ -104,6 +118,7 @@ def agree_on_call(
     call_layout: object,
     config: object,
     family: object,
+    width: object = None,
 ) -> None:
     """Check one model call on every rank at once (Note [agreeing on errors]): all raise, or none does."""
     attention_mask = kwargs.get("attention_mask")
@@ -124,11 +139,13 @@ def agree_on_call(
         packing_keys=any(kwargs.get(k) is not None for k in PACKING_KEYS),
         no_layout=no_layout,
         bad_layout=bad_layout,
+        bad_width=width is not None and not _fits_width(width, ids, sp.sp_size),
         multimodal_keys=any(kwargs.get(k) is not None for k in SHARD_REFUSED),
         mrope_embeds=family.positions == "mrope" and kwargs.get("inputs_embeds") is not None,
         placeholders=held,
         config_digest=config_digest(config),
         layout_digest=layout_digest(call_layout),
+        row_width=width if isinstance(width, int) and _fits_width(width, ids, sp.sp_size) else 0,
         positions_ndim=len(shape),
         positions_dims=tuple([*shape, 0, 0][:2]),
     )
@@ -146,5 +163,7 @@ def agree_on_call(
         problems.append(differing)
     if not problems and any(row.layout_digest != table[0].layout_digest for row in table):
         problems.append(f"the ranks passed different {LAYOUT_KEYWORD} values; pass every rank its shard's layout")
+    if not problems and any(row.row_width != table[0].row_width for row in table):
+        problems.append(f"the ranks passed different {WIDTH_KEYWORD} values; pass every rank its shard's width")
     if problems:
         raise SeqparInputError(" | ".join(problems))

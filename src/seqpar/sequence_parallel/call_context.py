@@ -54,6 +54,9 @@ class CallContext:
     positions: torch.Tensor | None = None
     """This rank's global position ids as the call gave them, for a position table that its family's decoder
     does not hand them to (Note [attention adapters]); None where the call had none."""
+    width: int | None = None
+    """The rows' global width before ``shard_batch``'s layout padding, where the call gave it (``seqpar_width``):
+    a sparse-attention indexer ranks that many keys (Note [indexed attention]); None: the whole call."""
     cache: dict = field(default_factory=dict)
     """Tensors made once per call for every layer that asks (the visibility of Note [indexed attention])."""
 

@@ -15,15 +15,18 @@ Note [indexed attention]
     - the indexer's pre-hook hands it, as its cache, ``IndexerKeys``: ``update_indexer`` all-gathers the
       indexer's keys into global order (``index_head_dim`` values a token: 128 in DeepSeek-V3.2, under
       no_grad as the indexer runs), so each local query's scores are the row of global keys one process
-      ranks, and the picks are global key indices;
+      ranks, and the picks are global key indices; where the call gives its rows' width before
+      ``shard_batch``'s layout padding (``seqpar_width=shard.width``: the Trainer and ``seqpar train`` doors do),
+      the row ends there, as one process's does;
     - seqpar's attention, given those indices and that mask, all-gathers keys and values (their gradients
       reduce-scattered back) and attends each local query to the picked keys it may see.
 
     The indexer's scores of a query are the same products as one process's, masked alike, and ``topk`` ranks
     the same row alike, ties included (a ReLU'd score is often exactly 0). Which of several exactly equal scores
-    ``topk`` keeps depends on the row's length and order, in one process too: a row seqpar pads to its layout's
-    multiple, or reorders (the placed layout), may keep other keys where scores tie at the k-th place than one
-    process on the unpadded row. The tiny models' 2 index heads make such ties common; 64 heads make them rare.
+    ``topk`` keeps depends on the row's length and order, in one process too: hence the width above. A row
+    padded without it, or reordered (the placed layout), may keep other keys where scores tie at the k-th place
+    than one process on the unpadded row. The tiny models' 2 index heads make such ties common; 64 make them rare.
+    A padding token's query sees no key below the width: its output is 0, and no real token sees it.
 
     The strategy asked for serves the model's other layers; a DSA layer gathers as the allgather strategy does,
     keys and values after the MLA expansion (``2 x heads x head_dim`` values a token, where the latent before it
@@ -56,19 +59,21 @@ class IndexerKeys:
     ctx: CallContext
 
     def update_indexer(self, keys: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        """``[B, S/P, D]`` -> ``[B, S, D]``: every rank's indexer keys, in global order."""
-        return gather_sequence(keys, self.ctx.mesh, dim=1, layout=self.ctx.layout)
+        """``[B, S/P, D]`` -> ``[B, W, D]``: every rank's indexer keys in global order, up to the call's width."""
+        return gather_sequence(keys, self.ctx.mesh, dim=1, layout=self.ctx.layout)[:, : self.ctx.width]
 
 
 def visibility(ctx: CallContext, batch: int, local: int, device: torch.device) -> torch.Tensor:
-    """``[B or 1, 1, S/P, S]`` bool: the global keys each local query may see (causal and the call's mask)."""
+    """``[B or 1, 1, S/P, W]`` bool: the global keys each local query may see (causal and the call's mask), up to the
+    call's width ``W`` (``S`` where the call gave none)."""
     sp = ctx.mesh
     key = (VISIBLE_KEY, batch, local, device)
     if key not in ctx.cache:
         seq = local * sp.sp_size
         chunks = rank_chunk_ids(ctx.layout, sp.sp_size, sp.sp_rank)
         size = local // len(chunks)
-        rows = [dense_mask((c * size, (c + 1) * size), (0, seq), True, ctx.mask, None) for c in chunks]
+        width = seq if ctx.width is None else ctx.width
+        rows = [dense_mask((c * size, (c + 1) * size), (0, width), True, ctx.mask, None) for c in chunks]
         ctx.cache[key] = torch.cat(rows, dim=2).to(device)
     return ctx.cache[key]
 
@@ -109,9 +114,9 @@ def indexed_attention(
     scale = q.shape[-1] ** -0.5 if scale is None else scale  # the queries' own head size (Note [value head size])
     q, k, v = same_head_width(q, k, v)
     keys, values = (gather_sequence(t, ctx.mesh, dim=2, layout=ctx.layout) for t in (k, v))
-    picked = torch.zeros(q.shape[0], q.shape[2], seq, dtype=torch.bool, device=q.device)
+    picked = torch.zeros(q.shape[0], q.shape[2], visible.shape[-1], dtype=torch.bool, device=q.device)
     picked.scatter_(-1, indices.long(), True)
-    allowed = visible & picked[:, None]
+    allowed = torch.nn.functional.pad(visible & picked[:, None], (0, seq - visible.shape[-1]))  # padding: unseen
     kernel = select_kernel(q, keys, values, ctx.kernel, mask=allowed)
     out = masked_attention(q, keys, values, allowed, scale, kernel)
     return out[..., :width], AttentionChoice("allgather", kernel)

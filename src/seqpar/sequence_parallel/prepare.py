@@ -59,6 +59,7 @@ from seqpar.sequence_parallel.attention_adapters import (
 )
 from seqpar.sequence_parallel.call_checks import (
     LAYOUT_KEYWORD,
+    WIDTH_KEYWORD,
     agree_on_call,
     layout_digest,
     layout_fault,
@@ -424,26 +425,25 @@ class _PreparedCalls:
             return args, kwargs
         if ROW_KEY in kwargs:  # the text decoder of a checked whole-row call (Note [whole-row calls])
             return args, self._decoder_of_row(kwargs)
+        call_layout, width = kwargs.pop(LAYOUT_KEYWORD, None), kwargs.pop(WIDTH_KEYWORD, None)
         if _CONTEXT_KEY in kwargs or _context_in_mask(kwargs):  # checked by the enclosing model, which passes
-            kwargs.pop(LAYOUT_KEYWORD, None)  # its context down (in the mask: Note [context in the mask])
-            return args, kwargs
+            return args, kwargs  # its context down (in the mask: Note [context in the mask])
         if module is not self.model and self.running is not None:  # the decoder, called by the checked model
-            kwargs.pop(LAYOUT_KEYWORD, None)  # without the keywords it was given (Note [keywords dropped])
+            # without the keywords it was given (Note [keywords dropped])
             return args, {**kwargs, _CONTEXT_KEY: self.running, "use_cache": False}
-        call_layout = kwargs.pop(LAYOUT_KEYWORD, None)
         placement = kwargs.pop(PLACEMENT_KEYWORD, None)  # a text call's shard is placed already
         family = self.served.family
         self.running, self.running_from = None, module
         if family.vision is not None and module is self.model and is_whole_row_call(kwargs, family):
             return args, self._whole_row(args, kwargs, call_layout, placement)
         config = self.model.config
-        agree_on_call(args, kwargs, self.sp, self.layout, call_layout, config, family)
+        agree_on_call(args, kwargs, self.sp, self.layout, call_layout, config, family, width)
         kwargs["use_cache"] = False
         kwargs.pop("attention_mask", None)
         batch_layout = call_layout if call_layout is not None else self.layout
         batch = kwargs["input_ids"].shape[0] if kwargs.get("input_ids") is not None else None
         mask = sequence_mask(kwargs["position_ids"], self.sp, layout=batch_layout, batch_size=batch)
-        return args, self._inject(kwargs, batch_layout, mask)
+        return args, self._inject(kwargs, batch_layout, mask, width)
 
     def _whole_row(self, args: tuple, kwargs: dict, call_layout: object, placement: object) -> dict:
         """A multimodal model's whole-row call, checked on every rank; its images encoded over the group."""
@@ -474,7 +474,7 @@ class _PreparedCalls:
         mask = sequence_mask(text, self.sp, layout=row.layout, batch_size=batch, blocks=row.blocks)
         return self._inject(kwargs, row.layout, mask)
 
-    def _inject(self, kwargs: dict, batch_layout: Layout, mask: SequenceMask) -> dict:
+    def _inject(self, kwargs: dict, batch_layout: Layout, mask: SequenceMask, width: int | None = None) -> dict:
         """The call's keywords with the context its layers read (Note [context in the mask])."""
         limit = getattr(self.model.config, "max_position_embeddings", None)
         if limit is not None and mask.max_position >= limit:
@@ -484,6 +484,6 @@ class _PreparedCalls:
             )
         positions = kwargs.get("position_ids")  # for a position table its decoder does not hand them to
         ctx = self.running = kwargs[_CONTEXT_KEY] = CallContext(
-            self.sp, self.strategy, batch_layout, self.kernel, mask, self.choices, self.attended, positions
+            self.sp, self.strategy, batch_layout, self.kernel, mask, self.choices, self.attended, positions, width
         )
         return _context_to_mask(kwargs, ctx, self.served.family.mask_context, self.model.config)

@@ -14,6 +14,7 @@ import torch
 import seqpar
 from seqpar.data import IGNORE_INDEX, BatchShard
 from seqpar.integrations.moe import model_router_loss
+from seqpar.sequence_parallel.call_checks import WIDTH_KEYWORD
 from seqpar.sequence_parallel.layouts.chunks import PER_BATCH_LAYOUTS
 from seqpar.sequence_parallel.prepare import LAYOUT_KEYWORD
 from seqpar.train.pipeline import pipeline_gradients
@@ -80,11 +81,14 @@ def shard_inputs(run: RunState, shard: BatchShard) -> dict:
         shard: a ``seqpar.shard_batch`` result.
 
     Returns:
-        ``input_ids`` and ``position_ids``, and under --layout balanced the batch's own layout as ``seqpar_layout``.
+        ``input_ids`` and ``position_ids``, under --layout balanced the batch's own layout as ``seqpar_layout``, and
+        where the layout padded the rows their width before it as ``seqpar_width``.
     """
     inputs = {"input_ids": shard["input_ids"].to(run.device), "position_ids": shard["position_ids"].to(run.device)}
     if run.config.layout in PER_BATCH_LAYOUTS:
         inputs[LAYOUT_KEYWORD] = shard.layout
+    if shard.width is not None:
+        inputs[WIDTH_KEYWORD] = shard.width
     return inputs
 
 

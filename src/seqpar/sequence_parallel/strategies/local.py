@@ -164,7 +164,7 @@ def masked_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, scale: float, kernel: AttentionKernel
 ) -> torch.Tensor:
     """``q`` ``[B, H, Sq, D]`` against ``k``, ``v`` ``[B, Hkv, Sk, D]`` under a dense ``keep`` mask
-    (``[B or 1, 1, Sq, Sk]`` bool, True = visible; every row sees a key), in one kernel call."""
+    (``[B or 1, 1, Sq, Sk]`` bool, True = visible; a row that sees no key gives 0), in one kernel call."""
     block = Block(slice(0, q.shape[2]), slice(0, k.shape[2]), False, keep)
     return _LocalAttention.apply(q, k, v, None, [block], scale, kernel, None)
 
