@@ -11,6 +11,7 @@ and 3 ranks; with the other ranks' indexer keys zeroed it comes out WRONG. Gemma
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 
 import pytest
@@ -191,3 +192,55 @@ def _padded_on_rank(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_sparse_attention_ranks_the_rows_width_before_the_layouts_padding(world):
     run_ranks(world, _padded_on_rank)
+
+
+
+def _gemma4_with_images(rank: int, world: int) -> dict:
+    """Gemma 4 with one image, its vision tokens bidirectional on its sliding layers (``use_bidirectional_attention=
+    "vision"``), judged on whole rows."""
+    import transformers
+
+    from benchmarks import zoo_images
+    from seqpar.models.zoo import tiny_config
+
+    config = tiny_config("gemma4")
+    config.text_config.use_bidirectional_attention = "vision"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa").eval()
+    ids, extra = zoo_images.image_inputs(model, math.lcm(4, 2 * world))
+    assert "mm_token_type_ids" in extra
+    pristine = copy.deepcopy(model)
+    want = zoo_images._reference(model, ids, extra)
+    wide = {k: v.double() if v.is_floating_point() else v for k, v in extra.items()}
+    exact = zoo_images._reference(copy.deepcopy(pristine).double(), ids, wide)
+
+    def whole_rows(parallel: torch.nn.Module, shard: dict) -> torch.Tensor:
+        return parallel(input_ids=ids, **extra).logits
+
+    return zoo.judged_run(pristine, rank, world, {"input_ids": ids}, whole_rows, want, exact, False)
+
+
+def _gemma4_on_rank(rank: int, world: int) -> None:
+    from seqpar.sequence_parallel import whole_rows
+
+    _quiet()
+    found = {"read": _gemma4_with_images(rank, world)}
+    kept_kind, kept_runs = prepare.layer_mask, whole_rows.image_runs
+    if world == 2:  # the negative controls: the blocks on every layer (Gemma 3's rule), or on none
+        try:
+            prepare.layer_mask = lambda module: ("sliding_attention", None)
+            found["every layer"] = _gemma4_with_images(rank, world)
+            prepare.layer_mask = kept_kind
+            whole_rows.image_runs = lambda types: [() for _ in types]
+            found["none"] = _gemma4_with_images(rank, world)
+        finally:
+            prepare.layer_mask, whole_rows.image_runs = kept_kind, kept_runs
+    want = {"read": EXACT, "every layer": WRONG, "none": WRONG}
+    assert {k: v["status"] for k, v in found.items()} == {k: want[k] for k in found}, found
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gemma4_image_blocks_on_its_sliding_layers_only(world):
+    """Gemma 4's vision tokens see their whole image on the sliding layers and causally on the full ones; blocks on
+    every layer (Gemma 3's rule) or on none come out WRONG."""
+    run_ranks(world, _gemma4_on_rank)

@@ -34,7 +34,9 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from seqpar.models.families import FAMILIES, Family
@@ -47,6 +49,30 @@ if TYPE_CHECKING:
 _MLP_WORDS = ("mlp", "feedforward", "feed_forward", "ffn", "moe", "experts")
 _PLAIN_STYLES = ("colwise", "rowwise")
 _OWN_IMAGE_MASKS = ("block_sequence_ids", "or_mask_function", "token_type_ids")  # words of a model's own image masks
+
+
+@dataclass(frozen=True)
+class ImageBlocks:
+    """How seqpar serves the image blocks a multimodal model's own code makes (Note [read anatomy])."""
+
+    keyword: str
+    """The call keyword whose non-zero entries mark the vision tokens (``Family.image_blocks``)."""
+    layers: tuple[str, ...]
+    """The layer types that take the blocks (``Family.image_block_layers``)."""
+    switch: tuple[str, object]
+    """(text config field, value): the blocks apply only when the field holds the value; else images are causal."""
+    words: tuple[str, ...]
+    """The words of ``_OWN_IMAGE_MASKS`` its model's forward holds for them (no longer a reason to refuse)."""
+
+
+IMAGE_BLOCKS = {
+    # Gemma 4: each run of vision tokens sees itself both ways on the sliding layers, under the window
+    "get_block_sequence_ids_for_mask": ImageBlocks(
+        "mm_token_type_ids", ("sliding_attention",), ("use_bidirectional_attention", "vision"), ("block_sequence_ids",)
+    ),
+}
+"""A function of a multimodal model's transformers module that makes its image blocks -> how seqpar serves them, in
+place of the refusal its own mask would otherwise get."""
 _ALWAYS = lambda module: True  # noqa: E731
 PER_TOKEN_CLASSES: dict[str, Callable[[nn.Module], bool]] = {
     "ErgoResidualGate": _ALWAYS,
@@ -280,8 +306,15 @@ def _vision_tower(model: nn.Module, decoder: str) -> dict:
     towers = [n for n, c in outer.named_children() if vision is not None and getattr(c, "config", None) is vision]
     if not towers and outer is not model:  # beside the decoder, in the model with the head (Llama 4's vision_model)
         towers = [n for n, c in model.named_children() if vision is not None and getattr(c, "config", None) is vision]
-    sources = "".join(inspect.getsource(cls.forward) for cls in {type(outer), type(model)} if hasattr(cls, "forward"))
+    classes = {type(outer), type(model)}
+    sources = "".join(inspect.getsource(cls.forward) for cls in classes if hasattr(cls, "forward"))
     own_masks = [word for word in _OWN_IMAGE_MASKS if re.search(rf"\b{word}\b", sources)]  # not mm_token_type_ids
+    served = {}
+    for row in (r for f, r in IMAGE_BLOCKS.items() if any(hasattr(sys.modules[c.__module__], f) for c in classes)):
+        own_masks = [word for word in own_masks if word not in row.words]
+        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        if getattr(text, row.switch[0], None) == row.switch[1]:  # else its images attend causally
+            served = {"image_blocks": row.keyword, "image_block_layers": row.layers}
     name = type(model).__name__
     if own_masks:
         return {"images": f"{name} masks its image tokens in its own code ({', '.join(own_masks)}: a bidirectional "
@@ -291,7 +324,7 @@ def _vision_tower(model: nn.Module, decoder: str) -> dict:
     if len(towers) != 1:
         return {"images": f"{name} holds no single module built from its vision_config that seqpar reads as its "
                           "image tower; seqpar serves its text path only"}  # fmt: skip
-    return {"vision": towers[0]}
+    return {"vision": towers[0], **served}
 
 
 def _rope_fields(config: object) -> object:

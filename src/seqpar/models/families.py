@@ -120,7 +120,11 @@ class Family:
     """"text": ``[B, S]`` position ids; "mrope": Qwen's multimodal RoPE, ``[3, B, S]`` (or ``[4, B, S]`` with
     the text positions first) computed by the model from the whole row's image grids."""
     image_blocks: str | None = None
-    """The call keyword whose 1s mark image tokens that see their whole image (Gemma 3's ``token_type_ids``)."""
+    """The call keyword whose non-zero entries mark image tokens that see their whole image (Gemma 3's
+    ``token_type_ids``, Gemma 4's ``mm_token_type_ids``: one block per run of them)."""
+    image_block_layers: tuple[str, ...] | None = None
+    """The layer types whose attention takes the image blocks (Gemma 4: its sliding layers; its full layers stay
+    causal); None: every layer."""
     attention_interface: bool = False
     """Its attention looks its function up in transformers' ``AttentionInterface`` although the model class says
     ``_supports_attention_backend = False`` (Qwen3-Next, Qwen3.5, Olmo-Hybrid, Bamba, Falcon-H1: the flag stands

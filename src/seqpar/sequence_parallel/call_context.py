@@ -57,6 +57,8 @@ class CallContext:
     width: int | None = None
     """The rows' global width before ``shard_batch``'s layout padding, where the call gave it (``seqpar_width``):
     a sparse-attention indexer ranks that many keys (Note [indexed attention]); None: the whole call."""
+    block_layers: tuple[str, ...] | None = None
+    """The layer types that take the mask's image blocks (``Family.image_block_layers``); None: every layer."""
     cache: dict = field(default_factory=dict)
     """Tensors made once per call for every layer that asks (the visibility of Note [indexed attention])."""
 

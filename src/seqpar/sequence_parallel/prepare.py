@@ -45,7 +45,7 @@ import torch
 from seqpar.errors import SeqparInputError
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
 from seqpar.models import ModelAnatomy, find_anatomy
-from seqpar.models.layer_masks import layer_chunk
+from seqpar.models.layer_masks import layer_chunk, layer_mask
 from seqpar.models.own_attention import sparse_indexer
 from seqpar.sequence_parallel._own_config import config_tree, own_config
 from seqpar.sequence_parallel.api import AttentionChoice, attention_and_choice
@@ -131,6 +131,8 @@ def _seqpar_attention(module, query, key, value, attention_mask, scaling=None, d
     causal = kwargs.get("is_causal")  # as transformers' SDPA reads it: the call's flag, else the module's
     causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
     window = kwargs.get("sliding_window")
+    kind, _ = layer_mask(module) or (None, None)
+    mask = ctx.mask if ctx.block_layers is None or kind in ctx.block_layers else ctx.mask.without_blocks()
     out, choice = attention_and_choice(
         query,
         key,
@@ -142,7 +144,7 @@ def _seqpar_attention(module, query, key, value, attention_mask, scaling=None, d
         scale=scaling,
         kernel=ctx.kernel,
         window=window,
-        mask=ctx.mask,
+        mask=mask,  # a layer type that does not take the image blocks sees its documents causally
         sinks=sinks,
         softcap=softcap,
         alibi=kwargs.get(ALIBI_KEY),  # an adapter's ALiBi slopes (Note [ALiBi]); no transformers family passes it
@@ -484,6 +486,7 @@ class _PreparedCalls:
             )
         positions = kwargs.get("position_ids")  # for a position table its decoder does not hand them to
         ctx = self.running = kwargs[_CONTEXT_KEY] = CallContext(
-            self.sp, self.strategy, batch_layout, self.kernel, mask, self.choices, self.attended, positions, width
+            self.sp, self.strategy, batch_layout, self.kernel, mask, self.choices, self.attended, positions, width,
+            self.served.family.image_block_layers,
         )
         return _context_to_mask(kwargs, ctx, self.served.family.mask_context, self.model.config)

@@ -335,6 +335,11 @@ def padded_row_length(length: int, sp_size: int, layout: Layout) -> int:
     return padded
 
 
+PER_TOKEN_ROW_KEYS = ("per_layer_inputs",)
+"""Text decoder keywords that hold one entry per token of the whole row (Gemma 4's per-layer inputs ``[B, S, L,
+D]``): cut like the embeddings."""
+
+
 def _shard(
     x: torch.Tensor, dim: int, pad: int, fill: torch.Tensor | float, sp: SequenceParallelMesh, layout: Layout
 ) -> torch.Tensor:
@@ -389,6 +394,9 @@ def shard_decoder_inputs(kwargs: dict, row: WholeRow, sp: SequenceParallelMesh) 
     if positions is None:
         kwargs["position_ids"] = text
     kwargs["inputs_embeds"] = _shard(embeds, 1, pad, 0.0, sp, row.layout)
+    for key in PER_TOKEN_ROW_KEYS:
+        if isinstance(kwargs.get(key), torch.Tensor):
+            kwargs[key] = _shard(kwargs[key], 1, pad, 0.0, sp, row.layout)
     visual = kwargs.get("visual_pos_masks")
     if visual is not None:  # Qwen3-VL's DeepStack: features added at the visual tokens of chosen layers
         order = (visual.flatten().long().cumsum(0) - 1).view(visual.shape)  # each visual token's feature row
@@ -429,6 +437,9 @@ def _placed_decoder_inputs(kwargs: dict, row: WholeRow, sp: SequenceParallelMesh
     if positions is None:
         kwargs["position_ids"] = text
     kwargs["inputs_embeds"] = cut(placement.place(embeds, 0.0))
+    for key in PER_TOKEN_ROW_KEYS:
+        if isinstance(kwargs.get(key), torch.Tensor):
+            kwargs[key] = cut(placement.place(kwargs[key], 0.0))
     visual = kwargs.get("visual_pos_masks")
     if visual is not None:  # Qwen3-VL's DeepStack, as in shard_decoder_inputs
         order = (visual.flatten().long().cumsum(0) - 1).view(visual.shape)

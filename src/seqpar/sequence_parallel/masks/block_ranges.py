@@ -121,7 +121,8 @@ def _ranges(blocks: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
 
 
 def image_runs(token_types: torch.Tensor) -> list[tuple[tuple[int, int], ...]]:
-    """Each row's runs of image tokens (``token_types == 1``, Gemma 3's ``token_type_ids``) as ``(start, stop)``.
+    """Each row's runs of image tokens (non-zero ``token_types``: Gemma 3's ``token_type_ids``, Gemma 4's
+    ``mm_token_type_ids`` of images and videos) as ``(start, stop)``.
 
     Args:
         token_types: ``[B, S]`` token types.
@@ -130,7 +131,7 @@ def image_runs(token_types: torch.Tensor) -> list[tuple[tuple[int, int], ...]]:
         One tuple of sorted, disjoint ranges per row (empty for a row without images).
     """
     runs = []
-    for row in (torch.as_tensor(token_types) == 1).long().cpu():
+    for row in (torch.as_tensor(token_types) != 0).long().cpu():
         edges = torch.diff(torch.nn.functional.pad(row, (1, 1))).nonzero().flatten().tolist()
         runs.append(tuple(zip(edges[0::2], edges[1::2], strict=True)))
     return runs

@@ -72,6 +72,14 @@ class SequenceMask:
             self.windowed[window] = SequenceMask(self.starts, window, self.max_position, self.blocks, self.predicate)
         return self.windowed[window]
 
+    def without_blocks(self) -> SequenceMask:
+        """The same documents and window under the plain causal rule (a layer that does not take the blocks)."""
+        if self.blocks is None:
+            return self
+        if "no blocks" not in self.windowed:
+            self.windowed["no blocks"] = SequenceMask(self.starts, self.window, self.max_position, None, self.predicate)
+        return self.windowed["no blocks"]
+
     def with_chunks(self, size: int | None, seq_len: int) -> SequenceMask:
         """The same documents cut into chunks of ``size`` tokens from each document's start (Note [chunked
         attention]); ``seq_len`` is the global length (the starts' when the rows are packed)."""
