@@ -84,6 +84,13 @@ def config(family: str) -> transformers.PretrainedConfig:
             text.update(experts, shared_expert_intermediate_size=32)
         cls = transformers.AutoConfig.for_model(family).__class__
         return cls(text_config=text, vision_config=_qwen_vision(family), **ids)
+    if family == "gemma4":  # the zoo's tiny Gemma 4 (sliding and full layers, per-layer inputs), its images blocks
+        from seqpar.models.zoo import tiny_config
+
+        cfg = tiny_config("gemma4")
+        cfg.text_config.use_bidirectional_attention = "vision"  # on its sliding layers (Gemma 4's larger models')
+        cfg.image_token_id, cfg.video_token_id, cfg.boi_token_id, cfg.eoi_token_id = IMAGE, VIDEO, START, END
+        return cfg
     vision = dict(
         hidden_size=32,
         intermediate_size=64,
@@ -334,6 +341,13 @@ def examples(family: str, count: int, seed: int) -> list[dict[str, object]]:
             processor = Gemma3ImageProcessorPil(size={"height": 16, "width": 16})
             pixels = processor(images=_images([(20, 16)] * n_images, seed * 1000 + i), return_tensors="pt")
             runs, extra = [4] * n_images, {"pixel_values": pixels["pixel_values"]}
+        elif family == "gemma4":  # its processor's patches with their positions, 70 soft tokens an image
+            from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+            processor = Gemma4ImageProcessorPil(patch_size=16, max_soft_tokens=70, pooling_kernel_size=3)
+            pixels = processor(images=_images([(40, 32)] * n_images, seed * 1000 + i), return_tensors="pt")
+            runs = pixels["num_soft_tokens_per_image"].tolist()
+            extra = {k: pixels[k] for k in ("pixel_values", "image_position_ids")}
         else:
             raise ValueError(f"no dataset rows for {family}")
         rows.append({"input_ids": _row(runs, texts, rng), **extra})
@@ -355,6 +369,9 @@ def collator(family: str):
         batch["pixel_values"] = torch.cat([f["pixel_values"] for f in features])
         if family.startswith("qwen"):
             batch["image_grid_thw"] = torch.cat([f["image_grid_thw"] for f in features])
+        if family == "gemma4":
+            batch["image_position_ids"] = torch.cat([f["image_position_ids"] for f in features])
+            batch["mm_token_type_ids"] = (ids == IMAGE).int()
         if family.startswith("qwen") and family != QWEN_PATCH2:
             batch["mm_token_type_ids"] = (ids == IMAGE).int()
         if family == "gemma3":

@@ -194,7 +194,6 @@ def test_sparse_attention_ranks_the_rows_width_before_the_layouts_padding(world)
     run_ranks(world, _padded_on_rank)
 
 
-
 def _gemma4_with_images(rank: int, world: int) -> dict:
     """Gemma 4 with one image, its vision tokens bidirectional on its sliding layers (``use_bidirectional_attention=
     "vision"``), judged on whole rows."""

@@ -433,7 +433,12 @@ def test_hybrid_models_through_the_trainer(request, name):
     assert found["setup"]["fsdp2"] == CASES[name].fsdp
 
 
-VLM_CASES = ["vlm_sp2", "vlm_gemma3_dp2_sp2", *(f"vlm_qwen_patch2_{s}" for s in ("sp2", "sp3_ring", "dp2_sp2"))]
+VLM_CASES = [
+    "vlm_sp2",
+    "vlm_gemma3_dp2_sp2",
+    "vlm_gemma4_sp2",
+    *(f"vlm_qwen_patch2_{s}" for s in ("sp2", "sp3_ring", "dp2_sp2")),
+]
 
 
 @pytest.mark.parametrize("name", VLM_CASES)

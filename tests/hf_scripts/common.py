@@ -175,6 +175,8 @@ CASES = {
     # seqpar_placement)
     "vlm_sp2": Case(2, kind="qwen2_5_vl", collator="vlm", eval_batch=2, extra=ONE_MICRO_BATCH, layout="placed"),
     "vlm_gemma3_dp2_sp2": Case(4, kind="gemma3", collator="vlm", batch=1, extra=ONE_MICRO_BATCH),
+    # Gemma 4: 70 soft tokens an image, bidirectional on its sliding layers only, per-layer inputs of the whole row
+    "vlm_gemma4_sp2": Case(2, kind="gemma4", collator="vlm", extra=ONE_MICRO_BATCH),
     # two micro-batches a step (of 23 and 18 valid tokens): Qwen2.5-VL takes no num_items_in_batch, so one process
     # averages the micro-batches' own means, which seqpar then does too (Note [micro-batch means]); patch 2, mRoPE
     # sections [1, 1, 2], grids [1, 4, 4] and [1, 4, 8], rows of two images and of one, markers' labels ignored

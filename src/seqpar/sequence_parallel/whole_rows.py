@@ -59,6 +59,7 @@ _ROW_DATA = (
     "pixel_values",
     "pixel_values_videos",
     "pixel_attention_mask",
+    "image_position_ids",
     "image_grid_thw",
     "video_grid_thw",
     "second_per_grid_ts",
