@@ -243,3 +243,20 @@ def test_gemma4_image_blocks_on_its_sliding_layers_only(world):
     """Gemma 4's vision tokens see their whole image on the sliding layers and causally on the full ones; blocks on
     every layer (Gemma 3's rule) or on none come out WRONG."""
     run_ranks(world, _gemma4_on_rank)
+
+
+def test_the_indexed_bytes_model_is_its_records():
+    """``benchmarks/indexed_cpu.json``: the model of what a DSA layer sends is the one recorded, and within 1% of the
+    bytes measured (gloo's message headers are the rest)."""
+    import argparse
+    import json
+
+    from benchmarks import ROOT, indexed
+
+    records = json.loads((ROOT / "benchmarks" / "indexed_cpu.json").read_text())
+    assert {r["ranks"] for r in records} == {2, 4}
+    for r in records:
+        fields = dict(hidden=r["hidden"], heads=r["heads"], index_dim=r["index_head_dim"], topk=r["index_topk"])
+        parts = indexed.modelled(indexed.model_config(argparse.Namespace(seq=r["seq"], **fields)), r["ranks"], r["seq"])
+        assert parts == r["modelled_bytes"] and sum(parts.values()) == r["analytical_bytes"]
+        assert abs(r["sent_bytes_per_rank"] / r["analytical_bytes"] - 1) < 0.01, r
