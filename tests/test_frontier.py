@@ -40,12 +40,20 @@ def _one_process(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Ten
     return logits.detach(), loss.detach(), grads
 
 
-def _judged(rank: int, world: int, strategy: str, packed: bool, model_type: str = LLAMA4) -> dict:
-    """The family's tiny model at ``world`` ranks under ``strategy`` against one process (and a float64 process) on
-    the same rows: two whole rows, or one packed row of two documents."""
-    from seqpar.models.zoo import CAUSAL_LM, TEXT_IDS, tiny_model
+def _judged(rank: int, world: int, strategy: str, packed: bool, model_type: str = LLAMA4, fields: tuple = ()) -> dict:
+    """The family's tiny model (its config's ``fields`` changed) at ``world`` ranks under ``strategy`` against one
+    process (and a float64 process) on the same rows: two whole rows, or one packed row of two documents."""
+    import transformers
+
+    from seqpar.models.zoo import CAUSAL_LM, TEXT_IDS, tiny_config, tiny_model
 
     model = tiny_model(model_type, (CAUSAL_LM,))
+    if fields:
+        config = tiny_config(model_type)
+        for name, value in fields:
+            setattr(config, name, value)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
     seq = zoo._seq_len(world)
     ids = torch.randint(*TEXT_IDS, (1 if packed else zoo.ROWS, seq), generator=torch.Generator().manual_seed(1))
     documents = zoo._documents(seq) if packed else (seq,)
@@ -116,14 +124,14 @@ DSA = ("deepseek_v32", "glm_moe_dsa", "dots3_note_text")
 """DeepSeek Sparse Attention: each indexed layer keeps 8 of the row's 24 or 48 keys (GLM-5's MoE-DSA, dots.llm3 too)."""
 
 
-READ = (*DSA, "gemma3n_text")
-"""With Gemma 3n: AltUp streams and LAuReL residuals (per token), key/value shared by its last layers, activation
-sparsity, sliding layers."""
+READ = (*((t, ()) for t in DSA), ("glm_moe_dsa", (("indexer_types", ["full", "shared"]),)), ("gemma3n_text", ()))
+"""With GLM-5's second layer reusing the first one's picks (its shared top-k), and Gemma 3n: AltUp streams and
+LAuReL residuals (per token), key/value shared by its last layers, activation sparsity, sliding layers."""
 
 
 def _read_families_on_rank(rank: int, world: int) -> None:
     _quiet()
-    found = {(t, packed): _judged(rank, world, "auto", packed, t) for t in READ for packed in (False, True)}
+    found = {(t, repr(f), p): _judged(rank, world, "auto", p, t, f) for t, f in READ for p in (False, True)}
     assert {k: v["status"] for k, v in found.items()} == dict.fromkeys(found, EXACT), found
 
 

@@ -41,7 +41,13 @@ from typing import TYPE_CHECKING
 
 from seqpar.models.families import FAMILIES, Family
 from seqpar.models.layer_masks import LAYER_MASKS, LayerMask, layer_mask
-from seqpar.models.own_attention import SPARSE_INDEXERS, own_attention, own_positions_class, sparse_indexer
+from seqpar.models.own_attention import (
+    SPARSE_INDEXERS,
+    indexed_modules,
+    own_attention,
+    own_positions_class,
+    sparse_indexer,
+)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -201,6 +207,7 @@ def _layer_parts(layers: nn.ModuleList, tp_plan: dict) -> dict | str:
 
     planned = {key.split(".")[2] for key in tp_plan if key.startswith("layers.*.") and key.count(".") >= 3}
     found: dict = {}
+    indexed = indexed_modules(c for layer in layers for c in layer.children())  # Note [indexed attention]
     for i, layer in enumerate(layers):
         attention, mlps, norms, linears = [], [], [], []
         for name, child in layer.named_children():
@@ -226,7 +233,7 @@ def _layer_parts(layers: nn.ModuleList, tp_plan: dict) -> dict | str:
                 f"{', '.join(others) or 'none'}"
             )
         kind, row = layer_mask(getattr(layer, attention[0])) or (None, LayerMask())
-        if row.indexer and sparse_indexer(getattr(layer, attention[0])) is None:
+        if row.indexer and id(getattr(layer, attention[0])) not in indexed:
             return (
                 f"layer {i} is a sparse-attention layer ({kind}) whose attention "
                 f"({type(getattr(layer, attention[0])).__name__}) picks its keys in a way seqpar does not serve (it "

@@ -10,7 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from seqpar.models.layer_masks import LayerMask, layer_mask
+
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from torch import nn
 
 
@@ -88,6 +92,16 @@ def _row_class(module: nn.Module, modules: dict[str, str]) -> type | None:
 def sparse_indexer(attention: nn.Module) -> nn.Module | None:
     """The child of an attention module whose class has a ``SPARSE_INDEXERS`` row, or None."""
     return next((c for c in attention.children() if _row_class(c, SPARSE_INDEXERS) is not None), None)
+
+
+def indexed_modules(attention: Iterable[nn.Module | None]) -> set[int]:
+    """``id`` of each attention module that attends to an indexer's picks: those with a served indexer of their own,
+    and those of an indexed layer type whose class holds one in another layer (a layer that reuses an earlier
+    layer's picks: GLM-5's and HY-V4's shared top-k)."""
+    present = [m for m in attention if m is not None]
+    classes = {type(m) for m in present if sparse_indexer(m) is not None}
+    indexed_kind = {id(m) for m in present if (layer_mask(m) or (None, LayerMask()))[1].indexer}
+    return {id(m) for m in present if sparse_indexer(m) is not None or (type(m) in classes and id(m) in indexed_kind)}
 
 
 def own_attention(module: nn.Module) -> OwnAttention | None:

@@ -46,7 +46,7 @@ from seqpar.errors import SeqparInputError
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
 from seqpar.models import ModelAnatomy, find_anatomy
 from seqpar.models.layer_masks import layer_chunk, layer_mask
-from seqpar.models.own_attention import sparse_indexer
+from seqpar.models.own_attention import indexed_modules, sparse_indexer
 from seqpar.sequence_parallel._own_config import config_tree, own_config
 from seqpar.sequence_parallel.api import AttentionChoice, attention_and_choice
 from seqpar.sequence_parallel.attention_adapters import (
@@ -386,6 +386,7 @@ class _PreparedCalls:
         self.encoder = _vision_encoder(model, served, split_vision)
         self.choices: dict = {}
         self.attended: set[int] = set()  # Note [attention went through seqpar]
+        self.indexed = indexed_modules(served.attention)  # DSA layers, with or without their own indexer
         self.running: CallContext | None = None  # the context of the call in progress (Note [keywords dropped])
         self.running_from: torch.nn.Module | None = None  # the hooked module that call entered by
 
@@ -396,7 +397,7 @@ class _PreparedCalls:
 
     def entering_attention(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self.attended.discard(id(module))
-        if self.running is not None and sparse_indexer(module) is not None:  # Note [indexed attention]
+        if self.running is not None and id(module) in self.indexed:  # Note [indexed attention]
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             kwargs["attention_mask"] = visibility(self.running, hidden.shape[0], hidden.shape[1], hidden.device)
         if self.running is None or _CONTEXT_KEY in kwargs or _context_in_mask(kwargs):
