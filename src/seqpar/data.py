@@ -167,7 +167,7 @@ def shard_batch(
         layout = row.solver(positions, sp.sp_size)
     tensors = {"input_ids": ids, "position_ids": positions, "shift_labels": shifted, "token_mask": keep.long()}
     shards = {k: shard_for_rank(t, sp.sp_rank, sp.sp_size, 1, layout) for k, t in tensors.items()}
-    return BatchShard(shards, layout, width=s if pad else None)
+    return BatchShard(shards, layout, width=s if pad and s else None)  # a row of padding alone has no width
 
 
 def _placed_shard(placement: Placement, ids, shifted, keep, sp, pad_token_id: int, ignore_index: int) -> BatchShard:

@@ -206,8 +206,6 @@ def to_shard(
             shard[PLACEMENT_KEYWORD] = sharded.placement
     if isinstance(sharded.layout, ChunkLayout):  # per batch: the model must be told it with this shard
         shard[LAYOUT_KEYWORD] = sharded.layout
-    if sharded.width is not None and rows is None:  # padded for the layout: the width one process's rows have
-        shard[WIDTH_KEYWORD] = sharded.width
     return shard
 
 

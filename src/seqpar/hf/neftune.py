@@ -25,8 +25,6 @@ import torch.nn.functional as F
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.sequence_parallel.layouts.chunks import Layout, shard_sequence
 
-WIDTH = "seqpar_width"  # key of a SequenceShard: the collator batch's sequence width before padding to the layout
-
 
 def _noise_hook(alpha: float, width: int, mesh: SequenceParallelMesh, layout: Layout):
     def hook(module: torch.nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
@@ -57,7 +55,7 @@ def noisy_embeddings(
     Args:
         embeddings: the model's input embeddings module.
         alpha: ``neftune_noise_alpha``; None (or 0): no noise, nothing is registered.
-        width: the batch's sequence width before the layout's padding (``shard[WIDTH]``); None: no noise.
+        width: the batch's sequence width before the layout's padding (``shard[WIDTH_KEYWORD]``); None: no noise.
         mesh: the sequence-parallel mesh.
         layout: the batch's layout (its ``ChunkLayout`` under "balanced").
 

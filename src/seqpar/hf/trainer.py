@@ -53,12 +53,13 @@ from seqpar.hf.config import (
 from seqpar.hf.evaluation import evaluation_loss
 from seqpar.hf.loaders import shard_by_replica
 from seqpar.hf.metrics import BatchPredictions, computed_metrics, in_dataset_order, metric_arrays
-from seqpar.hf.neftune import WIDTH, noisy_embeddings
+from seqpar.hf.neftune import noisy_embeddings
 from seqpar.hf.parallelism import hidden_parallelism_environment, parallelism_from_environment, plan_parallelism
 from seqpar.integrations.moe import model_router_loss
 from seqpar.loss import cross_entropy
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
 from seqpar.parallel import parallelize
+from seqpar.sequence_parallel.call_checks import WIDTH_KEYWORD
 from seqpar.sequence_parallel.prepare import LAYOUT_KEYWORD
 
 _log = logging.getLogger("seqpar")
@@ -290,7 +291,9 @@ class SequenceParallelMixin(EvaluationMixin):
             per_micro_batch=self.sp_micro_batch_means,
         )
         for shard, batch in zip(step.shards, batches):
-            shard[WIDTH] = int(batch["input_ids"].shape[1])  # the NEFTune noise's width (Note [NEFTune over shards])
+            # the width before the layout's padding: NEFTune's noise (Note [NEFTune over shards]) and a sparse-attention
+            # indexer's row (Note [indexed attention]) take it
+            shard[WIDTH_KEYWORD] = int(batch["input_ids"].shape[1])
         return step
 
     # ---- loss (Note [exact loss under the Trainer]) ----
@@ -361,7 +364,7 @@ class SequenceParallelMixin(EvaluationMixin):
             return contextlib.nullcontext()
         embeddings = self.accelerator.unwrap_model(model).get_input_embeddings()
         layout = shard.get(LAYOUT_KEYWORD) or self.sequence_parallel.layout
-        return noisy_embeddings(embeddings, self.sp_neftune_alpha, shard.get(WIDTH), self.sp_mesh, layout)
+        return noisy_embeddings(embeddings, self.sp_neftune_alpha, shard.get(WIDTH_KEYWORD), self.sp_mesh, layout)
 
 
 class SequenceParallelTrainer(SequenceParallelMixin, Trainer):

@@ -20,8 +20,9 @@ LAYOUT_KEYWORD = "seqpar_layout"
 """The model-call keyword that carries a batch's own layout (``shard.layout`` of ``shard_batch``); the
 forward pre-hook takes it out before the model sees its arguments."""
 WIDTH_KEYWORD = "seqpar_width"
-"""The model-call keyword that carries the rows' global width before ``shard_batch``'s layout padding
-(``shard.width``), which a sparse-attention indexer ranks (Note [indexed attention]); taken out by the hook."""
+"""The model-call keyword (and ``seqpar.hf`` shards' entry) that carries the rows' global width before
+``shard_batch``'s layout padding (``shard.width``), which a sparse-attention indexer ranks (Note [indexed
+attention]) and NEFTune's noise spans; taken out by the hook (0, a padding batch's, stands for none)."""
 PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 """Keywords that give varlen kernels a whole row's packed documents; seqpar reads the documents of a shard from
 its position ids, so a prepared model's call refuses them (the Trainer doors drop them from their batches)."""

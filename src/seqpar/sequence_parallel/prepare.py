@@ -429,6 +429,7 @@ class _PreparedCalls:
         if ROW_KEY in kwargs:  # the text decoder of a checked whole-row call (Note [whole-row calls])
             return args, self._decoder_of_row(kwargs)
         call_layout, width = kwargs.pop(LAYOUT_KEYWORD, None), kwargs.pop(WIDTH_KEYWORD, None)
+        width = None if width == 0 else width  # a padding batch's (a replica with no rows): no token of its own
         if _CONTEXT_KEY in kwargs or _context_in_mask(kwargs):  # checked by the enclosing model, which passes
             return args, kwargs  # its context down (in the mask: Note [context in the mask])
         if module is not self.model and self.running is not None:  # the decoder, called by the checked model
