@@ -182,7 +182,7 @@ def _padded_on_rank(rank: int, world: int) -> None:
     shard = seqpar.shard_batch({"input_ids": ids, "position_ids": positions}, mesh)
     assert shard.width == 22
     call = {"input_ids": shard["input_ids"], "position_ids": shard["position_ids"]}
-    for bad in (0, 23 * world, 22 + rank):  # not a width, past the row, one rank's own: raised on every rank
+    for bad in (-1, 23 * world, 22 + rank):  # not a width, past the row, one rank's own: raised on every rank
         with pytest.raises(SeqparInputError, match="seqpar_width"):
             parallel(**call, seqpar_width=bad)
     logits = parallel(**call, seqpar_width=shard.width).logits
