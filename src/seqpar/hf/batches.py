@@ -60,8 +60,8 @@ def model_inputs(shard: Mapping[str, object]) -> dict[str, object]:
     Returns:
         ``{"input_ids", "position_ids"}`` (a multimodal batch: its whole rows, pixels and grids), and
         ``seqpar_layout`` when the shard carries its batch's own layout (``layout="balanced"``), ``seqpar_width``
-        when the shard carries its batch's width (the Trainer's shards), and for a multimodal batch under the placed layout ``seqpar_placement``:
-        ``model(**model_inputs(shard))``.
+        when the shard carries its batch's width (the Trainer's shards), and for a multimodal batch under the placed
+        layout ``seqpar_placement``: ``model(**model_inputs(shard))``.
     """
     rows = shard.get(ROWS)
     if rows is not None:
