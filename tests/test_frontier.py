@@ -5,7 +5,8 @@ Llama 4: chunked attention on its RoPE layers (Note [chunked attention]) and the
 (Note [Llama 4 temperature]), at 2 and 3 ranks under every strategy the heads allow, on whole rows and on a packed
 row (against one process on that row); with the chunk rule dropped, or the temperature counted on each shard, it
 comes out WRONG. DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5's MoE-DSA; Note [indexed attention]) likewise at 2
-and 3 ranks; with the other ranks' indexer keys zeroed it comes out WRONG. Gemma 3n's text decoder (and dots.llm3's) at 2 ranks.
+and 3 ranks; with the other ranks' indexer keys zeroed it comes out WRONG. Gemma 3n's text decoder (and
+dots.llm3's) at 2 ranks.
 """
 
 from __future__ import annotations

@@ -490,5 +490,5 @@ class _PreparedCalls:
         ctx = self.running = kwargs[_CONTEXT_KEY] = CallContext(
             self.sp, self.strategy, batch_layout, self.kernel, mask, self.choices, self.attended, positions, width,
             self.served.family.image_block_layers,
-        )
+        )  # fmt: skip
         return _context_to_mask(kwargs, ctx, self.served.family.mask_context, self.model.config)
