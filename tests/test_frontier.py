@@ -48,8 +48,9 @@ def _judged(rank: int, world: int, strategy: str, packed: bool, model_type: str 
 
     from seqpar.models.zoo import CAUSAL_LM, TEXT_IDS, tiny_config, tiny_model
 
-    model = tiny_model(model_type, (CAUSAL_LM,))
-    if fields:
+    if not fields:
+        model = tiny_model(model_type, (CAUSAL_LM,))
+    else:  # built once, from the changed config
         config = tiny_config(model_type)
         for name, value in fields:
             setattr(config, name, value)

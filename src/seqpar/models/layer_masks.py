@@ -49,14 +49,13 @@ def layer_chunk(module: object) -> int | None:
     """
     config = getattr(module, "config", None)
     kinds = getattr(config, "layer_types", None) or ()
-    fields = {LAYER_MASKS[kind].chunk_field for kind in kinds if kind in LAYER_MASKS} - {None}
-    if not fields:
+    if not any(LAYER_MASKS[kind].chunk_field for kind in kinds if kind in LAYER_MASKS):
         return None
-    index = getattr(module, "layer_idx", None)
-    if not isinstance(index, int) or not 0 <= index < len(kinds):
+    found = layer_mask(module)
+    if found is None:
         raise SeqparInputError(
             f"{type(module).__name__} belongs to a model with chunked attention layers but does not say its layer "
             "index (layer_idx), so seqpar cannot tell whether its mask is chunked"
         )
-    _, row = layer_mask(module) or (None, LayerMask())
-    return None if row.chunk_field is None else getattr(config, row.chunk_field)
+    field = found[1].chunk_field
+    return None if field is None else getattr(config, field)

@@ -31,7 +31,8 @@ Note [indexed attention]
     The strategy asked for serves the model's other layers; a DSA layer gathers as the allgather strategy does,
     keys and values after the MLA expansion (``2 x heads x head_dim`` values a token, where the latent before it
     holds ``kv_lora_rank + rope`` values), and the local kernel attends each local query over the whole gathered
-    row under the dense mask.
+    row under the dense mask: ``S/P x S`` booleans a layer, which at long rows is memory a sparse kernel over the
+    picks would not need.
 """
 
 from __future__ import annotations

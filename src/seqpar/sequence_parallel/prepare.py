@@ -354,8 +354,8 @@ def prepare_model(
     for module in (*filter(None, served.attention), *cross_attention(served)):  # Note [attention went through seqpar]
         hooks.append(module.register_forward_pre_hook(calls.entering_attention, with_kwargs=True))
         hooks.append(module.register_forward_hook(calls.leaving_attention))
-        if sparse_indexer(module) is not None:
-            hooks.append(sparse_indexer(module).register_forward_pre_hook(calls.entering_indexer, with_kwargs=True))
+        if (indexer := sparse_indexer(module)) is not None:  # its keys gathered (Note [indexed attention])
+            hooks.append(indexer.register_forward_pre_hook(calls.entering_indexer, with_kwargs=True))
     for table in position_tables(served):  # handed the context its decoder does not pass (Note [attention adapters])
         hooks.append(table.register_forward_pre_hook(calls.entering_attention, with_kwargs=True))
     setattr(model, _HOOK_ATTR, hooks)

@@ -61,8 +61,8 @@ class SequenceMask:
     """Tile plans already made with this mask (Note [masked tiles]): every layer of one forward asks for
     the same ones, so they are made once per batch."""
     windowed: dict = field(default_factory=dict, compare=False, repr=False)
-    """The same documents under other windows or cut into chunks, one object each, so that their plans are shared
-    too."""
+    """The same documents under other windows, cut into chunks or without the blocks, one object each (keyed by the
+    window, ``("chunks", size, length)`` or ``"no blocks"``), so that their plans are shared too."""
 
     def with_window(self, window: int | None) -> SequenceMask:
         """The same documents with another window."""
