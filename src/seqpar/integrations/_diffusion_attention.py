@@ -5,6 +5,7 @@ Which attention modules attend over the shards (Note [derived attention]), and t
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -14,6 +15,7 @@ from torch.overrides import TorchFunctionMode
 
 from seqpar.errors import SeqparInputError
 from seqpar.mesh import SequenceParallelMesh
+from seqpar.models.diffusion import DIFFUSION_REFUSED_ARGUMENTS
 from seqpar.sequence_parallel.context_parallel.sdpa_mode import SequenceParallelSDPA
 
 WHERE = "seqpar.prepare_diffusers"
@@ -34,7 +36,21 @@ class ServedSDPA(SequenceParallelSDPA):
                 "rank holds whole, or another sequence) would count once per rank"
             )
         self.served += 1
+        if len(args) > 1:  # (value, attn_mask, ...)
+            args = (args[0], _key_rows(args[1]), *args[2:])
+        elif "attn_mask" in kwargs:
+            kwargs["attn_mask"] = _key_rows(kwargs["attn_mask"])
         return super().attention(query, key, *args, **kwargs)
+
+
+def _key_rows(mask: object) -> object:
+    """A key-padding mask broadcast over heads and queries by ``expand`` (stride 0: every head's and query's row the
+    same by construction, LuminaNext's), as the ``[B, 1, 1, S]`` rows seqpar serves; any other mask as it is."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        return mask
+    if all(mask.shape[d] == 1 or mask.stride(d) == 0 for d in (1, 2)):
+        return mask[:, :1, :1]
+    return mask
 
 
 @dataclass
@@ -68,17 +84,51 @@ class UnjudgedAttention(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _judgement(name: str, module: torch.nn.Module, args: tuple, kwargs: dict, region: Region, text_cut: bool) -> bool:
+_TEXT_OWN = ("add_", "added_", "txt_", "context_")
+"""Name prefixes of an attention module's projections of the text's own (its queries too): joint attention."""
+_QUERIES = ("to_q", "q_proj", "qkv")
+"""Name parts of query projections: a module with two (``to_q`` and ``to_q_t``) projects the text's queries too."""
+
+
+def says_cross(module: torch.nn.Module) -> bool | None:
+    """Whether an attention module is cross-attention (Note [derived attention]): diffusers' ``is_cross_attention``
+    where it has one; else joint where it projects the text with projections of its own (``add_k_proj``,
+    ``txt_attn_qkv``, a second query projection ``to_q_t``), cross where its keys are projected from another width
+    than its queries; None: it does not say."""
+    cross = getattr(module, "is_cross_attention", None)
+    if cross is not None:
+        return bool(cross)
+    projections = [n for n, c in module.named_children() if any(True for _ in c.parameters())]
+    queries = [n for n in projections if any(q in n for q in _QUERIES)]
+    if len(queries) > 1 or any(n.startswith(_TEXT_OWN) for n in projections):
+        return False
+    to_q, to_k = getattr(module, "to_q", None), getattr(module, "to_k", None)
+    widths = [getattr(m, "in_features", None) for m in (to_q, to_k)]
+    return True if None not in widths and widths[0] != widths[1] else None
+
+
+def _argument(module: torch.nn.Module, args: tuple, kwargs: dict, key: str) -> object:
+    """The module call's argument ``key``, by keyword or by its position in the module's forward."""
+    if key in kwargs:
+        return kwargs[key]
+    names = list(inspect.signature(module.forward).parameters)
+    return args[names.index(key)] if key in names and names.index(key) < len(args) else None
+
+
+def _judgement(
+    name: str, module: torch.nn.Module, args: tuple, kwargs: dict, region: Region, text_cut: bool, joint: tuple
+) -> bool:
     """Whether an attention module of a derived entry attends over the shards (Note [derived attention])."""
-    text = kwargs.get("encoder_hidden_states", args[1] if len(args) > 1 else None)
-    if not region.open or text is None:
+    text, tokens = (_argument(module, args, kwargs, k) for k in ("encoder_hidden_states", "hidden_states"))
+    if not region.open or text is None or text is tokens:  # self-attention given its tokens as the text too
         return region.open
-    cross = getattr(module, "is_cross_attention", None)  # diffusers' Attention says; its mixin's classes may not
-    if cross is None and getattr(module, "add_k_proj", None) is None:
+    cross = says_cross(module)
+    cross = False if cross is None and name.startswith(joint) else cross
+    if cross is None:
         raise SeqparInputError(
             f"{WHERE}: {name} ({type(module).__name__}) is given encoder_hidden_states but does not say whether it "
-            "is cross-attention or joint attention (no is_cross_attention, no added key projection); register a "
-            "plan for the model"
+            "is cross-attention or joint attention (no is_cross_attention, no projections of the text's own, keys "
+            "projected from the tokens' width); register a plan for the model"
         )
     if not cross:  # joint attention over [text; tokens]
         if not text_cut:
@@ -96,9 +146,10 @@ def _judgement(name: str, module: torch.nn.Module, args: tuple, kwargs: dict, re
     return False
 
 
-def judgement(region: Region, text_cut: bool) -> Callable[[str, torch.nn.Module, tuple, dict], bool]:
-    """A derived entry's judgement of an attention module's call (Note [derived attention])."""
-    return lambda name, module, args, kwargs: _judgement(name, module, args, kwargs, region, text_cut)
+def judgement(region: Region, text_cut: bool, joint: tuple = ()) -> Callable[[str, torch.nn.Module, tuple, dict], bool]:
+    """A derived entry's judgement of an attention module's call (Note [derived attention]); ``joint``: name
+    prefixes of the blocks whose attention modules are joint where they do not say (single-stream blocks)."""
+    return lambda name, module, args, kwargs: _judgement(name, module, args, kwargs, region, text_cut, joint)
 
 
 def attention_hooks(
@@ -117,6 +168,9 @@ def attention_hooks(
     def enter(module, args, kwargs):
         if not judged:
             judged.append(judge(name, module, args, kwargs))
+        refused = [k for k in DIFFUSION_REFUSED_ARGUMENTS if judged[0] and kwargs.get(k) is not None]
+        if refused:  # the same arguments on every rank: every rank raises here
+            raise SeqparInputError(f"{WHERE}: {name} is given {refused[0]}: {DIFFUSION_REFUSED_ARGUMENTS[refused[0]]}")
         mode = ServedSDPA(sp, strategy, layout, where=WHERE) if judged[0] else None
         if mode is not None:
             mode.__enter__()

@@ -43,6 +43,7 @@ from seqpar.integrations._diffusion_attention import (
     attention_modules,
     judgement,
     region_hooks,
+    says_cross,
     tail_hooks,
 )
 from seqpar.integrations._diffusion_cuts import STREAMS, cut, cut_any, cut_token_tables
@@ -194,7 +195,8 @@ def resolve_plan(model: torch.nn.Module) -> tuple[DiffusionPlan, dict, dict]:
     if plan is None:
         raise SeqparInputError(
             f"{WHERE}: seqpar has no sequence-parallel plan for {name} and cannot derive one (it declares no "
-            "diffusers _cp_plan, and is not built as one list of blocks followed by proj_out); it serves "
+            "diffusers _cp_plan, and is not built as one list of blocks taking hidden_states followed by an output "
+            "projection); it serves "
             f"{', '.join(sorted(DIFFUSION_PLANS))} and the classes it derives a plan for "
             "(seqpar.models.register_diffusion_plan adds one: where to cut the tokens, gather the output, and which "
             "modules attend over the tokens or to the text)"
@@ -214,8 +216,11 @@ def _structural_plan(model: torch.nn.Module) -> DiffusionPlan | None:
     ]
     # one list, or double-stream blocks followed by single-stream ones (which go on with the same two streams)
     paired = len(lists) == 2 and lists[1].startswith("single") and not lists[0].startswith("single")
-    if not (len(lists) == 1 or paired) or not len(getattr(model, lists[0])) or not hasattr(model, "proj_out"):
+    output = _output_module(model)
+    if not (len(lists) == 1 or paired) or not len(getattr(model, lists[0])) or output is None:
         return None
+    if "hidden_states" not in inspect.signature(getattr(model, lists[0])[0].forward).parameters:
+        return None  # the tokens are not told apart by name (a sequence-first stream, ``x``)
     blocks = lists[0]
     cut = {"hidden_states": Split(1, 3)}
     if _joint_blocks(getattr(model, blocks)):
@@ -224,23 +229,29 @@ def _structural_plan(model: torch.nn.Module) -> DiffusionPlan | None:
         return None
     return DiffusionPlan(
         type(model).__name__,
-        self_attention="",
+        self_attention=lists[1] if paired else "",
         derived=True,
         shards={f"{blocks}.0": cut, **{f"{n}.*": {"*": TokenTables()} for n in lists}},
-        gathers={"proj_out": (Gather(1, 3),)},
+        gathers={output: (Gather(1, 3),)},
         notes=("derived from its structure",),
     )
 
 
+_OUTPUTS = ("proj_out", "proj_out_2", "final_layer", "out_layer", "final_linear", "norm_out")
+"""The names a DiT gives its output projection, the module whose output is gathered, in order of preference."""
+
+
+def _output_module(model: torch.nn.Module) -> str | None:
+    """The model's output projection (``_OUTPUTS``), or None."""
+    return next((n for n in _OUTPUTS if isinstance(getattr(model, n, None), torch.nn.Module)), None)
+
+
 def _joint_blocks(blocks: torch.nn.ModuleList) -> bool:
     """Whether the blocks carry a joint [text; tokens] stream: they take the text, and each of their attention
-    modules says it is not cross-attention (``is_cross_attention`` false, or added key projections)."""
+    modules says it is not cross-attention (``says_cross``)."""
     if "encoder_hidden_states" not in inspect.signature(blocks[0].forward).parameters:
         return False
-    said = [
-        not m.is_cross_attention if hasattr(m, "is_cross_attention") else getattr(m, "add_k_proj", None) is not None
-        for _, m in attention_modules(blocks)
-    ]
+    said = [says_cross(m) is False for _, m in attention_modules(blocks)]
     return bool(said) and all(said)
 
 
@@ -327,8 +338,11 @@ def _output_hook(entry: dict, sp: SequenceParallelMesh, layout: str, module_name
     return hook
 
 
-def _gather_hook(gathers: tuple[Gather | None, ...], sp: SequenceParallelMesh, layout: str, region: Region) -> Callable:
-    """A forward hook gathering the outputs back to whole sequences (Note [replicated output])."""
+def _gather_hook(
+    gathers: tuple[Gather | None, ...], sp: SequenceParallelMesh, layout: str, region: Region, name: str, whole: bool
+) -> Callable:
+    """A forward hook gathering the outputs back to whole sequences (Note [replicated output]). ``whole``: a plan
+    derived from the structure, whose gathered outputs must be shards of the tokens cut at the first block."""
 
     def hook(module, args, output):
         region.open, region.gathered = False, True
@@ -339,6 +353,14 @@ def _gather_hook(gathers: tuple[Gather | None, ...], sp: SequenceParallelMesh, l
         outputs = [output] if single else list(output)
         for i, gather in enumerate(gathers):
             if gather is not None and (gather.ndim is None or outputs[i].dim() == gather.ndim):
+                rows = outputs[i].shape[gather.dim]
+                if whole and region.tokens is not None and rows * sp.sp_size != region.tokens:
+                    raise SeqparInputError(
+                        f"{WHERE}: {name} gives {rows} tokens on this rank, not a shard of the {region.tokens} "
+                        "tokens the plan derived from the model's structure cuts at its first block: the forward "
+                        "adds or drops tokens between the blocks and the output (by a whole sequence's length), or "
+                        "lays them out otherwise; register a plan for the model"
+                    )
                 outputs[i] = _ReplicatedGather.apply(outputs[i], sp, gather.dim % outputs[i].dim(), layout)
         return outputs[0] if single else type(output)(outputs)
 
@@ -411,11 +433,13 @@ def prepare_diffusers(
             if any(isinstance(s, Split) and s.output for s in entry.values()):
                 handles.append(module.register_forward_hook(_output_hook(entry, sp, layout, name)))
     for pattern, outputs in gathers.items():
-        hook = _gather_hook(outputs, sp, layout, region)
-        handles += [m.register_forward_hook(hook) for _, m in _modules(model, pattern, missing_ok=plan.derived)]
+        whole = plan.derived and plan.shards is not None
+        for name, module in _modules(model, pattern, missing_ok=plan.derived):
+            handles.append(module.register_forward_hook(_gather_hook(outputs, sp, layout, region, name, whole)))
     if plan.derived:
         text_cut = any("encoder_hidden_states" in entry for entry in shards.values())
-        judge, names = judgement(region, text_cut), [n for n, _ in attention_modules(model)]
+        joint = (f"{plan.self_attention}.",) if plan.self_attention else ()
+        judge, names = judgement(region, text_cut, joint), [n for n, _ in attention_modules(model)]
     else:
         judge, names = None, [n for n, _ in _modules(model, plan.self_attention)]
     attention = [(n, attention_hooks(n, sp, strategy, layout, region, judge)) for n in names]

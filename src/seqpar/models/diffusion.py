@@ -18,9 +18,13 @@ Note [diffusion plans]
     (``JointSplit``), so each rank holds the mask of its own [video shard; text shard] keys, which the
     attention serves as a key-padding mask (Note [key-padding masks]). A class without an entry that declares
     ``_cp_plan`` gets a derived entry: that plan, its attention modules told apart per call (Note [derived
-    attention]). One that declares none but is built as one list of blocks followed by ``proj_out`` gets an
-    entry derived from that structure: the tokens cut at the first block, each block's per-token tables
-    (``TokenTables``) cut as it is called, the output of ``proj_out`` gathered. Where the blocks take the text
+    attention]). One that declares none but is built as one list of blocks (lists named otherwise, text or
+    noise refiners, run before the cut on every rank) followed by an output projection (``proj_out``, or
+    ``proj_out_2``, ``final_layer``, ``out_layer``, ``final_linear``, ``norm_out`` where it has none) gets an entry
+    derived from that structure: the tokens (the first block's ``hidden_states``) cut at the first block, each
+    block's per-token tables (``TokenTables``) cut as it is called, the output projection's output gathered, which
+    must then be this rank's shard of the tokens cut (a forward that drops tokens by a whole length between is
+    refused). Where the blocks take the text
     and none of their attention modules is cross-attention, the blocks carry a joint [text; tokens] stream and
     the text is cut with the tokens; then double-stream blocks followed by single-stream ones (Flux's build)
     are read too, and a table over the joint sequence is cut part by part, the text first, as a joint
@@ -30,17 +34,22 @@ Note [derived attention]
     A derived entry names no attention patterns; every attention module of the model (diffusers'
     ``Attention`` or ``AttentionModuleMixin``) is judged by what its processor is given, as diffusers'
     own processors decide whether a call is context-parallel. A call inside the sharded region (after a
-    planned cut, before the planned gather) without ``encoder_hidden_states`` is self-attention over the
-    shards: served. With ``encoder_hidden_states``, a module that is not cross-attention (its
-    ``is_cross_attention`` false, or, where it has no such flag, added key/value projections) is joint
-    attention over [text; tokens]: served where the plan cuts the text too, refused where every rank holds
+    planned cut, before the planned gather) without ``encoder_hidden_states``, or given its own tokens as
+    them (Lumina's self-attention), is self-attention over the shards: served. With ``encoder_hidden_states``, a
+    module that is not cross-attention (its ``is_cross_attention`` false, or, where it has no such flag,
+    projections of the text's own: ``add_k_proj``, ``txt_attn_qkv``, a second query projection ``to_q_t``; or
+    it sits in the single-stream blocks of a double- then single-stream build) is joint attention over [text;
+    tokens]; one whose keys are projected from another width than its queries is cross-attention. Joint
+    attention is served where the plan cuts the text too, refused where every rank holds
     it whole (its keys would count once per rank); cross-attention is local where the text is whole (this
     rank's queries, every key) and refused where the plan cuts the text (its queries and keys would be shards
     of different sequences); a module that says neither is refused. An SDPA call in the region from any
     other module is refused (seqpar cannot tell what it attends to). Calls outside the region (a text
     refiner before the cut) run as in one process. The first call fixes each module's judgement, so a
     recomputation in the backward (activation checkpointing), which runs outside the region's hooks,
-    attends as the forward did.
+    attends as the forward did. A key-padding mask that a processor broadcasts over heads and queries with
+    ``expand`` (stride 0: the same row for each by construction) is served as its rows; a call given an argument
+    that scales by the rank's share of the tokens (``DIFFUSION_REFUSED_ARGUMENTS``) is refused.
 """
 
 from __future__ import annotations
@@ -111,8 +120,9 @@ class DiffusionPlan:
     gathers: Mapping[str, tuple[Gather, ...]] | None = None
     """Module name -> one ``Gather`` per output; None: read ``_cp_plan``."""
     derived: bool = False
-    """The entry was derived from diffusers' ``_cp_plan``; its attention modules are judged per call (Note [derived
-    attention]) and ``self_attention`` / ``cross_attention`` are unused."""
+    """The entry was derived (from diffusers' ``_cp_plan`` or the structure); its attention modules are judged per
+    call (Note [derived attention]), ``cross_attention`` is unused and ``self_attention`` names the single-stream
+    block list, if any, whose attention modules are joint where they do not say."""
     refused: Mapping[str, str] = field(default_factory=dict)
     """Module class name -> why seqpar cannot serve a model holding one (a variant of the class)."""
     notes: tuple[str, ...] = field(default=())
@@ -208,6 +218,8 @@ DIFFUSION_REFUSALS: dict[str, str] = {
     "diffusers' _cp_plan the text refiner's gradients are not one process's",
     "BriaFiboTransformer2DModel": "its forward joins each single-stream block's text with another text-encoder "
     "layer's whole features between the blocks",
+    "HiDreamImageTransformer2DModel": "its forward joins each block's text with another text-encoder layer's whole "
+    "features between the blocks, and drops them by their whole length",
     "HunyuanVideoFramepackTransformer3DModel": "frame packing puts the history latents (clean, 2x and 4x "
     "downsampled) before the tokens in one sequence, and its output drops them by their whole length",
     "ConsisIDTransformer3DModel": "after the blocks its forward joins the text and the tokens and drops the text "
@@ -216,6 +228,12 @@ DIFFUSION_REFUSALS: dict[str, str] = {
     "vector, found by reshaping the block's local tokens into frames",
 }
 """Module class name -> why seqpar refuses a diffusers model holding one (what its structure does not tell)."""
+
+DIFFUSION_REFUSED_ARGUMENTS: dict[str, str] = {
+    "base_sequence_length": "proportional attention (Lumina's): the softmax scale is the log of the queries a call "
+    "holds, a rank's share of the tokens, to the base length",
+}
+"""Keyword argument of an attention call over the shards -> why seqpar refuses a call given it."""
 
 
 def register_diffusion_plan(plan: DiffusionPlan) -> DiffusionPlan:
