@@ -1,4 +1,5 @@
-"""The test session's shared pools of live ranks (``tests._dist.run_ranks``), closed when the session ends.
+"""The test session's shared pools of live ranks (``tests._dist.run_ranks``) and its background launches
+(``tests._background``), closed when the session ends.
 
 Spawning ranks and importing torch dominate a multi-rank test; the pools pay for it once per world size.
 """
@@ -10,6 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests._background import Chain
 from tests._dist import RankPools, use_pools
 
 
@@ -23,3 +25,23 @@ def rank_pools() -> Iterator[RankPools]:
     use_pools(None)
     pools.close()
     atexit.unregister(pools.close)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests that read background launches run last, so that the launches overlap the rest of the suite."""
+    from tests.hf_scripts.launches import STAGES, used_by
+
+    items.sort(key=lambda item: bool(used_by([item]) & STAGES))  # stable: file order otherwise
+
+
+@pytest.fixture(scope="session", autouse=True)
+def launches(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chain]:
+    """The launches the selected tests read, started now and run in the background (Note [background launches])."""
+    from tests.hf_scripts.launches import stages, used_by
+
+    paths = {name: tmp_path_factory.mktemp(name) for name in ("hf", "examples", "sft_example")}
+    chain = Chain(stages(used_by(request.session.items), *paths.values()), paths).start()
+    atexit.register(chain.close)
+    yield chain
+    chain.close()
+    atexit.unregister(chain.close)

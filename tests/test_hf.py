@@ -5,140 +5,54 @@ Per step loss (rel 1e-5) and grad_norm (rel 1e-4), evaluation loss and final par
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
 import transformers
 
-from tests.hf_scripts.accelerate_references import GUIDES
+from tests._background import Chain
 from tests.hf_scripts.common import CASES, DEEPSPEED_CASES, METRICS, STEPS, documents, model
 from tests.hf_scripts.dpo import BETA, DPO_CASES, DPO_METRICS, PEFT
 from tests.hf_scripts.grpo import COMPARED, GRPO_CASES, GRPO_STEPS
+from tests.hf_scripts.launches import DEEPSPEED, EXAMPLE_STEPS, TORCHRUN_EXAMPLES
 from tests.hf_scripts.upstream import DEEPSPEED_EXAMPLES, UPSTREAM, YAML_LAUNCHED
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-BIN = pathlib.Path(sys.executable).parent
 LOSS_RTOL, GRAD_NORM_RTOL, PARAM_RTOL = 1e-5, 1e-5, 1e-4  # measured: loss <= 2.2e-7, grad_norm <= 1.2e-6
 PARAM_ATOL = 1e-9
 # SGD's steps are linear in the gradient: the one-process fp32 Trainer's parameters (sp2) are 420 times inside
 # PARAM_RTOL of a float64 Trainer run's. After AdamW steps its grad_norm is 3.4e-6 (relative) from float64's (Adam's
 # rounding in the parameters); seqpar's may be as far on the other side: 4 x 2 x 3.4e-6, rounded up
 ADAMW_GRAD_NORM_RTOL = 3e-5
-REFERENCES = [n for n, c in CASES.items() if not c.reference]
-BY_TORCHRUN = {n: v for n, v in UPSTREAM.items() if n not in YAML_LAUNCHED and n not in DEEPSPEED_EXAMPLES}
-DEEPSPEED = importlib.util.find_spec("deepspeed") is not None  # the optional extra seqpar[deepspeed]
-DPO_RUNS = [n for n, c in DPO_CASES.items() if PEFT or not c.peft]  # the PEFT case needs peft installed
-DPO_REFERENCES = [n for n in DPO_RUNS if not DPO_CASES[n].reference]
 
 
-def _launch(command: list[str], timeout: int = 600) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    if done.returncode:
-        raise AssertionError(f"{' '.join(command)} failed:\n{(done.stdout + done.stderr)[-6000:]}")
-
-
-def _torchrun(world: int, *args: str) -> list[str]:
-    return [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(world), *args]
-
-
-def _parallel(world: int, out: pathlib.Path, *names: str) -> list[str]:
-    """``tests.hf_scripts.parallel`` on ``world`` ranks forked after one import of the stacks (torchrun's would
-    import them once per rank; the examples below run under torchrun and accelerate's launcher themselves)."""
-    return [sys.executable, "-m", "tests.hf_scripts.forked", str(world), str(out), *names]
+def _runs(launches: Chain, stage: str) -> pathlib.Path:
+    """The directory of background stage ``stage``'s runs and of every reference, once both have ended."""
+    launches.wait(stage)
+    launches.wait("references")
+    return launches.paths["hf"]
 
 
 @pytest.fixture(scope="module")
-def _references(tmp_path_factory):
-    """The one-process references no launch reads, run in the background beside the launches (one interpreter)."""
-    path = tmp_path_factory.mktemp("hf")
-    names = [*REFERENCES, "accelerate_dp1", "accelerate_dp2", *GUIDES, *DPO_REFERENCES]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, "-m", "tests.hf_scripts.reference", str(path), *names]
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    yield path, process
-    if process.poll() is None:  # a launch failed first
-        process.kill()
-        process.communicate()
-
-
-def _joined(references) -> pathlib.Path:
-    """The references' directory once the background run has finished (its failure raised here)."""
-    path, process = references
-    output, _ = process.communicate(timeout=600)
-    if process.returncode:
-        raise AssertionError(f"the one-process references failed:\n{(output or '')[-6000:]}")
-    return path
+def two_ranks(launches: Chain) -> pathlib.Path:
+    return _runs(launches, "two_ranks")
 
 
 @pytest.fixture(scope="module")
-def out(_references) -> pathlib.Path:
-    """The one-process references the launches read: TRL's GRPO runs (their completions are replayed) and
-    upstream's examples (TRL's pages load the model they saved); the others come from ``_references``."""
-    path, _ = _references
-    needed = [*UPSTREAM, *GRPO_CASES, "grpo_loss_types"]
-    _launch([sys.executable, "-m", "tests.hf_scripts.reference", str(path), *needed])
-    return path
+def more_ranks(launches: Chain) -> pathlib.Path:
+    return _runs(launches, "more_ranks")
+
+
+@pytest.fixture(scope="module")
+def yaml_runs(launches: Chain) -> pathlib.Path:
+    """TRL's accelerate YAMLs (tests/accelerate_configs) launching its snippets, which name no parallel settings."""
+    return _runs(launches, "yaml_runs")
 
 
 def _load(path: pathlib.Path) -> dict:
     return torch.load(path, weights_only=False)
-
-
-@pytest.fixture(scope="module")
-def two_ranks(out, _references) -> pathlib.Path:
-    names = [n for n, c in CASES.items() if c.world == 2 and n not in DEEPSPEED_CASES]
-    _launch(
-        _parallel(
-            2,
-            out,
-            *names,
-            "refusals",
-            "resume",
-            "accelerate_dp1",
-            "control_unscaled",
-            *(n for n, (_, _, dp) in BY_TORCHRUN.items() if dp == 1),
-            *(n for n, (world, _, _) in GUIDES.items() if world == 2),
-            *(n for n, c in GRPO_CASES.items() if c.world == 2),
-            "grpo_loss_types",
-            *(n for n in DPO_RUNS if DPO_CASES[n].world == 2),
-            "dpo_refusals",
-            # last: DeepSpeed's settings stay in the process once a DeepSpeed Trainer was built
-            *([*DEEPSPEED_CASES, "alst_trainer_dp1", "deepspeed_refusal"] if DEEPSPEED else []),
-        )
-    )
-    return _joined(_references)
-
-
-@pytest.fixture(scope="module")
-def more_ranks(out, _references) -> pathlib.Path:
-    for world in (3, 4):
-        names = [n for n, c in CASES.items() if c.world == world]
-        names += [n for n, c in GRPO_CASES.items() if c.world == world]
-        names += [n for n in DPO_RUNS if DPO_CASES[n].world == world]
-        if world == 4:  # dp 2 x sp 2
-            names += [*(n for n, (_, _, dp) in BY_TORCHRUN.items() if dp == 2), "accelerate_dp2"]
-            names += [n for n, (w, _, _) in GUIDES.items() if w == 4]
-            names += ["alst_trainer_dp2"] if DEEPSPEED else []  # last: DeepSpeed's settings stay in the process
-        _launch(_parallel(world, out, *names))
-    return _joined(_references)
-
-
-@pytest.fixture(scope="module")
-def yaml_runs(out, _references) -> pathlib.Path:
-    """TRL's accelerate YAMLs (tests/accelerate_configs) launching its snippets, which name no parallel settings."""
-    for name, config in YAML_LAUNCHED.items():
-        yaml = str(ROOT / "tests" / "accelerate_configs" / config)
-        launcher = [str(BIN / "accelerate"), "launch", "--config_file", yaml, "--main_process_port", "0"]
-        _launch([*launcher, "-m", "tests.hf_scripts.parallel", str(out), name])
-    return _joined(_references)
 
 
 def assert_matches(
@@ -690,16 +604,16 @@ def test_dpo_refusals_on_every_rank(two_ranks):
         assert text in per_rank[0][what], f"{what}: {per_rank[0][what]}"
 
 
-# examples/ run by torchrun in one launch (tests.hf_scripts.examples); sft_trainer.py by accelerate's launcher
-TORCHRUN_EXAMPLES = ["hf_trainer.py", "accelerate_loop.py", "dpo_trainer.py", "grpo_trainer.py", "vlm_trainer.py"]
-EXAMPLE_STEPS = 2
+@pytest.fixture(scope="module")
+def examples_run(launches: Chain) -> pathlib.Path:
+    launches.wait("examples_run")
+    return launches.paths["examples"]
 
 
 @pytest.fixture(scope="module")
-def examples_run(tmp_path_factory) -> pathlib.Path:
-    out = tmp_path_factory.mktemp("examples")
-    _launch(_torchrun(2, "-m", "tests.hf_scripts.examples", str(out), str(EXAMPLE_STEPS), *TORCHRUN_EXAMPLES))
-    return out
+def sft_example(launches: Chain) -> pathlib.Path:
+    launches.wait("sft_example")
+    return launches.paths["sft_example"]
 
 
 def _check_example(record: dict) -> None:
@@ -717,12 +631,9 @@ def test_examples_train(examples_run, script):
     _check_example(json.loads((examples_run / pathlib.Path(script).stem / "result.json").read_text()))
 
 
-def test_example_under_accelerate_launch(tmp_path):
+def test_example_under_accelerate_launch(sft_example):
     """examples/sft_trainer.py under ``accelerate launch --multi_gpu --num_processes 2`` (CPU)."""
-    path = str(ROOT / "examples" / "sft_trainer.py")
-    command = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", "0"]
-    _launch([*command, path, "--max-steps", str(EXAMPLE_STEPS), "--output-dir", str(tmp_path)])
-    _check_example(json.loads((tmp_path / "result.json").read_text()))
+    _check_example(json.loads((sft_example / "result.json").read_text()))
 
 
 @pytest.mark.parametrize("name", list(UPSTREAM))

@@ -10,6 +10,7 @@ import dataclasses
 import io
 import json
 import os
+import pathlib
 import pickle
 import re
 import shutil
@@ -239,8 +240,9 @@ def _stall_then_one_rank_raises(rank: int, world_size: int) -> None:
     short = dist.new_group(timeout=timedelta(seconds=2))
     progress = RankProgress()
     progress.mark("gathering the metrics of step 5" if rank == 1 else "optimizer step 5")
-    if rank == 2:
-        time.sleep(8)  # past the others' timeout and grace period
+    judged = ["test/judged/0", "test/judged/1"]
+    if rank == 2:  # stalled until the others have timed out and named it (past their grace period)
+        progress.store.wait(judged, timedelta(seconds=60))
     else:
         # the first rank to time out closes its connections, so the other may fail with a lost peer instead
         with pytest.raises(RuntimeError, match=r"(?i)timed out|connection closed"):
@@ -250,13 +252,29 @@ def _stall_then_one_rank_raises(rank: int, world_size: int) -> None:
         phase = "gathering the metrics of step 5" if rank == 0 else "optimizer step 5"
         other = f"rank {1 - rank} failed waiting too, in {phase}"
         assert said.startswith(want) and other in said and "every rank" not in said, said
+        progress.store.set(judged[rank], "named rank 2")
     dist.barrier()  # the default group, with its long timeout, is untouched
     if rank == 1:
         raise ValueError("row 17 of shard 1 is not valid UTF-8")
     dist.all_reduce(torch.ones(1))  # rank 0 waits here for a rank that has failed
 
 
+def three_ranks_name_the_stalled_one() -> None:
+    """Ranks that time out name the stalled rank (store-level, 3 ranks); then an exception on one rank only ends
+    the ranks waiting for it, with that error named. Run in a process of its own, beside a stalled run's wait."""
+    began = time.monotonic()
+    with pytest.raises(mp.ProcessRaisedException, match="ValueError: row 17 of shard 1") as raised:
+        spawn_ranks(_stall_then_one_rank_raises, 3, timeout=timedelta(minutes=5))
+    assert raised.value.error_index == 1
+    assert time.monotonic() - began < 60  # far below the collective timeout: no hang
+
+
 def test_faults_end_every_rank_promptly_and_say_why(tmp_path):
+    # 3 ranks, one stalled then one raising, in a process of its own while the runs below wait
+    check = "from tests.test_resilience import three_ranks_name_the_stalled_one as check; check()"
+    root = pathlib.Path(__file__).resolve().parent.parent
+    piped = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    three = subprocess.Popen([sys.executable, "-c", check], cwd=root, **piped)
     # a stalled rank: the other one gives up after --timeout-s and says where it was
     stall = start("--steps", "2000", "--timeout-s", "10", "--run-dir", str(tmp_path / "stall"))
     # torchrun: SIGTERM to torchrun reaches every rank, which stop after the step with one checkpoint
@@ -298,13 +316,8 @@ def test_faults_end_every_rank_promptly_and_say_why(tmp_path):
         err,
     ), err
 
-    # ranks that time out name the stalled rank (store-level, 3 ranks); then an exception on one rank only
-    # ends the ranks waiting for it, with that error named
-    began = time.monotonic()
-    with pytest.raises(mp.ProcessRaisedException, match="ValueError: row 17 of shard 1") as raised:
-        spawn_ranks(_stall_then_one_rank_raises, 3, timeout=timedelta(minutes=5))
-    assert raised.value.error_index == 1
-    assert time.monotonic() - began < 60  # far below the collective timeout: no hang
+    output, _ = three.communicate(timeout=120)
+    assert three.returncode == 0, output
 
 
 def _report_start(rank: int, world_size: int, where: str) -> None:
