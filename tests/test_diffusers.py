@@ -22,6 +22,7 @@ from seqpar.models import DIFFUSION_PLANS, Split, register_diffusion_plan
 from seqpar.runtime.memory import written_bytes
 from tests._dist import run_ranks, shard_index
 from tests._dit_models import CLASSES, CONFIGS, FRAMES, HEIGHT, PER_TOKEN_TIMESTEPS, TEXT, WIDTH, dit_batch, dit_model
+from tests._dit_zoo import build
 from tests._floors import FLOOR_FACTOR, StepFloors, assert_near_float64
 
 diffusers = pytest.importorskip("diffusers")
@@ -349,6 +350,13 @@ def _refusals_worker(rank, world_size):
     wan.blocks[0].ffn.net[1].p = 0.1
     with pytest.raises(SeqparInputError, match=r"blocks\.0\.ffn\.net\.1 has dropout p=0\.1"):
         seqpar.prepare_diffusers(wan, mesh)
+
+    # Lumina's proportional attention scales by the log of the queries a call holds (this rank's share)
+    lumina, lumina_inputs = build("LuminaNextDiT2DModel")
+    lumina = seqpar.prepare_diffusers(lumina, mesh)
+    lumina_inputs["cross_attention_kwargs"] = {"base_sequence_length": 16}
+    with pytest.raises(SeqparInputError, match=r"layers\.0\.attn1 is given base_sequence_length: proportional"):
+        lumina(**lumina_inputs)
 
     # a processor that does not call SDPA (another attention backend) would attend to this rank's tokens alone
     wan = seqpar.prepare_diffusers(dit_model("wan"), mesh)
