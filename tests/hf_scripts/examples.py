@@ -38,4 +38,7 @@ def main(out: str, steps: str, scripts: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    from tests.hf_scripts import import_stacks
+
+    import_stacks()  # Note [frozen imports]
     main(sys.argv[1], sys.argv[2], sys.argv[3:])

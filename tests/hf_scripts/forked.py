@@ -28,12 +28,9 @@ def _rank(rank: int, world_size: int, port: int, out: str, names: list[str]) -> 
 
 
 if __name__ == "__main__":
-    import transformers
-    import trl
-
     import tests.hf_scripts.parallel  # noqa: F401
+    from tests.hf_scripts import import_stacks
 
-    # what every launch's cases build, imported before the ranks are forked (the lazy modules load on access)
-    transformers.Trainer, trl.SFTTrainer, trl.GRPOTrainer, trl.DPOTrainer  # noqa: B018
+    import_stacks()  # before the ranks are forked: once for all of them
     world, out, names = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
     spawn_ranks(_rank, world, _free_port(), out, names, backend=None, start_method=start_method_for("gloo"))

@@ -139,6 +139,21 @@ DIFFUSION_PLANS: dict[str, DiffusionPlan] = {
             notes=("Wan 2.1 / 2.2 (per-token timesteps), diffusers' _cp_plan",),
         ),
         DiffusionPlan(
+            "WanVACETransformer3DModel",
+            self_attention="*blocks.*.attn1",
+            cross_attention="*blocks.*.attn2",
+            # the forward hands every VACE block the whole patchified tokens (the first adds them to the control
+            # stream, padded to their length), and the main blocks after them again: cut at each of those calls
+            shards={
+                "rope": {0: Split(1, 4, output=True), 1: Split(1, 4, output=True)},
+                "vace_blocks.*": {"hidden_states": Split(1, 3)},
+                "vace_blocks.0": {"control_hidden_states": Split(1, 3)},
+                "blocks.0": {"hidden_states": Split(1, 3)},
+            },
+            gathers={"proj_out": (Gather(1, 3),)},
+            notes=("Wan VACE: seqpar's plan (the control stream cut with the tokens, its hints added per shard)",),
+        ),
+        DiffusionPlan(
             "CogVideoXTransformer3DModel",
             self_attention="transformer_blocks.*.attn1",
             joint_text=True,
