@@ -518,7 +518,7 @@ def _unguarded_tail_worker(rank, world_size):
     with pytest.raises(SeqparInputError, match=r"gathers the tokens before .*norm_out.*once per rank"):
         seqpar.prepare_diffusers(copy.deepcopy(reference), mesh)(**inputs, return_dict=False)
     guard = diffusion.tail_hooks
-    diffusion.tail_hooks = lambda model, region: []
+    diffusion.tail_hooks = lambda model, region, sp_size, handles: handles
     try:
         seqpar.prepare_diffusers(model, mesh)
     finally:
@@ -533,3 +533,37 @@ def _unguarded_tail_worker(rank, world_size):
 
 def test_a_cp_plan_gathering_before_parameters_is_refused_and_would_be_wrong():
     run_ranks(2, _unguarded_tail_worker)
+
+
+def _gathered_tail_worker(rank, world_size):
+    """Stable Audio's postprocess_conv runs on the gathered output on every rank (Note [gathered tail]): the door
+    scales its gradients by 1 / P, so the sum over the ranks is one process's; with the tail's hooks switched off
+    (the negative control) they come out once per rank."""
+    from seqpar.integrations import diffusion
+    from tests._dit_zoo import build
+
+    reference, inputs = build("StableAudioDiTModel")
+    mesh = seqpar.make_mesh()
+    reference(**inputs, return_dict=False)[0].square().sum().backward()
+    want = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    guard = diffusion.tail_hooks
+    for scaled in (True, False):
+        model = copy.deepcopy(reference)
+        model.zero_grad(set_to_none=True)
+        if not scaled:
+            diffusion.tail_hooks = lambda model, region, sp_size, handles: handles
+        try:
+            seqpar.prepare_diffusers(model, mesh)
+        finally:
+            diffusion.tail_hooks = guard
+        model(**inputs, return_dict=False)[0].square().sum().backward()
+        seqpar.reduce_gradients(model.parameters(), mesh)
+        got = dict(model.named_parameters())
+        for name in ("postprocess_conv.weight", "transformer_blocks.0.attn1.to_q.weight"):
+            factor = world_size if not scaled and name.startswith("postprocess") else 1
+            torch.testing.assert_close(got[name].grad, factor * want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_tail_after_the_gather_trains_as_in_one_process(world_size):
+    run_ranks(world_size, _gathered_tail_worker)

@@ -61,6 +61,7 @@ class Region:
     open: bool = False
     gathered: bool = False
     tail: list[str] = field(default_factory=list)
+    before: list[str] = field(default_factory=list)  # the modules with parameters that ran before the last gather
     tokens: int | None = None  # the whole token sequence's length, read at the cut of hidden_states
     text: int | None = None  # the whole text's length, read at its cut (a joint stream)
     judging: int = 0  # calls of judged attention modules in progress
@@ -204,6 +205,7 @@ def region_hooks(model: torch.nn.Module, region: Region) -> list:
         region.open = region.gathered = False
         region.judging = 0
         region.tail.clear()
+        region.before.clear()
         guards.append(UnjudgedAttention(region, type(model).__name__))
         guards[-1].__enter__()
 
@@ -217,26 +219,67 @@ def region_hooks(model: torch.nn.Module, region: Region) -> list:
     ]
 
 
-def tail_hooks(model: torch.nn.Module, region: Region) -> list:
-    """Hooks that find modules with parameters running on the gathered output (each rank would compute their whole
-    gradient, counted once per rank by the sum over the group) and refuse the model at the end of its forward."""
+def _reached_leaves(output: object) -> list[torch.Tensor]:
+    """The leaves (parameters) the output's autograd graph reaches without passing a gather: those whose gradient
+    every rank computes from the whole output (Note [gathered tail])."""
+    tensors, stack, seen, leaves = [output], [], set(), []
+    while tensors:
+        value = tensors.pop()
+        if isinstance(value, torch.Tensor):
+            stack.append(value.grad_fn)
+        elif isinstance(value, (tuple, list)):
+            tensors.extend(value)
+        elif isinstance(value, dict):
+            tensors.extend(value.values())
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen or type(node).__name__ == _GATHER_NODE:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):  # AccumulateGrad: a leaf
+            leaves.append(node.variable)
+        else:
+            stack.extend(following for following, _ in node.next_functions)
+    return leaves
+
+
+_GATHER_NODE = "_ReplicatedGatherBackward"
+"""The autograd node of the door's gather (``_ReplicatedGather``), where the walk from the output stops."""
+
+
+def tail_hooks(model: torch.nn.Module, region: Region, sp_size: int, handles: list) -> list:
+    """Hooks that find modules with parameters running on the gathered output and, at the end of the forward, scale
+    their gradients by 1 / P (each rank computes the whole of them), or refuse the model where the output reaches
+    other parameters past the gather (Note [gathered tail]). ``handles`` gets the gradient hooks."""
+    scaled: set[int] = set()
+    names = {id(p): n for n, p in model.named_parameters()}
 
     def note(name: str) -> Callable:
         def hook(module, args):
-            if region.gathered and not region.open:
-                region.tail.append(name)
+            (region.tail if region.gathered and not region.open else region.before).append(name)
 
         return hook
 
     def end(module, args, kwargs, output):
-        if region.tail:
+        if sp_size == 1 or not torch.is_grad_enabled():
+            return
+        own = {id(p): p for n in region.tail for p in model.get_submodule(n).parameters(recurse=False)}
+        shared = sorted({n for n in region.tail if n in region.before})
+        other = sorted({names.get(id(leaf), "an input") for leaf in _reached_leaves(output) if id(leaf) not in own})
+        if shared or other:
             raise SeqparInputError(
                 f"{WHERE}: the plan derived for {type(model).__name__} gathers the tokens before "
-                f"{', '.join(region.tail)}, whose parameters every rank would then train on the whole output (their "
-                "gradients counted once per rank); register a plan that gathers after them"
+                f"{', '.join(region.tail)}, after which the output depends on "
+                f"{', '.join(shared + other)}, also used on this rank's shard or before the cut, whose gradients "
+                "every rank would then take from the whole output (counted once per rank); register a plan that "
+                "gathers after them"
             )
+        for key, parameter in own.items():
+            if key not in scaled and sp_size > 1:
+                scaled.add(key)
+                handles.append(parameter.register_hook(lambda grad: grad / sp_size))
 
-    handles = [
+    handles += [
         m.register_forward_pre_hook(note(n))
         for n, m in model.named_modules()
         if n and any(True for _ in m.parameters(recurse=False))

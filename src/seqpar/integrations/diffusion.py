@@ -346,6 +346,7 @@ def _gather_hook(
 
     def hook(module, args, output):
         region.open, region.gathered = False, True
+        region.before += region.tail  # modules between two gathers: their parameters also saw shards
         region.tail.clear()
         if sp.sp_size == 1:
             return output
@@ -425,7 +426,8 @@ def prepare_diffusers(
     handles = [model.register_forward_pre_hook(_call_check(model, sp, f"{strategy}/{layout}"), with_kwargs=True)]
     region = Region()
     if plan.derived:
-        handles += region_hooks(model, region) + tail_hooks(model, region)
+        handles += region_hooks(model, region)
+        tail_hooks(model, region, sp.sp_size, handles)
     for pattern, entry in shards.items():
         for name, module in _modules(model, pattern, missing_ok=plan.derived):
             hook = _input_hook(entry, sp, layout, name, region)

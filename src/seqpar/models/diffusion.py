@@ -50,6 +50,14 @@ Note [derived attention]
     attends as the forward did. A key-padding mask that a processor broadcasts over heads and queries with
     ``expand`` (stride 0: the same row for each by construction) is served as its rows; a call given an argument
     that scales by the rank's share of the tokens (``DIFFUSION_REFUSED_ARGUMENTS``) is refused.
+
+Note [gathered tail]
+    A derived entry gathers at the output projection; a module with parameters may still run on the gathered,
+    replicated output (Stable Audio's per-token ``postprocess_conv``), so every rank computes its whole gradient,
+    which the sum over the group (Note [replicated output]) would count once per rank. At the end of each forward
+    the output's autograd graph is walked back to the gathers: the parameters it reaches must be those of the
+    modules that ran after the last gather only, and their gradients are scaled by 1 / P; any other (a module that
+    also ran on a shard, a table or modulation computed before the cut and applied after the gather) is refused.
 """
 
 from __future__ import annotations
@@ -239,6 +247,12 @@ DIFFUSION_REFUSALS: dict[str, str] = {
     "downsampled) before the tokens in one sequence, and its output drops them by their whole length",
     "ConsisIDTransformer3DModel": "after the blocks its forward joins the text and the tokens and drops the text "
     "by the whole text's length, which a rank's cut text does not have",
+    **{
+        conv: "its feed-forward reshapes the block's tokens into the whole height x width grid and runs a depthwise "
+        "3 x 3 convolution over it, which mixes neighbouring tokens across the ranks' shards (seqpar has no halo "
+        "exchange)"
+        for conv in ("GLUMBConv", "GLUMBTempConv")
+    },
     "WanAnimateFaceBlockCrossAttention": "the face adapter attends each frame's tokens to that frame's motion "
     "vector, found by reshaping the block's local tokens into frames",
 }
