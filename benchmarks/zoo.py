@@ -412,16 +412,13 @@ def main(argv: list[str] | None = None) -> None:
         "--control", action="store_true", help="negative control: gradients left unreduced, every family WRONG"
     )
     parser.add_argument("--deadline", type=float, default=120.0, help="seconds one family may take before HANG")
-    parser.add_argument(
-        "--controls", default="", help="comma-separated families whose negative control is judged from the same run"
-    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "zoo_cpu.json"), help="the JSON record")
     args = parser.parse_args(argv)
     import transformers
 
     started = time.perf_counter()
-    only, controls = ([m for m in given.split(",") if m] for given in (args.only, args.controls))
-    results = sweep(args.sp, only or None, args.deadline, args.packed, args.control, controls)
+    only = [m for m in args.only.split(",") if m] or None
+    results = sweep(args.sp, only, args.deadline, args.packed, args.control)
     wall = time.perf_counter() - started
     counts = totals(results)
     print(f"\n{'':18s}" + "".join(f"{s:>10s}" for s in STATUSES))

@@ -268,16 +268,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sp", type=int, default=2, help="sequence-parallel degree (ranks in the pool)")
     parser.add_argument("--only", default="", help="comma-separated model types (default: every one)")
     parser.add_argument("--deadline", type=float, default=120.0, help="seconds one family may take before HANG")
-    parser.add_argument(
-        "--controls", default="", help="comma-separated families whose negative control is judged from the same run"
-    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "zoo_images_cpu.json"), help="the JSON record")
     args = parser.parse_args(argv)
     import transformers
 
     started = time.perf_counter()
-    only, controls = ([m for m in given.split(",") if m] for given in (args.only, args.controls))
-    results = sweep(args.sp, only or None, args.deadline, controls=controls)
+    results = sweep(args.sp, [m for m in args.only.split(",") if m] or None, args.deadline)
     counts = totals(results)
     print("\n" + "  ".join(f"{s} {n}" for s, n in counts.items()))
     record = {

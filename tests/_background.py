@@ -4,10 +4,8 @@ launches]); a test waits for the stage it reads and gets that stage's failure, w
 Note [background launches]
     Most of the suite leaves one of the machine's two cores idle much of the time: a test on one process, a
     collective that waits. The Trainer doors' launches (tests/test_hf.py: one-process references, then seqpar's
-    runs on 2 to 4 ranks, upstream's launchers) and the zoo's sweeps (tests/test_zoo.py, on ranks of their own)
-    are whole programs whose results the tests only read, so they are started when the session starts, in a
-    chain on a thread, and fill that core while the other tests run; the tests that read them run last
-    (tests/_stages.py lists the stages).
+    runs on 2 to 4 ranks, upstream's launchers) are whole programs whose results the tests only read, so they
+    are started when the session starts, in a chain on a thread, and fill that core while the other tests run.
     A stage runs only if a selected test uses the fixture of its name, so a run of the fast tier or of one file
     starts nothing it does not read. A ``side`` stage is started and left running while the chain goes on (the
     references no launch reads); waiting for it joins it. Each command runs with one thread, as the ranks of
@@ -42,7 +40,8 @@ class Chain:
 
     def __init__(self, stages: Sequence[Stage], paths: dict[str, pathlib.Path]) -> None:
         self.stages = list(stages)
-        self.paths = paths  # where the stages write, by name
+        self.paths = paths
+        """Where the stages write, by name."""
         self.done = {s.name: threading.Event() for s in self.stages}
         self.failures: dict[str, str] = {}
         self.side: dict[str, subprocess.Popen] = {}
@@ -96,8 +95,6 @@ class Chain:
 
     def wait(self, name: str) -> None:
         """Wait for stage ``name``; raise its failure (AssertionError, with the command's output)."""
-        if name not in self.done:
-            raise AssertionError(f"no background stage {name} in this session (tests/hf_scripts/launches.py used_by)")
         if not self.done[name].wait(timeout=TIMEOUT_S * len(self.stages)):
             raise AssertionError(f"the background stage {name} never finished")
         process = self.side.pop(name, None)  # a side stage: joined by the first test that reads it

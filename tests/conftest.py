@@ -29,7 +29,7 @@ def rank_pools() -> Iterator[RankPools]:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests that read background launches run last, so that the launches overlap the rest of the suite."""
-    from tests._stages import STAGES, used_by
+    from tests.hf_scripts.launches import STAGES, used_by
 
     items.sort(key=lambda item: bool(used_by([item]) & STAGES))  # stable: file order otherwise
 
@@ -37,10 +37,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="session", autouse=True)
 def launches(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chain]:
     """The launches the selected tests read, started now and run in the background (Note [background launches])."""
-    from tests._stages import PATHS, stages, used_by
+    from tests.hf_scripts.launches import stages, used_by
 
-    paths = {name: tmp_path_factory.mktemp(name) for name in PATHS}
-    chain = Chain(stages(used_by(request.session.items), paths), paths).start()
+    paths = {name: tmp_path_factory.mktemp(name) for name in ("hf", "examples", "sft_example")}
+    chain = Chain(stages(used_by(request.session.items), *paths.values()), paths).start()
     atexit.register(chain.close)
     yield chain
     chain.close()

@@ -14,9 +14,7 @@ import transformers
 from benchmarks import ROOT, zoo_images
 from benchmarks.zoo import BUILD, CRASH, EXACT, HANG, REFUSED, SET_ASIDE, WRONG, sweep, totals
 from seqpar.models.zoo import CAUSAL_LM, IMAGE_TEXT_TO_TEXT
-from tests._background import Chain
 from tests._dist import session_pool
-from tests._stages import zoo_record
 
 pytestmark = pytest.mark.zoo
 
@@ -44,16 +42,10 @@ def _record() -> dict:
     return json.loads(RECORD.read_text())[-1]
 
 
-def _swept(launches: Chain, stage: str) -> dict:
-    """The outcomes of a sweep run in the background on ranks of its own (Note [background launches])."""
-    launches.wait(stage)
-    return json.loads(zoo_record(launches.paths, stage).read_text())[-1]["models"]
-
-
 @pytest.fixture(scope="module")
-def zoo(launches: Chain) -> dict:
-    """Every family at sp 2, and the negative control of ``CONTROLS``."""
-    return _swept(launches, "zoo")
+def zoo() -> dict:
+    """Every family at sp 2, and the negative control of ``CONTROLS`` (on the session's ranks, as each sweep here)."""
+    return sweep(2, controls=CONTROLS, pool=session_pool(2))
 
 
 def test_every_family_is_exact_or_refused_by_name(zoo):
@@ -100,9 +92,9 @@ def test_statuses_are_the_documented_ones():
 
 
 @pytest.fixture(scope="module")
-def with_images(launches: Chain) -> dict:
+def with_images() -> dict:
     """Every image family at sp 2, and the negative control of ``IMAGES_CONTROLS``."""
-    return _swept(launches, "with_images")
+    return zoo_images.sweep(2, controls=IMAGES_CONTROLS, pool=session_pool(2))
 
 
 def test_families_with_images_are_exact_or_refused_by_name(with_images):

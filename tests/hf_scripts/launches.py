@@ -5,6 +5,7 @@ references, then seqpar's runs on 2 to 4 forked ranks, upstream's examples under
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import pathlib
 import sys
 from collections.abc import Collection
@@ -26,7 +27,7 @@ EXAMPLE_STEPS = 2
 RUNS = ("two_ranks", "more_ranks", "yaml_runs")
 """The stages whose runs the references are read beside (each needs ``out`` first)."""
 STAGES = {*RUNS, "examples_run", "sft_example"}
-"""The stages tests read, by the name of the fixture that waits for each (the rest run for them)."""
+"""The stages tests read, by the name of the fixture that waits for each."""
 
 
 def _reference(out: pathlib.Path, *names: str) -> list[str]:
@@ -75,6 +76,19 @@ def _yaml_run(out: pathlib.Path, name: str) -> list[str]:
     yaml = str(ROOT / "tests" / "accelerate_configs" / YAML_LAUNCHED[name])
     launcher = [str(BIN / "accelerate"), "launch", "--config_file", yaml, "--main_process_port", "0"]
     return [*launcher, "-m", "tests.hf_scripts.parallel", str(out), name]
+
+
+def used_by(items: Collection) -> set[str]:
+    """The fixtures pytest ``items`` read: those they name, and the runs of tests/test_hf.py's tests that pick
+    theirs with ``request.getfixturevalue`` (by the case's world size)."""
+    used = set()
+    for item in items:
+        names = set(item.fixturenames)
+        asks = "request" in inspect.signature(item.function).parameters if hasattr(item, "function") else False
+        if asks and item.path.name == "test_hf.py":
+            names.update(RUNS)
+        used |= names
+    return used
 
 
 def stages(used: Collection[str], out: pathlib.Path, examples: pathlib.Path, sft: pathlib.Path) -> list[Stage]:
