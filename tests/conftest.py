@@ -1,5 +1,5 @@
-"""The test session's shared pools of live ranks (``tests._dist.run_ranks``) and its background launches
-(``tests._background``), closed when the session ends.
+"""The test session's shared pools of live ranks (``tests._dist.run_ranks``), its background launches
+(``tests._background``) and its command server (``tests._commands``), closed when the session ends.
 
 Spawning ranks and importing torch dominate a multi-rank test; the pools pay for it once per world size.
 """
@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests._background import Chain
+from tests._commands import CommandServer, use_commands
 from tests._dist import RankPools, use_pools
 
 
@@ -45,3 +46,15 @@ def launches(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     yield chain
     chain.close()
     atexit.unregister(chain.close)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def commands() -> Iterator[CommandServer]:
+    """The session's command server: ``seqpar`` commands forked from one import (Note [forked commands])."""
+    server = CommandServer()
+    atexit.register(server.close)
+    use_commands(server)
+    yield server
+    use_commands(None)
+    server.close()
+    atexit.unregister(server.close)

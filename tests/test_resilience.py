@@ -29,17 +29,22 @@ import torch.multiprocessing as mp
 
 from seqpar.errors import SeqparInputError
 from seqpar.runtime.spawn import spawn_ranks
+from tests._commands import Command, seqpar_command
 from tests.test_train_cli import TINY, losses
 
 QUIET = [*TINY, "--no-progress"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "seqpar.cli", "train"]
 
 
-def start(*args: str, torchrun: bool = False) -> subprocess.Popen:
-    """Start ``seqpar train``; stderr goes to a file, so reading stdout line by line can never block it."""
-    command = [*TORCHRUN] if torchrun else [sys.executable, "-m", "seqpar.cli", "train"]
+def start(*args: str, torchrun: bool = False) -> subprocess.Popen | Command:
+    """Start ``seqpar train`` (forked from the session's command server: Note [forked commands]) or torchrun's;
+    stderr goes to a file, so reading stdout line by line can never block it."""
     stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed by finish()
-    process = subprocess.Popen([*command, *QUIET, *args], stdout=subprocess.PIPE, stderr=stderr, text=True)
+    if torchrun:
+        command = [*TORCHRUN, *QUIET, *args]
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    else:
+        process = seqpar_command(["train", *QUIET, *args], stdout=subprocess.PIPE, stderr=stderr)
     process.stderr_file = stderr
     return process
 

@@ -21,26 +21,26 @@ import torch
 import seqpar
 from seqpar.cli import main as cli_main
 from seqpar.errors import SeqparInputError
+from tests._commands import seqpar_command
 
 TINY = "--seq-len 192 --batch-size 2 --grad-accum 2 --hidden-size 32 --layers 1 --heads 2 --eval-examples 4 "
 TINY = (TINY + "--eval-lengths 192 --log-every 1 --warmup-steps 2").split()
+PIPES = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
 
 
 def seqpar_train(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
     return seqpar_trains(args, timeout=timeout)[0]
 
 
-def seqpar_trains(*runs: Sequence[str], timeout: int = 240) -> list[subprocess.CompletedProcess]:
-    """``seqpar train`` with each of ``runs``' arguments, started together: a run spends most of its seconds in
-    one interpreter at a time (importing, checking settings), so independent runs overlap on the machine's cores."""
+def seqpar_trains(*runs: Sequence[str], timeout: int = 240, fresh: bool = False) -> list[subprocess.CompletedProcess]:
+    """``seqpar train`` with each of ``runs``' arguments, started together (independent runs overlap on the
+    machine's cores): forked from the session's command server (Note [forked commands]); with ``fresh``, the
+    first of them in a new interpreter, as from a shell."""
     started = [
-        subprocess.Popen(
-            [sys.executable, "-m", "seqpar.cli", "train", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for args in runs
+        subprocess.Popen([sys.executable, "-m", "seqpar.cli", "train", *args], **PIPES, text=True)
+        if fresh and i == 0
+        else seqpar_command(["train", *args], **PIPES)
+        for i, args in enumerate(runs)
     ]
     done = []
     for process in started:
@@ -157,6 +157,7 @@ def test_run_directory_evaluation_and_sp_degrees_agree(tmp_path):
         [*TINY, "--steps", "6", "--run-dir", str(full)],
         [*TINY, "--steps", "1", "--run-dir", str(early), "--no-export-hf"],
         [*TINY, "--steps", "6", "--sp", "1", "--run-dir", str(single)],
+        fresh=True,
     )
     assert done.returncode == 0, done.stderr
     assert f"run directory: {full}" in done.stdout
