@@ -8,6 +8,8 @@ checks; the CLI runs once on the demo model.
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 import torch
 import transformers
@@ -16,6 +18,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 import seqpar
 from seqpar.cli import main as cli_main
 from seqpar.errors import SeqparInputError
+from tests._commands import seqpar_command
 from tests._dist import run_ranks
 from tests._models import SEQ, VOCAB, build, tiny_config, tokens
 
@@ -291,9 +294,17 @@ def test_doctor_families_layers_and_pitfalls():
     run_ranks(2, _worker)
 
 
-def test_seqpar_doctor_cli_on_the_demo_model(capfd):
-    assert cli_main(["doctor", "--sp", "2", "--seq-len", "128"]) == 0
-    out = capfd.readouterr().out
+def _doctor(*args: str) -> str:
+    """``seqpar doctor`` forked from the session's command server (its ranks forked from it too: Note [forked
+    commands]); its standard output, once it ended well."""
+    command = seqpar_command(["doctor", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = command.communicate(timeout=240)
+    assert command.returncode == 0, err
+    return out
+
+
+def test_seqpar_doctor_cli_on_the_demo_model():
+    out = _doctor("--sp", "2", "--seq-len", "128")
     assert "VERDICT: OK" in out and "model.layers.1" in out, out
     assert "strategy auto -> ulysses" in out and "note [baseline] config.use_cache" in out, out
 
@@ -308,9 +319,8 @@ def vlm_configs(tmp_path_factory):
     return root
 
 
-def test_seqpar_doctor_cli_generates_rows_with_images_for_a_vision_language_model(capfd, vlm_configs):
-    assert cli_main(["doctor", "--model", str(vlm_configs / "qwen2_5_vl"), "--seq-len", "64"]) == 0
-    out = capfd.readouterr().out
+def test_seqpar_doctor_cli_generates_rows_with_images_for_a_vision_language_model(vlm_configs):
+    out = _doctor("--model", str(vlm_configs / "qwen2_5_vl"), "--seq-len", "64")
     assert "VERDICT: OK" in out and "model.language_model.layers.1" in out, out
 
 
