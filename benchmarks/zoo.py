@@ -9,8 +9,9 @@ Run::
 
 One pool of gloo ranks (one thread each) serves every family. On every rank a family's tiny model
 (``seqpar.models.zoo.tiny_config``; image-text-to-text models run their text path, no images) takes a batch of
-2 random rows: the reference is the whole batch on one process (float32, and a float64 copy for the floors), the
-run under test is ``seqpar.prepare_model`` on the rank's zigzag shard with ``seqpar.cross_entropy`` and
+2 random rows: the reference is the whole batch on one process (float32, and a float64 copy for the floors: rank 0
+runs the one, rank 1 the other, each sending its result to every rank: ``split_references``), the run under test
+is ``seqpar.prepare_model`` on the rank's zigzag shard with ``seqpar.cross_entropy`` and
 ``seqpar.reduce_gradients``. The loss, the shard's logits and every parameter's summed gradient are compared with
 the reference's, each tensor within ``max(RTOL x its float64 scale, FLOOR_FACTOR x |fp32 - float64|)`` (a
 gradient at fp32's rounding floor is judged against the floor, Note [AdamW floors] in tests/_floors.py).
@@ -105,6 +106,53 @@ def _reference(
     return torch.cat(logits, dim=1), loss.detach(), grads
 
 
+def split_references(
+    rank: int, world_size: int, model: torch.nn.Module, fp32_run: Any, fp64_run: Any = None
+) -> tuple[torch.nn.Module, tuple | str, tuple]:
+    """The one-process references of ``model``, each computed once in the group and sent to every rank.
+
+    Rank 0 runs ``fp32_run(model)``, rank 1 ``fp64_run`` (by default ``fp32_run``) on the model in float64, with
+    float64 the default dtype so that what the forward makes is float64 too. Returns, on every rank, a copy of
+    the model taken before any forward (a model may keep non-leaf tensors: Recurrent Gemma) for the run under
+    test, the float32 reference (or the last line of its error: the family cannot run on one process) and the
+    float64 reference (``(None, None, {})`` where the model takes no float64: judged at RTOL alone).
+    """
+    import torch.distributed as dist
+
+    pristine = copy.deepcopy(model) if rank < 2 else model
+    with torch.random.fork_rng(devices=[]):  # every rank leaves with the random state it came with
+        want, exact = _own_references(rank, world_size, model, pristine, fp32_run, fp64_run)
+    sent = [[want], [exact]]
+    dist.broadcast_object_list(sent[0], src=0)
+    dist.broadcast_object_list(sent[1], src=min(1, world_size - 1))
+    return pristine, sent[0][0], sent[1][0]
+
+
+def _own_references(
+    rank: int, world_size: int, model: torch.nn.Module, pristine: torch.nn.Module, fp32_run: Any, fp64_run: Any
+) -> tuple[tuple | str, tuple]:
+    """This rank's part of ``split_references``: the float32 run on rank 0, the float64 one on rank 1 (both on
+    rank 0 when it is alone)."""
+    want: tuple | str = ""
+    exact: tuple = (None, None, {})
+    if rank == 0:
+        try:
+            want = fp32_run(model)
+        except Exception as error:
+            want = last_line(error)
+    if rank == min(1, world_size - 1):
+        default = torch.get_default_dtype()
+        try:
+            torch.set_default_dtype(torch.float64)
+            wide = model.double() if rank == 1 else copy.deepcopy(pristine).double()
+            exact = (fp64_run or fp32_run)(wide)
+        except Exception:  # a model that takes no float64 (a kernel, a dtype it hard-codes): RTOL alone
+            exact = (None, None, {})
+        finally:
+            torch.set_default_dtype(default)
+    return want, exact
+
+
 def _starts(documents: tuple[int, ...]) -> list[int]:
     return [sum(documents[:i]) for i in range(len(documents))]
 
@@ -187,25 +235,14 @@ def _judge_family(
     if documents is not None:  # positions restart at each document: seqpar keeps them apart
         batch["position_ids"] = torch.cat([torch.arange(n) for n in documents])[None]
     started = time.perf_counter()
-    pristine = copy.deepcopy(model)  # before any forward: a model may keep non-leaf tensors (Recurrent Gemma)
-    try:
-        want_logits, want_loss, want_grads = _reference(model, ids, documents)
-    except Exception as error:
-        return {"status": BUILD, "reason": f"one process cannot run its text path: {last_line(error)}"}
-    default = torch.get_default_dtype()
-    try:  # as a float64 process: what the forward makes at the default dtype is float64 too (XGLM's mask fill)
-        torch.set_default_dtype(torch.float64)
-        exact = _reference(copy.deepcopy(pristine).double(), ids, documents)
-    except Exception:  # a model that takes no float64 (a kernel, a dtype it hard-codes): RTOL alone
-        exact = None, None, {}
-    finally:
-        torch.set_default_dtype(default)
+    pristine, want, exact = split_references(rank, world_size, model, lambda m: _reference(m, ids, documents))
+    if isinstance(want, str):
+        return {"status": BUILD, "reason": f"one process cannot run its text path: {want}"}
     reference_s = time.perf_counter() - started
 
     def on_shards(model: torch.nn.Module, shard: dict) -> torch.Tensor:
         return model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
 
-    want = (want_logits, want_loss, want_grads)
     outcome = judged_run(pristine, rank, world_size, batch, on_shards, want, exact, control)
     outcome["reference_s"] = round(reference_s, 3)
     return outcome

@@ -18,7 +18,6 @@ shard's labels. Loss, the shard's logits and every gradient (the vision tower's 
 from __future__ import annotations
 
 import argparse
-import copy
 import inspect
 import json
 import math
@@ -44,6 +43,7 @@ from benchmarks.zoo import (
     judged_run,
     last_line,
     pool_outcome,
+    split_references,
 )
 
 NO_RECIPE = "IMAGES"
@@ -180,21 +180,16 @@ def _judge_family(
     if isinstance(made, str):
         return {"status": NO_RECIPE, "reason": made}
     ids, extra = made
-    pristine = copy.deepcopy(model)
-    try:
-        want_logits, want_loss, want_grads = _reference(model, ids, extra)
-    except Exception as error:
-        return {"status": NO_RECIPE, "reason": f"one process cannot run the image row: {last_line(error)}"}
-    try:
-        wide = {k: v.double() if v.is_floating_point() else v for k, v in extra.items()}
-        exact = _reference(copy.deepcopy(pristine).double(), ids, wide)
-    except Exception:  # a model that takes no float64: RTOL alone
-        exact = None, None, {}
+    wide = {k: v.double() if v.is_floating_point() else v for k, v in extra.items()}
+    pristine, want, exact = split_references(
+        rank, world_size, model, lambda m: _reference(m, ids, extra), lambda m: _reference(m, ids, wide)
+    )
+    if isinstance(want, str):
+        return {"status": NO_RECIPE, "reason": f"one process cannot run the image row: {want}"}
 
     def whole_rows(model: torch.nn.Module, shard: dict) -> torch.Tensor:
         return model(input_ids=ids, **extra).logits  # every rank the whole row and its pixels
 
-    want = (want_logits, want_loss, want_grads)
     outcome = judged_run(pristine, rank, world_size, {"input_ids": ids}, whole_rows, want, exact, control)
     return outcome | {"tokens": ids.shape[1]}
 
