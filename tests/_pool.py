@@ -1,6 +1,7 @@
-"""A pool of live ranks that runs many functions one after another: spawn and join a process group once, reuse it.
+"""A pool of live ranks that runs many functions one after another: start and join a process group once, reuse it.
 
 The tests run hundreds of small multi-rank cases; starting processes and importing torch dominates each fresh spawn.
+The ranks are forked by multiprocessing's forkserver, which imported ``PRELOADED`` once: a pool starts at once.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from seqpar.runtime.progress import lost_peer
 
 __all__ = ["RankPool", "RankPoolTimeout"]
 
+PRELOADED = ("tests._pool", "transformers", "seqpar", "tests._models")
+"""What the ranks' forkserver imports before it forks any: a rank starts as its copy, without importing them."""
+
 
 class RankPoolTimeout(TimeoutError):
     """A function on the pool's ranks did not finish in time; the pool was torn down."""
@@ -34,7 +38,7 @@ class RankPoolTimeout(TimeoutError):
 
 @dataclass(frozen=True)
 class _FreshState:
-    """What a freshly spawned rank starts with, put back before each function so that their order does not matter."""
+    """What a fresh rank starts with, put back before each function so that their order does not matter."""
 
     dtype: torch.dtype
     seed: int
@@ -171,7 +175,8 @@ def _pool_entry(
 
 
 class RankPool:
-    """``world_size`` spawned ranks of one process group, started on first use, that run functions one at a time.
+    """``world_size`` ranks of one process group (forked, see the module's note), started on first use, that run
+    functions one at a time.
 
     Each function runs on every rank as ``fn(rank, world_size, *args)`` with a fresh process's torch state (default
     dtype, random seed, grad mode, deterministic flags, working directory, environment); a barrier follows it and the
@@ -212,10 +217,11 @@ class RankPool:
         return bool(self._processes)
 
     def start(self) -> None:
-        """Spawn the ranks and wait until each has joined the process group (a no-op when they run)."""
+        """Start the ranks and wait until each has joined the process group (a no-op when they run)."""
         if self._processes:
             return
-        context = multiprocessing.get_context("spawn")
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(list(PRELOADED))  # before the process's forkserver starts, its first use
         self._store_dir = tempfile.mkdtemp(prefix="seqpar-pool-")
         store = os.path.join(self._store_dir, "store")
         for rank in range(self.world_size):
