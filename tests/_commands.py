@@ -21,6 +21,7 @@ import pathlib
 import select
 import selectors
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -72,7 +73,7 @@ class Command:
             os.kill(self.pid, sig)
 
     def kill(self) -> None:
-        self.send_signal(9)
+        self.send_signal(signal.SIGKILL)
 
     def communicate(self, timeout: float | None = None) -> tuple[str | None, str | None]:
         """Read the piped streams to their end, then wait for the command (as ``Popen.communicate``)."""
