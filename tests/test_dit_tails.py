@@ -1,0 +1,134 @@
+"""Diffusers transformers whose forward goes on past the gather, or regroups its tokens, through prepare_diffusers.
+
+Each case is judged by ``benchmarks.dit_zoo``'s verdict (the prediction and every gradient against one process,
+within ``FLOOR_FACTOR`` times the fp32 run's distance from float64, or its module's floor) on gloo ranks; each
+mechanism's negative control, the mechanism switched off, comes out WRONG.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from benchmarks.dit_zoo import judge_class
+from benchmarks.zoo import EXACT, WRONG
+from tests._dist import run_ranks
+
+diffusers = pytest.importorskip("diffusers")
+
+TAILS = (
+    "AnyFlowTransformer3DModel",
+    "HeliosTransformer3DModel",
+    "Krea2Transformer2DModel",
+    "HunyuanVideoFramepackTransformer3DModel",
+)
+"""Gathered before the end of the forward (Note [gathered tail]): per-token output modulation (AnyFlow), gathers
+inside each block from diffusers' _cp_plan (Helios), a drop of the joined text by its whole length after the blocks
+(Krea2 derived, HunyuanVideo Framepack by entry)."""
+
+
+def _judged_worker(rank, world_size, name, strategy, want, patch):
+    with patch() if patch is not None else contextlib.nullcontext():
+        outcome = judge_class(world_size, name, strategy, False)
+    assert outcome["status"] == want, json.dumps(outcome, indent=1)
+
+
+@pytest.mark.parametrize(("world_size", "strategy"), [(2, "ring"), (3, "ring"), (2, "ulysses")])
+@pytest.mark.parametrize("name", [*TAILS, "LatteTransformer3DModel"])
+def test_exact_at_every_degree(name, world_size, strategy):
+    run_ranks(world_size, _judged_worker, name, strategy, EXACT, None)
+
+
+@contextlib.contextmanager
+def _tail_off():
+    """The door without the tail's scaling: the output's gradient and the gathers' as they were."""
+    from seqpar.integrations import diffusion
+
+    kept = diffusion.tail_hooks
+    diffusion.tail_hooks = lambda model, region, sp_size, handles: handles
+    try:
+        yield
+    finally:
+        diffusion.tail_hooks = kept
+
+
+class _Unscaled:
+    """Gathers that never sum: the output's gradient scaled by 1 / P, the gathers' taken as they come."""
+
+    @property
+    def summed(self) -> bool:
+        return False
+
+    @summed.setter
+    def summed(self, value: bool) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _gathers_unscaled():
+    from seqpar.integrations import _diffusion_attention
+
+    kept = _diffusion_attention.GatherShare
+    _diffusion_attention.GatherShare = _Unscaled
+    try:
+        yield
+    finally:
+        _diffusion_attention.GatherShare = kept
+
+
+@pytest.mark.parametrize("patch", [_tail_off, _gathers_unscaled], ids=["tail-unscaled", "gathers-unscaled"])
+@pytest.mark.parametrize("name", TAILS)
+def test_negative_control_the_tail_scaled_alone_or_not_at_all_is_wrong(name, patch):
+    """Without the output's 1 / P every replicated part counts once per rank; without the gathers' sum over the
+    group the sharded blocks get 1 / P of their gradient."""
+    run_ranks(2, _judged_worker, name, "ring", WRONG, patch)
+
+
+def _latte_batch(gen: torch.Generator) -> dict:
+    """Three samples with their own timesteps: the temporal blocks' per-position timesteps differ between samples.
+    (With two, zigzag's chunks of the B x S rows happen to hold each sample's own rows: chunk 0 of sample 0's,
+    chunk 2P - 1 of sample 1's.)"""
+    return dict(
+        hidden_states=torch.randn(3, 4, 2, 12, 16, generator=gen),
+        encoder_hidden_states=torch.randn(3, 24, 8, generator=gen),
+        timestep=torch.tensor([100.0, 400.0, 700.0]),
+        enable_temporal_attentions=True,
+    )
+
+
+@contextlib.contextmanager
+def _latte_batch_of_two(folded: bool):
+    """Latte swept on a batch of three; ``folded=False`` cuts its temporal timesteps as one sequence of B x S rows."""
+    from seqpar.models import DIFFUSION_PLANS, Split, register_diffusion_plan
+    from tests import _dit_zoo
+
+    name = "LatteTransformer3DModel"
+    spec, plan = _dit_zoo.ZOO[name], DIFFUSION_PLANS[name]
+    _dit_zoo.ZOO[name] = dataclasses.replace(spec, inputs=_latte_batch)
+    if not folded:
+        shards = dict(plan.shards) | {"temporal_transformer_blocks.*": {"timestep": Split(0, 2)}}
+        register_diffusion_plan(dataclasses.replace(plan, shards=shards))
+    try:
+        yield
+    finally:
+        _dit_zoo.ZOO[name] = spec
+        register_diffusion_plan(plan)
+
+
+def _latte_exact():
+    return _latte_batch_of_two(True)
+
+
+def _latte_unfolded():
+    return _latte_batch_of_two(False)
+
+
+def test_latte_cuts_the_temporal_timesteps_within_each_sample():
+    """A batch of three: exact with the timesteps' fold cut per sample (``FoldedSplit``); cut as one sequence of
+    B x S rows (the negative control), rank 0's rows of sample 1 get sample 0's and sample 2's timesteps."""
+    run_ranks(2, _judged_worker, "LatteTransformer3DModel", "ring", EXACT, _latte_exact)
+    run_ranks(2, _judged_worker, "LatteTransformer3DModel", "ring", WRONG, _latte_unfolded)
