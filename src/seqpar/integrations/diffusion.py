@@ -191,10 +191,14 @@ def resolve_plan(model: torch.nn.Module) -> tuple[DiffusionPlan, dict, dict]:
         ``(plan, shards, gathers)``: the entry, module pattern -> cuts, module pattern -> gathered outputs.
 
     Raises:
-        SeqparInputError: a class without an entry (naming it and the classes served).
+        SeqparInputError: a class without an entry (naming it and the classes served), or refused by name.
     """
     name = type(model).__name__
     plan = DIFFUSION_PLANS.get(name)
+    if plan is None and name in DIFFUSION_REFUSALS:  # the refusal's reason, not the want of a plan
+        raise SeqparInputError(
+            f"{WHERE}: seqpar cannot serve {name} exactly: the model is a {name}: {DIFFUSION_REFUSALS[name]}"
+        )
     if plan is None and getattr(model, "_cp_plan", None):
         plan = DiffusionPlan(name, self_attention="", derived=True, notes=("diffusers' _cp_plan, derived",))
     if plan is None:

@@ -357,8 +357,14 @@ DIFFUSION_REFUSALS: dict[str, str] = {
     "layouts, which a plan derived from its structure does not cut alike",
     "MiniMaxH3Transformer3DModel": "text, video and audio rows are packed into one sequence by index, and under "
     "diffusers' _cp_plan the text refiner's gradients are not one process's",
-    "ConsisIDTransformer3DModel": "after the blocks its forward joins the text and the tokens and drops the text "
-    "by the whole text's length, which a rank's cut text does not have",
+    "ConsisIDTransformer3DModel": "its identity path (a local facial extractor whose embeddings a perceiver "
+    "cross-attention reads after every block) is not proven exact: gathered after the blocks (Note [gathered tail]), "
+    "the extractor's last gradient, which cancels to 1e-6 of the model's, lands 1.02x past the DiT sweep's floor "
+    "bound at sp 2 ring (2.8x under allgather; within it at sp 3 ring and under Ulysses): rounding, or a fault "
+    "too small to tell from it",
+    "Flux3Transformer2DModel": "its single-stream blocks take one content stream that its forward joins from the "
+    "image tokens and the image-condition tokens after their own mode blocks, and drops the condition by the image's "
+    "whole length: seqpar cuts and gathers one stream of a joint sequence as one, not part by part",
     "BriaFiboTransformer2DModel": "its forward joins each single-stream block's text with another text-encoder "
     "layer's whole features between the blocks",
     "HiDreamImageTransformer2DModel": "its forward joins each block's text with another text-encoder layer's whole "
