@@ -169,3 +169,31 @@ def test_latte_cuts_the_temporal_timesteps_within_each_sample():
     B x S rows (the negative control), rank 0's rows of sample 1 get sample 0's and sample 2's timesteps."""
     run_ranks(2, _judged_worker, "LatteTransformer3DModel", "ring", EXACT, _latte_exact)
     run_ranks(2, _judged_worker, "LatteTransformer3DModel", "ring", WRONG, _latte_unfolded)
+
+
+@contextlib.contextmanager
+def _checkpointed():
+    """The zoo's builds with diffusers' activation checkpointing on (the blocks, and the gathers on them, recomputed
+    in the backward)."""
+    from tests import _dit_zoo
+
+    kept = _dit_zoo.build
+
+    def build(name: str):
+        model, inputs = kept(name)
+        model.enable_gradient_checkpointing()
+        return model, inputs
+
+    _dit_zoo.build = build
+    try:
+        yield
+    finally:
+        _dit_zoo.build = kept
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["AnyFlowTransformer3DModel", "HeliosTransformer3DModel", "Krea2Transformer2DModel", "LatteTransformer3DModel"],
+)
+def test_exact_with_activation_checkpointing(name):
+    run_ranks(2, _judged_worker, name, "ring", EXACT, _checkpointed)

@@ -252,7 +252,9 @@ DIFFUSION_PLANS: dict[str, DiffusionPlan] = {
             # caption by its whole length
             shards={
                 "layers.0": {"x": Split(1, 3)},
-                "layers.*": {"attn_mask": Split(1, 2), "freqs_cis": Split(1, 3)},
+                # the per-token noise mask of omni mode (noisy or clean modulation) too
+                "layers.*": {"attn_mask": Split(1, 2), "freqs_cis": Split(1, 3), "noise_mask": Split(1, 2)},
+                "all_final_layer.*": {"noise_mask": Split(1, 2)},
             },
             gathers={"all_final_layer.*": (Gather(1, 3),)},
             notes=("Z-Image (basic mode): seqpar's plan",),
