@@ -411,7 +411,8 @@ def prepare_diffusers(
 
     Args:
         model: a diffusers transformer with an entry in ``seqpar.models.DIFFUSION_PLANS`` (Wan, LTX-Video,
-            CogVideoX, HunyuanVideo, Flux, Qwen-Image).
+            CogVideoX, HunyuanVideo, Flux, Qwen-Image, Latte, Z-Image and others), a ``_cp_plan``, or a plan
+            derived from its structure.
         mesh: a ``SequenceParallelMesh`` (``seqpar.make_mesh``), the SP ProcessGroup, or None.
         strategy: as in ``seqpar.attention`` ("ulysses", "ring", "allgather", "hybrid", "auto").
         layout: "zigzag" or "contiguous": how the tokens (and timesteps, position tables, text) are cut.

@@ -66,9 +66,10 @@ Note [gathered tail]
     process's gradient on every rank, which the sum makes exact, a parameter used both before the cut and after the
     gather included, and the sharded part its own tokens' whole gradient. The sum is what makes a gather inside the
     blocks exact (Helios' ``_cp_plan``: the gradient reaching it carries the later shards' own rows on each rank,
-    not 1 / P of one replicated gradient; scaling this rank's rows by P instead would count those P times). Nothing
-    is hooked inside the forward's own code. A tensor that differed across the ranks after a gather would break
-    this; only the gathered tokens and what every rank holds alike meet there.
+    not 1 / P of one replicated gradient; scaling this rank's rows by P instead would count those P times). It costs
+    an all-reduce of each gathered tensor's gradient in the backward. Nothing is hooked inside the forward's own
+    code. A tensor that differed across the ranks after a gather would break this; only the gathered tokens and
+    what every rank holds alike meet there (the door's first check makes the model's arguments agree).
 """
 
 from __future__ import annotations
