@@ -197,3 +197,25 @@ def _checkpointed():
 )
 def test_exact_with_activation_checkpointing(name):
     run_ranks(2, _judged_worker, name, "ring", EXACT, _checkpointed)
+
+
+def test_the_dit_verdict_judges_a_zero_gradient_by_its_modules_floor():
+    """A key bias's gradient is zero in exact arithmetic (softmax ignores a shift every key shares): its own fp32
+    noise is no measure of another run's, so it is judged against its module's floor (the weight's distance from
+    float64), as the language zoo judges; judged by its own floor alone, the same gradient would be WRONG."""
+    from benchmarks.dit_zoo import _verdict
+    from benchmarks.zoo import FLOOR_FACTOR, judge
+
+    parallel = torch.nn.Linear(2, 2)
+    weight, exact_weight = torch.ones(2, 2), torch.ones(2, 2, dtype=torch.float64)
+    weight[0, 0] += 1e-7  # the fp32 run's distance from float64: the module's floor
+    bias, exact_bias = torch.full((2,), 1e-9), torch.zeros(2, dtype=torch.float64)
+    parallel.weight.grad, parallel.bias.grad = weight.clone(), torch.full((2,), 5e-8)
+    want = {"weight": weight, "bias": bias}
+    exact = {"weight": exact_weight, "bias": exact_bias}
+    pred = torch.ones(3)
+    outcome = _verdict(parallel, pred, pred, pred.double(), want, exact)
+    assert outcome["status"] == EXACT, outcome
+    ratio, _ = judge("grad bias", parallel.bias.grad, bias, exact_bias)  # its own floor: 4.9e-8 against 4 x 1e-9
+    assert ratio == pytest.approx((5e-8 - 1e-9) / (FLOOR_FACTOR * 1e-9), rel=1e-3)
+    assert ratio > 1
