@@ -275,7 +275,10 @@ def _modules(model: torch.nn.Module, pattern: str, missing_ok: bool = False) -> 
     ``missing_ok``: a name matching nothing gives no modules (diffusers' plans list layers of the largest model)."""
     if ".-1" in pattern:  # the last of a list ("blocks.-1": its last block)
         head, _, rest = pattern.partition(".-1")
-        listed = model.get_submodule(head) if hasattr(model, head.split(".")[0]) else None
+        try:
+            listed = model.get_submodule(head)
+        except AttributeError:
+            listed = None  # no such list: the name matches nothing (below)
         pattern = f"{head}.{len(listed) - 1}{rest}" if isinstance(listed, torch.nn.ModuleList) else pattern
     if "*" not in pattern:
         try:
@@ -446,8 +449,7 @@ def prepare_diffusers(
     region = Region()
     if plan.derived:
         handles += region_hooks(model, region)
-    if plan.derived or plan.tail:
-        tail_hooks(model, region, sp.sp_size, handles)
+    tail_hooks(model, region, sp.sp_size, handles)
     for pattern, entry in shards.items():
         for name, module in _modules(model, pattern, missing_ok=plan.derived):
             hook = _input_hook(entry, sp, layout, name, region)

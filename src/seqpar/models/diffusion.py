@@ -56,7 +56,7 @@ Note [gathered tail]
     A plan may gather before the forward's end: a derived entry at its output projection, where a module with
     parameters may still run on the gathered output (Stable Audio's per-token ``postprocess_conv``), or at its last
     block where the forward computes per-token modulation, a long skip or a drop of the text by its whole length
-    after the blocks (``DIFFUSION_TAILS``, an entry's ``tail``); a ``_cp_plan`` that gathers inside each block
+    after the blocks (``DIFFUSION_TAILS``, or an entry's gathers); a ``_cp_plan`` that gathers inside each block
     (Helios). What runs after a gather runs on the same whole tokens on every rank, so each rank computes the whole
     gradient of everything it reaches, the parameters and the replicated tensors it reads from before the cut (the
     timestep embedding) alike, which the sum over the group (Note [replicated output]) would count once per rank.
@@ -68,8 +68,9 @@ Note [gathered tail]
     blocks exact (Helios' ``_cp_plan``: the gradient reaching it carries the later shards' own rows on each rank,
     not 1 / P of one replicated gradient; scaling this rank's rows by P instead would count those P times). It costs
     an all-reduce of each gathered tensor's gradient in the backward. Nothing is hooked inside the forward's own
-    code. A tensor that differed across the ranks after a gather would break this; only the gathered tokens and
-    what every rank holds alike meet there (the door's first check makes the model's arguments agree).
+    code, and every plan is served so, whether anything runs past its gathers or not (a registered entry cannot
+    forget to say so). A tensor that differed across the ranks after a gather would break this; only the gathered
+    tokens and what every rank holds alike meet there (the door's first check makes the model's arguments agree).
 """
 
 from __future__ import annotations
@@ -152,9 +153,6 @@ class DiffusionPlan:
     """The entry was derived (from diffusers' ``_cp_plan`` or the structure); its attention modules are judged per
     call (Note [derived attention]), ``cross_attention`` is unused and ``self_attention`` names the single-stream
     block list, if any, whose attention modules are joint where they do not say."""
-    tail: bool = False
-    """The plan gathers before the end of the forward, which goes on over the whole tokens on every rank (an entry's
-    output modulation, or a drop of the text after the blocks; Note [gathered tail]). A derived entry always is."""
     refused: Mapping[str, str] = field(default_factory=dict)
     """Module class name -> why seqpar cannot serve a model holding one (a variant of the class)."""
     notes: tuple[str, ...] = field(default=())
@@ -272,7 +270,6 @@ DIFFUSION_PLANS: dict[str, DiffusionPlan] = {
                 "layers.*": {"attn_mask": Split(1, 2), "freqs_cis": Split(1, 3), "noise_mask": Split(1, 2)},
             },
             gathers={"layers.-1": (Gather(1, 3),)},
-            tail=True,
             notes=("Bria FIBO 2: seqpar's plan (gathered after the layers)",),
         ),
         DiffusionPlan(
@@ -302,7 +299,6 @@ DIFFUSION_PLANS: dict[str, DiffusionPlan] = {
                 },
             },
             gathers={"single_transformer_blocks.-1": (Gather(1, 3),)},
-            tail=True,
             notes=("HunyuanVideo Framepack: seqpar's plan (HunyuanVideo's, gathered after the blocks)",),
         ),
         *(
@@ -314,7 +310,6 @@ DIFFUSION_PLANS: dict[str, DiffusionPlan] = {
                 # last block, after which the forward computes per-token values over the whole tokens
                 shards={f"{blocks}.0": {"hidden_states": Split(1, 3)}, f"{blocks}.*": {"*": TokenTables()}},
                 gathers={f"{blocks}.-1": (Gather(1, 3),)},
-                tail=True,
                 notes=(f"{name}: seqpar's plan, gathered after the blocks ({after})",),
             )
             for name, blocks, attention, cross, after in (
