@@ -56,7 +56,7 @@ def _key_rows(mask: object) -> object:
 @dataclass
 class Region:
     """Where one forward is (Note [derived attention]): between a planned cut and the planned gather or not, and
-    the factor its gathers scale their backward by (Note [gathered tail])."""
+    whether its gathers sum the gradient they receive over the group (Note [gathered tail])."""
 
     open: bool = False
     gathered: bool = False
