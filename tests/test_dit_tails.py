@@ -171,6 +171,101 @@ def test_latte_cuts_the_temporal_timesteps_within_each_sample():
     run_ranks(2, _judged_worker, "LatteTransformer3DModel", "ring", WRONG, _latte_unfolded)
 
 
+def _batched(inputs: dict, gen: torch.Generator) -> dict:
+    """``inputs`` with a second sample of its own draws along every batched float tensor and its own timestep."""
+    out = {}
+    for key, value in inputs.items():
+        batched = isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() >= 2
+        if batched and not key.startswith("indices"):
+            value = torch.cat([value, torch.randn(value.shape, generator=gen)])
+        elif key in ("timestep", "guidance"):
+            value = torch.cat([value, value + 100.0])
+        out[key] = value
+    return out
+
+
+def _framepack_padded(gen: torch.Generator) -> dict:
+    """Two samples, the second's text padded by 18 of 24 tokens: a key mask over [latents; image and text] in the
+    blocks, whose padding reaches past the condition's last chunk (so that a mask cut as one sequence, which puts
+    the last chunk of the whole sequence at the same place, differs)."""
+    from tests._dit_zoo import _framepack_inputs
+
+    inputs = _batched(_framepack_inputs(gen), gen)
+    inputs["encoder_attention_mask"] = torch.ones(2, 24, dtype=inputs["encoder_attention_mask"].dtype)
+    inputs["encoder_attention_mask"][1, -18:] = 0
+    return inputs
+
+
+def _ernie_padded(gen: torch.Generator) -> dict:
+    """Two samples, the second's text 18 of 24 tokens: a key mask over [image; text]."""
+    return dict(
+        hidden_states=torch.randn(2, 16, 6, 8, generator=gen),
+        timestep=torch.rand(2, generator=gen),
+        text_bth=torch.randn(2, 24, 16, generator=gen),
+        text_lens=torch.tensor([24, 18]),
+    )
+
+
+def _z_image_padded(gen: torch.Generator) -> dict:
+    """Two samples of other image and caption lengths: padded to the longer joint sequence under a key mask."""
+    return dict(
+        x=[torch.randn(16, 1, 16, 24, generator=gen), torch.randn(16, 1, 8, 16, generator=gen)],
+        t=torch.rand(2, generator=gen),
+        cap_feats=[torch.randn(40, 16, generator=gen), torch.randn(96, 16, generator=gen)],
+    )
+
+
+PADDED = {
+    "HunyuanVideoFramepackTransformer3DModel": _framepack_padded,
+    "ErnieImageTransformer2DModel": _ernie_padded,
+    "ZImageTransformer2DModel": _z_image_padded,
+}
+
+
+@contextlib.contextmanager
+def _padded_batch(name: str):
+    from tests import _dit_zoo
+
+    spec = _dit_zoo.ZOO[name]
+    _dit_zoo.ZOO[name] = dataclasses.replace(spec, inputs=PADDED[name])
+    try:
+        yield
+    finally:
+        _dit_zoo.ZOO[name] = spec
+
+
+def _padded_worker(rank, world_size, name):
+    with _padded_batch(name):
+        outcome = judge_class(world_size, name, "ring", False)
+    assert outcome["status"] == EXACT, json.dumps(outcome, indent=1)
+
+
+@pytest.mark.parametrize("name", list(PADDED))
+def test_a_padded_batch_of_two_is_exact(name):
+    """The joined sequences' key masks (text padding, samples of other lengths) cut with the tokens."""
+    run_ranks(2, _padded_worker, name)
+
+
+def _misaligned_mask_worker(rank, world_size):
+    from seqpar.models import DIFFUSION_PLANS, Split, register_diffusion_plan
+
+    name = "HunyuanVideoFramepackTransformer3DModel"
+    plan = DIFFUSION_PLANS[name]
+    blocks = dict(plan.shards["*transformer_blocks.*"]) | {"attention_mask": Split(3, 4)}
+    register_diffusion_plan(dataclasses.replace(plan, shards=dict(plan.shards) | {"*transformer_blocks.*": blocks}))
+    try:
+        with _padded_batch(name):
+            outcome = judge_class(world_size, name, "ring", False)
+    finally:
+        register_diffusion_plan(plan)
+    assert outcome["status"] == WRONG, json.dumps(outcome, indent=1)
+
+
+def test_negative_control_framepack_mask_cut_as_one_sequence_is_wrong():
+    """The key mask over [latents; condition] cut as one sequence, not part by part: it hides other keys."""
+    run_ranks(2, _misaligned_mask_worker)
+
+
 @contextlib.contextmanager
 def _checkpointed():
     """The zoo's builds with diffusers' activation checkpointing on (the blocks, and the gathers on them, recomputed
