@@ -45,6 +45,7 @@ from benchmarks.zoo import (
     first_line,
     judge,
     last_line,
+    module_floors,
     pool_outcome,
 )
 
@@ -84,14 +85,14 @@ def _class_on_rank(rank: int, world_size: int, name: str, strategy: str, control
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            outcome = _judge_class(world_size, name, strategy, control)
+            outcome = judge_class(world_size, name, strategy, control)
         except Exception as error:  # a failure of the harness itself, reported rather than hung
             outcome = {"status": CRASH, "reason": f"harness: {last_line(error)}"}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(outcome, f)
 
 
-def _judge_class(world_size: int, name: str, strategy: str, control: bool | str) -> dict[str, Any]:
+def judge_class(world_size: int, name: str, strategy: str, control: bool | str) -> dict[str, Any]:
     """``control``: True leaves the gradients unreduced (the negative control); ``BOTH`` reduces them and judges
     them as they were before the reduction too, as ``outcome["control"]``."""
     import seqpar
@@ -141,8 +142,10 @@ def _verdict(
     grads: dict | None = None,
 ) -> dict[str, Any]:
     """EXACT or WRONG, with the worst tensor: the prediction and every parameter's gradient (``grads`` by name,
-    default the parameters' own) against the one-process run and the float64 run."""
+    default the parameters' own) against the one-process run and the float64 run; a gradient zero in exact arithmetic
+    is judged against its module's floor (``benchmarks.zoo.module_floors``: one rule for both zoos)."""
     judged = [judge("prediction", pred, want, exact)]
+    floors = module_floors(want_grads, exact_grads)
     for param_name, p in parallel.named_parameters():
         got, one = p.grad if grads is None else grads[param_name], want_grads.get(param_name)
         if got is None and one is None:
@@ -154,6 +157,7 @@ def _verdict(
                 zero if got is None else got,
                 zero if one is None else one,
                 exact_grads.get(param_name),
+                floors.get(param_name.rpartition(".")[0], 0.0),
             )
         )
     worst = max(judged, key=lambda j: j[0])

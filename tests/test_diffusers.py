@@ -506,32 +506,34 @@ def test_dit_memory_estimate_predicts_each_ranks_kept_activations(family):
 
 
 def _unguarded_tail_worker(rank, world_size):
-    """Negative control of the refusal of a _cp_plan that gathers before modules with parameters (Helios: its
-    blocks' outputs are gathered, norm_out and proj_out run on the whole tokens on every rank): with the refusal
-    switched off the model runs, and their gradients come out once per rank, not once."""
+    """Helios' _cp_plan gathers inside each block, and norm_out and proj_out run on the whole tokens on every rank
+    (Note [gathered tail]): with the tail's scaling its gradients are one process's; with it switched off (the
+    negative control) they come out once per rank."""
     from seqpar.integrations import diffusion
     from tests._dit_zoo import build
 
     reference, inputs = build("HeliosTransformer3DModel")
-    model = copy.deepcopy(reference)
     mesh = seqpar.make_mesh()
-    with pytest.raises(SeqparInputError, match=r"gathers the tokens before .*norm_out.*once per rank"):
-        seqpar.prepare_diffusers(copy.deepcopy(reference), mesh)(**inputs, return_dict=False)
-    guard = diffusion.tail_hooks
-    diffusion.tail_hooks = lambda model, region, sp_size, handles: handles
-    try:
-        seqpar.prepare_diffusers(model, mesh)
-    finally:
-        diffusion.tail_hooks = guard
     reference(**inputs, return_dict=False)[0].sum().backward()
-    model(**inputs, return_dict=False)[0].sum().backward()
-    seqpar.reduce_gradients(model.parameters(), mesh)
-    grads = dict(model.named_parameters())
-    want = dict(reference.named_parameters())["proj_out.weight"].grad
-    torch.testing.assert_close(grads["proj_out.weight"].grad, world_size * want, rtol=1e-4, atol=1e-6)
+    want = dict(reference.named_parameters())
+    guard = diffusion.tail_hooks
+    for scaled in (True, False):
+        model = copy.deepcopy(reference)
+        model.zero_grad(set_to_none=True)
+        if not scaled:
+            diffusion.tail_hooks = lambda model, region, sp_size, handles: handles
+        try:
+            seqpar.prepare_diffusers(model, mesh)
+        finally:
+            diffusion.tail_hooks = guard
+        model(**inputs, return_dict=False)[0].sum().backward()
+        seqpar.reduce_gradients(model.parameters(), mesh)
+        got = dict(model.named_parameters())["proj_out.weight"].grad
+        factor = 1 if scaled else world_size
+        torch.testing.assert_close(got, factor * want["proj_out.weight"].grad, rtol=1e-4, atol=1e-6)
 
 
-def test_a_cp_plan_gathering_before_parameters_is_refused_and_would_be_wrong():
+def test_a_cp_plan_gathering_inside_the_blocks_trains_its_tail_once():
     run_ranks(2, _unguarded_tail_worker)
 
 

@@ -56,12 +56,11 @@ def _key_rows(mask: object) -> object:
 @dataclass
 class Region:
     """Where one forward is (Note [derived attention]): between a planned cut and the planned gather or not, and
-    the modules with parameters that ran on the gathered output after the last gather."""
+    whether its gathers sum the gradient they receive over the group (Note [gathered tail])."""
 
     open: bool = False
     gathered: bool = False
-    tail: list[str] = field(default_factory=list)
-    before: list[str] = field(default_factory=list)  # the modules with parameters that ran before the last gather
+    share: GatherShare = field(default_factory=lambda: GatherShare())  # this forward's (Note [gathered tail])
     tokens: int | None = None  # the whole token sequence's length, read at the cut of hidden_states
     text: int | None = None  # the whole text's length, read at its cut (a joint stream)
     judging: int = 0  # calls of judged attention modules in progress
@@ -204,8 +203,6 @@ def region_hooks(model: torch.nn.Module, region: Region) -> list:
     def start(module, args, kwargs):
         region.open = region.gathered = False
         region.judging = 0
-        region.tail.clear()
-        region.before.clear()
         guards.append(UnjudgedAttention(region, type(model).__name__))
         guards[-1].__enter__()
 
@@ -219,71 +216,55 @@ def region_hooks(model: torch.nn.Module, region: Region) -> list:
     ]
 
 
-def _reached_leaves(output: object) -> list[torch.Tensor]:
-    """The leaves (parameters) the output's autograd graph reaches without passing a gather: those whose gradient
-    every rank computes from the whole output (Note [gathered tail])."""
-    tensors, stack, seen, leaves = [output], [], set(), []
-    while tensors:
-        value = tensors.pop()
-        if isinstance(value, torch.Tensor):
-            stack.append(value.grad_fn)
-        elif isinstance(value, (tuple, list)):
-            tensors.extend(value)
-        elif isinstance(value, dict):
-            tensors.extend(value.values())
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen or type(node).__name__ == _GATHER_NODE:
-            continue
-        seen.add(node)
-        if hasattr(node, "variable"):  # AccumulateGrad: a leaf
-            leaves.append(node.variable)
-        else:
-            stack.extend(following for following, _ in node.next_functions)
-    return leaves
+class GatherShare:
+    """Whether one forward's gathers sum the gradient they receive over the group before handing back this rank's
+    tokens' share (Note [gathered tail]): where that forward's output gradient is scaled by 1 / P."""
+
+    def __init__(self) -> None:
+        self.summed = False
 
 
-_GATHER_NODE = "_ReplicatedGatherBackward"
-"""The autograd node of the door's gather (``_ReplicatedGather``), where the walk from the output stops."""
+class _ScaledGradient(torch.autograd.Function):
+    """Identity forward; the backward scales the gradient by ``factor`` (Note [gathered tail])."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
+
+
+def _scaled(value: object, factor: float) -> object:
+    """``value`` (a tensor, or tensors nested in tuples, lists, dicts or diffusers' output classes) with the gradient
+    of each floating tensor that requires one scaled by ``factor``."""
+    if isinstance(value, torch.Tensor):
+        return _ScaledGradient.apply(value, factor) if value.requires_grad else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_scaled(v, factor) for v in value)
+    if isinstance(value, dict):  # diffusers' BaseOutput keeps its fields as items and attributes alike
+        for key in list(value):
+            value[key] = _scaled(value[key], factor)
+    return value
 
 
 def tail_hooks(model: torch.nn.Module, region: Region, sp_size: int, handles: list) -> list:
-    """Hooks that find modules with parameters running on the gathered output and, at the end of the forward, scale
-    their gradients by 1 / P (each rank computes the whole of them), or refuse the model where the output reaches
-    other parameters past the gather (Note [gathered tail]). ``handles`` gets the gradient hooks."""
-    scaled: set[int] = set()
-    names = {id(p): n for n, p in model.named_parameters()}
+    """A hook that, at the end of a forward that gathered the tokens, scales the gradient of its output by 1 / P and
+    has its gathers sum theirs over the group (Note [gathered tail])."""
 
-    def note(name: str) -> Callable:
-        def hook(module, args):
-            (region.tail if region.gathered and not region.open else region.before).append(name)
-
-        return hook
+    def start(module, args, kwargs):
+        region.gathered = False
+        region.share = GatherShare()  # a new one a forward: the backward of an earlier forward keeps its own
 
     def end(module, args, kwargs, output):
-        if sp_size == 1 or not torch.is_grad_enabled():
-            return
-        own = {id(p): p for n in region.tail for p in model.get_submodule(n).parameters(recurse=False)}
-        shared = sorted({n for n in region.tail if n in region.before})
-        other = sorted({names.get(id(leaf), "an input") for leaf in _reached_leaves(output) if id(leaf) not in own})
-        if shared or other:
-            raise SeqparInputError(
-                f"{WHERE}: the plan derived for {type(model).__name__} gathers the tokens before "
-                f"{', '.join(region.tail)}, after which the output depends on "
-                f"{', '.join(shared + other)}, also used on this rank's shard or before the cut, whose gradients "
-                "every rank would then take from the whole output (counted once per rank); register a plan that "
-                "gathers after them"
-            )
-        for key, parameter in own.items():
-            if key not in scaled and sp_size > 1:
-                scaled.add(key)
-                handles.append(parameter.register_hook(lambda grad: grad / sp_size))
+        if sp_size == 1 or not torch.is_grad_enabled() or not region.gathered:
+            return output
+        region.share.summed = True
+        return _scaled(output, 1.0 / sp_size)
 
-    handles += [
-        m.register_forward_pre_hook(note(n))
-        for n, m in model.named_modules()
-        if n and any(True for _ in m.parameters(recurse=False))
-    ]
+    handles.append(model.register_forward_pre_hook(start, with_kwargs=True))
     handles.append(model.register_forward_hook(end, with_kwargs=True))
     return handles
 

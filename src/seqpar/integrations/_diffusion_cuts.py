@@ -10,7 +10,7 @@ import torch
 from seqpar.errors import SeqparInputError
 from seqpar.integrations._diffusion_attention import WHERE, Region
 from seqpar.mesh import SequenceParallelMesh
-from seqpar.models.diffusion import JointSplit, Split
+from seqpar.models.diffusion import FoldedSplit, JointSplit, Split
 from seqpar.sequence_parallel.layouts.chunks import shard_sequence
 
 
@@ -47,7 +47,24 @@ def _cut_joint(value: object, split: JointSplit, lengths: list, sp: SequencePara
     return torch.cat([shard_sequence(piece, sp, dim=split.dim, layout=layout) for piece in pieces], dim=split.dim)
 
 
+def _cut_folded(value: object, split: FoldedSplit, tokens: int | None, sp: SequenceParallelMesh, layout: str, where):
+    """This rank's rows of a tensor folding the batch with the whole token sequence (``FoldedSplit``)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if tokens is None or value.shape[split.dim] % tokens:
+        raise SeqparInputError(
+            f"{WHERE}: {where} has {value.shape[split.dim]} rows along dim {split.dim}, not the batch times the "
+            f"{tokens} tokens the plan cuts (a batch-major fold of the samples' tokens)"
+        )
+    folded = value.unflatten(split.dim, (-1, tokens))  # [B, S, ...]
+    return shard_sequence(folded, sp, dim=split.dim + 1, layout=layout).flatten(split.dim, split.dim + 1)
+
+
 def cut_any(value: object, split: object, lengths: list, sp: SequenceParallelMesh, layout: str, where: str):
+    """This rank's shard of one planned value; ``lengths``: a ``JointSplit``'s parts' shard lengths, or a
+    ``FoldedSplit``'s whole token length."""
+    if isinstance(split, FoldedSplit):
+        return _cut_folded(value, split, lengths[0] if lengths else None, sp, layout, where)
     if isinstance(split, JointSplit):
         return _cut_joint(value, split, lengths, sp, layout, where)
     return cut(value, split, sp, layout, where)

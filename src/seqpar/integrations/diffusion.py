@@ -38,6 +38,7 @@ import torch.distributed as dist
 from seqpar.errors import SeqparInputError
 from seqpar.integrations._diffusion_attention import (
     WHERE,
+    GatherShare,
     Region,
     attention_hooks,
     attention_modules,
@@ -51,7 +52,9 @@ from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
 from seqpar.models.diffusion import (
     DIFFUSION_PLANS,
     DIFFUSION_REFUSALS,
+    DIFFUSION_TAILS,
     DiffusionPlan,
+    FoldedSplit,
     Gather,
     Split,
     TokenTables,
@@ -136,17 +139,21 @@ def check_replicated(mesh: object, **tensors: object) -> None:
 
 
 class _ReplicatedGather(torch.autograd.Function):
-    """All-gather of the sequence whose backward keeps this rank's own tokens (Note [replicated output])."""
+    """All-gather of the sequence whose backward keeps this rank's own tokens (Note [replicated output]), of the
+    gradient summed over the group where the forward goes on past it (Note [gathered tail])."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, sp: SequenceParallelMesh, dim: int, layout: str) -> torch.Tensor:
-        ctx.sp, ctx.dim, ctx.layout = sp, dim, layout
+    def forward(ctx, x: torch.Tensor, sp: SequenceParallelMesh, dim: int, layout: str, share: GatherShare):
+        ctx.sp, ctx.dim, ctx.layout, ctx.share = sp, dim, layout, share
         with torch.no_grad():
             return gather_sequence(x, sp, dim=dim, layout=layout)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return shard_sequence(grad, ctx.sp, dim=ctx.dim, layout=ctx.layout).contiguous(), None, None, None
+        if ctx.share.summed:  # read at the backward: the forward's end decides it (Note [gathered tail])
+            grad = grad.contiguous().clone()
+            dist.all_reduce(grad, group=ctx.sp.sp_group)
+        return shard_sequence(grad, ctx.sp, dim=ctx.dim, layout=ctx.layout).contiguous(), None, None, None, None
 
 
 def _split_of(entry: object) -> Split | tuple[Split, ...]:
@@ -184,10 +191,14 @@ def resolve_plan(model: torch.nn.Module) -> tuple[DiffusionPlan, dict, dict]:
         ``(plan, shards, gathers)``: the entry, module pattern -> cuts, module pattern -> gathered outputs.
 
     Raises:
-        SeqparInputError: a class without an entry (naming it and the classes served).
+        SeqparInputError: a class without an entry (naming it and the classes served), or refused by name.
     """
     name = type(model).__name__
     plan = DIFFUSION_PLANS.get(name)
+    if plan is None and name in DIFFUSION_REFUSALS:  # the refusal's reason, not the want of a plan
+        raise SeqparInputError(
+            f"{WHERE}: seqpar cannot serve {name} exactly: the model is a {name}: {DIFFUSION_REFUSALS[name]}"
+        )
     if plan is None and getattr(model, "_cp_plan", None):
         plan = DiffusionPlan(name, self_attention="", derived=True, notes=("diffusers' _cp_plan, derived",))
     if plan is None:
@@ -221,7 +232,9 @@ def _structural_plan(model: torch.nn.Module) -> DiffusionPlan | None:
         return None
     if "hidden_states" not in inspect.signature(getattr(model, lists[0])[0].forward).parameters:
         return None  # the tokens are not told apart by name (a sequence-first stream, ``x``)
-    blocks = lists[0]
+    blocks, last = lists[0], lists[-1]
+    # the last block's output where the forward computes per-token values over the whole tokens after the blocks
+    gathered = f"{last}.{len(getattr(model, last)) - 1}" if type(model).__name__ in DIFFUSION_TAILS else output
     cut = {"hidden_states": Split(1, 3)}
     if _joint_blocks(getattr(model, blocks)):
         cut["encoder_hidden_states"] = Split(1, 3)
@@ -232,7 +245,7 @@ def _structural_plan(model: torch.nn.Module) -> DiffusionPlan | None:
         self_attention=lists[1] if paired else "",
         derived=True,
         shards={f"{blocks}.0": cut, **{f"{n}.*": {"*": TokenTables()} for n in lists}},
-        gathers={output: (Gather(1, 3),)},
+        gathers={gathered: (Gather(1, 3),)},
         notes=("derived from its structure",),
     )
 
@@ -257,8 +270,16 @@ def _joint_blocks(blocks: torch.nn.ModuleList) -> bool:
 
 def _modules(model: torch.nn.Module, pattern: str, missing_ok: bool = False) -> list[tuple[str, torch.nn.Module]]:
     """The submodules a plan names: one exact name (``""`` is the model) or every match of a dotted pattern whose
-    segments are fnmatch patterns of one name each ("blocks.*.attn1": the ``attn1`` of every block, not its parts).
+    segments are fnmatch patterns of one name each ("blocks.*.attn1": the ``attn1`` of every block, not its parts;
+    "blocks.-1": the last block).
     ``missing_ok``: a name matching nothing gives no modules (diffusers' plans list layers of the largest model)."""
+    if ".-1" in pattern:  # the last of a list ("blocks.-1": its last block)
+        head, _, rest = pattern.partition(".-1")
+        try:
+            listed = model.get_submodule(head)
+        except AttributeError:
+            listed = None  # no such list: the name matches nothing (below)
+        pattern = f"{head}.{len(listed) - 1}{rest}" if isinstance(listed, torch.nn.ModuleList) else pattern
     if "*" not in pattern:
         try:
             return [(pattern, model.get_submodule(pattern))]
@@ -315,6 +336,7 @@ def _input_hook(entry: dict, sp: SequenceParallelMesh, layout: str, module_name:
                 region.tokens, region.text = (length, None) if key == "hidden_states" else (region.tokens, length)
             # a JointSplit reads its parts' lengths as this module receives them (cut by the entries before)
             lengths = [getattr(get(p), "shape", (None, None))[1] for p in getattr(split, "parts", ())]
+            lengths = [region.tokens] if isinstance(split, FoldedSplit) else lengths
             if key in kwargs:
                 kwargs[key] = cut_any(kwargs[key], split, lengths, sp, layout, where)
             elif key in names and names.index(key) < len(args):
@@ -346,8 +368,6 @@ def _gather_hook(
 
     def hook(module, args, output):
         region.open, region.gathered = False, True
-        region.before += region.tail  # modules between two gathers: their parameters also saw shards
-        region.tail.clear()
         if sp.sp_size == 1:
             return output
         single = isinstance(output, torch.Tensor)
@@ -362,7 +382,8 @@ def _gather_hook(
                         "adds or drops tokens between the blocks and the output (by a whole sequence's length), or "
                         "lays them out otherwise; register a plan for the model"
                     )
-                outputs[i] = _ReplicatedGather.apply(outputs[i], sp, gather.dim % outputs[i].dim(), layout)
+                dim = gather.dim % outputs[i].dim()
+                outputs[i] = _ReplicatedGather.apply(outputs[i], sp, dim, layout, region.share)
         return outputs[0] if single else type(output)(outputs)
 
     return hook
@@ -393,7 +414,8 @@ def prepare_diffusers(
 
     Args:
         model: a diffusers transformer with an entry in ``seqpar.models.DIFFUSION_PLANS`` (Wan, LTX-Video,
-            CogVideoX, HunyuanVideo, Flux, Qwen-Image).
+            CogVideoX, HunyuanVideo, Flux, Qwen-Image, Latte, Z-Image and others), a ``_cp_plan``, or a plan
+            derived from its structure.
         mesh: a ``SequenceParallelMesh`` (``seqpar.make_mesh``), the SP ProcessGroup, or None.
         strategy: as in ``seqpar.attention`` ("ulysses", "ring", "allgather", "hybrid", "auto").
         layout: "zigzag" or "contiguous": how the tokens (and timesteps, position tables, text) are cut.
@@ -427,7 +449,7 @@ def prepare_diffusers(
     region = Region()
     if plan.derived:
         handles += region_hooks(model, region)
-        tail_hooks(model, region, sp.sp_size, handles)
+    tail_hooks(model, region, sp.sp_size, handles)
     for pattern, entry in shards.items():
         for name, module in _modules(model, pattern, missing_ok=plan.derived):
             hook = _input_hook(entry, sp, layout, name, region)

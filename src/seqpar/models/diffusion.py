@@ -24,8 +24,9 @@ Note [diffusion plans]
     derived from that structure: the tokens (the first block's ``hidden_states``) cut at the first block, each
     block's per-token tables (``TokenTables``) cut as it is called, the output projection's output gathered, which
     must then be this rank's shard of the tokens cut (a forward that drops tokens by a whole length between is
-    refused). Where the blocks take the text
-    and none of their attention modules is cross-attention, the blocks carry a joint [text; tokens] stream and
+    refused; a class in ``DIFFUSION_TAILS`` is gathered at its last block instead, Note [gathered tail]). Where
+    the blocks take the text and none of their attention modules is cross-attention, the blocks carry a joint
+    [text; tokens] stream and
     the text is cut with the tokens; then double-stream blocks followed by single-stream ones (Flux's build)
     are read too, and a table over the joint sequence is cut part by part, the text first, as a joint
     attention orders its keys.
@@ -52,12 +53,24 @@ Note [derived attention]
     that scales by the rank's share of the tokens (``DIFFUSION_REFUSED_ARGUMENTS``) is refused.
 
 Note [gathered tail]
-    A derived entry gathers at the output projection; a module with parameters may still run on the gathered,
-    replicated output (Stable Audio's per-token ``postprocess_conv``), so every rank computes its whole gradient,
-    which the sum over the group (Note [replicated output]) would count once per rank. At the end of each forward
-    the output's autograd graph is walked back to the gathers: the parameters it reaches must be those of the
-    modules that ran after the last gather only, and their gradients are scaled by 1 / P; any other (a module that
-    also ran on a shard, a table or modulation computed before the cut and applied after the gather) is refused.
+    A plan may gather before the forward's end: a derived entry at its output projection, where a module with
+    parameters may still run on the gathered output (Stable Audio's per-token ``postprocess_conv``), or at its last
+    block where the forward computes per-token modulation, a long skip or a drop of the text by its whole length
+    after the blocks (``DIFFUSION_TAILS``, or an entry's gathers); a ``_cp_plan`` that gathers inside each block
+    (Helios). What runs after a gather runs on the same whole tokens on every rank, so each rank computes the whole
+    gradient of everything it reaches, the parameters and the replicated tensors it reads from before the cut (the
+    timestep embedding) alike, which the sum over the group (Note [replicated output]) would count once per rank.
+    So at the end of a forward that gathered, the output's gradient is scaled by 1 / P (an identity whose backward
+    scales), and that forward's gathers sum the gradient they receive over the group before handing back this
+    rank's tokens' share (an all-gather's own backward, a reduce-scatter): every replicated part gets 1 / P of one
+    process's gradient on every rank, which the sum makes exact, a parameter used both before the cut and after the
+    gather included, and the sharded part its own tokens' whole gradient. The sum is what makes a gather inside the
+    blocks exact (Helios' ``_cp_plan``: the gradient reaching it carries the later shards' own rows on each rank,
+    not 1 / P of one replicated gradient; scaling this rank's rows by P instead would count those P times). It costs
+    an all-reduce of each gathered tensor's gradient in the backward. Nothing is hooked inside the forward's own
+    code, and every plan is served so, whether anything runs past its gathers or not (a registered entry cannot
+    forget to say so). A tensor that differed across the ranks after a gather would break this; only the gathered
+    tokens and what every rank holds alike meet there (the door's first check makes the model's arguments agree).
 """
 
 from __future__ import annotations
@@ -93,6 +106,15 @@ class JointSplit:
 
 
 @dataclass(frozen=True)
+class FoldedSplit:
+    """A tensor whose dimension ``dim`` folds the batch with the whole token sequence, batch-major (``[B * S, ...]``:
+    Latte's per-position timesteps of its temporal blocks): cut along the tokens within each sample, as the tokens
+    were cut (the length ``S`` read at the cut of ``hidden_states``)."""
+
+    dim: int = 0
+
+
+@dataclass(frozen=True)
 class Gather:
     """One module output gathered back along the sequence: diffusers' ``ContextParallelOutput``."""
 
@@ -107,7 +129,7 @@ class TokenTables:
     the plan cuts the text, as the whole text: cut along it."""
 
 
-Entry = Mapping[str | int, Split | JointSplit | TokenTables | tuple[Split, ...]]
+Entry = Mapping[str | int, Split | JointSplit | FoldedSplit | TokenTables | tuple[Split, ...]]
 
 
 @dataclass(frozen=True)
@@ -208,6 +230,101 @@ DIFFUSION_PLANS: dict[str, DiffusionPlan] = {
             notes=("HunyuanVideo (text-to-video, latent_concat image-to-video): seqpar's plan",),
         ),
         DiffusionPlan(
+            "LatteTransformer3DModel",
+            self_attention="transformer_blocks.*.attn1",
+            cross_attention="transformer_blocks.*.attn2",
+            # each frame's patches cut alike (the spatial blocks' rows are frames): a temporal block regroups the
+            # tokens by patch position across frames, so this rank holds every frame of its positions and the
+            # temporal attention runs locally on them; its per-position timesteps are cut as the positions were
+            shards={
+                "transformer_blocks.0": {"hidden_states": Split(1, 3)},
+                "temporal_transformer_blocks.*": {"timestep": FoldedSplit(0)},
+            },
+            gathers={"proj_out": (Gather(1, 3),)},
+            notes=("Latte: seqpar's plan (every frame cut by patch position; temporal attention local)",),
+        ),
+        DiffusionPlan(
+            "ZImageTransformer2DModel",
+            self_attention="layers.*.attention",
+            # the main layers' one sequence [image; caption] (the refiners before run whole on every rank) cut as
+            # one, with its RoPE table and padding mask; gathered at the final layer, before the forward drops the
+            # caption by its whole length
+            shards={
+                "layers.0": {"x": Split(1, 3)},
+                # the per-token noise mask of omni mode (noisy or clean modulation) too
+                "layers.*": {"attn_mask": Split(1, 2), "freqs_cis": Split(1, 3), "noise_mask": Split(1, 2)},
+                "all_final_layer.*": {"noise_mask": Split(1, 2)},
+            },
+            gathers={"all_final_layer.*": (Gather(1, 3),)},
+            notes=("Z-Image (basic mode): seqpar's plan",),
+        ),
+        DiffusionPlan(
+            "BriaFibo2Transformer2DModel",
+            self_attention="layers.*.attention",
+            cross_attention="layers.*.cross_attention",
+            # the layers' one sequence [gist; image; context latents] (the noise refiner and the perceiver before
+            # run whole on every rank) cut as one with its RoPE table, padding and noise masks; gathered after the
+            # last layer, where the forward takes the image tokens out by their whole offsets
+            shards={
+                "layers.0": {"x": Split(1, 3)},
+                "layers.*": {"attn_mask": Split(1, 2), "freqs_cis": Split(1, 3), "noise_mask": Split(1, 2)},
+            },
+            gathers={"layers.-1": (Gather(1, 3),)},
+            notes=("Bria FIBO 2: seqpar's plan (gathered after the layers)",),
+        ),
+        DiffusionPlan(
+            "ErnieImageTransformer2DModel",
+            self_attention="layers.*.self_attention",
+            # sequence-first [image; text] cut as one, with the per-token modulation, RoPE table and key mask;
+            # gathered at the final projection, before the forward drops the text by its whole length
+            shards={
+                "layers.0": {"x": Split(0, 3)},
+                "layers.*": {"rotary_pos_emb": Split(1, 4), "temb": (Split(0, 3),) * 6, "attention_mask": Split(3, 4)},
+            },
+            gathers={"final_linear": (Gather(0, 3),)},
+            notes=("ERNIE-Image: seqpar's plan",),
+        ),
+        DiffusionPlan(
+            "HunyuanVideoFramepackTransformer3DModel",
+            self_attention="*transformer_blocks.*.attn",
+            joint_text=True,
+            # HunyuanVideo's joint blocks over [history latents; tokens] and the [image; text] condition, both cut;
+            # gathered after the last block, where the forward drops the history by its whole length
+            shards={
+                "transformer_blocks.0": {"hidden_states": Split(1, 3), "encoder_hidden_states": Split(1, 3)},
+                "*transformer_blocks.*": {
+                    "image_rotary_emb": (Split(0, 2), Split(0, 2)),  # the single blocks' name of the RoPE table
+                    "freqs_cis": (Split(0, 2), Split(0, 2)),  # the double blocks'
+                    "attention_mask": JointSplit(3),
+                },
+            },
+            gathers={"single_transformer_blocks.-1": (Gather(1, 3),)},
+            notes=("HunyuanVideo Framepack: seqpar's plan (HunyuanVideo's, gathered after the blocks)",),
+        ),
+        *(
+            DiffusionPlan(
+                name,
+                self_attention=f"{blocks}.*.{attention}",
+                cross_attention=f"{blocks}.*.{cross}",
+                # the tokens cut at the first block, its per-token tables as each block takes them; gathered at the
+                # last block, after which the forward computes per-token values over the whole tokens
+                shards={f"{blocks}.0": {"hidden_states": Split(1, 3)}, f"{blocks}.*": {"*": TokenTables()}},
+                gathers={f"{blocks}.-1": (Gather(1, 3),)},
+                notes=(f"{name}: seqpar's plan, gathered after the blocks ({after})",),
+            )
+            for name, blocks, attention, cross, after in (
+                ("AnyFlowTransformer3DModel", "blocks", "attn1", "attn2", "output modulation per token"),
+                ("LongCatAudioDiTTransformer", "blocks", "self_attn", "cross_attn", "a long skip connection"),
+                (
+                    "SanaWMLTX2RefinerTransformer3DModel",
+                    "transformer_blocks",
+                    "attn1",
+                    "attn2",
+                    "output modulation per token",
+                ),
+            )
+        ),
+        DiffusionPlan(
             "QwenImageTransformer2DModel",
             self_attention="transformer_blocks.*.attn",
             joint_text=True,
@@ -226,27 +343,30 @@ DIFFUSION_PLANS: dict[str, DiffusionPlan] = {
 """The diffusers transformers ``seqpar.prepare_diffusers`` serves, by class name."""
 
 
-_PER_TOKEN_TAIL = (
-    "its output modulation (a shift and scale per token) or long skip connection is computed in the model's forward "
-    "after the blocks, where no plan derived from its structure cuts it"
-)
+DIFFUSION_TAILS: dict[str, str] = {
+    "Krea2Transformer2DModel": "its drop of the text, joined before the tokens, by the text's whole length",
+    "MiniMaxMusic3Transformer1DModel": "its drop of the timestep token, then a convolution over the whole sequence",
+}
+"""Class name -> what its forward computes over the whole tokens after its blocks: the plan derived from its
+structure gathers at its last block's output, and the rest runs on every rank (Note [gathered tail])."""
 
 DIFFUSION_REFUSALS: dict[str, str] = {
-    "AnyFlowTransformer3DModel": _PER_TOKEN_TAIL,
-    "SanaWMLTX2RefinerTransformer3DModel": _PER_TOKEN_TAIL,
-    "LongCatAudioDiTTransformer": _PER_TOKEN_TAIL,
     "CosmosTransformer3DModel": "its blocks take the timestep embedding per token in two tensors of different "
     "layouts, which a plan derived from its structure does not cut alike",
     "MiniMaxH3Transformer3DModel": "text, video and audio rows are packed into one sequence by index, and under "
     "diffusers' _cp_plan the text refiner's gradients are not one process's",
+    "ConsisIDTransformer3DModel": "its identity path (a local facial extractor whose embeddings a perceiver "
+    "cross-attention reads after every block) is not proven exact: gathered after the blocks (Note [gathered tail]), "
+    "the extractor's last gradient, which cancels to 1e-6 of the model's, lands 1.02x past the DiT sweep's floor "
+    "bound at sp 2 ring (2.8x under allgather; within it at sp 3 ring and under Ulysses): rounding, or a fault "
+    "too small to tell from it",
+    "Flux3Transformer2DModel": "its single-stream blocks take one content stream that its forward joins from the "
+    "image tokens and the image-condition tokens after their own mode blocks, and drops the condition by the image's "
+    "whole length: seqpar cuts and gathers one stream of a joint sequence as one, not part by part",
     "BriaFiboTransformer2DModel": "its forward joins each single-stream block's text with another text-encoder "
     "layer's whole features between the blocks",
     "HiDreamImageTransformer2DModel": "its forward joins each block's text with another text-encoder layer's whole "
     "features between the blocks, and drops them by their whole length",
-    "HunyuanVideoFramepackTransformer3DModel": "frame packing puts the history latents (clean, 2x and 4x "
-    "downsampled) before the tokens in one sequence, and its output drops them by their whole length",
-    "ConsisIDTransformer3DModel": "after the blocks its forward joins the text and the tokens and drops the text "
-    "by the whole text's length, which a rank's cut text does not have",
     **{
         conv: "its feed-forward reshapes the block's tokens into the whole height x width grid and runs a depthwise "
         "3 x 3 convolution over it, which mixes neighbouring tokens across the ranks' shards (seqpar has no halo "
