@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from benchmarks.dit_zoo import judge_class
-from benchmarks.zoo import EXACT, WRONG
+from benchmarks.zoo import BOTH, EXACT, WRONG
 from tests._dist import run_ranks
 
 diffusers = pytest.importorskip("diffusers")
@@ -31,10 +31,14 @@ inside each block from diffusers' _cp_plan (Helios), a drop of the joined text b
 (Krea2 derived, HunyuanVideo Framepack by entry)."""
 
 
-def _judged_worker(rank, world_size, name, strategy, want, patch):
+def _judged_worker(rank, world_size, name, strategy, want, patch, control=False):
+    """``name`` judged at ``world_size`` ranks: ``want`` (EXACT or WRONG); with ``control`` its gradients before
+    the sum over the group judged too, from the same run, and WRONG."""
     with patch() if patch is not None else contextlib.nullcontext():
-        outcome = judge_class(world_size, name, strategy, False)
+        outcome = judge_class(world_size, name, strategy, BOTH if control else False)
     assert outcome["status"] == want, json.dumps(outcome, indent=1)
+    if control:
+        assert outcome["control"]["status"] == WRONG, json.dumps(outcome["control"], indent=1)
 
 
 JOINED = (
@@ -54,7 +58,7 @@ ONE_HEAD = ("ErnieImageTransformer2DModel",)
 
 
 def _cases() -> list:
-    runs = [(2, "ring"), (3, "ring"), (2, "ulysses")]
+    runs = [(3, "ring"), (2, "ulysses")]  # sp 2 ring: the sweep of tests/test_dit_zoo.py
     names = [*TAILS, *JOINED, "LatteTransformer3DModel"]
     return [
         pytest.param(name, world_size, strategy, id=f"{name}-P{world_size}-{strategy}")
@@ -66,18 +70,9 @@ def _cases() -> list:
 
 @pytest.mark.parametrize(("name", "world_size", "strategy"), _cases())
 def test_exact_at_every_degree(name, world_size, strategy):
-    run_ranks(world_size, _judged_worker, name, strategy, EXACT, None)
-
-
-def _unreduced_worker(rank, world_size, name):
-    outcome = judge_class(world_size, name, "ring", True)
-    assert outcome["status"] == WRONG, json.dumps(outcome, indent=1)
-
-
-@pytest.mark.parametrize("name", [*TAILS, *JOINED, "LatteTransformer3DModel"])
-def test_negative_control_unreduced_gradients_are_wrong(name):
-    """Each rank's gradients before the sum over the group: the judgement must see the missing exchange."""
-    run_ranks(2, _unreduced_worker, name)
+    """Exact at sp 3 (ring) and under Ulysses; at sp 3 each rank's gradients before the sum over the group, the
+    negative control judged from the same run, come out WRONG: the judgement sees a missing exchange."""
+    run_ranks(world_size, _judged_worker, name, strategy, EXACT, None, world_size == 3)
 
 
 @contextlib.contextmanager
