@@ -253,6 +253,13 @@ DIFFUSION_REFUSALS: dict[str, str] = {
         "exchange)"
         for conv in ("GLUMBConv", "GLUMBTempConv")
     },
+    "OmniGenTransformer2DModel": "after its blocks its forward keeps the output image's tokens by their position "
+    "from the end of the whole sequence (dropping the prompt and the timestep token), which a rank's shard does not "
+    "have",
+    "QwenImage21Transformer2DModel": "after its blocks its output norm modulates each token by a mask over the whole "
+    "joint sequence (the target image's rows), which no plan derived from its structure cuts",
+    "StableAudio3DiTModel": "each block adds the inpainting conditioning to the tokens after the first "
+    "num_memory_tokens positions of its own tokens, and its forward drops the memory tokens by position",
     "WanAnimateFaceBlockCrossAttention": "the face adapter attends each frame's tokens to that frame's motion "
     "vector, found by reshaping the block's local tokens into frames",
 }
