@@ -115,3 +115,146 @@ _CONTROLS = [
 @pytest.mark.parametrize(("name", "control"), _CONTROLS, ids=[f"{n}-{c}" for n, c in _CONTROLS])
 def test_negative_control_each_part_switched_off_comes_out_wrong(name, control):
     run_ranks(2, _ranks_judge, name, "ring", control, WRONG)
+
+
+def _worst(got: dict, fp32: dict, fp64: dict) -> float:
+    """The worst ratio of distance from one process to its bound over named tensors (``benchmarks.zoo.judge``)."""
+    from benchmarks.zoo import judge
+
+    return max(judge(n, got[n], fp32[n], fp64[n])[0] for n in got)
+
+
+def _reduced(tensors: dict) -> dict:
+    """The tensors summed over the ranks (each rank holds the gradient of its own queries' part of the loss)."""
+    import torch.distributed as dist
+
+    for t in tensors.values():
+        dist.all_reduce(t)
+    return tensors
+
+
+_SEQ = 36  # tokens of the lone calls: 2P equal chunks for P = 2, 3
+
+
+def _pair_mask(kind: str) -> torch.Tensor:
+    """``[1, 1, S, S]``: a bidirectional window of 4 (additive, a fully masked row 5 left at the dtype's minimum) or
+    random pairs (boolean, rows 0 and 7 seeing no key)."""
+    query, key = torch.arange(_SEQ)[:, None], torch.arange(_SEQ)[None, :]
+    if kind == "additive window":
+        mask = torch.full((_SEQ, _SEQ), torch.finfo(torch.float32).min)
+        mask.masked_fill_((query - key).abs() <= 4, 0.0)
+        mask[5] = torch.finfo(torch.float32).min
+        return mask[None, None]
+    seen = torch.rand(_SEQ, _SEQ, generator=torch.Generator().manual_seed(5)) < 0.4
+    seen[[0, 7]] = False
+    return seen[None, None]
+
+
+def _rows_call(dtype: torch.dtype, kind: str, mesh=None, layout: str = "zigzag") -> dict:
+    """One SDPA call under a mask over token pairs: its output and its inputs' gradients (of this rank's queries'
+    part of a fixed weighted sum, where ``mesh`` is given)."""
+    import seqpar
+    from seqpar.integrations._diffusion_attention import WHERE, Region, ServedSDPA
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, w = (torch.randn(1, 2, _SEQ, 8, generator=gen, dtype=torch.float64) for _ in range(4))
+    q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    mask = _pair_mask(kind)
+    mask = mask.to(dtype) if mask.is_floating_point() else mask
+    if mesh is None:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    else:
+        cut = [seqpar.shard_sequence(t, mesh, dim=2, layout=layout) for t in (q, k, v, mask, w)]
+        with ServedSDPA(mesh, "ring", layout, where=WHERE, region=Region(tokens=_SEQ)):
+            out = torch.nn.functional.scaled_dot_product_attention(*cut[:3], attn_mask=cut[3])
+        w = cut[4]
+    (out * w.to(dtype)).sum().backward()
+    grads = {f"grad {n}": t.grad for n, t in zip("qkv", (q, k, v))}
+    return {"output": out.detach(), **(_reduced(grads) if mesh is not None else grads)}
+
+
+def _rows_worker(rank: int, world_size: int, kind: str, layout: str, control: str, want: str) -> None:
+    import seqpar
+    from seqpar.integrations import _diffusion_gathered as gathered
+
+    mesh = seqpar.make_mesh()
+    fp32, fp64 = _rows_call(torch.float32, kind), _rows_call(torch.float64, kind)
+    for ref in (fp32, fp64):
+        ref["output"] = seqpar.shard_sequence(ref["output"], mesh, dim=2, layout=layout)
+    sdpa = gathered._sdpa
+    if control == "rank order":
+        gathered._sdpa = lambda q, k, v, mask, named, sp, lay: sdpa(q, k, v, mask, named, sp, gathered._RANK_ORDER)
+    try:
+        worst = _worst(_rows_call(torch.float32, kind, mesh, layout), fp32, fp64)
+    finally:
+        gathered._sdpa = sdpa
+    assert (worst <= 1.0) == (want == EXACT), (kind, layout, control, worst)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("kind", ["additive window", "boolean pairs"])
+def test_a_mask_over_token_pairs_with_fully_masked_rows_equals_one_process(kind, world_size, layout):
+    """Rows that see no key come out as one process's SDPA gives them (zeros for a boolean mask, the mean of every
+    value for an additive one at the dtype's minimum), and so do their gradients."""
+    run_ranks(world_size, _rows_worker, kind, layout, "", EXACT)
+
+
+def test_negative_control_keys_gathered_in_rank_order_come_out_wrong():
+    run_ranks(2, _rows_worker, "boolean pairs", "zigzag", "rank order", WRONG)
+
+
+_SEGMENTS = [(0, 8, True), (8, 20, False), (20, 26, True)]
+"""Qwen-Image 2.1's runs: a causal prompt, a condition image, another causal prompt; the target image after 26."""
+
+
+def _segments_call(dtype: torch.dtype, mesh=None, layout: str = "zigzag") -> dict:
+    """A lone Qwen-Image 2.1 attention over block-causal runs, two prompt keys padding: its output and gradients."""
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21Attention
+
+    import seqpar
+    from seqpar.integrations._diffusion_attention import Region, attention_hooks
+
+    torch.manual_seed(0)
+    module = QwenImage21Attention(dim=16, heads=2, dim_head=8).to(dtype)
+    gen = torch.Generator().manual_seed(4)
+    x, w = (torch.randn(1, _SEQ, 16, generator=gen, dtype=torch.float64).to(dtype) for _ in range(2))
+    x.requires_grad_()
+    valid = torch.ones(1, _SEQ, dtype=torch.bool)
+    valid[:, [5, 22]] = False
+    if mesh is not None:
+        enter, leave = attention_hooks("attn", mesh, "ring", layout, Region(open=True, tokens=_SEQ))
+        module.register_forward_pre_hook(enter, with_kwargs=True)
+        module.register_forward_hook(leave, with_kwargs=True, always_call=True)
+        x, w, valid = (seqpar.shard_sequence(t, mesh, dim=1, layout=layout) for t in (x, w, valid))
+    out = module(hidden_states=x, segments=_SEGMENTS, key_valid=valid)
+    (out * w).sum().backward()
+    grads = {f"grad {n}": p.grad for n, p in module.named_parameters() if p.grad is not None}
+    return {"output": out.detach(), **(_reduced(grads) if mesh is not None else grads)}
+
+
+def _segments_worker(rank: int, world_size: int, layout: str, control: str, want: str) -> None:
+    import seqpar
+    from seqpar.integrations import _diffusion_attention as attention
+
+    mesh = seqpar.make_mesh()
+    fp32, fp64 = _segments_call(torch.float32), _segments_call(torch.float64)
+    for ref in (fp32, fp64):
+        ref["output"] = seqpar.shard_sequence(ref["output"], mesh, dim=1, layout=layout)
+    rows = attention.segment_rows
+    if control == "key padding dropped":
+        attention.segment_rows = lambda kwargs, *rest: rows({**kwargs, "key_valid": None}, *rest)
+    try:
+        worst = _worst(_segments_call(torch.float32, mesh, layout), fp32, fp64)
+    finally:
+        attention.segment_rows = rows
+    assert (worst <= 1.0) == (want == EXACT), (layout, control, worst)
+
+
+@pytest.mark.parametrize(("world_size", "layout"), [(2, "zigzag"), (3, "contiguous"), (3, "zigzag")])
+def test_block_causal_runs_served_as_their_rows_equal_one_process(world_size, layout):
+    run_ranks(world_size, _segments_worker, layout, "", EXACT)
+
+
+def test_negative_control_block_causal_runs_without_their_key_padding_come_out_wrong():
+    run_ranks(2, _segments_worker, "zigzag", "key padding dropped", WRONG)
