@@ -192,7 +192,7 @@ def _rows_worker(rank: int, world_size: int, kind: str, layout: str, control: st
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("kind", ["additive window", "boolean pairs"])
 def test_a_mask_over_token_pairs_with_fully_masked_rows_equals_one_process(kind, world_size, layout):
     """Rows that see no key come out as one process's SDPA gives them (zeros for a boolean mask, the mean of every
@@ -258,3 +258,64 @@ def test_block_causal_runs_served_as_their_rows_equal_one_process(world_size, la
 
 def test_negative_control_block_causal_runs_without_their_key_padding_come_out_wrong():
     run_ranks(2, _segments_worker, "zigzag", "key padding dropped", WRONG)
+
+
+def _checkpointed(build):
+    """``tests._dit_zoo.build`` with activation checkpointing on: the backward recomputes each block's attention."""
+
+    def built(name: str):
+        model, inputs = build(name)
+        model.enable_gradient_checkpointing()
+        return model, inputs
+
+    return built
+
+
+def _checkpointed_worker(rank: int, world_size: int, name: str) -> None:
+    from tests import _dit_zoo
+
+    build = _dit_zoo.build
+    _dit_zoo.build = _checkpointed(build)
+    try:
+        _ranks_judge(rank, world_size, name, "ring", "", EXACT)
+    finally:
+        _dit_zoo.build = build
+
+
+@pytest.mark.parametrize("name", ["Ideogram4Transformer2DModel", "PRXTransformer2DModel"])
+def test_gathered_attention_recomputed_under_activation_checkpointing_equals_one_process(name):
+    run_ranks(2, _checkpointed_worker, name)
+
+
+def _refusal_worker(rank: int, world_size: int) -> None:
+    """Calls of the gathered kinds seqpar cannot serve raise on every rank, also where one rank alone finds the
+    problem (the product check agrees across the ranks before any exchange)."""
+    import seqpar
+    from seqpar.integrations._diffusion_attention import WHERE, Region, ServedSDPA
+    from seqpar.models.diffusion_attention import AttentionRow
+
+    mesh = seqpar.make_mesh()
+    q = torch.randn(1, 2, 6, 8)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    product = torch.ones(1, 1, 6, 6, dtype=torch.bool)
+    if rank == 1:
+        product[..., 2:, :] = False  # rank 1's later queries see no key: still a product
+        product[..., 0, 1] = False  # but not one here: refused on rank 1, and so on rank 0 too
+    with (
+        ServedSDPA(
+            mesh, "ring", "zigzag", where=WHERE, region=Region(tokens=12), row=AttentionRow(padding_product=True)
+        ),
+        pytest.raises(seqpar.SeqparInputError, match=r"rank 1.*not the product of one padding mask"),
+    ):
+        sdpa(q, q, q, attn_mask=product)
+    longer = torch.randn(1, 2, 10, 8)
+    with ServedSDPA(mesh, "ring", "zigzag", where=WHERE, region=Region(tokens=12)):
+        with pytest.raises(seqpar.SeqparInputError, match="6 queries but 10 keys"):
+            sdpa(q, longer, longer)  # keys no row explains: memory tokens every rank holds whole
+        with pytest.raises(seqpar.SeqparInputError, match="of 24 keys, not the 12 tokens cut at the first block"):
+            rows = torch.ones(1, 1, 12, 24, dtype=torch.bool)  # rows over a sequence twice the tokens cut
+            sdpa(*(torch.randn(1, 2, 12, 8) for _ in range(3)), attn_mask=rows)
+
+
+def test_gathered_calls_seqpar_cannot_serve_raise_on_every_rank():
+    run_ranks(2, _refusal_worker)

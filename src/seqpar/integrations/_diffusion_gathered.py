@@ -116,7 +116,7 @@ def gathered_call(
     tokens, text = lengths
     rows = mask is not None and queries == keys and mask.shape[-1] == keys * size and mask.shape[-2] in (1, queries)
     product = row is not None and row.padding_product and mask is not None and mask.shape[-2:] == (queries, keys)
-    if size == 1 or not (rows or product or queries != keys):
+    if not (rows or product or queries != keys):
         return None
     if named.get("is_causal") or named.get("dropout_p"):
         _refuse("a gathered call takes neither is_causal nor dropout_p", where)
