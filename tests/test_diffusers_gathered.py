@@ -319,3 +319,35 @@ def _refusal_worker(rank: int, world_size: int) -> None:
 
 def test_gathered_calls_seqpar_cannot_serve_raise_on_every_rank():
     run_ranks(2, _refusal_worker)
+
+
+def _mochi_worker(rank: int, world_size: int, padding: list[int]) -> None:
+    """Mochi attends over [video; the text's valid tokens] and puts the valid tokens' outputs first, by their place in
+    the text each rank holds: any text padding is refused on every rank (one rank's text may hold none of it)."""
+    from benchmarks.dit_zoo import _judge_class
+    from tests import _dit_zoo
+
+    name = "MochiTransformer3DModel"
+    spec = _dit_zoo.ZOO[name]
+
+    def inputs(gen: torch.Generator) -> dict:
+        batch = spec.inputs(gen)
+        batch["encoder_attention_mask"] = batch["encoder_attention_mask"].clone()
+        batch["encoder_attention_mask"][:, padding] = False
+        return batch
+
+    _dit_zoo.ZOO[name] = dataclasses.replace(spec, inputs=inputs)
+    try:
+        outcome = _judge_class(world_size, name, "ring", False)
+    finally:
+        _dit_zoo.ZOO[name] = spec
+    assert outcome["status"] == "REFUSED" and "compacts_text" in outcome["reason"], outcome
+
+
+@pytest.mark.parametrize(
+    "padding", [[16, 17, 22, 23], [20, 21, 22, 23]], ids=["two-padding-tokens-on-each-rank", "right-padded"]
+)
+def test_mochi_text_padding_is_refused_on_every_rank(padding):
+    """Without the refusal, two padding tokens on each rank (equal shards) came out WRONG (a gradient 2478 times its
+    bound), and a right-padded prompt (unequal shards) was refused by the ring's shapes only."""
+    run_ranks(2, _mochi_worker, padding)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from seqpar.errors import SeqparInputError
-from seqpar.integrations._diffusion_gathered import gathered_call, segment_rows
+from seqpar.integrations._diffusion_gathered import check_compacted_text, gathered_call, segment_rows
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.models.diffusion import DIFFUSION_REFUSED_ARGUMENTS
 from seqpar.models.diffusion_attention import AttentionRow, attention_row
@@ -191,6 +191,8 @@ def attention_hooks(
             mode.__enter__()
         active.append(mode)
         region.judging += 1
+        if mode is not None and row is not None and row.compacts_text and sp.sp_size > 1:
+            check_compacted_text(_argument(module, args, kwargs, "attention_mask"), sp, f"{WHERE}: {name}")
         if mode is not None and row is not None and row.segments and sp.sp_size > 1:
             tokens = _argument(module, args, kwargs, "hidden_states")
             return args, segment_rows(kwargs, tokens.shape[1], sp, layout, WHERE)

@@ -33,6 +33,10 @@ Note [gathered keys]
     the call the rows of its own queries as its mask and no runs, and the processor's one call over every query is
     served as the first kind.
 
+    A processor that drops the text's padding from its joint sequence and puts the valid tokens' outputs first, by
+    their place in the text it is given (an ``AttentionRow`` with ``compacts_text``: Mochi's), would place them by
+    the rank's cut text, not the whole one: a call whose text has padding on any rank is refused on every rank.
+
     The call costs the allgather strategy's bytes (the whole keys and values on every rank) whatever strategy
     the door was given, and the mask's rows: ``S/P x S`` per call, as the model's own mask costs ``S x S``.
 """
@@ -189,3 +193,17 @@ def segment_rows(kwargs: dict, local: int, sp: SequenceParallelMesh, layout: str
         seen = seen.to(whole.device) & whole[:, None, None, :]
     rows = shard_sequence(seen.to(torch.uint8), sp, dim=2, layout=layout).bool()
     return {**kwargs, "segments": None, "key_valid": None, "attention_mask": rows}
+
+
+_COMPACTED = (
+    "the processor drops the text's padding tokens and puts the valid ones' outputs first by their place in the text "
+    "it is given, which on a rank's cut text is another place than one process's (its row's compacts_text): pass no "
+    "text padding",
+)
+
+
+def check_compacted_text(mask: object, sp: SequenceParallelMesh, where: str) -> None:
+    """Refuse, on every rank, a call whose processor compacts its text (``AttentionRow.compacts_text``) given a text
+    mask with padding on any rank (one small all-gather)."""
+    problem = None if not isinstance(mask, torch.Tensor) or bool(mask.bool().all()) else (0, _COMPACTED[0])
+    agree_or_raise(sp.sp_group, where, problem, _COMPACTED)

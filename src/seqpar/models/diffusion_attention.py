@@ -28,6 +28,10 @@ class AttentionRow:
     """Its processor builds the mask of each call over the call's own query-key pairs as the product of one
     per-token padding mask, as queries and as keys (Note [gathered keys]): served as the rows of this rank's
     queries against every key."""
+    compacts_text: bool = False
+    """Its processor drops the text's padding tokens (its ``attention_mask``) from the joint sequence and puts the
+    valid tokens' outputs first, by their place in the text it is given: on a rank's cut text that is another place
+    than one process's, so a call whose text has padding is refused (on every rank)."""
     segments: bool = False
     """Its processor takes the block-causal structure of a prefix as ``segments``, ``(start, end, is_text)`` runs of
     global positions it slices its queries by (each run sees every key before its end, a text run causally within
@@ -49,7 +53,9 @@ DIFFUSION_ATTENTION: dict[str, AttentionRow] = {
         segments=True, notes="Qwen-Image 2.1: a causal prompt, each condition image a block, the target image last"
     ),
     "MochiAttention": AttentionRow(
-        cross=False, notes="Mochi: a plain module attending jointly over [video; the text's valid tokens]"
+        cross=False,
+        compacts_text=True,
+        notes="Mochi: a plain module attending jointly over [video; the text's valid tokens]",
     ),
     "HunyuanVideo15AttnProcessor2_0": AttentionRow(
         padding_product=True,
