@@ -46,7 +46,20 @@ def _segmented_ideogram4(spec):
     return dataclasses.replace(spec, inputs=inputs)
 
 
+def _padded_prx(spec):
+    """PRX's zoo batch with the prompt's last tokens padding (its processor joins their mask to the image's keys)."""
+
+    def inputs(gen: torch.Generator) -> dict:
+        batch = spec.inputs(gen)
+        batch["attention_mask"] = torch.ones(1, batch["encoder_hidden_states"].shape[1], dtype=torch.bool)
+        batch["attention_mask"][:, -_PADDED:] = False
+        return batch
+
+    return dataclasses.replace(spec, inputs=inputs)
+
+
 _BATCHES = {
+    "PRXTransformer2DModel": _padded_prx,
     "HunyuanVideo15Transformer3DModel": _padded_hunyuan_video15,
     "Ideogram4Transformer2DModel": _segmented_ideogram4,
 }
@@ -60,6 +73,7 @@ def _ranks_judge(rank: int, world_size: int, name: str, strategy: str, control: 
     from tests import _dit_zoo
 
     spec, sdpa, gather, product = _dit_zoo.ZOO[name], gathered._sdpa, gathered.gather_sequence, gathered._product_mask
+    joined = gathered._joined_sdpa
     if name in _BATCHES:
         _dit_zoo.ZOO[name] = _BATCHES[name](spec)
     if control == "rank order":  # the keys gathered in rank order, not the layout's global order of the columns
@@ -70,6 +84,8 @@ def _ranks_judge(rank: int, world_size: int, name: str, strategy: str, control: 
             return gather(x.detach(), sp, dim=dim, layout=layout) if x.requires_grad else gather(x, sp, dim, layout)
 
         gathered.gather_sequence = gather_forward
+    elif control == "joined keys unmasked":  # the key-padding mask of keys joined to a whole text dropped
+        gathered._joined_sdpa = lambda q, k, named, mask, *rest: joined(q, k, named, None, *rest)
     elif control == "every key seen":  # the processor's padding product read as all True
         gathered._product_mask = lambda mask, sp, where: torch.ones(
             (*mask.shape[:-1], mask.shape[-1] * sp.sp_size), dtype=torch.bool
@@ -83,12 +99,13 @@ def _ranks_judge(rank: int, world_size: int, name: str, strategy: str, control: 
             gather,
             product,
         )
+        gathered._joined_sdpa = joined
     assert outcome["status"] == want, (control, outcome)
 
 
 _MODELS = {
     "Ideogram4Transformer2DModel": "two packed samples' segments over token pairs (a boolean mask)",
-    "PRXTransformer2DModel": "image queries against [whole text; image] keys",
+    "PRXTransformer2DModel": "image queries against [whole text; image] keys, text padding",
     "NucleusMoEImageTransformer2DModel": "image queries against [image; whole text] keys, text padding",
     "MochiTransformer3DModel": "joint attention in a module of its own class (a row)",
     "HunyuanVideo15Transformer3DModel": "a padding product over each call's own pairs, some text padding",
@@ -107,6 +124,7 @@ _CONTROLS = [
     ("Ideogram4Transformer2DModel", "rank order"),
     ("Ideogram4Transformer2DModel", "no key gradients back"),
     ("PRXTransformer2DModel", "no key gradients back"),
+    ("PRXTransformer2DModel", "joined keys unmasked"),
     ("NucleusMoEImageTransformer2DModel", "no key gradients back"),
     ("HunyuanVideo15Transformer3DModel", "every key seen"),
 ]
