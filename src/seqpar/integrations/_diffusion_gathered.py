@@ -1,6 +1,6 @@
 """Self-attention calls of ``seqpar.prepare_diffusers`` served by gathering every rank's keys and values.
 
-Masks over token pairs, a processor's padding product, and keys that are the cut parts of a joint sequence.
+Masks over token pairs, a processor's padding product or block-causal runs, and keys joined to a whole text.
 
 Note [gathered keys]
     Three kinds of attention call over the shards are not the ring's or Ulysses' (queries and keys the same
