@@ -84,14 +84,14 @@ def _class_on_rank(rank: int, world_size: int, name: str, strategy: str, control
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            outcome = _judge_class(world_size, name, strategy, control)
+            outcome = judge_class(world_size, name, strategy, control)
         except Exception as error:  # a failure of the harness itself, reported rather than hung
             outcome = {"status": CRASH, "reason": f"harness: {last_line(error)}"}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(outcome, f)
 
 
-def _judge_class(world_size: int, name: str, strategy: str, control: bool | str) -> dict[str, Any]:
+def judge_class(world_size: int, name: str, strategy: str, control: bool | str) -> dict[str, Any]:
     """``control``: True leaves the gradients unreduced (the negative control); ``BOTH`` reduces them and judges
     them as they were before the reduction too, as ``outcome["control"]``."""
     import seqpar

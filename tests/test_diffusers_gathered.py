@@ -68,7 +68,7 @@ _BATCHES = {
 def _ranks_judge(rank: int, world_size: int, name: str, strategy: str, control: str, want: str) -> None:
     """Judge ``name`` at ``world_size`` under ``strategy`` with the exchange's part ``control`` switched off ("" for
     none); assert its status is ``want``."""
-    from benchmarks.dit_zoo import _judge_class
+    from benchmarks.dit_zoo import judge_class
     from seqpar.integrations import _diffusion_gathered as gathered
     from tests import _dit_zoo
 
@@ -91,7 +91,7 @@ def _ranks_judge(rank: int, world_size: int, name: str, strategy: str, control: 
             (*mask.shape[:-1], mask.shape[-1] * sp.sp_size), dtype=torch.bool
         )
     try:
-        outcome = _judge_class(world_size, name, strategy, False)
+        outcome = judge_class(world_size, name, strategy, False)
     finally:
         _dit_zoo.ZOO[name], gathered._sdpa, gathered.gather_sequence, gathered._product_mask = (
             spec,
@@ -342,7 +342,7 @@ def test_gathered_calls_seqpar_cannot_serve_raise_on_every_rank():
 def _mochi_worker(rank: int, world_size: int, padding: list[int]) -> None:
     """Mochi attends over [video; the text's valid tokens] and puts the valid tokens' outputs first, by their place in
     the text each rank holds: any text padding is refused on every rank (one rank's text may hold none of it)."""
-    from benchmarks.dit_zoo import _judge_class
+    from benchmarks.dit_zoo import judge_class
     from tests import _dit_zoo
 
     name = "MochiTransformer3DModel"
@@ -356,7 +356,7 @@ def _mochi_worker(rank: int, world_size: int, padding: list[int]) -> None:
 
     _dit_zoo.ZOO[name] = dataclasses.replace(spec, inputs=inputs)
     try:
-        outcome = _judge_class(world_size, name, "ring", False)
+        outcome = judge_class(world_size, name, "ring", False)
     finally:
         _dit_zoo.ZOO[name] = spec
     assert outcome["status"] == "REFUSED" and "compacts_text" in outcome["reason"], outcome
