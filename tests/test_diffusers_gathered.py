@@ -369,3 +369,60 @@ def test_mochi_text_padding_is_refused_on_every_rank(padding):
     """Without the refusal, two padding tokens on each rank (equal shards) came out WRONG (a gradient 2478 times its
     bound), and a right-padded prompt (unequal shards) was refused by the ring's shapes only."""
     run_ranks(2, _mochi_worker, padding)
+
+
+_TEXT_KEYS = 10  # text tokens joined to the image's keys in the lone calls
+
+
+def _joined_call(dtype: torch.dtype, first: bool, form: str, mesh=None, layout: str = "zigzag") -> dict:
+    """Image queries against [text; image] keys (``first``, else [image; text]), the text whole, two text keys and
+    one image key padding, the mask over this rank's keys (``form`` "local") or every key ("global")."""
+    import seqpar
+    from seqpar.integrations._diffusion_attention import WHERE, Region, ServedSDPA
+    from seqpar.models.diffusion_attention import AttentionRow
+
+    gen = torch.Generator().manual_seed(6)
+    q, k, v, w = (torch.randn(1, 2, _SEQ, 8, generator=gen, dtype=torch.float64) for _ in range(4))
+    tk, tv = (torch.randn(1, 2, _TEXT_KEYS, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    q, k, v, tk, tv = (t.to(dtype).requires_grad_() for t in (q, k, v, tk, tv))
+    text_seen, image_seen = torch.ones(1, _TEXT_KEYS, dtype=torch.bool), torch.ones(1, _SEQ, dtype=torch.bool)
+    text_seen[:, [3, 9]], image_seen[:, 30] = False, False
+
+    def joined(text, image):
+        return torch.cat([text, image] if first else [image, text], dim=-1 if text.dim() == 2 else -2)
+
+    if mesh is None:
+        mask = joined(text_seen, image_seen)[:, None, None]
+        out = torch.nn.functional.scaled_dot_product_attention(q, joined(tk, k), joined(tv, v), attn_mask=mask)
+    else:
+        qs, ks, vs, ws = (seqpar.shard_sequence(t, mesh, dim=2, layout=layout) for t in (q, k, v, w))
+        own = seqpar.shard_sequence(image_seen, mesh, dim=1, layout=layout) if form == "local" else image_seen
+        row = AttentionRow(text_keys="first" if first else "last")
+        with ServedSDPA(mesh, "ring", layout, where=WHERE, region=Region(tokens=_SEQ), row=row):
+            mask = joined(text_seen, own)[:, None, None]
+            out = torch.nn.functional.scaled_dot_product_attention(qs, joined(tk, ks), joined(tv, vs), attn_mask=mask)
+        w = ws
+    (out * w.to(dtype)).sum().backward()
+    grads = {f"grad {n}": t.grad for n, t in zip(("q", "k", "v", "text k", "text v"), (q, k, v, tk, tv))}
+    return {"output": out.detach(), **(_reduced(grads) if mesh is not None else grads)}
+
+
+def _joined_worker(rank: int, world_size: int, first: bool, form: str, layout: str) -> None:
+    import seqpar
+
+    mesh = seqpar.make_mesh()
+    fp32, fp64 = (_joined_call(dtype, first, form) for dtype in (torch.float32, torch.float64))
+    for ref in (fp32, fp64):
+        ref["output"] = seqpar.shard_sequence(ref["output"], mesh, dim=2, layout=layout)
+    worst = _worst(_joined_call(torch.float32, first, form, mesh, layout), fp32, fp64)
+    assert worst <= 1.0, (first, form, layout, worst)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("form", ["local", "global"])
+@pytest.mark.parametrize("first", [True, False], ids=["text-first", "text-last"])
+def test_keys_joined_to_a_whole_text_equal_one_process(first, form, world_size, layout):
+    """The text's keys' gradients are each rank's queries' share, summed over the ranks as ``reduce_gradients``
+    sums a parameter's."""
+    run_ranks(world_size, _joined_worker, first, form, layout)
