@@ -50,7 +50,7 @@ Note [derived attention]
     attends as the forward did. A key-padding mask that a processor broadcasts over heads and queries with
     ``expand`` (stride 0: the same row for each by construction) is served as its rows; a call given an argument
     that scales by the rank's share of the tokens (``DIFFUSION_REFUSED_ARGUMENTS``) is refused. What a module's
-    names cannot tell, its row in ``seqpar.models.diffusion_attention.DIFFUSION_ATTENTION`` says (by its class or
+    names cannot tell, its row in ``seqpar.models.DIFFUSION_ATTENTION`` says (by its class or
     its processor's): cross or joint, the argument its text comes in, a whole text joined to its keys, a mask its
     processor builds (Note [gathered keys]); a module of another class with a row (Mochi's) is an attention
     module too.

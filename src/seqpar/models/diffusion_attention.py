@@ -1,6 +1,7 @@
 """What a diffusers attention class (or its processor) does that its names cannot tell: one row per class.
 
-``seqpar.prepare_diffusers`` asks ``attention_row(module)`` before it judges or serves the module's calls.
+``seqpar.prepare_diffusers`` asks ``attention_row(module)`` before it judges or serves the module's calls;
+``register_attention_row`` adds one.
 """
 
 from __future__ import annotations
@@ -70,3 +71,17 @@ def attention_row(module: torch.nn.Module) -> AttentionRow | None:
     row = DIFFUSION_ATTENTION.get(type(module).__name__)
     processor = getattr(module, "processor", None)
     return row if row is not None else DIFFUSION_ATTENTION.get(type(processor).__name__)
+
+
+def register_attention_row(name: str, row: AttentionRow) -> AttentionRow:
+    """Add (or replace) the row of an attention module class or processor class.
+
+    Args:
+        name: the class name (``type(module).__name__`` or ``type(module.processor).__name__``).
+        row: what the class does that its names cannot tell.
+
+    Returns:
+        The row.
+    """
+    DIFFUSION_ATTENTION[name] = row
+    return row
