@@ -53,13 +53,21 @@ JOINED = (
 one and gathered before the forward drops a part by its whole length (Z-Image, ERNIE-Image by entry: no parameter
 after the gather; Bria FIBO 2 by entry, MiniMax Music 3 derived: a tail), and per-token modulation or a long skip
 after the blocks (LongCat audio, Sana-WM's LTX2 refiner, by entry)."""
+GATHERED_KEYS_AND_TAIL = (
+    "OmniGenTransformer2DModel",
+    "QwenImage21Transformer2DModel",
+    "AceStepTransformer1DModel",
+)
+"""Masks over token pairs served by gathered keys (Note [gathered keys]), then a tail over the whole tokens: OmniGen
+keeps the image's tokens by their place from the sequence's end, Qwen-Image 2.1's output norm reads a mask over the
+whole joint sequence (both in ``DIFFUSION_TAILS``), AceStep's output modulation follows its blocks."""
 ONE_HEAD = ("ErnieImageTransformer2DModel",)
 """Tiny builds with one attention head: no Ulysses at sp 2 (refused by seqpar.attention naming the heads)."""
 
 
 def _cases() -> list:
     runs = [(3, "ring"), (2, "ulysses")]  # sp 2 ring: the sweep of tests/test_dit_zoo.py
-    names = [*TAILS, *JOINED, "LatteTransformer3DModel"]
+    names = [*TAILS, *JOINED, *GATHERED_KEYS_AND_TAIL, "LatteTransformer3DModel"]
     return [
         pytest.param(name, world_size, strategy, id=f"{name}-P{world_size}-{strategy}")
         for name in names

@@ -14,33 +14,34 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from seqpar.errors import SeqparInputError
+from seqpar.integrations._diffusion_gathered import check_compacted_text, gathered_call, segment_rows
 from seqpar.mesh import SequenceParallelMesh
 from seqpar.models.diffusion import DIFFUSION_REFUSED_ARGUMENTS
+from seqpar.models.diffusion_attention import AttentionRow, attention_row
 from seqpar.sequence_parallel.context_parallel.sdpa_mode import SequenceParallelSDPA
 
 WHERE = "seqpar.prepare_diffusers"
 
 
 class ServedSDPA(SequenceParallelSDPA):
-    """The SDPA mode of one self-attention call; counts the calls it served (none: a non-native backend)."""
+    """The SDPA mode of one self-attention call; counts the calls it served (none: a non-native backend). Calls of
+    the kinds Note [gathered keys] names are served by gathering the keys, the others by ``seqpar.attention``."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, region: Region, row: AttentionRow | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.served = 0
+        self.served, self.region, self.row = 0, region, row
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if query.shape[-2] != key.shape[-2]:  # the same shapes on every rank: every rank raises here
-            raise SeqparInputError(
-                f"{WHERE}: an attention over the sharded tokens has {query.shape[-2]} queries but {key.shape[-2]} "
-                "keys on this rank: keys that are not the shards of its queries (memory or register tokens every "
-                "rank holds whole, or another sequence) would count once per rank"
-            )
+        named = dict(zip(_SDPA_ARGUMENTS, args)) | kwargs
+        named["attn_mask"] = _key_rows(named.get("attn_mask"))
+        lengths = (self.region.tokens, self.region.text)
         self.served += 1
-        if len(args) > 1:  # (value, attn_mask, ...)
-            args = (args[0], _key_rows(args[1]), *args[2:])
-        elif "attn_mask" in kwargs:
-            kwargs["attn_mask"] = _key_rows(kwargs["attn_mask"])
-        return super().attention(query, key, *args, **kwargs)
+        out = gathered_call(query, key, named, self.mesh, self.layout, lengths, self.row, WHERE)
+        return super().attention(query, key, **named) if out is None else out
+
+
+_SDPA_ARGUMENTS = ("value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+"""SDPA's arguments after the query and the key, in order."""
 
 
 def _key_rows(mask: object) -> object:
@@ -95,7 +96,10 @@ def says_cross(module: torch.nn.Module) -> bool | None:
     where it has one; else joint where it projects the text with projections of its own (``add_k_proj``,
     ``txt_attn_qkv``, a second query projection ``to_q_t``), cross where its keys are projected from another width
     than its queries; None: it does not say."""
-    cross = getattr(module, "is_cross_attention", None)
+    row = attention_row(module)
+    if row is not None and row.text_keys:  # the text as keys only: kept whole, as cross-attention's
+        return True
+    cross = getattr(module, "is_cross_attention", None) if row is None or row.cross is None else row.cross
     if cross is not None:
         return bool(cross)
     projections = [n for n, c in module.named_children() if any(True for _ in c.parameters())]
@@ -119,9 +123,18 @@ def _judgement(
     name: str, module: torch.nn.Module, args: tuple, kwargs: dict, region: Region, text_cut: bool, joint: tuple
 ) -> bool:
     """Whether an attention module of a derived entry attends over the shards (Note [derived attention])."""
-    text, tokens = (_argument(module, args, kwargs, k) for k in ("encoder_hidden_states", "hidden_states"))
+    row = attention_row(module)
+    said = "encoder_hidden_states" if row is None else row.text
+    text, tokens = (_argument(module, args, kwargs, k) for k in (said, "hidden_states"))
     if not region.open or text is None or text is tokens:  # self-attention given its tokens as the text too
         return region.open
+    if row is not None and row.text_keys:  # the text joined to the keys of the tokens' queries (Note [gathered keys])
+        if text_cut:
+            raise SeqparInputError(
+                f"{WHERE}: {name} joins the text to the keys of the tokens' queries, but the plan derived for the "
+                "model cuts the text across the ranks; register a plan that keeps the text whole"
+            )
+        return True
     cross = says_cross(module)
     cross = False if cross is None and name.startswith(joint) else cross
     if cross is None:
@@ -171,11 +184,18 @@ def attention_hooks(
         refused = [k for k in DIFFUSION_REFUSED_ARGUMENTS if judged[0] and kwargs.get(k) is not None]
         if refused:  # the same arguments on every rank: every rank raises here
             raise SeqparInputError(f"{WHERE}: {name} is given {refused[0]}: {DIFFUSION_REFUSED_ARGUMENTS[refused[0]]}")
-        mode = ServedSDPA(sp, strategy, layout, where=WHERE) if judged[0] else None
+        row = attention_row(module)
+        mode = ServedSDPA(sp, strategy, layout, where=WHERE, region=region, row=row) if judged[0] else None
         if mode is not None:
             mode.__enter__()
         active.append(mode)
         region.judging += 1
+        if mode is not None and row is not None and row.compacts_text and sp.sp_size > 1:
+            check_compacted_text(_argument(module, args, kwargs, "attention_mask"), sp, f"{WHERE}: {name}")
+        if mode is not None and row is not None and row.segments and sp.sp_size > 1:
+            tokens = _argument(module, args, kwargs, "hidden_states")
+            return args, segment_rows(kwargs, tokens.shape[1], sp, layout, WHERE)
+        return None
 
     def leave(module, args, kwargs, output):
         if not active:  # the pre-hook raised
@@ -270,8 +290,10 @@ def tail_hooks(model: torch.nn.Module, region: Region, sp_size: int, handles: li
 
 
 def attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """Every attention module of a diffusers model: its ``Attention`` and ``AttentionModuleMixin`` instances."""
+    """Every attention module of a diffusers model: its ``Attention`` and ``AttentionModuleMixin`` instances, and
+    the modules of another class with a row (``attention_row``)."""
     from diffusers.models.attention import AttentionModuleMixin
     from diffusers.models.attention_processor import Attention
 
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, (Attention, AttentionModuleMixin))]
+    classes = (Attention, AttentionModuleMixin)
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, classes) or attention_row(m) is not None]

@@ -80,6 +80,8 @@ def _table_cut(value: torch.Tensor, region: Region, where: str) -> Split | Joint
     joint = None if region.text is None else region.text + (region.tokens or 0)
     named = {region.tokens: "the token sequence", region.text: "the text", joint: "the joint [text; tokens] sequence"}
     dims = [d for d in range(value.dim()) if value.shape[d] is not None and value.shape[d] in named]
+    if dims == [value.dim() - 2, value.dim() - 1] and value.shape[-1] == value.shape[-2] == region.tokens:
+        return Split(dims[0])  # a mask over token pairs: its query rows, its key columns whole (Note [gathered keys])
     if len(dims) > 1:
         raise SeqparInputError(
             f"{WHERE}: {where} has dims {list(value.shape)}, more than one as long as {named[value.shape[dims[0]]]} "

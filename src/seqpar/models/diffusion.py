@@ -50,7 +50,11 @@ Note [derived attention]
     recomputation in the backward (activation checkpointing), which runs outside the region's hooks,
     attends as the forward did. A key-padding mask that a processor broadcasts over heads and queries with
     ``expand`` (stride 0: the same row for each by construction) is served as its rows; a call given an argument
-    that scales by the rank's share of the tokens (``DIFFUSION_REFUSED_ARGUMENTS``) is refused.
+    that scales by the rank's share of the tokens (``DIFFUSION_REFUSED_ARGUMENTS``) is refused. What a module's
+    names cannot tell, its row in ``seqpar.models.DIFFUSION_ATTENTION`` says (by its class or
+    its processor's): cross or joint, the argument its text comes in, a whole text joined to its keys, a mask its
+    processor builds (Note [gathered keys]); a module of another class with a row (Mochi's) is an attention
+    module too.
 
 Note [gathered tail]
     A plan may gather before the forward's end: a derived entry at its output projection, where a module with
@@ -346,6 +350,10 @@ DIFFUSION_PLANS: dict[str, DiffusionPlan] = {
 DIFFUSION_TAILS: dict[str, str] = {
     "Krea2Transformer2DModel": "its drop of the text, joined before the tokens, by the text's whole length",
     "MiniMaxMusic3Transformer1DModel": "its drop of the timestep token, then a convolution over the whole sequence",
+    "OmniGenTransformer2DModel": "its keep of the output image's tokens by their position from the end of the whole "
+    "sequence (the prompt and the timestep token dropped)",
+    "QwenImage21Transformer2DModel": "its output norm, which modulates each token by a mask over the whole joint "
+    "sequence (the target image's rows)",
 }
 """Class name -> what its forward computes over the whole tokens after its blocks: the plan derived from its
 structure gathers at its last block's output, and the rest runs on every rank (Note [gathered tail])."""
@@ -373,6 +381,8 @@ DIFFUSION_REFUSALS: dict[str, str] = {
         "exchange)"
         for conv in ("GLUMBConv", "GLUMBTempConv")
     },
+    "StableAudio3DiTModel": "each block adds the inpainting conditioning to the tokens after the first "
+    "num_memory_tokens positions of its own tokens, and its forward drops the memory tokens by position",
     "WanAnimateFaceBlockCrossAttention": "the face adapter attends each frame's tokens to that frame's motion "
     "vector, found by reshaping the block's local tokens into frames",
 }
