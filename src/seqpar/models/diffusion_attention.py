@@ -7,8 +7,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the planner reads these tables without torch (Note [torch-free planning])
+    import torch
 
 
 @dataclass(frozen=True)
