@@ -9,7 +9,10 @@ Note [background launches]
     A stage runs only if a selected test uses the fixture of its name, so a run of the fast tier or of one file
     starts nothing it does not read. A ``side`` stage is started and left running while the chain goes on (the
     references no launch reads); waiting for it joins it. Each command runs with one thread, as the ranks of
-    the pools do, and a failure is kept for the tests that read the stage instead of stopping the chain.
+    the pools do, and a failure is kept for the tests that read the stage instead of stopping the chain. The
+    commands run at a lower priority (``NICE``): where the tests keep both cores busy the launches yield to them,
+    and they take what the tests leave idle. Not the lowest: a launch left a tenth of a core still finishes
+    within its timeout.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from dataclasses import dataclass
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 TIMEOUT_S = 600
+NICE = ["nice", "-n", "10"]
+"""The launches' priority below the tests' (Note [background launches])."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,7 @@ class Chain:
             if self.closed:
                 return None
             out = subprocess.PIPE
+            command = [*NICE, *command]
             self.running = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=out, stderr=subprocess.STDOUT, text=True)
             return self.running
 
