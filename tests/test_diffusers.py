@@ -505,17 +505,17 @@ def test_dit_memory_estimate_predicts_each_ranks_kept_activations(family):
     run_ranks(2, _dit_estimate_worker, family)
 
 
-def _unguarded_tail_worker(rank, world_size):
-    """Helios' _cp_plan gathers inside each block, and norm_out and proj_out run on the whole tokens on every rank
-    (Note [gathered tail]): with the tail's scaling its gradients are one process's; with it switched off (the
-    negative control) they come out once per rank."""
+def _tail_runs(name: str, loss) -> tuple[dict, dict, dict]:
+    """``name``'s zoo build: one process's gradients of ``loss(prediction)``, and the sums over the ranks under
+    ``prepare_diffusers`` with the tail's scaling (Note [gathered tail]) and with it switched off (the negative
+    control), each as parameter name -> gradient."""
     from seqpar.integrations import diffusion
     from tests._dit_zoo import build
 
-    reference, inputs = build("HeliosTransformer3DModel")
+    reference, inputs = build(name)
     mesh = seqpar.make_mesh()
-    reference(**inputs, return_dict=False)[0].sum().backward()
-    want = dict(reference.named_parameters())
+    loss(reference(**inputs, return_dict=False)[0]).backward()
+    runs = [{n: p.grad for n, p in reference.named_parameters() if p.grad is not None}]
     guard = diffusion.tail_hooks
     for scaled in (True, False):
         model = copy.deepcopy(reference)
@@ -526,11 +526,20 @@ def _unguarded_tail_worker(rank, world_size):
             seqpar.prepare_diffusers(model, mesh)
         finally:
             diffusion.tail_hooks = guard
-        model(**inputs, return_dict=False)[0].sum().backward()
+        loss(model(**inputs, return_dict=False)[0]).backward()
         seqpar.reduce_gradients(model.parameters(), mesh)
-        got = dict(model.named_parameters())["proj_out.weight"].grad
-        factor = 1 if scaled else world_size
-        torch.testing.assert_close(got, factor * want["proj_out.weight"].grad, rtol=1e-4, atol=1e-6)
+        runs.append({n: p.grad for n, p in model.named_parameters()})
+    return runs[0], runs[1], runs[2]
+
+
+def _unguarded_tail_worker(rank, world_size):
+    """Helios' _cp_plan gathers inside each block, and norm_out and proj_out run on the whole tokens on every rank
+    (Note [gathered tail]): with the tail's scaling its gradients are one process's; with it switched off (the
+    negative control) they come out once per rank."""
+    want, scaled, unscaled = _tail_runs("HeliosTransformer3DModel", torch.Tensor.sum)
+    name, tolerance = "proj_out.weight", {"rtol": 1e-4, "atol": 1e-6}
+    torch.testing.assert_close(scaled[name], want[name], **tolerance)
+    torch.testing.assert_close(unscaled[name], world_size * want[name], **tolerance)
 
 
 def test_a_cp_plan_gathering_inside_the_blocks_trains_its_tail_once():
@@ -541,29 +550,11 @@ def _gathered_tail_worker(rank, world_size):
     """Stable Audio's postprocess_conv runs on the gathered output on every rank (Note [gathered tail]): the door
     scales its gradients by 1 / P, so the sum over the ranks is one process's; with the tail's hooks switched off
     (the negative control) they come out once per rank."""
-    from seqpar.integrations import diffusion
-    from tests._dit_zoo import build
-
-    reference, inputs = build("StableAudioDiTModel")
-    mesh = seqpar.make_mesh()
-    reference(**inputs, return_dict=False)[0].square().sum().backward()
-    want = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
-    guard = diffusion.tail_hooks
-    for scaled in (True, False):
-        model = copy.deepcopy(reference)
-        model.zero_grad(set_to_none=True)
-        if not scaled:
-            diffusion.tail_hooks = lambda model, region, sp_size, handles: handles
-        try:
-            seqpar.prepare_diffusers(model, mesh)
-        finally:
-            diffusion.tail_hooks = guard
-        model(**inputs, return_dict=False)[0].square().sum().backward()
-        seqpar.reduce_gradients(model.parameters(), mesh)
-        got = dict(model.named_parameters())
-        for name in ("postprocess_conv.weight", "transformer_blocks.0.attn1.to_q.weight"):
-            factor = world_size if not scaled and name.startswith("postprocess") else 1
-            torch.testing.assert_close(got[name].grad, factor * want[name], rtol=1e-4, atol=1e-6, msg=name)
+    want, scaled, unscaled = _tail_runs("StableAudioDiTModel", lambda out: out.square().sum())
+    for name in ("postprocess_conv.weight", "transformer_blocks.0.attn1.to_q.weight"):
+        factor = world_size if name.startswith("postprocess") else 1
+        for got, times in ((scaled, 1), (unscaled, factor)):
+            torch.testing.assert_close(got[name], times * want[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
