@@ -151,7 +151,7 @@ class _ReplicatedGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         if ctx.share.summed:  # read at the backward: the forward's end decides it (Note [gathered tail])
-            grad = grad.contiguous().clone()
+            grad = grad.clone(memory_format=torch.contiguous_format)  # one copy: the all-reduce writes it
             dist.all_reduce(grad, group=ctx.sp.sp_group)
         return shard_sequence(grad, ctx.sp, dim=ctx.dim, layout=ctx.layout).contiguous(), None, None, None, None
 
