@@ -87,12 +87,14 @@ PER_TOKEN_CLASSES: dict[str, Callable[[nn.Module], bool]] = {
     "MoshiLinear": lambda module: not module.use_flexible_linear,  # flexible: a weight per depth step
     "Gemma3nTextAltUp": _ALWAYS,
     "Gemma3nTextLaurelBlock": _ALWAYS,
+    "HYV4HyperConnection": _ALWAYS,
 }
 """Parts that act on each token alone although no name or class word says so (when the row's test holds), read in
 their transformers source: a learned weight per hidden dimension mixing a branch into the residual stream (Ergo,
 Muse Spark), a mixture of query and output projections routed per token inside attention (JetMoE), Moshi's
 projection where it is one linear map, Gemma 3n's AltUp (its streams mixed by coefficients routed per token) and its
-LAuReL low-rank residual."""
+LAuReL low-rank residual, HY-V4's hyper-connections (a token's residual streams mixed by weights computed from that
+token's streams alone)."""
 
 
 def _per_token(module: nn.Module) -> bool:

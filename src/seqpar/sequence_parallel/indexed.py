@@ -87,6 +87,7 @@ def indexed_attention(
     indices: torch.Tensor,
     scale: float | None,
     ctx: CallContext,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, AttentionChoice]:
     """Each local query attends to the keys its indexer picked among those it may see (Note [indexed attention]).
 
@@ -98,6 +99,7 @@ def indexed_attention(
         indices: ``[B, S/P, topk]`` global key indices the indexer picked for each local query.
         scale: the softmax scale.
         ctx: the call context.
+        sinks: ``[H]`` sink logits (HY-V4's, Note [attention sinks]), or None.
 
     Returns:
         ``[B, H, S/P, Dv]``, and the strategy and kernel that computed it (the allgather strategy's gathering).
@@ -119,5 +121,5 @@ def indexed_attention(
     picked.scatter_(-1, indices.long(), True)
     allowed = torch.nn.functional.pad(visible & picked[:, None], (0, seq - visible.shape[-1]))  # padding: unseen
     kernel = select_kernel(q, keys, values, ctx.kernel, mask=allowed)
-    out = masked_attention(q, keys, values, allowed, scale, kernel)
+    out = masked_attention(q, keys, values, allowed, scale, kernel, sinks)
     return out[..., :width], AttentionChoice("allgather", kernel)

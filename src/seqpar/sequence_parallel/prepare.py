@@ -105,7 +105,7 @@ def _seqpar_attention(module, query, key, value, attention_mask, scaling=None, d
     if kwargs.get("indices") is not None and any(attention_mask is t for t in ctx.cache.values()):
         ctx.attended.add(id(module))  # a DSA layer's picks, over the mask seqpar made (Note [indexed attention])
         out, ctx.choices[getattr(module, "layer_idx", 0)] = indexed_attention(
-            query, key, value, attention_mask, kwargs["indices"], scaling, ctx
+            query, key, value, attention_mask, kwargs["indices"], scaling, ctx, kwargs.get("s_aux")
         )
         return out.transpose(1, 2).contiguous(), None
     if isinstance(attention_mask, torch.Tensor):  # seqpar's calls build none: the family made its own (ALiBi)
