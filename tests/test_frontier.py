@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -41,14 +42,25 @@ def _one_process(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Ten
     return logits.detach(), loss.detach(), grads
 
 
-def _judged(rank: int, world: int, strategy: str, packed: bool, model_type: str = LLAMA4, fields: tuple = ()) -> dict:
-    """The family's tiny model (its config's ``fields`` changed) at ``world`` ranks under ``strategy`` against one
-    process (and a float64 process) on the same rows: two whole rows, or one packed row of two documents."""
+def _judged(
+    rank: int,
+    world: int,
+    strategy: str,
+    packed: bool,
+    model_type: str = LLAMA4,
+    fields: tuple = (),
+    build: Callable[[], torch.nn.Module] | None = None,
+) -> dict:
+    """The family's tiny model (its config's ``fields`` changed, or the one ``build`` makes) at ``world`` ranks under
+    ``strategy`` against one process (and a float64 process) on the same rows: two whole rows, or one packed row of
+    two documents."""
     import transformers
 
     from seqpar.models.zoo import CAUSAL_LM, TEXT_IDS, tiny_config, tiny_model
 
-    if not fields:
+    if build is not None:
+        model = build()
+    elif not fields:
         model = tiny_model(model_type, (CAUSAL_LM,))
     else:  # built once, from the changed config
         config = tiny_config(model_type)
@@ -271,3 +283,34 @@ def test_the_indexed_bytes_model_is_its_records():
         parts = indexed.modelled(indexed.model_config(argparse.Namespace(seq=r["seq"], **fields)), r["ranks"], r["seq"])
         assert parts == r["modelled_bytes"] and sum(parts.values()) == r["analytical_bytes"]
         assert abs(r["sent_bytes_per_rank"] / r["analytical_bytes"] - 1) < 0.01, r
+
+
+V4 = "deepseek_v4"
+"""DeepSeek-V4: an HCA layer (windows of 8 tokens, the zoo's tiny config), a CSA layer (windows of 4, an indexer keeping
+8), an HCA layer; sliding windows of 8; hyper-connections; the first layer's experts hash-routed by token id."""
+
+
+def _v4_model() -> torch.nn.Module:
+    """The tiny DeepSeek-V4 with eager experts (which take float64, for the floors) and a hash table that sends
+    token ids to different experts (transformers initialises it to zeros, which routes every token alike)."""
+    from seqpar.models.zoo import CAUSAL_LM, tiny_model
+
+    model = tiny_model(V4, (CAUSAL_LM,))
+    model.set_experts_implementation("eager")
+    table = model.model.layers[0].mlp.gate.tid2eid
+    table.copy_(torch.randint(0, model.config.n_routed_experts, table.shape, generator=torch.Generator().manual_seed(2)))
+    return model
+
+
+def _v4_on_rank(rank: int, world: int) -> None:
+    _quiet()
+    found = {p: _judged(rank, world, "auto", p, build=_v4_model) for p in (False, True)}
+    assert {k: v["status"] for k, v in found.items()} == dict.fromkeys(found, EXACT), found
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_deepseek_v4_is_exact_on_rows_and_a_packed_row(world):
+    """Note [compressed attention]: the compressors pool the whole row's windows from projections gathered in global
+    order, the indexer ranks them for this rank's queries, the attention sees the gathered window and the pooled
+    entries allowed it; the hash router takes this rank's own token ids."""
+    run_ranks(world, _v4_on_rank)

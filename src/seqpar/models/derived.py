@@ -42,8 +42,10 @@ from typing import TYPE_CHECKING
 from seqpar.models.families import FAMILIES, Family
 from seqpar.models.layer_masks import LAYER_MASKS, LayerMask, layer_mask
 from seqpar.models.own_attention import (
+    KEY_COMPRESSORS,
     SPARSE_INDEXERS,
     indexed_modules,
+    key_compressor,
     own_attention,
     own_positions_class,
     sparse_indexer,
@@ -88,13 +90,14 @@ PER_TOKEN_CLASSES: dict[str, Callable[[nn.Module], bool]] = {
     "Gemma3nTextAltUp": _ALWAYS,
     "Gemma3nTextLaurelBlock": _ALWAYS,
     "HYV4HyperConnection": _ALWAYS,
+    "DeepseekV4HyperConnection": _ALWAYS,
 }
 """Parts that act on each token alone although no name or class word says so (when the row's test holds), read in
 their transformers source: a learned weight per hidden dimension mixing a branch into the residual stream (Ergo,
 Muse Spark), a mixture of query and output projections routed per token inside attention (JetMoE), Moshi's
 projection where it is one linear map, Gemma 3n's AltUp (its streams mixed by coefficients routed per token) and its
-LAuReL low-rank residual, HY-V4's hyper-connections (a token's residual streams mixed by weights computed from that
-token's streams alone)."""
+LAuReL low-rank residual, HY-V4's and DeepSeek-V4's hyper-connections (a token's residual streams mixed by weights
+computed from that token's streams alone)."""
 
 
 def _per_token(module: nn.Module) -> bool:
@@ -135,6 +138,8 @@ def _nested_block(attention: nn.Module) -> str | None:
         if own is not None and name in own.inner:  # the projections its adapter reads (Note [attention adapters])
             continue
         if _per_token(child) or child is sparse_indexer(attention):  # a served indexer: Note [indexed attention]
+            continue
+        if child is (key_compressor(attention) or (None,))[0]:  # a served compressor: Note [compressed attention]
             continue
         if not _is_norm(child) and any(next(c.parameters(), None) is not None for c in child.children()):
             return f"{name} ({type(child).__name__})"
@@ -240,6 +245,12 @@ def _layer_parts(layers: nn.ModuleList, tp_plan: dict) -> dict | str:
                 f"layer {i} is a sparse-attention layer ({kind}) whose attention "
                 f"({type(getattr(layer, attention[0])).__name__}) picks its keys in a way seqpar does not serve (it "
                 f"serves the indexers {', '.join(SPARSE_INDEXERS)}: Note [indexed attention])"
+            )
+        if row.compressed and key_compressor(getattr(layer, attention[0])) is None:
+            return (
+                f"layer {i} is a compressed-attention layer ({kind}) whose attention "
+                f"({type(getattr(layer, attention[0])).__name__}) pools its keys in a way seqpar does not serve (it "
+                f"serves the compressors {', '.join(KEY_COMPRESSORS)}: Note [compressed attention])"
             )
         nested = _nested_block(getattr(layer, attention[0]))
         if nested is not None:
