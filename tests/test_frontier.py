@@ -298,7 +298,8 @@ def _v4_model() -> torch.nn.Module:
     model = tiny_model(V4, (CAUSAL_LM,))
     model.set_experts_implementation("eager")
     table = model.model.layers[0].mlp.gate.tid2eid
-    table.copy_(torch.randint(0, model.config.n_routed_experts, table.shape, generator=torch.Generator().manual_seed(2)))
+    seed = torch.Generator().manual_seed(2)
+    table.copy_(torch.randint(0, model.config.n_routed_experts, table.shape, generator=seed))
     return model
 
 

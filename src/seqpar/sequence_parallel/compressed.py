@@ -123,6 +123,26 @@ def compressor_hooks(
     return [compressor.register_forward_pre_hook(entering, with_kwargs=True), compressor.register_forward_hook(leaving)]
 
 
+def compressed_call(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    ctx: CallContext,
+    kwargs: dict,
+) -> torch.Tensor | None:
+    """seqpar's attention of a module whose compressor ran in this call (``[B, S/P, H, D]``), else None."""
+    if (POOLED_KEY, id(module)) not in ctx.cache:
+        return None
+    ctx.attended.add(id(module))  # Note [attention went through seqpar]
+    pooled, window = ctx.cache.pop((POOLED_KEY, id(module))), kwargs.get("sliding_window")
+    out, ctx.choices[getattr(module, "layer_idx", 0)] = compressed_attention(
+        query, key, value, pooled, window, scaling, ctx, kwargs.get("s_aux")
+    )
+    return out.transpose(1, 2).contiguous()
+
+
 def compressed_attention(
     q: torch.Tensor,
     k: torch.Tensor,

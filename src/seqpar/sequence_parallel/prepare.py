@@ -67,7 +67,7 @@ from seqpar.sequence_parallel.call_checks import (
 )
 from seqpar.sequence_parallel.call_context import CONTEXT_KEY, CallContext
 from seqpar.sequence_parallel.checks import config_digest
-from seqpar.sequence_parallel.compressed import POOLED_KEY, compressed_attention, compressor_hooks
+from seqpar.sequence_parallel.compressed import compressed_call, compressor_hooks
 from seqpar.sequence_parallel.indexed import IndexerKeys, indexed_attention, visibility
 from seqpar.sequence_parallel.layouts.chunks import ChunkLayout, Layout, named_layout
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask, sequence_mask
@@ -103,13 +103,8 @@ def _seqpar_attention(module, query, key, value, attention_mask, scaling=None, d
         )
     if dropout:
         raise SeqparInputError(f"seqpar attention does not implement attention dropout ({dropout}); set it to 0")
-    if (POOLED_KEY, id(module)) in ctx.cache:  # its compressor's pooled keys follow its own (Note [compressed attention])
-        ctx.attended.add(id(module))
-        pooled, window = ctx.cache.pop((POOLED_KEY, id(module))), kwargs.get("sliding_window")
-        out, ctx.choices[getattr(module, "layer_idx", 0)] = compressed_attention(
-            query, key, value, pooled, window, scaling, ctx, kwargs.get("s_aux")
-        )
-        return out.transpose(1, 2).contiguous(), None
+    if (out := compressed_call(module, query, key, value, scaling, ctx, kwargs)) is not None:  # pooled keys too
+        return out, None
     if kwargs.get("indices") is not None and any(attention_mask is t for t in ctx.cache.values()):
         ctx.attended.add(id(module))  # a DSA layer's picks, over the mask seqpar made (Note [indexed attention])
         out, ctx.choices[getattr(module, "layer_idx", 0)] = indexed_attention(
