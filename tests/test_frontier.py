@@ -305,13 +305,77 @@ def _v4_model() -> torch.nn.Module:
 
 def _v4_on_rank(rank: int, world: int) -> None:
     _quiet()
-    found = {p: _judged(rank, world, "auto", p, build=_v4_model) for p in (False, True)}
+    found = {(V4, p): _judged(rank, world, "auto", p, build=_v4_model) for p in (False, True)}
+    found |= {("hy_v4", p): _judged(rank, world, "auto", p, "hy_v4") for p in (False, True)}
     assert {k: v["status"] for k, v in found.items()} == dict.fromkeys(found, EXACT), found
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_deepseek_v4_is_exact_on_rows_and_a_packed_row(world):
+def test_deepseek_v4_and_hy_v4_are_exact_on_rows_and_a_packed_row(world):
     """Note [compressed attention]: the compressors pool the whole row's windows from projections gathered in global
     order, the indexer ranks them for this rank's queries, the attention sees the gathered window and the pooled
-    entries allowed it; the hash router takes this rank's own token ids."""
+    entries allowed it; the hash router takes this rank's own token ids. HY-V4: hyper-connections per token, its
+    third layer reusing the second's top k, its sinks in the indexed attention's softmax. A packed row against one
+    process on that row: transformers pools DeepSeek-V4's windows from the row's start, across its documents."""
     run_ranks(world, _v4_on_rank)
+
+
+def _v4_controls_on_rank(rank: int, world: int) -> None:
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
+
+    from seqpar.sequence_parallel import compressed
+
+    _quiet()
+    kept_pooled, kept_router, kept_masked = (
+        compressed.PooledInputs.store_compression_weights,
+        v4.DeepseekV4HashRouter.forward,
+        indexed.masked_attention,
+    )
+
+    def own_rows_only(self, name, kv, gate):  # gathered (every rank takes part), the others' projections zeroed
+        kv, gate, first = kept_pooled(self, name, kv, gate)
+        mine = torch.zeros(zoo._seq_len(world), dtype=torch.bool)
+        mine[shard_index("zigzag", world, rank, mine.shape[0])] = True
+        return kv * mine[: kv.shape[1], None], gate, first
+
+    def misaligned(self, hidden_states, input_ids):  # the shard's ids a token off its tokens (one process: as is)
+        shifted = input_ids.roll(1, dims=-1) if input_ids.shape[-1] < zoo._seq_len(world) else input_ids
+        return kept_router(self, hidden_states, shifted)
+
+    found = {}
+    try:
+        compressed.PooledInputs.store_compression_weights = own_rows_only
+        found["pooled from own rows"] = _judged(rank, world, "auto", False, build=_v4_model)
+        compressed.PooledInputs.store_compression_weights = kept_pooled
+        v4.DeepseekV4HashRouter.forward = misaligned
+        found["hashed other ids"] = _judged(rank, world, "auto", False, build=_v4_model)
+        v4.DeepseekV4HashRouter.forward = kept_router
+        indexed.masked_attention = lambda q, k, v, keep, scale, kernel, sinks=None: kept_masked(
+            q, k, v, keep, scale, kernel
+        )
+        found["HY-V4 without sinks"] = _judged(rank, world, "auto", False, "hy_v4")
+    finally:
+        compressed.PooledInputs.store_compression_weights = kept_pooled
+        v4.DeepseekV4HashRouter.forward, indexed.masked_attention = kept_router, kept_masked
+    assert {k: v["status"] for k, v in found.items()} == dict.fromkeys(found, WRONG), found
+
+
+def test_deepseek_v4_and_hy_v4_without_their_exchanges_are_wrong():
+    """The compressors' projections of the other ranks zeroed, the hash router handed ids a token off, or HY-V4's
+    sinks left out of its indexed attention: WRONG."""
+    run_ranks(2, _v4_controls_on_rank)
+
+
+def _v4_refused_on_rank(rank: int, world: int) -> None:
+    import seqpar
+    from seqpar.errors import SeqparInputError
+
+    _quiet()
+    model = _v4_model()
+    model.model.layers[1].self_attn.compressor = None  # a compressed layer whose pooling seqpar does not know
+    with pytest.raises(SeqparInputError, match=r"compressed-attention layer .*compressed_sparse_attention"):
+        seqpar.prepare_model(model, seqpar.make_mesh(sp_size=world))
+
+
+def test_deepseek_v4_with_a_compressor_seqpar_does_not_serve_is_refused_on_every_rank():
+    run_ranks(2, _v4_refused_on_rank)
