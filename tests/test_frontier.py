@@ -369,13 +369,22 @@ def test_deepseek_v4_and_hy_v4_without_their_exchanges_are_wrong():
 def _v4_refused_on_rank(rank: int, world: int) -> None:
     import seqpar
     from seqpar.errors import SeqparInputError
+    from seqpar.models.zoo import TEXT_IDS
 
     _quiet()
+    mesh = seqpar.make_mesh(sp_size=world)
+    model = seqpar.prepare_model(_v4_model(), mesh)
+    seq = zoo._seq_len(world)
+    ids = torch.randint(*TEXT_IDS, (1, seq), generator=torch.Generator().manual_seed(1))
+    positions = torch.cat([torch.arange(n) for n in zoo._documents(seq)])[None]
+    shard = seqpar.shard_batch({"input_ids": ids, "position_ids": positions}, mesh, layout="placed")
+    with pytest.raises(SeqparInputError, match="reorders the row"):  # its windows would pool other tokens
+        model(input_ids=shard["input_ids"], position_ids=shard["position_ids"], seqpar_layout=shard.layout)
     model = _v4_model()
     model.model.layers[1].self_attn.compressor = None  # a compressed layer whose pooling seqpar does not know
     with pytest.raises(SeqparInputError, match=r"compressed-attention layer .*compressed_sparse_attention"):
-        seqpar.prepare_model(model, seqpar.make_mesh(sp_size=world))
+        seqpar.prepare_model(model, mesh)
 
 
-def test_deepseek_v4_with_a_compressor_seqpar_does_not_serve_is_refused_on_every_rank():
+def test_deepseek_v4_under_a_reordered_row_or_an_unknown_compressor_is_refused_on_every_rank():
     run_ranks(2, _v4_refused_on_rank)

@@ -34,7 +34,8 @@ Note [compressed attention]
     the gathered keys its window, causality and document allow, and to the pooled entries the compressor
     allowed it. A halo of the window's keys from the previous ranks would send less than the gathered row; a
     layout whose chunk edges fall on multiples of m would spare no gather of the pooled windows (CSA's overlap
-    and the indexer still read across them), so the gather is the one exchange.
+    and the indexer still read across them), so the gather is the one exchange. A layout that reorders the row
+    (the placed one) would pool other tokens' windows: a compressor refuses it, on every rank, naming it.
 """
 
 from __future__ import annotations
@@ -45,11 +46,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from seqpar.errors import SeqparInputError
 from seqpar.sequence_parallel.api import AttentionChoice, same_head_width
 from seqpar.sequence_parallel.call_context import CallContext
 from seqpar.sequence_parallel.indexed import visibility
 from seqpar.sequence_parallel.kernels import select_kernel
-from seqpar.sequence_parallel.layouts.chunks import gather_sequence
+from seqpar.sequence_parallel.layouts.chunks import NAMED_LAYOUTS, gather_sequence
 from seqpar.sequence_parallel.strategies.local import masked_attention
 
 if TYPE_CHECKING:
@@ -111,6 +113,13 @@ def compressor_hooks(
         ctx = running()
         if ctx is None:
             return args, kwargs
+        if getattr(NAMED_LAYOUTS.get(getattr(ctx.layout, "name", None)), "reorders_row", False):
+            raise SeqparInputError(
+                f"{type(attention).__name__} pools its keys over windows of the row in the row's own order, across "
+                f"its packed documents, and the {ctx.layout} reorders the row, so its windows would pool other "
+                "tokens than one process's; shard its batches with a layout that keeps the row's order (zigzag, "
+                "contiguous, balanced)"
+            )
         bound = signature.bind(*args, **kwargs)
         bound.arguments["cache"] = PooledInputs(ctx, getattr(module, rate))
         return bound.args, bound.kwargs
