@@ -70,8 +70,7 @@ _FAMILY_FIELDS: dict[str, dict[str, Any]] = {
     "Gemma4Config": {"vision_config": lambda fields: fields.get("vision_config") or _default_sub("Gemma4VisionConfig")},
     # its attention clamps queries, keys and values to `clip_qkv`, None by default (DBRX's own is 8)
     "DbrxConfig": {"attn_config": lambda fields: {**fields["attn_config"], "clip_qkv": 8.0}},
-    # its heavily compressed layers pool windows of 128 tokens by default, none complete in a 24-token row: 8, so
-    # that they pool (and their windows cross shard edges) as its compressed sparse layers' windows of 4 do
+    # its heavily compressed layers pool windows of 128 tokens, none complete in 24: 8, whose windows cross shards
     "DeepseekV4Config": {"compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}},
 }
 """Per config class, fields its defaults leave unusable that no rule can derive (value, or a function of the tiny
