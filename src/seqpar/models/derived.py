@@ -90,6 +90,7 @@ PER_TOKEN_CLASSES: dict[str, Callable[[nn.Module], bool]] = {
     "Gemma3nTextAltUp": _ALWAYS,
     "Gemma3nTextLaurelBlock": _ALWAYS,
     "HYV4HyperConnection": _ALWAYS,
+    "HYV4VLHyperConnection": _ALWAYS,
     "DeepseekV4HyperConnection": _ALWAYS,
 }
 """Parts that act on each token alone although no name or class word says so (when the row's test holds), read in

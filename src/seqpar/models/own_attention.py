@@ -61,6 +61,7 @@ SPARSE_INDEXERS = {
     "Dots3NoteTextIndexer": f"{_MODELS}.dots3_note.modeling_dots3_note",
     "AXK2Indexer": f"{_MODELS}.axk2.modeling_axk2",
     "HYV4Indexer": f"{_MODELS}.hy_v4.modeling_hy_v4",
+    "HYV4VLIndexer": f"{_MODELS}.hy_v4_vl.modeling_hy_v4_vl",
 }
 """Indexers of DeepSeek Sparse Attention that seqpar serves (Note [indexed attention]), class name -> the transformers
 module that defines it: each takes its keys from ``cache.update_indexer`` and masks its scores with the mask its
