@@ -20,8 +20,8 @@ Note [compressed attention]
     Its ``store_compression_weights`` all-gathers the projections ``kv`` and ``gate`` (its indexer's too) into
     global order, up to the call's width, and returns the complete windows from position 0; the overlap of a
     first call is empty and the pooled entries are returned as they are, as transformers does without a cache.
-    So every rank pools the whole row's windows as one process does (``T / m`` entries of ``head_dim`` values,
-    a few percent of the row's keys), in global order; the indexer scores this rank's queries against all of
+    So every rank pools the whole row's windows as one process does (``T / m`` entries of ``head_dim`` values),
+    in global order; the indexer scores this rank's queries against all of
     them and keeps the top k over global entries (Note [indexed attention]: the same row, so the same picks,
     ties included), and the compressor's visibility of each local query (its causal threshold, and the picks)
     is kept for the attention. The gather's backward sums every rank's gradient of the row's projections back
@@ -32,10 +32,18 @@ Note [compressed attention]
     The attention then gathers the sliding branch's keys as the allgather strategy does (key = value: one
     gather) and attends each local query, in one softmax with the heads' sinks (Note [attention sinks]), to
     the gathered keys its window, causality and document allow, and to the pooled entries the compressor
-    allowed it. A halo of the window's keys from the previous ranks would send less than the gathered row; a
-    layout whose chunk edges fall on multiples of m would spare no gather of the pooled windows (CSA's overlap
-    and the indexer still read across them), so the gather is the one exchange. A layout that reorders the row
-    (the placed one) would pool other tokens' windows: a compressor refuses it, on every rank, naming it.
+    allowed it. The strategy asked for serves the model's sliding-only layers; a compressed layer gathers.
+
+    Why gathered inputs, not a halo: the compressor's own code then runs unchanged, windows, overlap, rotary
+    positions and indexer alike, on every layout, with nothing of its arithmetic copied. The cost is bytes: a
+    token sends ``head_dim`` values of sliding keys, and its projections (CSA: ``4 x head_dim`` for the
+    compressor and ``4 x index_head_dim`` for the indexer; HCA: ``2 x head_dim``), each also reduce-scattered
+    back in the backward but the indexer's (its picks carry no gradient). Pooling where a window's tokens live
+    (a halo of one window's projections across each chunk edge, CSA's overlap included) and gathering the
+    pooled entries would send about a sixteenth (``head_dim / m`` a token); a halo of the sliding window's keys
+    instead of the gathered row would send less again. Neither is done yet. A layout whose chunk edges fall on
+    multiples of m spares no exchange (the overlap and the window reach across them). A layout that reorders the
+    row (the placed one) would pool other tokens' windows: a compressor refuses it, on every rank, naming it.
 """
 
 from __future__ import annotations
