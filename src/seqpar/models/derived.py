@@ -17,8 +17,9 @@ Note [read anatomy]
     paths. Nothing is guessed into a part that could mix tokens: a child that fits none of these stays
     undeclared, and the declared-parts rule (Note [declared layer parts]) refuses the model naming it. Refused
     too, by name: an attention module holding a nested block of its own (a sparse-attention indexer selects keys
-    seqpar's attention would not see), layer types whose masks seqpar does not build (``LAYER_MASKS`` holds the
-    ones it builds), and
+    seqpar's attention would not see; the indexers and key compressors it serves have rows: Note [indexed
+    attention], Note [compressed attention]), layer types whose masks seqpar does not build (``LAYER_MASKS`` holds
+    the ones it builds), and
     position biases a family adds to its scores in its own code (ALiBi without an adapter that hands seqpar its
     slopes, a learned relative bias). A multimodal model's vision tower is the one module built from its
     ``vision_config``: calls with images then run whole-row (Note [whole-row calls]), every rank encoding every
