@@ -6,7 +6,8 @@ Llama 4: chunked attention on its RoPE layers (Note [chunked attention]) and the
 row (against one process on that row); with the chunk rule dropped, or the temperature counted on each shard, it
 comes out WRONG. DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5's MoE-DSA; Note [indexed attention]) likewise at 2
 and 3 ranks; with the other ranks' indexer keys zeroed it comes out WRONG. Gemma 3n's text decoder (and
-dots.llm3's) at 2 ranks.
+dots.llm3's) at 2 ranks. DeepSeek-V4 (Note [compressed attention]) and HY-V4 at 2 and 3 ranks; with the other ranks'
+compressor projections zeroed, hash-routed ids a token off, or HY-V4's sinks left out, WRONG.
 """
 
 from __future__ import annotations
