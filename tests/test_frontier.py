@@ -6,7 +6,8 @@ Llama 4: chunked attention on its RoPE layers (Note [chunked attention]) and the
 row (against one process on that row); with the chunk rule dropped, or the temperature counted on each shard, it
 comes out WRONG. DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5's MoE-DSA; Note [indexed attention]) likewise at 2
 and 3 ranks; with the other ranks' indexer keys zeroed it comes out WRONG. Gemma 3n's text decoder (and
-dots.llm3's) at 2 ranks.
+dots.llm3's) at 2 ranks. DeepSeek-V4 (Note [compressed attention]) and HY-V4 at 2 and 3 ranks; with the other ranks'
+compressor projections zeroed, hash-routed ids a token off, or HY-V4's sinks left out, WRONG.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -41,14 +43,25 @@ def _one_process(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Ten
     return logits.detach(), loss.detach(), grads
 
 
-def _judged(rank: int, world: int, strategy: str, packed: bool, model_type: str = LLAMA4, fields: tuple = ()) -> dict:
-    """The family's tiny model (its config's ``fields`` changed) at ``world`` ranks under ``strategy`` against one
-    process (and a float64 process) on the same rows: two whole rows, or one packed row of two documents."""
+def _judged(
+    rank: int,
+    world: int,
+    strategy: str,
+    packed: bool,
+    model_type: str = LLAMA4,
+    fields: tuple = (),
+    build: Callable[[], torch.nn.Module] | None = None,
+) -> dict:
+    """The family's tiny model (its config's ``fields`` changed, or the one ``build`` makes) at ``world`` ranks under
+    ``strategy`` against one process (and a float64 process) on the same rows: two whole rows, or one packed row of
+    two documents."""
     import transformers
 
     from seqpar.models.zoo import CAUSAL_LM, TEXT_IDS, tiny_config, tiny_model
 
-    if not fields:
+    if build is not None:
+        model = build()
+    elif not fields:
         model = tiny_model(model_type, (CAUSAL_LM,))
     else:  # built once, from the changed config
         config = tiny_config(model_type)
@@ -271,3 +284,108 @@ def test_the_indexed_bytes_model_is_its_records():
         parts = indexed.modelled(indexed.model_config(argparse.Namespace(seq=r["seq"], **fields)), r["ranks"], r["seq"])
         assert parts == r["modelled_bytes"] and sum(parts.values()) == r["analytical_bytes"]
         assert abs(r["sent_bytes_per_rank"] / r["analytical_bytes"] - 1) < 0.01, r
+
+
+V4 = "deepseek_v4"
+"""DeepSeek-V4: an HCA layer (windows of 8 tokens, the zoo's tiny config), a CSA layer (windows of 4, an indexer keeping
+8), an HCA layer; sliding windows of 8; hyper-connections; the first layer's experts hash-routed by token id."""
+
+
+def _v4_model() -> torch.nn.Module:
+    """The tiny DeepSeek-V4 with eager experts (which take float64, for the floors) and a hash table that sends
+    token ids to different experts (transformers initialises it to zeros, which routes every token alike)."""
+    from seqpar.models.zoo import CAUSAL_LM, tiny_model
+
+    model = tiny_model(V4, (CAUSAL_LM,))
+    model.set_experts_implementation("eager")
+    table = model.model.layers[0].mlp.gate.tid2eid
+    seed = torch.Generator().manual_seed(2)
+    table.copy_(torch.randint(0, model.config.n_routed_experts, table.shape, generator=seed))
+    return model
+
+
+def _v4_on_rank(rank: int, world: int) -> None:
+    _quiet()
+    found = {(V4, p): _judged(rank, world, "auto", p, build=_v4_model) for p in (False, True)}
+    found |= {("hy_v4", p): _judged(rank, world, "auto", p, "hy_v4") for p in (False, True)}
+    assert {k: v["status"] for k, v in found.items()} == dict.fromkeys(found, EXACT), found
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_deepseek_v4_and_hy_v4_are_exact_on_rows_and_a_packed_row(world):
+    """Note [compressed attention]: the compressors pool the whole row's windows from projections gathered in global
+    order, the indexer ranks them for this rank's queries, the attention sees the gathered window and the pooled
+    entries allowed it; the hash router takes this rank's own token ids. HY-V4: hyper-connections per token, its
+    third layer reusing the second's top k, its sinks in the indexed attention's softmax. A packed row against one
+    process on that row: transformers pools DeepSeek-V4's windows from the row's start, across its documents."""
+    run_ranks(world, _v4_on_rank)
+
+
+def _v4_controls_on_rank(rank: int, world: int) -> None:
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
+
+    from seqpar.sequence_parallel import compressed
+
+    _quiet()
+    kept_pooled, kept_router, kept_masked = (
+        compressed.PooledInputs.store_compression_weights,
+        v4.DeepseekV4HashRouter.forward,
+        indexed.masked_attention,
+    )
+
+    def own_rows_only(self, name, kv, gate):  # gathered (every rank takes part), the others' projections zeroed
+        kv, gate, first = kept_pooled(self, name, kv, gate)
+        mine = torch.zeros(zoo._seq_len(world), dtype=torch.bool)
+        mine[shard_index("zigzag", world, rank, mine.shape[0])] = True
+        return kv * mine[: kv.shape[1], None], gate, first
+
+    def misaligned(self, hidden_states, input_ids):  # the shard's ids a token off its tokens (one process: as is)
+        shifted = input_ids.roll(1, dims=-1) if input_ids.shape[-1] < zoo._seq_len(world) else input_ids
+        return kept_router(self, hidden_states, shifted)
+
+    found = {}
+    try:
+        compressed.PooledInputs.store_compression_weights = own_rows_only
+        found["pooled from own rows"] = _judged(rank, world, "auto", False, build=_v4_model)
+        compressed.PooledInputs.store_compression_weights = kept_pooled
+        v4.DeepseekV4HashRouter.forward = misaligned
+        found["hashed other ids"] = _judged(rank, world, "auto", False, build=_v4_model)
+        v4.DeepseekV4HashRouter.forward = kept_router
+        indexed.masked_attention = lambda q, k, v, keep, scale, kernel, sinks=None: kept_masked(
+            q, k, v, keep, scale, kernel
+        )
+        found["HY-V4 without sinks"] = _judged(rank, world, "auto", False, "hy_v4")
+    finally:
+        compressed.PooledInputs.store_compression_weights = kept_pooled
+        v4.DeepseekV4HashRouter.forward, indexed.masked_attention = kept_router, kept_masked
+    assert {k: v["status"] for k, v in found.items()} == dict.fromkeys(found, WRONG), found
+
+
+def test_deepseek_v4_and_hy_v4_without_their_exchanges_are_wrong():
+    """The compressors' projections of the other ranks zeroed, the hash router handed ids a token off, or HY-V4's
+    sinks left out of its indexed attention: WRONG."""
+    run_ranks(2, _v4_controls_on_rank)
+
+
+def _v4_refused_on_rank(rank: int, world: int) -> None:
+    import seqpar
+    from seqpar.errors import SeqparInputError
+    from seqpar.models.zoo import TEXT_IDS
+
+    _quiet()
+    mesh = seqpar.make_mesh(sp_size=world)
+    model = seqpar.prepare_model(_v4_model(), mesh)
+    seq = zoo._seq_len(world)
+    ids = torch.randint(*TEXT_IDS, (1, seq), generator=torch.Generator().manual_seed(1))
+    positions = torch.cat([torch.arange(n) for n in zoo._documents(seq)])[None]
+    shard = seqpar.shard_batch({"input_ids": ids, "position_ids": positions}, mesh, layout="placed")
+    with pytest.raises(SeqparInputError, match="reorders the row"):  # its windows would pool other tokens
+        model(input_ids=shard["input_ids"], position_ids=shard["position_ids"], seqpar_layout=shard.layout)
+    model = _v4_model()
+    model.model.layers[1].self_attn.compressor = None  # a compressed layer whose pooling seqpar does not know
+    with pytest.raises(SeqparInputError, match=r"compressed-attention layer .*compressed_sparse_attention"):
+        seqpar.prepare_model(model, mesh)
+
+
+def test_deepseek_v4_under_a_reordered_row_or_an_unknown_compressor_is_refused_on_every_rank():
+    run_ranks(2, _v4_refused_on_rank)

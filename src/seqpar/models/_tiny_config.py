@@ -70,6 +70,8 @@ _FAMILY_FIELDS: dict[str, dict[str, Any]] = {
     "Gemma4Config": {"vision_config": lambda fields: fields.get("vision_config") or _default_sub("Gemma4VisionConfig")},
     # its attention clamps queries, keys and values to `clip_qkv`, None by default (DBRX's own is 8)
     "DbrxConfig": {"attn_config": lambda fields: {**fields["attn_config"], "clip_qkv": 8.0}},
+    # its heavily compressed layers pool windows of 128 tokens, none complete in 24: 8, whose windows cross shards
+    "DeepseekV4Config": {"compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}},
 }
 """Per config class, fields its defaults leave unusable that no rule can derive (value, or a function of the tiny
 fields); each with the reason."""

@@ -17,8 +17,9 @@ Note [read anatomy]
     paths. Nothing is guessed into a part that could mix tokens: a child that fits none of these stays
     undeclared, and the declared-parts rule (Note [declared layer parts]) refuses the model naming it. Refused
     too, by name: an attention module holding a nested block of its own (a sparse-attention indexer selects keys
-    seqpar's attention would not see), layer types whose masks seqpar does not build (``LAYER_MASKS`` holds the
-    ones it builds), and
+    seqpar's attention would not see; the indexers and key compressors it serves have rows: Note [indexed
+    attention], Note [compressed attention]), layer types whose masks seqpar does not build (``LAYER_MASKS`` holds
+    the ones it builds), and
     position biases a family adds to its scores in its own code (ALiBi without an adapter that hands seqpar its
     slopes, a learned relative bias). A multimodal model's vision tower is the one module built from its
     ``vision_config``: calls with images then run whole-row (Note [whole-row calls]), every rank encoding every
@@ -42,8 +43,10 @@ from typing import TYPE_CHECKING
 from seqpar.models.families import FAMILIES, Family
 from seqpar.models.layer_masks import LAYER_MASKS, LayerMask, layer_mask
 from seqpar.models.own_attention import (
+    KEY_COMPRESSORS,
     SPARSE_INDEXERS,
     indexed_modules,
+    key_compressor,
     own_attention,
     own_positions_class,
     sparse_indexer,
@@ -87,12 +90,16 @@ PER_TOKEN_CLASSES: dict[str, Callable[[nn.Module], bool]] = {
     "MoshiLinear": lambda module: not module.use_flexible_linear,  # flexible: a weight per depth step
     "Gemma3nTextAltUp": _ALWAYS,
     "Gemma3nTextLaurelBlock": _ALWAYS,
+    "HYV4HyperConnection": _ALWAYS,
+    "HYV4VLHyperConnection": _ALWAYS,
+    "DeepseekV4HyperConnection": _ALWAYS,
 }
 """Parts that act on each token alone although no name or class word says so (when the row's test holds), read in
 their transformers source: a learned weight per hidden dimension mixing a branch into the residual stream (Ergo,
 Muse Spark), a mixture of query and output projections routed per token inside attention (JetMoE), Moshi's
 projection where it is one linear map, Gemma 3n's AltUp (its streams mixed by coefficients routed per token) and its
-LAuReL low-rank residual."""
+LAuReL low-rank residual, HY-V4's and DeepSeek-V4's hyper-connections (a token's residual streams mixed by weights
+computed from that token's streams alone)."""
 
 
 def _per_token(module: nn.Module) -> bool:
@@ -133,6 +140,8 @@ def _nested_block(attention: nn.Module) -> str | None:
         if own is not None and name in own.inner:  # the projections its adapter reads (Note [attention adapters])
             continue
         if _per_token(child) or child is sparse_indexer(attention):  # a served indexer: Note [indexed attention]
+            continue
+        if child is (key_compressor(attention) or (None,))[0]:  # a served compressor: Note [compressed attention]
             continue
         if not _is_norm(child) and any(next(c.parameters(), None) is not None for c in child.children()):
             return f"{name} ({type(child).__name__})"
@@ -238,6 +247,12 @@ def _layer_parts(layers: nn.ModuleList, tp_plan: dict) -> dict | str:
                 f"layer {i} is a sparse-attention layer ({kind}) whose attention "
                 f"({type(getattr(layer, attention[0])).__name__}) picks its keys in a way seqpar does not serve (it "
                 f"serves the indexers {', '.join(SPARSE_INDEXERS)}: Note [indexed attention])"
+            )
+        if row.compressed and key_compressor(getattr(layer, attention[0])) is None:
+            return (
+                f"layer {i} is a compressed-attention layer ({kind}) whose attention "
+                f"({type(getattr(layer, attention[0])).__name__}) pools its keys in a way seqpar does not serve (it "
+                f"serves the compressors {', '.join(KEY_COMPRESSORS)}: Note [compressed attention])"
             )
         nested = _nested_block(getattr(layer, attention[0]))
         if nested is not None:

@@ -20,6 +20,9 @@ class LayerMask:
     indexer: bool = False
     """The layer's attention picks its keys with an indexer, served only where the indexer's class has a
     ``SPARSE_INDEXERS`` row (Note [indexed attention])."""
+    compressed: bool = False
+    """The layer's attention also attends to keys a compressor pools over windows of tokens, served only where the
+    compressor's class has a ``KEY_COMPRESSORS`` row (Note [compressed attention])."""
 
 
 LAYER_MASKS = {
@@ -27,6 +30,9 @@ LAYER_MASKS = {
     "sliding_attention": LayerMask(),
     "chunked_attention": LayerMask(chunk_field="attention_chunk_size"),  # Llama 4's chunked layers
     "indexed_attention": LayerMask(indexer=True),  # DSA layers: causal, their indexer's picks on top
+    # DeepSeek-V4: a sliding window, and keys pooled over windows of 4 (an indexer's picks) or 128 tokens
+    "compressed_sparse_attention": LayerMask(compressed=True),
+    "heavily_compressed_attention": LayerMask(compressed=True),
 }
 """``config.layer_types`` entry -> its row; a layer type without a row is refused by the anatomy reader."""
 

@@ -61,10 +61,18 @@ SPARSE_INDEXERS = {
     "Dots3NoteTextIndexer": f"{_MODELS}.dots3_note.modeling_dots3_note",
     "AXK2Indexer": f"{_MODELS}.axk2.modeling_axk2",
     "HYV4Indexer": f"{_MODELS}.hy_v4.modeling_hy_v4",
+    "HYV4VLIndexer": f"{_MODELS}.hy_v4_vl.modeling_hy_v4_vl",
 }
 """Indexers of DeepSeek Sparse Attention that seqpar serves (Note [indexed attention]), class name -> the transformers
 module that defines it: each takes its keys from ``cache.update_indexer`` and masks its scores with the mask its
 attention module hands it, and that module passes the picked key indices to the attention function."""
+
+_V4 = f"{_MODELS}.deepseek_v4.modeling_deepseek_v4"
+KEY_COMPRESSORS = {"DeepseekV4CSACompressor": (_V4, "compress_rate"), "DeepseekV4HCACompressor": (_V4, "compress_rate")}
+"""Compressors that pool an attention layer's keys over windows of tokens (DeepSeek-V4's CSA, with its indexer, and
+HCA) that seqpar serves (Note [compressed attention]), class name -> (the transformers module that defines it, the
+attribute holding its window size): each reads its projections through the cache's ``store_compression_weights``
+and returns its pooled keys with what each query may see of them, which its attention module appends to its own."""
 
 OWN_POSITIONS = {"TrOCRLearnedPositionalEmbedding": f"{_MODELS}.trocr.modeling_trocr"}
 """Position tables that count a call's tokens themselves because their decoder does not hand them the position
@@ -92,6 +100,13 @@ def _row_class(module: nn.Module, modules: dict[str, str]) -> type | None:
 def sparse_indexer(attention: nn.Module) -> nn.Module | None:
     """The child of an attention module whose class has a ``SPARSE_INDEXERS`` row, or None."""
     return next((c for c in attention.children() if _row_class(c, SPARSE_INDEXERS) is not None), None)
+
+
+def key_compressor(attention: nn.Module) -> tuple[nn.Module, str] | None:
+    """The child of an attention module whose class has a ``KEY_COMPRESSORS`` row, and its window-size attribute."""
+    rows = {name: module for name, (module, _) in KEY_COMPRESSORS.items()}
+    child = next((c for c in attention.children() if _row_class(c, rows) is not None), None)
+    return None if child is None else (child, KEY_COMPRESSORS[_row_class(child, rows).__name__][1])
 
 
 def indexed_modules(attention: Iterable[nn.Module | None]) -> set[int]:

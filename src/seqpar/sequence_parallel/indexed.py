@@ -64,17 +64,20 @@ class IndexerKeys:
         return gather_sequence(keys, self.ctx.mesh, dim=1, layout=self.ctx.layout)[:, : self.ctx.width]
 
 
-def visibility(ctx: CallContext, batch: int, local: int, device: torch.device) -> torch.Tensor:
-    """``[B or 1, 1, S/P, W]`` bool: the global keys each local query may see (causal and the call's mask), up to the
-    call's width ``W`` (``S`` where the call gave none)."""
+def visibility(
+    ctx: CallContext, batch: int, local: int, device: torch.device, window: int | None = None
+) -> torch.Tensor:
+    """``[B or 1, 1, S/P, W]`` bool: the global keys each local query may see (causal and the call's mask, under
+    ``window`` where given), up to the call's width ``W`` (``S`` where the call gave none)."""
     sp = ctx.mesh
-    key = (VISIBLE_KEY, batch, local, device)
+    key = (VISIBLE_KEY, batch, local, device, window)
+    mask = ctx.mask if window is None else ctx.mask.with_window(window)
     if key not in ctx.cache:
         seq = local * sp.sp_size
         chunks = rank_chunk_ids(ctx.layout, sp.sp_size, sp.sp_rank)
         size = local // len(chunks)
         width = seq if ctx.width is None else ctx.width
-        rows = [dense_mask((c * size, (c + 1) * size), (0, width), True, ctx.mask, None) for c in chunks]
+        rows = [dense_mask((c * size, (c + 1) * size), (0, width), True, mask, None) for c in chunks]
         ctx.cache[key] = torch.cat(rows, dim=2).to(device)
     return ctx.cache[key]
 
@@ -87,6 +90,7 @@ def indexed_attention(
     indices: torch.Tensor,
     scale: float | None,
     ctx: CallContext,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, AttentionChoice]:
     """Each local query attends to the keys its indexer picked among those it may see (Note [indexed attention]).
 
@@ -98,6 +102,7 @@ def indexed_attention(
         indices: ``[B, S/P, topk]`` global key indices the indexer picked for each local query.
         scale: the softmax scale.
         ctx: the call context.
+        sinks: ``[H]`` sink logits (HY-V4's, Note [attention sinks]), or None.
 
     Returns:
         ``[B, H, S/P, Dv]``, and the strategy and kernel that computed it (the allgather strategy's gathering).
@@ -119,5 +124,5 @@ def indexed_attention(
     picked.scatter_(-1, indices.long(), True)
     allowed = torch.nn.functional.pad(visible & picked[:, None], (0, seq - visible.shape[-1]))  # padding: unseen
     kernel = select_kernel(q, keys, values, ctx.kernel, mask=allowed)
-    out = masked_attention(q, keys, values, allowed, scale, kernel)
+    out = masked_attention(q, keys, values, allowed, scale, kernel, sinks)
     return out[..., :width], AttentionChoice("allgather", kernel)

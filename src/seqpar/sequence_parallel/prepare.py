@@ -46,7 +46,7 @@ from seqpar.errors import SeqparInputError
 from seqpar.mesh import SequenceParallelMesh, as_sp_mesh
 from seqpar.models import ModelAnatomy, find_anatomy
 from seqpar.models.layer_masks import layer_chunk, layer_mask
-from seqpar.models.own_attention import indexed_modules, sparse_indexer
+from seqpar.models.own_attention import indexed_modules, key_compressor, sparse_indexer
 from seqpar.sequence_parallel._own_config import config_tree, own_config
 from seqpar.sequence_parallel.api import AttentionChoice, attention_and_choice
 from seqpar.sequence_parallel.attention_adapters import (
@@ -67,6 +67,7 @@ from seqpar.sequence_parallel.call_checks import (
 )
 from seqpar.sequence_parallel.call_context import CONTEXT_KEY, CallContext
 from seqpar.sequence_parallel.checks import config_digest
+from seqpar.sequence_parallel.compressed import compressed_call, compressor_hooks
 from seqpar.sequence_parallel.indexed import IndexerKeys, indexed_attention, visibility
 from seqpar.sequence_parallel.layouts.chunks import ChunkLayout, Layout, named_layout
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask, sequence_mask
@@ -102,10 +103,12 @@ def _seqpar_attention(module, query, key, value, attention_mask, scaling=None, d
         )
     if dropout:
         raise SeqparInputError(f"seqpar attention does not implement attention dropout ({dropout}); set it to 0")
+    if (out := compressed_call(module, query, key, value, scaling, ctx, kwargs)) is not None:  # pooled keys too
+        return out, None
     if kwargs.get("indices") is not None and any(attention_mask is t for t in ctx.cache.values()):
         ctx.attended.add(id(module))  # a DSA layer's picks, over the mask seqpar made (Note [indexed attention])
         out, ctx.choices[getattr(module, "layer_idx", 0)] = indexed_attention(
-            query, key, value, attention_mask, kwargs["indices"], scaling, ctx
+            query, key, value, attention_mask, kwargs["indices"], scaling, ctx, kwargs.get("s_aux")
         )
         return out.transpose(1, 2).contiguous(), None
     if isinstance(attention_mask, torch.Tensor):  # seqpar's calls build none: the family made its own (ALiBi)
@@ -356,6 +359,8 @@ def prepare_model(
         hooks.append(module.register_forward_hook(calls.leaving_attention))
         if (indexer := sparse_indexer(module)) is not None:  # its keys gathered (Note [indexed attention])
             hooks.append(indexer.register_forward_pre_hook(calls.entering_indexer, with_kwargs=True))
+        if (compressor := key_compressor(module)) is not None:  # its inputs gathered (Note [compressed attention])
+            hooks += compressor_hooks(module, *compressor, lambda: calls.running)
     for table in position_tables(served):  # handed the context its decoder does not pass (Note [attention adapters])
         hooks.append(table.register_forward_pre_hook(calls.entering_attention, with_kwargs=True))
     setattr(model, _HOOK_ATTR, hooks)

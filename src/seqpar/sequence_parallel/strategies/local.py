@@ -161,12 +161,19 @@ def whole_sequence_attention(
 
 
 def masked_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, scale: float, kernel: AttentionKernel
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keep: torch.Tensor,
+    scale: float,
+    kernel: AttentionKernel,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q`` ``[B, H, Sq, D]`` against ``k``, ``v`` ``[B, Hkv, Sk, D]`` under a dense ``keep`` mask
-    (``[B or 1, 1, Sq, Sk]`` bool, True = visible; a row that sees no key gives 0), in one kernel call."""
+    (``[B or 1, 1, Sq, Sk]`` bool, True = visible; a row that sees no key gives 0), in one kernel call, with the
+    heads' sink logits in every row's softmax where given (Note [attention sinks])."""
     block = Block(slice(0, q.shape[2]), slice(0, k.shape[2]), False, keep)
-    return _LocalAttention.apply(q, k, v, None, [block], scale, kernel, None)
+    return _LocalAttention.apply(q, k, v, sinks, [block], scale, kernel, None)
 
 
 def local_attention(
