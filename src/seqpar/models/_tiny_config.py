@@ -38,6 +38,13 @@ _QWEN4_QSA = {
     "indexer_head_dim": HEAD_DIM,
     "indexer_budget": WINDOW,
     "indexer_compress_ratio": 4,
+    # its per-layer n-gram embeddings on the first (gated DeltaNet) layer: trigrams, 2 hashed heads per order into
+    # tables of about 1000 rows (20 million by default), and the end-of-text id they start a row from
+    "ple_layer_ids": [1],
+    "ple_embed_dim": 32,
+    "heads_per_ngram": 2,
+    "ngram_vocab_size_base": 1000,
+    "eos_token_id": _PAD_BOS_EOS["eos_token_id"],
 }
 _FAMILY_FIELDS: dict[str, dict[str, Any]] = {
     # its default leaves `layer_types` None, which its model indexes: LFM2's short-conv and attention layers
