@@ -1,4 +1,4 @@
-"""Sparse attention whose keys an indexer selects (DeepSeek Sparse Attention), served over a sharded sequence.
+"""Sparse attention whose keys an indexer selects (DeepSeek Sparse Attention, Qwen4-Exp's QSA), over a sharded sequence.
 
 The attention module gets the global visibility as its mask, its indexer gathered keys, seqpar's attention the picks.
 
@@ -27,6 +27,14 @@ Note [indexed attention]
     padded without it, or reordered (the placed layout), may keep other keys where scores tie at the k-th place
     than one process on the unpadded row. The tiny models' 2 index heads make such ties common; 64 make them rare.
     A padding token's query sees no key below the width: its output is 0, and no real token sees it.
+
+    Qwen4-Exp's QSA indexer (its ``SPARSE_INDEXERS`` row says how) ranks, for each query, the means of blocks of
+    ``indexer_compress_ratio`` keys it may see, counted from its document's first token, keeps the best blocks and
+    its last partial one, and returns a boolean mask over the keys, which its attention module joins to its mask
+    and hands the attention function as that mask (no ``indices=``): seqpar's attention takes it where it is the
+    visibility it made joined with the picks. It rotates each block key by the rotary row of the block's first
+    token and its queries by the table's last rows: its pre-hook hands it the whole row's table (cos and sin
+    all-gathered, ``rotary_dim`` values a token each) followed by the shard's own rows.
 
     The strategy asked for serves the model's other layers; a DSA layer gathers as the allgather strategy does,
     keys and values after the MLA expansion (``2 x heads x head_dim`` values a token, where the latent before it
