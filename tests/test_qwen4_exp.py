@@ -37,9 +37,7 @@ def _model() -> torch.nn.Module:
     model = transformers.AutoModelForCausalLM.from_config(tiny_config(TEXT), attn_implementation="sdpa").eval()
     model.set_experts_implementation("eager")
     for layer in model.model.layers:
-        if hasattr(layer, "linear_attn"):  # transformers' delta rule runs in float32 even in a float64 model, so the
-            # float64 run cannot floor strong decays' gradients: weak decay, as tests/test_mixers.py's (the state a
-            # chunk hands on then matters)
+        if hasattr(layer, "linear_attn"):  # weak decay, as tests/test_mixers.py's: the state a chunk hands on matters
             layer.linear_attn.A_log.data.fill_(math.log(0.02))
         if layer.ple is not None:  # built zero, so its convolution's halo would not reach the outputs
             torch.nn.init.normal_(layer.ple.conv1d.weight, std=0.3, generator=torch.Generator().manual_seed(2))
