@@ -9,8 +9,9 @@ Run::
 
 One pool of gloo ranks (one thread each) serves every family. On every rank a family's tiny model
 (``seqpar.models.zoo.tiny_config``; image-text-to-text models run their text path, no images) takes a batch of
-2 random rows: the reference is the whole batch on one process (float32, and a float64 copy for the floors: rank 0
-runs the one, rank 1 the other, each sending its result to every rank: ``split_references``), the run under test
+2 random rows: the reference is the whole batch on one process (float32, and a float64 copy for the floors, float64
+throughout: ``WideFloats``; rank 0 runs the one, rank 1 the other, each sending its result to every rank:
+``split_references``), the run under test
 is ``seqpar.prepare_model`` on the rank's zigzag shard with ``seqpar.cross_entropy`` and
 ``seqpar.reduce_gradients``. The loss, the shard's logits and every parameter's summed gradient are compared with
 the reference's, each tensor within ``max(RTOL x its float64 scale, FLOOR_FACTOR x |fp32 - float64|)`` (a
@@ -48,6 +49,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from benchmarks import ROOT, save_records
 
@@ -146,13 +148,25 @@ def _own_references(
             torch.set_default_dtype(torch.float64)
             wide = model.double() if rank == 1 else copy.deepcopy(pristine).double()
             if getattr(wide.config, "_experts_implementation", None) not in (None, "eager"):
-                wide.set_experts_implementation("eager")  # grouped matmuls take no float64; the loop over experts does
-            exact = (fp64_run or fp32_run)(wide)
+                wide.set_experts_implementation("eager")  # a grouped matmul takes no float64; the loop does
+            with WideFloats():
+                exact = (fp64_run or fp32_run)(wide)
         except Exception:  # a model that takes no float64 (a kernel, a dtype it hard-codes): RTOL alone
             exact = (None, None, {})
         finally:
             torch.set_default_dtype(default)
     return want, exact
+
+
+class WideFloats(TorchFunctionMode):
+    """The float64 reference in float64 throughout: where a model's own code asks for float32 (an upcast before a
+    norm, a kernel that computes in float32 whatever it is given: transformers' gated delta rule), it gets float64,
+    so the reference's distance from the fp32 run is fp32's rounding, not a share of it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        wide = lambda a: torch.float64 if a is torch.float32 else a  # noqa: E731
+        func = torch.Tensor.double if func is torch.Tensor.float else func
+        return func(*map(wide, args), **{k: wide(v) for k, v in (kwargs or {}).items()})
 
 
 def _starts(documents: tuple[int, ...]) -> list[int]:

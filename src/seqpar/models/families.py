@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from seqpar.errors import SeqparInputError
 from seqpar.models.hybrid_families import (
     NEMOTRON_MAMBA2,
+    QWEN4_EXP,
     SSM_MAMBA1,
     SSM_MAMBA2,
     ZAMBA_MAMBA2,
@@ -294,6 +295,8 @@ FAMILIES: dict[str, Family] = {
         Family("qwen3_next", mixers=("linear_attn",), attention_interface=True, hybrid=_GATED_GDN, **_MOE),
         Family("qwen3_5_text", mixers=("linear_attn",), attention_interface=True, hybrid=_GATED_GDN, tp_plan=None),
         Family("qwen3_5_moe_text", mixers=("linear_attn",), attention_interface=True, hybrid=_GATED_GDN, **_MOE),
+        # gated DeltaNet and QSA layers, no final norm; n-gram embeddings (Note [n-gram halo]), hyper-connections
+        Family("qwen4_exp_text", mixers=("linear_attn", "ple"), attention_interface=True, **QWEN4_EXP, **_MOE),
         Family(  # Qwen3.5's gated DeltaNet between sliding-window layers (rotary) and full layers (no position)
             "lara_mini",
             mixers=("linear_attn",),

@@ -1,4 +1,4 @@
-"""The hooks of the hybrid families whose configs read otherwise: Nemotron-H, Zamba2, Kimi Linear and LFM2.
+"""The hooks of the hybrid families whose configs read otherwise: Nemotron-H, Zamba2, Kimi Linear, LFM2, Qwen4-Exp.
 
 Each family's ``Hybrid`` entry (``families.py``) names its hooks; ``hybrid_sizes.py`` calls them (Note [hybrid sizes]).
 """
@@ -34,6 +34,10 @@ ZAMBA_MAMBA2 = (  # its head width derived from the expansion, its convolution b
     *(("heads", "n_mamba_heads"), ("head_dim", None), ("groups", "mamba_ngroups"), ("chunk", "chunk_size")),
     *(("conv_bias", True), ("proj_bias", False)),
 )
+
+QWEN4_EXP = dict(norm=None, layer_norms=(), per_token=("attn_hyper_connection", "mlp_hyper_connection"))
+"""Qwen4-Exp's paths: no norms of its own in a layer or after the layers (each hyper-connection, per token, holds
+one), its residual streams mixed into a layer's input and its output injected back by a hyper-connection apiece."""
 
 
 def count_layer_types(get: Get) -> int:

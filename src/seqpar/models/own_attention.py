@@ -54,18 +54,35 @@ OWN_ATTENTION = {
 """Attention class name -> its row (Note [attention adapters])."""
 
 
+@dataclass(frozen=True)
+class SparseIndexer:
+    """How one indexer class selects keys and hands its picks on (Note [indexed attention])."""
+
+    module: str
+    """The transformers module that defines the class."""
+    picks: str = "indices"
+    """"indices": its attention module hands the attention function the picked key indices (``indices=``, DSA);
+    "mask": it returns a boolean mask over the keys, which its attention module joins to its attention mask and
+    hands the attention function as that mask (Qwen4-Exp's QSA)."""
+    positions: bool = False
+    """It rotates keys by the rows of the rotary table it is handed at their global indices (QSA's block keys take
+    the row of each block's first token) and its queries by the table's last rows: seqpar hands it the whole row's
+    table, gathered, followed by the shard's own rows."""
+
+
 SPARSE_INDEXERS = {
-    "DeepseekV32Indexer": f"{_MODELS}.deepseek_v32.modeling_deepseek_v32",
-    "GlmMoeDsaIndexer": f"{_MODELS}.glm_moe_dsa.modeling_glm_moe_dsa",
-    "MistralLarge4TextIndexer": f"{_MODELS}.mistral_large4.modeling_mistral_large4",
-    "Dots3NoteTextIndexer": f"{_MODELS}.dots3_note.modeling_dots3_note",
-    "AXK2Indexer": f"{_MODELS}.axk2.modeling_axk2",
-    "HYV4Indexer": f"{_MODELS}.hy_v4.modeling_hy_v4",
-    "HYV4VLIndexer": f"{_MODELS}.hy_v4_vl.modeling_hy_v4_vl",
+    "DeepseekV32Indexer": SparseIndexer(f"{_MODELS}.deepseek_v32.modeling_deepseek_v32"),
+    "GlmMoeDsaIndexer": SparseIndexer(f"{_MODELS}.glm_moe_dsa.modeling_glm_moe_dsa"),
+    "MistralLarge4TextIndexer": SparseIndexer(f"{_MODELS}.mistral_large4.modeling_mistral_large4"),
+    "Dots3NoteTextIndexer": SparseIndexer(f"{_MODELS}.dots3_note.modeling_dots3_note"),
+    "AXK2Indexer": SparseIndexer(f"{_MODELS}.axk2.modeling_axk2"),
+    "HYV4Indexer": SparseIndexer(f"{_MODELS}.hy_v4.modeling_hy_v4"),
+    "HYV4VLIndexer": SparseIndexer(f"{_MODELS}.hy_v4_vl.modeling_hy_v4_vl"),
+    # QSA: each query ranks the means of blocks of its visible keys, keeps the best blocks and its last partial one
+    "Qwen4ExpTextQSAIndexer": SparseIndexer(f"{_MODELS}.qwen4_exp.modeling_qwen4_exp", picks="mask", positions=True),
 }
-"""Indexers of DeepSeek Sparse Attention that seqpar serves (Note [indexed attention]), class name -> the transformers
-module that defines it: each takes its keys from ``cache.update_indexer`` and masks its scores with the mask its
-attention module hands it, and that module passes the picked key indices to the attention function."""
+"""Indexers of sparse attention that seqpar serves (Note [indexed attention]), class name -> its row: each takes its
+keys from ``cache.update_indexer`` and masks its scores with the mask its attention module hands it."""
 
 _V4 = f"{_MODELS}.deepseek_v4.modeling_deepseek_v4"
 KEY_COMPRESSORS = {"DeepseekV4CSACompressor": (_V4, "compress_rate"), "DeepseekV4HCACompressor": (_V4, "compress_rate")}
@@ -97,9 +114,19 @@ def _row_class(module: nn.Module, modules: dict[str, str]) -> type | None:
     return None
 
 
+def _indexer_class(module: nn.Module) -> type | None:
+    return _row_class(module, {name: row.module for name, row in SPARSE_INDEXERS.items()})
+
+
 def sparse_indexer(attention: nn.Module) -> nn.Module | None:
     """The child of an attention module whose class has a ``SPARSE_INDEXERS`` row, or None."""
-    return next((c for c in attention.children() if _row_class(c, SPARSE_INDEXERS) is not None), None)
+    return next((c for c in attention.children() if _indexer_class(c) is not None), None)
+
+
+def indexer_row(indexer: nn.Module) -> SparseIndexer | None:
+    """The ``SPARSE_INDEXERS`` row of an indexer module's class, or None."""
+    cls = _indexer_class(indexer)
+    return None if cls is None else SPARSE_INDEXERS[cls.__name__]
 
 
 def key_compressor(attention: nn.Module) -> tuple[nn.Module, str] | None:

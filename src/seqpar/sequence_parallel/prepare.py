@@ -68,7 +68,7 @@ from seqpar.sequence_parallel.call_checks import (
 from seqpar.sequence_parallel.call_context import CONTEXT_KEY, CallContext
 from seqpar.sequence_parallel.checks import config_digest
 from seqpar.sequence_parallel.compressed import compressed_call, compressor_hooks
-from seqpar.sequence_parallel.indexed import IndexerKeys, indexed_attention, visibility
+from seqpar.sequence_parallel.indexed import indexed_attention, indexer_arguments, picked_keys, visibility
 from seqpar.sequence_parallel.layouts.chunks import ChunkLayout, Layout, named_layout
 from seqpar.sequence_parallel.masks.sequence_mask import SequenceMask, sequence_mask
 from seqpar.sequence_parallel.mixers import ADAPTERS, adapt, mismatched_mixers, unknown_mixers
@@ -105,10 +105,11 @@ def _seqpar_attention(module, query, key, value, attention_mask, scaling=None, d
         raise SeqparInputError(f"seqpar attention does not implement attention dropout ({dropout}); set it to 0")
     if (out := compressed_call(module, query, key, value, scaling, ctx, kwargs)) is not None:  # pooled keys too
         return out, None
-    if kwargs.get("indices") is not None and any(attention_mask is t for t in ctx.cache.values()):
-        ctx.attended.add(id(module))  # a DSA layer's picks, over the mask seqpar made (Note [indexed attention])
+    allowed = picked_keys(module, attention_mask, kwargs, ctx)  # a sparse layer's picks (Note [indexed attention])
+    if allowed is not None:
+        ctx.attended.add(id(module))
         out, ctx.choices[getattr(module, "layer_idx", 0)] = indexed_attention(
-            query, key, value, attention_mask, kwargs["indices"], scaling, ctx, kwargs.get("s_aux")
+            query, key, value, allowed, scaling, ctx, kwargs.get("s_aux")
         )
         return out.transpose(1, 2).contiguous(), None
     if isinstance(attention_mask, torch.Tensor):  # seqpar's calls build none: the family made its own (ALiBi)
@@ -411,7 +412,7 @@ class _PreparedCalls:
 
     def entering_indexer(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.running is not None:  # its keys gathered in global order (Note [indexed attention])
-            kwargs["cache"] = IndexerKeys(self.running)
+            return indexer_arguments(module, args, kwargs, self.running)
         return args, kwargs
 
     def finished(self, module: torch.nn.Module, args: tuple, output: object) -> None:

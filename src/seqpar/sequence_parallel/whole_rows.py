@@ -336,9 +336,9 @@ def padded_row_length(length: int, sp_size: int, layout: Layout) -> int:
     return padded
 
 
-PER_TOKEN_ROW_KEYS = ("per_layer_inputs",)
+PER_TOKEN_ROW_KEYS = ("per_layer_inputs", "ple_input_ids")
 """Text decoder keywords that hold one entry per token of the whole row (Gemma 4's per-layer inputs ``[B, S, L,
-D]``): cut like the embeddings."""
+D]``, Qwen4-Exp's token ids ``[B, S]`` for its n-gram embeddings, Note [n-gram halo]): cut like the embeddings."""
 
 
 def _shard(

@@ -21,7 +21,7 @@ from seqpar.models.mixers.delta import GatedDeltaNet, Kda
 from seqpar.models.mixers.mamba import Mamba1, Mamba2
 from seqpar.models.mixers.rg_lru import RgLru
 from seqpar.models.mixers.rwkv import Rwkv
-from seqpar.models.mixers.simple import Lightning, ShortConv
+from seqpar.models.mixers.simple import Lightning, NGramEmbedding, ShortConv
 
 __all__ = [
     "MIXER_KINDS",
@@ -34,6 +34,7 @@ __all__ = [
     "Mamba1",
     "Mamba2",
     "MixerSizes",
+    "NGramEmbedding",
     "RgLru",
     "Rwkv",
     "ShortConv",
@@ -42,7 +43,7 @@ __all__ = [
 ]
 
 MIXER_KINDS: dict[str, type[MixerSizes]] = {
-    row.kind: row for row in (GatedDeltaNet, Kda, Mamba2, Mamba1, ShortConv, Lightning, RgLru, Rwkv)
+    row.kind: row for row in (GatedDeltaNet, Kda, Mamba2, Mamba1, ShortConv, Lightning, RgLru, Rwkv, NGramEmbedding)
 }
 """The registry: mixer kind -> its row."""
 

@@ -22,7 +22,7 @@ class GatedDeltaNet(MixerSizes):
     label = "gated DeltaNet"
     adapts = (
         *("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "OlmoHybridGatedDeltaNet"),
-        "LaraMiniGatedDeltaNet",
+        *("LaraMiniGatedDeltaNet", "Qwen4ExpTextGatedDeltaNet"),
     )
     names: ClassVar[Names] = dict(
         key_heads="linear_num_key_heads",

@@ -76,3 +76,38 @@ class Lightning(MixerSizes):
 
     def head_parallel(self, hidden: int) -> int:  # q, k and v in; the output back
         return 4 * self.heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class NGramEmbedding(MixerSizes):
+    """Qwen4-Exp's per-layer n-gram embeddings (Note [n-gram halo]): each token's ``ngram_size`` ids hashed into
+    ``embed_dim`` values, gating ``streams`` residual streams, then a convolution of ``conv_width`` taps
+    ``ngram_size`` tokens apart over the streams."""
+
+    kind = "ngram_embedding"
+    label = "n-gram embedding"
+    adapts = ("Qwen4ExpTextPLELayer",)
+    names: ClassVar[Names] = dict(
+        ngram_size="ngram_size", embed_dim="ple_embed_dim", conv_width="ple_conv_kernel_size", streams="hc_count"
+    )
+
+    ngram_size: int
+    embed_dim: int
+    conv_width: int
+    streams: int
+
+    def params(self, hidden: int) -> int:  # key and value projections, three norms, the convolution (not the tables,
+        # whose rows are primes above ngram_vocab_size_base: the embedding's own count)
+        wide = self.streams * hidden
+        return self.embed_dim * (wide + hidden) + 3 * wide + wide * self.conv_width
+
+    def conv(self, hidden: int) -> tuple[int, int]:  # the dilated taps as one causal kernel, zeros between them
+        return self.streams * hidden, (self.conv_width - 1) * self.ngram_size + 1
+
+    def elements(self, hidden: int, sp_size: int) -> tuple[int, float]:  # embeddings, keys, value, gated, normed,
+        # convolved streams
+        wide = self.streams * hidden
+        return self.embed_dim + 4 * wide + hidden, 0.0
+
+    def head_parallel(self, hidden: int) -> int:  # the normed streams in, the convolved ones back
+        return 2 * self.streams * hidden

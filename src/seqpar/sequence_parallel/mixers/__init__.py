@@ -33,6 +33,7 @@ from seqpar.sequence_parallel.mixers.implementations import MixerKernel, mixer_k
 from seqpar.sequence_parallel.mixers.lightning import minimax_lightning_attention_forward
 from seqpar.sequence_parallel.mixers.mamba1 import mamba1_forward, zamba_mamba_forward
 from seqpar.sequence_parallel.mixers.mamba2 import mamba2_forward
+from seqpar.sequence_parallel.mixers.ngram import qwen4_exp_ple_forward
 from seqpar.sequence_parallel.mixers.rg_lru import recurrent_gemma_recurrent_forward
 from seqpar.sequence_parallel.mixers.rwkv import rwkv_channel_mix_forward, rwkv_time_mix_forward
 from seqpar.sequence_parallel.mixers.short_conv import lfm2_short_conv_forward
@@ -98,6 +99,16 @@ ADAPTERS = {
     "Qwen3_5GatedDeltaNet": _QWEN3_5,
     "Qwen3_5MoeGatedDeltaNet": _QWEN3_5,
     "LaraMiniGatedDeltaNet": _QWEN3_5,
+    "Qwen4ExpTextGatedDeltaNet": _QWEN3_5,
+    # Qwen4-Exp's per-layer n-gram embeddings: the token ids' halo and the dilated convolution's (Note [n-gram halo])
+    "Qwen4ExpTextPLELayer": MixerAdapter(
+        qwen4_exp_ple_forward,
+        (
+            *("ple_embedding", "key_proj", "value_proj", "norm_key", "norm_query", "norm_conv", "conv1d"),
+            *("hc_count", "hidden_size"),
+        ),
+        recurrent=False,
+    ),
     "OlmoHybridGatedDeltaNet": MixerAdapter(
         olmo_hybrid_gated_deltanet_forward,
         (

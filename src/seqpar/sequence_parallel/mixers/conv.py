@@ -48,6 +48,16 @@ def token_positions(layout: Layout, sp: SequenceParallelMesh, local: int) -> tor
     return shard_for_rank(torch.arange(local * sp.sp_size), sp.sp_rank, sp.sp_size, 0, layout)
 
 
+def document_starts(
+    sp: SequenceParallelMesh, layout: Layout, mask: SequenceMask | None, local: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each of this rank's ``local`` tokens' index in the whole sequence, ``[local]``, and the index of its
+    document's first token, ``[B or 1, local]`` (0 where the batch has no documents)."""
+    index = token_positions(layout, sp, local)
+    no_documents = mask is None or mask.starts is None
+    return index, torch.zeros(1, local, dtype=index.dtype) if no_documents else mask.starts[:, index]
+
+
 def conv_kernel(cls: type) -> Callable[..., torch.Tensor] | None:
     """The ``causal_conv1d_fn`` of the transformers module that defines the mixer class ``cls``, or None where
     that module has none (Note [halo convolution])."""
@@ -121,8 +131,7 @@ def halo_causal_conv(
     size = local // chunks
     pieces = x.view(b, c, chunks, size)
     extended = torch.cat([chunk_halos(pieces, halo, sp, layout), pieces], dim=-1)  # [B, C, chunks, K - 1 + size]
-    index = token_positions(layout, sp, local)
-    starts = mask.starts[:, index] if mask is not None and mask.starts is not None else torch.zeros(1, local)
+    index, starts = document_starts(sp, layout, mask, local)
     if kernel is not None and not starts.any():  # one document from the sequence's start: every tap is inside
         rows = extended.permute(0, 2, 1, 3).reshape(b * chunks, c, halo + size)
         out = kernel(rows, weight, bias, activation=None)[..., halo:]  # [B * chunks, C, size]
