@@ -33,10 +33,7 @@ WINDOW = 8
 
 
 _QWEN4 = {
-    "indexer_n_heads": 2,
-    "indexer_kv_heads": 1,
-    "indexer_head_dim": HEAD_DIM,
-    "indexer_budget": WINDOW,
+    **dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=HEAD_DIM, indexer_budget=WINDOW),
     "indexer_compress_ratio": 4,
     # n-gram embeddings on its gated DeltaNet layer: 2 heads an order, ~1000-row tables (20M by default), eos set
     **dict(ple_layer_ids=[1], ple_embed_dim=32, heads_per_ngram=2, ngram_vocab_size_base=1000, eos_token_id=2),
@@ -64,8 +61,7 @@ _FAMILY_FIELDS: dict[str, dict[str, Any]] = {
     # its vision adapter's first projection takes the pixel-shuffled patches (hidden / ratio^2 wide), and its projector
     # chain keeps one width from the adapter to the text projection, which the shrunk widths break
     "Llama4Config": {"vision_config": lambda fields: _llama4_vision(fields["vision_config"])},
-    # its QSA indexer's sizes are None by default, which its attention divides: one index key head (as it requires),
-    # 8 kept tokens in blocks of 4
+    # its QSA indexer's sizes are None by default (its attention divides them): one key head, 8 kept in blocks of 4
     "Qwen4ExpTextConfig": _QWEN4,
     "Qwen4ExpConfig": {"text_config": lambda fields: {**fields["text_config"], **_QWEN4}},
     # its vision tower is optional and absent by default: the default vision config, shrunk, so images can be tried
