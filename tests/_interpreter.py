@@ -92,8 +92,8 @@ class Calls:
     forward: list[tuple[int, int]] = field(default_factory=list)
     """Per call, the (tokens, width) of its values: ``[n, T, heads, width]``."""
     backward: int = 0
-    dispatched: int = 0
-    """Calls of the modeling module's dispatcher."""
+    package: int = 0
+    """Calls of the package's function inside the dispatcher."""
     fallback: int = 0
     """Calls of transformers' PyTorch function inside the dispatcher."""
 
@@ -115,15 +115,17 @@ def _cell(function: Callable, name: str) -> types.CellType:
 
 
 @contextlib.contextmanager
-def counted(function: type[torch.autograd.Function], values: int, module: types.ModuleType, name: str):
-    """Count the calls of the autograd Function ``function`` (its argument number ``values`` holds the values),
-    of ``module.name`` (a dispatcher) and of the PyTorch function inside it, while the block runs; yields ``Calls``.
+def counted(function: type[torch.autograd.Function], values: int, dispatcher: object) -> Iterator[Calls]:
+    """Count the calls of the autograd Function ``function`` (its argument number ``values`` holds the values) and
+    of the package's and PyTorch's functions inside transformers' ``dispatcher``, while the block runs.
+
+    The dispatcher itself stays where it is, so that what seqpar reads of it (Note [mixer implementations]) is
+    what it reads outside the block; its closure gets counting wrappers of the two functions.
 
     Args:
         function: the kernel's ``torch.autograd.Function`` class.
         values: the position of its values tensor among ``apply``'s arguments.
-        module: the modeling module that holds the dispatcher.
-        name: the dispatcher's name in it.
+        dispatcher: the modeling module's dispatcher of that kernel.
 
     Returns:
         A context manager yielding the ``Calls``, updated as they happen; everything is put back after.
@@ -131,9 +133,8 @@ def counted(function: type[torch.autograd.Function], values: int, module: types.
     calls = Calls()
     own = {key: function.__dict__[key] for key in ("apply", "backward") if key in function.__dict__}
     apply, backward = function.apply, function.backward
-    dispatcher = getattr(module, name)
-    cell = _cell(_wrapper(dispatcher), "torch_function")
-    torch_kernel = cell.cell_contents
+    cells = {key: _cell(_wrapper(dispatcher), key) for key in ("implementation", "torch_function")}
+    kept = {key: cell.cell_contents for key, cell in cells.items()}
 
     def forward_counted(*args: object, **kwargs: object) -> object:
         calls.forward.append((args[values].shape[1], args[values].shape[-1]))
@@ -143,18 +144,17 @@ def counted(function: type[torch.autograd.Function], values: int, module: types.
         calls.backward += 1
         return backward(ctx, *grads)
 
-    @functools.wraps(torch_kernel)
-    def torch_counted(*args: object, **kwargs: object) -> object:
-        calls.fallback += 1
-        return torch_kernel(*args, **kwargs)
+    def counting(key: str, count: str) -> Callable:
+        @functools.wraps(kept[key])
+        def call(*args: object, **kwargs: object) -> object:
+            setattr(calls, count, getattr(calls, count) + 1)
+            return kept[key](*args, **kwargs)
 
-    def dispatched(*args: object, **kwargs: object) -> object:
-        calls.dispatched += 1
-        return dispatcher(*args, **kwargs)
+        return call
 
     function.apply, function.backward = forward_counted, staticmethod(backward_counted)
-    cell.cell_contents = torch_counted
-    setattr(module, name, dispatched)
+    cells["implementation"].cell_contents = counting("implementation", "package")
+    cells["torch_function"].cell_contents = counting("torch_function", "fallback")
     try:
         yield calls
     finally:
@@ -162,5 +162,5 @@ def counted(function: type[torch.autograd.Function], values: int, module: types.
             delattr(function, key)
             if key in own:
                 setattr(function, key, own[key])
-        cell.cell_contents = torch_kernel
-        setattr(module, name, dispatcher)
+        for key, cell in cells.items():
+            cell.cell_contents = kept[key]

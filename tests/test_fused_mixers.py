@@ -3,10 +3,11 @@ kernels]): every recurrence call seqpar makes goes to the fused kernel, and seqp
 
 At P = 2, zigzag, a packed row (tests/test_mixers.py's documents), on the tiny Qwen3-Next (gated DeltaNet), Kimi
 Linear (KDA) and GraniteMoeHybrid (SSD): the kernels' autograd Functions see exactly the calls Note [state passing]
-describes, the opening calls (values dv + dk wide for the delta rule) among them, forward and backward, and
-transformers' PyTorch kernels none; logits, loss and every parameter's gradient equal one process on the same
-kernels within ``FLOOR_FACTOR`` times one fp32 process's distance from float64 on transformers' PyTorch kernels (fla
-runs no float64). Slow (interpreted kernels take seconds a call): the ``fused`` tier, after scripts/setup_fused.sh.
+describes (fla's: one ``cu_seqlens`` call per kind of piece and layer), the opening calls (values dv + dk wide for
+the delta rule) among them, forward and backward, and transformers' PyTorch kernels none; logits, loss and every
+parameter's gradient equal one process on the same kernels within ``FLOOR_FACTOR`` times one fp32 process's
+distance from float64 on transformers' PyTorch kernels (fla runs no float64). Slow (interpreted kernels take
+seconds a call): the ``fused`` tier, after scripts/setup_fused.sh.
 """
 
 from __future__ import annotations
@@ -37,11 +38,16 @@ pytestmark = [
 ]
 
 KERNELS = {
-    # kind: (the kernel's autograd Function, the position of its values, the modeling module's dispatcher)
-    "qwen3_next": ("fla.ops.gated_delta_rule.chunk.ChunkGatedDeltaRuleFunction", 2, "torch_chunk_gated_delta_rule"),
-    "kimi_linear": ("fla.ops.kda.chunk.ChunkKDAFunction", 2, "chunk_kimi_delta_attention"),
-    "granitemoehybrid": ("mamba_ssm.ops.triton.ssd_combined.MambaChunkScanCombinedFn", 0, "mamba2_chunk_scan"),
-}
+    # kind: (the kernel's autograd Function, the position of its values, the modeling module's dispatcher, whether
+    # seqpar calls it once per kind of piece with cu_seqlens: VARLEN_PACKAGES)
+    "qwen3_next": (
+        "fla.ops.gated_delta_rule.chunk.ChunkGatedDeltaRuleFunction", 2, "torch_chunk_gated_delta_rule", True
+    ),
+    "kimi_linear": ("fla.ops.kda.chunk.ChunkKDAFunction", 2, "chunk_kimi_delta_attention", True),
+    "granitemoehybrid": (
+        "mamba_ssm.ops.triton.ssd_combined.MambaChunkScanCombinedFn", 0, "mamba2_chunk_scan", False
+    ),
+}  # fmt: skip
 ULP = 2.0**-24  # fp32's unit roundoff: a floor is at least 2 ulps of its tensor's largest entry
 
 
@@ -55,19 +61,20 @@ def _widths(mixer: torch.nn.Module) -> tuple[int, int]:
     return mixer.head_dim, mixer.head_dim
 
 
-def _expected_calls(rank: int, world_size: int, widths: tuple[int, int]) -> Counter:
+def _expected_calls(rank: int, world_size: int, widths: tuple[int, int], varlen: bool) -> Counter:
     """One layer's kernel calls on ``rank``'s zigzag shard of the packed row, as (tokens, values' width): each chunk
     cut where a document starts, and its pieces that run alike (from zero, or opening a chunk that continues a
-    document) with the same length stacked into one call."""
+    document) with the same length stacked into one call; ``varlen``: whatever their lengths, end to end."""
     starts = set(itertools.accumulate(DOCUMENTS, initial=0))
     index = shard_index("zigzag", world_size, rank, SEQ).tolist()
     size = len(index) // 2
-    groups = set()
+    groups = Counter()
     for chunk in (index[:size], index[size:]):
         cuts = [i for i, t in enumerate(chunk) if t in starts and i > 0]
         for a, z in zip([0, *cuts], [*cuts, size], strict=True):
-            groups.add((chunk[a] not in starts and chunk[a] > 0, z - a))  # (opens, tokens)
-    return Counter((tokens, widths[opens]) for opens, tokens in groups)
+            opens = chunk[a] not in starts and chunk[a] > 0
+            groups[opens, 0 if varlen else z - a] += z - a  # tokens of the pieces that share one call
+    return Counter((total if varlen else length, widths[opens]) for (opens, length), total in groups.items())
 
 
 def _references(rank: int, kind: str, module: object, name: str, counted) -> dict:
@@ -79,8 +86,8 @@ def _references(rank: int, kind: str, module: object, name: str, counted) -> dic
         logits, loss = _one_process(model, ids, packed=True)
         return {"fused": (logits, loss, _gradients(model))}
     torch_kernel, runs = _interpreter.torch_function(getattr(module, name)), {}
+    dispatcher = getattr(module, name)
     with counted() as calls:
-        counting = getattr(module, name)
         setattr(module, name, torch_kernel)  # the module's calls take transformers' PyTorch kernel
         try:
             for dtype in ("fp32", "fp64"):
@@ -88,7 +95,7 @@ def _references(rank: int, kind: str, module: object, name: str, counted) -> dic
                 logits, loss = _one_process(model, ids, packed=True)
                 runs[dtype] = (logits, loss, _gradients(model))
         finally:
-            setattr(module, name, counting)
+            setattr(module, name, dispatcher)
     assert not calls.forward, f"{kind}: the floor's runs called the fused kernel {len(calls.forward)} times"
     return runs
 
@@ -108,14 +115,14 @@ def _judge(what: str, found: torch.Tensor, fused: torch.Tensor, fp32: torch.Tens
 
 def _fused(rank: int, world_size: int, kind: str) -> None:
     _interpreter.install()
-    path, values, name = KERNELS[kind]
+    path, values, name, varlen = KERNELS[kind]
     function = getattr(importlib.import_module(path.rsplit(".", 1)[0]), path.rsplit(".", 1)[1])
     model = _model(kind)
     mixers = anatomy(model).mixers
     module = sys.modules[type(mixers[0]).__module__]
 
     def counted():
-        return _interpreter.counted(function, values, module, name)
+        return _interpreter.counted(function, values, getattr(module, name))
 
     refs = _everyones(_references(rank, kind, module, name, counted), world_size)
     mesh = seqpar.make_mesh()
@@ -127,9 +134,11 @@ def _fused(rank: int, world_size: int, kind: str) -> None:
         loss = seqpar.cross_entropy(out.logits, shard["shift_labels"], mesh)
         loss.backward()
     seqpar.reduce_gradients(model.parameters(), mesh)
-    want = Counter({call: n * len(mixers) for call, n in _expected_calls(rank, world_size, _widths(mixers[0])).items()})
+    want = Counter(
+        {call: n * len(mixers) for call, n in _expected_calls(rank, world_size, _widths(mixers[0]), varlen).items()}
+    )
     assert Counter(calls.forward) == want, f"{kind} rank {rank}: kernel calls {Counter(calls.forward)}, not {want}"
-    assert calls.dispatched == len(calls.forward) == calls.backward, (kind, rank, calls)
+    assert calls.package == len(calls.forward) == calls.backward, (kind, rank, calls)
     assert calls.fallback == 0, f"{kind} rank {rank}: transformers' PyTorch kernel ran {calls.fallback} times"
     idx = shard_index("zigzag", world_size, rank, SEQ)
     (logits, loss_one, grads), runs = refs["fused"], [refs["fp32"], refs["fp64"]]
