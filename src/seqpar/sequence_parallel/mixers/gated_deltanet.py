@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from seqpar.sequence_parallel.call_context import CallContext, adapter_context
 from seqpar.sequence_parallel.mixers.conv import layer_conv
+from seqpar.sequence_parallel.mixers.implementations import takes_varlen
 from seqpar.sequence_parallel.mixers.scan import Opening, Recurrence, chunked_state_scan
 
 
@@ -25,23 +26,31 @@ def delta_rule_opening(run: Recurrence, state: tuple[int, int, int]) -> Callable
     the last ``dk`` the reads ``q_t^T A_t`` of the identity and ``M = A_T``.
 
     Args:
-        run: ``run(q, k, v, g, beta, initial_state)``, the layer's kernel from a given state.
+        run: ``run(q, k, v, g, beta, initial_state, **bounds)``, the layer's kernel from a given state (``bounds``:
+            ``cu_seqlens`` where the pieces are laid end to end in one row).
         state: the state's ``(heads, dk, dv)``.
 
     Returns:
-        ``opening(q, k, v, g, beta)`` for ``chunked_state_scan``.
+        ``opening(q, k, v, g, beta, cu_seqlens=None)`` for ``chunked_state_scan``.
     """
     heads, dk, dv = state
 
-    def opening(q, k, v, g, beta):
-        eye = torch.eye(dk, device=q.device).expand(q.shape[0], heads, dk, dk)
-        start = torch.cat([eye.new_zeros(q.shape[0], heads, dk, dv), eye], dim=-1)  # [n, H, dk, dv + dk]
-        out, last = run(q, k, torch.cat([v, v.new_zeros(*v.shape[:-1], dk)], dim=-1), g, beta, initial_state=start)
+    def opening(q, k, v, g, beta, cu_seqlens=None):
+        n = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+        bounds = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+        eye = torch.eye(dk, device=q.device).expand(n, heads, dk, dk)
+        start = torch.cat([eye.new_zeros(n, heads, dk, dv), eye], dim=-1)  # [n, H, dk, dv + dk]
+        wide = torch.cat([v, v.new_zeros(*v.shape[:-1], dk)], dim=-1)
+        out, last = run(q, k, wide, g, beta, initial_state=start, **bounds)
         out, reads = out.split([dv, dk], dim=-1)  # [n, T, H, dv], [n, T, H, dk]: q_t^T A_t
         local, passes = last.split([dv, dk], dim=-1)  # S_loc [n, H, dk, dv], M [n, H, dk, dk]
 
-        def respond(entering: torch.Tensor) -> torch.Tensor:  # [n, H, dk, dv] -> [n, T, H, dv]
-            return torch.einsum("bthk,bhkv->bthv", reads.float(), entering.float())
+        def respond(entering: torch.Tensor) -> torch.Tensor:  # [n, H, dk, dv] -> out's shape
+            if cu_seqlens is None:
+                return torch.einsum("bthk,bhkv->bthv", reads.float(), entering.float())
+            pieces = reads.float().split(cu_seqlens.diff().tolist(), dim=1)  # each [1, T_i, H, dk]
+            terms = [torch.einsum("bthk,bhkv->bthv", r, e[None].float()) for r, e in zip(pieces, entering, strict=True)]
+            return torch.cat(terms, dim=1)
 
         return Opening(out, local, passes, respond)
 
@@ -68,14 +77,18 @@ def _gated_deltanet(
     value = value.reshape(*shape, self.head_v_dim)
     g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
 
-    def run(q, k, v, g, beta, initial_state):
+    def run(q, k, v, g, beta, initial_state, **bounds):
         return kernel(
-            q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=True, use_qk_l2norm_in_kernel=True
-        )
+            q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=True,
+            use_qk_l2norm_in_kernel=True, **bounds,
+        )  # fmt: skip
 
     state = (self.num_v_heads, self.head_k_dim, self.head_v_dim)
     opening = delta_rule_opening(run, state)
-    scanned = chunked_state_scan(run, opening, (query, key, value, g, beta), state, ctx.mesh, ctx.layout, ctx.mask)
+    varlen = takes_varlen(kernel, query.device.type)  # one call per kind of piece (Note [state passing])
+    scanned = chunked_state_scan(
+        run, opening, (query, key, value, g, beta), state, ctx.mesh, ctx.layout, ctx.mask, varlen=varlen
+    )
     norm, projection = out
     gated = norm(scanned.reshape(-1, scanned.shape[-1]), z.reshape(-1, z.shape[-1])).reshape(z.shape)
     return projection(gated.reshape(gated.shape[0], gated.shape[1], -1))
@@ -236,12 +249,16 @@ def _kda(self: torch.nn.Module, ctx: CallContext, hidden_states: torch.Tensor, g
     query, key, value = (t.reshape(shape) for t in torch.split(F.silu(conv).transpose(1, 2), [self.qkv_dim] * 3, -1))
     g, beta = self.forget_gate(hidden_states), self.b_proj(hidden_states).sigmoid()  # [B, L, heads, dk], [B, L, heads]
 
-    def run(q, k, v, g, beta, initial_state):
+    def run(q, k, v, g, beta, initial_state, **bounds):
         return kernel(
-            q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=True, use_qk_l2norm_in_kernel=True
-        )
+            q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=True,
+            use_qk_l2norm_in_kernel=True, **bounds,
+        )  # fmt: skip
 
     state = (self.num_heads, self.head_dim, self.head_dim)
     opening = delta_rule_opening(run, state)
-    scanned = chunked_state_scan(run, opening, (query, key, value, g, beta), state, ctx.mesh, ctx.layout, ctx.mask)
+    varlen = takes_varlen(kernel, query.device.type)  # one call per kind of piece (Note [state passing])
+    scanned = chunked_state_scan(
+        run, opening, (query, key, value, g, beta), state, ctx.mesh, ctx.layout, ctx.mask, varlen=varlen
+    )
     return self.o_proj(self.o_norm(scanned, gate.view(shape)).reshape(batch, length, -1))

@@ -73,6 +73,17 @@ def _dispatched(dispatcher: object, device_type: str) -> tuple[str, str]:
     return package, "installed, and runs on this device"
 
 
+VARLEN_PACKAGES = ("fla",)
+"""The packages whose recurrence kernels take ``cu_seqlens`` with one initial and one differentiable final state per
+sequence (Note [state passing]); mamba_ssm's per-sequence final states have no backward, PyTorch's take no
+``cu_seqlens``."""
+
+
+def takes_varlen(dispatcher: object, device_type: str) -> bool:
+    """Whether transformers' dispatcher runs a package of ``VARLEN_PACKAGES`` on ``device_type`` tensors."""
+    return _dispatched(dispatcher, device_type)[0] in VARLEN_PACKAGES
+
+
 def mixer_kernels(
     classes: list[type], recurrence: Callable[[type], tuple[bool, str | None]], device_type: str
 ) -> list[MixerKernel]:

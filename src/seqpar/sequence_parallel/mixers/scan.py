@@ -28,7 +28,12 @@ Note [state passing]
     rank runs it for every layer, so no rank waits on another that skipped it (Note [symmetric exchange]).
     Calls: the pieces of a shard that run alike (from zero, or as openings) and have the same length go
     through the kernel together, as rows of one batch: on unpacked rows that is at most two calls per layer,
-    whatever the rows and chunks; packed documents cut pieces of many lengths, each length its own call.
+    whatever the rows and chunks; packed documents cut pieces of many lengths, each length its own call. Where
+    the kernel is fla's (``varlen``: the dispatcher resolved to it on the tensors' device, Note [mixer
+    implementations]), the pieces that run alike go through one call whatever their lengths, laid end to end in
+    one row with their boundaries in ``cu_seqlens`` and one initial and final state each: at most two calls per
+    layer, packed or not. transformers' PyTorch kernels refuse ``cu_seqlens``, and mamba_ssm's per-sequence
+    final states have no backward, so those keep a call per length.
     Cost: one kernel run per piece, the opening piece's ``dv + dk`` wide for the delta rule, plus a read-out per
     token of the opening piece; the exchange moves ``(dk + dv) dk`` numbers per head and chunk, and where
     ``M`` is a decay times the identity (SSD, lightning attention; ``decay_only``), ``1 + dk dv``. A chunk that
@@ -46,6 +51,7 @@ Note [symmetric exchange]
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -58,6 +64,7 @@ from seqpar.sequence_parallel.mixers.conv import token_positions
 
 Recurrence = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 """``run(*inputs, initial_state)`` on n pieces of T tokens stacked as rows: (output ``[n, T, ...]``, final state
+``[n, H, dk, dv]``); with ``cu_seqlens`` (``varlen``), n pieces laid end to end in one row: (``[1, sum T, ...]``,
 ``[n, H, dk, dv]``)."""
 
 
@@ -81,13 +88,19 @@ def _pieces(starts: torch.Tensor, first: bool) -> list[tuple[int, int, bool]]:
     return [(a, b, bool(starts[a]) or (first and a == 0)) for a, b in zip(cuts, cuts[1:], strict=False)]
 
 
-def _stacked(t: torch.Tensor, members: list[tuple[int, int, int, int]], length: int, chunks: int) -> torch.Tensor:
-    """The pieces ``(row, chunk, piece, first token)`` of ``t`` ``[B, L, ...]``, ``length`` tokens each, stacked as
-    rows: a view of ``t`` where they are whole chunks of a block of rows and chunks (unpacked rows, where the
-    kernel then saves no copy of its inputs), else a copy."""
+Member = tuple[int, int, int, int, int]
+"""A piece of a shard: (row, chunk, piece, first token, length)."""
+
+
+def _stacked(t: torch.Tensor, members: list[Member], length: int, chunks: int, varlen: bool) -> torch.Tensor:
+    """The pieces ``members`` of ``t`` ``[B, L, ...]``, ``length`` tokens each, stacked as rows: a view of ``t``
+    where they are whole chunks of a block of rows and chunks (unpacked rows, where the kernel then saves no copy
+    of its inputs), else a copy; ``varlen``: of any lengths, laid end to end in one row."""
     if len(members) == 1:
-        b, _, _, at = members[0]
-        return t[b : b + 1, at : at + length]
+        b, _, _, at, n = members[0]
+        return t[b : b + 1, at : at + n]
+    if varlen:
+        return torch.cat([t[b : b + 1, at : at + n] for b, _, _, at, n in members], dim=1)
     size = t.shape[1] // chunks
     if length == size:
         rows, cols = sorted({m[0] for m in members}), sorted({m[1] for m in members})
@@ -95,7 +108,12 @@ def _stacked(t: torch.Tensor, members: list[tuple[int, int, int, int]], length: 
         if block == [(m[0], m[1]) for m in members]:  # the order they were listed in: row by row
             grid = t.unflatten(1, (chunks, size))[rows[0] : rows[-1] + 1, cols[0] : cols[-1] + 1]
             return grid.flatten(0, 1)
-    return torch.cat([t[b : b + 1, at : at + length] for b, _, _, at in members])
+    return torch.cat([t[b : b + 1, at : at + length] for b, _, _, at, _ in members])
+
+
+def _unstacked(t: torch.Tensor, members: list[Member], varlen: bool) -> tuple[torch.Tensor, ...]:
+    """Each member's part of ``t`` as ``_stacked`` laid them out, ``[1, length, ...]``."""
+    return t.split([m[4] for m in members], dim=1) if varlen else t.split(1)
 
 
 def chunked_state_scan(
@@ -107,6 +125,7 @@ def chunked_state_scan(
     layout: Layout,
     mask: SequenceMask | None,
     decay_only: bool = False,
+    varlen: bool = False,
 ) -> torch.Tensor:
     """A linear recurrence over the whole sequence, on this rank's chunks (Note [state passing]).
 
@@ -119,6 +138,8 @@ def chunked_state_scan(
         layout: the layout of the shards.
         mask: the batch's mask (its ``starts`` restart the state at packed documents).
         decay_only: ``M`` is a decay per head times the identity, and ``opening`` gives the decay alone.
+        varlen: ``run`` and ``opening`` take ``cu_seqlens``, one initial and final state per sequence, and get the
+            pieces that run alike in one call, laid end to end in one row.
 
     Returns:
         The outputs for this rank's tokens, concatenated along the sequence as ``run`` gives them.
@@ -133,7 +154,7 @@ def chunked_state_scan(
     index = token_positions(layout, sp, local)
     starts = mask.starts[:, index] == index if mask is not None and mask.starts is not None else None
     # every (row, chunk, piece), grouped by how it runs and its length: one kernel call per group
-    groups: dict[tuple[bool, int], list[tuple[int, int, int, int]]] = {}
+    groups: dict[tuple[bool, int], list[Member]] = {}
     pieces_of: dict[tuple[int, int], int] = {}
     for b in range(batch):
         for c in range(chunks):
@@ -142,24 +163,29 @@ def chunked_state_scan(
             pieces = _pieces(is_start.cpu(), first=ids[c] == 0)
             pieces_of[b, c] = len(pieces)
             for number, (a, z, restart) in enumerate(pieces):
-                groups.setdefault((restart, z - a), []).append((b, c, number, c * size + a))
+                key = (restart, 0 if varlen else z - a)
+                groups.setdefault(key, []).append((b, c, number, c * size + a, z - a))
     outs: dict[tuple[int, int, int], torch.Tensor] = {}
     last: dict[tuple[int, int, int], torch.Tensor] = {}
     through: dict[tuple[int, int], torch.Tensor] = {}  # M of each chunk that is one opening piece
     responses = []  # (respond, the (row, chunk) of each of its rows)
     for (restart, length), members in groups.items():
-        part = [_stacked(t, members, length, chunks) for t in inputs]
+        part = [_stacked(t, members, length, chunks, varlen) for t in inputs]
+        bounds = {}
+        if varlen:  # each piece's first token in the row, and the row's end
+            cuts = [0, *itertools.accumulate(m[4] for m in members)]
+            bounds = {"cu_seqlens": torch.tensor(cuts, dtype=torch.long, device=device)}
         if restart:  # a document starts here: nothing enters the piece
-            out, final = run(*part, initial_state=None)
+            out, final = run(*part, initial_state=None, **bounds)
         else:  # each chunk's first piece, continuing a document from the chunk before
-            opened = opening(*part)
+            opened = opening(*part, **bounds)
             out, final = opened.out, opened.final
-            responses.append((opened.respond, [(b, c) for b, c, _, _ in members]))
-            for i, (b, c, _, _) in enumerate(members):
+            responses.append((opened.respond, members))
+            for i, (b, c, *_) in enumerate(members):
                 if pieces_of[b, c] == 1:
                     through[b, c] = opened.passes[i : i + 1]
-        for i, (b, c, number, _) in enumerate(members):
-            outs[b, c, number], last[b, c, number] = out[i : i + 1], final[i : i + 1]
+        for i, ((b, c, number, *_), piece) in enumerate(zip(members, _unstacked(out, members, varlen), strict=True)):
+            outs[b, c, number], last[b, c, number] = piece, final[i : i + 1]
     zero = torch.zeros(1, heads, width, width, dtype=torch.float32, device=device)
     # a chunk holding a document start passes on its last piece's own state (M = 0)
     passing = [through.get((b, c), zero) for b in range(batch) for c in range(chunks)]
@@ -177,9 +203,9 @@ def chunked_state_scan(
         incoming.append(entering)
         entering = (passes * entering if decay_only else passes @ entering) + final_state
     for respond, members in responses:  # the opening pieces' terms of the states that reach them
-        terms = respond(torch.cat([incoming[ids[c]][b : b + 1] for b, c in members]))
-        for i, (b, c) in enumerate(members):
-            outs[b, c, 0] = (outs[b, c, 0] + terms[i : i + 1]).to(outs[b, c, 0].dtype)
+        terms = respond(torch.cat([incoming[ids[c]][b : b + 1] for b, c, *_ in members]))
+        for (b, c, *_), term in zip(members, _unstacked(terms, members, varlen), strict=True):
+            outs[b, c, 0] = (outs[b, c, 0] + term).to(outs[b, c, 0].dtype)
     rows = [[outs[b, c, n] for c in range(chunks) for n in range(pieces_of[b, c])] for b in range(batch)]
     out = torch.cat([torch.cat(row, dim=1) for row in rows], dim=0)
     if sp.sp_size > 1:  # Note [symmetric exchange]: the gathered summaries reach the output on every rank
