@@ -157,7 +157,7 @@ def _verdict(
                 zero if got is None else got,
                 zero if one is None else one,
                 exact_grads.get(param_name),
-                floors.get(param_name.rpartition(".")[0], 0.0),
+                floors.get(param_name.rpartition(".")[0], (0.0, 0.0)),
             )
         )
     worst = max(judged, key=lambda j: j[0])

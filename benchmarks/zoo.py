@@ -173,29 +173,39 @@ def _starts(documents: tuple[int, ...]) -> list[int]:
     return [sum(documents[:i]) for i in range(len(documents))]
 
 
-def module_floors(fp32: dict[str, torch.Tensor], fp64: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Per module (a parameter name without its last part), the largest fp32 floor among its parameters' gradients.
+def module_floors(fp32: dict[str, torch.Tensor], fp64: dict[str, torch.Tensor]) -> dict[str, tuple[float, float]]:
+    """Per module (a parameter name without its last part), the largest fp32 floor and the largest float64 scale
+    among its parameters' gradients.
 
     A gradient that is zero in exact arithmetic (a key projection's bias: softmax ignores a shift shared by every
     key) is rounding noise in both runs, and one run's noise is no robust measure of another's; its module's
-    other gradients, summed over the same tokens, give the floor it is judged by.
+    other gradients, summed over the same tokens, give the floor it is judged by. Likewise a parameter of one
+    element (a gate's scale, a temperature) scales everything its module computes, on every token: its gradient
+    is a sum over all of them that may cancel far below its terms (HY-V4-VL's hyper-connection head), so its
+    own magnitude is no measure of its rounding, and its module's largest gradient is the scale it is judged at.
     """
-    floors: dict[str, float] = {}
+    floors: dict[str, tuple[float, float]] = {}
     for name, want in fp32.items():
         if name in fp64 and want.numel():
             module = name.rpartition(".")[0]
-            floor = float((want.double() - fp64[name].double()).abs().max())
-            floors[module] = max(floors.get(module, 0.0), floor)
+            exact = fp64[name].double()
+            floor, scale = float((want.double() - exact).abs().max()), float(exact.abs().max())
+            known = floors.get(module, (0.0, 0.0))
+            floors[module] = (max(known[0], floor), max(known[1], scale))
     return floors
 
 
 def judge(
-    name: str, got: torch.Tensor, fp32: torch.Tensor, fp64: torch.Tensor | None, module_floor: float = 0.0
+    name: str,
+    got: torch.Tensor,
+    fp32: torch.Tensor,
+    fp64: torch.Tensor | None,
+    module: tuple[float, float] = (0.0, 0.0),
 ) -> tuple[float, str] | None:
     """(distance over bound, description) of ``got`` against the references; None when both are exact zeros.
 
-    ``module_floor``: the floor of the tensor's module (``module_floors``), which bounds a tensor that is zero to
-    fp32's precision (its float64 scale no larger than its own floor).
+    ``module``: the floor and scale of the tensor's module (``module_floors``): its floor bounds a tensor that is
+    zero to fp32's precision (its float64 scale no larger than its own floor), its scale a one-element tensor.
     """
     got, fp32 = got.detach().double(), fp32.detach().double()
     gap = float((got - fp32).abs().max()) if got.numel() else 0.0
@@ -205,7 +215,8 @@ def judge(
         fp64 = fp64.detach().double()
         scale = float(fp64.abs().max()) if fp64.numel() else 0.0
         floor = float((fp32 - fp64).abs().max()) if fp64.numel() else 0.0
-        floor = max(floor, module_floor) if scale <= floor else floor  # noise in both runs: its module's floor
+        floor = max(floor, module[0]) if scale <= floor else floor  # noise in both runs: its module's floor
+        scale = max(scale, module[1]) if fp64.numel() == 1 else scale  # a sum that may cancel: its module's scale
     bound = max(RTOL * scale, FLOOR_FACTOR * floor)
     if gap == 0.0:
         return 0.0, name
@@ -339,7 +350,7 @@ def verdict(
             continue
         zeros = torch.zeros_like(p.detach())
         got, expected = got if got is not None else zeros, expected if expected is not None else zeros
-        module = floors.get(name.rpartition(".")[0], 0.0)
+        module = floors.get(name.rpartition(".")[0], (0.0, 0.0))
         judged.append(judge(f"grad {name}", got, expected, exact_grads.get(name), module))
     worst = max(judged, key=lambda j: j[0])
     status = WRONG if worst[0] > 1.0 else EXACT

@@ -116,7 +116,7 @@ def _worst(rank: int, world: int, case: Case) -> tuple[float, str]:
         if p.grad is not None or name in want_grads:
             zero = torch.zeros_like(p)
             got, want = (zero if g is None else g for g in (p.grad, want_grads.get(name)))
-            module = floors.get(name.rpartition(".")[0], 0.0)
+            module = floors.get(name.rpartition(".")[0], (0.0, 0.0))
             judged.append(judge(f"grad {name}", got, want, exact_grads.get(name, zero), module))
     return max(judged, key=lambda j: j[0])
 
