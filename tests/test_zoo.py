@@ -125,3 +125,20 @@ def test_images_at_three_ranks_and_the_negative_control(with_images):
     assert {k: v["status"] for k, v in outcomes.items()} == dict.fromkeys(IMAGES_SUBSET, EXACT), outcomes
     control = {k: with_images[k].get("control", NOT_JUDGED) for k in IMAGES_CONTROLS}
     assert {k: v["status"] for k, v in control.items()} == dict.fromkeys(IMAGES_CONTROLS, WRONG), control
+
+
+def test_a_one_element_gradient_is_judged_at_its_modules_scale():
+    """A scalar's gradient (HY-V4-VL's hyper-connection head scale) sums every token's share and may cancel far below
+    them: judged at its module's largest gradient, rounding passes; an error of its own size still fails, and a
+    tensor of more entries keeps its own scale."""
+    import torch
+
+    from benchmarks.zoo import judge
+
+    exact, fp32 = torch.tensor([1.07e-4], dtype=torch.float64), torch.tensor([1.07e-4 + 2e-9])
+    module = (2e-9, 2.85e-4)  # the module's floor and scale (module_floors)
+    assert judge("s", fp32 + 1.3e-8, fp32, exact)[0] > 1.0  # its own scale: 1e-4 x 1.07e-4, past it
+    assert judge("s", fp32 + 1.3e-8, fp32, exact, module)[0] < 1.0
+    assert judge("s", fp32 * 0.9, fp32, exact, module)[0] > 1.0  # 10% off: WRONG at either scale
+    vector = (torch.cat([exact, exact]), torch.cat([fp32, fp32]))
+    assert judge("v", vector[1] + 1.3e-8, vector[1], vector[0], module)[0] > 1.0
