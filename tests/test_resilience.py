@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from seqpar.errors import SeqparInputError
-from seqpar.runtime.spawn import spawn_ranks
+from seqpar.runtime.spawn import spawn_ranks, start_method_for
 from tests._commands import Command, seqpar_command
 from tests.test_train_cli import TINY, losses
 
@@ -270,7 +270,8 @@ def three_ranks_name_the_stalled_one() -> None:
     the ranks waiting for it, with that error named. Run in a process of its own, beside a stalled run's wait."""
     began = time.monotonic()
     with pytest.raises(mp.ProcessRaisedException, match="ValueError: row 17 of shard 1") as raised:
-        spawn_ranks(_stall_then_one_rank_raises, 3, timeout=timedelta(minutes=5))
+        # forked from this process as seqpar's launcher forks them (Note [forked ranks]): no import per rank
+        spawn_ranks(_stall_then_one_rank_raises, 3, timeout=timedelta(minutes=5), start_method=start_method_for("gloo"))
     assert raised.value.error_index == 1
     assert time.monotonic() - began < 60  # far below the collective timeout: no hang
 
