@@ -188,9 +188,7 @@ def doctor(
         report.cause = f"seqpar refused the model or batch: {error}"
         return report
     choice = last_attention_choice(sharded)
-    report.kernels = [k.line() for k in implementations(parts.mixers, device.type)]
-    if parts.mixers and getattr(model, "use_kernels", False):  # Note [mixer implementations]
-        report.kernels.append("the model is kernelized (use_kernels), but its mixers run the above, not hub kernels")
+    report.kernels = [k.line() for k in implementations(parts.mixers, device.type)]  # hub kernels included
     report.strategy = f"{strategy} -> {choice.strategy}" if choice is not None and strategy == AUTO else strategy
     if rows is None:
         full = {k: gather_sequence(v, sp, dim=1, layout=layout) for k, v in shard.items()}

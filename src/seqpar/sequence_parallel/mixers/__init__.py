@@ -11,6 +11,8 @@ Note [mixer adapters]
     A mixer class with no adapter stops ``prepare_model`` with its name: it would run silently wrong. An
     adapter lists the attributes (and the kernel function of the class's module) that its ``forward`` reads;
     a mixer that lacks one, as another transformers version may build it, is refused naming what it lacks.
+    Where the class's ``forward`` routes hub kernels (``kernels``' ``use_kernelized_func``), the adapter's is
+    routed the same way (Note [hub kernels]).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from seqpar.sequence_parallel.mixers import hub
 from seqpar.sequence_parallel.mixers.gated_deltanet import (
     bailing_delta_attention_forward,
     kimi_delta_attention_forward,
@@ -170,7 +173,7 @@ ADAPTERS = {
 @functools.cache
 def _adapter_class(cls: type) -> type:
     """The adapter subclass of ``cls`` (made once per class, so every prepared model shares it)."""
-    return type(f"Seqpar{cls.__name__}", (cls,), {"forward": ADAPTERS[cls.__name__].forward, "__module__": __name__})
+    return hub.adapter_class(cls, ADAPTERS[cls.__name__].forward, __name__)
 
 
 def unknown_mixers(mixers: tuple[torch.nn.Module, ...]) -> list[str]:
@@ -195,7 +198,8 @@ def mismatched_mixers(mixers: tuple[torch.nn.Module, ...]) -> list[str]:
     """What each adapted mixer class lacks of what its adapter reads (Note [mixer adapters]).
 
     A transformers version whose mixer renamed or dropped an attribute or its kernel function would otherwise
-    fail inside the first forward (or, worse, run on with a default).
+    fail inside the first forward (or, worse, run on with a default); a ``kernels`` version whose routing of hub
+    kernels seqpar cannot read would lose them silently (Note [hub kernels]).
 
     Args:
         mixers: token mixers whose classes all have adapters (``unknown_mixers`` is empty).
@@ -213,6 +217,8 @@ def mismatched_mixers(mixers: tuple[torch.nn.Module, ...]) -> list[str]:
         module = sys.modules.get(cls.__module__)
         if adapter.kernel is not None and not callable(getattr(module, adapter.kernel, None)):
             lacks.append(f"{cls.__module__}.{adapter.kernel}")
+        if hub.unreadable_routing(cls):
+            lacks.append("the kernel functions its forward routes to hub kernels (kernels' use_kernelized_func)")
         found[cls.__name__] = lacks
     return [f"{name} lacks {', '.join(lacks)}" for name, lacks in sorted(found.items()) if lacks]
 
@@ -238,7 +244,13 @@ def implementations(mixers: tuple[torch.nn.Module, ...], device_type: str) -> li
     Returns:
         One entry per class and step; classes without an adapter are left out.
     """
-    classes = list(dict.fromkeys(c for c in map(_built_class, mixers) if c.__name__ in ADAPTERS))
+    by_class: dict[type, list[torch.nn.Module]] = {}
+    for mixer in mixers:
+        if _built_class(mixer).__name__ in ADAPTERS:
+            by_class.setdefault(_built_class(mixer), []).append(mixer)
     return mixer_kernels(
-        classes, lambda cls: (ADAPTERS[cls.__name__].recurrent, ADAPTERS[cls.__name__].kernel), device_type
+        list(by_class),
+        lambda cls: (ADAPTERS[cls.__name__].recurrent, ADAPTERS[cls.__name__].kernel),
+        device_type,
+        lambda cls, function: hub.kernelized(by_class[cls], function),
     )

@@ -11,10 +11,10 @@ Note [mixer implementations]
     The halo convolution takes the model's kernel on rows without packed documents only (Note [halo
     convolution]). Mamba1's scan, RWKV's WKV loop and lightning attention are seqpar's own PyTorch code on every
     device: no fused kernel takes a state in and gives a differentiable one out (Note [Mamba1 state], Note [WKV
-    state]). A kernelized model
-    (``use_kernels``, which transformers' ``from_pretrained`` turns on where the ``kernels`` package is installed)
-    chooses its hub kernels in the class's own ``forward``, which the adapter replaces: its mixers run the
-    packages' kernels or PyTorch as above, never the hub's, and ``seqpar doctor`` says so.
+    state]). Above both, a kernelized model (``kernelize``, or ``use_kernels``, which transformers'
+    ``from_pretrained`` turns on where the ``kernels`` package is installed) runs the hub kernel that ``kernelize``
+    gave a layer's wrapper of the dispatcher, seqpar's calls included (Note [hub kernels]): read as "hub", naming
+    its repository and the layers that have it.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ class MixerKernel:
     step: str
     """"convolution" or "recurrence"."""
     implementation: str
-    """The package that runs it ("fla", "mamba_ssm", "causal_conv1d"), "torch" (transformers' PyTorch code),
-    "seqpar" (seqpar's own PyTorch code) or "unknown"."""
+    """The package that runs it ("fla", "mamba_ssm", "causal_conv1d"), "hub" (a kernel ``kernelize`` installed),
+    "torch" (transformers' PyTorch code), "seqpar" (seqpar's own PyTorch code) or "unknown"."""
     why: str
 
     def line(self) -> str:
@@ -85,7 +85,10 @@ def takes_varlen(dispatcher: object, device_type: str) -> bool:
 
 
 def mixer_kernels(
-    classes: list[type], recurrence: Callable[[type], tuple[bool, str | None]], device_type: str
+    classes: list[type],
+    recurrence: Callable[[type], tuple[bool, str | None]],
+    device_type: str,
+    kernelized: Callable[[type, object], str | None] = lambda cls, dispatcher: None,
 ) -> list[MixerKernel]:
     """What each mixer class's convolution and recurrence run on ``device_type`` (Note [mixer implementations]).
 
@@ -94,16 +97,23 @@ def mixer_kernels(
         recurrence: a class -> whether it has a recurrence, and the name of its module's dispatcher that the
             adapter calls for it, or None where the adapter runs its own (``MixerAdapter``).
         device_type: where the tensors are ("cpu", "cuda", ...).
+        kernelized: a class and one of its module's dispatchers -> where its layers run a hub kernel in the
+            dispatcher's place, or None where none does (Note [hub kernels]).
 
     Returns:
         One entry per class and step, in the order of ``classes``.
     """
+
+    def step(cls: type, name: str, dispatcher: object, packed: str = "") -> MixerKernel:
+        hub = kernelized(cls, dispatcher)
+        implementation, why = ("hub", hub) if hub is not None else _dispatched(dispatcher, device_type)
+        return MixerKernel(cls.__name__, name, implementation, why + packed)
+
     rows = []
     for cls in classes:
         conv = conv_kernel(cls)
         if conv is not None:
-            implementation, why = _dispatched(conv, device_type)
-            rows.append(MixerKernel(cls.__name__, "convolution", implementation, f"{why}; packed rows: seqpar's taps"))
+            rows.append(step(cls, "convolution", conv, "; packed rows: seqpar's taps"))
         recurrent, name = recurrence(cls)
         if not recurrent:
             continue
@@ -111,5 +121,5 @@ def mixer_kernels(
         if dispatcher is None:
             rows.append(MixerKernel(cls.__name__, "recurrence", "seqpar", "no fused kernel passes its state"))
         else:
-            rows.append(MixerKernel(cls.__name__, "recurrence", *_dispatched(dispatcher, device_type)))
+            rows.append(step(cls, "recurrence", dispatcher))
     return rows
