@@ -3,6 +3,7 @@
     python -m benchmarks.indexed                      # 4 ranks, seq 4096, DeepSeek-V3.2's layer at hidden 256, fp32
     python -m benchmarks.indexed --ranks 2 --seq 8192
     python -m benchmarks.indexed --layer csa          # DeepSeek-V4's compressed sparse attention layer (hca: heavily)
+    python -m benchmarks.indexed --layer qsa          # Qwen4-Exp's QSA layer, its n-gram halo and gated DeltaNet
 
 One layer runs forward and backward on spawned gloo ranks; the bytes each rank writes to its sockets
 (/proc/self/io) during one step are compared with the model of its exchanges. ``dsa``: a DeepSeek-V3.2 layer
@@ -12,8 +13,12 @@ width, Note [value head size]) and their gradients reduce-scattered (gloo's ring
 ``csa`` / ``hca``: a DeepSeek-V4 layer (hyper-connections, routed experts, which exchange nothing), Note
 [compressed attention]: the compressor's projections all-gathered (CSA ``4 x head_dim`` values a token, HCA
 ``2 x head_dim``) and their gradients reduce-scattered, the CSA indexer's (``4 x index_head_dim``, forward only),
-the sliding keys (key = value, ``head_dim``) gathered and reduce-scattered. Every layer adds what every call
-sends (the position ids' all-gather for the mask, the call check's signature).
+the sliding keys (key = value, ``head_dim``) gathered and reduce-scattered. ``qsa``: Qwen4-Exp's QSA layer beside
+the gated DeltaNet layer its n-gram embedding sits on (Qwen4-Exp allows it there only): the QSA keys and values
+gathered and reduce-scattered, its indexer keys and the rotary table (cos and sin) gathered, forward only (Note
+[indexed attention]); the n-gram ids' halo (``ngram_size - 1`` int64 ids a chunk) and the dilated convolution's
+(Note [n-gram halo]); the DeltaNet's convolution halo and state summaries (Note [state passing]). Every run adds
+what every call sends (the position ids' all-gather for the mask, the call check's signature).
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ V4_LAYERS = {"csa": "compressed_sparse_attention", "hca": "heavily_compressed_at
 
 
 def model_config(args: argparse.Namespace) -> object:
-    """The benchmark's one-layer config: DeepSeek-V3.2 (``dsa``) or DeepSeek-V4 (``csa``, ``hca``)."""
+    """The benchmark's config: one DeepSeek-V3.2 layer (``dsa``), one DeepSeek-V4 layer (``csa``, ``hca``), or
+    Qwen4-Exp's gated DeltaNet layer holding its n-gram embedding and a QSA layer (``qsa``)."""
     import transformers
 
     if getattr(args, "layer", "dsa") == "qsa":
@@ -84,7 +90,6 @@ def model_config(args: argparse.Namespace) -> object:
             index_topk=args.topk,
             max_position_embeddings=2 * args.seq,
         )
-
     return transformers.DeepseekV32Config(
         vocab_size=512,
         hidden_size=args.hidden,
