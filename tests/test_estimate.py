@@ -494,6 +494,33 @@ def test_mla_parameters_exact_and_kept_activations_within_5_percent(kind):
     assert comm_elements("ulysses", sizes, 2, 1) == 2 * 3 * 4 * 16
 
 
+def test_families_with_unsized_parts_are_refused_naming_each_part():
+    """Note [unsized parts]: DeepSeek-V4, HY-V4 (its vision-language model too) and Qwen4-Exp (its multimodal model
+    too) are refused by the estimate, the planner and ``ModelSizes`` with "unmodelled: " and every part their row
+    names, before any size is read; no number is printed for them."""
+    import re
+
+    from seqpar.models.sizes import unmodelled_sizes
+    from seqpar.models.unsized import unsized_parts, unsized_reason
+    from seqpar.models.zoo import tiny_config
+    from seqpar.planning import Cluster, plan
+
+    for model_type in ("deepseek_v4", "hy_v4", "hy_v4_vl", "qwen4_exp_text", "qwen4_exp"):
+        config = tiny_config(model_type)
+        text_type = getattr(config, "text_config", config).model_type
+        reason = unsized_reason(text_type)
+        assert reason.startswith("unmodelled: ") and all(part in reason for part in unsized_parts(text_type))
+        assert unmodelled_sizes(config) == reason
+        refused = re.escape(reason)
+        with pytest.raises(seqpar.SeqparInputError, match=refused):
+            seqpar.estimate_memory(config, 1024, seqpar.ParallelDims(sp_size=2))
+        with pytest.raises(seqpar.SeqparInputError, match=refused):
+            plan(config.to_dict(), 1024, Cluster(gpus=2, gpus_per_node=2))
+        with pytest.raises(seqpar.SeqparInputError, match=refused):
+            seqpar.models.ModelSizes.from_config(config)
+    assert unsized_reason("deepseek_v3") is None and unsized_reason(None) is None
+
+
 def test_mla_bad_sizes_and_hybrid_configs_are_refused_not_estimated_wrong():
     """MLA sizes that are not positive integers are named, MLA of a model type whose layers are not the ones
     counted is refused; hybrids whose layers ModelSizes does not describe (Note [hybrid sizes]) are refused, with

@@ -270,17 +270,19 @@ def test_gemma4_image_blocks_on_its_sliding_layers_only(world):
 
 
 def test_the_indexed_bytes_model_is_its_records():
-    """``benchmarks/indexed_cpu.json``: the model of what a DSA layer sends is the one recorded, and within 1% of the
-    bytes measured (gloo's message headers are the rest)."""
+    """``benchmarks/indexed_cpu.json``: the model of what a DSA layer, DeepSeek-V4's CSA and HCA layers and Qwen4-Exp's
+    QSA layer (with its n-gram halo) send is the one recorded, and within 1% of the bytes measured (gloo's message
+    headers are the rest), at 2 and 4 ranks each."""
     import argparse
     import json
 
     from benchmarks import ROOT, indexed
 
     records = json.loads((ROOT / "benchmarks" / "indexed_cpu.json").read_text())
-    assert {r["ranks"] for r in records} == {2, 4}
+    assert {(r["layer"], r["ranks"]) for r in records} == {(k, p) for k in ("dsa", "csa", "hca", "qsa") for p in (2, 4)}
     for r in records:
         fields = dict(hidden=r["hidden"], heads=r["heads"], index_dim=r["index_head_dim"], topk=r["index_topk"])
+        fields |= dict(layer=r["layer"], head_dim=r.get("head_dim"))
         parts = indexed.modelled(indexed.model_config(argparse.Namespace(seq=r["seq"], **fields)), r["ranks"], r["seq"])
         assert parts == r["modelled_bytes"] and sum(parts.values()) == r["analytical_bytes"]
         assert abs(r["sent_bytes_per_rank"] / r["analytical_bytes"] - 1) < 0.01, r

@@ -142,6 +142,8 @@ class Family:
     hybrid: Hybrid | None = None
     """Its token mixer's row and the quirks of its hybrid layers, as the sizes read them (Note [hybrid sizes]);
     None: every layer is attention."""
+    unsized: tuple[str, ...] = ()
+    """Parts seqpar's sizes lack: its estimate and plans are refused naming them (Note [unsized parts])."""
     mla: bool = False
     """Its MLA attention's sizes were checked against built models (Note [MLA sizes]); others' MLA is refused."""
     derived: bool = False

@@ -46,6 +46,7 @@ from seqpar.models.hybrid_sizes import (
 from seqpar.models.mixers import MixerSizes, mixer_layer_types
 from seqpar.models.mla_sizes import mla_fields
 from seqpar.models.parameters import active_parameters, parameter_counts
+from seqpar.models.unsized import unsized_reason
 
 
 @dataclass(frozen=True)
@@ -334,6 +335,8 @@ def _from_config(config: object, tp: int, source: str) -> ModelSizes:
         config = getattr(config, "text_config", None) or config
     get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
     model_type = str(get("model_type", None) or "llama")
+    if unsized := unsized_reason(model_type):  # parts the sizes lack: no number (Note [unsized parts])
+        raise SeqparInputError(unsized)
     family = FAMILIES.get(model_type)
     quirks = _hybrid_of(model_type)
     rotary = family is None or family.rotary is not None
@@ -463,6 +466,9 @@ def unmodelled_sizes(model_config: object) -> str | None:
     """
     fields = model_config if isinstance(model_config, dict) else getattr(model_config, "to_dict", dict)()
     model_type = fields.get("model_type")
+    text = fields.get("text_config")
+    if unsized := unsized_reason(text.get("model_type") if isinstance(text, dict) else model_type):
+        return unsized
     if not isinstance(model_type, str) or model_type in FAMILIES:
         return None
     return _unmodelled(json.dumps(fields, sort_keys=True, default=str))
