@@ -16,9 +16,12 @@ Note [Mamba1 state]
     returns no differentiable final one). The piece is ``split`` into blocks and a block ``unbind`` into steps:
     indexing ``x[:, t]`` (or slicing a block) would give each step's (block's) backward a zero tensor of the
     whole input, quadratic in the length. Nothing of shape ``[L, D, N]`` is kept: a block of
-    ``Mamba1.scan_block`` tokens forms its decays and drives from ``dt``, ``B`` and ``x`` and is recomputed in the
-    backward (activation checkpointing), so the backward keeps a state per block and the per-token inputs, and
-    one block's steps at a time.
+    ``Mamba1.scan_block`` tokens forms its decays and drives from ``dt``, ``B`` and ``x`` under no_grad and keeps
+    only its inputs and entering state (``_BlockScan``); its backward forms the block's states again and runs the
+    adjoint recurrence backwards, ``dS_{t-1} = decay_t dS_t + C_t dread_t`` (from the final state's gradient),
+    whence ``d decay_t = dS_t S_{t-1}`` and ``d drive_t = dS_t``, summed into dt, B, x and A by matrix products.
+    So the backward holds one block's states at a time, and no per-token autograd graph is built (a checkpointed
+    block recorded one in its forward and again in its backward, which made the scan twice as slow).
     Zamba's mixer is Mamba1 in ``n_mamba_heads`` heads, each with its own x and dt projections, so its own B and
     C (``[B, L, H, N]``); x and the gate come out of ``in_proj`` interleaved channel by channel. The same scan
     runs with every channel axis split ``H, D/H`` (``rate`` ``[H, D/H, N]``): all heads in one pass and one
@@ -59,6 +62,56 @@ def _steps(
     return reads, state
 
 
+class _BlockScan(torch.autograd.Function):
+    """``_steps`` with its own backward: the forward keeps only the block's inputs and entering state, the backward
+    forms the block's states again and runs the adjoint recurrence (Note [Mamba1 state])."""
+
+    @staticmethod
+    def forward(ctx, dt, b, c, u, rate, state):
+        with torch.no_grad():
+            reads, final = _steps(dt, b, c, u, rate, state)
+        ctx.save_for_backward(dt, b, c, u, rate, state)
+        return reads, final
+
+    @staticmethod
+    def backward(ctx, grad_reads, grad_final):
+        dt, b, c, u, rate, entering = ctx.saved_tensors
+        with torch.no_grad():
+            decays = torch.exp(rate * dt[..., None])
+            drive_b, drive_u = b[..., None, :].float(), u[..., None].float()
+            drives = dt[..., None] * drive_b * drive_u
+            states, state = [], entering
+            for decay, drive in zip(decays.unbind(1), drives.unbind(1), strict=True):
+                state = torch.addcmul(drive, decay, state)
+                states.append(state)
+            states = torch.stack(states, dim=1)
+            wide = torch.promote_types(grad_reads.dtype, torch.float32)  # float32 at least, as the states
+            read_in = grad_reads[..., None].to(wide) * c[..., None, :].to(wide)  # each read's share of dS_t
+            carry = torch.zeros_like(entering) if grad_final is None else grad_final
+            adjoint = []
+            for t in range(dt.shape[1] - 1, -1, -1):  # dS_t = C_t dread_t + decay_{t+1} dS_{t+1}
+                total = read_in[:, t] + carry
+                adjoint.append(total)
+                carry = decays[:, t] * total
+            adjoint = torch.stack(adjoint[::-1], dim=1)
+            before = torch.cat([entering[:, None], states[:, :-1]], dim=1)
+            driven = torch.matmul(adjoint, b[..., :, None].float().to(adjoint.dtype))[..., 0]  # sum over N: dS_t B_t
+            grad_b = torch.matmul((dt * drive_u[..., 0])[..., None, :], adjoint)[..., 0, :]  # sum over D
+            grad_c = torch.matmul(grad_reads[..., None, :].to(wide), states.to(u.dtype).to(wide))[..., 0, :]
+            grad_decay = adjoint.mul_(before).mul_(decays)  # adjoint no longer needed as itself
+            grad_dt = (grad_decay * rate).sum(-1) + driven * drive_u[..., 0]
+            grad_rate = (grad_decay * dt[..., None]).sum(dim=(0, 1))
+            grad_u = driven * dt
+        return (
+            grad_dt.to(dt.dtype),
+            grad_b.to(b.dtype),
+            grad_c.to(c.dtype),
+            grad_u.to(u.dtype),
+            grad_rate.to(rate.dtype),
+            carry.to(entering.dtype),
+        )
+
+
 def _scan_piece(
     dt: torch.Tensor,
     b: torch.Tensor,
@@ -88,7 +141,7 @@ def _scan_piece(
     reads = []
     blocks = zip(*(t.split(Mamba1.scan_block, dim=1) for t in (dt, b, c, u)), strict=True)
     for block in blocks:  # each block starts from the state the one before left
-        read, state = _recomputed(_steps, *block, rate, state)
+        read, state = _BlockScan.apply(*block, rate, state) if torch.is_grad_enabled() else _steps(*block, rate, state)
         reads.append(read)
     return torch.cat(reads, dim=1), state.reshape(rows, rate.numel(), 1, 1)
 
