@@ -112,3 +112,51 @@ def test_the_rows_count_the_mixers_as_built():
     block = tiny_model("rwkv", (CAUSAL_LM,)).rwkv.blocks[1]
     built = [p.numel() for part in (block.attention, block.feed_forward) for p in part.parameters()]
     assert row.params(rwkv.hidden_size) == sum(built)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("heads", [False, True], ids=["mamba", "zamba-heads"])
+def test_mamba1_decayed_state_read_equals_float64_far_past_float32s_range(heads, monkeypatch):
+    """The read of an entering state decayed to each token (Note [Mamba1 state]) over elapsed steps whose exponents
+    reach -1000 (held at the floor there) equals the float64 formula, value and every gradient, within 1e-5 of each
+    one's largest entry (float32's rounding is 6e-8); its hand-written backward passes gradcheck in float64 on
+    exponents past the floor, Zamba's heads included. Control: a floor held where decays still matter (-2) is
+    judged wrong."""
+    from seqpar.models.mixers import Mamba1
+    from seqpar.sequence_parallel.mixers import mamba1
+    from seqpar.sequence_parallel.mixers.mamba1 import _Carried
+
+    g = torch.Generator().manual_seed(0)
+    channels = (3, 5) if heads else (6,)
+    n, t, entries = 2, 3 * Mamba1.scan_block + 7, 4  # blocks of the scan's size and a short last one
+    step = torch.rand(n, t, *channels, generator=g, dtype=torch.float64) * 0.5
+    elapsed = step.cumsum(1)
+    c = torch.randn(n, t, *channels[:-1], entries, generator=g, dtype=torch.float64)
+    rate = -torch.rand(*channels, entries, generator=g, dtype=torch.float64) * 16 - 0.01
+    entering = torch.randn(n, *channels, entries, generator=g, dtype=torch.float64)
+    reference = (elapsed, c, rate, entering)
+    assert (rate * elapsed[..., None]).min() < -1000  # far past the floor and float32's range
+
+    def formula(e, c_, r, s):
+        kept = torch.exp(r * e[..., None]) * s[:, None]
+        return torch.matmul(kept, c_[..., None])[..., 0]
+
+    weights = torch.randn(n, t, *channels, generator=g, dtype=torch.float64)
+    wide = [x.clone().requires_grad_() for x in reference]
+    (formula(*wide) * weights).sum().backward()
+    narrow = [x.float().requires_grad_() for x in reference]
+    out = _Carried.apply(*narrow)
+    (out * weights.float()).sum().backward()
+    expected = formula(*reference)
+
+    def off(mine: torch.Tensor, theirs: torch.Tensor) -> float:
+        return float((mine.detach().double() - theirs).abs().max() / theirs.abs().max())
+
+    assert off(out, expected) <= 1e-5
+    for mine, theirs in zip(narrow, wide, strict=True):
+        assert off(mine.grad, theirs.grad) <= 1e-5
+
+    short = [elapsed[:, :9] * 40, c[:, :9], rate, entering]  # exponents past the floor within a few tokens
+    assert torch.autograd.gradcheck(_Carried.apply, [x.clone().requires_grad_() for x in short])
+    monkeypatch.setattr(mamba1, "_FLOOR", -2.0)
+    assert off(_Carried.apply(*(x.float() for x in reference)), expected) > 1e-3

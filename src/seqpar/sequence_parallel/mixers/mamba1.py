@@ -22,6 +22,13 @@ Note [Mamba1 state]
     whence ``d decay_t = dS_t S_{t-1}`` and ``d drive_t = dS_t``, summed into dt, B, x and A by matrix products.
     So the backward holds one block's states at a time, and no per-token autograd graph is built (a checkpointed
     block recorded one in its forward and again in its backward, which made the scan twice as slow).
+    The entering state's read (``_Carried``) goes a block at a time the same way, its gradients summed by hand
+    from the block's decays formed again. Its exponent ``A e_t`` (``e_t`` the steps elapsed since the piece's
+    start) is held at ``_FLOOR = -60``: a factor under ``exp(-60) ~ 1e-26`` of the state is read as that, its
+    gradient through the exponent taken at the floor. Both lie nineteen orders under float32's rounding of the
+    state's read (the exact value keeps shrinking, and one process's fp32 scan flushes it the same way), and
+    the hold keeps the CPU's ``exp`` and the products after it out of float32's subnormal range, where they run
+    an order of magnitude slower (the read cost more than the piece's scan before).
     Zamba's mixer is Mamba1 in ``n_mamba_heads`` heads, each with its own x and dt projections, so its own B and
     C (``[B, L, H, N]``); x and the gate come out of ``in_proj`` interleaved channel by channel. The same scan
     runs with every channel axis split ``H, D/H`` (``rate`` ``[H, D/H, N]``): all heads in one pass and one
@@ -32,19 +39,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 
 from seqpar.models.mixers import Mamba1
 from seqpar.sequence_parallel.call_context import CONTEXT_KEY, CallContext, adapter_context
 from seqpar.sequence_parallel.mixers.conv import layer_conv
 from seqpar.sequence_parallel.mixers.scan import Opening, chunked_state_scan
-
-
-def _recomputed(function, *args: object):
-    """``function(*args)``, recomputed in the backward where autograd records it (Note [Mamba1 state])."""
-    if torch.is_grad_enabled():
-        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
-    return function(*args)
 
 
 def _steps(
@@ -146,10 +145,56 @@ def _scan_piece(
     return torch.cat(reads, dim=1), state.reshape(rows, rate.numel(), 1, 1)
 
 
-def _carried(elapsed: torch.Tensor, c: torch.Tensor, rate: torch.Tensor, entering: torch.Tensor) -> torch.Tensor:
-    """The read of the states ``entering`` (``[n, D, N]``) decayed to each token of a block: ``[n, T, D]``."""
-    kept = torch.exp(rate * elapsed[..., None]) * entering[:, None]  # [n, T, D, N], one block's
-    return torch.matmul(kept.to(c.dtype), c[..., None])[..., 0]
+_FLOOR = -60.0
+"""The lowest exponent ``A e_t`` a decayed entering state is read at (Note [Mamba1 state])."""
+
+
+def _decays(rate: torch.Tensor, elapsed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``exp(A e_t)`` for a block ``[n, T, D, N]`` into ``out``, held at ``exp(_FLOOR)`` (Note [Mamba1 state])."""
+    return torch.mul(rate, elapsed[..., None], out=out).clamp_(min=_FLOOR).exp_()
+
+
+class _Carried(torch.autograd.Function):
+    """The read of the states ``entering`` (``[n, D, N]``) decayed to each token, ``C_t . (exp(A e_t) * S_in)``
+    (``[n, T, D]``), a block of ``Mamba1.scan_block`` tokens at a time; its backward forms each block's decays again
+    and sums their gradients by hand, so nothing of shape ``[T, D, N]`` outlives a block (Note [Mamba1 state])."""
+
+    @staticmethod
+    def forward(ctx, elapsed, c, rate, entering):
+        reads, buffers = [], {}
+        for e, c_block in zip(elapsed.split(Mamba1.scan_block, dim=1), c.split(Mamba1.scan_block, dim=1), strict=True):
+            shape = (*e.shape, rate.shape[-1])
+            kept = _decays(rate, e, buffers.setdefault(shape, e.new_empty(shape))).mul_(entering[:, None])
+            reads.append(torch.matmul(kept.to(c.dtype), c_block[..., None])[..., 0])
+        ctx.save_for_backward(elapsed, c, rate, entering)
+        return torch.cat(reads, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        elapsed, c, rate, entering = ctx.saved_tensors
+        wide = torch.promote_types(grad.dtype, torch.float32)
+        grad_e, grad_c, buffers = [], [], {}
+        grad_rate, grad_entering = torch.zeros_like(rate, dtype=wide), torch.zeros_like(entering, dtype=wide)
+        pieces = (t.split(Mamba1.scan_block, dim=1) for t in (elapsed, c, grad))
+        for e, c_block, g in zip(*pieces, strict=True):
+            g, c_block, shape = g.to(wide), c_block.to(wide), (*e.shape, rate.shape[-1])
+            if shape not in buffers:
+                buffers[shape] = (e.new_empty(shape, dtype=wide), e.new_empty(shape, dtype=wide))
+            share, scratch = buffers[shape]
+            _decays(rate, e, share)
+            grad_c.append(torch.matmul(g[..., None, :], torch.mul(share, entering[:, None], out=scratch))[..., 0, :])
+            # each (t, d, n) term's gradient, g_td C_tn exp(A_dn e_td), then times S_in for the exponent's
+            share.mul_(g[..., None]).mul_(c_block[..., None, :])
+            grad_entering += share.sum(dim=1)
+            share.mul_(entering[:, None])
+            grad_e.append(torch.mul(share, rate, out=scratch).sum(-1))
+            grad_rate += torch.mul(share, e[..., None], out=scratch).sum(dim=(0, 1))
+        return (
+            torch.cat(grad_e, dim=1).to(elapsed.dtype),
+            torch.cat(grad_c, dim=1).to(c.dtype),
+            grad_rate.to(rate.dtype),
+            grad_entering.to(entering.dtype),
+        )
 
 
 def mamba1_forward(
@@ -221,9 +266,7 @@ def selective_scan(
         elapsed = torch.cumsum(dt.float(), dim=1)  # [n, T, D]: the steps up to each token
 
         def respond(entering):  # [n, D * N, 1, 1] -> [n, T, D]
-            entering = entering.reshape(-1, *rate.shape)
-            blocks = zip(elapsed.split(Mamba1.scan_block, dim=1), c.split(Mamba1.scan_block, dim=1), strict=True)
-            return torch.cat([_recomputed(_carried, e, c_b, rate, entering) for e, c_b in blocks], dim=1)
+            return _Carried.apply(elapsed, c, rate, entering.reshape(-1, *rate.shape))
 
         return Opening(out, local, torch.exp(rate * elapsed[:, -1, ..., None]).flatten(1)[..., None, None], respond)
 
