@@ -26,7 +26,7 @@ Note [Mamba1 state]
     from the block's decays formed again. Its exponent ``A e_t`` (``e_t`` the steps elapsed since the piece's
     start) is held at ``_FLOOR = -60``: a factor under ``exp(-60) ~ 1e-26`` of the state is read as that, its
     gradient through the exponent taken at the floor. Both lie nineteen orders under float32's rounding of the
-    state's read (the exact value keeps shrinking, and one process's fp32 scan flushes it the same way), and
+    state's read (the exact value keeps shrinking, and one process's fp32 scan loses it to underflow likewise), and
     the hold keeps the CPU's ``exp`` and the products after it out of float32's subnormal range, where they run
     an order of magnitude slower (the read cost more than the piece's scan before).
     Zamba's mixer is Mamba1 in ``n_mamba_heads`` heads, each with its own x and dt projections, so its own B and
