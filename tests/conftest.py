@@ -31,17 +31,21 @@ def rank_pools() -> Iterator[RankPools]:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests that read background launches run last, so that the launches overlap the rest of the suite."""
     from tests.hf_scripts.launches import STAGES, used_by
+    from tests.zoo_sweeps import READERS
 
-    items.sort(key=lambda item: bool(used_by([item]) & STAGES))  # stable: file order otherwise
+    items.sort(key=lambda item: bool(used_by([item]) & (STAGES | READERS)))  # stable: file order otherwise
 
 
 @pytest.fixture(scope="session", autouse=True)
 def launches(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chain]:
     """The launches the selected tests read, started now and run in the background (Note [background launches])."""
+    from tests import zoo_sweeps
     from tests.hf_scripts.launches import stages, used_by
 
-    paths = {name: tmp_path_factory.mktemp(name) for name in ("hf", "examples", "sft_example")}
-    chain = Chain(stages(used_by(request.session.items), *paths.values()), paths).start()
+    paths = {name: tmp_path_factory.mktemp(name) for name in ("hf", "examples", "sft_example", zoo_sweeps.ZOO_STAGE)}
+    used = used_by(request.session.items)
+    hf = stages(used, paths["hf"], paths["examples"], paths["sft_example"])
+    chain = Chain([*zoo_sweeps.stages(used, paths[zoo_sweeps.ZOO_STAGE]), *hf], paths).start()
     atexit.register(chain.close)
     yield chain
     chain.close()

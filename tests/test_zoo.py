@@ -14,7 +14,9 @@ import transformers
 from benchmarks import ROOT, zoo_images
 from benchmarks.zoo import BUILD, CRASH, EXACT, HANG, REFUSED, SET_ASIDE, WRONG, sweep, totals
 from seqpar.models.zoo import CAUSAL_LM, IMAGE_TEXT_TO_TEXT
+from tests._background import Chain
 from tests._dist import session_pool
+from tests.zoo_sweeps import CONTROLS, IMAGES_CONTROLS, ZOO_STAGE
 
 pytestmark = pytest.mark.zoo
 
@@ -22,20 +24,27 @@ RECORD = ROOT / "benchmarks" / "zoo_cpu.json"
 IMAGES_RECORD = ROOT / "benchmarks" / "zoo_images_cpu.json"
 IMAGES_AT_LEAST = 53
 """Image-text-to-text families exact with their images today."""
-IMAGES_SUBSET = ("llava", "qwen2_vl", "idefics3", "mistral3", "lfm2_vl", "video_llava")
+IMAGES_SUBSET = (*IMAGES_CONTROLS, "mistral3", "lfm2_vl", "video_llava")
 """An image row of each pixel layout: plain images, Qwen's patch rows and grids (mRoPE), a batch of images per
 row with a pixel mask, an image and its size, NaFlex patches, a model with an image and a video tower."""
 AT_LEAST = {CAUSAL_LM: 154, IMAGE_TEXT_TO_TEXT: 77}
 """Exact families today (the floor a change may not go below; raise it as families are added)."""
-SUBSET = ("llama", "gemma3_text", "qwen3_next", "olmo3", "gpt2", "opt", "falcon", "glm4_moe", "phi", "llava")
+SUBSET = (*CONTROLS, "gpt2", "opt", "falcon", "glm4_moe", "phi", "llava")
 """Families of every kind seqpar reads or has an entry for: dense, sliding windows, hybrid, learned positions,
 parallel blocks, experts, a multimodal model's text path."""
 NOT_JUDGED = {"status": "no negative control judged"}
 """What a family's outcome stands for when its sweep judged no control (the control test then fails)."""
-CONTROLS = SUBSET[:4]
-"""Families whose negative control the sp 2 sweep judges too, from the same runs."""
-IMAGES_CONTROLS = IMAGES_SUBSET[:3]
-"""Image families whose negative control the sp 2 image sweep judges too, from the same runs."""
+
+
+def _swept(launches: Chain, name: str) -> dict:
+    """Sweep ``name`` of the session's background stage ``zoo_sweeps`` (tests/zoo_sweeps.py), once it has ended."""
+    out = launches.paths[ZOO_STAGE]
+    try:
+        launches.wait(ZOO_STAGE)
+    except AssertionError as failure:  # the sweeps write their output to a file of their own
+        log = out / "log.txt"
+        raise AssertionError(f"{failure}\n{log.read_text()[-6000:] if log.exists() else ''}") from None
+    return json.loads((out / f"{name}.json").read_text())
 
 
 def _record() -> dict:
@@ -43,9 +52,9 @@ def _record() -> dict:
 
 
 @pytest.fixture(scope="module")
-def zoo() -> dict:
-    """Every family at sp 2, and the negative control of ``CONTROLS`` (on the session's ranks, as each sweep here)."""
-    return sweep(2, controls=CONTROLS, pool=session_pool(2))
+def zoo(launches: Chain) -> dict:
+    """Every family at sp 2, and the negative control of ``CONTROLS``: the background stage's sweep."""
+    return _swept(launches, "zoo")
 
 
 def test_every_family_is_exact_or_refused_by_name(zoo):
@@ -92,9 +101,9 @@ def test_statuses_are_the_documented_ones():
 
 
 @pytest.fixture(scope="module")
-def with_images() -> dict:
-    """Every image family at sp 2, and the negative control of ``IMAGES_CONTROLS``."""
-    return zoo_images.sweep(2, controls=IMAGES_CONTROLS, pool=session_pool(2))
+def with_images(launches: Chain) -> dict:
+    """Every image family at sp 2, and the negative control of ``IMAGES_CONTROLS``: the background stage's sweep."""
+    return _swept(launches, "images")
 
 
 def test_families_with_images_are_exact_or_refused_by_name(with_images):
