@@ -18,5 +18,6 @@ if ((fast)); then
     exec .venv/bin/python -m pytest -q -m fast "$@"
 fi
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir "$(mktemp -d)"
-# the zoo sweep (tests/test_zoo.py, marker zoo: every family of the installed transformers) runs last, by file order
+# the zoo sweep (tests/test_zoo.py, marker zoo: every family of the installed transformers) is read last; its sp 2
+# sweeps run in the background from the start (tests/zoo_sweeps.py)
 .venv/bin/python -m pytest -q "$@"

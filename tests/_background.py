@@ -4,8 +4,9 @@ launches]); a test waits for the stage it reads and gets that stage's failure, w
 Note [background launches]
     Most of the suite leaves one of the machine's two cores idle much of the time: a test on one process, a
     collective that waits. The Trainer doors' launches (tests/test_hf.py: one-process references, then seqpar's
-    runs on 2 to 4 ranks, upstream's launchers) are whole programs whose results the tests only read, so they
-    are started when the session starts, in a chain on a thread, and fill that core while the other tests run.
+    runs on 2 to 4 ranks, upstream's launchers) and the sp 2 zoo sweeps (tests/zoo_sweeps.py) are whole
+    programs whose results the tests only read, so they are started when the session starts, in a chain on a
+    thread, and fill that core while the other tests run.
     A stage runs only if a selected test uses the fixture of its name, so a run of the fast tier or of one file
     starts nothing it does not read. A ``side`` stage is started and left running while the chain goes on (the
     references no launch reads); waiting for it joins it. Each command runs with one thread, as the ranks of
