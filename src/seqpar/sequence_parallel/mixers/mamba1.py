@@ -164,7 +164,9 @@ class _Carried(torch.autograd.Function):
         reads, buffers = [], {}
         for e, c_block in zip(elapsed.split(Mamba1.scan_block, dim=1), c.split(Mamba1.scan_block, dim=1), strict=True):
             shape = (*e.shape, rate.shape[-1])
-            kept = _decays(rate, e, buffers.setdefault(shape, e.new_empty(shape))).mul_(entering[:, None])
+            if shape not in buffers:  # one per block length: every block but the last reuses it
+                buffers[shape] = e.new_empty(shape)
+            kept = _decays(rate, e, buffers[shape]).mul_(entering[:, None])
             reads.append(torch.matmul(kept.to(c.dtype), c_block[..., None])[..., 0])
         ctx.save_for_backward(elapsed, c, rate, entering)
         return torch.cat(reads, dim=1)
