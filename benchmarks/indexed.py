@@ -48,10 +48,11 @@ def model_config(args: argparse.Namespace) -> object:
     Qwen4-Exp's gated DeltaNet layer holding its n-gram embedding and a QSA layer (``qsa``)."""
     import transformers
 
-    if getattr(args, "layer", "dsa") == "qsa":
+    shared = dict(vocab_size=512, hidden_size=args.hidden, max_position_embeddings=2 * args.seq)
+    dsa_indexer = dict(index_n_heads=4, index_head_dim=args.index_dim, index_topk=args.topk)  # V3.2's and V4's
+    if args.layer == "qsa":
         return transformers.Qwen4ExpTextConfig(
-            vocab_size=512,
-            hidden_size=args.hidden,
+            **shared,
             moe_intermediate_size=args.hidden,
             shared_expert_intermediate_size=args.hidden,
             num_hidden_layers=2,
@@ -66,12 +67,10 @@ def model_config(args: argparse.Namespace) -> object:
             indexer_compress_ratio=4,
             **dict(ple_layer_ids=[1], ple_embed_dim=64, ngram_size=3, ple_conv_kernel_size=4, hc_count=4),
             **dict(heads_per_ngram=2, ngram_vocab_size_base=1000, eos_token_id=2),
-            max_position_embeddings=2 * args.seq,
         )
-    if getattr(args, "layer", "dsa") in V4_LAYERS:
+    if args.layer in V4_LAYERS:
         return transformers.DeepseekV4Config(
-            vocab_size=512,
-            hidden_size=args.hidden,
+            **shared,
             moe_intermediate_size=args.hidden,
             num_hidden_layers=1,
             layer_types=[V4_LAYERS[args.layer]],
@@ -85,14 +84,10 @@ def model_config(args: argparse.Namespace) -> object:
             n_routed_experts=4,
             num_experts_per_tok=2,
             sliding_window=128,
-            index_n_heads=4,
-            index_head_dim=args.index_dim,
-            index_topk=args.topk,
-            max_position_embeddings=2 * args.seq,
+            **dsa_indexer,
         )
     return transformers.DeepseekV32Config(
-        vocab_size=512,
-        hidden_size=args.hidden,
+        **shared,
         intermediate_size=2 * args.hidden,
         num_hidden_layers=1,
         first_k_dense_replace=1,  # a dense MLP: the layer's only exchanges are its attention's
@@ -103,10 +98,7 @@ def model_config(args: argparse.Namespace) -> object:
         qk_nope_head_dim=32,
         qk_rope_head_dim=16,
         v_head_dim=32,
-        index_n_heads=4,
-        index_head_dim=args.index_dim,
-        index_topk=args.topk,
-        max_position_embeddings=2 * args.seq,
+        **dsa_indexer,
     )
 
 

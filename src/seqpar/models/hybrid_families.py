@@ -38,17 +38,21 @@ ZAMBA_MAMBA2 = (  # its head width derived from the expansion, its convolution b
 HYPER_CONNECTIONS = "hyper-connections (the residual streams a token keeps, their mixing weights and activations)"
 """A part of DeepSeek-V4's, HY-V4's and Qwen4-Exp's layers that seqpar's sizes lack (Note [unsized parts])."""
 
-QWEN4_EXP = dict(norm=None, layer_norms=(), per_token=("attn_hyper_connection", "mlp_hyper_connection"))
+QWEN4_EXP = dict(
+    norm=None,
+    layer_norms=(),
+    per_token=("attn_hyper_connection", "mlp_hyper_connection"),
+    unsized=(
+        "experts-only MLPs (no intermediate_size)",
+        "the QSA indexer (its projections, the gathered indexer keys and rotary table, the dense S/P x S mask the "
+        "attention builds)",
+        "the n-gram embedding tables (ple_layer_ids)",
+        HYPER_CONNECTIONS,
+    ),
+)
 """Qwen4-Exp's paths: no norms of its own in a layer or after the layers (each hyper-connection, per token, holds
 one), its residual streams mixed into a layer's input and its output injected back by a hyper-connection apiece;
 and the parts its sizes lack (Note [unsized parts])."""
-QWEN4_EXP["unsized"] = (
-    "experts-only MLPs (no intermediate_size)",
-    "the QSA indexer (its projections, the gathered indexer keys and rotary table, the dense S/P x S mask the "
-    "attention builds)",
-    "the n-gram embedding tables (ple_layer_ids)",
-    HYPER_CONNECTIONS,
-)
 
 
 def count_layer_types(get: Get) -> int:

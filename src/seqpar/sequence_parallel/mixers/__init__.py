@@ -246,8 +246,8 @@ def implementations(mixers: tuple[torch.nn.Module, ...], device_type: str) -> li
     """
     by_class: dict[type, list[torch.nn.Module]] = {}
     for mixer in mixers:
-        if _built_class(mixer).__name__ in ADAPTERS:
-            by_class.setdefault(_built_class(mixer), []).append(mixer)
+        if (cls := _built_class(mixer)).__name__ in ADAPTERS:
+            by_class.setdefault(cls, []).append(mixer)
     return mixer_kernels(
         list(by_class),
         lambda cls: (ADAPTERS[cls.__name__].recurrent, ADAPTERS[cls.__name__].kernel),
